@@ -1,0 +1,19 @@
+.PHONY: install test test-fast lint format quickstart
+
+install:
+	pip install torch==2.13.0 && pip install -e ".[dev]"
+
+test:
+	python -m pytest -q
+
+test-fast:
+	python -m pytest -q -m "not integration"
+
+lint:
+	ruff check . && ruff format --check .
+
+format:
+	ruff check --fix . && ruff format .
+
+quickstart:
+	reroll train examples/quickstart/arithmetic_grpo.yaml

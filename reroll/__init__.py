@@ -1,0 +1,3 @@
+"""reroll: reinforcement-learning post-training of language models on Ray."""
+
+__version__ = "0.1.0"

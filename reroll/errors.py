@@ -1,0 +1,16 @@
+"""Errors that are the user's to fix. The CLI prints these as one message, without a traceback."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input: a config value, a missing file, a malformed dataset row. The message says how to fix it."""
+
+
+class RoleError(RuntimeError):
+    """A role's worker failed or timed out; the message names the role, the rank and the phase."""
+
+    def __init__(self, role: str, rank: int | None, phase: str, cause: str) -> None:
+        where = f"{role}[{rank}]" if rank is not None else role
+        super().__init__(f"{where} failed during {phase}: {cause}")
+        self.role, self.rank, self.phase = role, rank, phase
