@@ -28,6 +28,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
+
 from reroll.errors import UserError
 
 T = TypeVar("T", bound=BaseModel)

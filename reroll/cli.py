@@ -1,0 +1,177 @@
+"""The ``reroll`` command: train, validate, and offline helpers (tiny model, synthetic data, config docs).
+
+User errors (config, files, data) print one message and exit 2, without a traceback; ``--debug``
+shows it. A role's failure prints which role, rank and phase failed and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from reroll.errors import RoleError, UserError
+
+log = logging.getLogger("reroll")
+
+
+class _TqdmHandler(logging.Handler):
+    """Log lines that do not break the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def _setup_logging(debug: bool) -> None:
+    handler = _TqdmHandler()
+    handler.setFormatter(
+        logging.Formatter("%(message)s" if not debug else "%(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    logging.getLogger("reroll").setLevel(logging.DEBUG if debug else logging.INFO)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not debug:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+
+
+def _load(args: argparse.Namespace):
+    from reroll.config.loader import load_config
+    from reroll.config.schema import RunConfig
+
+    return load_config(args.config, RunConfig, args.overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    if cfg.pipeline == "sft":
+        from reroll.pipelines.sft import run_sft as run
+    else:
+        from reroll.pipelines.rlvr import run_rlvr as run
+    result = run(cfg, resume=args.resume)
+    acc = result.final_metrics.get("eval/accuracy")
+    print(f"done: {cfg.name}" + (f" | held-out accuracy {acc:.3f}" if acc is not None else ""))
+    print(f"  checkpoint: {result.checkpoint}")
+    print(f"  metrics:    {result.metrics_path}  (tensorboard --logdir {result.run_dir / 'tensorboard'})")
+    print(f"  config:     {result.config_path}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    print(f"{args.config}: valid ({cfg.pipeline} pipeline, run directory {cfg.run_dir})")
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+    from reroll.models.tiny import build_tiny_model
+
+    alphabets = {"arithmetic": ARITHMETIC_ALPHABET}
+    try:
+        path = build_tiny_model(
+            args.out,
+            alphabet=alphabets[args.alphabet],
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            seed=args.seed,
+        )
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    print(f"tiny model written to {path}")
+    return 0
+
+
+def cmd_make_data(args: argparse.Namespace) -> int:
+    from reroll.data.arithmetic import write_arithmetic_dataset
+
+    made = write_arithmetic_dataset(
+        args.out,
+        n_train=args.n_train,
+        n_test=args.n_test,
+        max_operand=args.max_operand,
+        ops=args.ops,
+        seed=args.seed,
+    )
+    for split, path in made.items():
+        print(f"{split}: {path}")
+    return 0
+
+
+def cmd_config_docs(args: argparse.Namespace) -> int:
+    from reroll.config.loader import config_reference
+    from reroll.config.schema import RunConfig
+
+    print(config_reference(RunConfig))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="reroll", description="RL post-training of language models on Ray.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="run the pipeline a config describes")
+    t.add_argument("config", type=Path)
+    t.add_argument("overrides", nargs="*", help="dotted overrides: rollout.group_size=4 optim.lr=1e-4")
+    t.add_argument("--resume", action="store_true", help="continue from the run's last complete checkpoint")
+    t.set_defaults(func=cmd_train)
+
+    v = sub.add_parser("validate", help="check a config without running it")
+    v.add_argument("config", type=Path)
+    v.add_argument("overrides", nargs="*")
+    v.set_defaults(func=cmd_validate)
+
+    m = sub.add_parser("make-tiny-model", help="build a small random Qwen2 model and tokenizer offline")
+    m.add_argument("out", type=Path)
+    m.add_argument("--alphabet", choices=["arithmetic"], default="arithmetic")
+    m.add_argument("--hidden-size", type=int, default=128)
+    m.add_argument("--num-layers", type=int, default=2)
+    m.add_argument("--num-heads", type=int, default=4)
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_make_tiny_model)
+
+    d = sub.add_parser("make-data", help="write the synthetic arithmetic task as train/test JSONL")
+    d.add_argument("out", type=Path)
+    d.add_argument("--n-train", type=int, default=5000)
+    d.add_argument("--n-test", type=int, default=500)
+    d.add_argument("--max-operand", type=int, default=99)
+    d.add_argument("--ops", default="+")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_make_data)
+
+    c = sub.add_parser("config-docs", help="print every config key with its type, default and meaning")
+    c.set_defaults(func=cmd_config_docs)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.debug)
+    try:
+        return args.func(args)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RoleError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: the last complete checkpoint can be resumed with --resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

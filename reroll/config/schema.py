@@ -1,0 +1,254 @@
+"""The run config: one typed section per concern, composed into ``RunConfig``.
+
+Every field has a type, a default (or is required), a range where one applies and a one-line
+description; ``reroll config-docs`` prints this schema as a reference. Nothing here is changed
+behind the user's back: values that depend on others are computed in ``RunConfig.resolved`` and
+written, resolved, into the run directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from reroll.config.algorithm import AlgorithmConfig, check_algorithm
+from reroll.config.base import StrictModel
+from reroll.config.loader import ConfigProblem
+
+
+class TinyModelConfig(StrictModel):
+    """Build a small random-init Qwen2 model offline (for tests and the quickstart)."""
+
+    alphabet: Literal["arithmetic"] = Field("arithmetic", description="The task alphabet of the tokenizer.")
+    hidden_size: int = Field(128, ge=32, description="Width; hidden_size / num_heads must be 32 or 64.")
+    num_layers: int = Field(2, ge=1, description="Transformer blocks.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    seed: int = Field(0, description="Seed of the random init.")
+
+
+class ModelConfig(StrictModel):
+    """The policy model."""
+
+    path: str = Field(description="Hugging Face hub id or local directory (config.json, weights, tokenizer).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    build_tiny: TinyModelConfig | None = Field(
+        None, description="If set and `path` does not exist yet, build a tiny random model there first."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory."
+    )
+
+
+class SyntheticDataConfig(StrictModel):
+    """Generate a synthetic verifiable task into the data files if they do not exist."""
+
+    task: Literal["arithmetic"] = Field("arithmetic", description="Which synthetic task.")
+    n_train: int = Field(5000, ge=1, description="Training rows.")
+    n_test: int = Field(500, ge=1, description="Held-out rows (disjoint from training).")
+    max_operand: int = Field(99, ge=1, description="Largest operand.")
+    ops: str = Field("+", min_length=1, description="Operators to draw from, e.g. '+-'.")
+    seed: int = Field(0, description="Seed of the generator.")
+
+
+class DataConfig(StrictModel):
+    """Prompts for rollouts, held-out prompts for evaluation."""
+
+    train_files: list[str] = Field(min_length=1, description="JSONL / JSON / Parquet files or datasets dirs.")
+    eval_files: list[str] = Field(default_factory=list, description="Held-out files for evaluation.")
+    prompt_template: str = Field("{question}", description="Python format string over a row's fields.")
+    answer_field: str = Field("answer", description="The row field the reward compares against.")
+    id_field: str = Field("id", description="The row field that identifies a row (optional in rows).")
+    eval_limit: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out rows.")
+    shuffle: bool = Field(True, description="Reshuffle training prompts every epoch.")
+    synthetic: SyntheticDataConfig | None = Field(
+        None, description="If set, generate this task into train_files[0] / eval_files[0] when missing."
+    )
+
+
+class RolloutConfig(StrictModel):
+    """How actor_infer generates."""
+
+    engine: Literal["hf"] = Field("hf", description="Generation engine: 'hf' (transformers generate).")
+    batch_size: int = Field(256, ge=1, description="Responses per step; a multiple of group_size.")
+    group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group).")
+    max_new_tokens: int = Field(64, ge=1, description="Longest response, in tokens.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+    stop: list[str] = Field(default_factory=list, description="Strings that end a response.")
+    generate_batch_size: int = Field(256, ge=1, description="Sequences per engine call inside a worker.")
+
+
+class RewardConfig(StrictModel):
+    """Which reward function scores responses."""
+
+    fn: str = Field("exact_match", description="A registered reward name or 'package.module:function'.")
+    timeout_s: float = Field(30.0, gt=0, description="Longest a reward call may take before the step fails.")
+
+
+class OptimConfig(StrictModel):
+    """Optimizer and batch shape of actor_train."""
+
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then constant.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this.")
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward on one rank.")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch (PPO mini-batches).")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over the rollout batch.")
+
+
+class StrategyConfig(StrictModel):
+    """The training backend of actor_train and reference."""
+
+    name: Literal["torch"] = Field("torch", description="'torch': plain PyTorch, gradients all-reduced.")
+
+
+class RoleConfig(StrictModel):
+    """Where one role's workers run."""
+
+    world_size: int = Field(1, ge=1, description="Number of workers (data-parallel ranks).")
+    num_gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per worker; fractions colocate roles.")
+    num_cpus_per_worker: float = Field(0.25, gt=0, description="Ray CPU resource per worker.")
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch threads per worker (default: all cores)."
+    )
+
+
+class RolesConfig(StrictModel):
+    """Placement of each role."""
+
+    actor_train: RoleConfig = Field(default_factory=RoleConfig, description="The policy being trained.")
+    actor_infer: RoleConfig = Field(default_factory=RoleConfig, description="The generation engine.")
+    reference: RoleConfig = Field(default_factory=RoleConfig, description="Frozen policy for the KL term.")
+    reward: RoleConfig = Field(default_factory=RoleConfig, description="Reward function workers.")
+
+
+class SFTConfig(StrictModel):
+    """Supervised fine-tuning on prompt/answer rows (a pipeline of its own, or RLVR's warm start)."""
+
+    steps: int = Field(100, ge=0, description="Optimizer steps.")
+    batch_size: int = Field(64, ge=1, description="Rows per optimizer step.")
+    lr: float = Field(1e-3, gt=0, description="Learning rate.")
+    files: list[str] | None = Field(None, description="Rows to learn from (default: data.train_files).")
+    target_template: str = Field(
+        "{answer}", description="What the model should answer, over the row's fields."
+    )
+
+
+class EvalConfig(StrictModel):
+    """Held-out evaluation: greedy decoding, scored by the reward."""
+
+    every: int = Field(10, ge=0, description="Evaluate every N steps (0: only before and after training).")
+
+
+class CheckpointConfig(StrictModel):
+    """Checkpoints in Hugging Face format plus what resuming needs."""
+
+    every: int = Field(0, ge=0, description="Save every N steps (0: only at the end).")
+    keep_last: int = Field(2, ge=1, description="Keep the newest N checkpoints.")
+
+
+class LoggingConfig(StrictModel):
+    """Where metrics go."""
+
+    tensorboard: bool = Field(True, description="Write TensorBoard event files.")
+    wandb: bool = Field(False, description="Log to Weights & Biases (pip install 'reroll[tracking]').")
+    wandb_project: str = Field("reroll", description="W&B project.")
+    sample_every: int = Field(10, ge=0, description="Log one sample completion every N steps (0: never).")
+
+
+class RuntimeConfig(StrictModel):
+    """How roles are run."""
+
+    backend: Literal["ray", "local"] = Field(
+        "ray", description="'ray': each worker a Ray actor; 'local': all in this process (debugging)."
+    )
+    ray_address: str | None = Field(None, description="Join this Ray cluster (default: start a local one).")
+    call_timeout_s: float = Field(1800.0, gt=0, description="Longest one role call may take.")
+
+
+class RunConfig(StrictModel):
+    """A whole run."""
+
+    pipeline: Literal["rlvr", "sft"] = Field(description="Which pipeline runs.")
+    name: str = Field("run", description="Run name.")
+    output_dir: str = Field("runs/{name}", description="Run directory; '{name}' is replaced by the name.")
+    seed: int = Field(0, description="Seed for data order, sampling and init.")
+    total_steps: int = Field(100, ge=0, description="Training steps (RLVR) after the warm start.")
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    roles: RolesConfig = Field(default_factory=RolesConfig)
+    sft: SFTConfig | None = Field(None, description="SFT settings; in an RLVR run, a warm start before RL.")
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir.format(name=self.name))
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.rollout.batch_size // self.rollout.group_size
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.algorithm.kl_coef > 0
+
+    def check(self) -> list[ConfigProblem]:
+        """Cross-section checks, all reported at once."""
+        problems = [
+            ConfigProblem("algorithm", m)
+            for m in check_algorithm(self.algorithm, group_size=self.rollout.group_size, has_critic=False)
+        ]
+        if self.pipeline == "sft" and self.sft is None:
+            problems.append(
+                ConfigProblem("sft", "pipeline 'sft' needs an `sft:` section (steps, batch_size, lr)")
+            )
+        batch, group = self.rollout.batch_size, self.rollout.group_size
+        if batch % group:
+            problems.append(
+                ConfigProblem(
+                    "rollout.batch_size",
+                    f"rollout.batch_size ({batch}) must be divisible by rollout.group_size ({group}): "
+                    f"use {max(group, batch - batch % group)} or {batch - batch % group + group}",
+                )
+            )
+        per_update = self.optim.mini_batches * self.roles.actor_train.world_size
+        if self.pipeline == "rlvr" and batch % per_update:
+            problems.append(
+                ConfigProblem(
+                    "optim.mini_batches",
+                    f"rollout.batch_size ({batch}) must split into optim.mini_batches ({self.optim.mini_batches}) x "
+                    f"roles.actor_train.world_size ({self.roles.actor_train.world_size}) = {per_update} equal parts: "
+                    f"change one of them",
+                )
+            )
+        if (
+            self.model.build_tiny is None
+            and not _looks_like_hub_id(self.model.path)
+            and not Path(self.model.path).exists()
+        ):
+            problems.append(
+                ConfigProblem(
+                    "model.path",
+                    f"{self.model.path!r} is neither an existing directory nor a hub id ('org/name'): fix the path, "
+                    f"or add model.build_tiny to build a tiny model there",
+                )
+            )
+        return problems
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "/", "~"))

@@ -1,0 +1,147 @@
+"""Prompt datasets: rows from JSONL / JSON / Parquet / Hugging Face ``datasets``, rendered by a template.
+
+A row is a flat mapping (``{"question": "12+34", "answer": "46"}``). The prompt is
+``template.format(**row)``; the reward function sees the whole row. Rows are checked when loaded, so a
+missing field is reported with its file and line before any model is started.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from reroll.data.types import Sample
+from reroll.errors import UserError
+
+
+class DatasetError(UserError):
+    """A dataset file is missing, unreadable, or has a row without a needed field."""
+
+
+def template_fields(template: str) -> list[str]:
+    """The ``{names}`` a prompt template reads."""
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Every row of a ``.jsonl``, ``.json`` or ``.parquet`` file, or of a ``datasets`` save directory."""
+    p = Path(path)
+    if not p.exists():
+        raise DatasetError(
+            f"dataset file {str(path)!r} does not exist: fix the path in data.train_files / data.eval_files"
+        )
+    if p.suffix == ".jsonl":
+        return _read_jsonl(p)
+    if p.suffix == ".json":
+        data = json.loads(p.read_text())
+        if not isinstance(data, list):
+            raise DatasetError(f"{p}: a .json dataset must hold a list of objects")
+        return data
+    if p.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise DatasetError(f"{p}: reading Parquet needs pyarrow: pip install 'reroll[data]'") from e
+        return pq.read_table(p).to_pylist()
+    if p.is_dir():
+        try:
+            import datasets
+        except ImportError as e:
+            raise DatasetError(
+                f"{p}: a dataset directory needs `datasets`: pip install 'reroll[data]'"
+            ) from e
+        return list(datasets.load_from_disk(str(p)))
+    raise DatasetError(
+        f"{p}: unknown dataset format {p.suffix!r}; use .jsonl, .json, .parquet or a datasets dir"
+    )
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}:{lineno}: each line must be a JSON object")
+            rows.append(row)
+    return rows
+
+
+def load_samples(
+    files: Sequence[str],
+    *,
+    template: str,
+    required: Sequence[str] = (),
+    id_field: str = "id",
+    domain_field: str = "domain",
+    limit: int | None = None,
+) -> list[Sample]:
+    """Rows of ``files`` made into ``Sample``s; a row lacking a template field or a ``required`` field is an error."""
+    needed = list(dict.fromkeys([*template_fields(template), *required]))
+    samples: list[Sample] = []
+    for file in files:
+        for i, row in enumerate(read_rows(file)):
+            missing = [k for k in needed if k not in row]
+            if missing:
+                raise DatasetError(
+                    f"{file}: row {i + 1} has no field {missing[0]!r} (the prompt template or the reward "
+                    f"needs {needed}; the row has {sorted(row)}): add the field to every row, or set "
+                    f"data.prompt_template / data.answer_field to the names your file uses"
+                )
+            uid = str(row.get(id_field, f"{Path(file).stem}-{i}"))
+            domain = str(row.get(domain_field, "default"))
+            samples.append(Sample(uid=uid, prompt=template.format(**row), row=row, domain=domain))
+            if limit is not None and len(samples) >= limit:
+                return samples
+    if not samples:
+        raise DatasetError(f"no rows in {list(files)}: the dataset files are empty")
+    return samples
+
+
+@dataclass
+class PromptSampler:
+    """Endless, reshuffled-every-epoch batches of samples, with a position that a checkpoint can restore."""
+
+    samples: list[Sample]
+    batch_size: int
+    seed: int = 0
+    shuffle: bool = True
+    epoch: int = 0
+    index: int = 0
+
+    def _order(self) -> list[int]:
+        order = list(range(len(self.samples)))
+        if self.shuffle:
+            random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[Sample]:
+        batch: list[Sample] = []
+        order = self._order()
+        while len(batch) < self.batch_size:
+            if self.index >= len(order):
+                self.epoch, self.index = self.epoch + 1, 0
+                order = self._order()
+            batch.append(self.samples[order[self.index]])
+            self.index += 1
+        return batch
+
+    def __iter__(self) -> Iterator[list[Sample]]:
+        while True:
+            yield self.next_batch()
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])

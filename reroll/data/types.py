@@ -1,0 +1,157 @@
+"""Typed records passed between roles.
+
+``Sample``     one dataset row made into a prompt (driver -> actor_infer).
+``Rollout``    one generated response with the engine's token ids and log-probs (actor_infer -> driver).
+``TrainBatch`` the padded tensors the trainer, the reference and the critic consume (driver -> actor_train).
+
+Tensor layout (one convention everywhere): every ``(B, T)`` tensor is aligned with ``input_ids``, which
+holds prompt then response, right-padded. ``logprobs[b, t]`` is the log-probability of token ``t`` given
+the tokens before it; ``response_mask[b, t]`` is True on response tokens (the ones whose loss counts).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A dataset row rendered into a prompt. ``row`` keeps every field for the reward function."""
+
+    uid: str
+    prompt: str
+    row: dict[str, Any]
+    domain: str = "default"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How actor_infer samples. ``temperature=0`` means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One response as the engine produced it: exact token ids and the sampled tokens' log-probs."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str  # "stop" (eos or a stop string) or "length"
+
+
+@dataclass
+class Rollout:
+    """A completion with the sample it answers and its group (all samples of one prompt share a group)."""
+
+    sample: Sample
+    group: int
+    completion: Completion
+
+
+@dataclass
+class TrainBatch:
+    """Padded tensors for training and scoring; see the module docstring for the layout.
+
+    Optional fields are filled in as the step proceeds (rewards, then log-probs, then advantages).
+    ``num_tokens`` / ``num_seqs`` are the counts over the whole optimizer step (all micro-batches, all
+    ranks) so that each piece's loss is normalised as the full batch's would be.
+    """
+
+    input_ids: torch.Tensor  # long (B, T)
+    attention_mask: torch.Tensor  # bool (B, T)
+    response_mask: torch.Tensor  # bool (B, T)
+    group_ids: torch.Tensor  # long (B,)
+    rewards: torch.Tensor | None = None  # float (B,)
+    rollout_logprobs: torch.Tensor | None = None  # float (B, T), from actor_infer
+    old_logprobs: torch.Tensor | None = None  # float (B, T), from actor_train before the update
+    ref_logprobs: torch.Tensor | None = None  # float (B, T), from reference
+    advantages: torch.Tensor | None = None  # float (B, T)
+    num_tokens: float | None = None
+    num_seqs: float | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def _tensor_fields(self) -> list[str]:
+        return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def select(self, index: torch.Tensor | slice) -> TrainBatch:
+        """Rows ``index`` of every tensor; counts are kept (they describe the whole step)."""
+        picked = {name: getattr(self, name)[index] for name in self._tensor_fields()}
+        extras = {k: v[index] for k, v in self.extras.items()}
+        return replace(self, **picked, extras=extras)
+
+    def split(self, n: int) -> list[TrainBatch]:
+        """``n`` contiguous chunks of near-equal size (for data-parallel ranks)."""
+        bounds = torch.linspace(0, len(self), n + 1).round().long().tolist()
+        return [self.select(slice(a, b)) for a, b in itertools.pairwise(bounds)]
+
+    def chunks(self, size: int) -> list[TrainBatch]:
+        """Chunks of at most ``size`` rows (micro-batches), trimmed to their longest row."""
+        out = []
+        for start in range(0, len(self), size):
+            part = self.select(slice(start, start + size))
+            out.append(part.trim())
+        return out
+
+    def trim(self) -> TrainBatch:
+        """Drop the padding columns that no row uses."""
+        width = int(self.attention_mask.sum(-1).max()) if len(self) else 0
+        width = max(width, 1)
+        cut = {
+            name: getattr(self, name)[:, :width]
+            for name in self._tensor_fields()
+            if getattr(self, name).dim() == 2
+        }
+        return replace(self, **cut)
+
+    @staticmethod
+    def concat(parts: Sequence[torch.Tensor], width: int | None = None, pad: float = 0.0) -> torch.Tensor:
+        """Concatenate ``(b_i, T_i)`` tensors along rows, right-padded to ``width`` (default: the widest)."""
+        width = width or max(p.shape[1] for p in parts)
+        padded = [torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in parts]
+        return torch.cat(padded, dim=0)
+
+
+def build_train_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBatch:
+    """Right-padded ``(B, T)`` tensors from rollouts; ``rollout_logprobs`` sit on the response tokens."""
+    lengths = [len(r.completion.prompt_ids) + len(r.completion.response_ids) for r in rollouts]
+    width = max(lengths)
+    b = len(rollouts)
+    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, width), dtype=torch.bool)
+    response_mask = torch.zeros((b, width), dtype=torch.bool)
+    rollout_logprobs = torch.zeros((b, width), dtype=torch.float32)
+    for i, r in enumerate(rollouts):
+        c = r.completion
+        p, n = len(c.prompt_ids), len(c.response_ids)
+        input_ids[i, : p + n] = torch.tensor(c.prompt_ids + c.response_ids, dtype=torch.long)
+        attention_mask[i, : p + n] = True
+        response_mask[i, p : p + n] = True
+        if c.logprobs:
+            rollout_logprobs[i, p : p + n] = torch.tensor(c.logprobs, dtype=torch.float32)
+    group_ids = torch.tensor([r.group for r in rollouts], dtype=torch.long)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        group_ids=group_ids,
+        rollout_logprobs=rollout_logprobs,
+        num_tokens=float(response_mask.sum()),
+        num_seqs=float(b),
+    )

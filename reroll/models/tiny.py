@@ -1,0 +1,154 @@
+"""Tiny models built locally: a character-level tokenizer and a random-init Qwen2 causal LM.
+
+Used by tests, examples and the quickstart, so that nothing is downloaded from the Hugging Face hub.
+The model is a real ``Qwen2ForCausalLM``: the HF training path and vLLM both load it like any other
+checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+PAD_TOKEN = "<pad>"
+EOS_TOKEN = "<eos>"
+UNK_TOKEN = "<unk>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+
+# vLLM's CPU attention backend supports these head sizes among the ones a tiny model would use.
+SUPPORTED_HEAD_DIMS = (32, 64)
+
+# Each message is `<|role|>content`; an assistant turn ends with `<eos>` (the end-of-response token).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+    """A tokenizer with one token per character of ``alphabet``, plus ``<pad>``, ``<eos>``, ``<unk>``.
+
+    Ids: ``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, then ``<|system|>``, ``<|user|>``, ``<|assistant|>``
+    (the chat template's role markers), then the alphabet in order. No BOS/EOS is added on encode.
+    ``padding_side`` is left to the caller.
+
+    It is a byte-level BPE with no merges, built as ``Qwen2Tokenizer``: for a ``qwen2`` checkpoint,
+    ``AutoTokenizer`` (and so vLLM) always rebuilds the tokenizer as ``Qwen2Tokenizer`` from the saved
+    vocab, whatever class was saved, so only this construction behaves the same before and after a
+    reload. A consequence of that class: characters outside ``alphabet`` are dropped on encode
+    (its BPE has no unknown token), so check the text uses only ``alphabet``.
+    """
+    chars = list(dict.fromkeys(alphabet))  # dedupe, keep order
+    if not chars:
+        raise ValueError(
+            "char_tokenizer: alphabet is empty; pass the characters the task uses, e.g. '0123456789+='"
+        )
+    non_ascii = [c for c in chars if not c.isascii()]
+    if non_ascii:
+        raise ValueError(
+            f"char_tokenizer: alphabet has non-ASCII characters {non_ascii}, which a byte-level tokenizer "
+            "with no merges would split into several tokens; use ASCII characters only"
+        )
+    specials = [PAD_TOKEN, EOS_TOKEN, UNK_TOKEN, *ROLE_TOKENS]
+    vocab = {token: i for i, token in enumerate(specials)}
+    byte_to_symbol = bytes_to_unicode()  # the byte-level alphabet: " " is "Ġ", "\n" is "Ċ", ...
+    for char in chars:
+        vocab[byte_to_symbol[ord(char)]] = len(vocab)
+
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=UNK_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        bos_token=None,
+        extra_special_tokens=list(ROLE_TOKENS),
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    alphabet: str,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 128,
+    seed: int = 0,
+) -> Path:
+    """Save a random-init fp32 ``Qwen2ForCausalLM`` and its ``char_tokenizer(alphabet)`` to ``out_dir``.
+
+    Embeddings are tied; ``num_kv_heads`` defaults to ``num_heads`` and ``intermediate_size`` to
+    ``4 * hidden_size``. The same ``seed`` gives the same weights. Returns ``out_dir`` as a ``Path``,
+    loadable offline with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
+    """
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _check_dims(hidden_size, num_heads, num_kv_heads)
+    tokenizer = char_tokenizer(alphabet)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        use_sliding_window=False,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        do_sample=False,
+    )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _check_dims(hidden_size: int, num_heads: int, num_kv_heads: int) -> None:
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}); "
+            f"pick num_heads so that hidden_size // num_heads is one of {SUPPORTED_HEAD_DIMS}"
+        )
+    head_dim = hidden_size // num_heads
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        fixes = ", ".join(
+            f"num_heads={hidden_size // d}" for d in SUPPORTED_HEAD_DIMS if hidden_size % d == 0
+        )
+        raise ValueError(
+            f"head_dim = hidden_size // num_heads = {hidden_size} // {num_heads} = {head_dim}, but vLLM's CPU "
+            f"backend supports head_dim in {SUPPORTED_HEAD_DIMS}; "
+            + (
+                f"use {fixes}"
+                if fixes
+                else f"use a hidden_size that is a multiple of {SUPPORTED_HEAD_DIMS[0]}"
+            )
+        )
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads}); "
+            f"use a divisor of {num_heads}, or leave num_kv_heads unset to use num_heads"
+        )

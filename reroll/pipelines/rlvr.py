@@ -1,0 +1,200 @@
+"""RLVR: reinforcement learning with verifiable rewards (GRPO and the rest of the algorithm zoo).
+
+One controller drives four roles. Each step: actor_infer samples ``group_size`` responses per prompt,
+reward scores them, reference and actor_train score the tokens, the algorithm turns rewards into
+advantages, actor_train takes its optimizer steps, and the new weights go to actor_infer. Every phase is
+timed. An optional SFT warm start runs first on the same actor_train role.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+from tqdm import tqdm
+
+from reroll.algorithms.objective import AdvantageState, compute_advantages
+from reroll.config.schema import RunConfig
+from reroll.data.datasets import PromptSampler
+from reroll.data.types import Rollout, SamplingParams, build_train_batch
+from reroll.models.loading import load_tokenizer
+from reroll.pipelines.common import (
+    Roles,
+    RunResult,
+    evaluate,
+    is_correct,
+    load_data,
+    open_metrics,
+    open_run_dir,
+    prepare_inputs,
+    run_sft_steps,
+    save_checkpoint,
+)
+from reroll.runtime import checkpoint
+from reroll.runtime.console import sample_line, step_line
+from reroll.runtime.timing import PhaseTimer
+
+log = logging.getLogger(__name__)
+
+
+def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
+    prepare_inputs(cfg)
+    train, held_out = load_data(cfg)
+    resume_from, run_dir = open_run_dir(cfg, resume=resume)
+    pad_id = load_tokenizer(cfg.model.path).pad_token_id
+    sampler = PromptSampler(train, cfg.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    roles = Roles.start(cfg, reference=cfg.needs_reference)
+    state = AdvantageState.initial(cfg.algorithm)
+    start = 0
+    try:
+        if resume_from is not None:
+            saved = checkpoint.read_state(resume_from)
+            roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)
+            roles.actor.load(resume_from)
+            sampler.restore(saved["sampler"])
+            state = torch.load(resume_from / "algorithm_state.pt", weights_only=False)
+            start = saved["step"]
+            log.info("resumed from %s (step %d)", resume_from, start)
+        elif cfg.sft is not None and cfg.sft.steps > 0:
+            log.info("SFT warm start: %d steps", cfg.sft.steps)
+            bar = tqdm(total=cfg.sft.steps, desc="sft", leave=False, disable=None)
+            run_sft_steps(
+                cfg,
+                roles.actor,
+                train,
+                on_step=lambda i, m: (bar.update(), bar.set_postfix(loss=f"{m['sft/loss']:.3f}")),
+            )
+            bar.close()
+            roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)
+        else:
+            roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)
+        if roles.reference is not None:  # the reference is the policy RL starts from (after any warm start)
+            ref_dir = run_dir / "reference"
+            if resume_from is None:
+                roles.actor.save(ref_dir, with_optimizer=False)
+            roles.reference.load(ref_dir)
+        roles.rollout.update_weights(roles.actor.weights_ref())
+        metrics_log = open_metrics(cfg, resume_step=start if resume_from else None)
+        if start == 0:
+            before = evaluate(cfg, roles, held_out)
+            metrics_log.log(0, before)
+            tqdm.write(step_line(0, cfg.total_steps, before))
+
+        timer = PhaseTimer()
+        last: dict[str, float] = {}
+        ckpt = resume_from
+        for step in tqdm(
+            range(start + 1, cfg.total_steps + 1),
+            desc="rlvr",
+            initial=start,
+            total=cfg.total_steps,
+            disable=None,
+        ):
+            with timer("generate"):
+                params = _sampling(cfg, seed=cfg.seed * 1_000_003 + step)
+                prompts = sampler.next_batch()
+                groups = roles.rollout.generate([s.prompt for s in prompts], params)
+                rollouts = [
+                    Rollout(s, g, c) for g, (s, comps) in enumerate(zip(prompts, groups)) for c in comps
+                ]
+            with timer("reward"):
+                results = roles.reward.score(
+                    [(r.sample.prompt, r.completion.text, r.sample.row) for r in rollouts]
+                )
+                batch = build_train_batch(rollouts, pad_id)
+                batch.rewards = torch.tensor([r.score for r in results], dtype=torch.float32)
+            if roles.reference is not None:
+                with timer("reference"):
+                    batch.ref_logprobs = roles.reference.compute_logprobs(batch)
+            with timer("old_logprobs"):
+                batch.old_logprobs = roles.actor.compute_logprobs(batch)
+            with timer("advantages"):
+                adv = compute_advantages(
+                    cfg.algorithm,
+                    rewards=batch.rewards,
+                    group_ids=batch.group_ids,
+                    response_mask=batch.response_mask,
+                    logprobs=batch.old_logprobs,
+                    ref_logprobs=batch.ref_logprobs,
+                    response_lengths=batch.response_mask.sum(-1),
+                    truncated=torch.tensor([r.completion.finish_reason == "length" for r in rollouts]),
+                    max_response_len=cfg.rollout.max_new_tokens,
+                    state=state,
+                )
+                batch.advantages, state = adv.advantages, adv.state
+                kept = batch.select(adv.keep)
+            with timer("train"):
+                train_metrics = _train(cfg, roles, kept, step)
+            with timer("weight_sync"):
+                roles.rollout.update_weights(roles.actor.weights_ref())
+            metrics = {
+                **_rollout_metrics(rollouts, results, batch),
+                **{k: float(v) for k, v in adv.metrics.items()},
+                **train_metrics,
+                **roles.rollout.metrics(),
+            }
+            if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.total_steps:
+                with timer("evaluate"):
+                    metrics |= evaluate(cfg, roles, held_out)
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.total_steps:
+                with timer("checkpoint"):
+                    ckpt = save_checkpoint(
+                        cfg, roles.actor, step, {"sampler": sampler.state()}, {"algorithm_state.pt": state}
+                    )
+            metrics |= timer.pop()
+            metrics_log.log(step, metrics)
+            last = metrics
+            tqdm.write(step_line(step, cfg.total_steps, metrics))
+            if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
+                tqdm.write(sample_line(rollouts[0], results[0]))
+        metrics_log.close()
+    finally:
+        roles.shutdown()
+    return RunResult(run_dir, ckpt, run_dir / "metrics.jsonl", run_dir / "config.yaml", last)
+
+
+def _sampling(cfg: RunConfig, seed: int) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        n=r.group_size,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop=tuple(r.stop),
+        seed=seed,
+    )
+
+
+def _train(cfg: RunConfig, roles: Roles, batch, step: int) -> dict[str, float]:
+    """``ppo_epochs`` passes of ``mini_batches`` optimizer steps; each mini-batch normalised by its own counts."""
+    if len(batch) == 0:
+        return {"train/skipped": 1.0}
+    g = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
+    parts = []
+    for _ in range(cfg.optim.ppo_epochs):
+        order = (
+            torch.randperm(len(batch), generator=g)
+            if cfg.optim.mini_batches > 1
+            else torch.arange(len(batch))
+        )
+        for idx in order.chunk(cfg.optim.mini_batches):
+            mini = batch.select(idx)
+            mini = replace(mini, num_tokens=float(mini.response_mask.sum()), num_seqs=float(len(mini)))
+            parts.append(roles.actor.train_rl(mini))
+    return {k: sum(p[k] for p in parts) / len(parts) for k in parts[-1]}
+
+
+def _rollout_metrics(rollouts: list[Rollout], results: list, batch) -> dict[str, float]:
+    n = len(rollouts)
+    lengths = batch.response_mask.sum(-1).float()
+    mismatch = (batch.rollout_logprobs - batch.old_logprobs).abs()[batch.response_mask]
+    return {
+        "rollout/reward_mean": float(batch.rewards.mean()),
+        "rollout/accuracy": sum(is_correct(r) for r in results) / n,
+        "rollout/response_length": float(lengths.mean()),
+        "rollout/truncated": sum(r.completion.finish_reason == "length" for r in rollouts) / n,
+        "mismatch/logprob_abs_mean": float(mismatch.mean()) if mismatch.numel() else 0.0,
+        "mismatch/logprob_abs_max": float(mismatch.max()) if mismatch.numel() else 0.0,
+    }

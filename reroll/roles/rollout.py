@@ -1,0 +1,86 @@
+"""actor_infer: workers that hold a generation engine, and their group (prompts split across ranks)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from reroll.config.schema import RunConfig
+from reroll.data.types import Completion, SamplingParams
+from reroll.engines.hf import HFEngine
+from reroll.runtime.actors import WorkerGroup, _Ready
+
+
+class RolloutWorker:
+    """One rank of actor_infer."""
+
+    def __init__(self, rank: int, cfg: RunConfig) -> None:
+        rc = cfg.roles.actor_infer
+        torch.set_num_threads(rc.torch_threads or torch.get_num_threads())
+        self.rank = rank
+        device = "cuda" if rc.num_gpus_per_worker > 0 else "cpu"
+        self.engine = HFEngine(
+            cfg.model.path, dtype=cfg.model.dtype, device=device, batch_size=cfg.rollout.generate_batch_size
+        )
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        return self.engine.generate(prompts, params)
+
+    def update_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.engine.update_weights(weights)
+
+    def score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        return self.engine.score(input_ids, attention_mask, temperature)
+
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()
+
+
+class RolloutGroup(WorkerGroup):
+    """All actor_infer ranks."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        rc = cfg.roles.actor_infer
+        super().__init__(
+            "actor_infer",
+            RolloutWorker,
+            lambda rank: (rank, cfg),
+            world_size=rc.world_size,
+            backend=cfg.runtime.backend,
+            num_cpus=rc.num_cpus_per_worker,
+            num_gpus=rc.num_gpus_per_worker,
+            timeout_s=cfg.runtime.call_timeout_s,
+        )
+
+    def generate(
+        self, prompts: Sequence[str], params: SamplingParams, phase: str = "generate"
+    ) -> list[list[Completion]]:
+        """``params.n`` completions per prompt; prompts are dealt to ranks in contiguous blocks."""
+        n = self.world_size
+        bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
+        refs = [
+            h.generate.remote(list(prompts[a:b]), params) for h, a, b in zip(self.handles, bounds, bounds[1:])
+        ]
+        return [group for part in self._wait(refs, phase) for group in part]
+
+    def update_weights(self, weights_ref: Any) -> None:
+        """Load weights on every rank; ``weights_ref`` is a Ray reference (or a local result)."""
+        weights = weights_ref.value if isinstance(weights_ref, _Ready) else weights_ref
+        if isinstance(weights_ref, _Ready) and weights_ref.error is not None:
+            raise weights_ref.error
+        self._wait([h.update_weights.remote(weights) for h in self.handles], "weight_sync")
+
+    def score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        """Rank 0's log-probs for given sequences (to check that the engine holds the trainer's weights)."""
+        [out] = self._wait([self.handles[0].score.remote(input_ids, attention_mask, temperature)], "score")
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        parts = self._wait([h.metrics.remote() for h in self.handles], "metrics")
+        return {k: sum(p[k] for p in parts) for k in parts[0]}

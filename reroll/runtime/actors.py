@@ -1,0 +1,165 @@
+"""Workers as Ray actors (or, for debugging, plain objects in this process) and bounded waits on them.
+
+A ``WorkerGroup`` owns one role's ranks. Role-specific groups (``reroll.roles``) add typed methods
+that shard inputs, call each rank's method and gather results through ``gather``, which turns a dead
+actor or a timeout into a ``RoleError`` naming the role, rank and phase: the driver never hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from reroll.errors import RoleError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Ready:
+    """A result already computed in this process (local backend)."""
+
+    value: Any = None
+    error: BaseException | None = None
+
+
+class _LocalMethod:
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+
+    def remote(self, *args: Any, **kwargs: Any) -> _Ready:
+        try:
+            return _Ready(self._fn(*args, **kwargs))
+        except Exception as e:  # re-raised by gather with the role and rank
+            return _Ready(error=e)
+
+
+class LocalHandle:
+    """Wraps an object so ``handle.method.remote(...)`` runs it now, like a Ray actor call."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> _LocalMethod:
+        return _LocalMethod(getattr(self._obj, name))
+
+
+def start_ray(address: str | None) -> None:
+    """Connect to ``address`` or start a local Ray cluster (once per process)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}}
+    ray.init(
+        address=address,
+        include_dashboard=False,
+        log_to_driver=True,
+        logging_level=logging.WARNING,
+        runtime_env=env,
+        configure_logging=True,
+    )
+
+
+def spawn(
+    cls: type,
+    args: tuple[Any, ...],
+    *,
+    backend: str,
+    name: str,
+    num_cpus: float,
+    num_gpus: float,
+) -> Any:
+    """One worker: a Ray actor with the given resources, or a ``LocalHandle``."""
+    if backend == "local":
+        return LocalHandle(cls(*args))
+    import ray
+
+    actor_cls = ray.remote(cls)
+    return actor_cls.options(name=name, num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1).remote(*args)
+
+
+def gather(refs: Sequence[Any], *, role: str, phase: str, timeout_s: float) -> list[Any]:
+    """Results of per-rank calls in rank order; a failure or timeout raises ``RoleError``."""
+    if all(isinstance(r, _Ready) for r in refs):
+        for rank, r in enumerate(refs):
+            if r.error is not None:
+                raise RoleError(role, rank, phase, f"{type(r.error).__name__}: {r.error}") from r.error
+        return [r.value for r in refs]
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    _ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        rank = list(refs).index(pending[0])
+        raise RoleError(role, rank, phase, f"no answer within {timeout_s:.0f} s (runtime.call_timeout_s)")
+    out = []
+    for rank, ref in enumerate(refs):
+        try:
+            out.append(ray.get(ref, timeout=timeout_s))
+        except RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            raise RoleError(role, rank, phase, f"{type(cause).__name__}: {cause}") from e
+        except RayActorError as e:
+            raise RoleError(role, rank, phase, f"the worker process died ({e.__class__.__name__})") from e
+        except GetTimeoutError as e:
+            raise RoleError(role, rank, phase, f"no answer within {timeout_s:.0f} s") from e
+    return out
+
+
+def free_address() -> str:
+    """``host:port`` of a free TCP port on this node (for a process group's rendezvous)."""
+    host = "127.0.0.1"
+    try:
+        import ray
+
+        if ray.is_initialized():
+            host = ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+class WorkerGroup:
+    """The ranks of one role. Subclasses add typed methods; ``_all`` runs one call on every rank."""
+
+    def __init__(
+        self,
+        role: str,
+        cls: type,
+        make_args: Callable[[int], tuple[Any, ...]],
+        *,
+        world_size: int,
+        backend: str,
+        num_cpus: float,
+        num_gpus: float,
+        timeout_s: float,
+    ) -> None:
+        self.role, self.world_size, self.timeout_s = role, world_size, timeout_s
+        self.handles = [
+            spawn(
+                cls,
+                make_args(rank),
+                backend=backend,
+                name=f"{role}-{rank}",
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+            )
+            for rank in range(world_size)
+        ]
+
+    def _wait(self, refs: Sequence[Any], phase: str) -> list[Any]:
+        return gather(refs, role=self.role, phase=phase, timeout_s=self.timeout_s)
+
+    def shutdown(self) -> None:
+        if self.handles and not isinstance(self.handles[0], LocalHandle):
+            import ray
+
+            for h in self.handles:
+                ray.kill(h)
+        self.handles = []

@@ -1,0 +1,64 @@
+"""Checkpoint directories that are complete or invisible.
+
+A checkpoint is written into ``checkpoints/.step_000010.partial``; only when every file is in place is a
+``COMPLETE`` marker written and the directory renamed to ``step_000010``. A crash mid-write leaves a
+``.partial`` directory that ``latest`` never picks (and the next save of that step replaces).
+
+Layout: ``model/`` (Hugging Face: ``from_pretrained`` loads it), ``optimizer_rank{r}.pt``,
+``trainer_state.json`` (step, data position, algorithm state).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+_NAME = re.compile(r"^step_(\d{6,})$")
+MARKER = "COMPLETE"
+
+
+def begin(run_dir: Path, step: int) -> Path:
+    """An empty partial directory for ``step``."""
+    partial = run_dir / "checkpoints" / f".step_{step:06d}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def commit(partial: Path, state: dict[str, Any]) -> Path:
+    """Write ``trainer_state.json`` and the marker, then rename into place; returns the final path."""
+    (partial / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    (partial / MARKER).write_text("")
+    final = partial.parent / partial.name.removeprefix(".").removesuffix(".partial")
+    if final.exists():
+        shutil.rmtree(final)
+    partial.rename(final)
+    return final
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / MARKER).exists()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / "trainer_state.json").read_text())
+
+
+def prune(run_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints."""
+    for old in complete_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,44 @@
+"""What a run prints: one line per step, and a sample completion now and then."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from reroll.data.types import Rollout
+from reroll.rewards.base import RewardResult
+
+_COLUMNS = [
+    ("rollout/reward_mean", "reward", "{:.3f}"),
+    ("rollout/accuracy", "acc", "{:.3f}"),
+    ("eval/accuracy", "eval_acc", "{:.3f}"),
+    ("rollout/response_length", "len", "{:.1f}"),
+    ("actor/pg_loss", "pg_loss", "{:+.4f}"),
+    ("sft/loss", "sft_loss", "{:.4f}"),
+]
+_PHASES = [
+    ("generate", "gen"),
+    ("reward", "rew"),
+    ("reference", "ref"),
+    ("old_logprobs", "old"),
+    ("train", "train"),
+    ("weight_sync", "sync"),
+    ("evaluate", "eval"),
+    ("checkpoint", "ckpt"),
+]
+
+
+def step_line(step: int, total: int, metrics: Mapping[str, float]) -> str:
+    """``step 12/200 | reward 0.410 | acc 0.630 | len 4.0 | gen 1.2s train 0.8s ... | 3.1s``."""
+    parts = [f"step {step}/{total}"]
+    parts += [f"{label} {fmt.format(metrics[k])}" for k, label, fmt in _COLUMNS if k in metrics]
+    phases = [f"{label} {metrics[f'timing/{k}']:.1f}s" for k, label in _PHASES if f"timing/{k}" in metrics]
+    if phases:
+        parts.append(" ".join(phases))
+    if "timing/step" in metrics:
+        parts.append(f"{metrics['timing/step']:.1f}s")
+    return " | ".join(parts)
+
+
+def sample_line(rollout: Rollout, result: RewardResult) -> str:
+    """A prompt, the response and its reward."""
+    return f"  sample: {rollout.sample.prompt!r} -> {rollout.completion.text!r} (reward {result.score:g})"

@@ -1,0 +1,113 @@
+"""The plain PyTorch strategy: one full model copy per rank, gradients summed across ranks.
+
+Losses are normalised by the token/sequence counts of the whole optimizer step (all micro-batches, all
+ranks), so summing gradients over ranks gives exactly the full-batch gradient. Ranks talk over
+``torch.distributed`` (gloo on CPU, NCCL on GPU) when there is more than one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from reroll.models.loading import load_causal_lm, position_ids_from
+
+
+class TorchStrategy:
+    """Holds the model, its optimizer and schedule; the role decides what loss to run through it."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        trainable: bool = True,
+        gradient_checkpointing: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.device = torch.device(device)
+        self.model = load_causal_lm(model_path, dtype, self.device)
+        self.rank, self.world_size = rank, world_size
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.model.train(trainable)
+        self.model.requires_grad_(trainable)
+        if gradient_checkpointing and trainable:
+            self.model.gradient_checkpointing_enable()
+        if self.model.config.use_cache is not None:
+            self.model.config.use_cache = False
+
+    def init_distributed(self, address: str) -> None:
+        """Join the process group of this role's ranks at ``tcp://address``."""
+        if self.world_size == 1 or dist.is_initialized():
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world_size
+        )
+
+    def configure_optimizer(
+        self, *, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int
+    ) -> None:
+        """A fresh AdamW with linear warm-up to ``lr`` then constant (called again when a phase changes lr)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        warm = max(warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
+        )
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``(B, T, V)`` logits for right-padded rows."""
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)
+        )
+        return out.logits
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, grad_clip: float) -> dict[str, float]:
+        """Sum gradients over ranks, clip, step; returns the pre-clip gradient norm and the lr used."""
+        assert self.optimizer is not None and self.scheduler is not None, "configure_optimizer first"
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.world_size > 1:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(f"gradient norm is {float(grad_norm)}: stopping before the update")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm), "lr": float(lr)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, unsharded, on CPU, in Hugging Face names (for weight sync and export)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def save(self, directory: Path, *, with_optimizer: bool) -> None:
+        """Hugging Face weights into ``directory/model`` (rank 0) and optimizer state per rank."""
+        if self.rank == 0:
+            self.model.save_pretrained(directory / "model", safe_serialization=True)
+        if with_optimizer and self.optimizer is not None:
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+            torch.save(state, directory / f"optimizer_rank{self.rank}.pt")
+
+    def load(self, directory: Path) -> None:
+        """Weights from ``directory/model`` and, where present, this rank's optimizer state."""
+        loaded = load_causal_lm(directory / "model", str(self.model.dtype).removeprefix("torch."), "cpu")
+        self.model.load_state_dict(loaded.state_dict())
+        path = directory / f"optimizer_rank{self.rank}.pt"
+        if path.exists() and self.optimizer is not None:
+            state = torch.load(path, map_location=self.device, weights_only=False)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,53 @@
+"""Shared fixtures: a tiny model and the arithmetic data, built once per test session, offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart" / "arithmetic_grpo.yaml"
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    """A tiny arithmetic model (hidden 64, head dim 32) and train/test JSONL."""
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET, write_arithmetic_dataset
+    from reroll.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("assets")
+    model = build_tiny_model(
+        root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=2, num_heads=2
+    )
+    data = write_arithmetic_dataset(root / "data", n_train=400, n_test=64, max_operand=30, ops="+", seed=0)
+    return {"model": Path(model), "train": Path(data["train"]), "test": Path(data["test"])}
+
+
+def write_config(path: Path, assets: dict[str, Path], **sections) -> Path:
+    """A small RLVR config over the session's assets; keyword sections replace the defaults' keys."""
+    cfg = {
+        "pipeline": "rlvr",
+        "name": "t",
+        "output_dir": str(path.parent / "runs" / "{name}"),
+        "total_steps": 2,
+        "model": {"path": str(assets["model"])},
+        "data": {
+            "train_files": [str(assets["train"])],
+            "eval_files": [str(assets["test"])],
+            "prompt_template": "{question}=",
+            "eval_limit": 16,
+        },
+        "rollout": {"batch_size": 16, "group_size": 4, "max_new_tokens": 4},
+        "optim": {"lr": 1e-3, "micro_batch_size": 16},
+        "roles": {r: {"torch_threads": 1} for r in ("actor_train", "actor_infer", "reference", "reward")},
+        "logging": {"tensorboard": False},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
