@@ -278,7 +278,7 @@ def check_algorithm(
         problems.extend(_group_size_problems(cfg, group_size))
     if cfg.overlong_shaping and max_response_len is not None and cfg.overlong_buffer_len > max_response_len:
         problems.append(
-            f"algorithm.overlong_buffer_len ({cfg.overlong_buffer_len}) is longer than rollout.max_response_len "
+            f"algorithm.overlong_buffer_len ({cfg.overlong_buffer_len}) is longer than rollout.max_new_tokens "
             f"({max_response_len}): set overlong_buffer_len to at most {max_response_len}, "
             f"e.g. {max(1, max_response_len // 5)}"
         )

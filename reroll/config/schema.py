@@ -209,7 +209,12 @@ class RunConfig(StrictModel):
         """Cross-section checks, all reported at once."""
         problems = [
             ConfigProblem("algorithm", m)
-            for m in check_algorithm(self.algorithm, group_size=self.rollout.group_size, has_critic=False)
+            for m in check_algorithm(
+                self.algorithm,
+                group_size=self.rollout.group_size,
+                has_critic=False,
+                max_response_len=self.rollout.max_new_tokens,
+            )
         ]
         if self.pipeline == "sft" and self.sft is None:
             problems.append(

@@ -153,5 +153,5 @@ def build_train_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBa
         group_ids=group_ids,
         rollout_logprobs=rollout_logprobs,
         num_tokens=float(response_mask.sum()),
-        num_seqs=float(b),
+        num_seqs=float(response_mask.any(-1).sum()),
     )

@@ -69,3 +69,18 @@ def sequence_logprobs(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)
     )
     return token_logprobs(out.logits, input_ids, temperature)
+
+
+def mismatch_metrics(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's sampling log-probs are from the trainer's on the same tokens (``mismatch/*``)."""
+    diff = (trainer.detach().float() - engine.float())[mask]
+    if not diff.numel():
+        return {}
+    # k3 estimate of KL(engine || trainer) over the sampled tokens
+    log_ratio = -diff
+    kl = (log_ratio.exp() - 1 - log_ratio).mean()
+    return {
+        "mismatch/logprob_abs_mean": float(diff.abs().mean()),
+        "mismatch/logprob_abs_max": float(diff.abs().max()),
+        "mismatch/kl": float(kl),
+    }

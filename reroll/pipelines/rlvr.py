@@ -14,11 +14,12 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
+from reroll.algorithms.aggregation import count_tokens_and_seqs
 from reroll.algorithms.objective import AdvantageState, compute_advantages
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
 from reroll.data.types import Rollout, SamplingParams, build_train_batch
-from reroll.models.loading import load_tokenizer
+from reroll.models.loading import load_tokenizer, mismatch_metrics
 from reroll.pipelines.common import (
     Roles,
     RunResult,
@@ -46,6 +47,11 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
     sampler = PromptSampler(train, cfg.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
     roles = Roles.start(cfg, reference=cfg.needs_reference)
     state = AdvantageState.initial(cfg.algorithm)
+    # One optimizer step per batch is on-policy: the trainer's log-probs before the step are the old
+    # ones, so the separate pass is skipped unless the KL-in-reward needs them up front.
+    alg = cfg.algorithm
+    on_policy = cfg.optim.ppo_epochs == 1 and cfg.optim.mini_batches == 1
+    needs_old_logprobs = not on_policy or (alg.kl_in == "reward" and alg.kl_coef > 0)
     start = 0
     try:
         if resume_from is not None:
@@ -53,7 +59,7 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
             roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)
             roles.actor.load(resume_from)
             sampler.restore(saved["sampler"])
-            state = torch.load(resume_from / "algorithm_state.pt", weights_only=False)
+            state = AdvantageState.from_state_dict(torch.load(resume_from / "algorithm_state.pt"))
             start = saved["step"]
             log.info("resumed from %s (step %d)", resume_from, start)
         elif cfg.sft is not None and cfg.sft.steps > 0:
@@ -107,8 +113,9 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
             if roles.reference is not None:
                 with timer("reference"):
                     batch.ref_logprobs = roles.reference.compute_logprobs(batch)
-            with timer("old_logprobs"):
-                batch.old_logprobs = roles.actor.compute_logprobs(batch)
+            if needs_old_logprobs:
+                with timer("old_logprobs"):
+                    batch.old_logprobs = roles.actor.compute_logprobs(batch)
             with timer("advantages"):
                 adv = compute_advantages(
                     cfg.algorithm,
@@ -181,7 +188,8 @@ def _train(cfg: RunConfig, roles: Roles, batch, step: int) -> dict[str, float]:
         )
         for idx in order.chunk(cfg.optim.mini_batches):
             mini = batch.select(idx)
-            mini = replace(mini, num_tokens=float(mini.response_mask.sum()), num_seqs=float(len(mini)))
+            tokens, seqs = count_tokens_and_seqs(mini.response_mask)
+            mini = replace(mini, num_tokens=float(tokens), num_seqs=float(seqs))
             parts.append(roles.actor.train_rl(mini))
     return {k: sum(p[k] for p in parts) / len(parts) for k in parts[-1]}
 
@@ -189,12 +197,12 @@ def _train(cfg: RunConfig, roles: Roles, batch, step: int) -> dict[str, float]:
 def _rollout_metrics(rollouts: list[Rollout], results: list, batch) -> dict[str, float]:
     n = len(rollouts)
     lengths = batch.response_mask.sum(-1).float()
-    mismatch = (batch.rollout_logprobs - batch.old_logprobs).abs()[batch.response_mask]
-    return {
+    out = {
         "rollout/reward_mean": float(batch.rewards.mean()),
         "rollout/accuracy": sum(is_correct(r) for r in results) / n,
         "rollout/response_length": float(lengths.mean()),
         "rollout/truncated": sum(r.completion.finish_reason == "length" for r in rollouts) / n,
-        "mismatch/logprob_abs_mean": float(mismatch.mean()) if mismatch.numel() else 0.0,
-        "mismatch/logprob_abs_max": float(mismatch.max()) if mismatch.numel() else 0.0,
     }
+    if batch.old_logprobs is not None:  # else the trainer measures it in its first forward pass
+        out |= mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)
+    return out

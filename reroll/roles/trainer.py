@@ -15,7 +15,7 @@ import torch
 from reroll.algorithms.objective import actor_loss
 from reroll.config.schema import RunConfig
 from reroll.data.types import TrainBatch
-from reroll.models.loading import token_entropy, token_logprobs
+from reroll.models.loading import mismatch_metrics, token_entropy, token_logprobs
 from reroll.runtime.actors import WorkerGroup, free_address
 from reroll.strategies.torch_strategy import TorchStrategy
 
@@ -81,7 +81,7 @@ class TrainerWorker:
             loss, m = actor_loss(
                 alg,
                 logprobs=logprobs,
-                old_logprobs=mb.old_logprobs.to(dev),
+                old_logprobs=None if mb.old_logprobs is None else mb.old_logprobs.to(dev),
                 advantages=mb.advantages.to(dev),
                 response_mask=mb.response_mask.to(dev),
                 ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
@@ -93,6 +93,8 @@ class TrainerWorker:
             )
             self._check_finite(loss, mb)
             self.strategy.backward(loss)
+            if mb.old_logprobs is None and mb.rollout_logprobs is not None:  # on-policy: measured here
+                m |= mismatch_metrics(logprobs, mb.rollout_logprobs.to(dev), mb.response_mask.to(dev))
             metrics.append({k: float(v) for k, v in m.items()} | {"actor/loss": float(loss.detach())})
         return _mean_metrics(metrics) | {
             f"actor/{k}": v for k, v in self.strategy.step(self.cfg.optim.grad_clip).items()

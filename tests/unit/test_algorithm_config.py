@@ -99,7 +99,7 @@ def test_unused_critic_and_long_overlong_buffer_are_reported():
     )
     assert any("does not use its values" in e for e in errors)
     assert any(
-        "overlong_buffer_len (4096) is longer than rollout.max_response_len (1024)" in e for e in errors
+        "overlong_buffer_len (4096) is longer than rollout.max_new_tokens (1024)" in e for e in errors
     )
 
 
