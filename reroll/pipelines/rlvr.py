@@ -147,7 +147,7 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.total_steps:
                 with timer("checkpoint"):
                     ckpt = save_checkpoint(
-                        cfg, roles.actor, step, {"sampler": sampler.state()}, {"algorithm_state.pt": state}
+                        cfg, roles.actor, step, {"sampler": sampler.state()}, {"algorithm_state.pt": state.state_dict()}
                     )
             metrics |= timer.pop()
             metrics_log.log(step, metrics)

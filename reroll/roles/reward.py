@@ -25,20 +25,9 @@ class RewardGroup(WorkerGroup):
     """All reward ranks; items are dealt in contiguous blocks; each call is bounded by reward.timeout_s."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        rc = cfg.roles.reward
-        super().__init__(
-            "reward",
-            RewardWorker,
-            lambda rank: (rank, cfg.reward.fn),
-            world_size=rc.world_size,
-            backend=cfg.runtime.backend,
-            num_cpus=rc.num_cpus_per_worker,
-            num_gpus=rc.num_gpus_per_worker,
-            timeout_s=cfg.reward.timeout_s,
-        )
+        make_args = lambda rank: (rank, cfg.reward.fn)  # noqa: E731
+        super().__init__("reward", RewardWorker, make_args, cfg, timeout_s=cfg.reward.timeout_s)
 
     def score(self, items: Sequence[tuple[str, str, dict]], phase: str = "reward") -> list[RewardResult]:
-        n = self.world_size
-        bounds = [round(i * len(items) / n) for i in range(n + 1)]
-        refs = [h.score.remote(list(items[a:b])) for h, a, b in zip(self.handles, bounds, bounds[1:])]
+        refs = [h.score.remote(part) for h, part in zip(self.handles, self._deal(items))]
         return [r for part in self._wait(refs, phase) for r in part]

@@ -41,38 +41,25 @@ class RolloutWorker:
 
 
 class RolloutGroup(WorkerGroup):
-    """All actor_infer ranks."""
+    """All actor_infer ranks; prompts are dealt to ranks in contiguous blocks."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        rc = cfg.roles.actor_infer
-        super().__init__(
-            "actor_infer",
-            RolloutWorker,
-            lambda rank: (rank, cfg),
-            world_size=rc.world_size,
-            backend=cfg.runtime.backend,
-            num_cpus=rc.num_cpus_per_worker,
-            num_gpus=rc.num_gpus_per_worker,
-            timeout_s=cfg.runtime.call_timeout_s,
-        )
+        super().__init__("actor_infer", RolloutWorker, lambda rank: (rank, cfg), cfg)
 
     def generate(
         self, prompts: Sequence[str], params: SamplingParams, phase: str = "generate"
     ) -> list[list[Completion]]:
-        """``params.n`` completions per prompt; prompts are dealt to ranks in contiguous blocks."""
-        n = self.world_size
-        bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
-        refs = [
-            h.generate.remote(list(prompts[a:b]), params) for h, a, b in zip(self.handles, bounds, bounds[1:])
-        ]
+        """``params.n`` completions per prompt, in prompt order."""
+        refs = [h.generate.remote(part, params) for h, part in zip(self.handles, self._deal(prompts))]
         return [group for part in self._wait(refs, phase) for group in part]
 
     def update_weights(self, weights_ref: Any) -> None:
         """Load weights on every rank; ``weights_ref`` is a Ray reference (or a local result)."""
-        weights = weights_ref.value if isinstance(weights_ref, _Ready) else weights_ref
-        if isinstance(weights_ref, _Ready) and weights_ref.error is not None:
-            raise weights_ref.error
-        self._wait([h.update_weights.remote(weights) for h in self.handles], "weight_sync")
+        if isinstance(weights_ref, _Ready):
+            if weights_ref.error is not None:
+                raise weights_ref.error
+            weights_ref = weights_ref.value
+        self._wait([h.update_weights.remote(weights_ref) for h in self.handles], "weight_sync")
 
     def score(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float

@@ -137,17 +137,7 @@ class TrainerGroup(WorkerGroup):
     """The ranks of actor_train or reference; batches are split by rows across ranks."""
 
     def __init__(self, role: str, cfg: RunConfig, *, trainable: bool) -> None:
-        rc = getattr(cfg.roles, role)
-        super().__init__(
-            role,
-            TrainerWorker,
-            lambda rank: (role, rank, cfg, trainable),
-            world_size=rc.world_size,
-            backend=cfg.runtime.backend,
-            num_cpus=rc.num_cpus_per_worker,
-            num_gpus=rc.num_gpus_per_worker,
-            timeout_s=cfg.runtime.call_timeout_s,
-        )
+        super().__init__(role, TrainerWorker, lambda rank: (role, rank, cfg, trainable), cfg)
         if self.world_size > 1:
             [address] = self._wait([self.handles[0].rendezvous_address.remote()], "rendezvous")
             self._wait([h.init_distributed.remote(address) for h in self.handles], "init_distributed")

@@ -7,13 +7,19 @@ actor or a timeout into a ``RoleError`` naming the role, rank and phase: the dri
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from reroll.errors import RoleError
+
+if TYPE_CHECKING:
+    from reroll.config.schema import RunConfig
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -126,35 +132,40 @@ def free_address() -> str:
 
 
 class WorkerGroup:
-    """The ranks of one role. Subclasses add typed methods; ``_all`` runs one call on every rank."""
+    """The ranks of one role, placed as its ``roles.<name>`` config says. Subclasses add typed methods."""
 
     def __init__(
         self,
         role: str,
         cls: type,
         make_args: Callable[[int], tuple[Any, ...]],
+        cfg: RunConfig,
         *,
-        world_size: int,
-        backend: str,
-        num_cpus: float,
-        num_gpus: float,
-        timeout_s: float,
+        timeout_s: float | None = None,
     ) -> None:
-        self.role, self.world_size, self.timeout_s = role, world_size, timeout_s
+        rc = getattr(cfg.roles, role)
+        self.role, self.world_size = role, rc.world_size
+        self.timeout_s = timeout_s or cfg.runtime.call_timeout_s
         self.handles = [
             spawn(
                 cls,
                 make_args(rank),
-                backend=backend,
+                backend=cfg.runtime.backend,
                 name=f"{role}-{rank}",
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
+                num_cpus=rc.num_cpus_per_worker,
+                num_gpus=rc.num_gpus_per_worker,
             )
-            for rank in range(world_size)
+            for rank in range(rc.world_size)
         ]
 
     def _wait(self, refs: Sequence[Any], phase: str) -> list[Any]:
         return gather(refs, role=self.role, phase=phase, timeout_s=self.timeout_s)
+
+    def _deal(self, items: Sequence[T]) -> list[list[T]]:
+        """``items`` cut into one contiguous, near-equal block per rank (results concatenate in order)."""
+        n = self.world_size
+        bounds = [round(i * len(items) / n) for i in range(n + 1)]
+        return [list(items[a:b]) for a, b in itertools.pairwise(bounds)]
 
     def shutdown(self) -> None:
         if self.handles and not isinstance(self.handles[0], LocalHandle):

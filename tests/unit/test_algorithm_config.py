@@ -98,9 +98,7 @@ def test_unused_critic_and_long_overlong_buffer_are_reported():
         AlgorithmConfig(preset="dapo"), group_size=4, has_critic=True, max_response_len=1024
     )
     assert any("does not use its values" in e for e in errors)
-    assert any(
-        "overlong_buffer_len (4096) is longer than rollout.max_new_tokens (1024)" in e for e in errors
-    )
+    assert any("overlong_buffer_len (4096) is longer than rollout.max_new_tokens (1024)" in e for e in errors)
 
 
 def test_contradictions_inside_the_section_fail_at_load():
