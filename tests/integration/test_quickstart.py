@@ -1,0 +1,47 @@
+"""The quickstart through the real CLI and Ray: GRPO lifts held-out accuracy well above SFT alone.
+
+The full quickstart (200 GRPO steps) is measured in the README; this runs its first 60 steps, which
+already carry most of the gain, so the suite stays short.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from reroll.runtime.metrics import read_metrics
+from tests.conftest import QUICKSTART
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_quickstart_grpo_beats_sft(tmp_path):
+    assets = tmp_path / "assets"
+    overrides = [
+        f"output_dir={tmp_path}/{{name}}",
+        f"model.path={assets}/tiny-arithmetic",
+        f"data.train_files=[{assets}/arithmetic/train.jsonl]",
+        f"data.eval_files=[{assets}/arithmetic/test.jsonl]",
+        "total_steps=60",
+        "eval.every=0",
+        "checkpoint.every=0",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "reroll.cli", "train", str(QUICKSTART), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 60/60 | reward" in out.stdout or "step 60/60 | reward" in out.stderr
+    assert "done: quickstart" in out.stdout and "checkpoint:" in out.stdout
+
+    rows = read_metrics(tmp_path / "quickstart")
+    before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
+    assert rows[0]["step"] == 0 and rows[-1]["step"] == 60
+    # Measured on the 2-core dev machine: 0.240 after SFT, 0.5+ after 60 GRPO steps.
+    assert after - before >= 0.15, (before, after)
+    assert list((tmp_path / "quickstart" / "tensorboard").glob("events.out.tfevents*"))
+    assert (tmp_path / "quickstart" / "checkpoints" / "step_000060" / "model" / "config.json").exists()
