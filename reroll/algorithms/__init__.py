@@ -1,9 +1,9 @@
 """RL post-training algorithms as pure functions over tensors; importable without Ray or any engine.
 
 Per-token tensors are (B, T) with ``response_mask: bool[B, T]``; per-sequence ones are (B,).
-The pipeline calls ``compute_advantages`` and ``actor_loss`` (``objective.py``); everything
-else is a pure function of tensors and keyword hyperparameters. docs/algorithms.md lists
-every name with its formula and paper.
+The pipeline calls ``compute_advantages`` and ``actor_loss`` (``objective.py``), and the critic
+``value_loss`` (``value.py``); everything else is a pure function of tensors and keyword
+hyperparameters. docs/algorithms.md lists every name with its formula and paper.
 """
 
 from reroll.algorithms.advantages import (
@@ -70,6 +70,7 @@ from reroll.algorithms.shaping import (
     raft_mask,
     update_running_mean_std,
 )
+from reroll.algorithms.value import value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -131,4 +132,5 @@ __all__ = [
     "tokens_from_steps",
     "topr_loss",
     "update_running_mean_std",
+    "value_loss",
 ]

@@ -101,6 +101,19 @@ class OptimConfig(StrictModel):
     ppo_epochs: int = Field(1, ge=1, description="Passes over the rollout batch.")
 
 
+class CriticConfig(StrictModel):
+    """PPO's learned value function (adv_estimator 'gae'); one step per mini-batch, like the actor."""
+
+    model_path: str | None = Field(
+        None, description="Hub id or local directory the critic starts from (default: model.path)."
+    )
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then constant.")
+    value_clip: float | None = Field(
+        0.2, gt=0, description="Clip new values to within this of the old ones in the loss (PPO); None: off."
+    )
+
+
 class StrategyConfig(StrictModel):
     """The training backend of actor_train and reference."""
 
@@ -125,6 +138,9 @@ class RolesConfig(StrictModel):
     actor_infer: RoleConfig = Field(default_factory=RoleConfig, description="The generation engine.")
     reference: RoleConfig = Field(default_factory=RoleConfig, description="Frozen policy for the KL term.")
     reward: RoleConfig = Field(default_factory=RoleConfig, description="Reward function workers.")
+    critic: RoleConfig = Field(
+        default_factory=RoleConfig, description="The value function (if `critic:` is set)."
+    )
 
 
 class SFTConfig(StrictModel):
@@ -133,6 +149,7 @@ class SFTConfig(StrictModel):
     steps: int = Field(100, ge=0, description="Optimizer steps.")
     batch_size: int = Field(64, ge=1, description="Rows per optimizer step.")
     lr: float = Field(1e-3, gt=0, description="Learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then constant.")
     files: list[str] | None = Field(None, description="Rows to learn from (default: data.train_files).")
     target_template: str = Field(
         "{answer}", description="What the model should answer, over the row's fields."
@@ -188,6 +205,11 @@ class RunConfig(StrictModel):
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     roles: RolesConfig = Field(default_factory=RolesConfig)
     sft: SFTConfig | None = Field(None, description="SFT settings; in an RLVR run, a warm start before RL.")
+    critic: CriticConfig | None = Field(
+        None,
+        description="A learned value function, needed by (and only by) adv_estimator 'gae', as in preset ppo; "
+        "its betas, weight decay, grad clip and micro-batch size are optim's.",
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -202,6 +224,11 @@ class RunConfig(StrictModel):
         return self.rollout.batch_size // self.rollout.group_size
 
     @property
+    def critic_model_path(self) -> str:
+        """Where the critic starts from: ``critic.model_path``, else the policy's ``model.path``."""
+        return (self.critic and self.critic.model_path) or self.model.path
+
+    @property
     def needs_reference(self) -> bool:
         return self.algorithm.kl_coef > 0
 
@@ -212,7 +239,7 @@ class RunConfig(StrictModel):
             for m in check_algorithm(
                 self.algorithm,
                 group_size=self.rollout.group_size,
-                has_critic=False,
+                has_critic=self.critic is not None,
                 max_response_len=self.rollout.max_new_tokens,
             )
         ]
@@ -239,11 +266,7 @@ class RunConfig(StrictModel):
                     f"change one of them",
                 )
             )
-        if (
-            self.model.build_tiny is None
-            and not _looks_like_hub_id(self.model.path)
-            and not Path(self.model.path).exists()
-        ):
+        if self.model.build_tiny is None and not _loadable(self.model.path):
             problems.append(
                 ConfigProblem(
                     "model.path",
@@ -251,7 +274,23 @@ class RunConfig(StrictModel):
                     f"or add model.build_tiny to build a tiny model there",
                 )
             )
+        if (
+            self.critic is not None
+            and self.critic.model_path is not None
+            and not _loadable(self.critic.model_path)
+        ):
+            problems.append(
+                ConfigProblem(
+                    "critic.model_path",
+                    f"{self.critic.model_path!r} is neither an existing directory nor a hub id ('org/name'): fix "
+                    f"the path, or remove critic.model_path to start the critic from model.path",
+                )
+            )
         return problems
+
+
+def _loadable(path: str) -> bool:
+    return _looks_like_hub_id(path) or Path(path).exists()
 
 
 def _looks_like_hub_id(path: str) -> bool:

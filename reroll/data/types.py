@@ -118,7 +118,8 @@ class TrainBatch:
             for name in self._tensor_fields()
             if getattr(self, name).dim() == 2
         }
-        return replace(self, **cut)
+        extras = {k: v[:, :width] if v.dim() == 2 else v for k, v in self.extras.items()}
+        return replace(self, **cut, extras=extras)
 
     @staticmethod
     def concat(parts: Sequence[torch.Tensor], width: int | None = None, pad: float = 0.0) -> torch.Tensor:

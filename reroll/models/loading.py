@@ -1,15 +1,29 @@
-"""Loading a causal LM and computing per-token log-probs: the one place both trainer and engine use."""
+"""Loading models and reading per-token quantities off them: the one place trainer, critic and engine use.
+
+Per-token outputs follow one alignment (``reroll.data.types``): column ``t`` belongs to token ``t``
+and is read off the model's output at position ``t - 1``, the last position that has not seen
+token ``t``; column 0 is 0.
+"""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import logging as hf_logging
 
 from reroll.errors import UserError
 
+log = logging.getLogger(__name__)
 hf_logging.disable_progress_bar()  # one line per step is ours; no per-load progress bars
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,6 +51,38 @@ def load_causal_lm(
     return model.to(device)
 
 
+def load_value_model(
+    path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """A critic: the model at ``path`` with a one-output linear head per position, ``(B, T, 1)`` scores.
+
+    Loaded as ``AutoModelForTokenClassification`` (``num_labels=1``, no dropout), so a causal LM
+    checkpoint gives the body and a new head. Parameters the checkpoint lacks (the new head) start
+    at zero, so every value starts at 0; a saved critic loads its own head. ``save_pretrained``
+    writes it back in the same form.
+    """
+    report = logging.getLogger("transformers.modeling_utils")  # its load report: the new head is expected
+    level = report.level
+    try:
+        report.setLevel(logging.ERROR)
+        config = AutoConfig.from_pretrained(str(path))
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            str(path), config=config, dtype=DTYPES[dtype], output_loading_info=True
+        )
+    except OSError as e:
+        raise UserError(f"cannot load a value model from {str(path)!r}: {e}") from e
+    finally:
+        report.setLevel(level)
+    missing = set(info["missing_keys"])
+    if missing:
+        log.info("value model from %s: %s start at zero", path, ", ".join(sorted(missing)))
+    for name, param in model.named_parameters():
+        if name in missing:
+            torch.nn.init.zeros_(param)
+    return model.to(device)
+
+
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip padding: 0, 1, 2, ... over the real tokens of each row."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -51,6 +97,17 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
     logp = torch.log_softmax(scaled, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(logp, (1, 0), value=0.0)
+
+
+def token_values(scores: torch.Tensor) -> torch.Tensor:
+    """V(x_<t), the value of the state before token ``t``: ``(B, T, 1)`` value-head scores -> ``(B, T)``; column 0 is 0.
+
+    Aligned like ``token_logprobs``: at a response token ``t``, the value belongs to the state in
+    which the policy chose token ``t`` (the output at position ``t - 1``), which is the V_t that
+    ``gae_advantages`` reads in delta_t = r_t + gamma V_{t+1} - V_t. The output at the last token
+    (the state after the response) is never used: the value after the last token is 0.
+    """
+    return torch.nn.functional.pad(scores[:, :-1, 0].float(), (1, 0), value=0.0)
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

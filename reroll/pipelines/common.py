@@ -19,6 +19,7 @@ from reroll.data.types import Sample, SamplingParams, TrainBatch
 from reroll.errors import UserError
 from reroll.models.loading import load_tokenizer
 from reroll.rewards.base import RewardResult
+from reroll.roles.critic import CriticGroup
 from reroll.roles.reward import RewardGroup
 from reroll.roles.rollout import RolloutGroup
 from reroll.roles.trainer import TrainerGroup
@@ -110,9 +111,10 @@ class Roles:
     rollout: RolloutGroup
     reward: RewardGroup
     reference: TrainerGroup | None = None
+    critic: CriticGroup | None = None
 
     @classmethod
-    def start(cls, cfg: RunConfig, *, reference: bool) -> Roles:
+    def start(cls, cfg: RunConfig, *, reference: bool, critic: bool = False) -> Roles:
         if cfg.runtime.backend == "ray":
             start_ray(cfg.runtime.ray_address)
         return cls(
@@ -120,10 +122,11 @@ class Roles:
             rollout=RolloutGroup(cfg),
             reward=RewardGroup(cfg),
             reference=TrainerGroup("reference", cfg, trainable=False) if reference else None,
+            critic=CriticGroup(cfg) if critic else None,
         )
 
     def shutdown(self) -> None:
-        for group in (self.actor, self.rollout, self.reward, self.reference):
+        for group in (self.actor, self.rollout, self.reward, self.reference, self.critic):
             if group is not None:
                 group.shutdown()
 
@@ -190,7 +193,7 @@ def run_sft_steps(
     """``cfg.sft.steps`` supervised steps on ``samples`` through actor_train; returns the last step's metrics."""
     assert cfg.sft is not None
     tokenizer = load_tokenizer(cfg.model.path)
-    actor.configure_optimizer(cfg.sft.lr, cfg.optim.warmup_steps)
+    actor.configure_optimizer(cfg.sft.lr, cfg.sft.warmup_steps)
     sampler = PromptSampler(samples, cfg.sft.batch_size, seed=cfg.seed + 1, shuffle=cfg.data.shuffle)
     metrics: dict[str, float] = {}
     for i in range(1, cfg.sft.steps + 1):
@@ -226,13 +229,17 @@ def save_checkpoint(
     step: int,
     state: dict[str, Any],
     objects: dict[str, Any] | None = None,
+    critic: CriticGroup | None = None,
 ) -> Path:
     """A complete checkpoint of ``step`` (see ``reroll.runtime.checkpoint``), older ones pruned.
 
-    ``state`` goes into ``trainer_state.json``; ``objects`` are ``torch.save``d under their file names.
+    ``state`` goes into ``trainer_state.json``; ``objects`` are ``torch.save``d under their file names;
+    a ``critic`` saves into ``critic/``.
     """
     partial = checkpoint.begin(cfg.run_dir, step)
     actor.save(partial, with_optimizer=True)
+    if critic is not None:
+        critic.save(partial)
     for name, obj in (objects or {}).items():
         torch.save(obj, partial / name)
     tokenizer = load_tokenizer(cfg.model.path)

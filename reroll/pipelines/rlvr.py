@@ -1,14 +1,16 @@
 """RLVR: reinforcement learning with verifiable rewards (GRPO and the rest of the algorithm zoo).
 
-One controller drives four roles. Each step: actor_infer samples ``group_size`` responses per prompt,
-reward scores them, reference and actor_train score the tokens, the algorithm turns rewards into
-advantages, actor_train takes its optimizer steps, and the new weights go to actor_infer. Every phase is
-timed. An optional SFT warm start runs first on the same actor_train role.
+One controller drives four roles, five with PPO's critic. Each step: actor_infer samples ``group_size``
+responses per prompt, reward scores them, reference and actor_train score the tokens, the critic (if
+any) gives its values, the algorithm turns rewards into advantages (and the critic's returns),
+actor_train and the critic take their optimizer steps, and the new weights go to actor_infer. Every
+phase is timed. An optional SFT warm start runs first on the same actor_train role.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -18,7 +20,7 @@ from reroll.algorithms.aggregation import count_tokens_and_seqs
 from reroll.algorithms.objective import AdvantageState, compute_advantages
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
-from reroll.data.types import Rollout, SamplingParams, build_train_batch
+from reroll.data.types import Rollout, SamplingParams, TrainBatch, build_train_batch
 from reroll.models.loading import load_tokenizer, mismatch_metrics
 from reroll.pipelines.common import (
     Roles,
@@ -45,7 +47,7 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
     resume_from, run_dir = open_run_dir(cfg, resume=resume)
     pad_id = load_tokenizer(cfg.model.path).pad_token_id
     sampler = PromptSampler(train, cfg.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    roles = Roles.start(cfg, reference=cfg.needs_reference)
+    roles = Roles.start(cfg, reference=cfg.needs_reference, critic=cfg.critic is not None)
     state = AdvantageState.initial(cfg.algorithm)
     # One optimizer step per batch is on-policy: the trainer's log-probs before the step are the old
     # ones, so the separate pass is skipped unless the KL-in-reward needs them up front.
@@ -58,6 +60,8 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
             saved = checkpoint.read_state(resume_from)
             roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)
             roles.actor.load(resume_from)
+            if roles.critic is not None:
+                roles.critic.load(resume_from)
             sampler.restore(saved["sampler"])
             state = AdvantageState.from_state_dict(torch.load(resume_from / "algorithm_state.pt"))
             start = saved["step"]
@@ -116,6 +120,9 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
             if needs_old_logprobs:
                 with timer("old_logprobs"):
                     batch.old_logprobs = roles.actor.compute_logprobs(batch)
+            if roles.critic is not None:
+                with timer("values"):
+                    batch.extras["values"] = roles.critic.compute_values(batch)
             with timer("advantages"):
                 adv = compute_advantages(
                     cfg.algorithm,
@@ -124,15 +131,21 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
                     response_mask=batch.response_mask,
                     logprobs=batch.old_logprobs,
                     ref_logprobs=batch.ref_logprobs,
+                    values=batch.extras.get("values"),
                     response_lengths=batch.response_mask.sum(-1),
                     truncated=torch.tensor([r.completion.finish_reason == "length" for r in rollouts]),
                     max_response_len=cfg.rollout.max_new_tokens,
                     state=state,
                 )
                 batch.advantages, state = adv.advantages, adv.state
+                if roles.critic is not None:
+                    batch.extras["returns"] = adv.returns
                 kept = batch.select(adv.keep)
             with timer("train"):
-                train_metrics = _train(cfg, roles, kept, step)
+                train_metrics = _train(cfg, kept, step, roles.actor.train_rl)
+            if roles.critic is not None:
+                with timer("critic"):
+                    train_metrics |= _train(cfg, kept, step, roles.critic.train)
             with timer("weight_sync"):
                 roles.rollout.update_weights(roles.actor.weights_ref())
             metrics = {
@@ -147,7 +160,12 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.total_steps:
                 with timer("checkpoint"):
                     ckpt = save_checkpoint(
-                        cfg, roles.actor, step, {"sampler": sampler.state()}, {"algorithm_state.pt": state.state_dict()}
+                        cfg,
+                        roles.actor,
+                        step,
+                        {"sampler": sampler.state()},
+                        {"algorithm_state.pt": state.state_dict()},
+                        critic=roles.critic,
                     )
             metrics |= timer.pop()
             metrics_log.log(step, metrics)
@@ -174,8 +192,14 @@ def _sampling(cfg: RunConfig, seed: int) -> SamplingParams:
     )
 
 
-def _train(cfg: RunConfig, roles: Roles, batch, step: int) -> dict[str, float]:
-    """``ppo_epochs`` passes of ``mini_batches`` optimizer steps; each mini-batch normalised by its own counts."""
+def _train(
+    cfg: RunConfig, batch: TrainBatch, step: int, update: Callable[[TrainBatch], dict[str, float]]
+) -> dict[str, float]:
+    """``ppo_epochs`` passes of ``mini_batches`` calls of ``update`` (one optimizer step each), metrics averaged.
+
+    Each mini-batch is normalised by its own counts. The order depends on the step only, so the actor
+    and the critic see the same mini-batches.
+    """
     if len(batch) == 0:
         return {"train/skipped": 1.0}
     g = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
@@ -190,7 +214,7 @@ def _train(cfg: RunConfig, roles: Roles, batch, step: int) -> dict[str, float]:
             mini = batch.select(idx)
             tokens, seqs = count_tokens_and_seqs(mini.response_mask)
             mini = replace(mini, num_tokens=float(tokens), num_seqs=float(seqs))
-            parts.append(roles.actor.train_rl(mini))
+            parts.append(update(mini))
     return {k: sum(p[k] for p in parts) / len(parts) for k in parts[-1]}
 
 

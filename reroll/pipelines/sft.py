@@ -45,7 +45,7 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> RunResult:
     roles = Roles.start(cfg, reference=False)
     start, ckpt, last = 0, resume_from, {}
     try:
-        roles.actor.configure_optimizer(cfg.sft.lr, cfg.optim.warmup_steps)
+        roles.actor.configure_optimizer(cfg.sft.lr, cfg.sft.warmup_steps)
         if resume_from is not None:
             roles.actor.load(resume_from)
             saved = checkpoint.read_state(resume_from)

@@ -13,6 +13,7 @@ _COLUMNS = [
     ("eval/accuracy", "eval_acc", "{:.3f}"),
     ("rollout/response_length", "len", "{:.1f}"),
     ("actor/pg_loss", "pg_loss", "{:+.4f}"),
+    ("critic/vf_loss", "vf_loss", "{:.4f}"),
     ("sft/loss", "sft_loss", "{:.4f}"),
 ]
 _PHASES = [
@@ -20,7 +21,9 @@ _PHASES = [
     ("reward", "rew"),
     ("reference", "ref"),
     ("old_logprobs", "old"),
+    ("values", "val"),
     ("train", "train"),
+    ("critic", "critic"),
     ("weight_sync", "sync"),
     ("evaluate", "eval"),
     ("checkpoint", "ckpt"),

@@ -8,15 +8,23 @@ ranks), so summing gradients over ranks gives exactly the full-batch gradient. R
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from reroll.models.loading import load_causal_lm, position_ids_from
+from reroll.models.loading import load_causal_lm, load_value_model, position_ids_from
+
+Head = Literal["causal_lm", "value"]
+_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model}
 
 
 class TorchStrategy:
-    """Holds the model, its optimizer and schedule; the role decides what loss to run through it."""
+    """Holds the model, its optimizer and schedule; the role decides what loss to run through it.
+
+    ``head`` picks the model: ``"causal_lm"`` (the policy, ``(B, T, V)`` logits) or ``"value"``
+    (a critic, ``(B, T, 1)`` scores; ``reroll.models.loading.load_value_model``).
+    """
 
     def __init__(
         self,
@@ -28,9 +36,11 @@ class TorchStrategy:
         gradient_checkpointing: bool = False,
         rank: int = 0,
         world_size: int = 1,
+        head: Head = "causal_lm",
     ) -> None:
         self.device = torch.device(device)
-        self.model = load_causal_lm(model_path, dtype, self.device)
+        self._load = _LOADERS[head]
+        self.model = self._load(model_path, dtype, self.device)
         self.rank, self.world_size = rank, world_size
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -62,7 +72,7 @@ class TorchStrategy:
         )
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``(B, T, V)`` logits for right-padded rows."""
+        """What the model's forward gives for right-padded rows: ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``."""
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)
@@ -96,6 +106,7 @@ class TorchStrategy:
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """Hugging Face weights into ``directory/model`` (rank 0) and optimizer state per rank."""
+        directory.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             self.model.save_pretrained(directory / "model", safe_serialization=True)
         if with_optimizer and self.optimizer is not None:
@@ -104,7 +115,7 @@ class TorchStrategy:
 
     def load(self, directory: Path) -> None:
         """Weights from ``directory/model`` and, where present, this rank's optimizer state."""
-        loaded = load_causal_lm(directory / "model", str(self.model.dtype).removeprefix("torch."), "cpu")
+        loaded = self._load(directory / "model", str(self.model.dtype).removeprefix("torch."), "cpu")
         self.model.load_state_dict(loaded.state_dict())
         path = directory / f"optimizer_rank{self.rank}.pt"
         if path.exists() and self.optimizer is not None:

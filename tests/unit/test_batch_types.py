@@ -42,3 +42,10 @@ def test_concat_pads_to_requested_width():
     out = TrainBatch.concat([torch.ones(1, 2), torch.ones(2, 3)], width=4)
     assert out.shape == (3, 4)
     assert out[0].tolist() == [1, 1, 0, 0]
+
+
+def test_trim_cuts_extras_too():
+    short = build_train_batch([_rollout([1], [2], 0), _rollout([1] * 4, [2] * 3, 1)], pad_token_id=0)
+    short.extras["values"] = torch.zeros(2, 7)
+    first = short.chunks(1)[0]
+    assert first.extras["values"].shape == (1, 2)

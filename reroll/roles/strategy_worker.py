@@ -1,0 +1,112 @@
+"""What the roles that hold a training strategy share: actor_train, reference and critic.
+
+A ``StrategyWorker`` sets up its process (threads, seed), holds a ``TorchStrategy``, joins its role's
+process group, scores batches in micro-batches, stops on a non-finite loss, saves and loads. A
+``StrategyGroup`` starts the ranks and their process group, and splits batches by rows across them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reroll.config.schema import RunConfig
+from reroll.data.types import TrainBatch
+from reroll.runtime.actors import WorkerGroup, free_address
+from reroll.strategies.torch_strategy import Head, TorchStrategy
+
+
+def mean_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's mean over the parts that have it (micro-batches, or ranks)."""
+    keys = {k for p in parts for k in p}
+    return {k: sum(p[k] for p in parts if k in p) / sum(1 for p in parts if k in p) for k in sorted(keys)}
+
+
+class StrategyWorker:
+    """One rank of a role that holds a model in a ``TorchStrategy`` (``roles.<role>`` places it)."""
+
+    def __init__(
+        self, role: str, rank: int, cfg: RunConfig, *, model_path: str, trainable: bool, head: Head
+    ) -> None:
+        role_cfg = getattr(cfg.roles, role)
+        torch.set_num_threads(role_cfg.torch_threads or torch.get_num_threads())
+        torch.manual_seed(cfg.seed + rank)
+        self.role, self.rank, self.cfg = role, rank, cfg
+        self.strategy = TorchStrategy(
+            model_path,
+            dtype=cfg.model.dtype,
+            device="cuda" if role_cfg.num_gpus_per_worker > 0 else "cpu",
+            trainable=trainable,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+            rank=rank,
+            world_size=role_cfg.world_size,
+            head=head,
+        )
+
+    def rendezvous_address(self) -> str:
+        return free_address()
+
+    def init_distributed(self, address: str) -> None:
+        self.strategy.init_distributed(address)
+
+    def configure_optimizer(self, lr: float, warmup_steps: int) -> None:
+        o = self.cfg.optim
+        self.strategy.configure_optimizer(
+            lr=lr, betas=o.betas, weight_decay=o.weight_decay, warmup_steps=warmup_steps
+        )
+
+    def save(self, directory: str, with_optimizer: bool) -> None:
+        self.strategy.save(Path(directory), with_optimizer=with_optimizer)
+
+    def load(self, directory: str) -> None:
+        self.strategy.load(Path(directory))
+
+    @torch.no_grad()
+    def _score(
+        self, batch: TrainBatch, per_token: Callable[[torch.Tensor, TrainBatch], torch.Tensor]
+    ) -> torch.Tensor:
+        """``per_token(model output, micro-batch)`` (b, t) over micro-batches of ``optim.micro_batch_size``: (B, T)."""
+        parts = []
+        for mb in batch.chunks(self.cfg.optim.micro_batch_size):
+            parts.append(per_token(self.strategy.logits(mb.input_ids, mb.attention_mask), mb).cpu())
+        return TrainBatch.concat(parts, width=batch.input_ids.shape[1])
+
+    def _step(self, prefix: str) -> dict[str, float]:
+        """The optimizer step, with its gradient norm and lr as ``<prefix>/grad_norm``, ``<prefix>/lr``."""
+        return {f"{prefix}/{k}": v for k, v in self.strategy.step(self.cfg.optim.grad_clip).items()}
+
+    def _check_finite(self, loss: torch.Tensor, mb: TrainBatch, stats: str) -> None:
+        """Stop on a non-finite loss, naming the role, rank, micro-batch and ``stats`` of its inputs."""
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"{self.role}[{self.rank}] loss is {value} on a micro-batch of {len(mb)} rows, "
+                f"{int(mb.response_mask.sum())} response tokens, {stats}: stopping"
+            )
+
+
+class StrategyGroup(WorkerGroup):
+    """The ranks of a strategy role, joined in one process group when there are several."""
+
+    def __init__(
+        self, role: str, cls: type, make_args: Callable[[int], tuple[Any, ...]], cfg: RunConfig
+    ) -> None:
+        super().__init__(role, cls, make_args, cfg)
+        if self.world_size > 1:
+            [address] = self._wait([self.handles[0].rendezvous_address.remote()], "rendezvous")
+            self._wait([h.init_distributed.remote(address) for h in self.handles], "init_distributed")
+
+    def configure_optimizer(self, lr: float, warmup_steps: int) -> None:
+        self._wait(
+            [h.configure_optimizer.remote(lr, warmup_steps) for h in self.handles], "configure_optimizer"
+        )
+
+    def save(self, directory: Path, with_optimizer: bool = True) -> None:
+        self._wait([h.save.remote(str(directory), with_optimizer) for h in self.handles], "save")
+
+    def load(self, directory: Path) -> None:
+        self._wait([h.load.remote(str(directory)) for h in self.handles], "load")
