@@ -243,6 +243,15 @@ class RunConfig(StrictModel):
                 max_response_len=self.rollout.max_new_tokens,
             )
         ]
+        if self.pipeline == "rlvr" and self.algorithm.adv_estimator == "step_return":
+            problems.append(
+                ConfigProblem(
+                    "algorithm.adv_estimator",
+                    "'step_return' needs per-turn rewards from multi-turn episodes, which the rlvr pipeline "
+                    "does not produce (the agentic pipeline is on the roadmap): use 'grpo', 'rloo' or "
+                    "'reinforce_pp'",
+                )
+            )
         if self.pipeline == "sft" and self.sft is None:
             problems.append(
                 ConfigProblem("sft", "pipeline 'sft' needs an `sft:` section (steps, batch_size, lr)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -20,7 +21,7 @@ from reroll.algorithms.aggregation import count_tokens_and_seqs
 from reroll.algorithms.objective import AdvantageState, compute_advantages
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
-from reroll.data.types import Rollout, SamplingParams, TrainBatch, build_train_batch
+from reroll.data.types import Rollout, Sample, SamplingParams, TrainBatch, build_train_batch
 from reroll.models.loading import load_tokenizer, mismatch_metrics
 from reroll.pipelines.common import (
     Roles,
@@ -48,43 +49,8 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
     pad_id = load_tokenizer(cfg.model.path).pad_token_id
     sampler = PromptSampler(train, cfg.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
     roles = Roles.start(cfg, reference=cfg.needs_reference, critic=cfg.critic is not None)
-    state = AdvantageState.initial(cfg.algorithm)
-    # One optimizer step per batch is on-policy: the trainer's log-probs before the step are the old
-    # ones, so the separate pass is skipped unless the KL-in-reward needs them up front.
-    alg = cfg.algorithm
-    on_policy = cfg.optim.ppo_epochs == 1 and cfg.optim.mini_batches == 1
-    needs_old_logprobs = not on_policy or (alg.kl_in == "reward" and alg.kl_coef > 0)
-    start = 0
     try:
-        if resume_from is not None:
-            saved = checkpoint.read_state(resume_from)
-            roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)
-            roles.actor.load(resume_from)
-            if roles.critic is not None:
-                roles.critic.load(resume_from)
-            sampler.restore(saved["sampler"])
-            state = AdvantageState.from_state_dict(torch.load(resume_from / "algorithm_state.pt"))
-            start = saved["step"]
-            log.info("resumed from %s (step %d)", resume_from, start)
-        elif cfg.sft is not None and cfg.sft.steps > 0:
-            log.info("SFT warm start: %d steps", cfg.sft.steps)
-            bar = tqdm(total=cfg.sft.steps, desc="sft", leave=False, disable=None)
-            run_sft_steps(
-                cfg,
-                roles.actor,
-                train,
-                on_step=lambda i, m: (bar.update(), bar.set_postfix(loss=f"{m['sft/loss']:.3f}")),
-            )
-            bar.close()
-            roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)
-        else:
-            roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)
-        if roles.reference is not None:  # the reference is the policy RL starts from (after any warm start)
-            ref_dir = run_dir / "reference"
-            if resume_from is None:
-                roles.actor.save(ref_dir, with_optimizer=False)
-            roles.reference.load(ref_dir)
-        roles.rollout.update_weights(roles.actor.weights_ref())
+        start, state = _restore_or_warm_start(cfg, roles, sampler, train, resume_from)
         metrics_log = open_metrics(cfg, resume_step=start if resume_from else None)
         if start == 0:
             before = evaluate(cfg, roles, held_out)
@@ -117,12 +83,15 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
             if roles.reference is not None:
                 with timer("reference"):
                     batch.ref_logprobs = roles.reference.compute_logprobs(batch)
-            if needs_old_logprobs:
+            if _needs_old_logprobs(cfg):
                 with timer("old_logprobs"):
                     batch.old_logprobs = roles.actor.compute_logprobs(batch)
             if roles.critic is not None:
                 with timer("values"):
                     batch.extras["values"] = roles.critic.compute_values(batch)
+            if cfg.algorithm.adv_estimator == "remax":
+                with timer("baseline"):
+                    batch.extras["baseline_rewards"] = _greedy_rewards(cfg, roles, prompts)
             with timer("advantages"):
                 adv = compute_advantages(
                     cfg.algorithm,
@@ -132,6 +101,7 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
                     logprobs=batch.old_logprobs,
                     ref_logprobs=batch.ref_logprobs,
                     values=batch.extras.get("values"),
+                    baseline_rewards=batch.extras.get("baseline_rewards"),
                     response_lengths=batch.response_mask.sum(-1),
                     truncated=torch.tensor([r.completion.finish_reason == "length" for r in rollouts]),
                     max_response_len=cfg.rollout.max_new_tokens,
@@ -159,14 +129,7 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
                     metrics |= evaluate(cfg, roles, held_out)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.total_steps:
                 with timer("checkpoint"):
-                    ckpt = save_checkpoint(
-                        cfg,
-                        roles.actor,
-                        step,
-                        {"sampler": sampler.state()},
-                        {"algorithm_state.pt": state.state_dict()},
-                        critic=roles.critic,
-                    )
+                    ckpt = _checkpoint(cfg, roles, step, sampler, state)
             metrics |= timer.pop()
             metrics_log.log(step, metrics)
             last = metrics
@@ -179,7 +142,68 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
     return RunResult(run_dir, ckpt, run_dir / "metrics.jsonl", run_dir / "config.yaml", last)
 
 
-def _sampling(cfg: RunConfig, seed: int) -> SamplingParams:
+def _restore_or_warm_start(
+    cfg: RunConfig, roles: Roles, sampler: PromptSampler, train: list[Sample], resume_from: Path | None
+) -> tuple[int, AdvantageState]:
+    """Resume from a checkpoint, or run the SFT warm start; then set the reference and sync the engine.
+
+    Returns the step to continue after and the algorithm's carried state.
+    """
+    start, state = 0, AdvantageState.initial(cfg.algorithm)
+    roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)
+    if resume_from is not None:
+        roles.actor.load(resume_from)
+        if roles.critic is not None:
+            roles.critic.load(resume_from)
+        saved = checkpoint.read_state(resume_from)
+        sampler.restore(saved["sampler"])
+        state = AdvantageState.from_state_dict(torch.load(resume_from / "algorithm_state.pt"))
+        start = saved["step"]
+        log.info("resumed from %s (step %d)", resume_from, start)
+    elif cfg.sft is not None and cfg.sft.steps > 0:
+        log.info("SFT warm start: %d steps", cfg.sft.steps)
+        bar = tqdm(total=cfg.sft.steps, desc="sft", leave=False, disable=None)
+        on_step = lambda i, m: (bar.update(), bar.set_postfix(loss=f"{m['sft/loss']:.3f}"))  # noqa: E731
+        run_sft_steps(cfg, roles.actor, train, on_step=on_step)
+        bar.close()
+        roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)  # a fresh optimizer for RL
+    if roles.reference is not None:  # the reference is the policy RL starts from (after any warm start)
+        ref_dir = cfg.run_dir / "reference"
+        if resume_from is None:
+            roles.actor.save(ref_dir, with_optimizer=False)
+        roles.reference.load(ref_dir)
+    roles.rollout.update_weights(roles.actor.weights_ref())
+    return start, state
+
+
+def _needs_old_logprobs(cfg: RunConfig) -> bool:
+    """One optimizer step per batch is on-policy: the trainer's log-probs before the step are the old
+    ones, so the separate pass is skipped unless the KL-in-reward needs them up front."""
+    alg = cfg.algorithm
+    on_policy = cfg.optim.ppo_epochs == 1 and cfg.optim.mini_batches == 1
+    return not on_policy or (alg.kl_in == "reward" and alg.kl_coef > 0)
+
+
+def _greedy_rewards(cfg: RunConfig, roles: Roles, prompts: list[Sample]) -> torch.Tensor:
+    """ReMax's baseline: the reward of each prompt's greedy response, repeated over its group ``(B,)``."""
+    params = replace(_sampling(cfg, seed=None), n=1, temperature=0.0)
+    greedy = [g[0] for g in roles.rollout.generate([s.prompt for s in prompts], params, phase="baseline")]
+    results = roles.reward.score(
+        [(s.prompt, c.text, s.row) for s, c in zip(prompts, greedy)], phase="baseline"
+    )
+    return torch.tensor([r.score for r in results], dtype=torch.float32).repeat_interleave(
+        cfg.rollout.group_size
+    )
+
+
+def _checkpoint(
+    cfg: RunConfig, roles: Roles, step: int, sampler: PromptSampler, state: AdvantageState
+) -> Path:
+    objects = {"algorithm_state.pt": state.state_dict()}
+    return save_checkpoint(cfg, roles.actor, step, {"sampler": sampler.state()}, objects, critic=roles.critic)
+
+
+def _sampling(cfg: RunConfig, seed: int | None) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(
         n=r.group_size,

@@ -20,6 +20,7 @@ _PHASES = [
     ("generate", "gen"),
     ("reward", "rew"),
     ("reference", "ref"),
+    ("baseline", "base"),
     ("old_logprobs", "old"),
     ("values", "val"),
     ("train", "train"),

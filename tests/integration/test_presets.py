@@ -37,3 +37,16 @@ def test_preset_runs_through_cli(tmp_path, assets, preset):
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(math.isfinite(r["actor/loss"]) for r in rows[1:] if "actor/loss" in r)
+
+
+def test_remax_scores_a_greedy_baseline(tmp_path, assets):
+    cfg = write_config(tmp_path / "c.yaml", assets, name="remax", algorithm={"adv_estimator": "remax"})
+    assert main(["train", str(cfg), "runtime.backend=local", "eval.every=0"]) == 0
+    rows = read_metrics(tmp_path / "runs" / "remax")
+    assert all("timing/baseline" in r for r in rows[1:])
+
+
+def test_step_return_is_rejected_in_rlvr(tmp_path, assets, capsys):
+    cfg = write_config(tmp_path / "c.yaml", assets, algorithm={"adv_estimator": "step_return"})
+    assert main(["validate", str(cfg)]) == 2
+    assert "algorithm.adv_estimator: 'step_return' needs per-turn rewards" in capsys.readouterr().err
