@@ -10,14 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-from transformers.convert_slow_tokenizer import bytes_to_unicode
-from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
 UNK_TOKEN = "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+
+# Qwen2's pre-tokenizer split (transformers' `tokenization_qwen2.PRETOKENIZE_REGEX`).
+QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 # vLLM's CPU attention backend supports these head sizes among the ones a tiny model would use.
 SUPPORTED_HEAD_DIMS = (32, 64)
@@ -39,11 +41,11 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     (the chat template's role markers), then the alphabet in order. No BOS/EOS is added on encode.
     ``padding_side`` is left to the caller.
 
-    It is a byte-level BPE with no merges, built as ``Qwen2Tokenizer``: for a ``qwen2`` checkpoint,
-    ``AutoTokenizer`` (and so vLLM) always rebuilds the tokenizer as ``Qwen2Tokenizer`` from the saved
-    vocab, whatever class was saved, so only this construction behaves the same before and after a
-    reload. A consequence of that class: characters outside ``alphabet`` are dropped on encode
-    (its BPE has no unknown token), so check the text uses only ``alphabet``.
+    It is a byte-level BPE with no merges and exactly the pipeline of ``Qwen2Tokenizer``: for a
+    ``qwen2`` checkpoint, transformers 5 (and so vLLM) always rebuilds the tokenizer as
+    ``Qwen2Tokenizer`` from the saved vocab, whatever class was saved, so only this construction
+    encodes the same before and after a reload. A consequence: characters outside ``alphabet`` are
+    dropped on encode (that BPE has no unknown token), so check that text uses only ``alphabet``.
     """
     chars = list(dict.fromkeys(alphabet))  # dedupe, keep order
     if not chars:
@@ -58,18 +60,29 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
         )
     specials = [PAD_TOKEN, EOS_TOKEN, UNK_TOKEN, *ROLE_TOKENS]
     vocab = {token: i for i, token in enumerate(specials)}
-    byte_to_symbol = bytes_to_unicode()  # the byte-level alphabet: " " is "Ġ", "\n" is "Ċ", ...
     for char in chars:
-        vocab[byte_to_symbol[ord(char)]] = len(vocab)
+        vocab[_byte_symbol(ord(char))] = len(vocab)
 
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=[],
-        unk_token=UNK_TOKEN,
-        eos_token=EOS_TOKEN,
+    backend = Tokenizer(
+        models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False)
+    )
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(specials)
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
         pad_token=PAD_TOKEN,
-        bos_token=None,
-        extra_special_tokens=list(ROLE_TOKENS),
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        additional_special_tokens=list(ROLE_TOKENS),
+        clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -152,3 +165,16 @@ def _check_dims(hidden_size: int, num_heads: int, num_kv_heads: int) -> None:
             f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads}); "
             f"use a divisor of {num_heads}, or leave num_kv_heads unset to use num_heads"
         )
+
+
+def _byte_symbol(byte: int) -> str:
+    """The byte-level BPE symbol of one byte (GPT-2's ``bytes_to_unicode``): printable bytes stay
+    themselves, the others map past U+0100 in order (space is "Ġ", newline "Ċ")."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    if byte in printable:
+        return chr(byte)
+    return chr(256 + [b for b in range(256) if b not in printable].index(byte))

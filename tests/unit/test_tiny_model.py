@@ -48,6 +48,11 @@ def test_chat_template(tokenizer):
     assert len(tokenizer(prompt)["input_ids"]) == 6  # 2 role markers + 4 characters
 
 
+def test_out_of_alphabet_characters_are_dropped(tokenizer):
+    # The byte-level BPE (Qwen2Tokenizer's pipeline) has no unknown token.
+    assert tokenizer("1x2")["input_ids"] == tokenizer("12")["input_ids"]
+
+
 def test_non_ascii_alphabet_is_an_error():
     with pytest.raises(ValueError, match="non-ASCII"):
         char_tokenizer("01é")
@@ -66,7 +71,7 @@ def test_saved_model_reloads_with_identical_logits(model_dir, tokenizer):
     assert model.config.hidden_size // model.config.num_attention_heads == 32
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id == model.config.eos_token_id
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id == model.config.pad_token_id
-    for text in ("12+34=", " 1 - 2 = -1"):
+    for text in ("12+34=", " 1 - 2 = -1", "<|user|>1+2=<|assistant|>3<eos><pad>", "7x=\n"):
         assert reloaded_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
 
     # Rebuilding with the same seed gives the same weights, so the saved model matches a fresh one.
