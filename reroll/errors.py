@@ -13,4 +13,8 @@ class RoleError(RuntimeError):
     def __init__(self, role: str, rank: int | None, phase: str, cause: str) -> None:
         where = f"{role}[{rank}]" if rank is not None else role
         super().__init__(f"{where} failed during {phase}: {cause}")
-        self.role, self.rank, self.phase = role, rank, phase
+        self.role, self.rank, self.phase, self.cause = role, rank, phase, cause
+
+    def at_step(self, step: int) -> RoleError:
+        """The same error, with the pipeline step in its phase."""
+        return RoleError(self.role, self.rank, f"{self.phase} at step {step}", self.cause)

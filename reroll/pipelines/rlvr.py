@@ -22,6 +22,7 @@ from reroll.algorithms.objective import AdvantageState, compute_advantages
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
 from reroll.data.types import Rollout, Sample, SamplingParams, TrainBatch, build_train_batch
+from reroll.errors import RoleError
 from reroll.models.loading import load_tokenizer, mismatch_metrics
 from reroll.pipelines.common import (
     Roles,
@@ -49,6 +50,7 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
     pad_id = load_tokenizer(cfg.model.path).pad_token_id
     sampler = PromptSampler(train, cfg.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
     roles = Roles.start(cfg, reference=cfg.needs_reference, critic=cfg.critic is not None)
+    step = 0
     try:
         start, state = _restore_or_warm_start(cfg, roles, sampler, train, resume_from)
         metrics_log = open_metrics(cfg, resume_step=start if resume_from else None)
@@ -137,6 +139,8 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
             if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
                 tqdm.write(sample_line(rollouts[0], results[0]))
         metrics_log.close()
+    except RoleError as e:
+        raise (e.at_step(step) if step else e) from e
     finally:
         roles.shutdown()
     return RunResult(run_dir, ckpt, run_dir / "metrics.jsonl", run_dir / "config.yaml", last)

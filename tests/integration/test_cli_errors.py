@@ -99,3 +99,16 @@ def test_cli_prints_no_traceback_and_debug_does(tmp_path, assets):
         [sys.executable, "-m", "reroll.cli", "--debug", "validate", str(cfg)], capture_output=True, text=True
     )
     assert "Traceback" in debug.stderr
+
+
+def test_diverged_run_stops_with_role_and_step(tmp_path, assets, capsys):
+    # a reward an untrained model earns sometimes, so the advantages (and the absurd lr) move the weights
+    reward = {"fn": "tests.integration.test_ppo_critic:starts_with_digit"}
+    cfg = write_config(tmp_path / "c.yaml", assets, optim={"lr": 1e30, "micro_batch_size": 16}, reward=reward)
+    code = main(["train", str(cfg), "runtime.backend=local", "eval.every=0"])
+    err = capsys.readouterr().err
+    assert code == 1
+    # lr 1e30 sends the weights to ~1e30 in step 1; the first forward over them fails in step 2, on
+    # whichever role runs it first (the engine samples before the trainer's loss check sees a nan)
+    assert "failed during generate at step 2" in err and "nan" in err
+    assert "Traceback" not in err
