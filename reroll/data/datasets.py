@@ -145,3 +145,68 @@ class PromptSampler:
 
     def restore(self, state: dict[str, int]) -> None:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+class DomainSampler:
+    """Each step's prompts drawn from several domains by fixed shares, each domain its own ``PromptSampler``.
+
+    A batch of ``batch_size`` prompts takes ``share * batch_size`` from each domain; the fractional
+    parts carry over to later steps (largest credit first), so over many steps every domain gets
+    its share exactly even when a single batch cannot split evenly. Batches list domains in the
+    order given. ``state()``/``restore()`` cover every domain's position and the carried credit.
+    """
+
+    def __init__(
+        self,
+        by_domain: dict[str, list[Sample]],
+        shares: dict[str, float],
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        empty = [d for d, s in shares.items() if s > 0 and not by_domain.get(d)]
+        if empty:
+            raise DatasetError(
+                f"reward domains {empty} have a share but no training rows: add rows tagged for them "
+                f"(the row's `domain` field) or set their share to 0"
+            )
+        self.shares, self.batch_size = shares, batch_size
+        self.samplers = {
+            d: PromptSampler(by_domain[d], 1, seed=seed + i, shuffle=shuffle)
+            for i, d in enumerate(shares)
+            if shares[d] > 0
+        }
+        self.credit = dict.fromkeys(self.samplers, 0.0)
+
+    def counts(self) -> dict[str, int]:
+        """How many prompts each domain gives to the next batch (and the credit carried on)."""
+        for d in self.credit:
+            self.credit[d] += self.shares[d] * self.batch_size
+        counts = {d: int(c) for d, c in self.credit.items()}
+        by_remainder = sorted(self.credit, key=lambda d: self.credit[d] - counts[d], reverse=True)
+        for d in by_remainder[: self.batch_size - sum(counts.values())]:
+            counts[d] += 1
+        for d in counts:
+            self.credit[d] -= counts[d]
+        return counts
+
+    def next_batch(self) -> list[Sample]:
+        batch: list[Sample] = []
+        for d, n in self.counts().items():
+            sampler = self.samplers[d]
+            sampler.batch_size = n
+            batch += sampler.next_batch() if n else []
+        return batch
+
+    def __iter__(self) -> Iterator[list[Sample]]:
+        while True:
+            yield self.next_batch()
+
+    def state(self) -> dict[str, Any]:
+        return {"domains": {d: s.state() for d, s in self.samplers.items()}, "credit": dict(self.credit)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        for d, s in self.samplers.items():
+            s.restore(state["domains"][d])
+        self.credit = {d: float(state["credit"][d]) for d in self.samplers}

@@ -14,10 +14,11 @@ import torch
 
 from reroll.config.loader import dump_config
 from reroll.config.schema import RunConfig
-from reroll.data.datasets import PromptSampler, load_samples
+from reroll.data.datasets import DomainSampler, PromptSampler, load_samples
 from reroll.data.types import Sample, SamplingParams, TrainBatch
 from reroll.errors import UserError
 from reroll.models.loading import load_tokenizer
+from reroll.rewards import routing
 from reroll.rewards.base import RewardResult
 from reroll.roles.critic import CriticGroup
 from reroll.roles.reward import RewardGroup
@@ -43,7 +44,7 @@ class RunResult:
 
 def is_correct(result: RewardResult) -> bool:
     """A reward's own ``correct`` detail where it reports one, else a full score."""
-    return bool(result.details.get("correct", result.score >= 1.0))
+    return routing.is_correct(result)
 
 
 def prepare_inputs(cfg: RunConfig) -> None:
@@ -86,20 +87,52 @@ def load_data(cfg: RunConfig) -> tuple[list[Sample], list[Sample]]:
     """Training and held-out samples, checked for the fields the template and reward need."""
     kw = {
         "template": cfg.data.prompt_template,
-        "required": [cfg.data.answer_field],
+        "required": [] if cfg.reward.domains else [cfg.data.answer_field],
         "id_field": cfg.data.id_field,
     }
     train = load_samples(cfg.data.train_files, **kw)
     held_out = (
         load_samples(cfg.data.eval_files, **kw, limit=cfg.data.eval_limit) if cfg.data.eval_files else []
     )
+    if cfg.reward.domains:
+        _check_domain_rows(cfg, [*train, *held_out])
     if cfg.data.answer_field != "answer":  # reward functions read row["answer"]
         alias = cfg.data.answer_field
         train, held_out = ([_with_answer(s, alias) for s in part] for part in (train, held_out))
     return train, held_out
 
 
+def _check_domain_rows(cfg: RunConfig, samples: list[Sample]) -> None:
+    """Every row routes to a domain and has the fields that domain's rewards read."""
+    needs = routing.domain_required_fields(cfg.reward)
+    for s in samples:
+        domain = routing.route(cfg.reward, s.domain)
+        missing = [
+            f
+            for f in needs[domain]
+            if f not in s.row and not (f == "answer" and cfg.data.answer_field in s.row)
+        ]
+        if missing:
+            raise UserError(
+                f"row {s.uid!r} (domain {domain!r}) has no field {missing[0]!r}, which the domain's rewards "
+                f"read; the row has {sorted(s.row)}"
+            )
+
+
+def prompt_sampler(cfg: RunConfig, train: list[Sample]) -> PromptSampler | DomainSampler:
+    """Each step's prompts: by the domains' shares where reward.domains sets them, else from all rows."""
+    shares = {name: d.share for name, d in cfg.reward.domains.items()}
+    if not shares or any(v is None for v in shares.values()):
+        return PromptSampler(train, cfg.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    by_domain: dict[str, list[Sample]] = {name: [] for name in shares}
+    for s in train:
+        by_domain[routing.route(cfg.reward, s.domain)].append(s)
+    return DomainSampler(by_domain, shares, cfg.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
+
+
 def _with_answer(sample: Sample, field_name: str) -> Sample:
+    if field_name not in sample.row:  # a domain whose rewards read no answer (code tests, rules)
+        return sample
     return Sample(sample.uid, sample.prompt, {**sample.row, "answer": sample.row[field_name]}, sample.domain)
 
 
@@ -213,13 +246,16 @@ def evaluate(cfg: RunConfig, roles: Roles, samples: list[Sample]) -> dict[str, f
     groups = roles.rollout.generate([s.prompt for s in samples], params, phase="evaluate")
     completions = [g[0] for g in groups]
     results = roles.reward.score(
-        [(s.prompt, c.text, s.row) for s, c in zip(samples, completions)], phase="evaluate"
+        [(s.prompt, c.text, s.row, s.domain) for s, c in zip(samples, completions)], phase="evaluate"
     )
     n = len(samples)
+    domains = [routing.route(cfg.reward, s.domain) for s in samples]
+    per_domain = routing.domain_metrics(domains, results, prefix="eval", per_domain=bool(cfg.reward.domains))
     return {
         "eval/accuracy": sum(is_correct(r) for r in results) / n,
         "eval/reward_mean": sum(r.score for r in results) / n,
         "eval/response_length": sum(len(c.response_ids) for c in completions) / n,
+        **per_domain,
     }
 
 

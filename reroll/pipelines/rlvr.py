@@ -20,7 +20,7 @@ from tqdm import tqdm
 from reroll.algorithms.aggregation import count_tokens_and_seqs
 from reroll.algorithms.objective import AdvantageState, compute_advantages
 from reroll.config.schema import RunConfig
-from reroll.data.datasets import PromptSampler
+from reroll.data.datasets import DomainSampler, PromptSampler
 from reroll.data.types import Rollout, Sample, SamplingParams, TrainBatch, build_train_batch
 from reroll.errors import RoleError
 from reroll.models.loading import load_tokenizer, mismatch_metrics
@@ -33,9 +33,11 @@ from reroll.pipelines.common import (
     open_metrics,
     open_run_dir,
     prepare_inputs,
+    prompt_sampler,
     run_sft_steps,
     save_checkpoint,
 )
+from reroll.rewards import routing
 from reroll.runtime import checkpoint
 from reroll.runtime.console import sample_line, step_line
 from reroll.runtime.timing import PhaseTimer
@@ -48,7 +50,7 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
     train, held_out = load_data(cfg)
     resume_from, run_dir = open_run_dir(cfg, resume=resume)
     pad_id = load_tokenizer(cfg.model.path).pad_token_id
-    sampler = PromptSampler(train, cfg.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    sampler = prompt_sampler(cfg, train)
     roles = Roles.start(cfg, reference=cfg.needs_reference, critic=cfg.critic is not None)
     step = 0
     try:
@@ -78,10 +80,12 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
                 ]
             with timer("reward"):
                 results = roles.reward.score(
-                    [(r.sample.prompt, r.completion.text, r.sample.row) for r in rollouts]
+                    [(r.sample.prompt, r.completion.text, r.sample.row, r.sample.domain) for r in rollouts]
                 )
+                domains = [routing.route(cfg.reward, r.sample.domain) for r in rollouts]
                 batch = build_train_batch(rollouts, pad_id)
-                batch.rewards = torch.tensor([r.score for r in results], dtype=torch.float32)
+                raw = torch.tensor([r.score for r in results], dtype=torch.float32)
+                batch.rewards = routing.normalize_by_domain(raw, domains, cfg.reward)
             if roles.reference is not None:
                 with timer("reference"):
                     batch.ref_logprobs = roles.reference.compute_logprobs(batch)
@@ -122,6 +126,7 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
                 roles.rollout.update_weights(roles.actor.weights_ref())
             metrics = {
                 **_rollout_metrics(rollouts, results, batch),
+                **routing.domain_metrics(domains, results, per_domain=bool(cfg.reward.domains)),
                 **{k: float(v) for k, v in adv.metrics.items()},
                 **train_metrics,
                 **roles.rollout.metrics(),
@@ -147,7 +152,11 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
 
 
 def _restore_or_warm_start(
-    cfg: RunConfig, roles: Roles, sampler: PromptSampler, train: list[Sample], resume_from: Path | None
+    cfg: RunConfig,
+    roles: Roles,
+    sampler: PromptSampler | DomainSampler,
+    train: list[Sample],
+    resume_from: Path | None,
 ) -> tuple[int, AdvantageState]:
     """Resume from a checkpoint, or run the SFT warm start; then set the reference and sync the engine.
 
@@ -193,7 +202,7 @@ def _greedy_rewards(cfg: RunConfig, roles: Roles, prompts: list[Sample]) -> torc
     params = replace(_sampling(cfg, seed=None), n=1, temperature=0.0)
     greedy = [g[0] for g in roles.rollout.generate([s.prompt for s in prompts], params, phase="baseline")]
     results = roles.reward.score(
-        [(s.prompt, c.text, s.row) for s, c in zip(prompts, greedy)], phase="baseline"
+        [(s.prompt, c.text, s.row, s.domain) for s, c in zip(prompts, greedy)], phase="baseline"
     )
     return torch.tensor([r.score for r in results], dtype=torch.float32).repeat_interleave(
         cfg.rollout.group_size
@@ -201,7 +210,7 @@ def _greedy_rewards(cfg: RunConfig, roles: Roles, prompts: list[Sample]) -> torc
 
 
 def _checkpoint(
-    cfg: RunConfig, roles: Roles, step: int, sampler: PromptSampler, state: AdvantageState
+    cfg: RunConfig, roles: Roles, step: int, sampler: PromptSampler | DomainSampler, state: AdvantageState
 ) -> Path:
     objects = {"algorithm_state.pt": state.state_dict()}
     return save_checkpoint(cfg, roles.actor, step, {"sampler": sampler.state()}, objects, critic=roles.critic)
@@ -250,7 +259,7 @@ def _rollout_metrics(rollouts: list[Rollout], results: list, batch) -> dict[str,
     n = len(rollouts)
     lengths = batch.response_mask.sum(-1).float()
     out = {
-        "rollout/reward_mean": float(batch.rewards.mean()),
+        "rollout/reward_mean": sum(r.score for r in results) / n,  # before any per-domain normalisation
         "rollout/accuracy": sum(is_correct(r) for r in results) / n,
         "rollout/response_length": float(lengths.mean()),
         "rollout/truncated": sum(r.completion.finish_reason == "length" for r in rollouts) / n,

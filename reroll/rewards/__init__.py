@@ -1,45 +1,68 @@
-"""Per-sample reward functions, looked up by name (or ``package.module:function`` for your own)."""
+"""Per-sample reward functions, looked up by name (or ``package.module:function`` for your own).
+
+A reward is ``fn(prompt, response, sample, **args) -> RewardResult``; ``args`` come from the
+config (``reward.args`` or a domain reward's ``args``). Modules load on first use, so optional
+dependencies (math-verify) are needed only by the rewards that use them.
+"""
 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from reroll.errors import UserError
 from reroll.rewards.base import RewardFn, RewardResult
 
-
-def _builtin() -> dict[str, RewardFn]:
-    from reroll.rewards import rules
-
-    return {"exact_match": rules.exact_match, "numeric_match": rules.numeric_match}
+# name -> ("module:function", row fields it reads)
+REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
+    "exact_match": ("reroll.rewards.rules:exact_match", ("answer",)),
+    "numeric_match": ("reroll.rewards.rules:numeric_match", ("answer",)),
+    "math_verify": ("reroll.rewards.math:math_verify", ("answer",)),
+    "think_format": ("reroll.rewards.math:think_format", ()),
+    "code_tests": ("reroll.rewards.code:code_tests", ("tests",)),
+    "ifeval": ("reroll.rewards.ifeval:ifeval", ("constraints",)),
+    "llm_judge": ("reroll.rewards.judge:llm_judge", ()),
+    "reward_model": ("reroll.rewards.reward_model:reward_model", ()),
+}
 
 
 def reward_names() -> list[str]:
-    return sorted(_builtin())
+    return sorted(REGISTRY)
 
 
-def resolve_reward(name: str) -> Callable[..., RewardResult]:
-    """The function registered as ``name``, or imported from ``module:function``."""
-    builtin = _builtin()
-    if name in builtin:
-        return builtin[name]
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise UserError(f"reward.fn {name!r}: cannot import {attr!r} from {module!r} ({e})") from e
-        if not callable(fn):
-            raise UserError(f"reward.fn {name!r} is not callable")
-        return fn
-    close = difflib.get_close_matches(name, builtin, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    raise UserError(
-        f"reward.fn {name!r} is not a registered reward: {hint}choose one of {sorted(builtin)} "
-        f"or give 'package.module:function'"
-    )
+def required_fields(name: str) -> tuple[str, ...]:
+    """The row fields a registered reward reads (none known for a user function)."""
+    return REGISTRY[name][1] if name in REGISTRY else ()
 
 
-__all__ = ["RewardFn", "RewardResult", "resolve_reward", "reward_names"]
+def _import(path: str, name: str) -> Callable[..., RewardResult]:
+    module, _, attr = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"reward.fn {name!r}: cannot import {attr!r} from {module!r} ({e})") from e
+    if not callable(fn):
+        raise UserError(f"reward.fn {name!r} is not callable")
+    return fn
+
+
+def resolve_reward(name: str, args: Mapping[str, Any] | None = None) -> Callable[..., RewardResult]:
+    """The function registered as ``name``, or imported from ``module:function``, with ``args`` bound."""
+    if name in REGISTRY:
+        fn = _import(REGISTRY[name][0], name)
+    elif ":" in name:
+        fn = _import(name, name)
+    else:
+        close = difflib.get_close_matches(name, REGISTRY, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UserError(
+            f"reward.fn {name!r} is not a registered reward: {hint}choose one of {reward_names()} "
+            f"or give 'package.module:function'"
+        )
+    return functools.partial(fn, **args) if args else fn
+
+
+__all__ = ["REGISTRY", "RewardFn", "RewardResult", "required_fields", "resolve_reward", "reward_names"]

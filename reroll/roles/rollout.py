@@ -9,7 +9,7 @@ import torch
 
 from reroll.config.schema import RunConfig
 from reroll.data.types import Completion, SamplingParams
-from reroll.engines.hf import HFEngine
+from reroll.engines import make_engine
 from reroll.runtime.actors import WorkerGroup, _Ready
 
 
@@ -21,8 +21,8 @@ class RolloutWorker:
         torch.set_num_threads(rc.torch_threads or torch.get_num_threads())
         self.rank = rank
         device = "cuda" if rc.num_gpus_per_worker > 0 else "cpu"
-        self.engine = HFEngine(
-            cfg.model.path, dtype=cfg.model.dtype, device=device, batch_size=cfg.rollout.generate_batch_size
+        self.engine = make_engine(
+            cfg.rollout.engine, cfg.model.path, cfg.rollout, dtype=cfg.model.dtype, device=device
         )
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:

