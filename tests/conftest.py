@@ -51,3 +51,25 @@ def write_config(path: Path, assets: dict[str, Path], **sections) -> Path:
             cfg[key] = value
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def assert_kill_mid_generation_is_reported(rollout) -> None:
+    """Kill actor_infer rank 0 one second into a long generate: the driver gets a RoleError within 60 s."""
+    import threading
+    import time
+
+    import ray
+
+    from reroll.data.types import SamplingParams
+    from reroll.errors import RoleError
+
+    rollout.generate(["1+1="], SamplingParams(n=1, max_new_tokens=2))  # the engine is up
+    killer = threading.Timer(1.0, lambda: ray.kill(rollout.handles[0]))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(RoleError) as e:
+        # long enough that the kill lands mid-call: 2000 prompts x 16 samples
+        rollout.generate(["1+1="] * 2000, SamplingParams(n=16, max_new_tokens=64))
+    assert time.monotonic() - start < 60
+    assert "actor_infer[0] failed during generate" in str(e.value)
+    assert "died" in str(e.value)
