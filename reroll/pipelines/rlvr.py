@@ -38,6 +38,7 @@ from reroll.pipelines.common import (
     save_checkpoint,
 )
 from reroll.rewards import routing
+from reroll.roles.strategy_worker import mean_metrics
 from reroll.runtime import checkpoint
 from reroll.runtime.console import sample_line, step_line
 from reroll.runtime.timing import PhaseTimer
@@ -252,7 +253,7 @@ def _train(
             tokens, seqs = count_tokens_and_seqs(mini.response_mask)
             mini = replace(mini, num_tokens=float(tokens), num_seqs=float(seqs))
             parts.append(update(mini))
-    return {k: sum(p[k] for p in parts) / len(parts) for k in parts[-1]}
+    return mean_metrics(parts)
 
 
 def _rollout_metrics(rollouts: list[Rollout], results: list, batch) -> dict[str, float]:
