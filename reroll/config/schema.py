@@ -127,6 +127,17 @@ class OptimConfig(StrictModel):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then constant.")
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this.")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward on one rank.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Dynamic micro-batching: fill each micro-batch up to this many tokens instead of "
+        "micro_batch_size rows (None: off).",
+    )
+    packing: bool = Field(
+        False,
+        description="Pack a micro-batch's rows into one sequence without padding; attention stays within "
+        "each row.",
+    )
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch (PPO mini-batches).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over the rollout batch.")
 
@@ -144,10 +155,78 @@ class CriticConfig(StrictModel):
     )
 
 
-class StrategyConfig(StrictModel):
-    """The training backend of actor_train and reference."""
+class FSDP2Config(StrictModel):
+    """FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer state sharded."""
 
-    name: Literal["torch"] = Field("torch", description="'torch': plain PyTorch, gradients all-reduced.")
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Compute dtype of the sharded parameters (mixed precision); None: model.dtype."
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype gradients are reduced in across ranks."
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="Free gathered parameters after forward (ZeRO-3-like); False keeps them (ZeRO-2-like).",
+    )
+    cpu_offload: bool = Field(
+        False, description="Keep parameters, gradients and optimizer state on CPU between uses."
+    )
+
+
+class LoRAConfig(StrictModel):
+    """Low-rank adapters (peft) on the policy: only the adapters train."""
+
+    rank: int = Field(16, ge=1, description="Adapter rank r.")
+    alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Names of the linear layers that get adapters.",
+    )
+    sync: Literal["adapters", "merged"] = Field(
+        "adapters",
+        description="Weight sync sends the adapters only, or the base weights with the adapters merged in.",
+    )
+
+
+class DeepSpeedConfig(StrictModel):
+    """DeepSpeed ZeRO (pip install 'reroll[deepspeed]')."""
+
+    zero_stage: Literal[2, 3] = Field(
+        2, description="ZeRO stage: 2 shards gradients+optimizer, 3 also params."
+    )
+    offload_optimizer: bool = Field(False, description="Optimizer state and step on CPU.")
+    offload_params: bool = Field(False, description="Parameters on CPU between uses (stage 3 only).")
+
+
+class MegatronConfig(StrictModel):
+    """Megatron-Core (pip install 'reroll[megatron]', GPUs only): model parallel sizes and options."""
+
+    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size.")
+    pipeline_parallel: int = Field(1, ge=1, description="Pipeline-parallel size.")
+    context_parallel: int = Field(1, ge=1, description="Context-parallel size (long sequences).")
+    expert_parallel: int = Field(1, ge=1, description="Expert-parallel size (MoE models).")
+    sequence_parallel: bool = Field(False, description="Shard activations along the sequence in TP regions.")
+    distributed_optimizer: bool = Field(True, description="Shard optimizer state across data-parallel ranks.")
+    transformer_engine: Literal["auto", "on", "off"] = Field(
+        "auto", description="Layer spec: Transformer Engine where installed ('auto'), required, or never."
+    )
+
+
+class StrategyConfig(StrictModel):
+    """The training backend of actor_train, reference and critic."""
+
+    name: Literal["torch", "fsdp2", "deepspeed", "megatron"] = Field(
+        "torch",
+        description="'torch': one full copy per rank, gradients all-reduced; 'fsdp2': sharded (FSDP2); "
+        "'deepspeed': ZeRO-2/3; 'megatron': Megatron-Core model parallelism (GPUs).",
+    )
+    fsdp2: FSDP2Config = Field(default_factory=FSDP2Config, description="FSDP2 settings.")
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed settings.")
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig, description="Megatron-Core settings.")
+    lora: LoRAConfig | None = Field(
+        None, description="Train low-rank adapters instead of all weights (fsdp2 and torch strategies)."
+    )
 
 
 class RoleConfig(StrictModel):

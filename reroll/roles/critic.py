@@ -1,6 +1,6 @@
 """critic: the learned value function that GAE (``adv_estimator: gae``, the ``ppo`` preset) needs.
 
-A ``CriticWorker`` holds a ``TorchStrategy`` with a value head (``reroll.models.loading.load_value_model``).
+A ``CriticWorker`` holds a training strategy with a value head (``reroll.models.loading.load_value_model``).
 Its values are aligned like the log-probs: ``values[b, t]`` is V of the state before token ``t``
 (``token_values``). Training regresses them on the GAE returns with PPO's clipped value loss; the
 batch carries the values the advantages were computed with in ``extras["values"]`` and the targets in

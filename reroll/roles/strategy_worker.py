@@ -1,6 +1,6 @@
 """What the roles that hold a training strategy share: actor_train, reference and critic.
 
-A ``StrategyWorker`` sets up its process (threads, seed), holds a ``TorchStrategy``, joins its role's
+A ``StrategyWorker`` sets up its process (threads, seed), holds a training strategy (``strategy.name``), joins its role's
 process group, scores batches in micro-batches, stops on a non-finite loss, saves and loads. A
 ``StrategyGroup`` starts the ranks and their process group, and splits batches by rows across them.
 """
@@ -17,7 +17,7 @@ import torch
 from reroll.config.schema import RunConfig
 from reroll.data.types import TrainBatch
 from reroll.runtime.actors import WorkerGroup, free_address
-from reroll.strategies.torch_strategy import Head, TorchStrategy
+from reroll.strategies import Head, make_strategy
 
 
 def mean_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -27,7 +27,7 @@ def mean_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
 
 
 class StrategyWorker:
-    """One rank of a role that holds a model in a ``TorchStrategy`` (``roles.<role>`` places it)."""
+    """One rank of a role that holds a model in a training strategy (``roles.<role>`` places it)."""
 
     def __init__(
         self, role: str, rank: int, cfg: RunConfig, *, model_path: str, trainable: bool, head: Head
@@ -36,12 +36,11 @@ class StrategyWorker:
         torch.set_num_threads(role_cfg.torch_threads or torch.get_num_threads())
         torch.manual_seed(cfg.seed + rank)
         self.role, self.rank, self.cfg = role, rank, cfg
-        self.strategy = TorchStrategy(
-            model_path,
-            dtype=cfg.model.dtype,
+        self.strategy = make_strategy(
+            cfg,
+            model_path=model_path,
             device="cuda" if role_cfg.num_gpus_per_worker > 0 else "cpu",
             trainable=trainable,
-            gradient_checkpointing=cfg.model.gradient_checkpointing,
             rank=rank,
             world_size=role_cfg.world_size,
             head=head,

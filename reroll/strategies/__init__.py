@@ -1,20 +1,136 @@
-"""Training backends. One interface: model forward, backward, step, full weights, save/load."""
+"""Training backends behind one interface (``Strategy``): torch, fsdp2, deepspeed, megatron.
+
+``make_strategy`` is the one place a name becomes a backend; each backend's module (and its heavy
+dependency) is imported only when that backend is built, so ``import reroll`` needs none of them.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
+from reroll.errors import UserError
+
+if TYPE_CHECKING:
+    from reroll.config.schema import RunConfig
+
+Head = Literal["causal_lm", "value"]
+
 
 class Strategy(Protocol):
-    """What the trainer and reference roles need from a training backend."""
+    """What actor_train, reference and critic need from a training backend.
 
-    def init_distributed(self, address: str) -> None: ...
+    Losses reach ``backward`` already normalised by the token/sequence counts of the whole optimizer
+    step (all micro-batches, all ranks): a backend must *sum* gradients over micro-batches and ranks.
+    """
+
+    def init_distributed(self, address: str) -> None:
+        """Join the role's process group at ``tcp://address`` (a no-op for one rank)."""
+        ...
+
     def configure_optimizer(
         self, *, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int
-    ) -> None: ...
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
+    ) -> None:
+        """A fresh AdamW with linear warm-up to ``lr`` then constant."""
+        ...
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The model's output for ``(B, T)`` rows: ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``.
+
+        ``position_ids`` given and ``attention_mask`` None means packed rows (positions restart at 0
+        at each sequence start; attention stays within a sequence)."""
+        ...
+
     def backward(self, loss: torch.Tensor) -> None: ...
-    def step(self, grad_clip: float) -> dict[str, float]: ...
-    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def step(self, grad_clip: float) -> dict[str, float]:
+        """Reduce gradients, clip, step: ``{"grad_norm": pre-clip norm, "lr": lr used}``."""
+        ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight the engine needs, unsharded, on CPU, in Hugging Face names."""
+        ...
+
+    def save(self, directory: Path, *, with_optimizer: bool) -> None: ...
+
+    def load(self, directory: Path) -> None: ...
+
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state off the accelerator (colocation)."""
+        ...
+
+    def reload(self) -> None:
+        """Bring back what ``offload`` moved."""
+        ...
+
+
+# strategy name -> (module, class, package that must import, how to install it)
+_BACKENDS = {
+    "torch": ("reroll.strategies.torch_strategy", "TorchStrategy", None, ""),
+    "fsdp2": ("reroll.strategies.fsdp2", "FSDP2Strategy", None, ""),
+    "deepspeed": (
+        "reroll.strategies.deepspeed",
+        "DeepSpeedStrategy",
+        "deepspeed",
+        "pip install 'reroll[deepspeed]'",
+    ),
+    "megatron": (
+        "reroll.strategies.megatron",
+        "MegatronStrategy",
+        "megatron.core",
+        "pip install 'reroll[megatron]' (GPU machines)",
+    ),
+}
+
+
+def strategy_available(name: str) -> bool:
+    """Whether ``name``'s backend package can be imported here."""
+    package = _BACKENDS[name][2]
+    if package is None:
+        return True
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def make_strategy(
+    cfg: RunConfig,
+    *,
+    model_path: str,
+    device: str,
+    trainable: bool,
+    rank: int,
+    world_size: int,
+    head: Head,
+) -> Strategy:
+    """The backend ``cfg.strategy.name`` names, holding the model at ``model_path``.
+
+    A backend that is not installed is a ``UserError`` saying what to install.
+    """
+    name = cfg.strategy.name
+    module, cls_name, package, install = _BACKENDS[name]
+    if not strategy_available(name):
+        raise UserError(
+            f"strategy.name is {name!r} but the '{package}' package is not installed here: {install}, "
+            "or set strategy.name=fsdp2"
+        )
+    cls = getattr(importlib.import_module(module), cls_name)
+    return cls(
+        model_path,
+        cfg=cfg,
+        device=device,
+        trainable=trainable,
+        rank=rank,
+        world_size=world_size,
+        head=head,
+    )

@@ -8,14 +8,17 @@ ranks), so summing gradients over ranks gives exactly the full-batch gradient. R
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from reroll.models.loading import load_causal_lm, load_value_model, position_ids_from
+from reroll.strategies import Head
 
-Head = Literal["causal_lm", "value"]
+if TYPE_CHECKING:
+    from reroll.config.schema import RunConfig
+
 _LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model}
 
 
@@ -30,23 +33,22 @@ class TorchStrategy:
         self,
         model_path: str,
         *,
-        dtype: str = "float32",
+        cfg: RunConfig,
         device: str = "cpu",
         trainable: bool = True,
-        gradient_checkpointing: bool = False,
         rank: int = 0,
         world_size: int = 1,
         head: Head = "causal_lm",
     ) -> None:
         self.device = torch.device(device)
         self._load = _LOADERS[head]
-        self.model = self._load(model_path, dtype, self.device)
+        self.model = self._load(model_path, cfg.model.dtype, self.device)
         self.rank, self.world_size = rank, world_size
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
-        if gradient_checkpointing and trainable:
+        if cfg.model.gradient_checkpointing and trainable:
             self.model.gradient_checkpointing_enable()
         if self.model.config.use_cache is not None:
             self.model.config.use_cache = False
@@ -71,11 +73,22 @@ class TorchStrategy:
             self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
         )
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """What the model's forward gives for right-padded rows: ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``."""
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """What the model's forward gives: ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``.
+
+        Right-padded rows pass ``attention_mask``; packed rows pass ``position_ids`` and no mask."""
+        input_ids = input_ids.to(self.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+            if position_ids is None:
+                position_ids = position_ids_from(attention_mask)
         out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids.to(self.device)
         )
         return out.logits
 
@@ -103,6 +116,21 @@ class TorchStrategy:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, unsharded, on CPU, in Hugging Face names (for weight sync and export)."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state to CPU (nothing to move when already there)."""
+        self._move(torch.device("cpu"))
+
+    def reload(self) -> None:
+        self._move(self.device)
+
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        state[k] = v.to(device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """Hugging Face weights into ``directory/model`` (rank 0) and optimizer state per rank."""
