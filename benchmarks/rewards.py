@@ -1,5 +1,6 @@
 """Reward throughput on CPU: samples/s for each built-in reward, in one thread and through a reward
-worker's thread pool.
+worker, with each call on the worker's threads (``isolation: thread``, the default for registered
+rewards) and in its child processes (``isolation: process``, the default for ``module:function``).
 
     python benchmarks/rewards.py [--n 64] [--threads 4]
 
@@ -108,19 +109,26 @@ def main() -> None:
         f"{args.n} samples per reward; worker = RewardWorker with reward.threads={args.threads}; "
         f"torch threads {args.torch_threads}\n"
     )
-    print("| reward | samples/s (1 thread, direct) | samples/s (worker) |")
-    print("|---|---|---|")
+    print(
+        "| reward | samples/s (1 thread, direct) | samples/s (worker, thread) | samples/s (worker, process) |"
+    )
+    print("|---|---|---|---|")
     for label, (response, row, fn_args) in cases.items():
         name = label.split(" ")[0]
         fn = resolve_reward(name, fn_args)
         items = [("prompt", response, row)] * args.n
         fn(*items[0])  # warm up: imports, model load
         direct = _rate(lambda fn=fn, items=items: [fn(*it) for it in items], args.n)
-        cfg = RewardConfig(domains={"d": {"rewards": [{"fn": name, "args": fn_args}]}}, threads=args.threads)
-        worker = RewardWorker(0, cfg)
         tagged = [(*it, "d") for it in items]
-        pooled = _rate(lambda worker=worker, tagged=tagged: worker.score(tagged), args.n)
-        print(f"| {label} | {direct:,.1f} | {pooled:,.1f} |")
+        rates = []
+        for isolation in ("thread", "process"):
+            term = {"fn": name, "args": fn_args, "isolation": isolation}
+            cfg = RewardConfig(domains={"d": {"rewards": [term]}}, threads=args.threads, sample_timeout_s=600)
+            worker = RewardWorker(0, cfg)
+            worker.score(tagged[: args.threads])  # warm up each thread / process
+            rates.append(_rate(lambda worker=worker, tagged=tagged: worker.score(tagged), args.n))
+            worker.close()
+        print(f"| {label} | {direct:,.1f} | {rates[0]:,.1f} | {rates[1]:,.1f} |")
 
 
 if __name__ == "__main__":

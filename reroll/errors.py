@@ -8,13 +8,21 @@ class UserError(Exception):
 
 
 class RoleError(RuntimeError):
-    """A role's worker failed or timed out; the message names the role, the rank and the phase."""
+    """A role's worker failed or timed out; the message names the role, the rank and the phase, and
+    what the worker runs when the role says (``actor_infer[0] (vllm engine) failed during generate``)."""
 
-    def __init__(self, role: str, rank: int | None, phase: str, cause: str) -> None:
+    def __init__(
+        self, role: str, rank: int | None, phase: str, cause: str, detail: str | None = None
+    ) -> None:
         where = f"{role}[{rank}]" if rank is not None else role
+        if detail:
+            where += f" ({detail})"
         super().__init__(f"{where} failed during {phase}: {cause}")
-        self.role, self.rank, self.phase, self.cause = role, rank, phase, cause
+        self.role, self.rank, self.phase, self.cause, self.detail = role, rank, phase, cause, detail
+
+    def __reduce__(self) -> tuple:  # so the error keeps its fields when it crosses Ray
+        return (RoleError, (self.role, self.rank, self.phase, self.cause, self.detail))
 
     def at_step(self, step: int) -> RoleError:
         """The same error, with the pipeline step in its phase."""
-        return RoleError(self.role, self.rank, f"{self.phase} at step {step}", self.cause)
+        return RoleError(self.role, self.rank, f"{self.phase} at step {step}", self.cause, self.detail)

@@ -11,6 +11,13 @@ Mixed domains (rows carry a ``domain`` field; each domain sets its share of a st
         math: {share: 0.5, rewards: [{fn: math_verify}, {fn: think_format, weight: 0.1}]}
         code: {share: 0.3, rewards: [{fn: code_tests, args: {all_or_nothing: true}}]}
         chat: {share: 0.2, tags: [ifeval, if], rewards: [{fn: ifeval}]}
+
+An LLM judge served by one of reroll's engines, as the ``judge`` role (placed by ``roles.judge``)::
+
+    reward:
+      fn: engine_judge
+      args: {max_score: 10, parse_error_score: 0.0}
+      judge: {model_path: Qwen/Qwen2.5-7B-Instruct, engine: vllm, max_new_tokens: 256}
 """
 
 from __future__ import annotations
@@ -21,6 +28,13 @@ from pydantic import Field
 
 from reroll.config.base import StrictModel
 
+Isolation = Literal["auto", "thread", "process"]
+ISOLATION_DOC = (
+    "Where each call runs: 'thread' (in the reward worker; a hung call cannot be stopped), 'process' "
+    "(a child process, killed at sample_timeout_s; costs a pickle round trip per call), 'auto' "
+    "(process for a 'package.module:function' reward, thread for a registered one)."
+)
+
 
 class RewardTermConfig(StrictModel):
     """One reward function of a domain and its weight in the domain's weighted sum."""
@@ -30,6 +44,7 @@ class RewardTermConfig(StrictModel):
     args: dict[str, Any] = Field(
         default_factory=dict, description="Keyword options of the function (e.g. {all_or_nothing: true})."
     )
+    isolation: Isolation = Field("auto", description=ISOLATION_DOC)
 
 
 class RewardDomainConfig(StrictModel):
@@ -55,11 +70,29 @@ class RewardDomainConfig(StrictModel):
     )
 
 
+class JudgeConfig(StrictModel):
+    """The model behind ``engine_judge`` rewards, served by reroll's own engine as the ``judge`` role."""
+
+    model_path: str = Field(description="Hub id or local directory of the judge model.")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="Generation engine; 'vllm' takes its settings from rollout.vllm."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    max_new_tokens: int = Field(256, ge=1, description="Longest judge reply, in tokens (greedy decoding).")
+    chat_template: bool = Field(
+        True,
+        description="Wrap the judge prompt in the tokenizer's chat template as a user turn, as a "
+        "chat-completions server does (if the tokenizer has one).",
+    )
+    batch_size: int = Field(32, ge=1, description="Sequences per engine call inside a judge worker.")
+
+
 class RewardConfig(StrictModel):
     """Which rewards score responses, and how reward workers run them."""
 
     fn: str = Field("exact_match", description="A registered reward name or 'package.module:function'.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword options of `fn`.")
+    isolation: Isolation = Field("auto", description=ISOLATION_DOC)
     domains: dict[str, RewardDomainConfig] = Field(
         default_factory=dict,
         description="Per-domain rewards, shares and normalisation (replaces fn/args when set).",
@@ -67,7 +100,12 @@ class RewardConfig(StrictModel):
     default_domain: str | None = Field(
         None, description="Domain for rows whose tag no domain lists (None: such a row is an error)."
     )
-    threads: int = Field(4, ge=1, description="Reward calls run concurrently in each reward worker.")
+    judge: JudgeConfig | None = Field(
+        None, description="The judge model of `engine_judge` rewards (starts the `judge` role)."
+    )
+    threads: int = Field(
+        4, ge=1, description="Reward calls run concurrently in each reward worker (and its reward processes)."
+    )
     sample_timeout_s: float = Field(
         30.0, gt=0, description="Longest one reward call may take; past it the sample gets error_score."
     )
@@ -82,17 +120,17 @@ class RewardConfig(StrictModel):
 
 def check_reward(cfg: RewardConfig) -> list[tuple[str, str]]:
     """``(dotted path, reason)`` for each problem of the reward section."""
+    problems = _check_judge(cfg)
     if not cfg.domains:
         if cfg.default_domain is not None:
-            return [("reward.default_domain", "is only used with reward.domains; remove it")]
-        return []
-    problems = []
-    given = cfg.model_fields_set & {"fn", "args"}
+            problems.append(("reward.default_domain", "is only used with reward.domains; remove it"))
+        return problems
+    given = cfg.model_fields_set & {"fn", "args", "isolation"}
     if given:
         problems.append(
             (
                 f"reward.{sorted(given)[0]}",
-                "set either reward.fn/args (one reward for every row) or reward.domains, not both: "
+                "set either reward.fn/args/isolation (one reward for every row) or reward.domains, not both: "
                 "move the reward into a domain's rewards list",
             )
         )
@@ -119,5 +157,38 @@ def check_reward(cfg: RewardConfig) -> list[tuple[str, str]]:
                 "reward.default_domain",
                 f"{cfg.default_domain!r} is not one of the domains {sorted(cfg.domains)}",
             )
+        )
+    return problems
+
+
+def _check_judge(cfg: RewardConfig) -> list[tuple[str, str]]:
+    terms = (
+        {
+            f"reward.domains.{n}.rewards[{i}]": t
+            for n, d in cfg.domains.items()
+            for i, t in enumerate(d.rewards)
+        }
+        if cfg.domains
+        else {"reward": RewardTermConfig(fn=cfg.fn, args=cfg.args, isolation=cfg.isolation)}
+    )
+    judged = {path: t for path, t in terms.items() if t.fn == "engine_judge"}
+    problems = [
+        (
+            f"{path}.isolation",
+            "engine_judge calls the judge role from the reward worker: use 'thread' or 'auto'",
+        )
+        for path, t in judged.items()
+        if t.isolation == "process"
+    ]
+    if judged and cfg.judge is None:
+        problems.append(
+            (
+                "reward.judge",
+                f"{sorted(judged)[0]} is engine_judge, which needs reward.judge: {{model_path: ...}}",
+            )
+        )
+    if cfg.judge is not None and not judged:
+        problems.append(
+            ("reward.judge", "is set but no reward is engine_judge: remove reward.judge or use the judge")
         )
     return problems

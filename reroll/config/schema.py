@@ -9,7 +9,7 @@ written, resolved, into the run directory.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -17,12 +17,16 @@ from reroll.config.algorithm import AlgorithmConfig, check_algorithm
 from reroll.config.base import StrictModel
 from reroll.config.loader import ConfigProblem
 from reroll.config.reward import RewardConfig, check_reward
+from reroll.runtime.placement import check_placement
 
 
 class TinyModelConfig(StrictModel):
     """Build a small random-init Qwen2 model offline (for tests and the quickstart)."""
 
-    alphabet: Literal["arithmetic"] = Field("arithmetic", description="The task alphabet of the tokenizer.")
+    alphabet: Literal["arithmetic", "game"] = Field(
+        "arithmetic",
+        description="The tokenizer's characters: 'arithmetic' (digits, +-*=), 'game' (the shipped games).",
+    )
     hidden_size: int = Field(128, ge=32, description="Width; hidden_size / num_heads must be 32 or 64.")
     num_layers: int = Field(2, ge=1, description="Transformer blocks.")
     num_heads: int = Field(4, ge=1, description="Attention heads.")
@@ -116,6 +120,12 @@ class RolloutConfig(StrictModel):
         False, description="hf engine: static KV cache + torch.compile'd decoding (for GPUs)."
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings.")
+    weight_sync_bucket_mb: float = Field(
+        512.0,
+        gt=0,
+        description="Weight sync sends the trainer's weights in buckets of about this many MiB (whole "
+        "layers; a larger layer goes alone): the engine's extra memory during a sync is one bucket.",
+    )
 
 
 class OptimConfig(StrictModel):
@@ -238,6 +248,53 @@ class RoleConfig(StrictModel):
     torch_threads: int | None = Field(
         None, ge=1, description="torch threads per worker (default: all cores)."
     )
+    devices: list[int] | None = Field(
+        None,
+        description="Pool devices (placement.devices) this role's ranks use, rank r on "
+        "devices[r * len(devices) // world_size]; roles sharing a device are colocated. Default with a "
+        "pool: the first world_size devices.",
+    )
+
+
+class AgenticConfig(StrictModel):
+    """Multi-turn episodes against an environment (pipeline 'agentic'); rollout.batch_size episodes per
+    step, rollout.group_size of them per seed, rollout.max_new_tokens per turn."""
+
+    env: str = Field(
+        description="Environment: a registered name (`reroll env-check --list`), 'gem:<id>' or 'module:Factory'."
+    )
+    env_config: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options of the environment."
+    )
+    system_prompt: str | None = Field(None, description="A system message before the first observation.")
+    max_turns: int = Field(
+        8, ge=1, description="Policy turns per episode; an episode still running is truncated."
+    )
+    max_episode_tokens: int = Field(
+        1024,
+        ge=1,
+        description="Token budget of a whole episode (prompt, turns, observations); past it, truncated.",
+    )
+    step_timeout_s: float = Field(
+        30.0, gt=0, description="A reset or step slower than this ends its episode with an error (recorded)."
+    )
+    error_policy: Literal["drop", "zero"] = Field(
+        "drop",
+        description="Episodes that ended in an environment error: 'drop' from training, or train them with reward 0.",
+    )
+    eval_episodes: int = Field(100, ge=0, description="Held-out episodes (greedy) per evaluation.")
+    eval_seed: int = Field(
+        1_000_000, ge=0, description="First seed of the held-out episodes (training seeds are below)."
+    )
+    sft_policy: Literal["scripted", "random"] = Field(
+        "scripted", description="The environment's policy that plays the SFT warm start's episodes."
+    )
+    sft_noise: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="In the warm start, the share of turns played by the random policy instead.",
+    )
 
 
 class RolesConfig(StrictModel):
@@ -249,6 +306,13 @@ class RolesConfig(StrictModel):
     reward: RoleConfig = Field(default_factory=RoleConfig, description="Reward function workers.")
     critic: RoleConfig = Field(
         default_factory=RoleConfig, description="The value function (if `critic:` is set)."
+    )
+    judge: RoleConfig = Field(
+        default_factory=RoleConfig, description="The LLM judge's engine (if `reward.judge` is set)."
+    )
+    env: RoleConfig = Field(
+        default_factory=RoleConfig,
+        description="Environment workers, each hosting many episodes (pipeline agentic).",
     )
 
 
@@ -287,6 +351,26 @@ class LoggingConfig(StrictModel):
     sample_every: int = Field(10, ge=0, description="Log one sample completion every N steps (0: never).")
 
 
+class PlacementConfig(StrictModel):
+    """The device pool the model roles (actor_train, actor_infer, reference, critic) are placed on."""
+
+    devices: int | None = Field(
+        None,
+        ge=1,
+        description="Devices in the pool: GPUs, or CPU slots of cpus_per_device on a CPU-only cluster. "
+        "None: no pool; Ray places each worker by its role's num_gpus/num_cpus_per_worker.",
+    )
+    device_type: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="What a pool device is; 'auto': GPUs if the Ray cluster has any, else CPUs."
+    )
+    cpus_per_device: float = Field(1.0, gt=0, description="CPU cores reserved with each pool device.")
+    offload: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Colocated roles offload their state between phases: 'auto' on GPUs only, 'always' "
+        "(also on CPUs, where it moves nothing but exercises the path), 'never'.",
+    )
+
+
 class RuntimeConfig(StrictModel):
     """How roles are run."""
 
@@ -300,19 +384,21 @@ class RuntimeConfig(StrictModel):
 class RunConfig(StrictModel):
     """A whole run."""
 
-    pipeline: Literal["rlvr", "sft"] = Field(description="Which pipeline runs.")
+    pipeline: Literal["rlvr", "sft", "agentic"] = Field(description="Which pipeline runs.")
     name: str = Field("run", description="Run name.")
     output_dir: str = Field("runs/{name}", description="Run directory; '{name}' is replaced by the name.")
     seed: int = Field(0, description="Seed for data order, sampling and init.")
     total_steps: int = Field(100, ge=0, description="Training steps (RLVR) after the warm start.")
     model: ModelConfig
-    data: DataConfig
+    data: DataConfig | None = Field(None, description="Prompts (pipelines rlvr and sft).")
+    agentic: AgenticConfig | None = Field(None, description="Environment episodes (pipeline agentic).")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     roles: RolesConfig = Field(default_factory=RolesConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     sft: SFTConfig | None = Field(None, description="SFT settings; in an RLVR run, a warm start before RL.")
     critic: CriticConfig | None = Field(
         None,
@@ -352,16 +438,27 @@ class RunConfig(StrictModel):
                 max_response_len=self.rollout.max_new_tokens,
             )
         ]
-        if self.pipeline == "rlvr" and self.algorithm.adv_estimator == "step_return":
+        if self.pipeline != "agentic" and self.algorithm.adv_estimator in ("step_return", "gigpo"):
             problems.append(
                 ConfigProblem(
                     "algorithm.adv_estimator",
-                    "'step_return' needs per-turn rewards from multi-turn episodes, which the rlvr pipeline "
-                    "does not produce (the agentic pipeline is on the roadmap): use 'grpo', 'rloo' or "
-                    "'reinforce_pp'",
+                    f"{self.algorithm.adv_estimator!r} needs per-turn rewards from multi-turn episodes, which "
+                    f"only pipeline 'agentic' produces: use 'grpo', 'rloo' or 'reinforce_pp'",
                 )
             )
+        problems += self._pipeline_sections()
         problems += [ConfigProblem(path, m) for path, m in check_reward(self.reward)]
+        problems += [ConfigProblem(path, m) for path, m in check_placement(self)]
+        warm_start = self.pipeline != "sft" and self.sft is not None and self.sft.steps > 0
+        if self.strategy.lora is not None and self.needs_reference and warm_start:
+            problems.append(
+                ConfigProblem(
+                    "strategy.lora",
+                    "with LoRA the KL reference is the base model (adapters disabled), not the policy after "
+                    f"the SFT warm start (sft.steps={self.sft.steps}): run the SFT as its own run and point "
+                    "model.path at its checkpoint, or set algorithm.kl_coef=0",
+                )
+            )
         if self.pipeline == "sft" and self.sft is None:
             problems.append(
                 ConfigProblem("sft", "pipeline 'sft' needs an `sft:` section (steps, batch_size, lr)")
@@ -376,7 +473,7 @@ class RunConfig(StrictModel):
                 )
             )
         per_update = self.optim.mini_batches * self.roles.actor_train.world_size
-        if self.pipeline == "rlvr" and batch % per_update:
+        if self.pipeline in ("rlvr", "agentic") and batch % per_update:
             problems.append(
                 ConfigProblem(
                     "optim.mini_batches",
@@ -403,6 +500,27 @@ class RunConfig(StrictModel):
                     "critic.model_path",
                     f"{self.critic.model_path!r} is neither an existing directory nor a hub id ('org/name'): fix "
                     f"the path, or remove critic.model_path to start the critic from model.path",
+                )
+            )
+        return problems
+
+    def _pipeline_sections(self) -> list[ConfigProblem]:
+        """The sections each pipeline reads are present."""
+        problems = []
+        if self.pipeline in ("rlvr", "sft") and self.data is None:
+            problems.append(
+                ConfigProblem("data", f"pipeline {self.pipeline!r} needs a `data:` section (train_files)")
+            )
+        if self.pipeline == "agentic" and self.agentic is None:
+            problems.append(
+                ConfigProblem(
+                    "agentic", "pipeline 'agentic' needs an `agentic:` section naming the environment (env)"
+                )
+            )
+        if self.pipeline == "agentic" and self.data is not None:
+            problems.append(
+                ConfigProblem(
+                    "data", "pipeline 'agentic' takes its episodes from agentic.env: remove `data:`"
                 )
             )
         return problems

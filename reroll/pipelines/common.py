@@ -27,6 +27,7 @@ from reroll.roles.trainer import TrainerGroup
 from reroll.runtime import checkpoint
 from reroll.runtime.actors import start_ray
 from reroll.runtime.metrics import MetricsLogger
+from reroll.runtime.placement import Colocation, ResourceManager, offload_between_phases
 
 log = logging.getLogger(__name__)
 
@@ -138,30 +139,51 @@ def _with_answer(sample: Sample, field_name: str) -> Sample:
 
 @dataclass
 class Roles:
-    """The role groups of a run."""
+    """The role groups of a run, where ``placement`` put them."""
 
     actor: TrainerGroup
     rollout: RolloutGroup
-    reward: RewardGroup
+    reward: RewardGroup | None
     reference: TrainerGroup | None = None
     critic: CriticGroup | None = None
+    placement: ResourceManager | None = None
+    colocation: Colocation | None = None
 
     @classmethod
-    def start(cls, cfg: RunConfig, *, reference: bool, critic: bool = False) -> Roles:
+    def start(cls, cfg: RunConfig, *, reference: bool, critic: bool = False, reward: bool = True) -> Roles:
         if cfg.runtime.backend == "ray":
             start_ray(cfg.runtime.ray_address)
-        return cls(
+        placement = ResourceManager(cfg)
+        cfg = placement.cfg  # device type resolved, for the workers
+        roles = cls(
             actor=TrainerGroup("actor_train", cfg, trainable=True),
             rollout=RolloutGroup(cfg),
-            reward=RewardGroup(cfg),
+            reward=RewardGroup(cfg) if reward else None,
             reference=TrainerGroup("reference", cfg, trainable=False) if reference else None,
             critic=CriticGroup(cfg) if critic else None,
+            placement=placement,
         )
+        groups = {
+            "actor_train": roles.actor,
+            "actor_infer": roles.rollout,
+            "reference": roles.reference,
+            "critic": roles.critic,
+        }
+        enabled = offload_between_phases(cfg, placement.device_type)
+        roles.colocation = Colocation(groups, placement.map, enabled)
+        return roles
+
+    def use(self, *names: str) -> None:
+        """Before a phase: the roles it runs on hold their devices; colocated others are offloaded."""
+        if self.colocation is not None:
+            self.colocation.use(*names)
 
     def shutdown(self) -> None:
         for group in (self.actor, self.rollout, self.reward, self.reference, self.critic):
             if group is not None:
                 group.shutdown()
+        if self.placement is not None:
+            self.placement.shutdown()
 
 
 def open_run_dir(cfg: RunConfig, *, resume: bool) -> tuple[Path | None, Path]:
@@ -243,6 +265,7 @@ def evaluate(cfg: RunConfig, roles: Roles, samples: list[Sample]) -> dict[str, f
     params = SamplingParams(
         n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop)
     )
+    roles.use("actor_infer")
     groups = roles.rollout.generate([s.prompt for s in samples], params, phase="evaluate")
     completions = [g[0] for g in groups]
     results = roles.reward.score(

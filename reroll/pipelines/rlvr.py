@@ -38,6 +38,7 @@ from reroll.pipelines.common import (
     save_checkpoint,
 )
 from reroll.rewards import routing
+from reroll.roles.rollout import weight_buckets
 from reroll.roles.strategy_worker import mean_metrics
 from reroll.runtime import checkpoint
 from reroll.runtime.console import sample_line, step_line
@@ -52,7 +53,9 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
     resume_from, run_dir = open_run_dir(cfg, resume=resume)
     pad_id = load_tokenizer(cfg.model.path).pad_token_id
     sampler = prompt_sampler(cfg, train)
-    roles = Roles.start(cfg, reference=cfg.needs_reference, critic=cfg.critic is not None)
+    # with LoRA the reference is actor_train's own base model (adapters disabled): no second copy
+    reference = cfg.needs_reference and cfg.strategy.lora is None
+    roles = Roles.start(cfg, reference=reference, critic=cfg.critic is not None)
     step = 0
     try:
         start, state = _restore_or_warm_start(cfg, roles, sampler, train, resume_from)
@@ -72,6 +75,7 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
             total=cfg.total_steps,
             disable=None,
         ):
+            roles.use("actor_infer")
             with timer("generate"):
                 params = _sampling(cfg, seed=cfg.seed * 1_000_003 + step)
                 prompts = sampler.next_batch()
@@ -87,13 +91,17 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
                 batch = build_train_batch(rollouts, pad_id)
                 raw = torch.tensor([r.score for r in results], dtype=torch.float32)
                 batch.rewards = routing.normalize_by_domain(raw, domains, cfg.reward)
-            if roles.reference is not None:
+            if cfg.needs_reference:
+                ref = roles.reference or roles.actor
+                roles.use(ref.role)
                 with timer("reference"):
-                    batch.ref_logprobs = roles.reference.compute_logprobs(batch)
+                    batch.ref_logprobs = ref.compute_logprobs(batch, base_model=roles.reference is None)
             if _needs_old_logprobs(cfg):
+                roles.use("actor_train")
                 with timer("old_logprobs"):
                     batch.old_logprobs = roles.actor.compute_logprobs(batch)
             if roles.critic is not None:
+                roles.use("critic")
                 with timer("values"):
                     batch.extras["values"] = roles.critic.compute_values(batch)
             if cfg.algorithm.adv_estimator == "remax":
@@ -118,14 +126,16 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
                 if roles.critic is not None:
                     batch.extras["returns"] = adv.returns
                 kept = batch.select(adv.keep)
+            roles.use("actor_train")
             with timer("train"):
                 train_metrics = _train(cfg, kept, step, roles.actor.train_rl)
             if roles.critic is not None:
+                roles.use("critic")
                 with timer("critic"):
                     train_metrics |= _train(cfg, kept, step, roles.critic.train)
-            with timer("weight_sync"):
-                roles.rollout.update_weights(roles.actor.weights_ref())
+            sync_bytes = _sync_weights(cfg, roles, timer)
             metrics = {
+                "sync/bytes": sync_bytes,
                 **_rollout_metrics(rollouts, results, batch),
                 **routing.domain_metrics(domains, results, per_domain=bool(cfg.reward.domains)),
                 **{k: float(v) for k, v in adv.metrics.items()},
@@ -136,8 +146,11 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
                 with timer("evaluate"):
                     metrics |= evaluate(cfg, roles, held_out)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.total_steps:
+                roles.use("actor_train", "critic")
                 with timer("checkpoint"):
                     ckpt = _checkpoint(cfg, roles, step, sampler, state)
+            if roles.colocation is not None:
+                timer.add(roles.colocation.pop_seconds())
             metrics |= timer.pop()
             metrics_log.log(step, metrics)
             last = metrics
@@ -186,8 +199,24 @@ def _restore_or_warm_start(
         if resume_from is None:
             roles.actor.save(ref_dir, with_optimizer=False)
         roles.reference.load(ref_dir)
-    roles.rollout.update_weights(roles.actor.weights_ref())
+    _sync_weights(cfg, roles, PhaseTimer())
     return start, state
+
+
+def _sync_weights(cfg: RunConfig, roles: Roles, timer: PhaseTimer) -> float:
+    """actor_train's weights into actor_infer (gathered while the trainer holds its device), or only the
+    LoRA adapters where ``strategy.lora.sync`` is 'adapters'. Returns the bytes sent (``sync/bytes``)."""
+    roles.use("actor_train")
+    with timer("weight_sync"):
+        if cfg.strategy.lora is not None and cfg.strategy.lora.sync == "adapters":
+            update = roles.actor.adapter_update()
+            roles.use("actor_infer")
+            roles.rollout.update_lora(update.tensors, update.config)
+        else:
+            buckets = weight_buckets(roles.actor, cfg.rollout.weight_sync_bucket_mb)
+            roles.use("actor_infer")
+            roles.rollout.load_weight_buckets(buckets)
+    return float(roles.actor.sent_bytes())
 
 
 def _needs_old_logprobs(cfg: RunConfig) -> bool:
@@ -201,6 +230,7 @@ def _needs_old_logprobs(cfg: RunConfig) -> bool:
 def _greedy_rewards(cfg: RunConfig, roles: Roles, prompts: list[Sample]) -> torch.Tensor:
     """ReMax's baseline: the reward of each prompt's greedy response, repeated over its group ``(B,)``."""
     params = replace(_sampling(cfg, seed=None), n=1, temperature=0.0)
+    roles.use("actor_infer")
     greedy = [g[0] for g in roles.rollout.generate([s.prompt for s in prompts], params, phase="baseline")]
     results = roles.reward.score(
         [(s.prompt, c.text, s.row, s.domain) for s, c in zip(prompts, greedy)], phase="baseline"

@@ -25,6 +25,7 @@ REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
     "code_tests": ("reroll.rewards.code:code_tests", ("tests",)),
     "ifeval": ("reroll.rewards.ifeval:ifeval", ("constraints",)),
     "llm_judge": ("reroll.rewards.judge:llm_judge", ()),
+    "engine_judge": ("reroll.rewards.judge:engine_judge", ()),
     "reward_model": ("reroll.rewards.reward_model:reward_model", ()),
 }
 

@@ -17,16 +17,18 @@ from torch import Tensor
 from reroll.algorithms.shaping import batch_normalize
 from reroll.config.reward import RewardConfig, RewardTermConfig
 from reroll.errors import UserError
-from reroll.rewards import required_fields, resolve_reward
+from reroll.rewards import REGISTRY, required_fields, resolve_reward
 from reroll.rewards.base import RewardResult
+from reroll.rewards.isolation import ProcessPool
 
 DEFAULT_DOMAIN = "default"
+_FAILURES = ("reward_error", "reward_timeout")  # details set by the reward worker on a failed call
 
 
 def domain_terms(cfg: RewardConfig) -> dict[str, list[RewardTermConfig]]:
     """Each domain's reward terms; the single-reward config is the one domain ``default``."""
     if not cfg.domains:
-        return {DEFAULT_DOMAIN: [RewardTermConfig(fn=cfg.fn, args=cfg.args)]}
+        return {DEFAULT_DOMAIN: [RewardTermConfig(fn=cfg.fn, args=cfg.args, isolation=cfg.isolation)]}
     return {name: d.rewards for name, d in cfg.domains.items()}
 
 
@@ -54,28 +56,72 @@ def domain_required_fields(cfg: RewardConfig) -> dict[str, list[str]]:
     }
 
 
+def in_process(term: RewardTermConfig) -> bool:
+    """Whether ``term`` runs in a child process: ``isolation`` 'process', or 'auto' for a user's
+    ``package.module:function`` (registered rewards are reroll's own and bounded, the code sandbox
+    included)."""
+    if term.isolation == "auto":
+        return term.fn not in REGISTRY
+    return term.isolation == "process"
+
+
 @dataclass(frozen=True)
 class _Term:
     name: str
     fn: Callable[..., RewardResult]
     weight: float
+    args: Mapping[str, Any]
+    isolated: bool
 
 
 class RewardRouter:
-    """Scores one (prompt, response, row, tag) with the tag's domain's weighted rewards."""
+    """Scores one (prompt, response, row, tag) with the tag's domain's weighted rewards.
 
-    def __init__(self, cfg: RewardConfig) -> None:
-        self.cfg = cfg
+    With a ``pool``, terms whose isolation is 'process' (see ``in_process``) run in it, killed at
+    ``deadline``; without one, every term runs in the calling thread. ``judge`` is what
+    ``engine_judge`` rewards call (the judge role's ``JudgeClient``).
+    """
+
+    def __init__(
+        self, cfg: RewardConfig, pool: ProcessPool | None = None, judge: Callable[[str], str] | None = None
+    ) -> None:
+        self.cfg, self.pool = cfg, pool
         self.terms = {
-            name: [_Term(t.fn, resolve_reward(t.fn, t.args), t.weight) for t in terms]
+            name: [
+                _Term(
+                    t.fn,
+                    resolve_reward(t.fn, _with_judge(t, judge)),
+                    t.weight,
+                    t.args,
+                    pool is not None and in_process(t),
+                )
+                for t in terms
+            ]
             for name, terms in domain_terms(cfg).items()
         }
 
-    def score(self, prompt: str, response: str, row: Mapping[str, Any], tag: str) -> RewardResult:
+    def score(
+        self, prompt: str, response: str, row: Mapping[str, Any], tag: str, *, deadline: float | None = None
+    ) -> RewardResult:
         terms = self.terms[route(self.cfg, tag)]
+
+        def run(t: _Term) -> RewardResult:
+            if not t.isolated:
+                return t.fn(prompt, response, row)
+            assert self.pool is not None and deadline is not None, "an isolated term needs a deadline"
+            return self.pool.call(t.name, t.args, prompt, response, row, deadline=deadline)
+
         if len(terms) == 1 and terms[0].weight == 1.0:
-            return terms[0].fn(prompt, response, row)
-        return combine([(t.name, t.weight, t.fn(prompt, response, row)) for t in terms])
+            return run(terms[0])
+        return combine([(t.name, t.weight, run(t)) for t in terms])
+
+
+def _with_judge(term: RewardTermConfig, judge: Callable[[str], str] | None) -> dict[str, Any]:
+    if term.fn != "engine_judge":
+        return term.args
+    if judge is None:
+        raise UserError("reward engine_judge needs the judge role: set reward.judge: {model_path: ...}")
+    return {**term.args, "judge": judge}
 
 
 def combine(parts: list[tuple[str, float, RewardResult]]) -> RewardResult:
@@ -109,8 +155,10 @@ def domain_metrics(
     prefix: str = "reward",
     per_domain: bool = True,
 ) -> dict[str, float]:
-    """``<prefix>/errors`` and ``/timeouts`` (counts), and per domain ``<prefix>/<domain>/mean``,
-    ``/accuracy``, ``/share`` (fraction of the samples) and every numeric detail's mean."""
+    """``<prefix>/errors`` and ``/timeouts`` (counts of reward calls that raised / passed their
+    deadline), and per domain ``<prefix>/<domain>/mean``, ``/accuracy``, ``/share`` (fraction of the
+    samples), ``/reward_errors`` and ``/reward_timeouts`` (counts) and every other numeric detail's
+    mean. (Not ``<domain>/errors``: code_tests reports its sandbox runs' ``errors`` / ``timeouts``.)"""
     out = {
         f"{prefix}/errors": float(sum(r.details.get("reward_error", 0) for r in results)),
         f"{prefix}/timeouts": float(sum(r.details.get("reward_timeout", 0) for r in results)),
@@ -122,8 +170,13 @@ def domain_metrics(
         out[f"{prefix}/{name}/mean"] = sum(r.score for r in mine) / len(mine)
         out[f"{prefix}/{name}/accuracy"] = sum(is_correct(r) for r in mine) / len(mine)
         out[f"{prefix}/{name}/share"] = len(mine) / len(results)
+        for key in _FAILURES:
+            out[f"{prefix}/{name}/{key}s"] = float(sum(r.details.get(key, 0) for r in mine))
         keys = {
-            k for r in mine for k, v in r.details.items() if isinstance(v, int | float) and k != "correct"
+            k
+            for r in mine
+            for k, v in r.details.items()
+            if isinstance(v, int | float) and k not in ("correct", *_FAILURES)
         }
         for k in sorted(keys):
             values = [r.details[k] for r in mine if k in r.details]

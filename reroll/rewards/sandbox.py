@@ -7,9 +7,15 @@ What is enforced, and how:
 - **Memory** ``RLIMIT_AS`` (an allocation past it raises ``MemoryError`` in the program).
 - **Output size** stdout/stderr go to files in the run directory under ``RLIMIT_FSIZE``; only the
   first ``max_output_bytes`` are read back.
-- **Processes** ``RLIMIT_NPROC`` (not enforced for root) and an audit hook that refuses
-  ``os.fork``, ``os.system``, ``subprocess.Popen``, ``os.exec*``, ``os.posix_spawn`` and ``pty``;
-  the run is its own session, so anything that did start is killed with it.
+- **Processes** where this host lets reroll make a cgroup in the ``pids`` controller (root, or a
+  delegated cgroup; see ``pids_cgroup_root``), each run gets its own with ``pids.max =
+  max_processes``: the kernel refuses tasks past it (threads count), and at the end every task in
+  it is killed, also one that left the session. Without cgroups, ``RLIMIT_NPROC`` is set to the
+  user's current task count plus ``max_processes`` (it counts per user; the kernel does not
+  enforce it for root). Above that, an audit hook refuses ``os.fork``, ``os.system``,
+  ``subprocess.Popen``, ``os.exec*``, ``os.posix_spawn`` and ``pty``, and ``_posixsubprocess.fork_exec``
+  (which starts processes with no audit event) is removed; the run is its own session, killed
+  with it.
 - **Network** the process runs under ``unshare -n`` (an empty network namespace) where that works
   on this host (root, or unprivileged user namespaces via ``unshare -rn``); in any case the audit
   hook refuses creating sockets.
@@ -46,11 +52,27 @@ import os, resource, sys
 _root = os.path.realpath(sys.argv[1])
 _limits = [int(x) for x in sys.argv[2:6]]
 _allowed = tuple(os.path.realpath(p) for p in sys.argv[6].split(os.pathsep) if p)
-_run_name = sys.argv[7]
+_run_name, _cgroup = sys.argv[7], sys.argv[8]
+if _cgroup:  # join the run's pids cgroup: the kernel caps its tasks, and the parent kills them all
+    with open(os.path.join(_cgroup, "cgroup.procs"), "w") as _f:
+        _f.write(str(os.getpid()))
+if _limits[3] > 0 and os.getuid() != 0:  # RLIMIT_NPROC counts all of this user's tasks: allow as many more
+    _uid, _tasks = str(os.getuid()), 0
+    for _pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{_pid}/status") as _f:
+                _st = dict(l.split(":", 1) for l in _f if ":" in l)
+            _tasks += int(_st["Threads"]) if _st["Uid"].split()[0] == _uid else 0
+        except (OSError, KeyError, ValueError):
+            pass
+    _limits[3] += _tasks
 for _lim, _val in zip(("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_NPROC"), _limits):
     if _val > 0:
         resource.setrlimit(getattr(resource, _lim), (_val, _val))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+import subprocess, _posixsubprocess  # fork_exec starts processes without an audit event: remove it
+del _posixsubprocess.fork_exec
+_NO_IMPORT = ("_posixsubprocess", "_ctypes")  # a fresh import would bring it back
 _DEV = ("/dev/null", "/dev/urandom", "/dev/random")
 _BLOCKED = ("os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
             "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "ctypes.dlopen", "ctypes.dlsym",
@@ -66,6 +88,8 @@ def _inside(path):
     return p == _root or _sw(p, _root + os.sep) or p in _DEV or any(
         p == a or _sw(p, a + os.sep) for a in _allowed)
 def _hook(event, args):
+    if event == "import" and args[0] in _NO_IMPORT:
+        raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
     if event in _BLOCKED or event.startswith("socket."):
         raise PermissionError(f"sandbox: {event} is not allowed")
     if event in _PATH_EVENTS and args:
@@ -94,7 +118,7 @@ class Limits:
     wall_s: float = 10.0
     memory_mb: int = 1024
     max_output_bytes: int = 1 << 20
-    max_processes: int = 64
+    max_processes: int = 64  # tasks (processes and threads) the program may add; see the module doc
 
 
 @dataclass(frozen=True)
@@ -124,6 +148,58 @@ def network_isolation() -> list[str]:
     return []
 
 
+@functools.cache
+def pids_cgroup_root() -> Path | None:
+    """This process's cgroup in the ``pids`` controller (v1 hierarchy, or v2 with ``pids`` enabled for
+    children) if a run's own cgroup can be made in it, else None."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "pids":
+            base = Path("/sys/fs/cgroup/pids") / path.lstrip("/")
+        elif controllers == "":
+            base = Path("/sys/fs/cgroup") / path.lstrip("/")
+            control = base / "cgroup.subtree_control"
+            if not control.is_file() or "pids" not in control.read_text().split():
+                continue
+        else:
+            continue
+        probe = base / f"reroll-probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+            probe.rmdir()
+            return base
+        except OSError:
+            continue
+    return None
+
+
+def _make_cgroup(max_tasks: int) -> Path | None:
+    base = pids_cgroup_root()
+    if base is None:
+        return None
+    cg = Path(tempfile.mkdtemp(prefix="reroll-sandbox-", dir=base))  # the kernel fills it in
+    (cg / "pids.max").write_text(str(max_tasks))
+    return cg
+
+
+def _kill_cgroup(cg: Path) -> None:
+    """SIGKILL every task of the run's cgroup (those that left its session too), then remove it."""
+    for _ in range(200):
+        pids = [int(p) for p in (cg / "cgroup.procs").read_text().split()]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.005)
+    with contextlib.suppress(OSError):
+        cg.rmdir()
+
+
 def _python_dirs() -> str:
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values()}
     paths |= {p for p in sys.path if p and os.path.isdir(p) and "site-packages" in p}
@@ -146,6 +222,7 @@ def run_python(
     the program as a module named ``solution`` (its ``if __name__ == "__main__"`` block is skipped).
     """
     root = Path(tempfile.mkdtemp(prefix="reroll-sandbox-"))
+    cgroup = _make_cgroup(limits.max_processes) if limits.max_processes > 0 else None
     try:
         (root / "main.py").write_text(program)
         (root / "_guard.py").write_text(_GUARD)
@@ -163,6 +240,7 @@ def run_python(
             *map(str, rl),
             _python_dirs(),
             "__main__" if as_main else "solution",
+            str(cgroup or ""),
         ]
         start = time.monotonic()
         with out_path.open("wb") as out, err_path.open("wb") as err:
@@ -186,6 +264,8 @@ def run_python(
         )
         return RunResult(status, proc.returncode, stdout, stderr, wall, files_back)
     finally:
+        if cgroup is not None:
+            _kill_cgroup(cgroup)
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -44,8 +44,8 @@ class CriticWorker(StrategyWorker):
         """
         assert self.cfg.critic is not None
         metrics, total = [], 0.0
-        for mb in batch.chunks(self.cfg.optim.micro_batch_size):
-            values = token_values(self.strategy.logits(mb.input_ids, mb.attention_mask))
+        for mb in self._micro_batches(batch):
+            values = token_values(self._forward(mb))
             dev = values.device
             old_values, returns = (mb.extras[k].to(dev) for k in ("values", "returns"))
             mask = mb.response_mask.to(dev)

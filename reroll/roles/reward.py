@@ -3,9 +3,15 @@
 Each worker scores its items on ``reward.threads`` threads, each call under its own deadline
 (``reward.sample_timeout_s``). A call that raises or passes its deadline scores
 ``reward.error_score`` with ``details["reward_error"]`` / ``details["reward_timeout"]`` set, so
-the step goes on and the count shows in ``reward/errors`` and ``reward/timeouts``. A timed-out
-call's thread cannot be stopped (Python has no thread kill): it is left to finish in the
-background, as a daemon, and a new thread takes its place in the pool. Rewards that can hang (code) run out of process with their own limits.
+the step goes on and the count shows in ``reward/errors`` and ``reward/timeouts`` (and per domain
+``reward/<domain>/reward_errors`` / ``reward_timeouts``).
+
+Rewards whose ``isolation`` is 'process' (by default every ``package.module:function`` reward) run
+in a pool of ``reward.threads`` child processes (``reroll.rewards.isolation``): at the deadline the
+child is killed and replaced. A 'thread' reward runs on the worker's thread; a timed-out thread
+cannot be stopped (Python has no thread kill), so it is left to finish as a daemon and a new thread
+takes its place. Registered rewards run on threads: they are bounded (code runs in its sandbox).
+A ``RoleError`` raised by a reward (the judge role died) is not a reward failure: it fails the call.
 """
 
 from __future__ import annotations
@@ -20,11 +26,18 @@ from typing import NamedTuple
 
 from reroll.config.reward import RewardConfig
 from reroll.config.schema import RunConfig
+from reroll.errors import RoleError
 from reroll.rewards.base import RewardResult
-from reroll.rewards.routing import DEFAULT_DOMAIN, RewardRouter
+from reroll.rewards.isolation import ProcessPool, RewardTimeout
+from reroll.rewards.routing import DEFAULT_DOMAIN, RewardRouter, domain_terms, in_process
+from reroll.roles.judge import JudgeClient, JudgeGroup
 from reroll.runtime.actors import WorkerGroup
 
 log = logging.getLogger(__name__)
+
+# How long past its deadline a thread may take to report (an isolated call reports its own timeout
+# once its process is killed) before the thread is given up as stuck and replaced.
+_GRACE_S = 0.5
 
 
 class RewardItem(NamedTuple):
@@ -39,13 +52,21 @@ class RewardItem(NamedTuple):
 class RewardWorker:
     """Scores items with the configured rewards on a pool of threads, each call bounded in time."""
 
-    def __init__(self, rank: int, cfg: RewardConfig, torch_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        cfg: RewardConfig,
+        torch_threads: int | None = None,
+        judge: JudgeClient | None = None,
+    ) -> None:
         if torch_threads is not None:  # roles.reward.torch_threads (a reward model runs on CPU here)
             import torch
 
             torch.set_num_threads(torch_threads)
         self.rank, self.cfg = rank, cfg
-        self.router = RewardRouter(cfg)
+        isolated = [(t.fn, t.args) for terms in domain_terms(cfg).values() for t in terms if in_process(t)]
+        self.pool = ProcessPool(cfg.threads, preload=isolated) if isolated else None
+        self.router = RewardRouter(cfg, self.pool, judge)
         self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
         for _ in range(cfg.threads):
             self._add_thread()
@@ -56,6 +77,11 @@ class RewardWorker:
                 self._jobs.get()()
 
         threading.Thread(target=serve, daemon=True, name=f"reward-{self.rank}").start()
+
+    def close(self) -> None:
+        """Stop the reward processes (the threads are daemons)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def _failed(self, kind: str) -> RewardResult:
         return RewardResult(
@@ -72,11 +98,15 @@ class RewardWorker:
 
         def job(i: int, it: RewardItem) -> Callable[[], None]:
             def run() -> None:
-                deadlines[i] = time.monotonic() + limit
+                deadlines[i] = deadline = time.monotonic() + limit
                 try:
-                    done.put((i, self.router.score(it.prompt, it.response, it.row, it.tag)))
-                except BaseException as e:  # reported as a counted error, never raised
+                    done.put(
+                        (i, self.router.score(it.prompt, it.response, it.row, it.tag, deadline=deadline))
+                    )
+                except BaseException as e:  # reported as a counted error or timeout, never raised
                     done.put((i, e))
+                if self.pool is not None:
+                    self.pool.refill()  # replace a killed process before this thread takes more work
 
             return run
 
@@ -84,7 +114,7 @@ class RewardWorker:
             self._jobs.put(job(i, it))
         remaining = set(range(len(items)))
         while remaining:
-            started = [deadlines[i] for i in remaining if i in deadlines]
+            started = [deadlines[i] + _GRACE_S for i in remaining if i in deadlines]
             wait = max(0.0, min(started) - time.monotonic()) if started else 0.05
             try:
                 i, out = done.get(timeout=wait)
@@ -93,7 +123,12 @@ class RewardWorker:
                 continue
             if i in remaining:  # not already scored as a timeout
                 remaining.discard(i)
-                if isinstance(out, BaseException):
+                if isinstance(out, RoleError):  # another role (the judge) failed: so does this call
+                    raise OtherRoleFailed(out.role, out.rank, out.phase, out.cause) from out
+                if isinstance(out, RewardTimeout):
+                    log.warning("reward rank %d: item %d: %s", self.rank, i, out)
+                    out = self._failed("timeout")
+                elif isinstance(out, BaseException):
                     log.warning(
                         "reward rank %d: item %d raised %s: %s", self.rank, i, type(out).__name__, out
                     )
@@ -104,7 +139,7 @@ class RewardWorker:
     def _expire(self, remaining: set[int], deadlines: dict[int, float], results: list) -> None:
         """Score the items past their deadline as timeouts; a new thread replaces each stuck one."""
         now = time.monotonic()
-        for i in [i for i in remaining if deadlines.get(i, now + 1) <= now]:
+        for i in [i for i in remaining if deadlines.get(i, now + 1) + _GRACE_S <= now]:
             log.warning(
                 "reward rank %d: item %d passed sample_timeout_s=%gs", self.rank, i, self.cfg.sample_timeout_s
             )
@@ -118,7 +153,9 @@ class RewardGroup(WorkerGroup):
 
     def __init__(self, cfg: RunConfig) -> None:
         self.reward_cfg = cfg.reward
-        make_args = lambda rank: (rank, cfg.reward, cfg.roles.reward.torch_threads)  # noqa: E731
+        self.judge = JudgeGroup(cfg) if cfg.reward.judge is not None else None
+        client = self.judge.client() if self.judge is not None else None
+        make_args = lambda rank: (rank, cfg.reward, cfg.roles.reward.torch_threads, client)  # noqa: E731
         super().__init__("reward", RewardWorker, make_args, cfg, timeout_s=cfg.reward.timeout_s)
 
     def score(self, items: Sequence[tuple], phase: str = "reward") -> list[RewardResult]:
@@ -128,4 +165,43 @@ class RewardGroup(WorkerGroup):
         rounds = math.ceil(max(map(len, parts), default=0) / rc.threads)
         self.timeout_s = rc.timeout_s + rounds * rc.sample_timeout_s
         refs = [h.score.remote(part) for h, part in zip(self.handles, parts)]
-        return [r for part in self._wait(refs, phase) for r in part]
+        try:
+            return [r for part in self._wait(refs, phase) for r in part]
+        except RoleError as e:
+            raise _other_role_error(e) or e from e
+
+    def shutdown(self) -> None:
+        """Stop each worker's reward processes, then the workers."""
+        try:
+            self._wait([h.close.remote() for h in self.handles], "shutdown")
+        except RoleError as e:  # a dead worker's children end with it (they watch their parent)
+            log.warning("%s", e)
+        super().shutdown()
+        if self.judge is not None:
+            self.judge.shutdown()
+
+
+class OtherRoleFailed(Exception):
+    """A ``RoleError`` of another role (the judge) raised in a reward worker, in a form that crosses
+    Ray (``RoleError`` itself does not unpickle); ``RewardGroup`` raises it as that ``RoleError``."""
+
+    def __init__(self, role: str, rank: int | None, phase: str, cause: str) -> None:
+        super().__init__(role, rank, phase, cause)
+
+    def role_error(self) -> RoleError:
+        return RoleError(*self.args)
+
+    def __str__(self) -> str:
+        return str(self.role_error())
+
+
+def _other_role_error(e: BaseException | None) -> RoleError | None:
+    """The other role's ``RoleError`` behind a reward worker's failure, if that is what it was."""
+    for _ in range(8):
+        if e is None:
+            return None
+        if type(e) is OtherRoleFailed:  # not Ray's wrapper, which subclasses it
+            return e.role_error()
+        inner = getattr(e, "cause", None)  # a RayTaskError's cause; a RoleError's is a string
+        e = inner if isinstance(inner, BaseException) else e.__cause__
+    return None

@@ -13,10 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from reroll.config.schema import RunConfig
+from reroll.data.packing import micro_batches, pack, unpack
 from reroll.data.types import TrainBatch
 from reroll.runtime.actors import WorkerGroup, free_address
+from reroll.runtime.placement import worker_device
 from reroll.strategies import Head, make_strategy
 
 
@@ -39,7 +42,7 @@ class StrategyWorker:
         self.strategy = make_strategy(
             cfg,
             model_path=model_path,
-            device="cuda" if role_cfg.num_gpus_per_worker > 0 else "cpu",
+            device=worker_device(cfg, role),
             trainable=trainable,
             rank=rank,
             world_size=role_cfg.world_size,
@@ -64,14 +67,43 @@ class StrategyWorker:
     def load(self, directory: str) -> None:
         self.strategy.load(Path(directory))
 
+    def offload(self) -> None:
+        self.strategy.offload()
+
+    def reload(self) -> None:
+        self.strategy.reload()
+
+    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """This rank's micro-batches, in row order: up to ``optim.max_tokens_per_micro_batch`` real tokens
+        each when set, else ``optim.micro_batch_size`` rows. With several ranks, every rank gets as many
+        as the rank with the most (a sharded strategy's forward is a collective), as far as its rows allow."""
+        o = self.cfg.optim
+        budget = o.max_tokens_per_micro_batch
+        limits = {"max_rows": None if budget else o.micro_batch_size, "max_tokens": budget}
+        parts = micro_batches(batch, **limits)
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return parts
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        most = torch.tensor([len(parts), -len(batch)], device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)  # [most micro-batches, -fewest rows] over the ranks
+        count = min(int(most[0]), -int(most[1]))
+        return parts if count == len(parts) else micro_batches(batch, **limits, count=count)
+
+    def _forward(self, mb: TrainBatch) -> torch.Tensor:
+        """The model's output on a micro-batch, ``(b, t, ...)`` right-padded like ``mb.input_ids``; with
+        ``optim.packing`` its rows run as one packed sequence (no padding computed) and are unpacked."""
+        if not self.cfg.optim.packing:
+            return self.strategy.logits(mb.input_ids, mb.attention_mask)
+        packed = pack(mb)
+        out = self.strategy.logits(packed.input_ids, None, packed.position_ids)
+        return unpack(out, packed, mb.input_ids.shape[1])
+
     @torch.no_grad()
     def _score(
         self, batch: TrainBatch, per_token: Callable[[torch.Tensor, TrainBatch], torch.Tensor]
     ) -> torch.Tensor:
-        """``per_token(model output, micro-batch)`` (b, t) over micro-batches of ``optim.micro_batch_size``: (B, T)."""
-        parts = []
-        for mb in batch.chunks(self.cfg.optim.micro_batch_size):
-            parts.append(per_token(self.strategy.logits(mb.input_ids, mb.attention_mask), mb).cpu())
+        """``per_token(model output, micro-batch)`` (b, t) over this rank's micro-batches: (B, T)."""
+        parts = [per_token(self._forward(mb), mb).cpu() for mb in self._micro_batches(batch)]
         return TrainBatch.concat(parts, width=batch.input_ids.shape[1])
 
     def _step(self, prefix: str) -> dict[str, float]:
@@ -109,3 +141,10 @@ class StrategyGroup(WorkerGroup):
 
     def load(self, directory: Path) -> None:
         self._wait([h.load.remote(str(directory)) for h in self.handles], "load")
+
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state off the device (another role needs it)."""
+        self._wait([h.offload.remote() for h in self.handles], "offload")
+
+    def reload(self) -> None:
+        self._wait([h.reload.remote() for h in self.handles], "reload")

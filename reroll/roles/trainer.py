@@ -6,6 +6,9 @@ The loss comes from ``reroll.algorithms``; the strategy only runs forward, backw
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,6 +18,8 @@ from reroll.config.schema import RunConfig
 from reroll.data.types import TrainBatch
 from reroll.models.loading import mismatch_metrics, token_entropy, token_logprobs
 from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker, mean_metrics
+from reroll.runtime.weight_sync import WeightBucket, weight_buckets
+from reroll.strategies.lora import AdapterUpdate, payload_bytes
 
 
 class TrainerWorker(StrategyWorker):
@@ -23,19 +28,27 @@ class TrainerWorker(StrategyWorker):
     def __init__(self, role: str, rank: int, cfg: RunConfig, trainable: bool) -> None:
         super().__init__(role, rank, cfg, model_path=cfg.model.path, trainable=trainable, head="causal_lm")
         self.temperature = cfg.rollout.temperature or 1.0
+        self.sent_bytes = 0
 
-    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """``(B, T)`` log-probs of ``batch.input_ids`` at the sampling temperature."""
-        return self._score(
-            batch, lambda logits, mb: token_logprobs(logits, mb.input_ids.to(logits.device), self.temperature)
-        )
+    def compute_logprobs(self, batch: TrainBatch, base_model: bool = False) -> torch.Tensor:
+        """``(B, T)`` log-probs of ``batch.input_ids`` at the sampling temperature; ``base_model``: with the
+        LoRA adapters disabled (the reference policy of a LoRA run)."""
+        with self.strategy.adapters_disabled() if base_model else contextlib.nullcontext():
+            return self._score(
+                batch,
+                lambda logits, mb: token_logprobs(logits, mb.input_ids.to(logits.device), self.temperature),
+            )
 
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on this rank's share of a mini-batch; the policy loss is the algorithm's."""
+        """One optimizer step on this rank's share of a mini-batch; the policy loss is the algorithm's.
+
+        ``train/tokens_per_s``: real (non-padding) tokens of the share over the seconds of forward,
+        backward and step."""
+        start = time.perf_counter()
         metrics = []
         alg = self.cfg.algorithm
-        for mb in batch.chunks(self.cfg.optim.micro_batch_size):
-            logits = self.strategy.logits(mb.input_ids, mb.attention_mask)
+        for mb in self._micro_batches(batch):
+            logits = self._forward(mb)
             ids = mb.input_ids.to(logits.device)
             logprobs = token_logprobs(logits, ids, self.temperature)
             entropy = token_entropy(logits, self.temperature)
@@ -60,13 +73,16 @@ class TrainerWorker(StrategyWorker):
             if mb.old_logprobs is None and mb.rollout_logprobs is not None:  # on-policy: measured here
                 m |= mismatch_metrics(logprobs, mb.rollout_logprobs.to(dev), mb.response_mask.to(dev))
             metrics.append({k: float(v) for k, v in m.items()} | {"actor/loss": float(loss.detach())})
-        return mean_metrics(metrics) | self._step("actor")
+        # actor/loss: the micro-batches' shares summed, this rank's share of the step's loss (as sft/loss)
+        out = mean_metrics(metrics) | {"actor/loss": sum(m["actor/loss"] for m in metrics)}
+        out |= self._step("actor")
+        return out | {"train/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - start)}
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step of next-token loss on the response tokens (token mean over the whole step)."""
         total = 0.0
-        for mb in batch.chunks(self.cfg.optim.micro_batch_size):
-            logits = self.strategy.logits(mb.input_ids, mb.attention_mask)
+        for mb in self._micro_batches(batch):
+            logits = self._forward(mb)
             logprobs = token_logprobs(logits, mb.input_ids.to(logits.device), 1.0)
             mask = mb.response_mask.to(logprobs.device)
             loss = -(logprobs * mask).sum() / batch.num_tokens
@@ -75,8 +91,32 @@ class TrainerWorker(StrategyWorker):
             total += float(loss.detach())
         return {"sft/loss": total} | self._step("sft")
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.strategy.full_state_dict()
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """Rank 0: the full weights (Hugging Face names). Every rank must call it (a sharded strategy
+        gathers them collectively); the others return None."""
+        state = self.strategy.full_state_dict()
+        self.sent_bytes = payload_bytes(state)
+        return state if self.rank == 0 else None
+
+    def adapter_update(self) -> AdapterUpdate | None:
+        """Rank 0: the LoRA adapters and their config (``strategy.lora.sync: adapters``); called on every
+        rank like ``weights``."""
+        update = self.strategy.adapter_update()
+        self.sent_bytes = update.num_bytes
+        return update if self.rank == 0 else None
+
+    def last_sent_bytes(self) -> int:
+        """Bytes of the last ``weights`` or ``adapter_update`` payload (``sync/bytes``)."""
+        return self.sent_bytes
+
+    def weight_buckets(self, bucket_mb: float) -> Iterator[WeightBucket]:
+        """Rank 0: the full weights in buckets of whole layers, about ``bucket_mb`` MiB each (a Ray
+        streaming generator: the engines load one bucket while the next is sent). Every rank must call
+        it, like ``weights``; the others yield nothing."""
+        state = self.strategy.full_state_dict()
+        self.sent_bytes = payload_bytes(state)
+        if self.rank == 0:
+            yield from weight_buckets(state.items(), int(bucket_mb * 2**20))
 
 
 def _advantage_stats(mb: TrainBatch) -> str:
@@ -90,21 +130,38 @@ class TrainerGroup(StrategyGroup):
     def __init__(self, role: str, cfg: RunConfig, *, trainable: bool) -> None:
         super().__init__(role, TrainerWorker, lambda rank: (role, rank, cfg, trainable), cfg)
 
-    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+    def compute_logprobs(self, batch: TrainBatch, *, base_model: bool = False) -> torch.Tensor:
+        """``(B, T)`` log-probs; ``base_model``: with the LoRA adapters disabled (the reference)."""
         shards = batch.split(self.world_size)
         parts = self._wait(
-            [h.compute_logprobs.remote(s) for h, s in zip(self.handles, shards)], "compute_logprobs"
+            [h.compute_logprobs.remote(s, base_model) for h, s in zip(self.handles, shards)],
+            "compute_logprobs",
         )
         return TrainBatch.concat(parts, width=batch.input_ids.shape[1])
 
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step; ``train/tokens_per_s`` is the ranks' sum (they train at the same time)."""
         shards = batch.split(self.world_size)
-        return mean_metrics(self._wait([h.train_rl.remote(s) for h, s in zip(self.handles, shards)], "train"))
+        parts = self._wait([h.train_rl.remote(s) for h, s in zip(self.handles, shards)], "train")
+        return mean_metrics(parts) | {"train/tokens_per_s": sum(p["train/tokens_per_s"] for p in parts)}
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         shards = batch.split(self.world_size)
         return mean_metrics(self._wait([h.train_sft.remote(s) for h, s in zip(self.handles, shards)], "sft"))
 
     def weights_ref(self) -> Any:
-        """A reference to rank 0's full weights, to hand to the engine without passing through the driver."""
-        return self.handles[0].weights.remote()
+        """A reference to rank 0's full weights, to hand to the engine without passing through the driver.
+
+        Every rank takes part (a sharded strategy gathers the weights collectively); this waits for
+        ranks 1.. and returns rank 0's reference."""
+        refs = [h.weights.remote() for h in self.handles]
+        self._wait(refs[1:], "weights")
+        return refs[0]
+
+    def adapter_update(self) -> AdapterUpdate:
+        """The LoRA adapters and their config, from rank 0 (every rank takes part in the gather)."""
+        return self._wait([h.adapter_update.remote() for h in self.handles], "weights")[0]
+
+    def sent_bytes(self) -> int:
+        """Bytes of rank 0's last weight-sync payload (full weights or adapters)."""
+        return self._wait([self.handles[0].last_sent_bytes.remote()], "weights")[0]

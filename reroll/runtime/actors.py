@@ -7,6 +7,7 @@ actor or a timeout into a ``RoleError`` naming the role, rank and phase: the dri
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import socket
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from reroll.errors import RoleError
+from reroll.runtime.placement import actor_options
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -35,6 +37,10 @@ class _Ready:
 class _LocalMethod:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self._fn = fn
+
+    def options(self, **_: Any) -> _LocalMethod:
+        """Ray call options (a concurrency group) mean nothing in this process."""
+        return self
 
     def remote(self, *args: Any, **kwargs: Any) -> _Ready:
         try:
@@ -70,30 +76,27 @@ def start_ray(address: str | None) -> None:
     )
 
 
-def spawn(
-    cls: type,
-    args: tuple[Any, ...],
-    *,
-    backend: str,
-    name: str,
-    num_cpus: float,
-    num_gpus: float,
-) -> Any:
-    """One worker: a Ray actor with the given resources, or a ``LocalHandle``."""
+def spawn(cls: type, args: tuple[Any, ...], *, backend: str, name: str, **options: Any) -> Any:
+    """One worker: a Ray actor with the given ``options`` (resources, scheduling), or a ``LocalHandle``."""
     if backend == "local":
         return LocalHandle(cls(*args))
     import ray
 
-    actor_cls = ray.remote(cls)
-    return actor_cls.options(name=name, num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1).remote(*args)
+    groups = options.pop("concurrency_groups", None)  # Ray takes these at ray.remote only
+    actor_cls = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
+    return actor_cls.options(name=name, max_concurrency=1, **options).remote(*args)
 
 
-def gather(refs: Sequence[Any], *, role: str, phase: str, timeout_s: float) -> list[Any]:
-    """Results of per-rank calls in rank order; a failure or timeout raises ``RoleError``."""
+def gather(
+    refs: Sequence[Any], *, role: str, phase: str, timeout_s: float, detail: str | None = None
+) -> list[Any]:
+    """Results of per-rank calls in rank order; a failure or timeout raises ``RoleError`` (with
+    ``detail``, what the workers run, e.g. 'vllm engine')."""
+    fail = functools.partial(RoleError, role, detail=detail)
     if all(isinstance(r, _Ready) for r in refs):
         for rank, r in enumerate(refs):
             if r.error is not None:
-                raise RoleError(role, rank, phase, f"{type(r.error).__name__}: {r.error}") from r.error
+                raise fail(rank, phase, f"{type(r.error).__name__}: {r.error}") from r.error
         return [r.value for r in refs]
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -101,21 +104,21 @@ def gather(refs: Sequence[Any], *, role: str, phase: str, timeout_s: float) -> l
     _ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     if pending:
         rank = list(refs).index(pending[0])
-        raise RoleError(role, rank, phase, f"no answer within {timeout_s:.0f} s (runtime.call_timeout_s)")
+        raise fail(rank, phase, f"no answer within {timeout_s:.0f} s (runtime.call_timeout_s)")
     out = []
     for rank, ref in enumerate(refs):
         try:
             out.append(ray.get(ref, timeout=timeout_s))
         except RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
-            raise RoleError(role, rank, phase, f"{type(cause).__name__}: {cause}") from e
+            raise fail(rank, phase, f"{type(cause).__name__}: {cause}") from e
         except RayActorError as e:
             if getattr(e, "actor_init_failed", False):  # keep the constructor's own error (e.g. a UserError)
                 cause = str(getattr(e, "error_msg", e)).strip().splitlines()[-1]
-                raise RoleError(role, rank, phase, f"the worker failed to start: {cause}") from e
-            raise RoleError(role, rank, phase, f"the worker process died ({e.__class__.__name__})") from e
+                raise fail(rank, phase, f"the worker failed to start: {cause}") from e
+            raise fail(rank, phase, f"the worker process died ({e.__class__.__name__})") from e
         except GetTimeoutError as e:
-            raise RoleError(role, rank, phase, f"no answer within {timeout_s:.0f} s") from e
+            raise fail(rank, phase, f"no answer within {timeout_s:.0f} s") from e
     return out
 
 
@@ -145,24 +148,29 @@ class WorkerGroup:
         cfg: RunConfig,
         *,
         timeout_s: float | None = None,
+        concurrency_groups: dict[str, int] | None = None,
     ) -> None:
+        """``concurrency_groups``: extra Ray threads by name, for calls that must run while another is
+        in flight (``handle.abort.options(concurrency_group="control")``)."""
         rc = getattr(cfg.roles, role)
         self.role, self.world_size = role, rc.world_size
+        self.detail: str | None = None  # what the workers run, named in errors ('vllm engine')
         self.timeout_s = timeout_s or cfg.runtime.call_timeout_s
+        local = cfg.runtime.backend == "local"
         self.handles = [
             spawn(
                 cls,
                 make_args(rank),
                 backend=cfg.runtime.backend,
                 name=f"{role}-{rank}",
-                num_cpus=rc.num_cpus_per_worker,
-                num_gpus=rc.num_gpus_per_worker,
+                **({} if local else actor_options(cfg, role, rank)),
+                **({} if local or not concurrency_groups else {"concurrency_groups": concurrency_groups}),
             )
             for rank in range(rc.world_size)
         ]
 
     def _wait(self, refs: Sequence[Any], phase: str) -> list[Any]:
-        return gather(refs, role=self.role, phase=phase, timeout_s=self.timeout_s)
+        return gather(refs, role=self.role, phase=phase, timeout_s=self.timeout_s, detail=self.detail)
 
     def _deal(self, items: Sequence[T]) -> list[list[T]]:
         """``items`` cut into one contiguous, near-equal block per rank (results concatenate in order)."""

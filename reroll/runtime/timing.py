@@ -21,6 +21,12 @@ class PhaseTimer:
         finally:
             self._seconds[phase] = self._seconds.get(phase, 0.0) + time.perf_counter() - start
 
+    def add(self, seconds: dict[str, float]) -> None:
+        """Time measured elsewhere, as ``{"phase": seconds}`` (or ``timing/phase`` keys)."""
+        for k, v in seconds.items():
+            phase = k.removeprefix("timing/")
+            self._seconds[phase] = self._seconds.get(phase, 0.0) + v
+
     def pop(self) -> dict[str, float]:
         out = {f"timing/{k}": v for k, v in self._seconds.items()}
         out["timing/step"] = sum(self._seconds.values())

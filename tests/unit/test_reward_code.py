@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from reroll.rewards.code import code_tests, extract_program
-from reroll.rewards.sandbox import Limits, network_isolation, run_python
+from reroll.rewards.sandbox import Limits, network_isolation, pids_cgroup_root, run_python
 
 ADD_IO = {"tests": [{"stdin": "3 4\n", "stdout": "7\n"}, {"stdin": "-1 1\n", "stdout": "0\n"}]}
 FAST = {"cpu_s": 1, "wall_s": 5.0, "memory_mb": 256}
@@ -119,3 +120,65 @@ def test_output_is_capped():
 def test_working_directory_is_removed():
     r = run_python("import os\nprint(os.getcwd())")
     assert r.status == "ok" and not Path(r.stdout.strip()).exists()
+
+
+ADD = "a, b = map(int, input().split())\nprint(a + b)"
+ESCAPE = (  # _posixsubprocess.fork_exec starts a process without an audit event; the sandbox removes it
+    "import _posixsubprocess, os\nr, w = os.pipe()\n_posixsubprocess.fork_exec([b'/bin/true'], [b'/bin/true'], "
+    "True, (w,), None, None, -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, None, -1, None, False)"
+)
+
+
+@pytest.mark.parametrize(
+    "hostile, count, reason",
+    [
+        ("x = bytearray(10 * 1024**3)", "memory", "MemoryError"),
+        ("import os\nos.fork()", "errors", "os.fork is not allowed"),
+        ("import subprocess\nsubprocess.run(['true'])", "errors", "subprocess.Popen is not allowed"),
+        (ESCAPE, "errors", "has no attribute 'fork_exec'"),
+        (
+            "import sys\nsys.modules.pop('_posixsubprocess')\nimport _posixsubprocess",
+            "errors",
+            "importing _posix",
+        ),
+        ("print(open({home!r}).read())", "errors", "outside the sandbox"),
+        (
+            "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
+            "errors",
+            "not allowed",
+        ),
+    ],
+    ids=["10GB", "fork", "subprocess", "fork_exec", "reimport", "home", "socket"],
+)
+def test_hostile_program_that_would_pass_scores_zero_with_its_reason(tmp_path, hostile, count, reason):
+    """Each program does something hostile, then prints the right answer: only containment makes it fail."""
+    secret = Path.home() / ".reroll-sandbox-test-secret"
+    secret.write_text("top secret")
+    try:
+        with socket.socket() as server:  # something to connect to, were the connection allowed
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            program = hostile.format(home=str(secret), port=server.getsockname()[1]) + "\n" + ADD
+            r = code_tests("", fenced(program), {"tests": ADD_IO["tests"][:1]}, **FAST)
+            run = run_python(program, "3 4\n", limits=Limits(cpu_s=1, wall_s=5.0, memory_mb=256))
+    finally:
+        secret.unlink()
+    assert (r.score, r.details[count]) == (0.0, 1)  # the test case failed, for this reason
+    assert reason in run.stderr and run.stdout == ""  # (without the hostile line it passes: first test)
+
+
+def test_task_limit_is_enforced_by_the_kernel():
+    """Threads are tasks too, and start without any audit event: the cgroup (or RLIMIT_NPROC) stops them."""
+    if pids_cgroup_root() is None and os.getuid() == 0:
+        pytest.skip("no pids cgroup here and RLIMIT_NPROC does not bind root: no kernel task limit")
+    program = (
+        "import threading, time\nthreading.stack_size(65536)\nn = 0\ntry:\n"
+        "    for _ in range(500):\n"
+        "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n        n += 1\n"
+        "except RuntimeError as e:\n    print('refused:', e)\nprint(n)"
+    )
+    r = run_python(program, limits=Limits(max_processes=16, wall_s=10.0))
+    assert "refused: can't start new thread" in r.stdout
+    assert int(r.stdout.split()[-1]) == 15  # 16 tasks: the main thread and 15 more
+    if pids_cgroup_root() is not None:
+        assert not [p for p in pids_cgroup_root().iterdir() if p.name.startswith("reroll-sandbox-")]

@@ -1,4 +1,4 @@
-"""llm_judge against a stub OpenAI-compatible server on 127.0.0.1."""
+"""llm_judge against a stub OpenAI-compatible server on 127.0.0.1; engine_judge with a scripted engine."""
 
 from __future__ import annotations
 
@@ -8,7 +8,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from reroll.rewards.judge import llm_judge, parse_score
+from reroll.config.reward import RewardConfig, check_reward
+from reroll.config.schema import RunConfig
+from reroll.data.types import Completion
+from reroll.errors import UserError
+from reroll.rewards.base import RewardResult
+from reroll.rewards.judge import DEFAULT_TEMPLATE, engine_judge, judge_prompt, llm_judge, parse_score
+from reroll.rewards.routing import RewardRouter
+from reroll.roles.judge import JudgeClient, JudgeWorker
+from reroll.roles.reward import OtherRoleFailed, RewardWorker
+from reroll.runtime.actors import LocalHandle
 
 
 @pytest.fixture
@@ -78,3 +87,77 @@ def test_parse_score():
     assert parse_score("reason... Score: 9/10", max_score=10) == pytest.approx(0.9)
     assert parse_score("score = 15", max_score=10) == 1.0  # clipped
     assert parse_score("no digits", max_score=10) is None
+
+
+# engine_judge: the judge served by reroll's own engine as the `judge` role.
+
+
+class ScriptedEngine:
+    """The engine interface (``generate(prompts, params) -> list[list[Completion]]``) with set replies."""
+
+    def __init__(self, replies):
+        self.replies, self.prompts, self.params = list(replies), [], []
+
+    def generate(self, prompts, params):
+        if not self.replies:
+            raise RuntimeError("the judge engine crashed")
+        self.prompts += prompts
+        self.params.append(params)
+        return [[Completion([], [], self.replies.pop(0), [], "stop")] for _ in prompts]
+
+
+def run_config(tmp_path, **reward):
+    return RunConfig.model_validate(
+        {
+            "pipeline": "rlvr",
+            "model": {"path": str(tmp_path / "m")},
+            "data": {"train_files": [str(tmp_path / "rows.jsonl")]},
+            "runtime": {"backend": "local"},
+            "reward": {
+                "fn": "engine_judge",
+                "judge": {"model_path": str(tmp_path / "j"), "max_new_tokens": 7},
+            }
+            | reward,
+        }
+    )
+
+
+def scripted_client(tmp_path, replies):
+    engine = ScriptedEngine(replies)
+    worker = JudgeWorker(0, run_config(tmp_path), engine=engine)
+    return JudgeClient([LocalHandle(worker)], timeout_s=10), engine
+
+
+def test_engine_judge_parses_like_the_endpoint_judge(tmp_path):
+    client, engine = scripted_client(tmp_path, ["Accurate.\nScore: 8", "I refuse to grade this."])
+    r = engine_judge("What is 2+2?", "4", {"answer": "4"}, judge=client)
+    assert r == RewardResult(0.8, {"judge_parse_error": 0, "judge_request_error": 0})
+    # The same prompt the endpoint judge sends, decoded greedily with reward.judge.max_new_tokens.
+    assert engine.prompts == [judge_prompt(DEFAULT_TEMPLATE, "What is 2+2?", "4", {}, max_score=10.0)]
+    assert (engine.params[0].temperature, engine.params[0].max_new_tokens) == (0.0, 7)
+    r = engine_judge("q", "a", {}, judge=client, parse_error_score=-1.0)
+    assert r == RewardResult(-1.0, {"judge_parse_error": 1, "judge_request_error": 0})
+
+
+def test_a_failing_judge_fails_the_reward_call_naming_the_judge(tmp_path):
+    cfg = run_config(tmp_path)
+    client, _ = scripted_client(tmp_path, [])  # no replies: its engine raises
+    worker = RewardWorker(0, cfg.reward, judge=client)
+    with pytest.raises(
+        OtherRoleFailed, match=r"judge\[0\] failed during judge: RuntimeError: the judge engine crashed"
+    ) as e:
+        worker.score([("q", "a", {})])
+    assert (e.value.role_error().role, e.value.role_error().rank) == ("judge", 0)  # what RewardGroup raises
+
+
+def test_judge_config_is_checked(tmp_path):
+    cfg = run_config(tmp_path)
+    assert check_reward(cfg.reward) == []
+    no_judge = RewardConfig(fn="engine_judge")
+    assert check_reward(no_judge) == [
+        ("reward.judge", "reward is engine_judge, which needs reward.judge: {model_path: ...}")
+    ]
+    unused = RewardConfig(fn="exact_match", judge={"model_path": "x"})
+    assert "no reward is engine_judge" in check_reward(unused)[0][1]
+    with pytest.raises(UserError, match="engine_judge needs the judge role"):
+        RewardRouter(no_judge)

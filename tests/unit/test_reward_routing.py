@@ -125,7 +125,7 @@ def test_worker_bounds_each_call_and_counts_failures():
         sample_timeout_s=0.5,
         error_score=-1.0,
         domains={
-            name: {"rewards": [{"fn": fn}]}
+            name: {"rewards": [{"fn": fn, "isolation": "thread"}]}  # processes: test_reward_isolation
             for name, fn in {
                 "ok": f"{__name__}:half",
                 "slow": f"{__name__}:slow",

@@ -1,0 +1,113 @@
+"""The device map: where each rank sits, which roles are colocated, and the config checks."""
+
+from __future__ import annotations
+
+import pytest
+
+import yaml
+
+from reroll.config.loader import ConfigError, load_config
+from reroll.config.schema import RunConfig
+from reroll.runtime.placement import Colocation, device_map, run_roles
+
+
+def _cfg(tmp_path, **overrides):
+    base = {
+        "pipeline": "rlvr",
+        "model": {"path": str(tmp_path)},
+        "data": {"train_files": ["x.jsonl"]},
+        "rollout": {"batch_size": 8, "group_size": 4},
+        "algorithm": {"kl_coef": 0.1},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return load_config(path, RunConfig, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def test_default_pool_colocates_every_model_role_on_device_0(tmp_path):
+    cfg = _cfg(tmp_path, **{"placement.devices": 1})
+    dmap = device_map(cfg, run_roles(cfg), "cuda")
+    assert dmap.ranks == {"actor_train": (0,), "actor_infer": (0,), "reference": (0,)}
+    assert dmap.colocated("actor_train", "actor_infer")
+    assert "cuda device 0: actor_train[0] actor_infer[0] reference[0]" in dmap.table()
+
+
+def test_separate_devices_and_ranks_spread_in_contiguous_blocks(tmp_path):
+    cfg = _cfg(
+        tmp_path,
+        **{
+            "placement.devices": 4,
+            "roles.actor_train.world_size": 4,
+            "roles.actor_train.devices": "[0,1]",
+            "roles.actor_infer.devices": "[2,3]",
+            "roles.actor_infer.world_size": 2,
+            "roles.reference.devices": "[0]",
+        },
+    )
+    dmap = device_map(cfg, run_roles(cfg), "cpu")
+    assert dmap.ranks["actor_train"] == (0, 0, 1, 1)
+    assert dmap.ranks["actor_infer"] == (2, 3)
+    assert not dmap.colocated("actor_train", "actor_infer")
+    assert dmap.colocated("actor_train", "reference")
+    assert dmap.workers_on(0) == [("actor_train", 0), ("actor_train", 1), ("reference", 0)]
+
+
+def test_bad_mappings_are_all_reported_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        _cfg(
+            tmp_path,
+            **{
+                "placement.devices": 2,
+                "roles.actor_infer.devices": "[1,2]",
+                "roles.actor_train.world_size": 3,
+                "roles.actor_train.devices": "[0,1]",
+            },
+        )
+    text = str(e.value)
+    assert "roles.actor_infer.devices" in text and "[2] are outside the pool of placement.devices=2" in text
+    assert "roles.actor_train.devices" in text and "world_size (3) ranks cannot spread evenly" in text
+
+
+def test_devices_without_a_pool_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"roles.actor_infer.devices.*needs placement.devices"):
+        _cfg(tmp_path, **{"roles.actor_infer.devices": "[0]"})
+
+
+class _Group:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def offload(self):
+        self.log.append(f"offload {self.name}")
+
+    def reload(self):
+        self.log.append(f"reload {self.name}")
+
+
+def test_colocation_offloads_only_roles_sharing_a_device_and_reloads_on_use(tmp_path):
+    cfg = _cfg(
+        tmp_path,
+        **{"placement.devices": 2, "roles.reference.devices": "[1]"},
+    )
+    dmap = device_map(cfg, run_roles(cfg), "cuda")
+    log: list[str] = []
+    groups = {r: _Group(log, r) for r in ("actor_train", "actor_infer", "reference")}
+    col = Colocation(groups, dmap, enabled=True)
+    col.use("actor_infer")
+    assert log == ["offload actor_train"]  # the reference is on device 1: left alone
+    col.use("reference")
+    assert log == ["offload actor_train"]
+    col.use("actor_train")
+    assert log == ["offload actor_train", "offload actor_infer", "reload actor_train"]
+    col.use("actor_train")  # already resident: nothing moves
+    assert len(log) == 3
+    assert set(col.pop_seconds()) == {"timing/offload", "timing/reload"}
+
+
+def test_colocation_disabled_moves_nothing(tmp_path):
+    cfg = _cfg(tmp_path, **{"placement.devices": 1})
+    log: list[str] = []
+    groups = {r: _Group(log, r) for r in ("actor_train", "actor_infer")}
+    col = Colocation(groups, device_map(cfg, run_roles(cfg), "cpu"), enabled=False)
+    col.use("actor_infer")
+    assert log == [] and col.pop_seconds() == {}
