@@ -7,6 +7,8 @@ ranks), so summing gradients over ranks gives exactly the full-batch gradient. R
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +17,17 @@ import torch.distributed as dist
 
 from reroll.models.loading import load_causal_lm, load_value_model, position_ids_from
 from reroll.strategies import Head
+from reroll.strategies.lora import (
+    AdapterUpdate,
+    adapter_names_to_saved,
+    apply_lora,
+    is_adapter_key,
+    load_adapter,
+    lora_config_dict,
+    merge_lora,
+    save_adapter,
+)
+from reroll.strategies.memory import peak_memory_gb
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -26,7 +39,8 @@ class TorchStrategy:
     """Holds the model, its optimizer and schedule; the role decides what loss to run through it.
 
     ``head`` picks the model: ``"causal_lm"`` (the policy, ``(B, T, V)`` logits) or ``"value"``
-    (a critic, ``(B, T, 1)`` scores; ``reroll.models.loading.load_value_model``).
+    (a critic, ``(B, T, 1)`` scores; ``reroll.models.loading.load_value_model``). With ``strategy.lora``
+    the policy is wrapped with peft and only its adapters train (``reroll.strategies.lora``).
     """
 
     def __init__(
@@ -52,6 +66,10 @@ class TorchStrategy:
             self.model.gradient_checkpointing_enable()
         if self.model.config.use_cache is not None:
             self.model.config.use_cache = False
+        self.lora = cfg.strategy.lora if head == "causal_lm" else None
+        self.hf_model = self.model  # the Hugging Face model inside any peft wrapper
+        if self.lora is not None:
+            self.model = apply_lora(self.hf_model, self.lora, trainable=trainable)
 
     def init_distributed(self, address: str) -> None:
         """Join the process group of this role's ranks at ``tcp://address``."""
@@ -92,6 +110,14 @@ class TorchStrategy:
         )
         return out.logits
 
+    @contextlib.contextmanager
+    def adapters_disabled(self) -> Iterator[None]:
+        """The base model inside: forward passes skip the LoRA adapters (the reference policy)."""
+        if self.lora is None:
+            raise RuntimeError("adapters_disabled needs strategy.lora")
+        with self.model.disable_adapter():
+            yield
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
@@ -111,11 +137,21 @@ class TorchStrategy:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm), "lr": float(lr)}
+        return {"grad_norm": float(grad_norm), "lr": float(lr), "peak_memory_gb": peak_memory_gb(self.device)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter, unsharded, on CPU, in Hugging Face names (for weight sync and export)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """Every parameter, unsharded, on CPU, in Hugging Face names (for weight sync and export); with
+        LoRA, the base weights with the adapters merged in."""
+        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return state if self.lora is None else merge_lora(state, scale=self.lora.alpha / self.lora.rank)
+
+    def adapter_update(self) -> AdapterUpdate:
+        """The LoRA adapters alone (peft's saved names) and their ``LoraConfig``."""
+        if self.lora is None:
+            raise RuntimeError("adapter_update needs strategy.lora")
+        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        adapters = adapter_names_to_saved({k: v for k, v in state.items() if is_adapter_key(k)})
+        return AdapterUpdate(adapters, lora_config_dict(self.lora))
 
     def offload(self) -> None:
         """Parameters, gradients and optimizer state to CPU (nothing to move when already there)."""
@@ -133,18 +169,30 @@ class TorchStrategy:
                         state[k] = v.to(device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
-        """Hugging Face weights into ``directory/model`` (rank 0) and optimizer state per rank."""
+        """Hugging Face weights into ``directory/model`` (rank 0; merged with LoRA, plus the adapter in
+        ``directory/adapter``) and optimizer state per rank."""
         directory.mkdir(parents=True, exist_ok=True)
-        if self.rank == 0:
+        if self.rank == 0 and self.lora is not None:
+            self.hf_model.save_pretrained(directory / "model", state_dict=self.full_state_dict())
+            save_adapter(directory / "adapter", self.adapter_update())
+        elif self.rank == 0:
             self.model.save_pretrained(directory / "model", safe_serialization=True)
         if with_optimizer and self.optimizer is not None:
             state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
             torch.save(state, directory / f"optimizer_rank{self.rank}.pt")
 
     def load(self, directory: Path) -> None:
-        """Weights from ``directory/model`` and, where present, this rank's optimizer state."""
-        loaded = self._load(directory / "model", str(self.model.dtype).removeprefix("torch."), "cpu")
-        self.model.load_state_dict(loaded.state_dict())
+        """Weights from ``directory/model`` (with LoRA: the adapter from ``directory/adapter``) and, where
+        present, this rank's optimizer state."""
+        if self.lora is not None:
+            missing, unexpected = self.model.load_state_dict(
+                load_adapter(directory / "adapter"), strict=False
+            )
+            if unexpected or any(is_adapter_key(k) for k in missing):
+                raise KeyError(f"adapter in {directory} does not fit the model: {unexpected or missing}")
+        else:
+            loaded = self._load(directory / "model", str(self.model.dtype).removeprefix("torch."), "cpu")
+            self.model.load_state_dict(loaded.state_dict())
         path = directory / f"optimizer_rank{self.rank}.pt"
         if path.exists() and self.optimizer is not None:
             state = torch.load(path, map_location=self.device, weights_only=False)

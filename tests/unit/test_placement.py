@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 import yaml
 
 from reroll.config.loader import ConfigError, load_config

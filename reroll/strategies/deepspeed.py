@@ -1,0 +1,307 @@
+"""The DeepSpeed strategy: ZeRO-2 (gradients and optimizer state sharded) or ZeRO-3 (parameters too).
+
+Losses arrive normalised by the whole step's token/sequence counts (all micro-batches, all ranks), so
+the gradient the step needs is the *sum* over micro-batches and ranks. DeepSpeed would divide by
+``gradient_accumulation_steps`` and average over data-parallel ranks; here every ``backward`` passes
+``scale_wrt_gas=False`` and multiplies the loss by the number of ranks, which undoes both exactly.
+
+The accumulation boundary is explicit: the engine runs with ``managed_gradient_accumulation: false``,
+so each ``backward`` only accumulates and each ``step`` is the boundary, whatever the number of
+micro-batches that step had (token-budget micro-batching changes it from step to step).
+
+Clipping is DeepSpeed's (``gradient_clipping`` = ``optim.grad_clip``, the same rule as
+``torch.nn.utils.clip_grad_norm_``); ``step`` returns the pre-clip norm DeepSpeed measured. A non-finite
+norm makes DeepSpeed skip the update, and the step then raises (fp16 aside, where a skipped step is the
+dynamic loss scale backing off). The optimizer is ``torch.optim.AdamW`` (``DeepSpeedCPUAdam`` with
+``offload_optimizer``) under our linear warm-up ``LambdaLR``.
+
+Checkpoints: ``model/`` in Hugging Face form (rank 0, from the gathered weights) and, for resume,
+``deepspeed/`` in DeepSpeed's own layout (every rank's optimizer partition, the fp32 master weights and
+the schedule). ``full_state_dict`` gathers ZeRO-3 parameters on every rank: a collective that all ranks
+must call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.runtime import constants as ds_constants
+
+from reroll.errors import UserError
+from reroll.models.loading import load_causal_lm, load_value_model, position_ids_from
+from reroll.strategies import Head
+from reroll.strategies.memory import peak_memory_gb
+
+if TYPE_CHECKING:
+    from reroll.config.schema import RunConfig
+
+log = logging.getLogger(__name__)
+
+_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model}
+_TAG = "state"  # the one tag under ``<checkpoint>/deepspeed/``: a checkpoint directory holds one step
+
+
+class DeepSpeedStrategy:
+    """Holds the model in a DeepSpeed engine (a frozen ZeRO-2 model, e.g. the reference, needs none).
+
+    The engine is built as soon as the process group exists: in the constructor for one rank, in
+    ``init_distributed`` for several. Until ``configure_optimizer`` the optimizer carries
+    ``optim``'s settings and no warm-up.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        cfg: RunConfig,
+        device: str = "cpu",
+        trainable: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        head: Head = "causal_lm",
+    ) -> None:
+        self.cfg, self.ds = cfg, cfg.strategy.deepspeed
+        if not hasattr(ds_constants, "MANAGED_GRADIENT_ACCUMULATION"):
+            raise UserError(
+                f"strategy.name is 'deepspeed' but deepspeed {deepspeed.__version__} lacks "
+                "managed_gradient_accumulation (caller-owned step boundaries): pip install 'deepspeed>=0.19.8'"
+            )
+        if cfg.strategy.lora is not None:
+            raise UserError(
+                "strategy.lora is not supported by the deepspeed strategy: use strategy.name=fsdp2 or torch, "
+                "or remove strategy.lora"
+            )
+        if self.ds.offload_params and self.ds.zero_stage != 3:
+            raise UserError(
+                "strategy.deepspeed.offload_params needs zero_stage 3 (ZeRO-2 does not shard parameters): "
+                "set strategy.deepspeed.zero_stage=3 or offload_params=false"
+            )
+        self.device = torch.device(device)
+        self.rank, self.world_size, self.trainable = rank, world_size, trainable
+        self._load = _LOADERS[head]
+        self._model_path = model_path
+        o = cfg.optim
+        self._optim: dict[str, Any] = dict(lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, warmup=0)
+        self.engine: Any = None
+        self.model: torch.nn.Module | None = None
+        if world_size == 1:
+            if not dist.is_initialized():  # DeepSpeed needs a process group, even of one rank
+                dist.init_process_group(self._backend(), store=dist.HashStore(), rank=0, world_size=1)
+            self._build(model_path)
+
+    # --- setup -----------------------------------------------------------------------------------
+
+    def _backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def init_distributed(self, address: str) -> None:
+        """Join the process group of this role's ranks at ``tcp://address`` and build the engine there."""
+        if self.world_size == 1:
+            return
+        if not dist.is_initialized():
+            dist.init_process_group(
+                self._backend(), init_method=f"tcp://{address}", rank=self.rank, world_size=self.world_size
+            )
+        self._build(self._model_path)
+
+    def _ds_config(self) -> dict[str, Any]:
+        """DeepSpeed's config from ours: precision from ``model.dtype``, ZeRO stage, offload, clipping."""
+        dtype = self.cfg.model.dtype
+        zero: dict[str, Any] = {"stage": self.ds.zero_stage, "overlap_comm": False}
+        if self.ds.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": self.device.type == "cuda"}
+        if self.ds.offload_params:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": self.device.type == "cuda"}
+        return {
+            "train_micro_batch_size_per_gpu": 1,  # unused: batches are ours, not DeepSpeed's loader's
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,  # each step() is the boundary
+            "gradient_clipping": self.cfg.optim.grad_clip,
+            "bf16": {"enabled": dtype == "bfloat16"},
+            "fp16": {"enabled": dtype == "float16"},
+            "zero_optimization": zero,
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+
+    def _build(self, model_path: str | Path) -> None:
+        """A fresh model from ``model_path`` in a fresh engine (replacing any engine this rank had)."""
+        if self.engine is not None:
+            self.engine.destroy()
+        self.engine = None
+        # The model is loaded on CPU; DeepSpeed places it (ZeRO-3 partitions it first).
+        model = self._load(model_path, self.cfg.model.dtype, "cpu")
+        model.train(self.trainable)
+        model.requires_grad_(self.trainable)
+        if self.cfg.model.gradient_checkpointing and self.trainable:
+            model.gradient_checkpointing_enable()
+        if model.config.use_cache is not None:
+            model.config.use_cache = False
+        self.model = model
+        if not self.trainable and self.ds.zero_stage == 2:  # nothing to shard: a plain copy
+            model.to(self.device)
+            return
+        os.environ.setdefault("LOCAL_RANK", "0")  # Ray shows each actor only its own GPU(s)
+        optimizer = self._new_optimizer(model) if self.trainable else None
+        self.engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=self._new_schedule if self.trainable else None,
+            config=self._ds_config(),
+            dist_init_required=False,
+        )
+
+    def _new_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        o = self._optim
+        if self.ds.offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(
+                params, lr=o["lr"], betas=o["betas"], weight_decay=o["weight_decay"], adamw_mode=True
+            )
+        return torch.optim.AdamW(params, lr=o["lr"], betas=o["betas"], weight_decay=o["weight_decay"])
+
+    def _new_schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """Linear warm-up to the optimizer's lr over ``warmup`` steps, then constant."""
+        warm = max(self._optim["warmup"], 0)
+        for group in optimizer.param_groups:
+            group["initial_lr"] = self._optim["lr"]
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
+        )
+
+    def configure_optimizer(
+        self, *, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int
+    ) -> None:
+        """A fresh AdamW (moments and step count cleared) with linear warm-up to ``lr`` then constant."""
+        self._optim = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, warmup=warmup_steps)
+        if self.engine is None or not self.trainable:
+            return
+        inner = self.engine.basic_optimizer  # the AdamW over this rank's fp32 partition
+        inner.state.clear()
+        for group in inner.param_groups:
+            group.update(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        self.engine.lr_scheduler = self._new_schedule(inner)
+
+    # --- training --------------------------------------------------------------------------------
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """What the model's forward gives: ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``.
+
+        Right-padded rows pass ``attention_mask``; packed rows pass ``position_ids`` and no mask."""
+        device = self.engine.device if self.engine is not None else self.device
+        input_ids = input_ids.to(device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(device)
+            if position_ids is None:
+                position_ids = position_ids_from(attention_mask)
+        forward = self.engine if self.engine is not None else self.model
+        out = forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids.to(device)
+        )
+        return out.logits
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate this micro-batch's gradient; ``* world_size`` undoes DeepSpeed's rank average."""
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def step(self, grad_clip: float) -> dict[str, float]:
+        """Reduce gradients, clip, step: the pre-clip ``grad_norm``, the ``lr`` used, ``peak_memory_gb``."""
+        assert self.engine is not None and self.trainable, "step needs a trainable strategy"
+        if grad_clip != self.cfg.optim.grad_clip:
+            raise ValueError(
+                f"DeepSpeed clips inside its engine at optim.grad_clip={self.cfg.optim.grad_clip}; "
+                f"step(grad_clip={grad_clip}) cannot change it: set optim.grad_clip instead"
+            )
+        lr = self.engine.lr_scheduler.get_last_lr()[0]
+        skipped = self.engine.skipped_steps
+        self.engine.step()
+        grad_norm = float(self.engine.get_global_grad_norm())
+        if self.engine.skipped_steps > skipped:
+            if self.cfg.model.dtype == "float16":
+                log.warning("fp16 loss scale overflow: update skipped, loss scale backs off")
+            else:
+                raise FloatingPointError(f"gradient norm is {grad_norm}: the update was skipped, stopping")
+        return {"grad_norm": grad_norm, "lr": float(lr), "peak_memory_gb": peak_memory_gb(self.device)}
+
+    # --- weights ---------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight, unsharded, on CPU, in Hugging Face names (ZeRO-3: a collective on every rank)."""
+        assert self.model is not None
+        if self.engine is None or self.ds.zero_stage != 3:
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        state: dict[str, torch.Tensor] = {}
+        for prefix, module in self.model.named_modules():
+            prefix = f"{prefix}." if prefix else ""
+            params = list(module.parameters(recurse=False))
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):  # one module at a time
+                for name, p in module.named_parameters(recurse=False):
+                    state[prefix + name] = p.detach().to("cpu", copy=True)
+            for name, buf in module.named_buffers(recurse=False):
+                if name not in module._non_persistent_buffers_set:
+                    state[prefix + name] = buf.detach().to("cpu", copy=True)
+        return state
+
+    def save(self, directory: Path, *, with_optimizer: bool) -> None:
+        """Hugging Face weights into ``directory/model`` (rank 0); DeepSpeed's state into ``directory/deepspeed``.
+
+        A collective: every rank calls it."""
+        assert self.model is not None
+        directory.mkdir(parents=True, exist_ok=True)
+        gathered = self.ds.zero_stage == 3 and self.engine is not None
+        state = self.full_state_dict() if gathered or self.rank == 0 else None
+        if self.rank == 0:
+            self.model.save_pretrained(directory / "model", state_dict=state, safe_serialization=True)
+        if with_optimizer and self.trainable:
+            self.engine.save_checkpoint(str(directory / "deepspeed"), tag=_TAG, save_latest=False)
+
+    def load(self, directory: Path) -> None:
+        """A fresh engine on ``directory/model``; where present, DeepSpeed's optimizer and schedule too.
+
+        A collective: every rank calls it."""
+        self._build(directory / "model")
+        state = directory / "deepspeed"
+        if self.trainable and (state / _TAG).is_dir():
+            path, _ = self.engine.load_checkpoint(
+                str(state), tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+            if path is None:
+                raise FileNotFoundError(f"DeepSpeed found no checkpoint to load in {state / _TAG}")
+
+    # --- colocation ------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state off the accelerator (nothing to move on CPU)."""
+        if self.device.type == "cpu":
+            return
+        if self.engine is None:
+            self.model.to("cpu")
+        elif self.trainable and not self.ds.offload_params:
+            self.engine.offload_states()
+        else:
+            raise NotImplementedError(
+                "DeepSpeed cannot move a frozen ZeRO-3 model or offloaded parameters (offload_params): "
+                "give this role its own GPUs instead of colocating it"
+            )
+
+    def reload(self) -> None:
+        """Bring back what ``offload`` moved."""
+        if self.device.type == "cpu":
+            return
+        if self.engine is None:
+            self.model.to(self.device)
+        else:
+            self.engine.reload_states()

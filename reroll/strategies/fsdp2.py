@@ -1,0 +1,314 @@
+"""FSDP2: parameters, gradients and optimizer state sharded over the role's ranks (``fully_shard``).
+
+Each decoder layer is one FSDP unit, the root (embeddings, final norm, head) another; a unit's
+parameters are all-gathered for its forward and backward and its gradients reduce-scattered after.
+Losses arrive normalised by the whole step's token/sequence counts (all micro-batches, all ranks), so
+gradients are *summed* over ranks: the divide factor FSDP2 would apply (the world size) is set to 1.
+One rank still builds a process group (in-process), so the same code runs at every world size.
+
+With ``strategy.lora`` the policy is wrapped with peft before sharding and only the adapters train;
+``full_state_dict`` then gives the base weights with the adapters merged in (Hugging Face names), and
+``adapter_update`` the adapters alone. A checkpoint holds ``model/`` (Hugging Face, merged where LoRA
+is on, so it loads anywhere), ``adapter/`` (peft's format, LoRA only: what resuming loads) and
+``optimizer_rank{r}.pt`` (this rank's shard: resume with the same world size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from reroll.models.loading import DTYPES, load_causal_lm, load_value_model, position_ids_from
+from reroll.strategies import Head
+from reroll.strategies.lora import (
+    AdapterUpdate,
+    adapter_names_to_saved,
+    apply_lora,
+    is_adapter_key,
+    load_adapter,
+    lora_config_dict,
+    merge_lora,
+    save_adapter,
+)
+from reroll.strategies.memory import peak_memory_gb
+
+if TYPE_CHECKING:
+    from reroll.config.schema import RunConfig
+
+log = logging.getLogger(__name__)
+
+_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model}
+
+
+class FSDP2Strategy:
+    """The model sharded with FSDP2, its optimizer and schedule; the role decides the loss.
+
+    ``head``: ``"causal_lm"`` (the policy, ``(B, T, V)`` logits) or ``"value"`` (a critic, ``(B, T, 1)``).
+    LoRA (``strategy.lora``) applies to the policy only.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        cfg: RunConfig,
+        device: str = "cpu",
+        trainable: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        head: Head = "causal_lm",
+    ) -> None:
+        self.device = torch.device(device)
+        self.rank, self.world_size = rank, world_size
+        self.settings = cfg.strategy.fsdp2
+        self.lora = cfg.strategy.lora if head == "causal_lm" else None
+        self._load = _LOADERS[head]
+        model = self._load(model_path, cfg.model.dtype, "cpu")  # fully_shard moves each shard to the device
+        model.train(trainable)
+        model.requires_grad_(trainable)
+        if model.config.use_cache is not None:
+            model.config.use_cache = False
+        if cfg.model.gradient_checkpointing and trainable:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.hf_model = model  # the Hugging Face model inside any peft wrapper
+        self.model: torch.nn.Module = (
+            apply_lora(model, self.lora, trainable=trainable) if self.lora else model
+        )
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.mesh = None
+        if world_size == 1:
+            self.init_distributed("")
+
+    def init_distributed(self, address: str) -> None:
+        """Join the role's process group at ``tcp://address`` (one rank: an in-process group), then shard."""
+        if self.mesh is not None:
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            if self.world_size == 1:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            else:
+                dist.init_process_group(
+                    backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world_size
+                )
+        if dist.get_world_size() != self.world_size:
+            raise RuntimeError(
+                f"this process is already in a process group of {dist.get_world_size()} ranks, but the role "
+                f"has {self.world_size}: run each role's ranks in their own processes (runtime.backend=ray)"
+            )
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+        self.mesh = dist.device_mesh.init_device_mesh(self.device.type, (self.world_size,))
+        self._shard()
+
+    def _shard(self) -> None:
+        """``fully_shard`` each decoder layer, then the root; gradients summed (divide factor 1)."""
+        s = self.settings
+        kwargs: dict[str, Any] = {
+            "mesh": self.mesh,
+            "reshard_after_forward": s.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=DTYPES[s.param_dtype] if s.param_dtype else None,
+                reduce_dtype=DTYPES[s.reduce_dtype],
+            ),
+        }
+        if s.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        layers = decoder_layers(self.hf_model)
+        if not layers:
+            log.warning("%s: no decoder layers found; the whole model is one FSDP unit", type(self.hf_model))
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(self.model, **kwargs)
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):  # SUM with no division (gloo has no PREMUL_SUM)
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+
+    def configure_optimizer(
+        self, *, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int
+    ) -> None:
+        """A fresh AdamW over this rank's shards of the trainable parameters; linear warm-up, then constant."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        warm = max(warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
+        )
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``(B, T, V)`` logits or a critic's ``(B, T, 1)``; a collective: every rank calls it equally often."""
+        input_ids = input_ids.to(self.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+            if position_ids is None:
+                position_ids = position_ids_from(attention_mask)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids.to(self.device)
+        )
+        return out.logits
+
+    @contextlib.contextmanager
+    def adapters_disabled(self) -> Iterator[None]:
+        """The base model inside: forward passes skip the LoRA adapters (the reference policy)."""
+        if self.lora is None:
+            raise RuntimeError("adapters_disabled needs strategy.lora")
+        with self.model.disable_adapter():
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, grad_clip: float) -> dict[str, float]:
+        """Clip the global norm of the (already summed, sharded) gradients and step.
+
+        Returns ``grad_norm`` (before clipping), ``lr`` and ``peak_memory_gb`` (``memory.peak_memory_gb``).
+        """
+        assert self.optimizer is not None and self.scheduler is not None, "configure_optimizer first"
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(f"gradient norm is {float(grad_norm)}: stopping before the update")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm), "lr": float(lr), "peak_memory_gb": peak_memory_gb(self.device)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight, unsharded, on CPU, in Hugging Face names (LoRA: merged into the base weights).
+
+        A collective: every rank must call it; rank 0 gets the weights, the others an empty dict (so a
+        node holds one full copy, not one per rank)."""
+        state = _gather(self.model.state_dict(), keep=self.rank == 0)
+        if self.lora is None:
+            return state
+        return merge_lora(state, scale=self.lora.alpha / self.lora.rank)
+
+    def adapter_update(self) -> AdapterUpdate:
+        """The adapters alone (peft's saved names) and their ``LoraConfig``; a collective, like
+        ``full_state_dict`` (the tensors on rank 0 only)."""
+        if self.lora is None:
+            raise RuntimeError("adapter_update needs strategy.lora")
+        state = {k: v for k, v in self.model.state_dict().items() if is_adapter_key(k)}
+        adapters = adapter_names_to_saved(_gather(state, keep=self.rank == 0))
+        return AdapterUpdate(adapters, lora_config_dict(self.lora))
+
+    def offload(self) -> None:
+        """Parameter shards, gradients and optimizer state to CPU (nothing moves on CPU or with cpu_offload)."""
+        self._move(torch.device("cpu"))
+
+    def reload(self) -> None:
+        self._move(torch.device("cpu") if self.settings.cpu_offload else self.device)
+
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and k != "step":
+                        state[k] = v.to(device)
+
+    def save(self, directory: Path, *, with_optimizer: bool) -> None:
+        """``model/`` (Hugging Face, rank 0), ``adapter/`` with LoRA (rank 0), this rank's optimizer shard.
+
+        A collective: every rank must call it."""
+        directory.mkdir(parents=True, exist_ok=True)
+        full = self.full_state_dict()
+        adapter = self.adapter_update() if self.lora is not None else None
+        if self.rank == 0:
+            self.hf_model.save_pretrained(directory / "model", state_dict=full, safe_serialization=True)
+            if adapter is not None:
+                save_adapter(directory / "adapter", adapter)
+        if with_optimizer and self.optimizer is not None:
+            state = {
+                "optimizer": _local_optimizer_state(self.optimizer),
+                "scheduler": self.scheduler.state_dict(),
+                "world_size": self.world_size,
+            }
+            torch.save(state, directory / f"optimizer_rank{self.rank}.pt")
+
+    def load(self, directory: Path) -> None:
+        """Weights from ``directory`` (the adapter where LoRA is on, else ``model/``), and where present this
+        rank's optimizer shard (saved at the same world size)."""
+        if self.lora is not None:
+            state = load_adapter(directory / "adapter")
+        else:
+            dtype = str(self.hf_model.dtype).removeprefix("torch.")
+            state = self._load(directory / "model", dtype, "cpu").state_dict()
+        _load_full(self.model, state, strict=self.lora is None)
+        path = directory / f"optimizer_rank{self.rank}.pt"
+        if path.exists() and self.optimizer is not None:
+            saved = torch.load(path, map_location="cpu", weights_only=False)
+            if saved["world_size"] != self.world_size:
+                raise RuntimeError(
+                    f"{path} holds an optimizer shard of {saved['world_size']} ranks, but this role has "
+                    f"{self.world_size}: resume with the world size the checkpoint was saved at"
+                )
+            self.optimizer.load_state_dict(_sharded_optimizer_state(self.optimizer, saved["optimizer"]))
+            self.scheduler.load_state_dict(saved["scheduler"])
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face model (its ``_no_split_modules`` classes), in order."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def _gather(state: dict[str, torch.Tensor], *, keep: bool) -> dict[str, torch.Tensor]:
+    """Full CPU copies of a state dict's tensors where ``keep``, else {} (a DTensor is all-gathered, one
+    at a time: a collective every rank joins)."""
+    out = {}
+    for name, value in state.items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if keep:
+            out[name] = full.detach().to("cpu", copy=True)
+    return out
+
+
+def _load_full(model: torch.nn.Module, state: dict[str, torch.Tensor], *, strict: bool) -> None:
+    """Copy full tensors into a sharded model (each rank keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def _local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with each DTensor replaced by this rank's local shard."""
+    sd = optimizer.state_dict()
+    sd["state"] = {
+        i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
+        for i, s in sd["state"].items()
+    }
+    return sd
+
+
+def _sharded_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of ``_local_optimizer_state``: local shards wrapped as DTensors like their parameters."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for i, s in saved["state"].items():
+        p = params[int(i)]
+        state[i] = {
+            k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            if isinstance(p, DTensor) and k != "step"
+            else v
+            for k, v in s.items()
+        }
+    return {**saved, "state": state}

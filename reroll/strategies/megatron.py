@@ -1,0 +1,451 @@
+"""The Megatron-Core strategy: a ``GPTModel`` split by tensor parallelism, gradients summed over data parallelism.
+
+The role's ``world_size`` ranks are ``tensor_parallel x data_parallel`` (pipeline and context parallel
+sizes must be 1 for now). Weights come from the Hugging Face checkpoint through
+``reroll.models.megatron_convert`` and go back in Hugging Face names for weight sync and export.
+
+The role splits a batch by rows across *all* its ranks, as for the other strategies. Tensor
+parallelism needs the same rows on the ranks of one TP group, so ``logits`` gathers the group's rows,
+runs them together and hands each rank back its own rows; the backward of that hand-back sums the
+logits' gradients over the TP group, so every rank's weight shard gets the gradient of the group's
+summed loss. Data-parallel gradients are then *summed* (``calculate_per_token_loss``: losses arrive
+normalised by the whole step's token counts). The optimizer is Megatron-Core's (its
+``DistributedOptimizer`` when ``strategy.megatron.distributed_optimizer``), Adam with decoupled weight
+decay on every parameter (as ``torch.optim.AdamW``) and fp32 main weights for bf16 models; the lr
+follows our linear warm-up. Every TP rank must make the same number of ``logits``/``backward`` calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from reroll.errors import UserError
+from reroll.models import megatron_convert as mc
+from reroll.models.loading import DTYPES, load_causal_lm
+from reroll.strategies import Head
+
+if TYPE_CHECKING:
+    from reroll.config.schema import MegatronConfig, RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def check_parallel_sizes(world_size: int, m: MegatronConfig) -> int:
+    """The data-parallel size of ``world_size`` ranks under ``m``'s model-parallel sizes; a ``UserError`` if
+    they do not fit or ask for what this strategy cannot do yet."""
+    if m.pipeline_parallel > 1:
+        raise UserError(
+            f"strategy.megatron.pipeline_parallel={m.pipeline_parallel}: pipeline parallelism is not yet "
+            "supported by reroll's megatron strategy; set it to 1 and use tensor_parallel"
+        )
+    if m.context_parallel > 1:
+        raise UserError(
+            f"strategy.megatron.context_parallel={m.context_parallel}: context parallelism is not yet "
+            "supported by reroll's megatron strategy (it needs Transformer Engine); set it to 1"
+        )
+    if m.expert_parallel > 1:
+        raise UserError(
+            f"strategy.megatron.expert_parallel={m.expert_parallel}: the megatron strategy converts dense "
+            "models only (no experts); set it to 1"
+        )
+    model_parallel = m.tensor_parallel * m.pipeline_parallel * m.context_parallel
+    if world_size % model_parallel:
+        raise UserError(
+            f"the role's world_size ({world_size}) must be divisible by strategy.megatron tensor_parallel "
+            f"({m.tensor_parallel}) x pipeline_parallel ({m.pipeline_parallel}) x context_parallel "
+            f"({m.context_parallel}) = {model_parallel}: change roles.<role>.world_size or the parallel sizes"
+        )
+    return world_size // model_parallel
+
+
+def use_transformer_engine(setting: str) -> bool:
+    """Whether to build the Transformer Engine layer spec for ``strategy.megatron.transformer_engine``."""
+    installed = importlib.util.find_spec("transformer_engine") is not None
+    if setting == "on" and not installed:
+        raise UserError(
+            "strategy.megatron.transformer_engine=on but transformer_engine is not installed: install it, "
+            "or set transformer_engine=auto/off for Megatron-Core's local layer spec"
+        )
+    return installed and setting != "off"
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise UserError(
+            "strategy.name=megatron needs GPUs (Megatron-Core's forward runs on CUDA): give the role "
+            "roles.<role>.num_gpus_per_worker > 0, or set strategy.name=fsdp2"
+        )
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _gather_rows(
+    ids: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """All rows of the ranks in ``group``, right-padded to one width: ``(ids, mask, first row of ours)``."""
+    size = dist.get_world_size(group)
+    shape = torch.tensor(ids.shape, device=ids.device)
+    shapes = [torch.empty_like(shape) for _ in range(size)]
+    dist.all_gather(shapes, shape, group=group)
+    rows = [int(s[0]) for s in shapes]
+    width = max(int(s[1]) for s in shapes)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        padded = x.new_zeros(max(rows), width)
+        padded[: x.shape[0], : x.shape[1]] = x
+        parts = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, rows)])
+
+    return gather(ids), gather(mask), sum(rows[:rank])
+
+
+class MegatronStrategy:
+    """Holds a Megatron-Core ``GPTModel`` (this rank's shard), its optimizer and warm-up.
+
+    Built in the constructor for one rank, else in ``init_distributed`` (Megatron needs its process
+    groups before the model). ``head`` must be ``"causal_lm"``: critics need another strategy.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        cfg: RunConfig,
+        device: str = "cuda",
+        trainable: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        head: Head = "causal_lm",
+    ) -> None:
+        if head != "causal_lm":
+            raise UserError(
+                "strategy.name=megatron holds causal LMs only; the critic's value head needs "
+                "strategy.name=fsdp2 or torch"
+            )
+        if cfg.strategy.lora is not None:
+            raise UserError("strategy.lora is not supported with strategy.name=megatron: use fsdp2 or torch")
+        if cfg.model.dtype == "float16":
+            raise UserError("strategy.name=megatron trains in bfloat16 or float32: set model.dtype=bfloat16")
+        self.device = torch.device(device)
+        _check_device(self.device)
+        self.mcfg = cfg.strategy.megatron
+        self.dp = check_parallel_sizes(world_size, self.mcfg)
+        self.tp = self.mcfg.tensor_parallel
+        self.model_path, self.dtype, self.seed = model_path, cfg.model.dtype, cfg.seed
+        self.trainable, self.rank, self.world_size = trainable, rank, world_size
+        self.recompute = cfg.model.gradient_checkpointing and trainable
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.shape = mc.gpt_shape(self.hf_config)
+        self.te = use_transformer_engine(self.mcfg.transformer_engine)
+        self.module: torch.nn.Module | None = None  # the GPTModel
+        self.model: torch.nn.Module | None = None  # what forward runs: DDP-wrapped when trainable
+        self.optimizer = None
+        self.lr = self.weight_decay = 0.0
+        self.warmup = self.steps = 0
+        if world_size == 1:
+            self._build(None)
+
+    # -- setup -----------------------------------------------------------------------------------
+
+    def init_distributed(self, address: str) -> None:
+        """Join the role's ranks at ``tcp://address``, set up Megatron's groups and build the model."""
+        if self.module is None:
+            self._build(f"tcp://{address}")
+
+    def _init_groups(self, init_method: str | None) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            if init_method is None:  # one rank: an in-process store
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            else:
+                dist.init_process_group(
+                    backend, init_method=init_method, rank=self.rank, world_size=self.world_size
+                )
+        if dist.get_world_size() != self.world_size:
+            raise UserError(
+                f"this process already belongs to a process group of {dist.get_world_size()} ranks, but the "
+                f"megatron role has world_size {self.world_size}: give roles sharing a process one size"
+            )
+        if ps.model_parallel_is_initialized():
+            if ps.get_tensor_model_parallel_world_size() != self.tp:
+                raise UserError("roles sharing a process must use the same strategy.megatron.tensor_parallel")
+            return
+        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
+
+    def _build(self, init_method: str | None) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_local_spec,
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        self._init_groups(init_method)
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        dtype = DTYPES[self.dtype]
+        recompute = (
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+            if self.recompute
+            else {}
+        )
+        config = mc.transformer_config(
+            self.shape,
+            tensor_model_parallel_size=self.tp,
+            sequence_parallel=self.mcfg.sequence_parallel and self.tp > 1,
+            params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            calculate_per_token_loss=True,  # data-parallel gradients are summed, not averaged
+            use_cpu_initialization=self.device.type == "cpu",
+            perform_initialization=False,  # the checkpoint's weights are loaded next
+            **recompute,
+        )
+        spec_fn = get_gpt_layer_with_transformer_engine_spec if self.te else get_gpt_layer_local_spec
+        spec = spec_fn(qk_layernorm=self.shape.qk_norm, **({} if self.te else {"normalization": "RMSNorm"}))
+        self.module = GPTModel(
+            config, spec, parallel_output=False, **mc.gpt_model_kwargs(self.shape, self.tp)
+        )
+        self._load_hf(self.model_path)
+        self.module.requires_grad_(self.trainable)
+        self.module.train(self.trainable)
+        self.model = self.module
+        if self.trainable:
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+            ddp = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=self.mcfg.distributed_optimizer
+            )
+            self.model = DistributedDataParallel(config=config, ddp_config=ddp, module=self.module)
+        log.info(
+            "megatron: %s layers, TP %d x DP %d, %s spec, rank %d", self.shape.num_layers, self.tp, self.dp,
+            "transformer_engine" if self.te else "local", self.rank,
+        )  # fmt: skip
+
+    def _load_hf(self, path: str | Path) -> None:
+        """This rank's TP shard of the Hugging Face weights at ``path`` into the ``GPTModel``."""
+        hf = load_causal_lm(path, self.dtype, "cpu").state_dict()
+        full = mc.hf_to_megatron(
+            hf, self.shape, fused_norms=self.te, padded_vocab=self.shape.padded_vocab(self.tp)
+        )
+        ours = mc.shard(full, self.shape, self.tp_rank, self.tp)
+        with torch.no_grad():
+            result = self.module.load_state_dict(ours, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(
+                f"converted weights do not fit the GPTModel: missing {missing[:5]}, "
+                f"unexpected {result.unexpected_keys[:5]}"
+            )
+
+    def _require(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("MegatronStrategy: call init_distributed first (the model is built there)")
+        return self.model
+
+    # -- training --------------------------------------------------------------------------------
+
+    def configure_optimizer(
+        self, *, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int
+    ) -> None:
+        """Megatron-Core's Adam (decoupled weight decay on every parameter), linear warm-up to ``lr``."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        model = self._require()
+        opt = OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            weight_decay=weight_decay,
+            adam_beta1=betas[0],
+            adam_beta2=betas[1],
+            adam_eps=1e-8,
+            bf16=DTYPES[self.dtype] == torch.bfloat16,
+            params_dtype=DTYPES[self.dtype],
+            use_distributed_optimizer=self.mcfg.distributed_optimizer,
+            clip_grad=0.0,  # step() clips
+        )
+        # config_overrides={}: no parameter is exempt from weight decay (Megatron's default exempts 1-D)
+        self.optimizer = get_megatron_optimizer(opt, [model], config_overrides={})
+        self.lr, self.weight_decay, self.warmup, self.steps = lr, weight_decay, max(warmup_steps, 0), 0
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``(B, T, V)`` logits of right-padded rows, gathered over the TP ranks' vocabulary shards."""
+        model = self._require()
+        if attention_mask is None:
+            raise UserError(
+                "the megatron strategy takes right-padded rows with an attention_mask, not packed rows"
+            )
+        ids, mask = input_ids.to(self.device), attention_mask.to(self.device).long()
+        rows, width = ids.shape
+        right_padded = torch.arange(width, device=mask.device) < mask.sum(-1, keepdim=True)
+        if not torch.equal(right_padded, mask.bool()):
+            raise UserError("the megatron strategy needs right-padded rows (real tokens first, then padding)")
+        offset = 0
+        if self.tp > 1:
+            ids, mask, offset = _gather_rows(ids, mask, self.tp_group, self.tp_rank)
+        t = ids.shape[1]
+        if self.mcfg.sequence_parallel and self.tp > 1 and t % self.tp:  # the sequence splits evenly
+            ids = torch.nn.functional.pad(ids, (0, self.tp - t % self.tp))
+        causal = None
+        if not self.te:  # the local spec's mask, built here on the right device; TE builds its own
+            causal = torch.triu(
+                torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device), 1
+            )
+            causal = causal[None, None]
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        out = model(ids, positions, causal)[:, :t, : self.shape.vocab_size]
+        if self.tp > 1:
+            out = _SumGradOverGroup.apply(out, self.tp_group)[offset : offset + rows, :width]
+        return out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("MegatronStrategy.backward: configure_optimizer first")
+        loss.backward()
+
+    def step(self, grad_clip: float) -> dict[str, float]:
+        """Sum gradients over data-parallel ranks, clip, step; the pre-clip gradient norm and the lr used."""
+        from megatron.core.distributed import finalize_model_grads
+
+        if self.optimizer is None:
+            raise RuntimeError("MegatronStrategy.step: configure_optimizer first")
+        finalize_model_grads([self.model])  # DP sum; sequence-parallel norm grads over TP
+        lr = self.lr * (min(1.0, (self.steps + 1) / self.warmup) if self.warmup else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
+        self.optimizer.prepare_grads()
+        if grad_clip > 0:
+            grad_norm = float(self.optimizer.clip_grad_norm(grad_clip))
+        else:
+            grad_norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(grad_norm):
+            self._zero_grad()
+            raise FloatingPointError(f"gradient norm is {grad_norm}: stopping before the update")
+        self.optimizer.step_with_ready_grads()
+        self._zero_grad()
+        self.steps += 1
+        return {"grad_norm": grad_norm, "lr": float(lr)}
+
+    def _zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    # -- weights out and in ----------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight, gathered over the TP ranks, on CPU, in Hugging Face names (all ranks must call)."""
+        self._require()
+        local = {k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
+        for name, w in local.items():
+            if self.tp == 1 or mc.tp_split_dim(name) is None:
+                for s in shards:
+                    s[name] = w.to("cpu", copy=True)
+                continue
+            parts = [torch.empty_like(w) for _ in range(self.tp)]
+            dist.all_gather(parts, w.contiguous(), group=self.tp_group)
+            for s, p in zip(shards, parts):
+                s[name] = p.cpu()
+        return mc.megatron_to_hf(mc.merge(shards), self.shape)
+
+    def save(self, directory: Path, *, with_optimizer: bool) -> None:
+        """Hugging Face weights into ``directory/model`` (rank 0) and optimizer state per rank."""
+        directory.mkdir(parents=True, exist_ok=True)
+        weights = self.full_state_dict()
+        if self.rank == 0:
+            self._export_hf(weights, directory / "model")
+        if with_optimizer and self.optimizer is not None:
+            inner = self.optimizer.optimizer  # torch Adam over this rank's fp32 main params (shards)
+            main = [p.detach().cpu() for g in inner.param_groups for p in g["params"]]
+            state = {"optimizer": inner.state_dict(), "main_params": main, "steps": self.steps}
+            torch.save(state, directory / f"optimizer_rank{self.rank}.pt")
+
+    def _export_hf(self, weights: dict[str, torch.Tensor], out: Path) -> None:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.hf_config, dtype=DTYPES[self.dtype])
+        if self.shape.tied:
+            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        model.load_state_dict(weights, strict=not self.shape.tied, assign=True)
+        model.tie_weights()
+        with contextlib.suppress(OSError):
+            model.generation_config = GenerationConfig.from_pretrained(self.model_path)
+        model.save_pretrained(out, safe_serialization=True)
+
+    def load(self, directory: Path) -> None:
+        """Weights from ``directory/model`` and, where present, this rank's optimizer state."""
+        self._require()
+        self._load_hf(directory / "model")
+        if self.optimizer is None:
+            return
+        self.optimizer.reload_model_params()  # main params from the loaded weights
+        path = directory / f"optimizer_rank{self.rank}.pt"
+        if path.exists():
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            inner = self.optimizer.optimizer
+            params = [p for g in inner.param_groups for p in g["params"]]
+            with torch.no_grad():
+                for p, saved in zip(params, state["main_params"], strict=True):
+                    p.copy_(saved)
+            inner.load_state_dict(state["optimizer"])
+            self.steps = state["steps"]
+
+    # -- colocation ------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Parameters, gradient buffers and optimizer state to CPU."""
+        self._move(to_cpu=True)
+
+    def reload(self) -> None:
+        self._move(to_cpu=False)
+
+    def _move(self, *, to_cpu: bool) -> None:
+        self._require()
+        buffers = self.model.buffers if self.trainable else []  # Megatron DDP's param/grad buffers
+        in_buffers = {id(p) for b in buffers if b.param_data is not None for p in b.params}
+        for b in buffers:  # their params (distributed optimizer) and grads, keeping the views intact
+            if to_cpu:
+                b.offload_to_cpu(move_params=True, move_grads=True)
+            else:
+                b.reload_from_cpu(move_params=True, move_grads=True)
+        if self.optimizer is not None:
+            self.optimizer.offload_to_cpu() if to_cpu else self.optimizer.restore_from_cpu()
+        target = torch.device("cpu") if to_cpu else self.device
+        for p in self.module.parameters():
+            if id(p) not in in_buffers and p.device != target:
+                p.data = p.data.to(target)
+        if to_cpu and torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,215 @@
+"""DeepSpeed ZeRO (``strategy.name: deepspeed``) takes the torch strategy's step, sums gradients over a
+varying number of micro-batches and over ranks, resumes exactly from its own checkpoint, and runs the
+quickstart through the CLI.
+
+Tolerances as in test_data_parallel.py: gradients differ only by float summation order (~1e-7
+relative); Adam divides by sqrt(v), so an element whose gradient is ~0 can take a different step of up
+to lr: all but a handful of elements must agree to 1e-6, none by more than the two steps' 2 * lr.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from reroll.config.loader import load_config
+from reroll.config.schema import RunConfig
+from reroll.strategies import strategy_available
+from tests.conftest import QUICKSTART, write_config
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        not strategy_available("deepspeed"),
+        reason="deepspeed is not installed (pip install 'reroll[deepspeed]')",
+    ),
+]
+
+LR = 1e-2
+# Two steps with 2 then 3 micro-batches (rows of a 6-row batch): DeepSpeed's 1/accumulation-steps
+# would show up as a step that differs from the torch strategy's.
+SPLITS = [[slice(0, 2), slice(2, 6)], [slice(0, 1), slice(1, 3), slice(3, 6)]]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 20, (6, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0  # one right-padded row
+    return ids, mask
+
+
+def _cfg(tmp_path, assets, *overrides: str) -> RunConfig:
+    path = write_config(tmp_path / "c.yaml", assets, optim={"lr": LR, "grad_clip": 0.5})
+    return load_config(path, RunConfig, ["strategy.name=deepspeed", *overrides])
+
+
+def _steps(strategy, rows, splits):
+    """One optimizer step per entry of ``splits``, the loss of each normalised over its whole batch:
+    each step's metrics with its ``loss`` (the micro-batches' losses summed)."""
+    ids, mask = rows
+    out = []
+    for parts in splits:
+        total = 0.0
+        for sl in parts:
+            logp = strategy.logits(ids[sl], mask[sl]).float().log_softmax(-1)
+            loss = -(logp[..., 5] * mask[sl]).sum() / mask.sum()
+            strategy.backward(loss)
+            total += float(loss.detach())
+        out.append(strategy.step(0.5) | {"loss": total})
+    return out
+
+
+def _assert_same(w_a, w_b):
+    assert w_a.keys() == w_b.keys()
+    diffs = torch.cat([(w_b[n] - w_a[n]).abs().flatten() for n in w_a])
+    assert (diffs <= 1e-6).float().mean() > 0.999
+    assert diffs.max() <= 2 * LR
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(["strategy.deepspeed.zero_stage=2"], id="zero2"),
+        pytest.param(["strategy.deepspeed.zero_stage=3"], id="zero3"),
+        # DeepSpeedCPUAdam: its C++ op compiles on first use (minutes), hence slow
+        pytest.param(
+            ["strategy.deepspeed.zero_stage=2", "strategy.deepspeed.offload_optimizer=true"],
+            marks=pytest.mark.slow,
+            id="offload_optimizer",
+        ),
+    ],
+)
+def test_one_rank_equals_torch_strategy(tmp_path, assets, rows, overrides):
+    from reroll.strategies.deepspeed import DeepSpeedStrategy
+    from reroll.strategies.torch_strategy import TorchStrategy
+
+    cfg = _cfg(tmp_path, assets, *overrides)
+    results = {}
+    for name, cls in (("torch", TorchStrategy), ("deepspeed", DeepSpeedStrategy)):
+        s = cls(str(assets["model"]), cfg=cfg)
+        initial = s.full_state_dict()
+        s.configure_optimizer(lr=LR, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
+        results[name] = (_steps(s, rows, SPLITS), s.full_state_dict())
+    (m_t, w_t), (m_d, w_d) = results["torch"], results["deepspeed"]
+    for a, b in zip(m_t, m_d):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["lr"] == a["lr"]
+    assert [m["lr"] for m in m_d] == [LR / 2, LR]  # the warm-up schedule
+    assert m_d[0]["grad_norm"] > 0.5  # clipping was active
+    _assert_same(w_t, w_d)
+    assert max((w_d[n] - initial[n]).abs().max().item() for n in w_d) > 1e-3  # the steps were real
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_from_checkpoint_continues_exactly(tmp_path, assets, rows, stage):
+    """Save after one step (HF weights + DeepSpeed state), load into a fresh strategy: the second step matches."""
+    from transformers import AutoModelForCausalLM
+
+    from reroll.strategies.deepspeed import DeepSpeedStrategy
+
+    cfg = _cfg(tmp_path, assets, f"strategy.deepspeed.zero_stage={stage}")
+    first, second = SPLITS
+    a = DeepSpeedStrategy(str(assets["model"]), cfg=cfg)
+    a.configure_optimizer(lr=LR, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
+    _steps(a, rows, [first])
+    a.save(tmp_path / "ckpt", with_optimizer=True)
+    saved = a.full_state_dict()
+    [m_a] = _steps(a, rows, [second])
+    w_a = a.full_state_dict()
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model").state_dict()
+    assert all(torch.equal(hf[n], saved[n]) for n in saved)
+
+    b = DeepSpeedStrategy(str(assets["model"]), cfg=cfg)
+    b.configure_optimizer(lr=LR, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
+    b.load(tmp_path / "ckpt")
+    [m_b] = _steps(b, rows, [second])
+    for key in ("loss", "grad_norm", "lr"):  # the lr of step 2 of the warm-up: the schedule resumed
+        assert m_b[key] == m_a[key], key
+    assert m_b["lr"] == LR
+    assert all(torch.equal(w_a[n], w) for n, w in b.full_state_dict().items())
+
+
+def test_two_ranks_equal_one(tmp_path, assets):
+    """ZeRO-2 over 2 Ray ranks (gloo) takes the same SFT and RL steps as 1 rank on the whole batch."""
+    from reroll.data.datasets import load_samples
+    from reroll.models.loading import load_tokenizer
+    from reroll.pipelines.common import sft_batch
+    from reroll.roles.trainer import TrainerGroup
+    from reroll.runtime.actors import start_ray
+
+    path = write_config(tmp_path / "c.yaml", assets, optim={"lr": LR, "micro_batch_size": 4})
+    start_ray(None)
+    samples = load_samples([str(assets["train"])], template="{question}=")[:10]
+    batch = sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}")
+    g = torch.Generator().manual_seed(0)
+    batch.advantages = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
+
+    def run(world_size):
+        over = ["strategy.name=deepspeed", f"roles.actor_train.world_size={world_size}"]
+        group = TrainerGroup("actor_train", load_config(path, RunConfig, over), trainable=True)
+        try:
+            group.configure_optimizer(LR, 0)
+            sft, rl = group.train_sft(batch), group.train_rl(batch)  # 5 rows a rank: micro-batches of 4, 1
+            [weights] = group._wait([group.weights_ref()], "weights")
+            return sft, rl, weights
+        finally:
+            group.shutdown()
+
+    (sft1, rl1, w1), (sft2, rl2, w2) = run(1), run(2)
+    assert sft2["sft/grad_norm"] == pytest.approx(sft1["sft/grad_norm"], rel=1e-5)
+    assert rl2["actor/grad_norm"] == pytest.approx(rl1["actor/grad_norm"], rel=1e-5)
+    _assert_same(w1, w2)
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(assets["model"]).state_dict()
+    assert max((w1[n] - w0).abs().max().item() for n, w0 in initial.items()) > 1e-3
+
+
+@pytest.mark.slow
+def test_quickstart_with_deepspeed(tmp_path):
+    """The quickstart recipe through the CLI on ZeRO-2, shrunk to a few steps: finite metrics, a checkpoint."""
+    import math
+
+    from reroll.runtime.metrics import read_metrics
+
+    assets = tmp_path / "assets"
+    overrides = [
+        "strategy.name=deepspeed",
+        f"output_dir={tmp_path}/{{name}}",
+        f"model.path={assets}/tiny-arithmetic",
+        f"data.train_files=[{assets}/arithmetic/train.jsonl]",
+        f"data.eval_files=[{assets}/arithmetic/test.jsonl]",
+        "data.synthetic.n_train=200",
+        "data.synthetic.n_test=32",
+        "data.eval_limit=32",
+        "sft.steps=3",
+        "sft.batch_size=16",
+        "rollout.batch_size=16",
+        "rollout.group_size=4",
+        "optim.micro_batch_size=32",
+        "algorithm.entropy_coef=0.01",  # a gradient even when 3 SFT steps leave every reward at 0
+        "total_steps=3",
+        "eval.every=3",
+        "checkpoint.every=3",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "reroll.cli", "train", str(QUICKSTART), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path / "quickstart")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for row in rows[1:]:
+        for key in ("actor/loss", "actor/grad_norm", "actor/lr", "rollout/reward_mean"):
+            assert math.isfinite(row[key]), (row["step"], key, row[key])
+        assert row["actor/grad_norm"] > 0
+    assert (tmp_path / "quickstart" / "checkpoints" / "step_000003" / "deepspeed" / "state").is_dir()
