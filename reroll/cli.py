@@ -1,4 +1,5 @@
-"""The ``reroll`` command: train, validate, and offline helpers (tiny model, synthetic data, config docs).
+"""The ``reroll`` command: train, validate, and offline helpers (tiny model, synthetic data, config docs,
+environment checks).
 
 User errors (config, files, data) print one message and exit 2, without a traceback; ``--debug``
 shows it. A role's failure prints which role, rank and phase failed and exits 1.
@@ -53,6 +54,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if cfg.pipeline == "sft":
         from reroll.pipelines.sft import run_sft as run
+    elif cfg.pipeline == "agentic":
+        from reroll.pipelines.agentic import run_agentic as run
     else:
         from reroll.pipelines.rlvr import run_rlvr as run
     result = run(cfg, resume=args.resume)
@@ -67,6 +70,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _load(args)
     print(f"{args.config}: valid ({cfg.pipeline} pipeline, run directory {cfg.run_dir})")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from reroll.plan import plan
+
+    cfg = _load(args)
+    text, fits = plan(cfg, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, prompt_tokens=args.prompt_tokens)
+    if not fits:
+        raise UserError(f"{args.config}: the plan does not fit\n{text}")
+    print(text)
     return 0
 
 
@@ -106,6 +120,27 @@ def cmd_make_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env_check(args: argparse.Namespace) -> int:
+    import yaml
+
+    from reroll.envs import env_names
+    from reroll.envs.check import check_env
+
+    if args.list:
+        print("\n".join(env_names()))
+        return 0
+    if args.name is None:
+        raise UserError("env-check: name an environment, e.g. `reroll env-check nim`; --list shows them all")
+    bad = [o for o in args.options if "=" not in o]
+    if bad:
+        raise UserError(f"env-check: environment options are key=value, got {bad[0]!r}")
+    config = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.options)}
+    report = check_env(args.name, config, policy=args.policy, episodes=args.episodes, seed=args.seed)
+    print("\n".join(report.transcript[: 2 * args.show_turns + 1]))
+    print(report.summary())
+    return 0
+
+
 def cmd_config_docs(args: argparse.Namespace) -> int:
     from reroll.config.loader import config_reference
     from reroll.config.schema import RunConfig
@@ -130,6 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("overrides", nargs="*")
     v.set_defaults(func=cmd_validate)
 
+    pl = sub.add_parser(
+        "plan", help="print where roles go on N GPUs and their memory; refuse what cannot fit"
+    )
+    pl.add_argument("config", type=Path)
+    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs available")
+    pl.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
+    pl.add_argument("--prompt-tokens", type=int, default=512, help="assumed prompt length")
+    pl.set_defaults(func=cmd_plan)
+
     m = sub.add_parser("make-tiny-model", help="build a small random Qwen2 model and tokenizer offline")
     m.add_argument("out", type=Path)
     m.add_argument("--alphabet", choices=["arithmetic"], default="arithmetic")
@@ -147,6 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ops", default="+")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_make_data)
+
+    e = sub.add_parser("env-check", help="play an environment with a random or scripted policy (no model)")
+    e.add_argument("name", nargs="?", help="registered name, 'gem:<id>' or 'package.module:Factory'")
+    e.add_argument("options", nargs="*", help="environment options: size=6 num_boxes=2")
+    e.add_argument("--policy", choices=["random", "scripted"], default="random")
+    e.add_argument("--episodes", type=int, default=20)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--show-turns", type=int, default=3, help="turns of the first episode to print")
+    e.add_argument("--list", action="store_true", help="list the registered environments")
+    e.set_defaults(func=cmd_env_check)
 
     c = sub.add_parser("config-docs", help="print every config key with its type, default and meaning")
     c.set_defaults(func=cmd_config_docs)

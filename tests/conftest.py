@@ -71,5 +71,6 @@ def assert_kill_mid_generation_is_reported(rollout) -> None:
         # long enough that the kill lands mid-call: 2000 prompts x 16 samples
         rollout.generate(["1+1="] * 2000, SamplingParams(n=16, max_new_tokens=64))
     assert time.monotonic() - start < 60
-    assert "actor_infer[0] failed during generate" in str(e.value)
+    assert f"actor_infer[0] ({rollout.detail}) failed during generate" in str(e.value)  # names the engine
+    assert rollout.detail.endswith(" engine")
     assert "died" in str(e.value)

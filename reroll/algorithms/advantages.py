@@ -190,15 +190,57 @@ def step_return_advantages(
     Multi-turn episodes: ``step_ids`` (B, T) gives the turn k of each response token (-1 for
     prompt, environment and padding tokens); ``step_rewards`` (B, S) the reward of each turn
     (the outcome reward on the last turn). Every token of turn k gets its turn's discounted
-    return, whitened over the batch's response tokens. GiGPO-style step groups (arXiv
-    2505.10978) would replace the batch whitening by a normalisation within groups of equal
-    anchor states; the per-step returns computed here are the input they need.
+    return, whitened over the batch's response tokens. ``gigpo_advantages`` normalises within
+    groups of equal anchor states instead.
     """
     step_mask = steps_from_tokens(response_mask.to(step_rewards.dtype), step_ids, step_rewards.shape[1]) > 0
     step_returns = step_discounted_returns(step_rewards, step_mask, gamma=gamma)
     mask = response_mask & (step_ids >= 0)
     returns = torch.where(mask, tokens_from_steps(step_returns, step_ids), 0.0)
     return masked_whiten(returns, mask, eps=eps), returns
+
+
+def step_group_ids(group_ids: Tensor, step_states: Tensor) -> Tensor:
+    """Dense ids of (episode group, state) pairs: (B,), (B, S) -> (B, S); -1 where step_states < 0.
+
+    Two turns share a step group when their episodes share a group (same seed) and they acted in the
+    same state (equal ``step_states`` ids, e.g. a hash of the observation): GiGPO's anchor states.
+    """
+    valid = step_states >= 0
+    pairs = torch.stack([group_ids.unsqueeze(-1).expand_as(step_states)[valid], step_states[valid]], dim=-1)
+    out = torch.full_like(step_states, -1)
+    if pairs.numel():
+        out[valid] = torch.unique(pairs, dim=0, return_inverse=True)[1]
+    return out
+
+
+def gigpo_advantages(
+    episode_returns: Tensor,
+    group_ids: Tensor,
+    step_returns: Tensor,
+    step_states: Tensor,
+    *,
+    step_weight: float = 1.0,
+    std_scale: StdScale = "group",
+    eps: float = 1e-6,
+) -> Tensor:
+    """A_ik = A^E_i + w * A^S_ik: (B,), (B,), (B, S), (B, S) -> (B, S). GiGPO (Feng et al., arXiv 2505.10978).
+
+    A^E_i is the GRPO advantage of episode i's return within its group (episodes of one seed);
+    A^S_ik the GRPO advantage of turn k's discounted return G_ik within its step group (the turns of
+    the group's episodes taken in the same state, ``step_group_ids``). A state seen once has
+    A^S = 0. ``step_states`` < 0 marks absent turns, which get 0.
+    """
+    episode = grpo_advantages(episode_returns, group_ids, std_scale=std_scale, eps=eps)
+    steps = step_group_ids(group_ids, step_states)
+    valid = steps >= 0
+    step_adv = torch.zeros_like(step_returns)
+    if valid.any():
+        flat = step_returns[valid]
+        step_adv[valid] = grpo_advantages(
+            flat, steps[valid], std_scale=std_scale, eps=eps, valid=torch.ones_like(flat, dtype=torch.bool)
+        )
+    return torch.where(valid, episode.unsqueeze(-1) + step_weight * step_adv, 0.0)
 
 
 # ---- one calling convention for the config-selected estimators ----
@@ -219,6 +261,7 @@ class AdvantageInputs:
     baseline_rewards: Tensor | None = None  # (B,) greedy response's reward, for remax
     step_ids: Tensor | None = None  # long (B, T) turn of each token, -1 outside turns
     step_rewards: Tensor | None = None  # (B, S) reward of each turn
+    step_states: Tensor | None = None  # long (B, S) state id each turn acted in, -1 if absent
 
 
 Estimate = tuple[Tensor, Tensor | None]  # advantages (B, T), returns (B, T) or None
@@ -283,6 +326,36 @@ def estimate_step_return(x: AdvantageInputs, *, gamma: float = 1.0) -> Estimate:
     return step_return_advantages(step_rewards, step_ids, x.mask, gamma=gamma)
 
 
+def estimate_gigpo(
+    x: AdvantageInputs,
+    *,
+    gamma: float = 1.0,
+    step_weight: float = 1.0,
+    std_scale: StdScale = "group",
+    eps: float = 1e-6,
+) -> Estimate:
+    """``gigpo_advantages`` of the scores and the turns' discounted returns, each token given its turn's value."""
+    if x.step_ids is None or x.step_rewards is None or x.step_states is None:
+        raise ValueError(
+            "adv_estimator 'gigpo' needs multi-turn episodes: pass step_ids (B, T), step_rewards (B, S) and "
+            "step_states (B, S) (the agentic pipeline does)"
+        )
+    step_mask = x.step_states >= 0
+    step_returns = step_discounted_returns(x.step_rewards, step_mask, gamma=gamma)
+    per_step = gigpo_advantages(
+        x.scores,
+        x.group_ids,
+        step_returns,
+        x.step_states,
+        step_weight=step_weight,
+        std_scale=std_scale,
+        eps=eps,
+    )
+    mask = x.mask & (x.step_ids >= 0)
+    returns = torch.where(mask, tokens_from_steps(step_returns, x.step_ids), 0.0)
+    return torch.where(mask, tokens_from_steps(per_step, x.step_ids), 0.0), returns
+
+
 ADV_ESTIMATORS = {
     "gae": estimate_gae,
     "grpo": estimate_grpo,
@@ -292,4 +365,5 @@ ADV_ESTIMATORS = {
     "remax": estimate_remax,
     "raft": estimate_raft,
     "step_return": estimate_step_return,
+    "gigpo": estimate_gigpo,
 }

@@ -83,6 +83,7 @@ def compute_advantages(
     max_response_len: int | None = None,
     step_ids: Tensor | None = None,
     step_rewards: Tensor | None = None,
+    step_states: Tensor | None = None,
     state: AdvantageState | None = None,
 ) -> AdvantageResult:
     """Filters, reward shaping, KL-in-reward and the configured estimator, in that order.
@@ -93,7 +94,8 @@ def compute_advantages(
     (B,): the greedy response's reward, for remax. ``response_lengths`` (B,) default to the
     mask's row sums; ``truncated`` (B,) bool defaults to length >= ``max_response_len``, which
     the overlong options need. ``step_ids`` (B, T) / ``step_rewards`` (B, S): turns of
-    multi-turn episodes, for step_return. Filters and statistics are computed on the raw
+    multi-turn episodes, for step_return and gigpo, which also reads ``step_states`` (B, S), the
+    id of the state each turn acted in (-1: no turn). Filters and statistics are computed on the raw
     rewards of every sample; batch statistics (std, whitening) over the kept samples only.
     """
     state = AdvantageState.initial(cfg) if state is None else state
@@ -124,6 +126,7 @@ def compute_advantages(
             baseline_rewards=baseline_rewards,
             step_ids=step_ids,
             step_rewards=step_rewards,
+            step_states=step_states,
         )
         estimator = lookup("adv_estimator", cfg.adv_estimator)
         params = {arg: getattr(cfg, field) for arg, field in ADV_ESTIMATOR_PARAMS[cfg.adv_estimator].items()}
@@ -270,6 +273,12 @@ ADV_ESTIMATOR_PARAMS: dict[str, dict[str, str]] = {
     "remax": {},
     "raft": {"correct_threshold": "correct_threshold"},
     "step_return": {"gamma": "gamma"},
+    "gigpo": {
+        "gamma": "gamma",
+        "step_weight": "gigpo_step_weight",
+        "std_scale": "std_scale",
+        "eps": "adv_eps",
+    },
 }
 
 # policy loss name -> {keyword argument of the loss function: config field}

@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 from reroll.config.base import StrictModel
 
 AdvEstimatorName = Literal[
-    "gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "raft", "step_return"
+    "gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "raft", "step_return", "gigpo"
 ]
 PolicyLossName = Literal["ppo_clip", "gspo", "cispo", "topr", "pg"]
 LossAggModeName = Literal[
@@ -29,7 +29,7 @@ RewardNormName = Literal["none", "group", "batch", "running"]
 PresetName = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "lite_ppo", "raft_pp", "ppo"]
 
 # Estimators that compare the samples of one prompt with each other, and so need group_size >= 2.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "gigpo")
 
 # Each preset spells out every field that defines the recipe, so that the table in
 # docs/algorithms.md is the whole story; fields left out keep their defaults.
@@ -100,6 +100,9 @@ class AlgorithmConfig(StrictModel):
     adv_eps: float = Field(1e-6, gt=0, description="Added to the std before dividing by it.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount per token (GAE, REINFORCE++) or per turn.")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    gigpo_step_weight: float = Field(
+        1.0, ge=0, description="GiGPO: weight of the step (anchor-state) advantage added to the episode's."
+    )
     whiten_advantages: bool = Field(
         False, description="Whiten advantages over the batch's response tokens (mean 0, std 1)."
     )
@@ -228,8 +231,9 @@ def section_problems(cfg: AlgorithmConfig) -> list[str]:
 
 # field -> (the setting that reads it, the values of that setting that do)
 _READ_BY = {
-    "std_scale": ("adv_estimator", ("grpo",)),
+    "std_scale": ("adv_estimator", ("grpo", "gigpo")),
     "lam": ("adv_estimator", ("gae",)),
+    "gigpo_step_weight": ("adv_estimator", ("gigpo",)),
     "dual_clip": ("policy_loss", ("ppo_clip",)),
     "topr_level": ("policy_loss", ("topr",)),
 }

@@ -78,7 +78,12 @@ class VLLMConfig(StrictModel):
     gpu_memory_utilization: float = Field(
         0.5, gt=0.0, le=1.0, description="Share of each GPU's memory vLLM may take (weights + KV cache)."
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs (or CPU processes) one engine spans.")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="GPUs (or CPU processes) one engine spans. On CPU, tested with 2: set in_process=false "
+        "and cpu_omp_threads_bind to one core list per rank ('0|1').",
+    )
     enforce_eager: bool = Field(True, description="Skip CUDA-graph capture (slower decode, faster start).")
     cpu_kvcache_space_gb: int = Field(
         1, ge=1, description="KV-cache size on CPU, in GiB (sets VLLM_CPU_KVCACHE_SPACE)."

@@ -1,32 +1,130 @@
-"""The generation engine interface of actor_infer: every engine (hf, vllm, sglang) has these methods."""
+"""The generation engine interface of actor_infer: every engine (hf, vllm, sglang) has these methods.
+
+Also what the engines share: ``EngineAborted`` (raised by a ``generate`` that ``abort()`` stopped),
+the ``engine_call`` decorator that guards ``generate``/``score`` (clears the abort flag, refuses to run
+while asleep or without weights), and ``EngineStats`` (the counters behind ``metrics()``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+import functools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from reroll.data.types import Completion, SamplingParams
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class EngineAborted(RuntimeError):
+    """``generate`` was stopped by ``abort()``; none of that call's completions are returned."""
+
 
 class Engine(Protocol):
-    """Generates, takes new weights in place, and reports its own metrics.
+    """Generates, takes new weights in place, sleeps and wakes, and reports its own metrics.
 
     Log-probs are those of the sampled tokens at the sampling temperature (as the trainer's
     ``token_logprobs``), so the two can be compared on every batch. Engines also offer
-    ``score(input_ids, attention_mask, temperature)`` for tests (hf: any temperature, vllm: 1.0), and
-    vllm/sglang ``sleep()`` / ``wake_up()`` for colocation on GPUs.
+    ``score(input_ids, attention_mask, temperature)`` for tests (hf: any temperature, vllm: 1.0).
     """
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
-        """``params.n`` completions for each prompt, in prompt order."""
+    def generate(
+        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        """``params.n`` completions for each prompt, in prompt order; a prompt is text or token ids."""
         ...
 
     def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load new parameter values (Hugging Face names) without reloading from disk."""
         ...
 
-    def metrics(self) -> dict[str, float]:
-        """Counters since the last call (tokens/s, ...)."""
+    def load_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of a weight update (whole layers; see ``reroll.runtime.weight_sync``)."""
         ...
+
+    def finish_weight_update(self) -> None:
+        """After the last bucket: drop what the old weights computed (prefix cache)."""
+        ...
+
+    def update_lora(self, adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> None:
+        """Apply a LoRA adapter (peft's state-dict names, ``r``/``lora_alpha``) over the base weights."""
+        ...
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory (1: weights offloaded, 2: weights dropped; both: KV cache dropped)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Take the memory back; after ``sleep(2)`` the weights must be loaded again before generating."""
+        ...
+
+    def abort(self) -> None:
+        """Stop an in-flight ``generate`` (from another thread): it raises ``EngineAborted``."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """``engine/*`` counters since the last call (tokens/s, peak running requests, ...)."""
+        ...
+
+
+def engine_call(method: F) -> F:
+    """Guards an engine's ``generate``/``score``: clears the abort flag (an ``abort()`` between calls
+    cancels nothing), and raises if the engine is asleep or holds no weights (``self._not_ready()``)."""
+
+    @functools.wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._abort.clear()
+        problem = self._not_ready()
+        if problem is not None:
+            raise RuntimeError(f"{type(self).__name__}.{method.__name__}: {problem}")
+        return method(self, *args, **kwargs)
+
+    return guarded  # type: ignore[return-value]
+
+
+class EngineStats:
+    """What ``metrics()`` reports: throughput and peak load since the last ``take()``.
+
+    ``engine/tokens_per_s``: generated tokens / seconds inside ``generate``; ``engine/num_running`` and
+    ``engine/num_waiting``: the most requests (sequences) running at once / queued behind them;
+    ``engine/kv_cache_usage``: the highest share of the KV cache in use. The last two only from
+    engines with a scheduler and a fixed cache (vllm). Updated from the generating thread; read from any.
+    """
+
+    def __init__(self, *, scheduler: bool = False) -> None:
+        """``scheduler``: the engine reports waiting requests and KV-cache usage (0 when idle)."""
+        self._lock = threading.Lock()
+        self._scheduler = scheduler
+        self._reset()
+
+    def _reset(self) -> None:
+        self.peak_running = 0
+        self.peak_waiting: int | None = 0 if self._scheduler else None
+        self.peak_kv: float | None = 0.0 if self._scheduler else None
+
+    def observe(
+        self, *, running: int, waiting: int | None = None, kv_cache_usage: float | None = None
+    ) -> None:
+        with self._lock:
+            self.peak_running = max(self.peak_running, running)
+            if waiting is not None:
+                self.peak_waiting = max(self.peak_waiting or 0, waiting)
+            if kv_cache_usage is not None:
+                self.peak_kv = max(self.peak_kv or 0.0, kv_cache_usage)
+
+    def take(self, tokens: int, seconds: float) -> dict[str, float]:
+        """The metrics for ``tokens`` generated in ``seconds``; the peaks start over."""
+        with self._lock:
+            out = {
+                "engine/tokens_per_s": tokens / seconds if seconds else 0.0,
+                "engine/num_running": float(self.peak_running),
+            }
+            if self.peak_waiting is not None:
+                out["engine/num_waiting"] = float(self.peak_waiting)
+            if self.peak_kv is not None:
+                out["engine/kv_cache_usage"] = self.peak_kv
+            self._reset()
+        return out

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from reroll.data.types import Completion, SamplingParams
+from reroll.engines.base import EngineAborted, EngineStats, engine_call
+from reroll.engines.lora import lora_pairs, lora_scale, merge_lora
 from reroll.models.loading import load_causal_lm, load_tokenizer
+
+
+class _AbortCriterion(StoppingCriteria):
+    """Checked after every decoding step: raises ``EngineAborted`` once ``abort()`` set the flag."""
+
+    def __init__(self, flag: threading.Event) -> None:
+        self.flag = flag
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        if self.flag.is_set():
+            raise EngineAborted("generate was aborted (abort() called while it ran)")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class HFEngine:
@@ -31,12 +48,24 @@ class HFEngine:
         self.batch_size = batch_size
         self.static_cache = static_cache
         self._tokens, self._seconds = 0, 0.0
+        self._abort = threading.Event()
+        self._stats = EngineStats()
+        self._asleep: int | None = None  # the level of the last sleep(), until wake_up()
+        self._dropped: dict[str, torch.Size] = {}  # sleep(2): shapes of the parameters dropped
+        self._missing_weights = False  # woke from sleep(2); the next full weight update clears it
+        self._lora_base: dict[str, torch.Tensor] = {}  # the base values of weights a LoRA adapts
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
+    @engine_call
+    def generate(
+        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
         """``params.n`` completions per prompt; rows are generated ``batch_size`` at a time."""
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        encoded = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        # a prompt is text (encoded without special tokens) or token ids, used exactly as given
+        encoded = [
+            p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in prompts
+        ]
         flat = [ids for ids in encoded for _ in range(params.n)]
         out: list[Completion] = []
         start = time.perf_counter()
@@ -48,6 +77,7 @@ class HFEngine:
 
     @torch.no_grad()
     def _generate_batch(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
+        self._stats.observe(running=len(rows))
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(len(r) for r in rows)
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
@@ -70,12 +100,17 @@ class HFEngine:
             pad_token_id=pad,
             output_logits=True,
             return_dict_in_generate=True,
+            stopping_criteria=StoppingCriteriaList([_AbortCriterion(self._abort)]),
             **extra,
         )
         new = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1).float()  # (N, new, V), before any processing
         temp = 1.0 if greedy else params.temperature
-        logprobs = torch.log_softmax(logits / temp, dim=-1).gather(-1, new[..., None]).squeeze(-1)
+        # one decoding step at a time: stacking (N, new, V) fp32 logits takes tens of GB at a real vocabulary
+        steps = [
+            torch.log_softmax(step.float() / temp, dim=-1).gather(-1, new[:, t, None]).squeeze(-1)
+            for t, step in enumerate(out.logits)
+        ]
+        logprobs = torch.stack(steps, dim=1)  # (N, new), from the logits before any processing
         return [self._completion(rows[i], new[i], logprobs[i], params) for i in range(len(rows))]
 
     def _completion(
@@ -97,14 +132,86 @@ class HFEngine:
 
     def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy new values into the live parameters (names as in the Hugging Face state dict)."""
+        self.load_weights(list(weights.items()))
+        self.finish_weight_update()
+
+    def load_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Copy one bucket of new values into the live parameters (a full update resets the LoRA base)."""
+        if self._asleep is not None:
+            raise RuntimeError("HFEngine.load_weights: the engine is asleep; call wake_up() first")
         live = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
         with torch.no_grad():
-            for name, value in weights.items():
+            for name, value in bucket:
                 target = live.get(name)
                 if target is None:
                     raise KeyError(f"engine has no parameter {name!r} to update")
                 target.copy_(value.to(target.device, target.dtype))
+                self._lora_base.pop(name, None)
 
+    def finish_weight_update(self) -> None:
+        """Nothing is cached across calls; the weights count as loaded again after ``sleep(2)``."""
+        self._missing_weights = False
+
+    def update_lora(self, adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> None:
+        """Merge a peft adapter into the weights it adapts: ``W = W0 + scale * B @ A``, ``W0`` the base
+        values kept from the first adapter (a later full ``update_weights`` makes those the base)."""
+        scale, pairs = lora_scale(config), lora_pairs(adapter)
+        live = self.model.state_dict(keep_vars=True)
+        for name in pairs:
+            if name not in live:
+                raise KeyError(f"LoRA adapter targets {name!r}, which the engine's model does not have")
+            if name not in self._lora_base:
+                self._lora_base[name] = live[name].detach().clone()
+        merged = merge_lora(self._lora_base, pairs, scale)
+        with torch.no_grad():
+            for name, value in merged.items():
+                live[name].copy_(value)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free memory while a colocated role runs. Level 1: the weights move to host memory (nothing
+        moves when the engine is on CPU). Level 2: the weights are dropped; after ``wake_up`` they must
+        be loaded again (``update_weights`` or a bucketed sync) before ``generate``. There is no KV cache
+        to drop between calls."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._asleep is not None:
+            return
+        if level == 1:
+            self.model.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        else:
+            for name, p in self.model.named_parameters():  # each tied parameter once
+                self._dropped[name] = p.shape
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._lora_base.clear()
+        self._asleep = level
+
+    def wake_up(self) -> None:
+        """Take the memory back: level 1 moves the weights back, level 2 allocates them (values unset)."""
+        if self._asleep == 1:
+            self.model.to(self.device)
+        elif self._asleep == 2:
+            params = dict(self.model.named_parameters())
+            for name, shape in self._dropped.items():
+                p = params[name]
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+            self._dropped.clear()
+            self._missing_weights = True
+        self._asleep = None
+
+    def abort(self) -> None:
+        """Stop an in-flight ``generate`` at its next decoding step; it raises ``EngineAborted``."""
+        self._abort.set()
+
+    def _not_ready(self) -> str | None:
+        if self._asleep is not None:
+            return f"the engine is asleep (level {self._asleep}); call wake_up() first"
+        if self._missing_weights:
+            return "the engine woke from sleep(level=2) without weights; load them (update_weights) first"
+        return None
+
+    @engine_call
     @torch.no_grad()
     def score(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
@@ -117,6 +224,7 @@ class HFEngine:
         )
 
     def metrics(self) -> dict[str, float]:
-        tps = self._tokens / self._seconds if self._seconds else 0.0
+        """``engine/tokens_per_s`` and ``engine/num_running`` (the largest batch) since the last call."""
+        out = self._stats.take(self._tokens, self._seconds)
         self._tokens, self._seconds = 0, 0.0
-        return {"engine/tokens_per_s": tps}
+        return out

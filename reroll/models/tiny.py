@@ -18,6 +18,9 @@ EOS_TOKEN = "<eos>"
 UNK_TOKEN = "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 
+# The text of the shipped games (``reroll.envs``: nim's "pile 13", "you win"): digits, lowercase, a few marks.
+GAME_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz .,:-"
+
 # Qwen2's pre-tokenizer split (transformers' `tokenization_qwen2.PRETOKENIZE_REGEX`).
 QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
@@ -98,19 +101,23 @@ def build_tiny_model(
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 128,
+    vocab_size: int | None = None,
+    dtype: str = "float32",
     seed: int = 0,
 ) -> Path:
-    """Save a random-init fp32 ``Qwen2ForCausalLM`` and its ``char_tokenizer(alphabet)`` to ``out_dir``.
+    """Save a random-init ``Qwen2ForCausalLM`` (fp32 unless ``dtype``) and its ``char_tokenizer(alphabet)`` to ``out_dir``.
 
     Embeddings are tied; ``num_kv_heads`` defaults to ``num_heads`` and ``intermediate_size`` to
-    ``4 * hidden_size``. The same ``seed`` gives the same weights. Returns ``out_dir`` as a ``Path``,
+    ``4 * hidden_size``. ``vocab_size`` larger than the tokenizer's pads the embedding (the shape of a
+    real model for speed measurements; ids past the tokenizer decode to nothing). The same ``seed``
+    gives the same weights. Returns ``out_dir`` as a ``Path``,
     loadable offline with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check_dims(hidden_size, num_heads, num_kv_heads)
     tokenizer = char_tokenizer(alphabet)
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=max(vocab_size or 0, len(tokenizer)),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 4 * hidden_size,
         num_hidden_layers=num_layers,
@@ -122,10 +129,10 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         use_sliding_window=False,
-        dtype="float32",
+        dtype=dtype,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

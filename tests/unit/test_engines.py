@@ -32,3 +32,92 @@ def test_importing_reroll_engines_does_not_import_vllm():
     code = "import sys, reroll, reroll.engines, reroll.engines.vllm, reroll.roles.rollout; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_weight_buckets_keep_layers_whole_and_respect_the_size():
+    import torch
+
+    from reroll.runtime.weight_sync import weight_buckets
+
+    f32 = lambda n: torch.zeros(n)  # noqa: E731  4 bytes per element
+    named = [
+        ("model.embed_tokens.weight", f32(100)),  # 400 B
+        ("model.layers.0.self_attn.q_proj.weight", f32(50)),  # layer 0: 400 B
+        ("model.layers.0.self_attn.k_proj.weight", f32(50)),
+        ("model.layers.1.self_attn.q_proj.weight", f32(200)),  # layer 1: 1600 B, more than a bucket
+        ("model.layers.1.mlp.up_proj.weight", f32(200)),
+        ("model.layers.2.mlp.up_proj.weight", f32(25)),  # 100 B
+        ("model.norm.weight", f32(25)),  # 100 B
+        ("lm_head.weight", f32(100)),  # 400 B
+    ]
+    buckets = [[n.split(".weight")[0].split(".", 1)[-1] for n, _ in b] for b in weight_buckets(named, 1000)]
+    assert buckets == [
+        ["embed_tokens", "layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj"],  # 800 B
+        ["layers.1.self_attn.q_proj", "layers.1.mlp.up_proj"],  # 1600 B alone
+        ["layers.2.mlp.up_proj", "norm", "lm_head"],  # 600 B
+    ]
+    assert sum(len(b) for b in weight_buckets(named, 1)) == len(named)  # every tensor exactly once
+    with pytest.raises(ValueError, match="positive"):
+        next(weight_buckets(named, 0))
+
+
+def test_merge_lora_by_hand():
+    import torch
+
+    from reroll.engines.lora import lora_pairs, merge_lora
+
+    # W0 = I, A = [[1, 2]] (r 1, in 2), B = [[1], [0]] (out 2); scale 2: W = I + 2 [[1, 2], [0, 0]]
+    adapter = {
+        "base_model.model.layers.0.q_proj.lora_A.default.weight": torch.tensor([[1.0, 2.0]]),
+        "base_model.model.layers.0.q_proj.lora_B.default.weight": torch.tensor([[1.0], [0.0]]),
+    }
+    merged = merge_lora({"layers.0.q_proj.weight": torch.eye(2)}, lora_pairs(adapter), 2.0)
+    assert merged["layers.0.q_proj.weight"].tolist() == [[3.0, 4.0], [0.0, 1.0]]
+
+
+def test_lora_config_it_cannot_merge_is_refused():
+    import torch
+
+    from reroll.engines.lora import lora_pairs, lora_scale
+
+    with pytest.raises(UserError, match="use_dora"):
+        lora_scale({"r": 4, "lora_alpha": 8, "use_dora": True})
+    with pytest.raises(UserError, match="no 'lora_alpha'"):
+        lora_scale({"r": 4})
+    with pytest.raises(UserError, match="lora_embedding_A"):
+        lora_pairs({"base_model.model.embed.lora_embedding_A": torch.zeros(2, 2)})
+    with pytest.raises(UserError, match="without lora_B"):
+        lora_pairs({"base_model.model.q.lora_A.weight": torch.zeros(2, 2)})
+
+
+def test_engine_stats_report_peaks_and_start_over():
+    from reroll.engines.base import EngineStats
+
+    stats = EngineStats()
+    for running, waiting, kv in [(3, 10, 0.1), (8, 5, 0.4), (2, 0, 0.2)]:
+        stats.observe(running=running, waiting=waiting, kv_cache_usage=kv)
+    assert stats.take(tokens=300, seconds=2.0) == {
+        "engine/tokens_per_s": 150.0,
+        "engine/num_running": 8.0,
+        "engine/num_waiting": 10.0,
+        "engine/kv_cache_usage": 0.4,
+    }
+    assert stats.take(tokens=0, seconds=0.0) == {"engine/tokens_per_s": 0.0, "engine/num_running": 0.0}
+    idle = EngineStats(scheduler=True).take(tokens=0, seconds=0.0)
+    assert idle["engine/num_waiting"] == 0.0 and idle["engine/kv_cache_usage"] == 0.0
+
+
+def test_role_error_names_what_the_worker_runs():
+    from reroll.errors import RoleError
+
+    e = RoleError("actor_infer", 0, "generate", "EngineAborted: stop", detail="vllm engine").at_step(3)
+    assert str(e) == "actor_infer[0] (vllm engine) failed during generate at step 3: EngineAborted: stop"
+    assert str(RoleError("reward", 1, "score", "x")) == "reward[1] failed during score: x"
+
+
+def test_vllm_sleep_mode_on_cpu_is_a_config_error_before_vllm_starts():
+    from reroll.config.schema import VLLMConfig
+    from reroll.engines.vllm import VLLMEngine
+
+    with pytest.raises(UserError, match=r"enable_sleep_mode needs CUDA.*set it to false on CPU"):
+        VLLMEngine("unused", VLLMConfig(enable_sleep_mode=True), device="cpu")

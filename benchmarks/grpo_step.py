@@ -1,0 +1,237 @@
+"""One GRPO step on one device, reroll against TRL's ``GRPOTrainer``, as a per-phase table.
+
+    python benchmarks/grpo_step.py                      # Qwen2.5-0.5B shape, bf16, on the GPU
+    python benchmarks/grpo_step.py --tiny --device cpu  # a smoke run of the script on a laptop
+
+Both sides get the same random-init model (Qwen2.5-0.5B's shape: 24 layers, hidden 896, 14 heads,
+2 KV heads, MLP 4864, vocab 151936, tied embeddings; built locally, nothing downloaded), the same
+prompts (``--prompts`` x ``--group`` samples of ``--prompt-len`` prompt tokens and up to
+``--new-tokens`` new ones, temperature 1), a KL term against a reference model (beta 0.04, so both
+run a reference pass), one optimizer step per batch in bf16, and a reward that needs no model.
+reroll runs its RLVR pipeline in one process (``runtime.backend=local``) with the Hugging Face
+engine (static KV cache, compiled decoding); TRL runs ``GRPOTrainer`` with its default
+``transformers`` generation (no vLLM on this machine). The first ``--warmup`` steps (compilation,
+allocator growth) are left out of the means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN25_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
+TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128)
+ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz "
+PHASES = ("generate", "reward", "reference", "old_logprobs", "advantages", "train", "weight_sync")
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    from benchmarks.generation import _cpu_name
+
+    return _cpu_name()
+
+
+def build_inputs(root: Path, args: argparse.Namespace) -> tuple[Path, list[str]]:
+    from reroll.models.tiny import build_tiny_model
+
+    shape = TINY if args.tiny else QWEN25_05B
+    model = build_tiny_model(
+        root / "model",
+        alphabet=ALPHABET,
+        vocab_size=None if args.tiny else 151936,
+        max_position_embeddings=args.prompt_len + args.new_tokens + 8,
+        dtype=args.dtype,
+        **shape,
+    )
+    rng = random.Random(0)
+    n = args.prompts * (args.steps + 1)
+    prompts = ["".join(rng.choice(ALPHABET) for _ in range(args.prompt_len)) for _ in range(n)]
+    return model, prompts
+
+
+def length_reward(text: str) -> float:
+    """A model-free reward with spread within a group: the share of digits in the response."""
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+def run_reroll(root: Path, model: Path, prompts: list[str], args: argparse.Namespace) -> list[dict]:
+    from reroll.config.loader import load_config
+    from reroll.config.schema import RunConfig
+    from reroll.pipelines.rlvr import run_rlvr
+    from reroll.runtime.metrics import read_metrics
+
+    rows = root / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"question": p, "answer": "0"}) + "\n" for p in prompts))
+    reward_module = root / "bench_reward.py"
+    reward_module.write_text(
+        "from reroll.rewards.base import RewardResult\n"
+        "def digits(prompt, response, row):\n"
+        "    return RewardResult(sum(c.isdigit() for c in response) / max(len(response), 1))\n"
+    )
+    sys.path.insert(0, str(root))
+    gpu = args.device == "cuda"
+    cfg = {
+        "pipeline": "rlvr",
+        "name": "reroll",
+        "output_dir": str(root / "{name}"),
+        "total_steps": args.steps,
+        "model": {"path": str(model), "dtype": args.dtype},
+        "data": {"train_files": [str(rows)], "prompt_template": "{question}", "eval_limit": 1},
+        "rollout": {
+            "engine": "hf",
+            "batch_size": args.prompts * args.group,
+            "group_size": args.group,
+            "max_new_tokens": args.new_tokens,
+            "temperature": 1.0,
+            "generate_batch_size": args.prompts * args.group,
+            "hf_static_cache": gpu,
+        },
+        "reward": {"fn": "bench_reward:digits", "isolation": "thread"},
+        "algorithm": {"preset": "grpo", "kl_coef": 0.04},
+        "optim": {"lr": 1e-6, "micro_batch_size": args.micro_batch},
+        "roles": {
+            r: {"num_gpus_per_worker": 1.0 if gpu else 0.0}
+            for r in ("actor_train", "actor_infer", "reference")
+        },
+        "eval": {"every": 0},
+        "logging": {"tensorboard": False, "sample_every": 0},
+        "runtime": {"backend": "local"},
+    }
+    path = root / "reroll.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run_rlvr(load_config(path, RunConfig))
+    out = []
+    for row in read_metrics(root / "reroll")[1:]:
+        phases = {p: row.get(f"timing/{p}", 0.0) for p in PHASES}
+        tokens = row["rollout/response_length"] * args.prompts * args.group
+        out.append({**phases, "step": sum(phases.values()), "new_tokens": tokens})
+    return out
+
+
+def run_trl(root: Path, model: Path, prompts: list[str], args: argparse.Namespace) -> list[dict]:
+    import dataclasses
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    times: list[float] = []
+    tokens: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t)
+
+        def on_log(self, _args, _state, _control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                tokens.append(logs["completions/mean_length"] * args.prompts * args.group)
+
+    n = args.prompts * args.group
+    micro = min(args.micro_batch, n)
+    wanted = dict(
+        output_dir=str(root / "trl"),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=n // micro,
+        num_generations=args.group,
+        max_completion_length=args.new_tokens,
+        max_prompt_length=args.prompt_len + 8,
+        temperature=1.0,
+        beta=0.04,
+        learning_rate=1e-6,
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=args.dtype == "bfloat16",
+        use_cpu=args.device == "cpu",
+        use_vllm=False,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    config = GRPOConfig(**{k: v for k, v in wanted.items() if k in known})
+    tok = AutoTokenizer.from_pretrained(model)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype))
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=[lambda completions, **_: [length_reward(c) for c in completions]],
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tok,
+        callbacks=[StepClock()],
+    )
+    trainer.train()
+    return [{"step": t, "new_tokens": tok_n} for t, tok_n in zip(times, tokens or [0.0] * len(times))]
+
+
+def mean_after(rows: list[dict], key: str, warmup: int) -> float:
+    kept = rows[warmup:] or rows
+    return statistics.mean(r.get(key, 0.0) for r in kept)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 0.5B shape")
+    ap.add_argument("--skip-trl", action="store_true")
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
+    model, prompts = build_inputs(root, args)
+    results = {"reroll": run_reroll(root, model, prompts, args)}
+    if not args.skip_trl:
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        results["trl"] = run_trl(root, model, prompts, args)
+
+    shape = "tiny" if args.tiny else "Qwen2.5-0.5B-shaped"
+    print(
+        f"\nGRPO step, {shape} random init, {args.dtype}, {args.prompts} prompts x {args.group} samples, "
+        f"{args.prompt_len} prompt + up to {args.new_tokens} new tokens, on {device_name(args.device)}; "
+        f"mean of steps {args.warmup + 1}..{args.steps} (seconds)"
+    )
+    rr = results["reroll"]
+    print(f"{'phase':<14}{'reroll':>10}")
+    for p in PHASES:
+        print(f"{p:<14}{mean_after(rr, p, args.warmup):>10.2f}")
+    print(f"{'step':<14}{mean_after(rr, 'step', args.warmup):>10.2f}")
+    print(f"\n{'library':<10}{'s/step':>10}{'new tokens':>12}{'tokens/s':>10}")
+    for name, rows in results.items():
+        step, toks = mean_after(rows, "step", args.warmup), mean_after(rows, "new_tokens", args.warmup)
+        print(f"{name:<10}{step:>10.2f}{toks:>12.0f}{toks / step:>10.0f}")
+    if "trl" in results:
+        ratio = mean_after(results["trl"], "step", args.warmup) / mean_after(rr, "step", args.warmup)
+        print(f"\nTRL step time / reroll step time: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""LoRA adapters for the engines: peft's adapter tensors merged into the base weights they adapt.
+
+The trainer (peft) sends only the adapter: ``{name: tensor}`` in peft's state-dict names
+(``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, with or without the adapter name
+before ``.weight``) and its ``LoraConfig`` as a dict (``r``, ``lora_alpha``, optionally ``use_rslora``).
+The engine computes ``W = W0 + scale * B @ A`` (``scale = lora_alpha / r``, or ``/ sqrt(r)`` with
+rsLoRA) for each adapted ``Linear`` and loads ``W`` like any weight update, so generation runs at
+the base model's speed and every sync starts again from the frozen base ``W0``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reroll.errors import UserError
+
+_PEFT_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
+
+
+def lora_scale(config: Mapping[str, Any]) -> float:
+    """``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``); unsupported options are an error."""
+    for key in ("r", "lora_alpha"):
+        if key not in config:
+            raise UserError(f"LoRA config has no {key!r}: pass peft's LoraConfig as a dict (r, lora_alpha)")
+    for key in ("use_dora", "fan_in_fan_out"):
+        if config.get(key):
+            raise UserError(f"LoRA config sets {key}=True, which the engines cannot merge; train without it")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise UserError(f"LoRA config sets {key}; per-module ranks are not supported by the engines")
+    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def lora_pairs(adapter: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{base weight name: (A (r, in), B (out, r))}`` from peft's adapter state dict."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in adapter.items():
+        m = _PEFT_NAME.match(name)
+        if m is None:
+            raise UserError(
+                f"LoRA adapter tensor {name!r} is not a peft lora_A/lora_B weight of a Linear layer "
+                "(embedding adapters and modules_to_save are not supported)"
+            )
+        parts.setdefault(f"{m['module']}.weight", {})[m["part"]] = tensor
+    missing = [k for k, v in parts.items() if len(v) != 2]
+    if missing:
+        raise UserError(f"LoRA adapter has lora_A without lora_B (or the reverse) for {missing[:3]}")
+    return {k: (v["A"], v["B"]) for k, v in parts.items()}
+
+
+def merge_lora(
+    base: Mapping[str, torch.Tensor],
+    pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+) -> dict[str, torch.Tensor]:
+    """``{name: W0 + scale * B @ A}`` for each adapted weight, in ``W0``'s dtype and device."""
+    out = {}
+    for name, (a, b) in pairs.items():
+        if name not in base:
+            raise UserError(f"LoRA adapter targets {name!r}, which the model does not have")
+        w0 = base[name]
+        delta = scale * (b.to(w0.device, torch.float32) @ a.to(w0.device, torch.float32))
+        if delta.shape != w0.shape:
+            raise UserError(
+                f"LoRA update for {name!r} has shape {tuple(delta.shape)}, the weight {tuple(w0.shape)}"
+            )
+        out[name] = (w0.float() + delta).to(w0.dtype)
+    return out
+
+
+def checkpoint_names(model_path: str) -> list[str]:
+    """The tensor names of a Hugging Face safetensors checkpoint directory (sharded or not)."""
+    from safetensors import safe_open
+
+    root = Path(model_path)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text())["weight_map"])
+    with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+        return list(f.keys())
+
+
+def checkpoint_tensors(model_path: str, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of a Hugging Face safetensors checkpoint directory (sharded or not), on CPU."""
+    from safetensors import safe_open
+
+    root = Path(model_path)
+    index = root / "model.safetensors.index.json"
+    wanted = set(names)
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {weight_map[n] for n in wanted if n in weight_map}
+    else:
+        files = {"model.safetensors"}
+    out = {}
+    for file in sorted(files):
+        with safe_open(str(root / file), framework="pt") as f:
+            for name in wanted & set(f.keys()):
+                out[name] = f.get_tensor(name)
+    missing = wanted - set(out)
+    if missing:
+        raise UserError(
+            f"the checkpoint at {model_path} has no tensors {sorted(missing)[:3]} for the LoRA base"
+        )
+    return out

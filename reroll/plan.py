@@ -1,0 +1,208 @@
+"""``reroll plan``: where a config's roles go on N GPUs and how much memory each takes, before launching.
+
+The estimate is arithmetic on the model's shape, not a measurement: weights, gradients and AdamW
+state per training rank after sharding (fsdp2 / deepspeed / megatron), activations and logits of one
+micro-batch, the engine's weights and KV cache, and the reference's weights. Colocated roles that
+offload between phases need the largest of them on a GPU; without offloading, their sum. The shape
+comes from ``model.path``'s config.json where it is a local directory, else from a table of the model
+families the examples use.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from reroll.config.schema import RunConfig
+from reroll.errors import UserError
+from reroll.runtime.placement import device_map, offload_between_phases, run_roles
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the estimate needs of a model."""
+
+    params: float  # total parameters (all experts of a MoE)
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    expert_params: float = 0.0  # the part of ``params`` in routed experts
+
+
+# Published shapes of the model families the example configs use (parameters from the model cards).
+KNOWN = {
+    "qwen2.5-0.5b": Shape(0.494e9, 24, 896, 2, 64, 151936),
+    "qwen2.5-1.5b": Shape(1.54e9, 28, 1536, 2, 128, 151936),
+    "qwen2.5-3b": Shape(3.09e9, 36, 2048, 2, 128, 151936),
+    "qwen2.5-7b": Shape(7.62e9, 28, 3584, 4, 128, 152064),
+    "qwen2.5-14b": Shape(14.7e9, 48, 5120, 8, 128, 152064),
+    "qwen2.5-32b": Shape(32.5e9, 64, 5120, 8, 128, 152064),
+    "qwen2.5-72b": Shape(72.7e9, 80, 8192, 8, 128, 152064),
+    "qwen3-8b": Shape(8.19e9, 36, 4096, 8, 128, 151936),
+    "qwen3-30b-a3b": Shape(30.5e9, 48, 2048, 4, 128, 151936, expert_params=28.9e9),
+    "qwen3-235b-a22b": Shape(235e9, 94, 4096, 4, 128, 151936, expert_params=226e9),
+}
+
+
+def model_shape(path: str) -> Shape:
+    """The shape of ``path``: its config.json when local, else the known family its name contains."""
+    config = Path(path) / "config.json"
+    if config.exists():
+        return _shape_from_config(json.loads(config.read_text()), Path(path))
+    name = path.lower().rsplit("/", 1)[-1]
+    for key in sorted(KNOWN, key=len, reverse=True):
+        if name.startswith(key):
+            return KNOWN[key]
+    raise UserError(
+        f"plan: cannot tell the size of model.path {path!r}: it is not a local directory with a "
+        f"config.json and not one of the known families ({', '.join(KNOWN)}); download the model first"
+    )
+
+
+def _shape_from_config(c: dict, path: Path) -> Shape:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    params = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    heads = c["num_attention_heads"]
+    return Shape(
+        float(params),
+        c["num_hidden_layers"],
+        c["hidden_size"],
+        c.get("num_key_value_heads", heads),
+        c.get("head_dim") or c["hidden_size"] // heads,
+        c["vocab_size"],
+        float(experts),
+    )
+
+
+@dataclass
+class RolePlan:
+    role: str
+    ranks: int
+    gib: float  # per GPU, at this role's peak
+    parts: str  # what the estimate is made of
+
+
+def estimate(cfg: RunConfig, shape: Shape, *, prompt_tokens: int) -> list[RolePlan]:
+    """Per-GPU memory of each model role of ``cfg`` at its own peak."""
+    seq = prompt_tokens + cfg.rollout.max_new_tokens
+    plans = []
+    for role in run_roles(cfg):
+        rc = getattr(cfg.roles, role)
+        if role == "actor_infer":
+            plans.append(_engine(cfg, shape, seq, rc.world_size))
+        else:
+            plans.append(_trainer(cfg, shape, seq, role, rc.world_size, trainable=role != "reference"))
+    return plans
+
+
+def _shards(cfg: RunConfig, world: int, shape: Shape) -> tuple[float, float, float]:
+    """Divisors of (weights, gradients, optimizer state) per rank under the strategy."""
+    s = cfg.strategy
+    if s.name == "fsdp2":
+        return world, world, world
+    if s.name == "deepspeed":
+        return (world if s.deepspeed.zero_stage == 3 else 1), world, world
+    if s.name == "megatron":
+        m = s.megatron
+        model_par = m.tensor_parallel * m.pipeline_parallel
+        # routed experts are split by expert parallel on top of tensor/pipeline parallel
+        frac = shape.expert_params / shape.params if shape.params else 0.0
+        eff = model_par / (1 - frac + frac / m.expert_parallel)
+        dp = max(world // (model_par * m.context_parallel), 1)
+        return eff, eff, eff * (dp if m.distributed_optimizer else 1)
+    return 1, world, 1  # torch: full copy; gradients reduced in place
+
+
+def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trainable: bool) -> RolePlan:
+    p_bytes = DTYPE_BYTES[cfg.strategy.fsdp2.param_dtype or cfg.model.dtype]
+    w_div, g_div, o_div = _shards(cfg, world, shape)
+    weights = shape.params * DTYPE_BYTES[cfg.model.dtype] / w_div
+    grads = optim = 0.0
+    lora = cfg.strategy.lora
+    if trainable:
+        trained = shape.params
+        if lora is not None:  # adapters on every target projection: about r * (in + out) each
+            trained = 7 * shape.layers * lora.rank * 2 * shape.hidden * 2
+        grads = trained * DTYPE_BYTES[cfg.model.dtype] / (g_div if lora is None else 1)
+        # AdamW moments in the parameters' dtype (torch, fsdp2); deepspeed and megatron keep fp32
+        # master weights and fp32 moments
+        per_param = 12 if cfg.strategy.name in ("deepspeed", "megatron") else 2 * DTYPE_BYTES[cfg.model.dtype]
+        optim = trained * per_param / (o_div if lora is None else 1)
+    tokens = cfg.optim.max_tokens_per_micro_batch or cfg.optim.micro_batch_size * seq
+    per_layer = 2 if cfg.model.gradient_checkpointing else 34  # bytes per token per hidden unit
+    acts = tokens * shape.hidden * shape.layers * per_layer * p_bytes / 2 if trainable else 0.0
+    model_par = 1
+    if cfg.strategy.name == "megatron":
+        m = cfg.strategy.megatron
+        model_par = m.tensor_parallel * m.context_parallel
+        acts /= model_par * m.pipeline_parallel
+    logits = tokens * shape.vocab * (p_bytes + 4 + (4 if trainable else 0)) / model_par
+    total = weights + grads + optim + acts + logits
+    parts = (
+        f"weights {weights / GIB:.1f} + grads {grads / GIB:.1f} + adam {optim / GIB:.1f} + "
+        f"activations {acts / GIB:.1f} + logits {logits / GIB:.1f}"
+    )
+    return RolePlan(role, world, total / GIB, parts)
+
+
+def _engine(cfg: RunConfig, shape: Shape, seq: int, world: int) -> RolePlan:
+    tp = cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+    weights = shape.params * DTYPE_BYTES[cfg.model.dtype] / tp
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * DTYPE_BYTES[cfg.model.dtype] / tp
+    seqs = min(cfg.rollout.batch_size // world, cfg.rollout.generate_batch_size)
+    kv = seqs * seq * kv_per_token
+    parts = f"weights {weights / GIB:.1f} + kv cache {kv / GIB:.1f} ({seqs} seqs x {seq} tokens)"
+    return RolePlan("actor_infer", world * tp, (weights + kv) / GIB, parts)
+
+
+def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 512) -> tuple[str, bool]:
+    """The printed plan and whether it fits ``gpus`` GPUs of ``gpu_memory_gib`` each."""
+    shape = model_shape(cfg.model.path)
+    pool = cfg.placement.devices or gpus
+    if cfg.placement.devices is None:
+        cfg = cfg.model_copy(update={"placement": cfg.placement.model_copy(update={"devices": pool})})
+    dmap = device_map(cfg, run_roles(cfg), "cuda")
+    plans = {p.role: p for p in estimate(cfg, shape, prompt_tokens=prompt_tokens)}
+    offload = offload_between_phases(cfg, "cuda")
+    lines = [
+        f"model {cfg.model.path}: {shape.params / 1e9:.2f}B parameters, {cfg.model.dtype}, "
+        f"strategy {cfg.strategy.name}, engine {cfg.rollout.engine}",
+        f"{pool} GPUs in the pool, {gpus} available, {gpu_memory_gib:g} GiB each; colocated roles "
+        f"{'offload between phases' if offload else 'stay resident'}",
+        "",
+        "per role, per GPU at its peak:",
+    ]
+    lines += [f"  {p.role:<12} {p.ranks:>3} ranks  {p.gib:8.1f} GiB  ({p.parts})" for p in plans.values()]
+    lines += ["", "per GPU:"]
+    fits = pool <= gpus
+    worst = 0.0
+    for d in range(pool):
+        roles = sorted({r for r, _ in dmap.workers_on(d)})
+        need = [plans[r].gib for r in roles]
+        peak = (max(need) if offload else sum(need)) if need else 0.0
+        worst = max(worst, peak)
+        flag = "" if peak <= 0.9 * gpu_memory_gib else "  <- does not fit"
+        fits &= not flag
+        lines.append(f"  gpu {d}: {peak:8.1f} GiB  {' '.join(roles) or '(unused)'}{flag}")
+    if pool > gpus:
+        lines.append(f"\nthe pool needs {pool} GPUs but only {gpus} are available")
+    verdict = "fits" if fits else "does NOT fit"
+    lines.append(f"\n{verdict}: peak {worst:.1f} GiB on one GPU of {gpu_memory_gib:g} GiB (90% usable)")
+    if not fits:
+        lines.append(
+            "to fit: add GPUs (placement.devices, roles.<role>.devices), shard more (strategy.name=fsdp2 "
+            "or megatron parallel sizes), turn on model.gradient_checkpointing, lower "
+            "optim.micro_batch_size or rollout.generate_batch_size, or train LoRA adapters (strategy.lora)"
+        )
+    return "\n".join(lines), fits
