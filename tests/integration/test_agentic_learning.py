@@ -15,7 +15,7 @@ import pytest
 
 from reroll.runtime.metrics import read_metrics
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long]
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "agentic" / "nim.yaml"
 
 

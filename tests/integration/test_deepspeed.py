@@ -79,7 +79,7 @@ def _assert_same(w_a, w_b):
         # DeepSpeedCPUAdam: its C++ op compiles on first use (minutes), hence slow
         pytest.param(
             ["strategy.deepspeed.zero_stage=2", "strategy.deepspeed.offload_optimizer=true"],
-            marks=pytest.mark.slow,
+            marks=[pytest.mark.slow, pytest.mark.long],
             id="offload_optimizer",
         ),
     ],

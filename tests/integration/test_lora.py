@@ -95,6 +95,7 @@ def test_lora_fsdp2_sync_and_checkpoint(tmp_path, assets):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_lora_grpo_quickstart_learns_and_syncs_only_adapters(tmp_path):
     """Full-weight SFT makes the base model (as a pretrained model would be), then GRPO trains rank-16
     adapters on fsdp2 and syncs only them: held-out accuracy rises, ``sync/bytes`` is the adapters'."""
