@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,26 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     )
     data = write_arithmetic_dataset(root / "data", n_train=400, n_test=64, max_operand=30, ops="+", seed=0)
     return {"model": Path(model), "train": Path(data["train"]), "test": Path(data["test"])}
+
+
+def step_metrics(run_dir: Path, step: int) -> dict[str, float]:
+    """A step's metrics without the measured ones (times, speeds, memory), which differ run to run."""
+    from reroll.runtime.metrics import read_metrics
+
+    [row] = [m for m in read_metrics(run_dir) if m["step"] == step]
+    measured = ("timing/", "engine/")
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.startswith(measured) and not k.endswith(("tokens_per_s", "peak_memory_gb"))
+    }
+
+
+def reroll_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``reroll ARGS`` in a fresh interpreter (its own Ray cluster), output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "reroll.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def write_config(path: Path, assets: dict[str, Path], **sections) -> Path:

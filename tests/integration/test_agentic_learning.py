@@ -6,14 +6,13 @@ whole episodes (8 per seed, reward 1 for a win) has to find the winning rule. Nu
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from reroll.runtime.metrics import read_metrics
+from tests.conftest import reroll_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long]
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "agentic" / "nim.yaml"
@@ -27,12 +26,7 @@ def test_nim_success_rises_by_twenty_points(tmp_path):
         "checkpoint.every=0",
     ]
     start = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "reroll.cli", "train", str(CONFIG), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    out = reroll_cli("train", CONFIG, *overrides, timeout=1200)
     minutes = (time.monotonic() - start) / 60
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done: agentic-nim | held-out accuracy" in out.stdout

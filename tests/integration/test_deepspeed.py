@@ -9,16 +9,13 @@ to lr: all but a handful of elements must agree to 1e-6, none by more than the t
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
 from reroll.strategies import strategy_available
-from tests.conftest import QUICKSTART, write_config
+from tests.conftest import QUICKSTART, reroll_cli, write_config
 
 pytestmark = [
     pytest.mark.integration,
@@ -199,12 +196,7 @@ def test_quickstart_with_deepspeed(tmp_path):
         "eval.every=3",
         "checkpoint.every=3",
     ]
-    out = subprocess.run(
-        [sys.executable, "-m", "reroll.cli", "train", str(QUICKSTART), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = reroll_cli("train", QUICKSTART, *overrides, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "quickstart")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

@@ -3,9 +3,6 @@ the engine the trainer's policy, checkpoints restore the adapter, and a LoRA GRP
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -18,7 +15,7 @@ from reroll.pipelines.common import sft_batch
 from reroll.runtime.metrics import read_metrics
 from reroll.strategies.fsdp2 import FSDP2Strategy
 from reroll.strategies.torch_strategy import TorchStrategy
-from tests.conftest import QUICKSTART, write_config
+from tests.conftest import QUICKSTART, reroll_cli, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -132,10 +129,5 @@ def test_lora_grpo_quickstart_learns_and_syncs_only_adapters(tmp_path):
 
 
 def _train_cli(*overrides: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "reroll.cli", "train", str(QUICKSTART), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    out = reroll_cli("train", QUICKSTART, *overrides, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]

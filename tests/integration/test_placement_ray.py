@@ -3,24 +3,16 @@ give the same numbers, and a pool the cluster cannot hold is refused with the de
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from reroll.runtime.metrics import read_metrics
-from tests.conftest import write_config
+from tests.conftest import reroll_cli, write_config
 
 pytestmark = pytest.mark.integration
 
 
 def _train(path, *overrides):
-    return subprocess.run(
-        [sys.executable, "-m", "reroll.cli", "train", str(path), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return reroll_cli("train", path, *overrides)
 
 
 def test_colocated_and_separate_placement_train_the_same(tmp_path, assets):

