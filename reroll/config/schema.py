@@ -247,7 +247,12 @@ class StrategyConfig(StrictModel):
 class RoleConfig(StrictModel):
     """Where one role's workers run."""
 
-    world_size: int = Field(1, ge=1, description="Number of workers (data-parallel ranks).")
+    world_size: int = Field(
+        1,
+        ge=1,
+        description="Number of workers: data-parallel ranks; with strategy.name=megatron, all ranks "
+        "(tensor_parallel x pipeline_parallel x data-parallel).",
+    )
     num_gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per worker; fractions colocate roles.")
     num_cpus_per_worker: float = Field(0.25, gt=0, description="Ray CPU resource per worker.")
     torch_threads: int | None = Field(

@@ -21,6 +21,8 @@ import contextlib
 import importlib.util
 import logging
 import math
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -163,6 +165,7 @@ class MegatronStrategy:
         self.module: torch.nn.Module | None = None  # the GPTModel
         self.model: torch.nn.Module | None = None  # what forward runs: DDP-wrapped when trainable
         self.optimizer = None
+        self._restore: list[Callable[[], None]] = []  # what reload runs after offload
         self.lr = self.weight_decay = 0.0
         self.warmup = self.steps = 0
         if world_size == 1:
@@ -226,7 +229,8 @@ class MegatronStrategy:
             bf16=dtype == torch.bfloat16,
             calculate_per_token_loss=True,  # data-parallel gradients are summed, not averaged
             use_cpu_initialization=self.device.type == "cpu",
-            perform_initialization=False,  # the checkpoint's weights are loaded next
+            # perform_initialization stays on: besides the random init (overwritten by the checkpoint
+            # next), it marks the TP-split parameters, which the gradient norm needs
             **recompute,
         )
         spec_fn = get_gpt_layer_with_transformer_engine_spec if self.te else get_gpt_layer_local_spec
@@ -234,6 +238,9 @@ class MegatronStrategy:
         self.module = GPTModel(
             config, spec, parallel_output=False, **mc.gpt_model_kwargs(self.shape, self.tp)
         )
+        # Without Apex the local spec's norms are torch.nn.RMSNorm, built on the CPU in fp32 whatever the
+        # config says; Megatron's own training casts the whole module (Float16Module), so do we.
+        self.module.to(device=self.device, dtype=dtype)
         self._load_hf(self.model_path)
         self.module.requires_grad_(self.trainable)
         self.module.train(self.trainable)
@@ -294,6 +301,7 @@ class MegatronStrategy:
         )
         # config_overrides={}: no parameter is exempt from weight decay (Megatron's default exempts 1-D)
         self.optimizer = get_megatron_optimizer(opt, [model], config_overrides={})
+        model.zero_grad_buffer()
         self.lr, self.weight_decay, self.warmup, self.steps = lr, weight_decay, max(warmup_steps, 0), 0
 
     def logits(
@@ -426,26 +434,47 @@ class MegatronStrategy:
     # -- colocation ------------------------------------------------------------------------------
 
     def offload(self) -> None:
-        """Parameters, gradient buffers and optimizer state to CPU."""
-        self._move(to_cpu=True)
+        """Parameters, gradient buffers and optimizer state to CPU, every tensor kept (only its GPU storage
+        is freed): Megatron DDP's grad hooks sit on the parameters and the distributed optimizer's fp32
+        shards are views of DDP's buffers, so moving ``p.data`` would silently detach them."""
+        self._require()
+        if self._restore:
+            return  # already offloaded
+        buffers = list(self.model.buffers) if self.trainable else []  # DDP's contiguous param/grad buffers
+        views = {
+            t.untyped_storage().data_ptr()
+            for b in buffers
+            for t in (b.param_data, b.grad_data)
+            if t is not None
+        }
+        tensors = list(self.module.parameters())
+        for inner in (
+            o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]) if o
+        ):
+            tensors += [p for g in inner.param_groups for p in g["params"]]  # main params (may be views)
+            tensors += [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors if t.is_cuda}
+        restore = [_free_storage(st) for ptr, st in storages.items() if ptr not in views and st.nbytes()]
+        for b in buffers:
+            b.offload_to_cpu(move_params=True, move_grads=True)
+            restore.append(partial(b.reload_from_cpu, move_params=True, move_grads=True))
+        self._restore = restore
+        torch.cuda.empty_cache()
 
     def reload(self) -> None:
-        self._move(to_cpu=False)
+        for bring_back in self._restore:
+            bring_back()
+        self._restore = []
 
-    def _move(self, *, to_cpu: bool) -> None:
-        self._require()
-        buffers = self.model.buffers if self.trainable else []  # Megatron DDP's param/grad buffers
-        in_buffers = {id(p) for b in buffers if b.param_data is not None for p in b.params}
-        for b in buffers:  # their params (distributed optimizer) and grads, keeping the views intact
-            if to_cpu:
-                b.offload_to_cpu(move_params=True, move_grads=True)
-            else:
-                b.reload_from_cpu(move_params=True, move_grads=True)
-        if self.optimizer is not None:
-            self.optimizer.offload_to_cpu() if to_cpu else self.optimizer.restore_from_cpu()
-        target = torch.device("cpu") if to_cpu else self.device
-        for p in self.module.parameters():
-            if id(p) not in in_buffers and p.device != target:
-                p.data = p.data.to(target)
-        if to_cpu and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+
+def _free_storage(storage: torch.UntypedStorage) -> Callable[[], None]:
+    """Copy a GPU storage to CPU and free it in place (its tensors keep their identity); returns the reload."""
+    nbytes = storage.nbytes()
+    saved = torch.UntypedStorage(nbytes).copy_(storage)  # a CPU copy
+    storage.resize_(0)
+
+    def reload() -> None:
+        storage.resize_(nbytes)
+        storage.copy_(saved)
+
+    return reload

@@ -1,0 +1,312 @@
+"""Hugging Face <-> Megatron-Core ``GPTModel`` weights for Qwen2/Qwen2.5, Qwen3 and Llama: pure functions.
+
+Megatron-Core's layout, per decoder layer ``i`` (``decoder.layers.{i}.``):
+
+- ``self_attention.linear_qkv``: q, k and v fused along dim 0 *per query group*: for each of the
+  ``num_kv_heads`` groups, its ``num_heads / num_kv_heads`` query heads, then its key head, then its
+  value head (``head_dim`` rows each). Qwen2 carries a ``.bias`` in the same layout.
+- ``mlp.linear_fc1``: ``gate_proj`` then ``up_proj`` along dim 0 (SwiGLU).
+- ``self_attention.linear_proj`` is ``o_proj``, ``mlp.linear_fc2`` is ``down_proj``; Qwen3's
+  ``q_norm``/``k_norm`` are ``self_attention.q_layernorm``/``k_layernorm``.
+- Layer norms: the local spec has ``input_layernorm`` and ``pre_mlp_layernorm`` modules; the
+  Transformer Engine spec fuses them into the next linear layer as ``linear_qkv.layer_norm_weight``
+  and ``linear_fc1.layer_norm_weight`` (``fused_norms=True``).
+- Tied embeddings have no ``output_layer.weight``; the vocabulary may be padded to a multiple of the
+  tensor-parallel size (padding rows are zero, and are dropped on the way back).
+
+Tensor parallelism splits column-parallel weights (qkv, fc1, embedding, output layer) along dim 0 and
+row-parallel ones (``linear_proj``, ``linear_fc2``) along dim 1; ``linear_fc1`` is split as gate and
+up separately, so rank ``r`` holds ``[gate_r; up_r]``. ``shard``/``merge`` do that for rank ``r`` of ``t``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from reroll.errors import UserError
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """What the conversion and the Megatron-Core config need from a Hugging Face config."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    eps: float
+    rope_theta: float
+    llama3_rope_factor: float | None
+    max_positions: int
+
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary rounded up to a multiple of ``tp`` (Megatron splits it evenly across TP ranks)."""
+        return math.ceil(self.vocab_size / tp) * tp
+
+
+def gpt_shape(hf_config: Any) -> GPTShape:
+    """The ``GPTShape`` of a Qwen2/Qwen2.5, Qwen3 or Llama config; anything else is a ``UserError``."""
+    c = hf_config
+    if c.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(
+            f"strategy.name=megatron converts {', '.join(SUPPORTED_MODEL_TYPES)} models; model.path is a "
+            f"{c.model_type!r} model: use strategy.name=fsdp2 for it"
+        )
+    if getattr(c, "use_sliding_window", False):
+        raise UserError(
+            "strategy.name=megatron does not support sliding-window attention (use_sliding_window)"
+        )
+    if c.model_type == "llama" and (getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)):
+        raise UserError("strategy.name=megatron supports Llama without attention_bias/mlp_bias only")
+    if c.hidden_act != "silu":
+        raise UserError(f"strategy.name=megatron supports SwiGLU (hidden_act silu), not {c.hidden_act!r}")
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    factor = None
+    if rope_type == "llama3":
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        if any(float(rope.get(k, -1)) != v for k, v in fixed.items()):
+            raise UserError(
+                f"llama3 rope scaling other than {fixed} is not supported by Megatron-Core: {rope}"
+            )
+        factor = float(rope["factor"])
+    elif rope_type != "default":
+        raise UserError(f"strategy.name=megatron does not support rope_type {rope_type!r}")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return GPTShape(
+        model_type=c.model_type,
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        ffn_hidden_size=c.intermediate_size,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+        head_dim=head_dim,
+        vocab_size=c.vocab_size,
+        tied=bool(c.tie_word_embeddings),
+        qkv_bias=c.model_type == "qwen2",
+        qk_norm=c.model_type == "qwen3",
+        eps=float(c.rms_norm_eps),
+        rope_theta=float(theta),
+        llama3_rope_factor=factor,
+        max_positions=c.max_position_embeddings,
+    )
+
+
+def _norm_names(i: int, fused_norms: bool) -> tuple[str, str]:
+    """Megatron names of layer ``i``'s pre-attention and pre-MLP norms (local spec or TE's fused ones)."""
+    p = f"decoder.layers.{i}."
+    if fused_norms:
+        return p + "self_attention.linear_qkv.layer_norm_weight", p + "mlp.linear_fc1.layer_norm_weight"
+    return p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"
+
+
+def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    return w if w.shape[0] == rows else torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: GPTShape) -> torch.Tensor:
+    """q ``(H*d, ...)``, k and v ``(G*d, ...)`` -> ``((H + 2G)*d, ...)`` in per-query-group order."""
+    rest = q.shape[1:]
+    q = q.reshape(s.num_kv_heads, (s.num_heads // s.num_kv_heads) * s.head_dim, *rest)
+    k = k.reshape(s.num_kv_heads, s.head_dim, *rest)
+    v = v.reshape(s.num_kv_heads, s.head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(qkv: torch.Tensor, s: GPTShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``_fuse_qkv``."""
+    rest = qkv.shape[1:]
+    per_group = (s.num_heads // s.num_kv_heads) * s.head_dim
+    grouped = qkv.reshape(s.num_kv_heads, per_group + 2 * s.head_dim, *rest)
+    q, k, v = grouped.split([per_group, s.head_dim, s.head_dim], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def hf_to_megatron(
+    hf: dict[str, torch.Tensor], s: GPTShape, *, fused_norms: bool = False, padded_vocab: int | None = None
+) -> dict[str, torch.Tensor]:
+    """A Hugging Face causal-LM state dict -> the unsharded Megatron-Core ``GPTModel`` state dict.
+
+    ``fused_norms`` names the layer norms as the Transformer Engine spec does; ``padded_vocab`` (at
+    least ``s.vocab_size``) appends zero rows to the embedding and output layer."""
+    rows = padded_vocab or s.vocab_size
+    out = {"embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], rows)}
+    for i in range(s.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn_norm, mlp_norm = _norm_names(i, fused_norms)
+        out[attn_norm] = hf[h + "input_layernorm.weight"]
+        out[mlp_norm] = hf[h + "post_attention_layernorm.weight"]
+        a = h + "self_attn."
+        out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(
+            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], s
+        )
+        if s.qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], s
+            )
+        if s.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
+        out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]
+        )
+        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if not s.tied:
+        out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], rows)
+    return out
+
+
+def megatron_to_hf(
+    mc: dict[str, torch.Tensor], s: GPTShape, *, with_tied_head: bool = True
+) -> dict[str, torch.Tensor]:
+    """An unsharded Megatron-Core ``GPTModel`` state dict (either spec) -> Hugging Face names.
+
+    Vocabulary padding is dropped. A tied model gets ``lm_head.weight`` (the embedding) when
+    ``with_tied_head``, as ``PreTrainedModel.state_dict()`` lists it."""
+    fused_norms = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in mc
+    embed = mc["embedding.word_embeddings.weight"][: s.vocab_size]
+    out = {"model.embed_tokens.weight": embed}
+    for i in range(s.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn_norm, mlp_norm = _norm_names(i, fused_norms)
+        out[h + "input_layernorm.weight"] = mc[attn_norm]
+        out[h + "post_attention_layernorm.weight"] = mc[mlp_norm]
+        a = h + "self_attn."
+        q, k, v = _split_qkv(mc[m + "self_attention.linear_qkv.weight"], s)
+        out |= {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v}
+        if s.qkv_bias:
+            q, k, v = _split_qkv(mc[m + "self_attention.linear_qkv.bias"], s)
+            out |= {a + "q_proj.bias": q, a + "k_proj.bias": k, a + "v_proj.bias": v}
+        if s.qk_norm:
+            out[a + "q_norm.weight"] = mc[m + "self_attention.q_layernorm.weight"]
+            out[a + "k_norm.weight"] = mc[m + "self_attention.k_layernorm.weight"]
+        out[a + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
+        gate, up = mc[m + "mlp.linear_fc1.weight"].chunk(2)
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+        out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
+    out["model.norm.weight"] = mc["decoder.final_layernorm.weight"]
+    if not s.tied:
+        out["lm_head.weight"] = mc["output_layer.weight"][: s.vocab_size]
+    elif with_tied_head:
+        out["lm_head.weight"] = embed
+    return out
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dim a Megatron-Core parameter is split along under tensor parallelism (None: replicated)."""
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight")):
+        return 0
+    return 0 if name == "output_layer.weight" else None
+
+
+def _check_tp(s: GPTShape, tp: int) -> None:
+    for what, n in (("num_attention_heads", s.num_heads), ("num_key_value_heads", s.num_kv_heads),
+                    ("intermediate_size", s.ffn_hidden_size)):  # fmt: skip
+        if n % tp:
+            raise UserError(
+                f"strategy.megatron.tensor_parallel ({tp}) must divide the model's {what} ({n}): "
+                "pick a tensor_parallel that does"
+            )
+
+
+def shard(mc: dict[str, torch.Tensor], s: GPTShape, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s share of an unsharded Megatron-Core state dict at tensor-parallel size ``tp``."""
+    _check_tp(s, tp)
+    out = {}
+    for name, w in mc.items():
+        dim = tp_split_dim(name)
+        if dim is None:
+            out[name] = w
+        elif name.endswith("linear_fc1.weight"):
+            gate, up = w.chunk(2)
+            out[name] = torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+        else:
+            if w.shape[dim] % tp:
+                raise UserError(f"{name} has {w.shape[dim]} rows along dim {dim}, not divisible by TP {tp}")
+            out[name] = w.chunk(tp, dim=dim)[rank].clone()
+    return out
+
+
+def merge(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The inverse of ``shard``: the per-rank state dicts of ranks 0..t-1 -> the unsharded one."""
+    out = {}
+    for name, first in shards[0].items():
+        dim = tp_split_dim(name)
+        if dim is None:
+            out[name] = first
+        elif name.endswith("linear_fc1.weight"):
+            halves = [w.chunk(2) for w in (sd[name] for sd in shards)]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        else:
+            out[name] = torch.cat([sd[name] for sd in shards], dim=dim)
+    return out
+
+
+def transformer_config(s: GPTShape, **parallel: Any) -> TransformerConfig:
+    """A Megatron-Core ``TransformerConfig`` for ``s``; ``parallel`` adds fields such as
+    ``tensor_model_parallel_size``, ``params_dtype``, ``bf16`` or ``use_cpu_initialization``.
+
+    Fusions that need Apex or compiled kernels are off and dropout is 0, so the local spec runs
+    anywhere and matches the Hugging Face forward."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=s.num_layers,
+        hidden_size=s.hidden_size,
+        ffn_hidden_size=s.ffn_hidden_size,
+        num_attention_heads=s.num_heads,
+        num_query_groups=s.num_kv_heads,
+        kv_channels=s.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=s.eps,
+        add_bias_linear=False,
+        add_qkv_bias=s.qkv_bias,
+        qk_layernorm=s.qk_norm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **parallel,
+    )
+
+
+def gpt_model_kwargs(s: GPTShape, tp: int) -> dict[str, Any]:
+    """``GPTModel`` keyword arguments besides the config and layer spec: vocabulary, rope, tying."""
+    return {
+        "vocab_size": s.padded_vocab(tp),
+        "max_sequence_length": s.max_positions,
+        "position_embedding_type": "rope",
+        "rotary_base": s.rope_theta,
+        "rope_scaling": s.llama3_rope_factor is not None,
+        "rope_scaling_factor": s.llama3_rope_factor or 8.0,
+        "share_embeddings_and_output_weights": s.tied,
+    }
