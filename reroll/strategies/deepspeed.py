@@ -34,9 +34,10 @@ import torch.distributed as dist
 from deepspeed.runtime import constants as ds_constants
 
 from reroll.errors import UserError
-from reroll.models.loading import load_causal_lm, load_value_model, position_ids_from
+from reroll.models.loading import load_causal_lm, load_value_model
 from reroll.strategies import Head
 from reroll.strategies.memory import peak_memory_gb
+from reroll.strategies.training import forward_logits, warmup_schedule
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -170,12 +171,9 @@ class DeepSpeedStrategy:
 
     def _new_schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         """Linear warm-up to the optimizer's lr over ``warmup`` steps, then constant."""
-        warm = max(self._optim["warmup"], 0)
         for group in optimizer.param_groups:
             group["initial_lr"] = self._optim["lr"]
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
-        )
+        return warmup_schedule(optimizer, self._optim["warmup"])
 
     def configure_optimizer(
         self, *, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int
@@ -202,16 +200,8 @@ class DeepSpeedStrategy:
 
         Right-padded rows pass ``attention_mask``; packed rows pass ``position_ids`` and no mask."""
         device = self.engine.device if self.engine is not None else self.device
-        input_ids = input_ids.to(device)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(device)
-            if position_ids is None:
-                position_ids = position_ids_from(attention_mask)
         forward = self.engine if self.engine is not None else self.model
-        out = forward(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids.to(device)
-        )
-        return out.logits
+        return forward_logits(forward, device, input_ids, attention_mask, position_ids)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate this micro-batch's gradient; ``* world_size`` undoes DeepSpeed's rank average."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from reroll.models.loading import DTYPES, load_causal_lm, load_value_model, position_ids_from
+from reroll.models.loading import DTYPES, load_causal_lm, load_value_model
 from reroll.strategies import Head
 from reroll.strategies.lora import (
     AdapterUpdate,
@@ -38,7 +37,13 @@ from reroll.strategies.lora import (
     merge_lora,
     save_adapter,
 )
-from reroll.strategies.memory import peak_memory_gb
+from reroll.strategies.training import (
+    adamw_with_warmup,
+    adapters_disabled,
+    forward_logits,
+    move_optimizer_state,
+    optimizer_step,
+)
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -139,10 +144,8 @@ class FSDP2Strategy:
     ) -> None:
         """A fresh AdamW over this rank's shards of the trainable parameters; linear warm-up, then constant."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
-        warm = max(warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
+        self.optimizer, self.scheduler = adamw_with_warmup(
+            params, lr=lr, betas=betas, weight_decay=weight_decay, warmup_steps=warmup_steps
         )
 
     def logits(
@@ -152,23 +155,11 @@ class FSDP2Strategy:
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``(B, T, V)`` logits or a critic's ``(B, T, 1)``; a collective: every rank calls it equally often."""
-        input_ids = input_ids.to(self.device)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.device)
-            if position_ids is None:
-                position_ids = position_ids_from(attention_mask)
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids.to(self.device)
-        )
-        return out.logits
+        return forward_logits(self.model, self.device, input_ids, attention_mask, position_ids)
 
-    @contextlib.contextmanager
-    def adapters_disabled(self) -> Iterator[None]:
+    def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
         """The base model inside: forward passes skip the LoRA adapters (the reference policy)."""
-        if self.lora is None:
-            raise RuntimeError("adapters_disabled needs strategy.lora")
-        with self.model.disable_adapter():
-            yield
+        return adapters_disabled(self.model, self.lora)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -183,13 +174,7 @@ class FSDP2Strategy:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        lr = self.scheduler.get_last_lr()[0]
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"gradient norm is {float(grad_norm)}: stopping before the update")
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm), "lr": float(lr), "peak_memory_gb": peak_memory_gb(self.device)}
+        return optimizer_step(self.optimizer, self.scheduler, grad_norm, self.device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight, unsharded, on CPU, in Hugging Face names (LoRA: merged into the base weights).
@@ -219,11 +204,7 @@ class FSDP2Strategy:
 
     def _move(self, device: torch.device) -> None:
         self.model.to(device)
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor) and k != "step":
-                        state[k] = v.to(device)
+        move_optimizer_state(self.optimizer, device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """``model/`` (Hugging Face, rank 0), ``adapter/`` with LoRA (rank 0), this rank's optimizer shard.

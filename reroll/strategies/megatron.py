@@ -34,6 +34,7 @@ from reroll.errors import UserError
 from reroll.models import megatron_convert as mc
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
+from reroll.strategies.training import warmup_factor
 
 if TYPE_CHECKING:
     from reroll.config.schema import MegatronConfig, RunConfig
@@ -351,7 +352,7 @@ class MegatronStrategy:
         if self.optimizer is None:
             raise RuntimeError("MegatronStrategy.step: configure_optimizer first")
         finalize_model_grads([self.model])  # DP sum; sequence-parallel norm grads over TP
-        lr = self.lr * (min(1.0, (self.steps + 1) / self.warmup) if self.warmup else 1.0)
+        lr = self.lr * warmup_factor(self.steps, self.warmup)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)

@@ -8,14 +8,13 @@ ranks), so summing gradients over ranks gives exactly the full-batch gradient. R
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from reroll.models.loading import load_causal_lm, load_value_model, position_ids_from
+from reroll.models.loading import load_causal_lm, load_value_model
 from reroll.strategies import Head
 from reroll.strategies.lora import (
     AdapterUpdate,
@@ -27,7 +26,13 @@ from reroll.strategies.lora import (
     merge_lora,
     save_adapter,
 )
-from reroll.strategies.memory import peak_memory_gb
+from reroll.strategies.training import (
+    adamw_with_warmup,
+    adapters_disabled,
+    forward_logits,
+    move_optimizer_state,
+    optimizer_step,
+)
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -85,10 +90,8 @@ class TorchStrategy:
     ) -> None:
         """A fresh AdamW with linear warm-up to ``lr`` then constant (called again when a phase changes lr)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
-        warm = max(warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
+        self.optimizer, self.scheduler = adamw_with_warmup(
+            params, lr=lr, betas=betas, weight_decay=weight_decay, warmup_steps=warmup_steps
         )
 
     def logits(
@@ -100,23 +103,11 @@ class TorchStrategy:
         """What the model's forward gives: ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``.
 
         Right-padded rows pass ``attention_mask``; packed rows pass ``position_ids`` and no mask."""
-        input_ids = input_ids.to(self.device)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.device)
-            if position_ids is None:
-                position_ids = position_ids_from(attention_mask)
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids.to(self.device)
-        )
-        return out.logits
+        return forward_logits(self.model, self.device, input_ids, attention_mask, position_ids)
 
-    @contextlib.contextmanager
-    def adapters_disabled(self) -> Iterator[None]:
+    def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
         """The base model inside: forward passes skip the LoRA adapters (the reference policy)."""
-        if self.lora is None:
-            raise RuntimeError("adapters_disabled needs strategy.lora")
-        with self.model.disable_adapter():
-            yield
+        return adapters_disabled(self.model, self.lora)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -131,13 +122,7 @@ class TorchStrategy:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        lr = self.scheduler.get_last_lr()[0]
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"gradient norm is {float(grad_norm)}: stopping before the update")
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm), "lr": float(lr), "peak_memory_gb": peak_memory_gb(self.device)}
+        return optimizer_step(self.optimizer, self.scheduler, grad_norm, self.device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, unsharded, on CPU, in Hugging Face names (for weight sync and export); with
@@ -162,11 +147,7 @@ class TorchStrategy:
 
     def _move(self, device: torch.device) -> None:
         self.model.to(device)
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor):
-                        state[k] = v.to(device)
+        move_optimizer_state(self.optimizer, device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """Hugging Face weights into ``directory/model`` (rank 0; merged with LoRA, plus the adapter in
