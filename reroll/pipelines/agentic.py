@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from reroll.algorithms.aggregation import count_tokens_and_seqs
 from reroll.algorithms.objective import AdvantageResult, AdvantageState, compute_advantages
 from reroll.config.schema import RunConfig
 from reroll.data.types import SamplingParams, TrainBatch
@@ -31,10 +30,16 @@ from reroll.envs.registry import make_env
 from reroll.envs.trajectory import TrajectoryBuilder
 from reroll.errors import RoleError
 from reroll.models.loading import load_tokenizer
-from reroll.pipelines.common import Roles, RunResult, open_metrics, open_run_dir, save_checkpoint
+from reroll.pipelines.common import (
+    Roles,
+    RunResult,
+    open_metrics,
+    open_run_dir,
+    save_checkpoint,
+    sync_weights,
+    train_mini_batches,
+)
 from reroll.roles.env import EnvGroup, Episode, episode_batch, run_episodes
-from reroll.roles.rollout import weight_buckets
-from reroll.roles.strategy_worker import mean_metrics
 from reroll.runtime import checkpoint
 from reroll.runtime.console import step_line
 from reroll.runtime.timing import PhaseTimer
@@ -78,10 +83,10 @@ def run_agentic(cfg: RunConfig, *, resume: bool = False) -> RunResult:
                 state = adv.state
                 metrics |= {k: float(v) for k, v in adv.metrics.items()}
                 with timer("train"):
-                    metrics |= _train(cfg, batch.select(adv.keep), step, roles)
+                    metrics |= train_mini_batches(cfg, batch.select(adv.keep), step, roles.actor.train_rl)
             else:
                 metrics["train/skipped"] = 1.0
-            _sync_weights(roles, timer)
+            sync_weights(cfg, roles, timer)
             metrics |= roles.rollout.metrics()
             if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.total_steps:
                 with timer("evaluate"):
@@ -178,31 +183,6 @@ def _advantages(
     return batch, adv
 
 
-def _train(cfg: RunConfig, batch: TrainBatch, step: int, roles: Roles) -> dict[str, float]:
-    """``ppo_epochs`` passes of ``mini_batches`` optimizer steps, each normalised by its own counts."""
-    g = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
-    parts = []
-    for _ in range(cfg.optim.ppo_epochs):
-        order = (
-            torch.randperm(len(batch), generator=g)
-            if cfg.optim.mini_batches > 1
-            else torch.arange(len(batch))
-        )
-        for idx in order.chunk(cfg.optim.mini_batches):
-            mini = batch.select(idx)
-            tokens, seqs = count_tokens_and_seqs(mini.response_mask)
-            parts.append(roles.actor.train_rl(replace(mini, num_tokens=float(tokens), num_seqs=float(seqs))))
-    return mean_metrics(parts)
-
-
-def _sync_weights(roles: Roles, timer: PhaseTimer) -> None:
-    roles.use("actor_train")
-    with timer("weight_sync"):
-        buckets = weight_buckets(roles.actor, roles.rollout.bucket_mb)
-        roles.use("actor_infer")
-        roles.rollout.load_weight_buckets(buckets)
-
-
 def _evaluate(cfg: RunConfig, play) -> dict[str, float]:
     """Greedy episodes on the held-out seeds: ``eval/success`` (also as ``eval/accuracy``) and friends."""
     assert cfg.agentic is not None
@@ -261,7 +241,7 @@ def _restore_or_warm_start(
         if resume_from is None:
             roles.actor.save(ref_dir, with_optimizer=False)
         roles.reference.load(ref_dir)
-    _sync_weights(roles, PhaseTimer())
+    sync_weights(cfg, roles, PhaseTimer())
     return start, state
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from reroll.algorithms.aggregation import count_tokens_and_seqs
 from reroll.config.loader import dump_config
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import DomainSampler, PromptSampler, load_samples
@@ -22,12 +23,14 @@ from reroll.rewards import routing
 from reroll.rewards.base import RewardResult
 from reroll.roles.critic import CriticGroup
 from reroll.roles.reward import RewardGroup
-from reroll.roles.rollout import RolloutGroup
+from reroll.roles.rollout import RolloutGroup, weight_buckets
+from reroll.roles.strategy_worker import mean_metrics
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime import checkpoint
 from reroll.runtime.actors import start_ray
 from reroll.runtime.metrics import MetricsLogger
 from reroll.runtime.placement import Colocation, ResourceManager, offload_between_phases
+from reroll.runtime.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
 
@@ -306,3 +309,45 @@ def save_checkpoint(
     final = checkpoint.commit(partial, {"step": step, **state})
     checkpoint.prune(cfg.run_dir, cfg.checkpoint.keep_last)
     return final
+
+
+def sync_weights(cfg: RunConfig, roles: Roles, timer: PhaseTimer) -> float:
+    """actor_train's weights into actor_infer (gathered while the trainer holds its device), or only the
+    LoRA adapters where ``strategy.lora.sync`` is 'adapters'. Returns the bytes sent (``sync/bytes``)."""
+    roles.use("actor_train")
+    with timer("weight_sync"):
+        if cfg.strategy.lora is not None and cfg.strategy.lora.sync == "adapters":
+            update = roles.actor.adapter_update()
+            roles.use("actor_infer")
+            roles.rollout.update_lora(update.tensors, update.config)
+        else:
+            buckets = weight_buckets(roles.actor, cfg.rollout.weight_sync_bucket_mb)
+            roles.use("actor_infer")
+            roles.rollout.load_weight_buckets(buckets)
+    return float(roles.actor.sent_bytes())
+
+
+def train_mini_batches(
+    cfg: RunConfig, batch: TrainBatch, step: int, update: Callable[[TrainBatch], dict[str, float]]
+) -> dict[str, float]:
+    """``ppo_epochs`` passes of ``mini_batches`` calls of ``update`` (one optimizer step each), metrics averaged.
+
+    Each mini-batch is normalised by its own counts. The order depends on the step only, so the actor
+    and the critic see the same mini-batches.
+    """
+    if len(batch) == 0:
+        return {"train/skipped": 1.0}
+    g = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
+    parts = []
+    for _ in range(cfg.optim.ppo_epochs):
+        order = (
+            torch.randperm(len(batch), generator=g)
+            if cfg.optim.mini_batches > 1
+            else torch.arange(len(batch))
+        )
+        for idx in order.chunk(cfg.optim.mini_batches):
+            mini = batch.select(idx)
+            tokens, seqs = count_tokens_and_seqs(mini.response_mask)
+            mini = replace(mini, num_tokens=float(tokens), num_seqs=float(seqs))
+            parts.append(update(mini))
+    return mean_metrics(parts)

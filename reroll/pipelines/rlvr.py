@@ -10,18 +10,16 @@ phase is timed. An optional SFT warm start runs first on the same actor_train ro
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from reroll.algorithms.aggregation import count_tokens_and_seqs
 from reroll.algorithms.objective import AdvantageState, compute_advantages
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import DomainSampler, PromptSampler
-from reroll.data.types import Rollout, Sample, SamplingParams, TrainBatch, build_train_batch
+from reroll.data.types import Rollout, Sample, SamplingParams, build_train_batch
 from reroll.errors import RoleError
 from reroll.models.loading import load_tokenizer, mismatch_metrics
 from reroll.pipelines.common import (
@@ -36,10 +34,10 @@ from reroll.pipelines.common import (
     prompt_sampler,
     run_sft_steps,
     save_checkpoint,
+    sync_weights,
+    train_mini_batches,
 )
 from reroll.rewards import routing
-from reroll.roles.rollout import weight_buckets
-from reroll.roles.strategy_worker import mean_metrics
 from reroll.runtime import checkpoint
 from reroll.runtime.console import sample_line, step_line
 from reroll.runtime.timing import PhaseTimer
@@ -128,12 +126,12 @@ def run_rlvr(cfg: RunConfig, *, resume: bool = False) -> RunResult:
                 kept = batch.select(adv.keep)
             roles.use("actor_train")
             with timer("train"):
-                train_metrics = _train(cfg, kept, step, roles.actor.train_rl)
+                train_metrics = train_mini_batches(cfg, kept, step, roles.actor.train_rl)
             if roles.critic is not None:
                 roles.use("critic")
                 with timer("critic"):
-                    train_metrics |= _train(cfg, kept, step, roles.critic.train)
-            sync_bytes = _sync_weights(cfg, roles, timer)
+                    train_metrics |= train_mini_batches(cfg, kept, step, roles.critic.train)
+            sync_bytes = sync_weights(cfg, roles, timer)
             metrics = {
                 "sync/bytes": sync_bytes,
                 **_rollout_metrics(rollouts, results, batch),
@@ -199,24 +197,8 @@ def _restore_or_warm_start(
         if resume_from is None:
             roles.actor.save(ref_dir, with_optimizer=False)
         roles.reference.load(ref_dir)
-    _sync_weights(cfg, roles, PhaseTimer())
+    sync_weights(cfg, roles, PhaseTimer())
     return start, state
-
-
-def _sync_weights(cfg: RunConfig, roles: Roles, timer: PhaseTimer) -> float:
-    """actor_train's weights into actor_infer (gathered while the trainer holds its device), or only the
-    LoRA adapters where ``strategy.lora.sync`` is 'adapters'. Returns the bytes sent (``sync/bytes``)."""
-    roles.use("actor_train")
-    with timer("weight_sync"):
-        if cfg.strategy.lora is not None and cfg.strategy.lora.sync == "adapters":
-            update = roles.actor.adapter_update()
-            roles.use("actor_infer")
-            roles.rollout.update_lora(update.tensors, update.config)
-        else:
-            buckets = weight_buckets(roles.actor, cfg.rollout.weight_sync_bucket_mb)
-            roles.use("actor_infer")
-            roles.rollout.load_weight_buckets(buckets)
-    return float(roles.actor.sent_bytes())
 
 
 def _needs_old_logprobs(cfg: RunConfig) -> bool:
@@ -258,32 +240,6 @@ def _sampling(cfg: RunConfig, seed: int | None) -> SamplingParams:
         stop=tuple(r.stop),
         seed=seed,
     )
-
-
-def _train(
-    cfg: RunConfig, batch: TrainBatch, step: int, update: Callable[[TrainBatch], dict[str, float]]
-) -> dict[str, float]:
-    """``ppo_epochs`` passes of ``mini_batches`` calls of ``update`` (one optimizer step each), metrics averaged.
-
-    Each mini-batch is normalised by its own counts. The order depends on the step only, so the actor
-    and the critic see the same mini-batches.
-    """
-    if len(batch) == 0:
-        return {"train/skipped": 1.0}
-    g = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
-    parts = []
-    for _ in range(cfg.optim.ppo_epochs):
-        order = (
-            torch.randperm(len(batch), generator=g)
-            if cfg.optim.mini_batches > 1
-            else torch.arange(len(batch))
-        )
-        for idx in order.chunk(cfg.optim.mini_batches):
-            mini = batch.select(idx)
-            tokens, seqs = count_tokens_and_seqs(mini.response_mask)
-            mini = replace(mini, num_tokens=float(tokens), num_seqs=float(seqs))
-            parts.append(update(mini))
-    return mean_metrics(parts)
 
 
 def _rollout_metrics(rollouts: list[Rollout], results: list, batch) -> dict[str, float]:
