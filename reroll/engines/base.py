@@ -72,12 +72,17 @@ class Engine(Protocol):
 
 def engine_call(method: F) -> F:
     """Guards an engine's ``generate``/``score``: clears the abort flag (an ``abort()`` between calls
-    cancels nothing), and raises if the engine is asleep or holds no weights (``self._not_ready()``)."""
+    cancels nothing), and raises if the engine is asleep (``self._asleep``: the sleep level, or None) or
+    woke from ``sleep(2)`` without weights (``self._missing_weights``)."""
 
     @functools.wraps(method)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         self._abort.clear()
-        problem = self._not_ready()
+        problem = None
+        if self._asleep is not None:
+            problem = f"the engine is asleep (level {self._asleep}); call wake_up() first"
+        elif self._missing_weights:
+            problem = "the engine woke from sleep(level=2) without weights; load them (update_weights) first"
         if problem is not None:
             raise RuntimeError(f"{type(self).__name__}.{method.__name__}: {problem}")
         return method(self, *args, **kwargs)

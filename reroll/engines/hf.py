@@ -204,13 +204,6 @@ class HFEngine:
         """Stop an in-flight ``generate`` at its next decoding step; it raises ``EngineAborted``."""
         self._abort.set()
 
-    def _not_ready(self) -> str | None:
-        if self._asleep is not None:
-            return f"the engine is asleep (level {self._asleep}); call wake_up() first"
-        if self._missing_weights:
-            return "the engine woke from sleep(level=2) without weights; load them (update_weights) first"
-        return None
-
     @engine_call
     @torch.no_grad()
     def score(

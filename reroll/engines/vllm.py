@@ -234,13 +234,6 @@ class VLLMEngine:
         """Stop an in-flight ``generate`` at its next engine step; it raises ``EngineAborted``."""
         self._abort.set()
 
-    def _not_ready(self) -> str | None:
-        if self._asleep is not None:
-            return f"the engine is asleep (level {self._asleep}); call wake_up() first"
-        if self._missing_weights:
-            return "the engine woke from sleep(level=2) without weights; load them (update_weights) first"
-        return None
-
     def metrics(self) -> dict[str, float]:
         """Tokens/s, requests and peak running/waiting requests and KV-cache usage since the last call."""
         out = self._stats.take(self._tokens, self._seconds) | {"engine/requests": float(self._requests)}
