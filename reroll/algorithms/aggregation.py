@@ -30,8 +30,13 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return masked_sum(values, mask, dim) / count.clamp(min=1)
 
 
-def masked_var(values: Tensor, mask: Tensor, *, unbiased: bool = False) -> Tensor:
-    """Variance of values[mask] (divides by n, or n - 1 when ``unbiased``); 0 for fewer than 2 values."""
+def masked_var(values: Tensor, mask: Tensor, *, unbiased: bool = True) -> Tensor:
+    """sum_{mask} (x - mean)^2 / (n - 1), n = |mask| (Bessel); 0 when n < 2. values, mask: (B, T) -> ().
+
+    Unbiased like every std in reroll (``group_std``, the GRPO batch std, whitening, the reward
+    normalisations): one valid value has variance 0, never NaN. ``unbiased=False`` divides by n
+    instead, for the population variance that ``update_running_mean_std`` merges.
+    """
     mean = masked_mean(values, mask)
     count = mask.sum()
     denom = (count - 1) if unbiased else count
@@ -40,7 +45,13 @@ def masked_var(values: Tensor, mask: Tensor, *, unbiased: bool = False) -> Tenso
 
 
 def masked_whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean: bool = True) -> Tensor:
-    """(x - mean) / sqrt(var + eps) with mean, var over x[mask]; (B, T) -> (B, T), zero outside the mask."""
+    """(x - mean) / sqrt(var + eps), mean and unbiased var over x[mask]: (B, T) -> (B, T), 0 outside the mask.
+
+    The var divides by n - 1 (``masked_var``), so the whitened values have unbiased std 1 over the
+    mask (up to eps), as with verl's ``masked_whiten``. A single valid value has var 0 (as
+    ``group_std`` gives std 0 to a group of one) and whitens to 0, not NaN; verl raises instead.
+    ``shift_mean=False`` adds the mean back (a single value then stays itself).
+    """
     mean = masked_mean(values, mask)
     whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + eps)
     if not shift_mean:
@@ -49,7 +60,11 @@ def masked_whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean
 
 
 def masked_stats(values: Tensor, mask: Tensor, *, prefix: str) -> dict[str, Tensor]:
-    """``{prefix}/mean``, ``/std`` (biased), ``/max``, ``/min`` of values[mask], as metrics; zeros if empty."""
+    """``{prefix}/mean``, ``/std``, ``/max``, ``/min`` of values[mask], as metrics; zeros if empty.
+
+    ``/std`` is unbiased (n - 1; 0 for one value), like the stds the algorithms divide by, so
+    whitened (unclipped) advantages report ``adv/std`` 1 up to eps.
+    """
     any_valid = mask.any()
     big = torch.finfo(values.dtype).max
     return {

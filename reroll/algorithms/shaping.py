@@ -22,7 +22,8 @@ RewardNorm = Literal["none", "group", "batch", "running"]
 
 @dataclass(frozen=True)
 class RunningMeanStd:
-    """Mean, (biased) variance and count of every reward seen so far; scalars."""
+    """Mean, population variance (divided by n, what Chan's merge needs) and count of every reward seen
+    so far; scalars. ``running_normalize`` turns the variance into the unbiased std."""
 
     mean: Tensor
     var: Tensor
@@ -41,7 +42,7 @@ def update_running_mean_std(
     valid = torch.ones_like(values, dtype=torch.bool) if valid is None else valid
     values = values.to(torch.float64)
     n = valid.sum().to(torch.float64)
-    batch_mean, batch_var = masked_mean(values, valid), masked_var(values, valid)
+    batch_mean, batch_var = masked_mean(values, valid), masked_var(values, valid, unbiased=False)
     mean, var, count = (t.to(values.device) for t in (stats.mean, stats.var, stats.count))
     total = count + n
     delta = batch_mean - mean
@@ -68,9 +69,15 @@ def batch_normalize(rewards: Tensor, valid: Tensor, *, eps: float = 1e-6) -> Ten
 def running_normalize(
     rewards: Tensor, valid: Tensor, stats: RunningMeanStd, *, eps: float = 1e-6
 ) -> tuple[Tensor, RunningMeanStd]:
-    """(r_i - mu) / (sigma + eps), mu and sigma over all rewards so far, this batch included: (B,) -> (B,)."""
+    """(r_i - mu) / (sigma + eps), mu and sigma over all rewards so far, this batch included: (B,) -> (B,).
+
+    sigma is the unbiased std, sqrt(var * n / (n - 1)); 0 after a single reward (whose stored var
+    is 0); before any reward, the prior ``RunningMeanStd.initial`` var of 1.
+    """
     stats = update_running_mean_std(stats, rewards, valid)
-    normed = (rewards - stats.mean.to(rewards.dtype)) / (torch.sqrt(stats.var).to(rewards.dtype) + eps)
+    n = stats.count
+    var = torch.where(n > 1, stats.var * n / (n - 1).clamp(min=1), stats.var)
+    normed = (rewards - stats.mean.to(rewards.dtype)) / (torch.sqrt(var).to(rewards.dtype) + eps)
     return normed, stats
 
 

@@ -116,37 +116,39 @@ def test_gae_skips_tokens_outside_the_mask():
 
 def test_reinforce_pp_whitens_returns_over_the_batch():
     # rewards 1 and 0 on the last token, gamma 0.5: returns [[0.5, 1], [0, 0]]
-    # mean 0.375, biased var (0.015625 + 0.390625 + 2 * 0.140625) / 4 = 0.171875
+    # mean 0.375, unbiased var (0.015625 + 0.390625 + 2 * 0.140625) / (4 - 1) = 0.6875 / 3 = 11/48
     token_rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
     mask = torch.ones(2, 2, dtype=torch.bool)
     advantages, returns = reinforce_pp_advantages(token_rewards, mask, gamma=0.5)
     assert_close(returns, torch.tensor([[0.5, 1.0], [0.0, 0.0]]))
-    expected = (returns - 0.375) / math.sqrt(0.171875 + 1e-8)
+    expected = (returns - 0.375) / math.sqrt(11 / 48 + 1e-8)
     assert_close(advantages, expected)
 
 
 def test_reinforce_pp_baseline_subtracts_group_mean_then_whitens():
     # one group [1, 0]: centred [0.5, -0.5] on the last token; KL penalty -0.1 on every token
     # returns (gamma 1): [[0.5 - 0.2, 0.5 - 0.1], [-0.5 - 0.2, -0.5 - 0.1]] = [[0.3, 0.4], [-0.7, -0.6]]
-    # mean -0.15, biased var (0.2025 + 0.3025 + 0.3025 + 0.2025) / 4 = 0.2525
+    # mean -0.15, unbiased var (0.2025 + 0.3025 + 0.3025 + 0.2025) / (4 - 1) = 1.01 / 3
     mask = torch.ones(2, 2, dtype=torch.bool)
     penalty = torch.full((2, 2), -0.1)
     advantages, returns = reinforce_pp_baseline_advantages(
         torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask, token_penalty=penalty
     )
     assert_close(returns, torch.tensor([[0.3, 0.4], [-0.7, -0.6]]))
-    assert_close(advantages, (returns + 0.15) / math.sqrt(0.2525 + 1e-8))
+    assert_close(advantages, (returns + 0.15) / math.sqrt(1.01 / 3 + 1e-8))
 
 
 def test_step_returns_hand_computed():
     # two turns with an environment token between them; turn rewards [1, 2], gamma 0.9
     # G_1 = 2, G_0 = 1 + 0.9 * 2 = 2.8; tokens [2.8, 2.8, -, 2, 2, -]
-    # whitened over 4 tokens: mean 2.4, var 0.16, std 0.4 -> [1, 1, 0, -1, -1, 0]
+    # whitened over 4 tokens: mean 2.4, deviations +-0.4, unbiased var 4 * 0.16 / 3 = 0.64 / 3,
+    # std 0.4 * sqrt(4/3) -> +-0.4 / (0.4 * sqrt(4/3)) = +-sqrt(3)/2 -> [h, h, 0, -h, -h, 0]
     step_ids = torch.tensor([[0, 0, -1, 1, 1, -1]])
     mask = step_ids >= 0
     advantages, returns = step_return_advantages(torch.tensor([[1.0, 2.0]]), step_ids, mask, gamma=0.9)
     assert_close(returns, torch.tensor([[2.8, 2.8, 0.0, 2.0, 2.0, 0.0]]))
-    assert_close(advantages, torch.tensor([[1.0, 1.0, 0.0, -1.0, -1.0, 0.0]]), atol=1e-5, rtol=1e-5)
+    h = math.sqrt(3) / 2
+    assert_close(advantages, torch.tensor([[h, h, 0.0, -h, -h, 0.0]]), atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- properties
@@ -303,6 +305,26 @@ def test_compute_advantages_reinforce_pp_kl_in_reward():
     assert_close(result.token_rewards, torch.tensor([[-0.05, 0.95], [-0.05, -0.05]]))
     assert_close(result.returns, torch.tensor([[0.9, 0.95], [-0.1, -0.05]]))
     assert_close(result.metrics["kl/reward_kl"], torch.tensor(0.5))
+
+
+def test_compute_advantages_remax_kl_in_reward_charges_every_token_the_whole_kl():
+    # beta 0.1, k1 KL = logprobs - ref = [0.5, 0.2] on each response: sum 0.7, penalty 0.07
+    # score s_i = r_i - 0.07; greedy baseline b = 0.5 (no KL term): A_it = s_i - b on every token
+    # sample 0: 1 - 0.07 - 0.5 = 0.43; sample 1: 0 - 0.07 - 0.5 = -0.57
+    # (verl's remax is the reward-to-go minus b: token 0 of sample 0 gets 0.43, token 1 gets 1 - 0.02 - 0.5 = 0.48)
+    cfg = AlgorithmConfig(adv_estimator="remax", kl_coef=0.1, kl_estimator="k1", kl_in="reward")
+    logprobs = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.2], [-1.5, -1.2]])
+    result = compute_advantages(
+        cfg,
+        rewards=torch.tensor([1.0, 0.0]),
+        group_ids=torch.tensor([0, 1]),
+        response_mask=torch.ones(2, 2, dtype=torch.bool),
+        logprobs=logprobs,
+        ref_logprobs=ref,
+        baseline_rewards=torch.tensor([0.5, 0.5]),
+    )
+    assert_close(result.advantages, torch.tensor([[0.43, 0.43], [-0.57, -0.57]]))
 
 
 def test_compute_advantages_gae_needs_values_and_remax_needs_baseline():

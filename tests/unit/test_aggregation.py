@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -12,8 +14,11 @@ from reroll.algorithms import (
     aggregate,
     count_tokens_and_seqs,
     group_std,
+    grpo_advantages,
+    masked_var,
     masked_whiten,
 )
+from reroll.algorithms.aggregation import masked_stats
 from reroll.config.algorithm import AlgorithmConfig
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -173,7 +178,7 @@ def test_whiten_and_group_std_equal_loop(seed):
     values = torch.randn(*mask.shape, generator=gen)
     picked = [float(values[i, t]) for i in range(8) for t in range(6) if mask[i, t]]
     mean = sum(picked) / len(picked)
-    std = (sum((v - mean) ** 2 for v in picked) / len(picked) + 1e-8) ** 0.5
+    std = (sum((v - mean) ** 2 for v in picked) / (len(picked) - 1) + 1e-8) ** 0.5  # unbiased
     expected = torch.where(mask, (values - mean) / std, 0.0)
     assert_close(masked_whiten(values, mask), expected)
     rewards, groups = values[:, 0], torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
@@ -182,3 +187,65 @@ def test_whiten_and_group_std_equal_loop(seed):
         m = sum(members) / len(members)
         s = (sum((x - m) ** 2 for x in members) / (len(members) - 1)) ** 0.5
         assert_close(group_std(rewards, groups)[i], torch.tensor(s))
+
+
+# ---------------------------------------------------------------- whitening: unbiased (n - 1), n = 1 rule
+
+
+def test_whiten_hand_computed_all_valid():
+    # [1, 2, 3, 4]: mean 2.5, deviations [-1.5, -0.5, 0.5, 1.5]
+    # unbiased var (2.25 + 0.25 + 0.25 + 2.25) / (4 - 1) = 5/3 (the biased 5/4 is what we no longer use)
+    # -> [-1.5, -0.5, 0.5, 1.5] / sqrt(5/3 + 1e-8) ~ [-1.16190, -0.38730, 0.38730, 1.16190]
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    assert_close(masked_var(values, mask), torch.tensor(5 / 3))
+    assert_close(masked_var(values, mask, unbiased=False), torch.tensor(5 / 4))
+    expected = torch.tensor([[-1.5, -0.5], [0.5, 1.5]]) / math.sqrt(5 / 3 + 1e-8)
+    assert_close(masked_whiten(values, mask), expected)
+    # shift_mean=False adds the mean 2.5 back
+    assert_close(masked_whiten(values, mask, shift_mean=False), expected + 2.5)
+
+
+def test_whiten_hand_computed_masked():
+    # valid [1, 2, 4] (NaN and 9 outside the mask are never read): mean 7/3, deviations [-4/3, -1/3, 5/3]
+    # unbiased var (16/9 + 1/9 + 25/9) / (3 - 1) = (42/9) / 2 = 7/3 -> divide by sqrt(7/3 + 1e-8)
+    values = torch.tensor([[1.0, 2.0, float("nan")], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert_close(masked_var(values, mask), torch.tensor(7 / 3))
+    std = math.sqrt(7 / 3 + 1e-8)
+    expected = torch.tensor([[-4 / 3 / std, -1 / 3 / std, 0.0], [5 / 3 / std, 0.0, 0.0]])
+    assert_close(masked_whiten(values, mask), expected)
+    # the std metric is unbiased too: sqrt(7/3)
+    assert_close(masked_stats(values, mask, prefix="adv")["adv/std"], torch.tensor(math.sqrt(7 / 3)))
+
+
+def test_whiten_single_valid_value_gives_zero_not_nan():
+    # n = 1: sum of squares 0 over n - 1 = 0 would be 0/0; the rule is var 0 (group_std's rule for a group
+    # of one), and the value minus its own mean is exactly 0, so it whitens to 0 (0 * rsqrt(1e-8) = 0)
+    values = torch.tensor([[3.0, 7.0], [5.0, 1.0]])
+    one = torch.tensor([[False, True], [False, False]])
+    assert_close(masked_var(values, one), torch.tensor(0.0))
+    assert_close(masked_whiten(values, one), torch.zeros(2, 2))
+    assert_close(masked_whiten(values, one, shift_mean=False), torch.tensor([[0.0, 7.0], [0.0, 0.0]]))
+    assert_close(masked_stats(values, one, prefix="adv")["adv/std"], torch.tensor(0.0))
+    # the same rule in the group statistics: a group of one has std 0 and GRPO advantage 0
+    rewards, groups = torch.tensor([7.0, 1.0, 2.0]), torch.tensor([0, 1, 1])
+    assert_close(group_std(rewards, groups)[0], torch.tensor(0.0))
+    assert_close(grpo_advantages(rewards, groups)[0], torch.tensor(0.0))
+    # and an empty mask gives zeros as well
+    none = torch.zeros(2, 2, dtype=torch.bool)
+    assert_close(masked_whiten(values, none), torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_whitened_values_have_mean_zero_and_unbiased_std_one_over_the_mask(seed):
+    gen, mask = _random_step(seed)
+    values = 3.0 + 2.0 * torch.randn(*mask.shape, generator=gen)
+    values = torch.where(mask, values, float("nan"))  # padding must not leak
+    white = masked_whiten(values, mask)
+    picked = white[mask]
+    assert_close(picked.mean(), torch.tensor(0.0))
+    assert_close(picked.std(), torch.tensor(1.0))  # torch.std divides by n - 1
+    assert_close(masked_var(values, mask), values[mask].var())
+    assert_close(masked_stats(white, mask, prefix="adv")["adv/std"], torch.tensor(1.0))
+    assert torch.equal(white[~mask], torch.zeros_like(white[~mask]))

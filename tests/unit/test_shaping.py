@@ -73,14 +73,26 @@ def test_normalisation_modes():
 
 
 def test_running_normalisation_carries_state():
-    # first batch [1, 3]: mean 2, biased var 1 -> [-1, 1]; second batch [5]: all of [1, 3, 5] -> mean 3, var 8/3
+    # first batch [1, 3]: mean 2, unbiased var (1 + 1) / (2 - 1) = 2 -> [-1/sqrt2, 1/sqrt2]
+    # (the stats keep the population var (1 + 1) / 2 = 1 for the merge)
     out, stats = normalize_rewards(torch.tensor([1.0, 3.0]), torch.tensor([0, 0]), mode="running", eps=0.0)
-    assert_close(out, torch.tensor([-1.0, 1.0]))
+    assert_close(out, torch.tensor([-1 / math.sqrt(2), 1 / math.sqrt(2)]))
+    assert_close(stats.var, torch.tensor(1.0, dtype=torch.float64))
+    # second batch [5]: all of [1, 3, 5] -> mean 3, unbiased var (4 + 0 + 4) / (3 - 1) = 4, std 2
+    # -> (5 - 3) / 2 = 1 (stored population var 8/3)
     out, stats = normalize_rewards(
         torch.tensor([5.0]), torch.tensor([0]), mode="running", stats=stats, eps=0.0
     )
-    assert_close(out, torch.tensor([(5 - 3) / math.sqrt(8 / 3)]))
+    assert_close(out, torch.tensor([1.0]))
+    assert_close(stats.var, torch.tensor(8 / 3, dtype=torch.float64))
     assert_close(stats.count, torch.tensor(3.0, dtype=torch.float64))
+
+
+def test_running_normalisation_of_a_single_reward_is_zero():
+    # n = 1: std 0 (the n = 1 rule) and 4 - mean 4 = 0, so 0 / (0 + eps) = 0, not NaN
+    out, stats = normalize_rewards(torch.tensor([4.0]), torch.tensor([0]), mode="running")
+    assert_close(out, torch.tensor([0.0]))
+    assert_close(stats.var, torch.tensor(0.0, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("seed", range(5))
