@@ -51,19 +51,12 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from reroll.pipelines import pipeline_class
+    from reroll.pipelines.run import run
+
     cfg = _load(args)
-    if cfg.pipeline == "sft":
-        from reroll.pipelines.sft import run_sft as run
-    elif cfg.pipeline == "agentic":
-        from reroll.pipelines.agentic import run_agentic as run
-    else:
-        from reroll.pipelines.rlvr import run_rlvr as run
-    result = run(cfg, resume=args.resume)
-    acc = result.final_metrics.get("eval/accuracy")
-    print(f"done: {cfg.name}" + (f" | held-out accuracy {acc:.3f}" if acc is not None else ""))
-    print(f"  checkpoint: {result.checkpoint}")
-    print(f"  metrics:    {result.metrics_path}  (tensorboard --logdir {result.run_dir / 'tensorboard'})")
-    print(f"  config:     {result.config_path}")
+    result = run(pipeline_class(cfg.pipeline), cfg, resume=args.resume)
+    print(result.summary(cfg.name))
     return 0
 
 
@@ -85,14 +78,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
-    from reroll.models.tiny import build_tiny_model
+    from reroll.models.tiny import build_tiny_model, resolve_alphabet
 
-    alphabets = {"arithmetic": ARITHMETIC_ALPHABET}
+    try:
+        alphabet = resolve_alphabet(args.alphabet)
+    except ValueError as e:
+        raise UserError(f"--alphabet: {e}") from e
     try:
         path = build_tiny_model(
             args.out,
-            alphabet=alphabets[args.alphabet],
+            alphabet=alphabet,
             hidden_size=args.hidden_size,
             num_layers=args.num_layers,
             num_heads=args.num_heads,
@@ -175,9 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prompt-tokens", type=int, default=512, help="assumed prompt length")
     pl.set_defaults(func=cmd_plan)
 
+    from reroll.config.alphabet import ALPHABET_NAMES
+
     m = sub.add_parser("make-tiny-model", help="build a small random Qwen2 model and tokenizer offline")
     m.add_argument("out", type=Path)
-    m.add_argument("--alphabet", choices=["arithmetic"], default="arithmetic")
+    m.add_argument(
+        "--alphabet",
+        default="arithmetic",
+        metavar="NAME|CHARS",
+        help=f"the tokenizer's characters: a name ({', '.join(ALPHABET_NAMES)}) or the characters themselves, "
+        "e.g. '0123456789+-=abc ' (ASCII; letters only are read as a name, write chars:abc for those; "
+        "characters starting with '-' as --alphabet='-+0123'). Default: arithmetic",
+    )
     m.add_argument("--hidden-size", type=int, default=128)
     m.add_argument("--num-layers", type=int, default=2)
     m.add_argument("--num-heads", type=int, default=4)

@@ -14,18 +14,22 @@ from typing import Any, Literal
 from pydantic import Field
 
 from reroll.config.algorithm import AlgorithmConfig, check_algorithm
+from reroll.config.alphabet import Alphabet
 from reroll.config.base import StrictModel
 from reroll.config.loader import ConfigProblem
+from reroll.config.placement import check_placement
 from reroll.config.reward import RewardConfig, check_reward
-from reroll.runtime.placement import check_placement
 
 
 class TinyModelConfig(StrictModel):
     """Build a small random-init Qwen2 model offline (for tests and the quickstart)."""
 
-    alphabet: Literal["arithmetic", "game"] = Field(
+    alphabet: Alphabet = Field(
         "arithmetic",
-        description="The tokenizer's characters: 'arithmetic' (digits, +-*=), 'game' (the shipped games).",
+        description="The tokenizer's characters: a name, 'arithmetic' (digits, +-*= and space), 'game' "
+        "(the shipped games' text) or 'ascii' (Python's string.printable), or the characters themselves, "
+        "quoted, e.g. '0123456789+-=abc ' (ASCII only). A value of letters only is a name; write "
+        "letters-only characters with the prefix 'chars:', e.g. 'chars:abc'.",
     )
     hidden_size: int = Field(128, ge=32, description="Width; hidden_size / num_heads must be 32 or 64.")
     num_layers: int = Field(2, ge=1, description="Transformer blocks.")

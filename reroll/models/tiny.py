@@ -7,11 +7,22 @@ checkpoint.
 
 from __future__ import annotations
 
+import logging
+import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from reroll.config.alphabet import parse_alphabet
+from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+
+if TYPE_CHECKING:
+    from reroll.config.schema import ModelConfig, TinyModelConfig
+
+log = logging.getLogger(__name__)
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
@@ -20,6 +31,17 @@ ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 
 # The text of the shipped games (``reroll.envs``: nim's "pile 13", "you win"): digits, lowercase, a few marks.
 GAME_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz .,:-"
+
+# Any ASCII text: digits, letters, punctuation and whitespace (Python's `string.printable`, 100 characters).
+ASCII_ALPHABET = string.printable
+
+ALPHABETS: dict[str, str] = {
+    "arithmetic": ARITHMETIC_ALPHABET,
+    "game": GAME_ALPHABET,
+    "ascii": ASCII_ALPHABET,
+}
+"""The named alphabets of ``model.build_tiny.alphabet`` and ``reroll make-tiny-model --alphabet``; the
+config knows their names as ``reroll.config.alphabet.ALPHABET_NAMES`` (a test keeps the two equal)."""
 
 # Qwen2's pre-tokenizer split (transformers' `tokenization_qwen2.PRETOKENIZE_REGEX`).
 QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -37,6 +59,41 @@ CHAT_TEMPLATE = (
 )
 
 
+def resolve_alphabet(name_or_chars: str) -> str:
+    """The characters of an alphabet as the config and the CLI take it: a name of ``ALPHABETS``
+    (``"arithmetic"``), ``"chars:<characters>"``, or the characters themselves (``"0123456789+-= "``).
+
+    The rules are ``reroll.config.alphabet.parse_alphabet``'s; a bad value raises its ``ValueError``.
+    """
+    name, chars = parse_alphabet(name_or_chars)
+    return ALPHABETS[name] if name is not None else chars
+
+
+def build_tiny_from_config(path: str | Path, tiny: TinyModelConfig) -> Path:
+    """Build the model ``tiny`` (a ``model.build_tiny`` section) describes at ``path``: its alphabet,
+    sizes and seed; returns ``path``."""
+    return build_tiny_model(
+        path,
+        alphabet=resolve_alphabet(tiny.alphabet),
+        hidden_size=tiny.hidden_size,
+        num_layers=tiny.num_layers,
+        num_heads=tiny.num_heads,
+        seed=tiny.seed,
+    )
+
+
+def ensure_tiny_model(model: ModelConfig) -> Path | None:
+    """Build the tiny model ``model.build_tiny`` asks for at ``model.path`` unless that path exists.
+
+    The one call every pipeline makes at start; returns the path it built, or ``None`` when there was
+    nothing to build (no ``build_tiny`` section, or ``model.path`` already exists).
+    """
+    if model.build_tiny is None or Path(model.path).exists():
+        return None
+    log.info("building a tiny model in %s (alphabet %r)", model.path, model.build_tiny.alphabet)
+    return build_tiny_from_config(model.path, model.build_tiny)
+
+
 def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     """A tokenizer with one token per character of ``alphabet``, plus ``<pad>``, ``<eos>``, ``<unk>``.
 
@@ -48,7 +105,8 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     ``qwen2`` checkpoint, transformers 5 (and so vLLM) always rebuilds the tokenizer as
     ``Qwen2Tokenizer`` from the saved vocab, whatever class was saved, so only this construction
     encodes the same before and after a reload. A consequence: characters outside ``alphabet`` are
-    dropped on encode (that BPE has no unknown token), so check that text uses only ``alphabet``.
+    dropped on encode (that BPE has no unknown token); ``reroll.data.coverage.lost_characters`` finds
+    them in a run's texts.
     """
     chars = list(dict.fromkeys(alphabet))  # dedupe, keep order
     if not chars:
