@@ -55,9 +55,9 @@ def flops_per_token(model: torch.nn.Module, seq: int) -> float:
 
 
 def time_strategy(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+    from reroll.algorithms.logprobs import token_logprobs
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
-    from reroll.models.loading import token_logprobs
     from reroll.strategies import make_strategy
 
     path = Path(tempfile.mkdtemp()) / "c.yaml"

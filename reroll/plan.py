@@ -14,9 +14,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from reroll.config.placement import device_map, offload_between_phases, run_roles
 from reroll.config.schema import RunConfig
 from reroll.errors import UserError
-from reroll.runtime.placement import device_map, offload_between_phases, run_roles
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -36,7 +36,7 @@ from reroll.algorithms.aggregation import (
     masked_var,
     masked_whiten,
 )
-from reroll.algorithms.correction import rollout_is_weights
+from reroll.algorithms.correction import mismatch_metrics, rollout_is_weights
 from reroll.algorithms.kl import (
     KL_ESTIMATORS,
     adaptive_kl_coef,
@@ -47,6 +47,7 @@ from reroll.algorithms.kl import (
     kl_penalty,
     kl_reward_penalty,
 )
+from reroll.algorithms.logprobs import token_entropy, token_logprobs
 from reroll.algorithms.losses import (
     POLICY_LOSSES,
     cispo_loss,
@@ -72,7 +73,7 @@ from reroll.algorithms.shaping import (
     raft_mask,
     update_running_mean_std,
 )
-from reroll.algorithms.value import value_loss
+from reroll.algorithms.value import token_values, value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -113,6 +114,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "mismatch_metrics",
     "names",
     "normalize_rewards",
     "outcome_to_tokens",
@@ -133,6 +135,9 @@ __all__ = [
     "step_group_ids",
     "step_return_advantages",
     "steps_from_tokens",
+    "token_entropy",
+    "token_logprobs",
+    "token_values",
     "tokens_from_steps",
     "topr_loss",
     "update_running_mean_std",

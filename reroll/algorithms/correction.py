@@ -63,3 +63,18 @@ def rollout_is_weights(
             "correction/mismatch_kl": masked_mean(gap, response_mask),
         }
     return weights, metrics
+
+
+def mismatch_metrics(trainer: Tensor, engine: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the engine's sampling log-probs are from the trainer's on the same tokens (``mismatch/*``)."""
+    diff = (trainer.detach().float() - engine.float())[mask]
+    if not diff.numel():
+        return {}
+    # k3 estimate of KL(engine || trainer) over the sampled tokens
+    log_ratio = -diff
+    kl = (log_ratio.exp() - 1 - log_ratio).mean()
+    return {
+        "mismatch/logprob_abs_mean": float(diff.abs().mean()),
+        "mismatch/logprob_abs_max": float(diff.abs().max()),
+        "mismatch/kl": float(kl),
+    }

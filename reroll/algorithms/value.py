@@ -4,7 +4,7 @@
 predictions when the advantages were computed (no gradient), ``returns`` (B, T) the targets
 (GAE's R_t = A_t + V_t), ``response_mask`` bool (B, T). Values follow ``token_logprobs``'
 alignment: ``values[b, t]`` is V of the state before response token ``t`` (see
-``reroll.models.loading.token_values``), which is what ``gae_advantages`` reads.
+``token_values``), which is what ``gae_advantages`` reads.
 
 Metrics are detached scalar tensors over this micro-batch's masked tokens: ``critic/vf_clipfrac``
 (fraction of tokens where the clipped term was the larger), ``critic/value_mean`` and
@@ -19,6 +19,17 @@ from torch import Tensor
 from reroll.algorithms.aggregation import masked_mean, masked_var
 
 Metrics = dict[str, Tensor]
+
+
+def token_values(scores: Tensor) -> Tensor:
+    """V(x_<t), the value of the state before token ``t``: ``(B, T, 1)`` value-head scores -> ``(B, T)``; column 0 is 0.
+
+    Aligned like ``token_logprobs``: at a response token ``t``, the value belongs to the state in
+    which the policy chose token ``t`` (the output at position ``t - 1``), which is the V_t that
+    ``gae_advantages`` reads in delta_t = r_t + gamma V_{t+1} - V_t. The output at the last token
+    (the state after the response) is never used: the value after the last token is 0.
+    """
+    return torch.nn.functional.pad(scores[:, :-1, 0].float(), (1, 0), value=0.0)
 
 
 def value_loss(

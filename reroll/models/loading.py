@@ -1,8 +1,9 @@
-"""Loading models and reading per-token quantities off them: the one place trainer, critic and engine use.
+"""Loading models and forwarding them on padded rows: the one place trainer, critic and engine use.
 
 Per-token outputs follow one alignment (``reroll.data.types``): column ``t`` belongs to token ``t``
 and is read off the model's output at position ``t - 1``, the last position that has not seen
-token ``t``; column 0 is 0.
+token ``t``; column 0 is 0. The pure functions that read them off the logits are in
+``reroll.algorithms.logprobs`` (and ``reroll.algorithms.value.token_values`` for a critic).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from reroll.algorithms.logprobs import token_logprobs
 from reroll.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -88,36 +90,6 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(x_t | x_<t) for every position: ``(B, T, V)`` logits, ``(B, T)`` ids -> ``(B, T)``; column 0 is 0.
-
-    Logits are divided by ``temperature`` first (as the engine samples), so the ratio the policy loss
-    sees is the one of the sampling distribution.
-    """
-    scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
-    logp = torch.log_softmax(scaled, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(logp, (1, 0), value=0.0)
-
-
-def token_values(scores: torch.Tensor) -> torch.Tensor:
-    """V(x_<t), the value of the state before token ``t``: ``(B, T, 1)`` value-head scores -> ``(B, T)``; column 0 is 0.
-
-    Aligned like ``token_logprobs``: at a response token ``t``, the value belongs to the state in
-    which the policy chose token ``t`` (the output at position ``t - 1``), which is the V_t that
-    ``gae_advantages`` reads in delta_t = r_t + gamma V_{t+1} - V_t. The output at the last token
-    (the state after the response) is never used: the value after the last token is 0.
-    """
-    return torch.nn.functional.pad(scores[:, :-1, 0].float(), (1, 0), value=0.0)
-
-
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the next-token distribution, aligned like ``token_logprobs``: ``(B, T, V)`` -> ``(B, T)``."""
-    scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
-    logp = torch.log_softmax(scaled, dim=-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return torch.nn.functional.pad(ent, (1, 0), value=0.0)
-
-
 def sequence_logprobs(
     model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
@@ -126,18 +98,3 @@ def sequence_logprobs(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)
     )
     return token_logprobs(out.logits, input_ids, temperature)
-
-
-def mismatch_metrics(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How far the engine's sampling log-probs are from the trainer's on the same tokens (``mismatch/*``)."""
-    diff = (trainer.detach().float() - engine.float())[mask]
-    if not diff.numel():
-        return {}
-    # k3 estimate of KL(engine || trainer) over the sampled tokens
-    log_ratio = -diff
-    kl = (log_ratio.exp() - 1 - log_ratio).mean()
-    return {
-        "mismatch/logprob_abs_mean": float(diff.abs().mean()),
-        "mismatch/logprob_abs_max": float(diff.abs().max()),
-        "mismatch/kl": float(kl),
-    }

@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
+from reroll.algorithms.logprobs import token_logprobs
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
-from reroll.models.loading import token_logprobs
 from reroll.runtime.metrics import read_metrics
 from tests.conftest import QUICKSTART, write_config
 

@@ -6,8 +6,9 @@ import pytest
 import yaml
 
 from reroll.config.loader import ConfigError, load_config
+from reroll.config.placement import device_map, run_roles
 from reroll.config.schema import RunConfig
-from reroll.runtime.placement import Colocation, device_map, run_roles
+from reroll.runtime.placement import Colocation
 
 
 def _cfg(tmp_path, **overrides):

@@ -1,0 +1,141 @@
+"""What a config says about placement: which pool devices each role's ranks use, checked and pure.
+
+The config names a pool of ``placement.devices`` devices (GPUs, or CPU slots on a CPU-only cluster)
+and, per role, the pool devices its ranks use (``roles.<role>.devices``). Rank ``r`` of a role with
+``n`` ranks on ``d`` devices sits on ``devices[r * d // n]``; roles that share a device are
+colocated. Nothing here touches Ray or a device, so ``reroll validate``, ``reroll plan`` and the run
+(``reroll.runtime.placement``, which reserves the devices) all read the same map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from reroll.config.schema import RunConfig
+
+# Roles that hold a model on a device; reward (and judge) workers run on CPUs unless given devices.
+DEVICE_ROLES = ("actor_train", "actor_infer", "reference", "critic")
+
+
+@dataclass(frozen=True)
+class DeviceMap:
+    """The device of every rank of every placed role."""
+
+    device_type: str  # "cuda" | "cpu"
+    num_devices: int
+    ranks: dict[str, tuple[int, ...]]  # role -> (first) device of rank r
+    span: dict[str, int] = field(default_factory=dict)  # role -> devices per rank (a tensor-parallel engine)
+
+    def covered(self, role: str) -> set[int]:
+        k = self.span.get(role, 1)
+        return {d + i for d in self.ranks[role] for i in range(k)}
+
+    def workers_on(self, device: int) -> list[tuple[str, int]]:
+        return [
+            (role, r)
+            for role, devs in self.ranks.items()
+            for r, d in enumerate(devs)
+            if d <= device < d + self.span.get(role, 1)
+        ]
+
+    def colocated(self, a: str, b: str) -> bool:
+        return a in self.ranks and b in self.ranks and bool(self.covered(a) & self.covered(b))
+
+    def table(self) -> str:
+        """One line per device: ``device 0: actor_train[0] actor_infer[0]``."""
+        lines = []
+        for d in range(self.num_devices):
+            names = " ".join(f"{role}[{r}]" for role, r in self.workers_on(d)) or "(unused)"
+            lines.append(f"  {self.device_type} device {d}: {names}")
+        return "\n".join(lines)
+
+
+def rank_span(cfg: RunConfig, role: str) -> int:
+    """Devices one rank of ``role`` takes: a vLLM engine's tensor-parallel size, else 1."""
+    if role == "actor_infer" and cfg.rollout.engine == "vllm":
+        return cfg.rollout.vllm.tensor_parallel_size
+    return 1
+
+
+def role_devices(cfg: RunConfig, role: str) -> list[int]:
+    """``roles.<role>.devices``, or by default the first ``world_size`` (x span) devices of the pool."""
+    rc = getattr(cfg.roles, role)
+    if rc.devices is not None:
+        return list(rc.devices)
+    return list(range(min(rc.world_size * rank_span(cfg, role), cfg.placement.devices or 1)))
+
+
+def placed_roles(cfg: RunConfig, roles: Iterable[str]) -> list[str]:
+    """The roles of this run that take devices from the pool."""
+    return [r for r in roles if r in DEVICE_ROLES or getattr(cfg.roles, r).devices is not None]
+
+
+def device_map(cfg: RunConfig, roles: Iterable[str], device_type: str) -> DeviceMap:
+    """Where each rank of ``roles`` sits (``check_placement`` has vetted the config)."""
+    ranks, span = {}, {}
+    for role in placed_roles(cfg, roles):
+        devs, n, k = role_devices(cfg, role), getattr(cfg.roles, role).world_size, rank_span(cfg, role)
+        if k > 1:  # each rank takes k consecutive devices of its list
+            ranks[role], span[role] = tuple(devs[r * k] for r in range(n)), k
+        else:
+            ranks[role] = tuple(devs[r * len(devs) // n] for r in range(n))
+    return DeviceMap(device_type, cfg.placement.devices or 0, ranks, span)
+
+
+def check_placement(cfg: RunConfig) -> list[tuple[str, str]]:
+    """Config-level problems as ``(dotted path, message)``: devices outside the pool, uneven splits."""
+    problems = []
+    pool = cfg.placement.devices
+    for role in type(cfg.roles).model_fields:
+        rc = getattr(cfg.roles, role)
+        if rc.devices is None:
+            continue
+        path = f"roles.{role}.devices"
+        if pool is None:
+            problems.append((path, "needs placement.devices (the size of the device pool) to be set"))
+            continue
+        outside = [d for d in rc.devices if not 0 <= d < pool]
+        if outside:
+            problems.append(
+                (path, f"devices {outside} are outside the pool of placement.devices={pool} (0..{pool - 1})")
+            )
+        if len(set(rc.devices)) != len(rc.devices):
+            problems.append((path, f"{rc.devices} lists a device twice"))
+        k = rank_span(cfg, role)
+        if k > 1 and len(rc.devices) != rc.world_size * k:
+            problems.append(
+                (
+                    path,
+                    f"each of the {rc.world_size} engine ranks takes rollout.vllm.tensor_parallel_size={k} "
+                    f"devices: list exactly {rc.world_size * k} devices, not {len(rc.devices)}",
+                )
+            )
+        elif rc.world_size % len(rc.devices):
+            problems.append(
+                (
+                    path,
+                    f"roles.{role}.world_size ({rc.world_size}) ranks cannot spread evenly over "
+                    f"{len(rc.devices)} devices {rc.devices}: use a world_size that is a multiple of "
+                    f"{len(rc.devices)}",
+                )
+            )
+    return problems
+
+
+def offload_between_phases(cfg: RunConfig, device_type: str) -> bool:
+    """Whether colocated roles offload: ``placement.offload`` 'auto' means only on GPUs."""
+    mode = cfg.placement.offload
+    return mode == "always" or (mode == "auto" and device_type == "cuda")
+
+
+def run_roles(cfg: RunConfig) -> list[str]:
+    """The model roles a run of ``cfg`` starts."""
+    roles = ["actor_train", "actor_infer"]
+    if cfg.needs_reference:
+        roles.append("reference")
+    if cfg.critic is not None:
+        roles.append("critic")
+    return roles
