@@ -71,7 +71,8 @@ def length_reward(text: str) -> float:
 def run_reroll(root: Path, model: Path, prompts: list[str], args: argparse.Namespace) -> list[dict]:
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
-    from reroll.pipelines.rlvr import run_rlvr
+    from reroll.pipelines.rlvr import RLVR
+    from reroll.pipelines.run import run
     from reroll.runtime.metrics import read_metrics
 
     rows = root / "prompts.jsonl"
@@ -113,12 +114,12 @@ def run_reroll(root: Path, model: Path, prompts: list[str], args: argparse.Names
     }
     path = root / "reroll.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    run_rlvr(load_config(path, RunConfig))
+    run(RLVR, load_config(path, RunConfig))
     out = []
     for row in read_metrics(root / "reroll")[1:]:
         phases = {p: row.get(f"timing/{p}", 0.0) for p in PHASES}
         tokens = row["rollout/response_length"] * args.prompts * args.group
-        out.append({**phases, "step": sum(phases.values()), "new_tokens": tokens})
+        out.append({**phases, "step": row["timing/step"], "new_tokens": tokens})  # the step's wall time
     return out
 
 

@@ -23,6 +23,12 @@ class RoleError(RuntimeError):
     def __reduce__(self) -> tuple:  # so the error keeps its fields when it crosses Ray
         return (RoleError, (self.role, self.rank, self.phase, self.cause, self.detail))
 
+    def in_phase(self, phase: str) -> RoleError:
+        """The same error, naming the pipeline phase the failed call belonged to (when it differs)."""
+        if self.phase == phase or self.phase.startswith(f"{phase} "):
+            return self
+        return RoleError(self.role, self.rank, f"{phase} ({self.phase})", self.cause, self.detail)
+
     def at_step(self, step: int) -> RoleError:
         """The same error, with the pipeline step in its phase."""
         return RoleError(self.role, self.rank, f"{self.phase} at step {step}", self.cause, self.detail)

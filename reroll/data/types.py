@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -80,9 +80,16 @@ class TrainBatch:
     old_logprobs: torch.Tensor | None = None  # float (B, T), from actor_train before the update
     ref_logprobs: torch.Tensor | None = None  # float (B, T), from reference
     advantages: torch.Tensor | None = None  # float (B, T)
+    values: torch.Tensor | None = None  # float (B, T), the critic's V(x_<t) the advantages used
+    returns: torch.Tensor | None = None  # float (B, T), the critic's targets
+    baseline_rewards: torch.Tensor | None = None  # float (B,), ReMax's greedy-response reward
+    # multi-turn episodes (agentic): the turn of each policy token (-1 elsewhere), each turn's reward
+    # and the id of the observation it acted on (-1 for absent turns); S = the most turns in the batch
+    step_ids: torch.Tensor | None = None  # long (B, T)
+    step_rewards: torch.Tensor | None = None  # float (B, S)
+    step_states: torch.Tensor | None = None  # long (B, S)
     num_tokens: float | None = None
     num_seqs: float | None = None
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -92,9 +99,7 @@ class TrainBatch:
 
     def select(self, index: torch.Tensor | slice) -> TrainBatch:
         """Rows ``index`` of every tensor; counts are kept (they describe the whole step)."""
-        picked = {name: getattr(self, name)[index] for name in self._tensor_fields()}
-        extras = {k: v[index] for k, v in self.extras.items()}
-        return replace(self, **picked, extras=extras)
+        return replace(self, **{name: getattr(self, name)[index] for name in self._tensor_fields()})
 
     def split(self, n: int) -> list[TrainBatch]:
         """``n`` contiguous chunks of near-equal size (for data-parallel ranks)."""
@@ -113,13 +118,10 @@ class TrainBatch:
         """Drop the padding columns that no row uses."""
         width = int(self.attention_mask.sum(-1).max()) if len(self) else 0
         width = max(width, 1)
-        cut = {
-            name: getattr(self, name)[:, :width]
-            for name in self._tensor_fields()
-            if getattr(self, name).dim() == 2
-        }
-        extras = {k: v[:, :width] if v.dim() == 2 else v for k, v in self.extras.items()}
-        return replace(self, **cut, extras=extras)
+        per_token = [
+            n for n in self._tensor_fields() if n not in _PER_SEQUENCE and getattr(self, n).dim() == 2
+        ]
+        return replace(self, **{name: getattr(self, name)[:, :width] for name in per_token})
 
     @staticmethod
     def concat(parts: Sequence[torch.Tensor], width: int | None = None, pad: float = 0.0) -> torch.Tensor:
@@ -127,6 +129,25 @@ class TrainBatch:
         width = width or max(p.shape[1] for p in parts)
         padded = [torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in parts]
         return torch.cat(padded, dim=0)
+
+
+# (B, S) fields indexed by turn, not by token: ``trim`` leaves them whole
+_PER_SEQUENCE = ("step_rewards", "step_states")
+
+
+@dataclass(frozen=True)
+class RewardItem:
+    """What a reward worker scores: the prompt, the response, the dataset row and the row's domain."""
+
+    prompt: str
+    response: str
+    row: dict[str, Any]
+    domain: str = "default"
+
+    @classmethod
+    def answering(cls, sample: Sample, completion: Completion) -> RewardItem:
+        """The item for ``completion``, a response to ``sample``."""
+        return cls(sample.prompt, completion.text, sample.row, sample.domain)
 
 
 def build_train_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBatch:

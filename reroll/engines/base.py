@@ -37,10 +37,6 @@ class Engine(Protocol):
         """``params.n`` completions for each prompt, in prompt order; a prompt is text or token ids."""
         ...
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Load new parameter values (Hugging Face names) without reloading from disk."""
-        ...
-
     def load_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of a weight update (whole layers; see ``reroll.runtime.weight_sync``)."""
         ...
@@ -82,7 +78,7 @@ def engine_call(method: F) -> F:
         if self._asleep is not None:
             problem = f"the engine is asleep (level {self._asleep}); call wake_up() first"
         elif self._missing_weights:
-            problem = "the engine woke from sleep(level=2) without weights; load them (update_weights) first"
+            problem = "the engine woke from sleep(level=2) without weights; load them (load_weights, finish_weight_update) first"
         if problem is not None:
             raise RuntimeError(f"{type(self).__name__}.{method.__name__}: {problem}")
         return method(self, *args, **kwargs)

@@ -130,11 +130,6 @@ class HFEngine:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return Completion(prompt, ids, text, logprobs[:length].tolist(), reason)
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy new values into the live parameters (names as in the Hugging Face state dict)."""
-        self.load_weights(list(weights.items()))
-        self.finish_weight_update()
-
     def load_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Copy one bucket of new values into the live parameters (a full update resets the LoRA base)."""
         if self._asleep is not None:
@@ -154,7 +149,7 @@ class HFEngine:
 
     def update_lora(self, adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> None:
         """Merge a peft adapter into the weights it adapts: ``W = W0 + scale * B @ A``, ``W0`` the base
-        values kept from the first adapter (a later full ``update_weights`` makes those the base)."""
+        values kept from the first adapter (a later full weight load makes those the base)."""
         scale, pairs = lora_scale(config), lora_pairs(adapter)
         live = self.model.state_dict(keep_vars=True)
         for name in pairs:
@@ -170,7 +165,7 @@ class HFEngine:
     def sleep(self, level: int = 1) -> None:
         """Free memory while a colocated role runs. Level 1: the weights move to host memory (nothing
         moves when the engine is on CPU). Level 2: the weights are dropped; after ``wake_up`` they must
-        be loaded again (``update_weights`` or a bucketed sync) before ``generate``. There is no KV cache
+        be loaded again (``load_weights`` + ``finish_weight_update``) before ``generate``. There is no KV cache
         to drop between calls."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")

@@ -12,7 +12,7 @@ the trainer's ``token_logprobs(..., temperature)`` does) unless ``SGLANG_RETURN_
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -77,9 +77,13 @@ class SGLangEngine:
         reason = "length" if meta["finish_reason"]["type"] == "length" else "stop"
         return Completion(list(prompt_ids), ids, out["text"], logprobs, reason)
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Load the trainer's state dict (Hugging Face names) in place; SGLang flushes its cache after."""
-        self.engine.update_weights_from_tensor(named_tensors=list(weights.items()), flush_cache=True)
+    def load_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of the trainer's weights (Hugging Face names) in place."""
+        self.engine.update_weights_from_tensor(named_tensors=list(bucket), flush_cache=False)
+
+    def finish_weight_update(self) -> None:
+        """Drop the cache computed with the old weights."""
+        self.engine.flush_cache()
 
     def sleep(self) -> None:
         """Free GPU memory (weights and KV cache); needs the engine built with ``memory_saver``."""

@@ -146,11 +146,6 @@ class VLLMEngine:
         reason = "length" if out.finish_reason == "length" else "stop"
         return Completion(list(prompt_ids), ids, out.text, logprobs, reason)
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Load the trainer's state dict (Hugging Face names) in place, then drop the prefix cache."""
-        self.load_weights(list(weights.items()))
-        self.finish_weight_update()
-
     def load_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket (whole layers) on every vLLM worker; layers not in it keep their values."""
         if self._asleep is not None:

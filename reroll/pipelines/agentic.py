@@ -16,113 +16,124 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from tqdm import tqdm
 
-from reroll.algorithms.objective import AdvantageResult, AdvantageState, compute_advantages
-from reroll.config.schema import RunConfig
-from reroll.data.types import SamplingParams, TrainBatch
+from reroll.algorithms.objective import AdvantageState, compute_advantages
+from reroll.config.schema import AgenticConfig, RunConfig
+from reroll.data.types import SamplingParams
 from reroll.envs.check import policy_action
 from reroll.envs.registry import make_env
 from reroll.envs.trajectory import TrajectoryBuilder
-from reroll.errors import RoleError
 from reroll.models.loading import load_tokenizer
-from reroll.pipelines.common import (
-    Roles,
-    RunResult,
-    open_metrics,
-    open_run_dir,
-    save_checkpoint,
-    sync_weights,
-    train_mini_batches,
-)
-from reroll.roles.env import EnvGroup, Episode, episode_batch, run_episodes
-from reroll.runtime import checkpoint
-from reroll.runtime.console import step_line
-from reroll.runtime.timing import PhaseTimer
+from reroll.pipelines.common import sampling, sft_warm_start, step_seed, train_mini_batches
+from reroll.pipelines.run import Checkpointed, Pipeline, Roles, RoleSet
+from reroll.roles.env import Episode, episode_batch, run_episodes
 
 log = logging.getLogger(__name__)
 
 
-def run_agentic(cfg: RunConfig, *, resume: bool = False) -> RunResult:
-    assert cfg.agentic is not None
-    _build_tiny(cfg)
-    resume_from, run_dir = open_run_dir(cfg, resume=resume)
-    tokenizer = load_tokenizer(cfg.model.path)
-    builder = TrajectoryBuilder(tokenizer)
-    roles = Roles.start(cfg, reference=cfg.needs_reference, reward=False)
-    envs = EnvGroup(cfg)
-    step = 0
-    try:
-        start, state = _restore_or_warm_start(cfg, roles, builder, resume_from)
-        metrics_log = open_metrics(cfg, resume_step=start if resume_from else None)
-        a = cfg.agentic
+class Agentic(Pipeline):
+    name = "agentic"
 
-        def play(starts: list[tuple[int, int]], params: SamplingParams) -> list[Episode]:
-            limits = {"max_turns": a.max_turns, "max_tokens": a.max_episode_tokens}
-            return run_episodes(
-                roles.rollout.generate, envs, builder, starts, params, **limits, system_prompt=a.system_prompt
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        assert cfg.agentic is not None
+        self.a: AgenticConfig = cfg.agentic
+        self.builder = TrajectoryBuilder(load_tokenizer(cfg.model.path))
+        self.state = AdvantageState.initial(cfg.algorithm)
+        self.last: list[Episode] = []
+
+    def roles_needed(self) -> RoleSet:
+        return RoleSet(reference=self.cfg.needs_reference, reward=False, env=True)
+
+    def texts(self) -> Iterable[str]:
+        """The system prompt and a few first observations (the environment writes the rest)."""
+        if self.a.system_prompt:
+            yield self.a.system_prompt
+        for seed in range(4):
+            yield make_env(self.a.env, self.a.env_config).reset(seed=seed)[0]
+
+    def warm_start(self, roles: Roles) -> None:
+        n = self.cfg.sft.batch_size if self.cfg.sft is not None else 0
+        pad = self.builder.tokenizer.pad_token_id
+        episodes = lambda i: [_scripted_episode(self.cfg, self.builder, s) for s in range(i * n, (i + 1) * n)]  # noqa: E731
+        sft_warm_start(
+            self.cfg, roles, lambda i: episode_batch(episodes(i), pad), f"{self.a.sft_policy}-policy episodes"
+        )
+
+    def restore(self, saved: dict[str, Any], directory: Path) -> None:
+        self.state = AdvantageState.from_state_dict(torch.load(directory / "algorithm_state.pt"))
+
+    def checkpointed(self) -> Checkpointed:
+        return Checkpointed(objects={"algorithm_state.pt": self.state.state_dict()})
+
+    def _play(self, roles: Roles, starts: list[tuple[int, int]], params: SamplingParams) -> list[Episode]:
+        assert roles.env is not None
+        limits = {"max_turns": self.a.max_turns, "max_tokens": self.a.max_episode_tokens}
+        return run_episodes(
+            roles.rollout.generate,
+            roles.env,
+            self.builder,
+            starts,
+            params,
+            **limits,
+            system_prompt=self.a.system_prompt,
+        )
+
+    def step(self, roles: Roles, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        with roles.phase("episodes", "actor_infer"):
+            episodes = self._play(
+                roles, _train_starts(cfg, step), sampling(cfg, n=1, seed=step_seed(cfg, step))
             )
+            engine_metrics = roles.rollout.metrics()
+        _log_errors(episodes, step)
+        self.last = episodes
+        metrics = _episode_metrics(episodes, "rollout") | engine_metrics
+        trainable = _trainable(cfg, episodes)
+        if not trainable:
+            return metrics | {"train/skipped": 1.0}
+        batch = episode_batch(trainable, self.builder.tokenizer.pad_token_id)
+        if roles.reference is not None:
+            with roles.phase("reference", "reference"):
+                batch.ref_logprobs = roles.reference.compute_logprobs(batch)
+        with roles.phase("advantages"):
+            adv = compute_advantages(
+                cfg.algorithm,
+                rewards=batch.rewards,
+                group_ids=batch.group_ids,
+                response_mask=batch.response_mask,
+                logprobs=batch.rollout_logprobs,
+                ref_logprobs=batch.ref_logprobs,
+                step_ids=batch.step_ids,
+                step_rewards=batch.step_rewards,
+                step_states=batch.step_states,
+                state=self.state,
+            )
+            batch.advantages, self.state = adv.advantages, adv.state
+        with roles.phase("train", "actor_train"):
+            metrics |= train_mini_batches(cfg, batch.select(adv.keep), step, roles.actor.train_rl)
+        metrics["sync/bytes"] = roles.sync_weights()
+        return metrics | {k: float(v) for k, v in adv.metrics.items()}
 
-        if start == 0:
-            before = _evaluate(cfg, play)
-            metrics_log.log(0, before)
-            tqdm.write(step_line(0, cfg.total_steps, before))
-        timer, last, ckpt = PhaseTimer(), {}, resume_from
-        steps = range(start + 1, cfg.total_steps + 1)
-        for step in tqdm(steps, desc="agentic", initial=start, total=cfg.total_steps, disable=None):
-            with timer("episodes"):
-                episodes = play(_train_starts(cfg, step), _sampling(cfg, seed=cfg.seed * 1_000_003 + step))
-            with timer("advantages"):
-                batch, adv = _advantages(cfg, roles, _trainable(cfg, episodes), tokenizer.pad_token_id, state)
-            metrics = _episode_metrics(episodes, "rollout")
-            if batch is not None and adv is not None:
-                state = adv.state
-                metrics |= {k: float(v) for k, v in adv.metrics.items()}
-                with timer("train"):
-                    metrics |= train_mini_batches(cfg, batch.select(adv.keep), step, roles.actor.train_rl)
-            else:
-                metrics["train/skipped"] = 1.0
-            sync_weights(cfg, roles, timer)
-            metrics |= roles.rollout.metrics()
-            if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.total_steps:
-                with timer("evaluate"):
-                    metrics |= _evaluate(cfg, play)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.total_steps:
-                with timer("checkpoint"):
-                    ckpt = save_checkpoint(
-                        cfg, roles.actor, step, {}, {"algorithm_state.pt": state.state_dict()}
-                    )
-            metrics |= timer.pop()
-            metrics_log.log(step, metrics)
-            last = metrics
-            tqdm.write(step_line(step, cfg.total_steps, metrics))
-            _log_errors(episodes, step)
-            if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
-                tqdm.write(f"sample: {episodes[0].traj.messages}")
-        metrics_log.close()
-    except RoleError as e:
-        raise (e.at_step(step) if step else e) from e
-    finally:
-        envs.shutdown()
-        roles.shutdown()
-    return RunResult(run_dir, ckpt, run_dir / "metrics.jsonl", run_dir / "config.yaml", last)
+    def evaluate(self, roles: Roles) -> dict[str, float]:
+        """Greedy episodes on the held-out seeds: ``eval/success`` (also as ``eval/accuracy``) and friends."""
+        n = self.a.eval_episodes
+        if n == 0:
+            return {}
+        starts = [(self.a.eval_seed + i, i) for i in range(n)]
+        out = _episode_metrics(self._play(roles, starts, sampling(self.cfg, n=1, greedy=True)), "eval")
+        return out | {"eval/accuracy": out["eval/success"]}
 
-
-def _build_tiny(cfg: RunConfig) -> None:
-    t = cfg.model.build_tiny
-    if t is None or Path(cfg.model.path).exists():
-        return
-    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
-    from reroll.models.tiny import GAME_ALPHABET, build_tiny_model
-
-    alphabet = {"arithmetic": ARITHMETIC_ALPHABET, "game": GAME_ALPHABET}[t.alphabet]
-    log.info("building a tiny model in %s", cfg.model.path)
-    sizes = {"hidden_size": t.hidden_size, "num_layers": t.num_layers, "num_heads": t.num_heads}
-    build_tiny_model(cfg.model.path, alphabet=alphabet, **sizes, seed=t.seed)
+    def sample_line(self) -> str | None:
+        if not self.last:
+            return None
+        return f"  sample: {self.builder.tokenizer.decode(self.last[0].traj.ids)!r} (reward {self.last[0].total_reward:g})"
 
 
 def _train_starts(cfg: RunConfig, step: int) -> list[tuple[int, int]]:
@@ -131,20 +142,6 @@ def _train_starts(cfg: RunConfig, step: int) -> list[tuple[int, int]]:
     n = cfg.prompts_per_step
     seeds = [((cfg.seed * 7_919 + step) * n + j) % cfg.agentic.eval_seed for j in range(n)]
     return [(s, g) for g, s in enumerate(seeds) for _ in range(cfg.rollout.group_size)]
-
-
-def _sampling(cfg: RunConfig, seed: int | None, greedy: bool = False) -> SamplingParams:
-    r = cfg.rollout
-    temperature = 0.0 if greedy else r.temperature
-    return SamplingParams(
-        n=1,
-        temperature=temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_new_tokens=r.max_new_tokens,
-        stop=tuple(r.stop),
-        seed=seed,
-    )
 
 
 def _trainable(cfg: RunConfig, episodes: list[Episode]) -> list[Episode]:
@@ -156,42 +153,6 @@ def _trainable(cfg: RunConfig, episodes: list[Episode]) -> list[Episode]:
             continue
         keep.append(replace(e, rewards=[0.0] * len(e.rewards)) if e.error is not None else e)
     return keep
-
-
-def _advantages(
-    cfg: RunConfig, roles: Roles, episodes: list[Episode], pad_id: int, state: AdvantageState
-) -> tuple[TrainBatch | None, AdvantageResult | None]:
-    """The episodes' batch with its advantages (per episode or per turn, as the algorithm says)."""
-    if not episodes:
-        return None, None
-    batch = episode_batch(episodes, pad_id)
-    if roles.reference is not None:
-        batch.ref_logprobs = roles.reference.compute_logprobs(batch)
-    adv = compute_advantages(
-        cfg.algorithm,
-        rewards=batch.rewards,
-        group_ids=batch.group_ids,
-        response_mask=batch.response_mask,
-        logprobs=batch.rollout_logprobs,
-        ref_logprobs=batch.ref_logprobs,
-        step_ids=batch.extras["step_ids"],
-        step_rewards=batch.extras["step_rewards"],
-        step_states=batch.extras["step_states"],
-        state=state,
-    )
-    batch.advantages = adv.advantages
-    return batch, adv
-
-
-def _evaluate(cfg: RunConfig, play) -> dict[str, float]:
-    """Greedy episodes on the held-out seeds: ``eval/success`` (also as ``eval/accuracy``) and friends."""
-    assert cfg.agentic is not None
-    n = cfg.agentic.eval_episodes
-    if n == 0:
-        return {}
-    episodes = play([(cfg.agentic.eval_seed + i, i) for i in range(n)], _sampling(cfg, None, greedy=True))
-    out = _episode_metrics(episodes, "eval")
-    return out | {"eval/accuracy": out["eval/success"]}
 
 
 def _episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
@@ -215,34 +176,6 @@ def _log_errors(episodes: list[Episode], step: int) -> None:
     for e in episodes:
         if e.error is not None:
             log.warning("step %d: episode (seed %d) ended by an environment error: %s", step, e.seed, e.error)
-
-
-def _restore_or_warm_start(
-    cfg: RunConfig, roles: Roles, builder: TrajectoryBuilder, resume_from: Path | None
-) -> tuple[int, AdvantageState]:
-    """Resume from a checkpoint, or run the SFT warm start on the environment's own policy; sync the engine."""
-    start, state = 0, AdvantageState.initial(cfg.algorithm)
-    roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)
-    if resume_from is not None:
-        roles.actor.load(resume_from)
-        state = AdvantageState.from_state_dict(torch.load(resume_from / "algorithm_state.pt"))
-        start = checkpoint.read_state(resume_from)["step"]
-        log.info("resumed from %s (step %d)", resume_from, start)
-    elif cfg.sft is not None and cfg.sft.steps > 0:
-        log.info("SFT warm start: %d steps on %s-policy episodes", cfg.sft.steps, cfg.agentic.sft_policy)
-        roles.actor.configure_optimizer(cfg.sft.lr, cfg.sft.warmup_steps)
-        for i in tqdm(range(cfg.sft.steps), desc="sft", leave=False, disable=None):
-            seeds = range(i * cfg.sft.batch_size, (i + 1) * cfg.sft.batch_size)
-            episodes = [_scripted_episode(cfg, builder, s) for s in seeds]
-            roles.actor.train_sft(episode_batch(episodes, builder.tokenizer.pad_token_id))
-        roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)  # a fresh optimizer for RL
-    if roles.reference is not None:
-        ref_dir = cfg.run_dir / "reference"
-        if resume_from is None:
-            roles.actor.save(ref_dir, with_optimizer=False)
-        roles.reference.load(ref_dir)
-    sync_weights(cfg, roles, PhaseTimer())
-    return start, state
 
 
 def _scripted_episode(cfg: RunConfig, builder: TrajectoryBuilder, seed: int) -> Episode:

@@ -6,71 +6,59 @@ the reward, so SFT and RL runs report the same ``eval/accuracy``.
 
 from __future__ import annotations
 
-import logging
-
-from tqdm import tqdm
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler, load_samples
 from reroll.models.loading import load_tokenizer
-from reroll.pipelines.common import (
-    Roles,
-    RunResult,
-    evaluate,
-    load_data,
-    open_metrics,
-    open_run_dir,
-    prepare_inputs,
-    save_checkpoint,
-    sft_batch,
-)
-from reroll.runtime import checkpoint
-from reroll.runtime.console import step_line
-from reroll.runtime.timing import PhaseTimer
-
-log = logging.getLogger(__name__)
+from reroll.pipelines.common import evaluate, load_data, sft_batch, write_synthetic_data
+from reroll.pipelines.run import Checkpointed, Pipeline, Roles
 
 
-def run_sft(cfg: RunConfig, *, resume: bool = False) -> RunResult:
-    assert cfg.sft is not None  # RunConfig.check guarantees it
-    prepare_inputs(cfg)
-    train, held_out = load_data(cfg)
-    if cfg.sft.files:
-        train = load_samples(
-            cfg.sft.files, template=cfg.data.prompt_template, required=[cfg.data.answer_field]
+class SFT(Pipeline):
+    name = "sft"
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        assert cfg.sft is not None  # RunConfig.check guarantees it
+        write_synthetic_data(cfg)
+        self.train, self.held_out = load_data(cfg)
+        if cfg.sft.files:
+            self.train = load_samples(
+                cfg.sft.files, template=cfg.data.prompt_template, required=[cfg.data.answer_field]
+            )
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.sampler = PromptSampler(
+            self.train, cfg.sft.batch_size, seed=cfg.seed + 1, shuffle=cfg.data.shuffle
         )
-    resume_from, run_dir = open_run_dir(cfg, resume=resume)
-    tokenizer = load_tokenizer(cfg.model.path)
-    sampler = PromptSampler(train, cfg.sft.batch_size, seed=cfg.seed + 1, shuffle=cfg.data.shuffle)
-    roles = Roles.start(cfg, reference=False)
-    start, ckpt, last = 0, resume_from, {}
-    try:
-        roles.actor.configure_optimizer(cfg.sft.lr, cfg.sft.warmup_steps)
-        if resume_from is not None:
-            roles.actor.load(resume_from)
-            saved = checkpoint.read_state(resume_from)
-            sampler.restore(saved["sampler"])
-            start = saved["step"]
-        metrics_log = open_metrics(cfg, resume_step=start if resume_from else None)
-        timer = PhaseTimer()
-        total = cfg.sft.steps
-        for step in tqdm(range(start + 1, total + 1), desc="sft", initial=start, total=total, disable=None):
-            with timer("train"):
-                metrics = roles.actor.train_sft(
-                    sft_batch(sampler.next_batch(), tokenizer, cfg.sft.target_template)
-                )
-            if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
-                with timer("evaluate"):
-                    roles.rollout.sync_weights(roles.actor)
-                    metrics |= evaluate(cfg, roles, held_out)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == total:
-                with timer("checkpoint"):
-                    ckpt = save_checkpoint(cfg, roles.actor, step, {"sampler": sampler.state()})
-            metrics |= timer.pop()
-            metrics_log.log(step, metrics)
-            last = metrics
-            tqdm.write(step_line(step, total, metrics))
-        metrics_log.close()
-    finally:
-        roles.shutdown()
-    return RunResult(run_dir, ckpt, run_dir / "metrics.jsonl", run_dir / "config.yaml", last)
+
+    @property
+    def total_steps(self) -> int:
+        assert self.cfg.sft is not None
+        return self.cfg.sft.steps
+
+    def texts(self) -> Iterable[str]:
+        assert self.cfg.sft is not None
+        yield from (s.prompt for s in [*self.train, *self.held_out])
+        yield from (self.cfg.sft.target_template.format(**s.row) for s in self.train)
+
+    def optimizer(self) -> tuple[float, int]:
+        assert self.cfg.sft is not None
+        return self.cfg.sft.lr, self.cfg.sft.warmup_steps
+
+    def restore(self, saved: dict[str, Any], directory: Path) -> None:
+        self.sampler.restore(saved["sampler"])
+
+    def checkpointed(self) -> Checkpointed:
+        return Checkpointed({"sampler": self.sampler.state()})
+
+    def step(self, roles: Roles, step: int) -> dict[str, float]:
+        assert self.cfg.sft is not None
+        with roles.phase("train", "actor_train"):
+            batch = sft_batch(self.sampler.next_batch(), self.tokenizer, self.cfg.sft.target_template)
+            return roles.actor.train_sft(batch)
+
+    def evaluate(self, roles: Roles) -> dict[str, float]:
+        return evaluate(self.cfg, roles, self.held_out)

@@ -56,7 +56,7 @@ def domain_required_fields(cfg: RewardConfig) -> dict[str, list[str]]:
     }
 
 
-def in_process(term: RewardTermConfig) -> bool:
+def runs_isolated(term: RewardTermConfig) -> bool:
     """Whether ``term`` runs in a child process: ``isolation`` 'process', or 'auto' for a user's
     ``package.module:function`` (registered rewards are reroll's own and bounded, the code sandbox
     included)."""
@@ -77,7 +77,7 @@ class _Term:
 class RewardRouter:
     """Scores one (prompt, response, row, tag) with the tag's domain's weighted rewards.
 
-    With a ``pool``, terms whose isolation is 'process' (see ``in_process``) run in it, killed at
+    With a ``pool``, terms whose isolation is 'process' (see ``runs_isolated``) run in it, killed at
     ``deadline``; without one, every term runs in the calling thread. ``judge`` is what
     ``engine_judge`` rewards call (the judge role's ``JudgeClient``).
     """
@@ -93,7 +93,7 @@ class RewardRouter:
                     resolve_reward(t.fn, _with_judge(t, judge)),
                     t.weight,
                     t.args,
-                    pool is not None and in_process(t),
+                    pool is not None and runs_isolated(t),
                 )
                 for t in terms
             ]

@@ -3,8 +3,8 @@
 A ``CriticWorker`` holds a training strategy with a value head (``reroll.models.loading.load_value_model``).
 Its values are aligned like the log-probs: ``values[b, t]`` is V of the state before token ``t``
 (``token_values``). Training regresses them on the GAE returns with PPO's clipped value loss; the
-batch carries the values the advantages were computed with in ``extras["values"]`` and the targets in
-``extras["returns"]``. It saves into ``<checkpoint>/critic/`` (``model/`` in Hugging Face form, and the
+batch carries the values the advantages were computed with in ``values`` and the targets in
+``returns``. It saves into ``<checkpoint>/critic/`` (``model/`` in Hugging Face form, and the
 optimizer state per rank).
 """
 
@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 
 from reroll.algorithms.aggregation import aggregate
-from reroll.algorithms.value import value_loss
+from reroll.algorithms.value import token_values, value_loss
 from reroll.config.schema import RunConfig
 from reroll.data.types import TrainBatch
-from reroll.models.loading import token_values
 from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker, mean_metrics
 
 SUBDIR = "critic"  # where the critic goes inside a checkpoint directory
@@ -47,7 +46,7 @@ class CriticWorker(StrategyWorker):
         for mb in self._micro_batches(batch):
             values = token_values(self._forward(mb))
             dev = values.device
-            old_values, returns = (mb.extras[k].to(dev) for k in ("values", "returns"))
+            old_values, returns = mb.values.to(dev), mb.returns.to(dev)
             mask = mb.response_mask.to(dev)
             token_loss, m = value_loss(values, old_values, returns, mask, clip=self.cfg.critic.value_clip)
             loss = aggregate(token_loss, mask, mode="token-mean", num_tokens=batch.num_tokens)

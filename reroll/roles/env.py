@@ -216,7 +216,7 @@ def state_id(observation: str) -> int:
 def episode_batch(episodes: Sequence[Episode], pad_token_id: int) -> TrainBatch:
     """Right-padded tensors of the episodes; the loss covers the policy's tokens only.
 
-    ``extras``: ``step_ids`` (B, T) turn of each policy token (-1 elsewhere), ``step_rewards`` (B, S),
+    ``step_ids`` (B, T) is the turn of each policy token (-1 elsewhere), ``step_rewards`` (B, S) and
     ``step_states`` (B, S) observation ids (-1 for absent turns). ``rewards`` (B,) is each episode's total.
     """
     b = len(episodes)
@@ -248,5 +248,7 @@ def episode_batch(episodes: Sequence[Episode], pad_token_id: int) -> TrainBatch:
         rollout_logprobs=logprobs,
         num_tokens=float(policy.sum()),
         num_seqs=float(policy.any(-1).sum()),
-        extras={"step_ids": step_ids, "step_rewards": step_rewards, "step_states": step_states},
+        step_ids=step_ids,
+        step_rewards=step_rewards,
+        step_states=step_states,
     )

@@ -22,14 +22,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from reroll.config.reward import RewardConfig
 from reroll.config.schema import RunConfig
+from reroll.data.types import RewardItem
 from reroll.errors import RoleError
 from reroll.rewards.base import RewardResult
 from reroll.rewards.isolation import ProcessPool, RewardTimeout
-from reroll.rewards.routing import DEFAULT_DOMAIN, RewardRouter, domain_terms, in_process
+from reroll.rewards.routing import RewardRouter, domain_terms, runs_isolated
 from reroll.roles.judge import JudgeClient, JudgeGroup
 from reroll.runtime.actors import WorkerGroup
 
@@ -38,15 +38,6 @@ log = logging.getLogger(__name__)
 # How long past its deadline a thread may take to report (an isolated call reports its own timeout
 # once its process is killed) before the thread is given up as stuck and replaced.
 _GRACE_S = 0.5
-
-
-class RewardItem(NamedTuple):
-    """What a reward worker scores: the prompt, the response, the dataset row and the row's tag."""
-
-    prompt: str
-    response: str
-    row: dict
-    tag: str = DEFAULT_DOMAIN
 
 
 class RewardWorker:
@@ -64,7 +55,7 @@ class RewardWorker:
 
             torch.set_num_threads(torch_threads)
         self.rank, self.cfg = rank, cfg
-        isolated = [(t.fn, t.args) for terms in domain_terms(cfg).values() for t in terms if in_process(t)]
+        isolated = [(t.fn, t.args) for terms in domain_terms(cfg).values() for t in terms if runs_isolated(t)]
         self.pool = ProcessPool(cfg.threads, preload=isolated) if isolated else None
         self.router = RewardRouter(cfg, self.pool, judge)
         self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -89,8 +80,7 @@ class RewardWorker:
             {"reward_error": int(kind == "error"), "reward_timeout": int(kind == "timeout"), "correct": 0},
         )
 
-    def score(self, items: Sequence[tuple]) -> list[RewardResult]:
-        items = [RewardItem(*it) for it in items]
+    def score(self, items: Sequence[RewardItem]) -> list[RewardResult]:
         results: list[RewardResult | None] = [None] * len(items)
         done: queue.Queue[tuple[int, RewardResult | BaseException]] = queue.Queue()
         deadlines: dict[int, float] = {}  # set when a thread picks the item up
@@ -101,7 +91,7 @@ class RewardWorker:
                 deadlines[i] = deadline = time.monotonic() + limit
                 try:
                     done.put(
-                        (i, self.router.score(it.prompt, it.response, it.row, it.tag, deadline=deadline))
+                        (i, self.router.score(it.prompt, it.response, it.row, it.domain, deadline=deadline))
                     )
                 except BaseException as e:  # reported as a counted error or timeout, never raised
                     done.put((i, e))
@@ -158,8 +148,8 @@ class RewardGroup(WorkerGroup):
         make_args = lambda rank: (rank, cfg.reward, cfg.roles.reward.torch_threads, client)  # noqa: E731
         super().__init__("reward", RewardWorker, make_args, cfg, timeout_s=cfg.reward.timeout_s)
 
-    def score(self, items: Sequence[tuple], phase: str = "reward") -> list[RewardResult]:
-        """Results for ``(prompt, response, row[, tag])`` items, in order."""
+    def score(self, items: Sequence[RewardItem], phase: str = "reward") -> list[RewardResult]:
+        """Results for ``items``, in order."""
         parts = self._deal(items)
         rc = self.reward_cfg
         rounds = math.ceil(max(map(len, parts), default=0) / rc.threads)

@@ -6,7 +6,7 @@ Each worker has a second Ray thread ("control") so ``abort`` reaches an engine i
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,8 +15,10 @@ from reroll.config.schema import RunConfig
 from reroll.data.types import Completion, SamplingParams
 from reroll.engines import make_engine
 from reroll.errors import RoleError
-from reroll.runtime.actors import LocalHandle, WorkerGroup, _Ready
+from reroll.roles.trainer import WeightBuckets
+from reroll.runtime.actors import WorkerGroup
 from reroll.runtime.placement import worker_device
+from reroll.runtime.weight_sync import WeightBucket
 
 
 class RolloutWorker:
@@ -33,9 +35,6 @@ class RolloutWorker:
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
         return self.engine.generate(prompts, params)
-
-    def update_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.engine.update_weights(weights)
 
     def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         self.engine.load_weights(bucket)
@@ -72,7 +71,7 @@ class RolloutGroup(WorkerGroup):
             "actor_infer", RolloutWorker, lambda rank: (rank, cfg), cfg, concurrency_groups={"control": 1}
         )
         self.detail = f"{cfg.rollout.engine} engine"
-        self.bucket_mb = cfg.rollout.weight_sync_bucket_mb
+        self.weights_version = 0  # the actor_train ``weights_version`` it holds (both start from model.path)
 
     def generate(
         self, prompts: Sequence[str], params: SamplingParams, phase: str = "generate"
@@ -81,28 +80,17 @@ class RolloutGroup(WorkerGroup):
         refs = [h.generate.remote(part, params) for h, part in zip(self.handles, self._deal(prompts))]
         return [group for part in self._wait(refs, phase) for group in part]
 
-    def update_weights(self, weights_ref: Any) -> None:
-        """Load weights on every rank; ``weights_ref`` is a Ray reference (or a local result)."""
-        if isinstance(weights_ref, _Ready):
-            if weights_ref.error is not None:
-                raise weights_ref.error
-            weights_ref = weights_ref.value
-        self._wait([h.update_weights.remote(weights_ref) for h in self.handles], "weight_sync")
-
-    def sync_weights(self, trainer: WorkerGroup) -> None:
-        """``trainer`` rank 0's weights into every rank, one bucket at a time (see ``load_weight_buckets``)."""
-        self.load_weight_buckets(weight_buckets(trainer, self.bucket_mb))
-
-    def load_weight_buckets(self, buckets: WeightBuckets) -> None:
-        """Load ``weight_buckets(trainer, ...)`` into every rank, one bucket (``rollout.weight_sync_bucket_mb``,
+    def load_weight_buckets(self, buckets: WeightBuckets | Iterable[WeightBucket]) -> None:
+        """Load ``TrainerGroup.weight_buckets(...)`` into every rank, one bucket (``rollout.weight_sync_bucket_mb``,
         whole layers) at a time, so an engine's extra memory is one bucket; then each engine drops its
         prefix cache."""
         for bucket in buckets:
             try:
                 self._wait([h.load_weights.remote(bucket) for h in self.handles], "weight_sync")
-            except RoleError as e:
-                buckets.raise_if_failed(bucket)
-                raise e
+            except RoleError:
+                if isinstance(buckets, WeightBuckets):  # the trainer may have failed to make it
+                    buckets.raise_if_failed(bucket)
+                raise
         self._wait([h.finish_weight_update.remote() for h in self.handles], "weight_sync")
 
     def update_lora(self, adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> None:
@@ -124,10 +112,10 @@ class RolloutGroup(WorkerGroup):
 
     def offload(self) -> None:
         """Free the engine's device memory (weights and KV cache) while a colocated role runs."""
-        self._wait([h.offload.remote() for h in self.handles], "sleep")
+        self._wait([h.offload.remote() for h in self._handles], "sleep")
 
     def reload(self) -> None:
-        self._wait([h.reload.remote() for h in self.handles], "wake_up")
+        self._wait([h.reload.remote() for h in self._handles], "wake_up")
 
     def metrics(self) -> dict[str, float]:
         """Each rank's ``engine/*`` metrics summed (throughput, requests), the KV-cache usage averaged."""
@@ -136,49 +124,3 @@ class RolloutGroup(WorkerGroup):
             k: sum(p[k] for p in parts) / (len(parts) if k == "engine/kv_cache_usage" else 1)
             for k in parts[0]
         }
-
-
-class WeightBuckets:
-    """A trainer's weights as buckets, started by ``weight_buckets``: iterate to get rank 0's buckets in
-    order (Ray references, or the buckets themselves with the local backend)."""
-
-    def __init__(self, trainer: WorkerGroup, bucket_mb: float) -> None:
-        self.trainer = trainer
-        self.local = isinstance(trainer.handles[0], LocalHandle)
-        if self.local:  # run now, as a Ray actor would
-            try:
-                self.streams = [list(h.weight_buckets.remote(bucket_mb).value) for h in trainer.handles]
-            except Exception as e:
-                raise RoleError(trainer.role, 0, "weight_sync", f"{type(e).__name__}: {e}") from e
-        else:
-            self.streams = [
-                h.weight_buckets.options(num_returns="streaming").remote(bucket_mb) for h in trainer.handles
-            ]
-
-    def __iter__(self) -> Iterator[Any]:
-        yield from self.streams[0]
-        if self.local:
-            return
-        for rank, stream in enumerate(self.streams[1:], start=1):  # they yield nothing; wait for the end
-            try:
-                self.trainer._wait(list(stream), "weight_sync")
-            except RoleError as e:
-                raise RoleError(self.trainer.role, rank, "weight_sync", e.cause) from e
-
-    def raise_if_failed(self, bucket: Any) -> None:
-        """When loading ``bucket`` failed: if the trainer failed to make it, say so (not the engine)."""
-        if self.local:
-            return
-        import ray
-
-        try:
-            ray.get(bucket, timeout=self.trainer.timeout_s)
-        except Exception as e:
-            raise RoleError(self.trainer.role, 0, "weight_sync", f"{type(e).__name__}: {e}") from e
-
-
-def weight_buckets(trainer: WorkerGroup, bucket_mb: float) -> WeightBuckets:
-    """Start every ``trainer`` rank making its weight buckets (a sharded strategy gathers collectively)
-    now, while the trainer holds its device; the buckets wait in Ray's object store until an engine
-    loads them (``RolloutGroup.load_weight_buckets``), so the trainer may be offloaded in between."""
-    return WeightBuckets(trainer, bucket_mb)

@@ -144,7 +144,7 @@ class StrategyGroup(WorkerGroup):
 
     def offload(self) -> None:
         """Parameters, gradients and optimizer state off the device (another role needs it)."""
-        self._wait([h.offload.remote() for h in self.handles], "offload")
+        self._wait([h.offload.remote() for h in self._handles], "offload")
 
     def reload(self) -> None:
-        self._wait([h.reload.remote() for h in self.handles], "reload")
+        self._wait([h.reload.remote() for h in self._handles], "reload")

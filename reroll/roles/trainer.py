@@ -9,16 +9,20 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from reroll.algorithms.correction import mismatch_metrics
+from reroll.algorithms.logprobs import token_entropy, token_logprobs
 from reroll.algorithms.objective import actor_loss
 from reroll.config.schema import RunConfig
 from reroll.data.types import TrainBatch
-from reroll.models.loading import mismatch_metrics, token_entropy, token_logprobs
+from reroll.errors import RoleError
 from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker, mean_metrics
-from reroll.runtime.weight_sync import WeightBucket, weight_buckets
+from reroll.runtime.actors import LocalHandle
+from reroll.runtime.weight_sync import WeightBucket, split_into_buckets
 from reroll.strategies.lora import AdapterUpdate, payload_bytes
 
 
@@ -28,7 +32,7 @@ class TrainerWorker(StrategyWorker):
     def __init__(self, role: str, rank: int, cfg: RunConfig, trainable: bool) -> None:
         super().__init__(role, rank, cfg, model_path=cfg.model.path, trainable=trainable, head="causal_lm")
         self.temperature = cfg.rollout.temperature or 1.0
-        self.sent_bytes = 0
+        self._sync_bytes = 0
 
     def compute_logprobs(self, batch: TrainBatch, base_model: bool = False) -> torch.Tensor:
         """``(B, T)`` log-probs of ``batch.input_ids`` at the sampling temperature; ``base_model``: with the
@@ -91,32 +95,25 @@ class TrainerWorker(StrategyWorker):
             total += float(loss.detach())
         return {"sft/loss": total} | self._step("sft")
 
-    def weights(self) -> dict[str, torch.Tensor] | None:
-        """Rank 0: the full weights (Hugging Face names). Every rank must call it (a sharded strategy
-        gathers them collectively); the others return None."""
-        state = self.strategy.full_state_dict()
-        self.sent_bytes = payload_bytes(state)
-        return state if self.rank == 0 else None
-
     def adapter_update(self) -> AdapterUpdate | None:
-        """Rank 0: the LoRA adapters and their config (``strategy.lora.sync: adapters``); called on every
-        rank like ``weights``."""
+        """Rank 0: the LoRA adapters and their config (``strategy.lora.sync: adapters``). Every rank must
+        call it (a sharded strategy gathers collectively); the others return None."""
         update = self.strategy.adapter_update()
-        self.sent_bytes = update.num_bytes
+        self._sync_bytes = update.num_bytes
         return update if self.rank == 0 else None
 
-    def last_sent_bytes(self) -> int:
-        """Bytes of the last ``weights`` or ``adapter_update`` payload (``sync/bytes``)."""
-        return self.sent_bytes
-
-    def weight_buckets(self, bucket_mb: float) -> Iterator[WeightBucket]:
-        """Rank 0: the full weights in buckets of whole layers, about ``bucket_mb`` MiB each (a Ray
-        streaming generator: the engines load one bucket while the next is sent). Every rank must call
-        it, like ``weights``; the others yield nothing."""
+    def stream_weights(self, bucket_mb: float) -> Iterator[WeightBucket]:
+        """Rank 0: the full weights (Hugging Face names) in buckets of whole layers, about ``bucket_mb``
+        MiB each (a Ray streaming generator: the engines load one bucket while the next is sent). Every
+        rank must call it, like ``adapter_update``; the others yield nothing."""
         state = self.strategy.full_state_dict()
-        self.sent_bytes = payload_bytes(state)
+        self._sync_bytes = payload_bytes(state)
         if self.rank == 0:
-            yield from weight_buckets(state.items(), int(bucket_mb * 2**20))
+            yield from split_into_buckets(state.items(), int(bucket_mb * 2**20))
+
+    def sync_bytes(self) -> int:
+        """Bytes of the last ``stream_weights`` or ``adapter_update`` payload (``sync/bytes``)."""
+        return self._sync_bytes
 
 
 def _advantage_stats(mb: TrainBatch) -> str:
@@ -129,6 +126,7 @@ class TrainerGroup(StrategyGroup):
 
     def __init__(self, role: str, cfg: RunConfig, *, trainable: bool) -> None:
         super().__init__(role, TrainerWorker, lambda rank: (role, rank, cfg, trainable), cfg)
+        self.weights_version = 0  # counts optimizer steps and loads: an engine holding another is stale
 
     def compute_logprobs(self, batch: TrainBatch, *, base_model: bool = False) -> torch.Tensor:
         """``(B, T)`` log-probs; ``base_model``: with the LoRA adapters disabled (the reference)."""
@@ -143,25 +141,77 @@ class TrainerGroup(StrategyGroup):
         """One optimizer step; ``train/tokens_per_s`` is the ranks' sum (they train at the same time)."""
         shards = batch.split(self.world_size)
         parts = self._wait([h.train_rl.remote(s) for h, s in zip(self.handles, shards)], "train")
+        self.weights_version += 1
         return mean_metrics(parts) | {"train/tokens_per_s": sum(p["train/tokens_per_s"] for p in parts)}
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         shards = batch.split(self.world_size)
-        return mean_metrics(self._wait([h.train_sft.remote(s) for h, s in zip(self.handles, shards)], "sft"))
+        parts = self._wait([h.train_sft.remote(s) for h, s in zip(self.handles, shards)], "sft")
+        self.weights_version += 1
+        return mean_metrics(parts)
 
-    def weights_ref(self) -> Any:
-        """A reference to rank 0's full weights, to hand to the engine without passing through the driver.
-
-        Every rank takes part (a sharded strategy gathers the weights collectively); this waits for
-        ranks 1.. and returns rank 0's reference."""
-        refs = [h.weights.remote() for h in self.handles]
-        self._wait(refs[1:], "weights")
-        return refs[0]
+    def load(self, directory: Path) -> None:
+        super().load(directory)
+        self.weights_version += 1
 
     def adapter_update(self) -> AdapterUpdate:
         """The LoRA adapters and their config, from rank 0 (every rank takes part in the gather)."""
-        return self._wait([h.adapter_update.remote() for h in self.handles], "weights")[0]
+        return self._wait([h.adapter_update.remote() for h in self.handles], "weight_sync")[0]
 
-    def sent_bytes(self) -> int:
-        """Bytes of rank 0's last weight-sync payload (full weights or adapters)."""
-        return self._wait([self.handles[0].last_sent_bytes.remote()], "weights")[0]
+    def weight_buckets(self, bucket_mb: float) -> WeightBuckets:
+        """Start every rank making its weight buckets (a sharded strategy gathers collectively) now,
+        while the trainer holds its device; the buckets wait in Ray's object store until an engine loads
+        them (``RolloutGroup.load_weight_buckets``), so the trainer may be offloaded in between."""
+        return WeightBuckets(self, bucket_mb)
+
+    def sync_bytes(self) -> int:
+        """Bytes of rank 0's last weight-sync payload (full weights or adapters): ``sync/bytes``."""
+        return self._wait([self.handles[0].sync_bytes.remote()], "weight_sync")[0]
+
+
+class WeightBuckets:
+    """A trainer's weights as buckets (``TrainerGroup.weight_buckets``): iterate to get rank 0's buckets
+    in order (Ray references, or the buckets themselves with the local backend)."""
+
+    def __init__(self, trainer: TrainerGroup, bucket_mb: float) -> None:
+        self.trainer = trainer
+        handles = trainer.handles
+        self.local = isinstance(handles[0], LocalHandle)
+        if self.local:  # run now, as a Ray actor would
+            try:
+                self.streams = [list(h.stream_weights.remote(bucket_mb).value) for h in handles]
+            except Exception as e:
+                raise RoleError(trainer.role, 0, "weight_sync", f"{type(e).__name__}: {e}") from e
+        else:
+            self.streams = [
+                h.stream_weights.options(num_returns="streaming").remote(bucket_mb) for h in handles
+            ]
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.streams[0]
+        if self.local:
+            return
+        for rank, stream in enumerate(self.streams[1:], start=1):  # they yield nothing; wait for the end
+            try:
+                self.trainer._wait(list(stream), "weight_sync")
+            except RoleError as e:
+                raise RoleError(self.trainer.role, rank, "weight_sync", e.cause) from e
+
+    def raise_if_failed(self, bucket: Any) -> None:
+        """When loading ``bucket`` failed: if the trainer failed to make it, say so (not the engine)."""
+        if self.local:
+            return
+        import ray
+
+        try:
+            ray.get(bucket, timeout=self.trainer.timeout_s)
+        except Exception as e:
+            raise RoleError(self.trainer.role, 0, "weight_sync", f"{type(e).__name__}: {e}") from e
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every bucket loaded here, as one state dict (for checks; the engines take the buckets)."""
+        if self.local:
+            return dict(item for bucket in self for item in bucket)
+        import ray
+
+        return dict(item for ref in self for item in ray.get(ref, timeout=self.trainer.timeout_s))

@@ -157,7 +157,9 @@ class WorkerGroup:
         self.detail: str | None = None  # what the workers run, named in errors ('vllm engine')
         self.timeout_s = timeout_s or cfg.runtime.call_timeout_s
         local = cfg.runtime.backend == "local"
-        self.handles = [
+        # set by the run (``Roles``) when the role shares a device: raises if the role is offloaded
+        self.residency_check: Callable[[str], None] | None = None
+        self._handles = [
             spawn(
                 cls,
                 make_args(rank),
@@ -169,6 +171,15 @@ class WorkerGroup:
             for rank in range(rc.world_size)
         ]
 
+    @property
+    def handles(self) -> list[Any]:
+        """The ranks' handles, for a call into the role: refused while the role is offloaded (a colocated
+        role must hold its device first, see ``reroll.pipelines.run.Roles.phase``). ``offload``,
+        ``reload`` and ``shutdown`` use ``_handles``, which any state allows."""
+        if self.residency_check is not None:
+            self.residency_check(self.role)
+        return self._handles
+
     def _wait(self, refs: Sequence[Any], phase: str) -> list[Any]:
         return gather(refs, role=self.role, phase=phase, timeout_s=self.timeout_s, detail=self.detail)
 
@@ -179,9 +190,9 @@ class WorkerGroup:
         return [list(items[a:b]) for a, b in itertools.pairwise(bounds)]
 
     def shutdown(self) -> None:
-        if self.handles and not isinstance(self.handles[0], LocalHandle):
+        if self._handles and not isinstance(self._handles[0], LocalHandle):
             import ray
 
-            for h in self.handles:
+            for h in self._handles:
                 ray.kill(h)
-        self.handles = []
+        self._handles = []

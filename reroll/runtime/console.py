@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from reroll.data.types import Rollout
-from reroll.rewards.base import RewardResult
-
 _COLUMNS = [
     ("rollout/reward_mean", "reward", "{:.3f}"),
     ("rollout/accuracy", "acc", "{:.3f}"),
@@ -20,12 +17,15 @@ _PHASES = [
     ("generate", "gen"),
     ("reward", "rew"),
     ("reference", "ref"),
+    ("episodes", "play"),
     ("baseline", "base"),
     ("old_logprobs", "old"),
     ("values", "val"),
     ("train", "train"),
     ("critic", "critic"),
     ("weight_sync", "sync"),
+    ("offload", "off"),
+    ("reload", "on"),
     ("evaluate", "eval"),
     ("checkpoint", "ckpt"),
 ]
@@ -43,6 +43,6 @@ def step_line(step: int, total: int, metrics: Mapping[str, float]) -> str:
     return " | ".join(parts)
 
 
-def sample_line(rollout: Rollout, result: RewardResult) -> str:
-    """A prompt, the response and its reward."""
-    return f"  sample: {rollout.sample.prompt!r} -> {rollout.completion.text!r} (reward {result.score:g})"
+def sample_line(prompt: str, response: str, score: float) -> str:
+    """A prompt, the response and its reward, as the model saw them (decoded from the token ids)."""
+    return f"  sample: {prompt!r} -> {response!r} (reward {score:g})"

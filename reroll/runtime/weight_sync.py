@@ -26,7 +26,9 @@ def layer_key(name: str) -> str:
     return m.group(1) if m else name
 
 
-def weight_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
+def split_into_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[WeightBucket]:
     """``named`` (in state-dict order) cut into buckets of at most ``bucket_bytes``, whole layers each.
 
     Consecutive names with the same ``layer_key`` stay in one bucket; a layer that alone exceeds

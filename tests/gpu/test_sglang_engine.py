@@ -27,8 +27,10 @@ def test_sglang_logprobs_equal_hf_after_update(assets):
     hf = HFEngine(str(assets["model"]), device="cuda")
     engine = SGLangEngine(str(assets["model"]))
     weights = {k: v + 0.01 * torch.randn_like(v) for k, v in hf.model.state_dict().items()}
-    hf.update_weights(weights)
-    engine.update_weights({k: v.cpu() for k, v in weights.items()})
+    hf.load_weights(list(weights.items()))
+    hf.finish_weight_update()
+    engine.load_weights([(k, v.cpu()) for k, v in weights.items()])
+    engine.finish_weight_update()
 
     prompts = ["12+7=", "3+45=", "20+20="]
     groups = engine.generate(prompts, SamplingParams(n=4, temperature=0.8, max_new_tokens=4, seed=0))

@@ -66,10 +66,11 @@ def _config(tmp_path: Path, model: Path, **over) -> RunConfig:
 
 
 def test_crashing_and_hanging_envs_end_their_episodes_and_the_step_completes(tmp_path, game_model, caplog):
-    from reroll.pipelines.agentic import run_agentic
+    from reroll.pipelines.agentic import Agentic
+    from reroll.pipelines.run import run
 
     start = time.monotonic()
-    result = run_agentic(_config(tmp_path, game_model))
+    result = run(Agentic, _config(tmp_path, game_model))
     assert time.monotonic() - start < 60
     [row] = [r for r in read_metrics(result.run_dir) if r["step"] == 1]
     # step 1 plays seeds 4..7, two episodes each: seed 4 crashes, seed 5 hangs, 6 wins and 7 loses
@@ -85,12 +86,13 @@ def test_crashing_and_hanging_envs_end_their_episodes_and_the_step_completes(tmp
 
 
 def test_resume_continues_from_the_last_checkpoint(tmp_path, game_model):
-    from reroll.pipelines.agentic import run_agentic
+    from reroll.pipelines.agentic import Agentic
+    from reroll.pipelines.run import run
 
     over = {"agentic": {"env": "nim", "eval_episodes": 4}, "algorithm": {"adv_estimator": "gigpo"}}
-    first = run_agentic(_config(tmp_path, game_model, **over))
+    first = run(Agentic, _config(tmp_path, game_model, **over))
     assert first.checkpoint is not None and first.checkpoint.name == "step_000001"
-    second = run_agentic(_config(tmp_path, game_model, total_steps=2, **over), resume=True)
+    second = run(Agentic, _config(tmp_path, game_model, total_steps=2, **over), resume=True)
     assert second.checkpoint is not None and second.checkpoint.name == "step_000002"
     steps = [r["step"] for r in read_metrics(second.run_dir)]
     assert steps == [0, 1, 2]  # no second step-0 evaluation: the run continued

@@ -24,7 +24,7 @@ def _step(cfg_path, world_size: int, batch):
         group.configure_optimizer(1e-2, 0)
         sft = group.train_sft(batch)
         rl = group.train_rl(batch)
-        [weights] = group._wait([group.handles[0].weights.remote()], "weights")
+        weights = group.weight_buckets(1.0).tensors()
         return sft, rl, weights
     finally:
         group.shutdown()

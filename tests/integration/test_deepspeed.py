@@ -154,7 +154,7 @@ def test_two_ranks_equal_one(tmp_path, assets):
         try:
             group.configure_optimizer(LR, 0)
             sft, rl = group.train_sft(batch), group.train_rl(batch)  # 5 rows a rank: micro-batches of 4, 1
-            [weights] = group._wait([group.weights_ref()], "weights")
+            weights = group.weight_buckets(1.0).tensors()
             return sft, rl, weights
         finally:
             group.shutdown()

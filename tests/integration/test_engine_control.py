@@ -91,7 +91,8 @@ def test_hf_sleep_drops_the_weights_and_wake_needs_them_back(tmp_path):
     assert storage() == param_bytes
     with pytest.raises(RuntimeError, match="without weights"):
         engine.generate(PROMPTS, greedy)
-    engine.update_weights(weights)
+    engine.load_weights(list(weights.items()))
+    engine.finish_weight_update()
     assert engine.generate(PROMPTS, greedy) == before
 
 
@@ -145,14 +146,14 @@ def test_bucketed_sync_through_ray_equals_the_trainer(assets, ray_groups):
     batch = build_train_batch(rollouts, tok.pad_token_id)
     mask = batch.response_mask
 
-    buckets = list(actor.handles[0].weight_buckets.options(num_returns="streaming").remote(0.05))
+    buckets = list(actor.handles[0].stream_weights.options(num_returns="streaming").remote(0.05))
     assert len(buckets) >= 3
 
     actor.configure_optimizer(1e-2, 0)
     actor.train_sft(sft_batch(samples, tok, "{answer}"))
     after = actor.compute_logprobs(batch)
     assert (rollout.score(batch.input_ids, batch.attention_mask, 1.0)[mask] - after[mask]).abs().max() > 1e-3
-    rollout.sync_weights(actor)
+    rollout.load_weight_buckets(actor.weight_buckets(0.05))
     synced = rollout.score(batch.input_ids, batch.attention_mask, 1.0)
     torch.testing.assert_close(synced[mask], after[mask], atol=1e-6, rtol=0)
 

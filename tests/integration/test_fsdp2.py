@@ -42,8 +42,7 @@ def _step(path, batch, *overrides: str):
         group.configure_optimizer(LR, 0)
         sft = group.train_sft(batch)
         rl = group.train_rl(batch)
-        ref = group.weights_ref()
-        [weights] = group._wait([ref], "weights")
+        weights = group.weight_buckets(1.0).tensors()
         return sft, rl, weights
     finally:
         group.shutdown()

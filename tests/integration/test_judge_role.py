@@ -12,6 +12,7 @@ import re
 import pytest
 
 from reroll.config.schema import RunConfig
+from reroll.data.types import RewardItem
 from reroll.errors import RoleError
 from reroll.models.tiny import build_tiny_model
 from reroll.rewards.routing import domain_metrics
@@ -48,12 +49,16 @@ def test_unparseable_judge_replies_get_the_defined_score_and_are_counted(tmp_pat
     try:
         replies = group.judge.handles[0].generate.remote(["is 4 right?"]).value
         assert len(replies) == 1 and not re.search(r"\d", replies[0])  # the premise: no number to parse
-        items = [("q", "a", {}, "chat"), ("q", "4", {"answer": "4"}, "math"), ("q2", "b", {}, "chat")]
+        items = [
+            RewardItem("q", "a", {}, "chat"),
+            RewardItem("q", "4", {"answer": "4"}, "math"),
+            RewardItem("q2", "b", {}, "chat"),
+        ]
         results = group.score(items)
     finally:
         group.shutdown()
     assert [r.score for r in results] == [-0.5, 1.0, -0.5]
-    m = domain_metrics([d for *_, d in items], results)
+    m = domain_metrics([it.domain for it in items], results)
     assert (m["reward/chat/judge_parse_error"], m["reward/chat/mean"], m["reward/math/mean"]) == (
         1.0,
         -0.5,
@@ -69,10 +74,10 @@ def test_a_dead_judge_is_a_role_error_naming_the_judge(tmp_path):
     start_ray(None)
     group = RewardGroup(cfg)
     try:
-        assert group.score([("q", "4", {"answer": "4"}, "math")])[0].score == 1.0
+        assert group.score([RewardItem("q", "4", {"answer": "4"}, "math")])[0].score == 1.0
         ray.kill(group.judge.handles[0])
         with pytest.raises(RoleError, match=r"judge\[0\] failed during judge") as e:
-            group.score([("q", "a", {}, "chat")])
+            group.score([RewardItem("q", "a", {}, "chat")])
         assert (e.value.role, e.value.rank) == ("judge", 0)
     finally:
         group.shutdown()

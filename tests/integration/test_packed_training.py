@@ -66,7 +66,7 @@ def _actor_step(cfg: RunConfig, batch: TrainBatch):
     group.configure_optimizer(LR, 0)
     logprobs = group.compute_logprobs(batch)
     metrics = group.train_rl(batch)
-    [weights] = group._wait([group.handles[0].weights.remote()], "weights")
+    weights = group.weight_buckets(1.0).tensors()
     return logprobs, metrics, weights
 
 
@@ -99,10 +99,9 @@ def test_packed_and_token_budget_steps_equal_fixed_padded_micro_batches(tmp_path
 
 def test_critic_packed_equals_padded(tmp_path, assets, batch):
     """The critic's values and its step are the same packed (and token-budgeted) as padded."""
-    batch = replace(batch, extras={})
     g = torch.Generator().manual_seed(1)
-    batch.extras["values"] = torch.zeros(batch.input_ids.shape)
-    batch.extras["returns"] = torch.randn(batch.input_ids.shape, generator=g) * batch.response_mask
+    returns = torch.randn(batch.input_ids.shape, generator=g) * batch.response_mask
+    batch = replace(batch, values=torch.zeros(batch.input_ids.shape), returns=returns)
 
     def step(overrides):
         group = CriticGroup(_cfg(tmp_path, assets, overrides, critic=True))
@@ -165,7 +164,7 @@ def test_sharded_ranks_run_equally_many_micro_batches(tmp_path, assets, batch, i
     try:
         group.configure_optimizer(LR, 0)
         m_b = group.train_rl(rows)
-        [w_b] = group._wait([group.weights_ref()], "weights")
+        w_b = group.weight_buckets(1.0).tensors()
     finally:
         group.shutdown()
     assert m_b["actor/grad_norm"] == pytest.approx(m_a["actor/grad_norm"], rel=1e-5)

@@ -91,7 +91,7 @@ def test_critic_fits_returns_on_a_fixed_batch(tmp_path, assets):
     before, values = loss_and_values()
     assert before == pytest.approx(0.5)  # V = 0 everywhere: 0.5 * 1^2
     for _ in range(10):  # PPO-style: each step's old values are the critic's values before it
-        batch.extras = {"values": values, "returns": returns}
+        batch.values, batch.returns = values, returns
         assert math.isfinite(critic.train(batch)["critic/vf_loss"])
         after, values = loss_and_values()
     assert after < 0.7 * before, (before, after)
@@ -104,7 +104,7 @@ def test_micro_batches_add_up_to_the_full_batchstep_metrics(tmp_path, assets):
     cfg = load_config(_ppo_config(tmp_path, assets), RunConfig, ["runtime.backend=local"])
     batch, returns = _fixed_batch(cfg)
     old_values = 0.3 * torch.randn(returns.shape, generator=torch.Generator().manual_seed(0))
-    batch.extras = {"values": old_values, "returns": returns}  # V = 0 is outside 0.2 of some: they clip
+    batch.values, batch.returns = old_values, returns  # V = 0 is outside 0.2 of some: they clip
     results = []
     for size in (32, 8):
         critic = CriticGroup(

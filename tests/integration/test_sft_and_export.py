@@ -11,7 +11,8 @@ from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import load_samples
 from reroll.models.loading import load_tokenizer, sequence_logprobs
-from reroll.pipelines.common import save_checkpoint, sft_batch
+from reroll.pipelines.common import sft_batch
+from reroll.pipelines.run import Checkpointed, save_checkpoint
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime import checkpoint
 from reroll.runtime.metrics import read_metrics
@@ -32,10 +33,10 @@ def test_sft_pipeline_improves_accuracy(tmp_path, assets):
     )
     assert main(["train", str(cfg), "runtime.backend=local"]) == 0
     rows = read_metrics(tmp_path / "runs" / "sft")
-    assert [r["step"] for r in rows] == list(range(1, 61))
-    losses = [r["sft/loss"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(61))  # step 0: the model before training, evaluated
+    losses = [r["sft/loss"] for r in rows[1:]]
     assert losses[-1] < 0.5 * losses[0]  # next-token loss on the answers at least halves
-    assert rows[-1]["eval/accuracy"] > 0.0  # from 0 for a random model
+    assert rows[0]["eval/accuracy"] == 0.0 < rows[-1]["eval/accuracy"]  # from 0 for a random model
     assert checkpoint.latest(tmp_path / "runs" / "sft").name == "step_000060"
 
 
@@ -47,7 +48,7 @@ def test_checkpoint_loads_in_transformers_with_trainer_logprobs(tmp_path, assets
     actor.configure_optimizer(1e-2, 0)
     actor.train_sft(batch)  # move away from the initial weights
     expected = actor.compute_logprobs(batch)
-    ckpt = save_checkpoint(cfg, actor, 1, {"sampler": {"epoch": 0, "index": 0}})
+    ckpt = save_checkpoint(cfg, actor, 1, Checkpointed({"sampler": {"epoch": 0, "index": 0}}))
 
     model = AutoModelForCausalLM.from_pretrained(ckpt / "model")
     got = sequence_logprobs(model, batch.input_ids, batch.attention_mask)

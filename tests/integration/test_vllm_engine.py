@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-import ray
 import torch
 
 from reroll.config.loader import load_config
@@ -22,6 +21,7 @@ from reroll.pipelines.common import sft_batch
 from reroll.roles.rollout import RolloutGroup
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime.actors import start_ray
+from reroll.runtime.weight_sync import split_into_buckets
 from tests.conftest import assert_kill_mid_generation_is_reported, write_config
 
 pytestmark = [
@@ -49,6 +49,11 @@ def groups(tmp_path_factory, assets):
         g.shutdown()
 
 
+def _in_this_process(actor):
+    """The trainer's weights as buckets of tensors here, for the hf group that runs in this process."""
+    return split_into_buckets(actor.weight_buckets(1.0).tensors().items(), 2**20)
+
+
 def _batch(assets, completions):
     samples = load_samples([str(assets["train"])], template="{question}=")[: len(completions)]
     rollouts = [Rollout(s, i, c) for i, (s, cs) in enumerate(zip(samples, completions)) for c in cs]
@@ -72,7 +77,9 @@ def test_vllm_logprobs_equal_trainer_after_sync(assets, groups):
     stale = engine.score(batch.input_ids, batch.attention_mask, 1.0)
     assert (stale[mask] - after[mask]).abs().max() > 1e-3  # the update moved the policy
 
-    engine.sync_weights(actor)  # bucket by bucket (whole layers), as the pipelines do
+    engine.load_weight_buckets(
+        actor.weight_buckets(0.05)
+    )  # bucket by bucket (whole layers), as the pipelines do
     synced = engine.score(batch.input_ids, batch.attention_mask, 1.0)
     # every scored token, prompt and response (column 0 has no log-prob)
     scored = batch.attention_mask.clone()
@@ -86,9 +93,7 @@ def test_vllm_logprobs_equal_trainer_after_sync(assets, groups):
             [s.prompt for s in samples], SamplingParams(n=2, temperature=0.7, max_new_tokens=4, seed=1)
         ),
     )
-    hf.update_weights(
-        ray.get(actor.weights_ref())
-    )  # the trainer's forward (sequence_logprobs) at temperature 0.7
+    hf.load_weight_buckets(_in_this_process(actor))  # the trainer's forward, at temperature 0.7
     reference = hf.score(fresh.input_ids, fresh.attention_mask, 0.7)
     m = fresh.response_mask
     torch.testing.assert_close(fresh.rollout_logprobs[m], reference[m], atol=1e-5, rtol=0)
@@ -96,9 +101,8 @@ def test_vllm_logprobs_equal_trainer_after_sync(assets, groups):
 
 def test_vllm_matches_hf_engine(assets, groups):
     actor, hf, engine = groups
-    weights = actor.weights_ref()
-    hf.update_weights(ray.get(weights))  # hf runs in this process
-    engine.update_weights(weights)
+    hf.load_weight_buckets(_in_this_process(actor))
+    engine.load_weight_buckets(actor.weight_buckets(0.05))
     prompts = [s.prompt for s in load_samples([str(assets["test"])], template="{question}=")[:16]]
 
     # greedy: the same tokens from both engines
@@ -167,9 +171,8 @@ def test_vllm_lora_update_equals_peft_model(assets, groups):
     mask = torch.ones_like(ids)
     cfg = {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "gate_proj"]}
     base = load_causal_lm(str(assets["model"]), "float32", "cpu")
-    engine.update_weights(
-        base.state_dict()
-    )  # earlier tests synced trained weights; LoRA runs freeze the base
+    # earlier tests synced trained weights; LoRA runs freeze the base
+    engine.load_weight_buckets(split_into_buckets(base.state_dict().items(), 2**20))
     peft_model = get_peft_model(base, LoraConfig(**cfg))
     for seed in (0, 1):
         torch.manual_seed(seed)

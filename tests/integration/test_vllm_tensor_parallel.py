@@ -15,7 +15,7 @@ from reroll.data.types import SamplingParams
 from reroll.engines import engine_available
 from reroll.engines.hf import HFEngine
 from reroll.models.loading import load_tokenizer
-from reroll.runtime.weight_sync import weight_buckets
+from reroll.runtime.weight_sync import split_into_buckets
 
 pytestmark = [
     pytest.mark.integration,
@@ -52,6 +52,6 @@ def test_vllm_tp2_matches_the_hf_engine_before_and_after_a_weight_update(assets)
         # the trainer's form: a state dict, the tied embedding under both names (vLLM's reload needs
         # lm_head.weight to update its tied head)
         state = {k: v.detach().clone() for k, v in hf.model.state_dict().items()}
-        for bucket in weight_buckets(state.items(), 2**16):  # one layer per bucket, each sharded in two
+        for bucket in split_into_buckets(state.items(), 2**16):  # one layer per bucket, each sharded in two
             engine.load_weights(bucket)
         engine.finish_weight_update()

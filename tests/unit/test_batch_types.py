@@ -44,8 +44,10 @@ def test_concat_pads_to_requested_width():
     assert out[0].tolist() == [1, 1, 0, 0]
 
 
-def test_trim_cuts_extras_too():
+def test_trim_cuts_per_token_fields_and_keeps_per_turn_ones():
     short = build_train_batch([_rollout([1], [2], 0), _rollout([1] * 4, [2] * 3, 1)], pad_token_id=0)
-    short.extras["values"] = torch.zeros(2, 7)
+    short.values = torch.zeros(2, 7)
+    short.step_rewards = torch.zeros(2, 5)  # (B, S): five turns, not tokens
     first = short.chunks(1)[0]
-    assert first.extras["values"].shape == (1, 2)
+    assert first.values.shape == (1, 2)  # row 0 is 2 tokens long
+    assert first.step_rewards.shape == (1, 5)

@@ -12,8 +12,8 @@ def test_phase_timer_accumulates_and_resets():
         pass
     out = timer.pop()
     assert out["timing/generate"] >= 0.01
-    assert out["timing/step"] == out["timing/generate"]
-    assert timer.pop() == {"timing/step": 0}
+    assert set(out) == {"timing/generate"}
+    assert timer.pop() == {}
 
 
 def test_step_line_shows_metrics_and_phases():

@@ -37,7 +37,7 @@ def test_importing_reroll_engines_does_not_import_vllm():
 def test_weight_buckets_keep_layers_whole_and_respect_the_size():
     import torch
 
-    from reroll.runtime.weight_sync import weight_buckets
+    from reroll.runtime.weight_sync import split_into_buckets
 
     f32 = lambda n: torch.zeros(n)  # noqa: E731  4 bytes per element
     named = [
@@ -50,15 +50,17 @@ def test_weight_buckets_keep_layers_whole_and_respect_the_size():
         ("model.norm.weight", f32(25)),  # 100 B
         ("lm_head.weight", f32(100)),  # 400 B
     ]
-    buckets = [[n.split(".weight")[0].split(".", 1)[-1] for n, _ in b] for b in weight_buckets(named, 1000)]
+    buckets = [
+        [n.split(".weight")[0].split(".", 1)[-1] for n, _ in b] for b in split_into_buckets(named, 1000)
+    ]
     assert buckets == [
         ["embed_tokens", "layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj"],  # 800 B
         ["layers.1.self_attn.q_proj", "layers.1.mlp.up_proj"],  # 1600 B alone
         ["layers.2.mlp.up_proj", "norm", "lm_head"],  # 600 B
     ]
-    assert sum(len(b) for b in weight_buckets(named, 1)) == len(named)  # every tensor exactly once
+    assert sum(len(b) for b in split_into_buckets(named, 1)) == len(named)  # every tensor exactly once
     with pytest.raises(ValueError, match="positive"):
-        next(weight_buckets(named, 0))
+        next(split_into_buckets(named, 0))
 
 
 def test_merge_lora_by_hand():

@@ -64,12 +64,10 @@ def test_episodes_batch_all_live_turns_into_one_engine_call(tok):
     batch = episode_batch(episodes, tok.pad_token_id)
     turns = first.traj.turns
     assert batch.response_mask[0].sum() == 2 * turns  # "1" and eos per turn, nothing else
-    assert batch.extras["step_ids"][0][batch.response_mask[0]].tolist() == [
-        k for k in range(turns) for _ in (0, 1)
-    ]
+    assert batch.step_ids[0][batch.response_mask[0]].tolist() == [k for k in range(turns) for _ in (0, 1)]
     assert torch.equal(batch.rollout_logprobs[0][batch.response_mask[0]], torch.tensor([-0.25, -0.5] * turns))
     assert batch.rewards.tolist() == [e.total_reward for e in episodes]
-    assert (batch.extras["step_states"][0, :turns] >= 0).all()
+    assert (batch.step_states[0, :turns] >= 0).all()
 
 
 def test_turn_limit_and_token_budget(tok):

@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from reroll.config.reward import RewardConfig
+from reroll.data.types import RewardItem
 from reroll.rewards.base import RewardResult
 from reroll.rewards.routing import domain_metrics
 from reroll.roles.reward import RewardWorker
@@ -39,7 +40,7 @@ def worker(tmp_path):
 def test_hung_reward_process_is_killed_within_its_timeout(worker):
     w, pid_file = worker
     start = time.monotonic()
-    [hung, ok] = w.score([("p", "r", {}, "hang"), ("p", "abc", {}, "ok")])
+    [hung, ok] = w.score([RewardItem("p", "r", {}, "hang"), RewardItem("p", "abc", {}, "ok")])
     elapsed = time.monotonic() - start
     assert 0.4 <= elapsed < 0.4 + 0.5  # the deadline, plus at most the grace for the kill
     assert hung == RewardResult(-1.0, {"reward_error": 0, "reward_timeout": 1, "correct": 0})
@@ -52,11 +53,11 @@ def test_hung_reward_process_is_killed_within_its_timeout(worker):
 
 def test_raising_and_dying_rewards_are_counted_and_the_worker_goes_on(worker):
     w, _ = worker
-    items = [("p", "r", {}, tag) for tag in ("bug", "die", "ok", "here")]
+    items = [RewardItem("p", "r", {}, tag) for tag in ("bug", "die", "ok", "here")]
     results = w.score(items)
     assert [r.score for r in results] == [-1.0, -1.0, 1.0, 1.0]
     assert results[3].details["pid"] == os.getpid()  # isolation: thread runs in the worker itself
-    m = domain_metrics([t for *_, t in items], results)
+    m = domain_metrics([it.domain for it in items], results)
     assert (m["reward/errors"], m["reward/timeouts"]) == (2.0, 0.0)
     assert (m["reward/bug/reward_errors"], m["reward/die/reward_errors"], m["reward/ok/reward_errors"]) == (
         1.0,
@@ -64,15 +65,19 @@ def test_raising_and_dying_rewards_are_counted_and_the_worker_goes_on(worker):
         0.0,
     )
     # The next call is served: the dead child was replaced.
-    again = w.score([("p", "xy", {}, "ok")] * 4)
+    again = w.score([RewardItem("p", "xy", {}, "ok")] * 4)
     assert [r.score for r in again] == [2.0] * 4
     assert len({r.details["pid"] for r in again} - {os.getpid()}) >= 1
 
 
 def test_timeouts_are_counted_per_domain(worker):
     w, _ = worker
-    items = [("p", "r", {}, "hang"), ("p", "r", {}, "hang"), ("p", "r", {}, "ok")]
-    m = domain_metrics([t for *_, t in items], w.score(items))
+    items = [
+        RewardItem("p", "r", {}, "hang"),
+        RewardItem("p", "r", {}, "hang"),
+        RewardItem("p", "r", {}, "ok"),
+    ]
+    m = domain_metrics([it.domain for it in items], w.score(items))
     assert (m["reward/timeouts"], m["reward/hang/reward_timeouts"], m["reward/ok/reward_timeouts"]) == (
         2.0,
         2.0,

@@ -10,7 +10,7 @@ import pytest
 
 from reroll.config.reward import RewardConfig, check_reward
 from reroll.config.schema import RunConfig
-from reroll.data.types import Completion
+from reroll.data.types import Completion, RewardItem
 from reroll.errors import UserError
 from reroll.rewards.base import RewardResult
 from reroll.rewards.judge import DEFAULT_TEMPLATE, engine_judge, judge_prompt, llm_judge, parse_score
@@ -146,7 +146,7 @@ def test_a_failing_judge_fails_the_reward_call_naming_the_judge(tmp_path):
     with pytest.raises(
         OtherRoleFailed, match=r"judge\[0\] failed during judge: RuntimeError: the judge engine crashed"
     ) as e:
-        worker.score([("q", "a", {})])
+        worker.score([RewardItem("q", "a", {})])
     assert (e.value.role_error().role, e.value.role_error().rank) == ("judge", 0)  # what RewardGroup raises
 
 

@@ -10,7 +10,7 @@ import torch
 
 from reroll.config.reward import RewardConfig, check_reward
 from reroll.data.datasets import DomainSampler
-from reroll.data.types import Sample
+from reroll.data.types import RewardItem, Sample
 from reroll.errors import UserError
 from reroll.rewards.base import RewardResult
 from reroll.rewards.routing import RewardRouter, domain_metrics, normalize_by_domain, route
@@ -134,12 +134,12 @@ def test_worker_bounds_each_call_and_counts_failures():
         },
     )
     worker = RewardWorker(0, cfg)
-    items = [("p", "r", {}, tag) for tag in ("slow", "ok", "bug", "slow", "ok")]
+    items = [RewardItem("p", "r", {}, tag) for tag in ("slow", "ok", "bug", "slow", "ok")]
     start = time.monotonic()
     results = worker.score(items)
     assert time.monotonic() - start < 2.5  # two slow calls in parallel, each cut at 0.5 s
     assert [r.score for r in results] == [-1.0, 0.5, -1.0, -1.0, 0.5]
-    m = domain_metrics([t for *_, t in items], results)
+    m = domain_metrics([it.domain for it in items], results)
     assert (m["reward/timeouts"], m["reward/errors"]) == (2.0, 1.0)
 
 

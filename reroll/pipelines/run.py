@@ -1,0 +1,388 @@
+"""The run skeleton every pipeline shares, and the roles of a run with the phases that own their devices.
+
+A pipeline (rlvr, agentic, sft, ...) is a ``Pipeline``: it loads its data, says which roles it needs,
+and supplies one step, its evaluation and the state it checkpoints. ``run`` owns the rest, once for
+all of them: the run directory and resolved config, resume or warm start, the reference snapshot,
+the first weight sync, the step loop with every-N evaluation and checkpoints, the metrics and the
+one line per step, failures named with their step, and the ``RunResult``.
+
+Every call into a role happens inside ``roles.phase(name, *roles_used)``: the phase makes the roles
+it names resident on their devices (offloading colocated others first), times itself as
+``timing/<name>``, and names itself in a failing role's error. A call into a role that is offloaded
+is refused (``WorkerGroup.handles``), so a phase that forgets a role fails loudly instead of running
+a model off its device.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from tqdm import tqdm
+
+from reroll.config.loader import dump_config
+from reroll.config.placement import offload_between_phases
+from reroll.config.schema import RunConfig
+from reroll.data.coverage import lost_characters_warning
+from reroll.errors import RoleError, UserError
+from reroll.models.loading import load_tokenizer
+from reroll.models.tiny import ensure_tiny_model
+from reroll.roles.critic import CriticGroup
+from reroll.roles.env import EnvGroup
+from reroll.roles.reward import RewardGroup
+from reroll.roles.rollout import RolloutGroup
+from reroll.roles.trainer import TrainerGroup
+from reroll.runtime import checkpoint
+from reroll.runtime.actors import start_ray
+from reroll.runtime.console import step_line
+from reroll.runtime.metrics import MetricsLogger
+from reroll.runtime.placement import Colocation, ResourceManager
+from reroll.runtime.timing import PhaseTimer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """Where a finished run put things, and its last metrics."""
+
+    run_dir: Path
+    checkpoint: Path | None
+    metrics_path: Path
+    config_path: Path
+    final_metrics: dict[str, float] = field(default_factory=dict)
+
+    def summary(self, name: str) -> str:
+        """The lines a finished run prints: held-out accuracy and where everything is."""
+        acc = self.final_metrics.get("eval/accuracy")
+        lines = [f"done: {name}" + (f" | held-out accuracy {acc:.3f}" if acc is not None else "")]
+        if self.checkpoint is not None:
+            lines.append(f"  checkpoint: {self.checkpoint}  (from_pretrained: {self.checkpoint / 'model'})")
+        tb = self.run_dir / "tensorboard"
+        lines.append(
+            f"  metrics:    {self.metrics_path}" + (f"  (tensorboard --logdir {tb})" if tb.exists() else "")
+        )
+        lines.append(f"  config:     {self.config_path}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RoleSet:
+    """Which optional roles a pipeline starts (actor_train and actor_infer always run)."""
+
+    reference: bool = False
+    critic: bool = False
+    reward: bool = True
+    env: bool = False
+
+
+@dataclass
+class Roles:
+    """The role groups of a run, where ``placement`` put them, and the phases that take turns on devices."""
+
+    cfg: RunConfig
+    actor: TrainerGroup
+    rollout: RolloutGroup
+    reward: RewardGroup | None = None
+    reference: TrainerGroup | None = None
+    critic: CriticGroup | None = None
+    env: EnvGroup | None = None
+    placement: ResourceManager | None = None
+    colocation: Colocation | None = None
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    current_phase: str | None = None
+
+    @classmethod
+    def start(cls, cfg: RunConfig, needs: RoleSet) -> Roles:
+        """Start the roles ``needs`` names where ``placement`` puts them; a role that fails to start
+        stops the ones already started."""
+        if cfg.runtime.backend == "ray":
+            start_ray(cfg.runtime.ray_address)
+        placement = ResourceManager(cfg)
+        cfg = placement.cfg  # device type resolved, for the workers
+        started: dict[str, Any] = {}
+        try:
+            started["actor"] = TrainerGroup("actor_train", cfg, trainable=True)
+            started["rollout"] = RolloutGroup(cfg)
+            if needs.reward:
+                started["reward"] = RewardGroup(cfg)
+            if needs.reference:
+                started["reference"] = TrainerGroup("reference", cfg, trainable=False)
+            if needs.critic:
+                started["critic"] = CriticGroup(cfg)
+            if needs.env:
+                started["env"] = EnvGroup(cfg)
+        except BaseException:
+            for group in started.values():
+                group.shutdown()
+            placement.shutdown()
+            raise
+        roles = cls(cfg, **started, placement=placement)
+        placed = {g.role: g for g in (roles.actor, roles.rollout, roles.reference, roles.critic) if g}
+        offload = offload_between_phases(cfg, placement.device_type)
+        roles.colocation = Colocation(placed, placement.map, offload)
+        if roles.colocation.enabled:
+            for group in placed.values():
+                group.residency_check = roles._check_resident
+        return roles
+
+    @contextmanager
+    def phase(self, name: str, *uses: str) -> Iterator[None]:
+        """A named, timed phase whose roles ``uses`` hold their devices (colocated others are offloaded
+        first; that move is timed as ``timing/offload`` / ``timing/reload``, not as this phase). A role
+        failing inside raises its ``RoleError`` naming this phase."""
+        self.hold(*uses)
+        outer, self.current_phase = self.current_phase, name
+        try:
+            with self.timer(name):
+                yield
+        except RoleError as e:
+            raise e.in_phase(name) from e
+        finally:
+            self.current_phase = outer
+
+    def hold(self, *uses: str) -> None:
+        """Inside a phase: make ``uses`` resident for what follows (a phase that hands data from one
+        colocated role to another, like a weight sync)."""
+        if self.colocation is not None:
+            self.colocation.use(*uses)
+
+    def _check_resident(self, role: str) -> None:
+        assert self.colocation is not None
+        if role in self.colocation.offloaded:
+            phase = self.current_phase or "(outside any phase)"
+            raise RuntimeError(
+                f"{role} was called in phase {phase!r} while offloaded (another role holds its device): "
+                f"name it in the phase, `with roles.phase({phase!r}, {role!r}, ...)`"
+            )
+
+    def sync_weights(self) -> float:
+        """actor_train's weights into actor_infer (gathered while the trainer holds its device), or only
+        the LoRA adapters where ``strategy.lora.sync`` is 'adapters'. Returns the bytes sent (``sync/bytes``)."""
+        lora = self.cfg.strategy.lora
+        with self.phase("weight_sync", "actor_train"):
+            if lora is not None and lora.sync == "adapters":
+                update = self.actor.adapter_update()
+                sent = self.actor.sync_bytes()
+                self.hold("actor_infer")
+                self.rollout.update_lora(update.tensors, update.config)
+            else:
+                buckets = self.actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb)
+                sent = self.actor.sync_bytes()  # runs once the buckets are made
+                self.hold("actor_infer")
+                self.rollout.load_weight_buckets(buckets)
+            self.rollout.weights_version = self.actor.weights_version
+        return float(sent)
+
+    def sync_if_stale(self) -> dict[str, float]:
+        """Sync the engine if actor_train has stepped or loaded since: ``{"sync/bytes": ...}`` or ``{}``."""
+        if self.rollout.weights_version == self.actor.weights_version:
+            return {}
+        return {"sync/bytes": self.sync_weights()}
+
+    def pop_timings(self) -> dict[str, float]:
+        """``timing/<phase>`` since the last call, with the colocation moves."""
+        if self.colocation is not None:
+            self.timer.add(self.colocation.pop_seconds())
+        return self.timer.pop()
+
+    def shutdown(self) -> None:
+        for group in (self.env, self.actor, self.rollout, self.reward, self.reference, self.critic):
+            if group is not None:
+                group.shutdown()
+        if self.placement is not None:
+            self.placement.shutdown()
+
+
+@dataclass
+class Checkpointed:
+    """What a pipeline saves beside the model: JSON state (``trainer_state.json``) and torch objects
+    saved under their file names."""
+
+    state: dict[str, Any] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict)
+
+
+class Pipeline:
+    """One pipeline's part of a run. ``__init__`` loads the data (before any role starts, so bad input
+    costs nothing); ``run`` then starts ``roles_needed()`` and calls the rest."""
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+
+    @property
+    def total_steps(self) -> int:
+        return self.cfg.total_steps
+
+    def roles_needed(self) -> RoleSet:
+        return RoleSet()
+
+    def texts(self) -> Iterable[str]:
+        """The text the model will read and write (prompts, targets), checked at start for characters
+        the tokenizer cannot represent."""
+        return ()
+
+    def optimizer(self) -> tuple[float, int]:
+        """actor_train's learning rate and warm-up steps for the loop."""
+        return self.cfg.optim.lr, self.cfg.optim.warmup_steps
+
+    def warm_start(self, roles: Roles) -> None:
+        """A fresh run's preparation before step 1 (an SFT warm start); nothing by default."""
+
+    def restore(self, saved: dict[str, Any], directory: Path) -> None:
+        """Resume the pipeline's own state from a checkpoint (the models are loaded already)."""
+
+    def checkpointed(self) -> Checkpointed:
+        return Checkpointed()
+
+    def step(self, roles: Roles, step: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    def evaluate(self, roles: Roles) -> dict[str, float]:
+        """Held-out metrics (``eval/accuracy`` first of all), run inside the ``evaluate`` phase."""
+        return {}
+
+    def sample_line(self) -> str | None:
+        """A line showing one of the last step's samples, as the model saw it."""
+        return None
+
+
+def every(n: int, step: int, total: int) -> bool:
+    """Whether an every-``n``-steps duty falls on ``step`` (always on the last step; never with n=0)."""
+    return (n > 0 and step % n == 0) or step == total
+
+
+def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -> RunResult:
+    """Run the pipeline for its ``total_steps`` (or continue the run in its directory)."""
+    ensure_tiny_model(cfg.model)
+    pipeline = pipeline_cls(cfg)
+    warn_unrepresentable(cfg, pipeline.texts())
+    resume_from, run_dir = open_run_dir(cfg, resume=resume)
+    roles = Roles.start(cfg, pipeline.roles_needed())
+    step, ckpt, last, total = 0, resume_from, {}, pipeline.total_steps
+    try:
+        start = _begin(pipeline, roles, resume_from)
+        metrics_log = open_metrics(cfg, resume_step=start if resume_from else None)
+        if start == 0:
+            with roles.phase("evaluate", "actor_infer"):
+                before = pipeline.evaluate(roles)
+            roles.pop_timings()
+            metrics_log.log(0, before)
+            tqdm.write(step_line(0, total, before))
+        steps = range(start + 1, total + 1)
+        for step in tqdm(steps, desc=pipeline.name, initial=start, total=total, disable=None):
+            began = time.perf_counter()
+            metrics = pipeline.step(roles, step)
+            if every(cfg.eval.every, step, total):
+                metrics |= roles.sync_if_stale()
+                with roles.phase("evaluate", "actor_infer"):
+                    metrics |= pipeline.evaluate(roles)
+            if every(cfg.checkpoint.every, step, total):
+                with roles.phase("checkpoint", "actor_train", "critic"):
+                    ckpt = save_checkpoint(cfg, roles.actor, step, pipeline.checkpointed(), roles.critic)
+            metrics |= roles.pop_timings() | {"timing/step": time.perf_counter() - began}
+            metrics_log.log(step, metrics)
+            last = metrics
+            tqdm.write(step_line(step, total, metrics))
+            line = pipeline.sample_line()
+            if line and cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
+                tqdm.write(line)
+        metrics_log.close()
+    except RoleError as e:
+        raise (e.at_step(step) if step else e) from e
+    finally:
+        roles.shutdown()
+    return RunResult(run_dir, ckpt, run_dir / "metrics.jsonl", run_dir / "config.yaml", last)
+
+
+def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None) -> int:
+    """Resume from a checkpoint, or warm-start; then snapshot the reference and sync the engine.
+
+    Returns the step the loop continues after."""
+    cfg, start = pipeline.cfg, 0
+    with roles.phase("start", "actor_train", "critic"):
+        roles.actor.configure_optimizer(*pipeline.optimizer())
+        if resume_from is not None:
+            roles.actor.load(resume_from)
+            if roles.critic is not None:
+                roles.critic.load(resume_from)
+            saved = checkpoint.read_state(resume_from)
+            pipeline.restore(saved, resume_from)
+            start = saved["step"]
+            log.info("resumed from %s (step %d)", resume_from, start)
+    if resume_from is None:
+        pipeline.warm_start(roles)
+    if roles.reference is not None:  # the reference is the policy the loop starts from (after any warm start)
+        ref_dir = cfg.run_dir / "reference"
+        if resume_from is None:
+            with roles.phase("start", "actor_train"):
+                roles.actor.save(ref_dir, with_optimizer=False)
+        with roles.phase("start", "reference"):
+            roles.reference.load(ref_dir)
+    roles.sync_if_stale()
+    roles.pop_timings()
+    return start
+
+
+def warn_unrepresentable(cfg: RunConfig, texts: Iterable[str]) -> None:
+    """Say once, at start, which characters of the run's text the tokenizer cannot represent."""
+    message = lost_characters_warning(load_tokenizer(cfg.model.path), texts)
+    if message:
+        log.warning("%s", message)
+
+
+def open_run_dir(cfg: RunConfig, *, resume: bool) -> tuple[Path | None, Path]:
+    """The run directory with the resolved config written; on resume, the checkpoint to start from."""
+    run_dir = cfg.run_dir
+    found = checkpoint.latest(run_dir) if resume else None
+    if resume and found is None:
+        raise UserError(
+            f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}; run without --resume"
+        )
+    if not resume and checkpoint.latest(run_dir) is not None:
+        raise UserError(
+            f"{run_dir} already holds checkpoints: add --resume to continue that run, or set name / "
+            f"output_dir to start a new one (nothing was overwritten)"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / "config.yaml")
+    return found, run_dir
+
+
+def open_metrics(cfg: RunConfig, resume_step: int | None) -> MetricsLogger:
+    lg = cfg.logging
+    return MetricsLogger(
+        cfg.run_dir,
+        tensorboard=lg.tensorboard,
+        wandb=lg.wandb,
+        wandb_project=lg.wandb_project,
+        run_name=cfg.name,
+        config=cfg.model_dump(mode="json"),
+        resume_step=resume_step,
+    )
+
+
+def save_checkpoint(
+    cfg: RunConfig, actor: TrainerGroup, step: int, extra: Checkpointed, critic: CriticGroup | None = None
+) -> Path:
+    """A complete checkpoint of ``step`` (see ``reroll.runtime.checkpoint``), older ones pruned: the
+    policy (``model/``, loadable by ``from_pretrained``, with the tokenizer), its optimizer, the critic
+    (``critic/``) if any, and the pipeline's own state."""
+    partial = checkpoint.begin(cfg.run_dir, step)
+    actor.save(partial, with_optimizer=True)
+    if critic is not None:
+        critic.save(partial)
+    for name, obj in extra.objects.items():
+        torch.save(obj, partial / name)
+    load_tokenizer(cfg.model.path).save_pretrained(partial / "model")
+    final = checkpoint.commit(partial, {"step": step, **extra.state})
+    checkpoint.prune(cfg.run_dir, cfg.checkpoint.keep_last)
+    return final
