@@ -61,7 +61,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from reroll.pipelines.preflight import preflight
+
     cfg = _load(args)
+    preflight(cfg, f"config {args.config}")  # the checks `train` runs before it starts anything
     print(f"{args.config}: valid ({cfg.pipeline} pipeline, run directory {cfg.run_dir})")
     return 0
 
@@ -155,7 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the run's last complete checkpoint")
     t.set_defaults(func=cmd_train)
 
-    v = sub.add_parser("validate", help="check a config without running it")
+    v = sub.add_parser(
+        "validate",
+        help="check a config, its data files, rewards, output directory and lengths without running it",
+    )
     v.add_argument("config", type=Path)
     v.add_argument("overrides", nargs="*")
     v.set_defaults(func=cmd_validate)

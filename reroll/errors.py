@@ -32,3 +32,23 @@ class RoleError(RuntimeError):
     def at_step(self, step: int) -> RoleError:
         """The same error, with the pipeline step in its phase."""
         return RoleError(self.role, self.rank, f"{self.phase} at step {step}", self.cause, self.detail)
+
+
+class RewardFailure(UserError):
+    """The user's reward fails on too many samples of one call (``reward.max_error_share``): the message
+    gives how many, the first error (type and text) and the reward's config key, and stops the run."""
+
+    def __init__(self, phase: str, failed: int, total: int, first: str, rule: str) -> None:
+        super().__init__(
+            f"the reward failed on {failed} of {total} samples during {phase} ({rule}); the first: {first}. "
+            f"A reward is called fn(prompt, response, row, **args) and returns a RewardResult: fix the "
+            f"function or its args (`reroll validate` checks that it imports and takes them)"
+        )
+        self.phase, self.failed, self.total, self.first, self.rule = phase, failed, total, first, rule
+
+    def __reduce__(self) -> tuple:
+        return (RewardFailure, (self.phase, self.failed, self.total, self.first, self.rule))
+
+    def at_step(self, step: int) -> RewardFailure:
+        """The same error, with the pipeline step in its phase."""
+        return RewardFailure(f"{self.phase} at step {step}", self.failed, self.total, self.first, self.rule)

@@ -131,6 +131,56 @@ def offload_between_phases(cfg: RunConfig, device_type: str) -> bool:
     return mode == "always" or (mode == "auto" and device_type == "cuda")
 
 
+def started_roles(cfg: RunConfig) -> list[str]:
+    """Every role a run of ``cfg`` starts: the model roles, then reward, judge or env workers."""
+    roles = run_roles(cfg)
+    roles += ["env"] if cfg.pipeline == "agentic" else ["reward"]
+    roles += ["judge"] if cfg.reward.judge is not None and cfg.pipeline != "agentic" else []
+    return roles
+
+
+def cluster_problems(cfg: RunConfig, resources: dict[str, float], device_type: str) -> list[tuple[str, str]]:
+    """What the Ray cluster with ``resources`` (``ray.cluster_resources()``) cannot hold, as ``(dotted
+    path, message)``: the device pool, and the GPUs and CPUs the roles off the pool ask for."""
+    pool, problems = cfg.placement.devices, []
+    need = {"GPU": 0.0, "CPU": 0.0}
+    if pool:
+        kind = "GPU" if device_type == "cuda" else "CPU"
+        per = 1.0 if kind == "GPU" else cfg.placement.cpus_per_device
+        if resources.get(kind, 0) < pool * per:
+            table = device_map(cfg, run_roles(cfg), device_type).table()
+            problems.append(
+                (
+                    "placement",
+                    f"the pool needs {pool * per:g} {kind} ({pool} devices) but the Ray cluster has "
+                    f"{resources.get(kind, 0):g}:\n{table}\nfix: lower placement.devices and the roles' "
+                    "devices/world_size to fit, or join a bigger cluster (runtime.ray_address)",
+                )
+            )
+            return problems
+        need["CPU"] += pool * cfg.placement.cpus_per_device
+    roles = started_roles(cfg)
+    off_pool = [r for r in roles if not pool or r not in placed_roles(cfg, [r])]
+    asks = {
+        kind: {r: getattr(cfg.roles, r).world_size * getattr(getattr(cfg.roles, r), attr) for r in off_pool}
+        for kind, attr in (("GPU", "num_gpus_per_worker"), ("CPU", "num_cpus_per_worker"))
+    }
+    for kind, per_role in asks.items():
+        total = need[kind] + sum(per_role.values())
+        if total > resources.get(kind, 0) + 1e-9:
+            listed = ", ".join(f"{r} {v:g}" for r, v in per_role.items() if v)
+            pooled = f", the pool {need[kind]:g}" if need[kind] else ""
+            problems.append(
+                (
+                    "roles",
+                    f"the run asks Ray for {total:g} {kind} ({listed}{pooled}) but the cluster has "
+                    f"{resources.get(kind, 0):g}: lower roles.<role>.world_size or "
+                    f"num_{kind.lower()}s_per_worker, or join a bigger cluster (runtime.ray_address)",
+                )
+            )
+    return problems
+
+
 def run_roles(cfg: RunConfig) -> list[str]:
     """The model roles a run of ``cfg`` starts."""
     roles = ["actor_train", "actor_infer"]

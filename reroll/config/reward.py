@@ -110,6 +110,16 @@ class RewardConfig(StrictModel):
         30.0, gt=0, description="Longest one reward call may take; past it the sample gets error_score."
     )
     error_score: float = Field(0.0, description="Score of a reward call that raised or timed out.")
+    max_error_share: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run (exit code 2, with the first error's type, message and reward) when more "
+        "than this share of one call's samples (a step's rewards, an evaluation) raised, and whenever all "
+        "of them failed. Timeouts are counted apart (reward/timeouts) and not in this share, since a slow "
+        "call can be the response's doing; a call where every sample raised or timed out stops the run "
+        "too. 1.0: stop only when all failed.",
+    )
     timeout_s: float = Field(
         30.0,
         gt=0,

@@ -159,6 +159,13 @@ class OptimConfig(StrictModel):
     )
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch (PPO mini-batches).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over the rollout batch.")
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description="An optimizer step whose loss or gradient norm is NaN/inf is skipped (no update; "
+        "counted as train/nonfinite_skipped and logged with the batch's statistics); this many skipped "
+        "in a row stop the run with that diagnostic (1: stop at the first).",
+    )
 
 
 class CriticConfig(StrictModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -24,57 +25,119 @@ class DatasetError(UserError):
 
 
 def template_fields(template: str) -> list[str]:
-    """The ``{names}`` a prompt template reads."""
-    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    """The row fields a prompt template reads: ``{question}``, ``{meta[level]}`` -> ``meta``."""
+    names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    return list(dict.fromkeys(re.split(r"[.\[]", name)[0] for name in names))
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Every row of a ``.jsonl``, ``.json`` or ``.parquet`` file, or of a ``datasets`` save directory."""
+def read_rows(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Every row (or the first ``limit``) of a ``.jsonl``, ``.json`` or ``.parquet`` file, or of a
+    ``datasets`` save directory. Whatever cannot be read is a ``DatasetError`` naming the file and
+    the fix: missing, a directory where a file is meant, not UTF-8, not valid JSON, a row that is not
+    an object."""
     p = Path(path)
     if not p.exists():
         raise DatasetError(
             f"dataset file {str(path)!r} does not exist: fix the path in data.train_files / data.eval_files"
         )
-    if p.suffix == ".jsonl":
-        return _read_jsonl(p)
-    if p.suffix == ".json":
-        data = json.loads(p.read_text())
-        if not isinstance(data, list):
-            raise DatasetError(f"{p}: a .json dataset must hold a list of objects")
-        return data
-    if p.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:
-            raise DatasetError(f"{p}: reading Parquet needs pyarrow: pip install 'reroll[data]'") from e
-        return pq.read_table(p).to_pylist()
+    try:
+        rows = _read(p, limit)
+    except PermissionError as e:
+        raise DatasetError(f"{p}: cannot read it ({e.strerror}): fix its permissions") from e
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8") from e
+    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise DatasetError(
+            f"{p}: row {bad + 1} is {type(rows[bad]).__name__}, not an object: each row must be a JSON "
+            f'object such as {{"question": ..., "answer": ...}}'
+        )
+    return rows
+
+
+def _read(p: Path, limit: int | None) -> list[Any]:
     if p.is_dir():
+        if not (p / "dataset_info.json").exists() and not (p / "state.json").exists():
+            raise DatasetError(
+                f"{p}: is a directory, not a dataset file: name a .jsonl / .json / .parquet file, or a "
+                f"directory written by datasets' save_to_disk"
+            )
         try:
             import datasets
         except ImportError as e:
             raise DatasetError(
                 f"{p}: a dataset directory needs `datasets`: pip install 'reroll[data]'"
             ) from e
-        return list(datasets.load_from_disk(str(p)))
+        found = datasets.load_from_disk(str(p))
+        return list(found.select(range(min(limit, len(found)))) if limit is not None else found)
+    if p.suffix == ".jsonl":
+        return _read_jsonl(p, limit)
+    if p.suffix == ".json":
+        try:
+            data = json.loads(p.read_bytes().decode("utf-8"))
+        except json.JSONDecodeError as e:
+            raise DatasetError(
+                f"{p}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}): a .json dataset is one "
+                f"list of objects; for one object per line, name the file .jsonl"
+            ) from e
+        if not isinstance(data, list):
+            raise DatasetError(
+                f"{p}: a .json dataset must hold a list of objects, not a {type(data).__name__}"
+            )
+        return data[:limit]
+    if p.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise DatasetError(f"{p}: reading Parquet needs pyarrow: pip install 'reroll[data]'") from e
+        try:
+            if limit is None:
+                return pq.read_table(p).to_pylist()
+            first = next(pq.ParquetFile(p).iter_batches(batch_size=limit), None)
+            return first.to_pylist() if first is not None else []
+        except Exception as e:  # pyarrow's errors for a file that is not Parquet
+            raise DatasetError(f"{p}: not a readable Parquet file ({type(e).__name__}: {e})") from e
     raise DatasetError(
         f"{p}: unknown dataset format {p.suffix!r}; use .jsonl, .json, .parquet or a datasets dir"
     )
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def _read_jsonl(path: Path, limit: int | None) -> list[dict[str, Any]]:
     rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if limit is not None and len(rows) >= limit:
+                break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(
+                    f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of the line): save the "
+                    f"file as UTF-8"
+                ) from e
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+                raise DatasetError(
+                    f"{path}:{lineno}: not valid JSON ({e.msg}): one JSON object per line"
+                ) from e
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}:{lineno}: each line must be a JSON object")
             rows.append(row)
     return rows
+
+
+def check_row(file: str, index: int, row: dict[str, Any], needed: Sequence[str]) -> None:
+    """``row`` (the ``index``-th of ``file``, from 0) has every field in ``needed``."""
+    missing = [k for k in needed if k not in row]
+    if missing:
+        raise DatasetError(
+            f"{file}: row {index + 1} has no field {missing[0]!r} (the prompt template or the reward "
+            f"needs {list(needed)}; the row has {sorted(row)}): add the field to every row, or set "
+            f"data.prompt_template / data.answer_field to the names your file uses"
+        )
 
 
 def load_samples(
@@ -91,20 +154,16 @@ def load_samples(
     samples: list[Sample] = []
     for file in files:
         for i, row in enumerate(read_rows(file)):
-            missing = [k for k in needed if k not in row]
-            if missing:
-                raise DatasetError(
-                    f"{file}: row {i + 1} has no field {missing[0]!r} (the prompt template or the reward "
-                    f"needs {needed}; the row has {sorted(row)}): add the field to every row, or set "
-                    f"data.prompt_template / data.answer_field to the names your file uses"
-                )
+            check_row(file, i, row, needed)
             uid = str(row.get(id_field, f"{Path(file).stem}-{i}"))
             domain = str(row.get(domain_field, "default"))
             samples.append(Sample(uid=uid, prompt=template.format(**row), row=row, domain=domain))
             if limit is not None and len(samples) >= limit:
                 return samples
     if not samples:
-        raise DatasetError(f"no rows in {list(files)}: the dataset files are empty")
+        raise DatasetError(
+            f"no rows in {list(files)}: the dataset files are empty; add rows or fix the paths"
+        )
     return samples
 
 

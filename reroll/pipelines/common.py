@@ -190,7 +190,9 @@ def sample_line(tokenizer: Any, completion: Completion, score: float) -> str:
 def train_mini_batches(
     cfg: RunConfig, batch: TrainBatch, step: int, update: Callable[[TrainBatch], dict[str, float]]
 ) -> dict[str, float]:
-    """``ppo_epochs`` passes of ``mini_batches`` calls of ``update`` (one optimizer step each), metrics averaged.
+    """``ppo_epochs`` passes of ``mini_batches`` calls of ``update`` (one optimizer step each), metrics
+    averaged, except the ``*/nonfinite_skipped`` counts, which are summed (and logged with the step and
+    the batch's statistics when not zero).
 
     Each mini-batch is normalised by its own counts. The order depends on the step only, so the actor
     and the critic see the same mini-batches.
@@ -210,4 +212,25 @@ def train_mini_batches(
             tokens, seqs = count_tokens_and_seqs(mini.response_mask)
             mini = replace(mini, num_tokens=float(tokens), num_seqs=float(seqs))
             parts.append(update(mini))
-    return mean_metrics(parts)
+    skipped = {k: sum(p.get(k, 0.0) for p in parts) for k in parts[0] if k.endswith("/nonfinite_skipped")}
+    for key, count in skipped.items():
+        if count:
+            log.warning(
+                "step %d: %d of %d optimizer steps skipped for a non-finite loss or gradient (%s); %s",
+                step, count, len(parts), key, batch_stats(batch),
+            )  # fmt: skip
+    return mean_metrics(parts) | skipped
+
+
+def batch_stats(batch: TrainBatch) -> str:
+    """A line of what a training batch carries: rows, response tokens, rewards and advantages."""
+    parts = [f"{len(batch)} rows", f"{int(batch.response_mask.sum())} response tokens"]
+    for name in ("rewards", "advantages", "returns"):
+        t = getattr(batch, name, None)
+        if t is not None and t.numel():
+            t = t[batch.response_mask].float() if t.dim() == 2 else t.float()  # per token: the response's
+            finite = t[torch.isfinite(t)]
+            top = f"{float(finite.abs().max()):.4g}" if finite.numel() else "none finite"
+            bad = int((~torch.isfinite(t)).sum())
+            parts.append(f"{name} mean {float(t.mean()):.4g}, max abs {top}, non-finite {bad}")
+    return "; ".join(parts)

@@ -30,9 +30,10 @@ from reroll.config.loader import dump_config
 from reroll.config.placement import offload_between_phases
 from reroll.config.schema import RunConfig
 from reroll.data.coverage import lost_characters_warning
-from reroll.errors import RoleError, UserError
+from reroll.errors import RewardFailure, RoleError, UserError
 from reroll.models.loading import load_tokenizer
 from reroll.models.tiny import ensure_tiny_model
+from reroll.pipelines.preflight import preflight
 from reroll.roles.critic import CriticGroup
 from reroll.roles.env import EnvGroup
 from reroll.roles.reward import RewardGroup
@@ -262,6 +263,7 @@ def every(n: int, step: int, total: int) -> bool:
 
 def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -> RunResult:
     """Run the pipeline for its ``total_steps`` (or continue the run in its directory)."""
+    preflight(cfg)  # what `reroll validate` checks, before anything is built or started
     ensure_tiny_model(cfg.model)
     pipeline = pipeline_cls(cfg)
     warn_unrepresentable(cfg, pipeline.texts())
@@ -296,7 +298,7 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
             if line and cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
                 tqdm.write(line)
         metrics_log.close()
-    except RoleError as e:
+    except (RoleError, RewardFailure) as e:
         raise (e.at_step(step) if step else e) from e
     finally:
         roles.shutdown()
@@ -340,7 +342,12 @@ def warn_unrepresentable(cfg: RunConfig, texts: Iterable[str]) -> None:
 
 
 def open_run_dir(cfg: RunConfig, *, resume: bool) -> tuple[Path | None, Path]:
-    """The run directory with the resolved config written; on resume, the checkpoint to start from."""
+    """The run directory (made if new) and, on resume, the checkpoint to start from.
+
+    Nothing in it is written here: the resolved config and the metrics are written with the first
+    metrics (``open_metrics``), so a run that fails before then leaves an existing directory's files
+    as they were. A new run (no ``--resume``) refuses a directory that holds an earlier run's files
+    rather than overwrite them: the user picks a new name or deletes the old run."""
     run_dir = cfg.run_dir
     found = checkpoint.latest(run_dir) if resume else None
     if resume and found is None:
@@ -352,12 +359,24 @@ def open_run_dir(cfg: RunConfig, *, resume: bool) -> tuple[Path | None, Path]:
             f"{run_dir} already holds checkpoints: add --resume to continue that run, or set name / "
             f"output_dir to start a new one (nothing was overwritten)"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, run_dir / "config.yaml")
+    earlier = [n for n in ("config.yaml", "metrics.jsonl") if (run_dir / n).exists()]
+    if not resume and earlier:
+        raise UserError(
+            f"{run_dir} holds an earlier run ({', '.join(earlier)}) with no complete checkpoint to resume: "
+            f"set name / output_dir to start a new run, or delete {run_dir} to replace it (nothing was "
+            f"overwritten)"
+        )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"output_dir: cannot make the run directory {run_dir} ({e.strerror}): choose another output_dir"
+        ) from e
     return found, run_dir
 
 
 def open_metrics(cfg: RunConfig, resume_step: int | None) -> MetricsLogger:
+    """The run's metrics sinks, opened with the first metrics; the resolved config is written then too."""
     lg = cfg.logging
     return MetricsLogger(
         cfg.run_dir,
@@ -367,6 +386,7 @@ def open_metrics(cfg: RunConfig, resume_step: int | None) -> MetricsLogger:
         run_name=cfg.name,
         config=cfg.model_dump(mode="json"),
         resume_step=resume_step,
+        on_open=lambda: dump_config(cfg, cfg.run_dir / "config.yaml"),
     )
 
 
@@ -375,14 +395,35 @@ def save_checkpoint(
 ) -> Path:
     """A complete checkpoint of ``step`` (see ``reroll.runtime.checkpoint``), older ones pruned: the
     policy (``model/``, loadable by ``from_pretrained``, with the tokenizer), its optimizer, the critic
-    (``critic/``) if any, and the pipeline's own state."""
+    (``critic/``) if any, and the pipeline's own state. A write that fails removes the partial
+    checkpoint; an ``OSError`` (a full disk) becomes one ``UserError`` naming the newest complete one."""
     partial = checkpoint.begin(cfg.run_dir, step)
-    actor.save(partial, with_optimizer=True)
-    if critic is not None:
-        critic.save(partial)
-    for name, obj in extra.objects.items():
-        torch.save(obj, partial / name)
-    load_tokenizer(cfg.model.path).save_pretrained(partial / "model")
-    final = checkpoint.commit(partial, {"step": step, **extra.state})
+    try:
+        actor.save(partial, with_optimizer=True)
+        if critic is not None:
+            critic.save(partial)
+        for name, obj in extra.objects.items():
+            torch.save(obj, partial / name)
+        load_tokenizer(cfg.model.path).save_pretrained(partial / "model")
+        final = checkpoint.commit(partial, {"step": step, **extra.state})
+    except BaseException as e:  # a full disk, a dead worker: no partial checkpoint stays behind
+        checkpoint.discard(partial)
+        if (os_error := _os_error(e)) is not None:
+            who = str(e).partition(" failed during")[0] if isinstance(e, RoleError) else "the controller"
+            raise checkpoint.write_failed(cfg.run_dir, step, os_error, who) from e
+        raise
     checkpoint.prune(cfg.run_dir, cfg.checkpoint.keep_last)
     return final
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The ``OSError`` behind ``e`` (a worker's, behind its ``RoleError``), if that is what it was."""
+    for _ in range(8):
+        inner = getattr(e, "cause", None)  # a RayTaskError's cause; a RoleError's is a string
+        if isinstance(inner, BaseException):
+            e = inner
+        elif e is None or isinstance(e, OSError):
+            return e
+        else:
+            e = e.__cause__
+    return None

@@ -45,6 +45,10 @@ def _import(path: str, name: str) -> Callable[..., RewardResult]:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise UserError(f"reward.fn {name!r}: cannot import {attr!r} from {module!r} ({e})") from e
+    except Exception as e:  # the module itself fails on import (a syntax error, a failing top level)
+        raise UserError(
+            f"reward.fn {name!r}: importing {module!r} raised {type(e).__name__}: {e}: fix the module"
+        ) from e
     if not callable(fn):
         raise UserError(f"reward.fn {name!r} is not callable")
     return fn

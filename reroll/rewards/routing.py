@@ -16,10 +16,10 @@ from torch import Tensor
 
 from reroll.algorithms.shaping import batch_normalize
 from reroll.config.reward import RewardConfig, RewardTermConfig
-from reroll.errors import UserError
+from reroll.errors import RewardFailure, RoleError, UserError
 from reroll.rewards import REGISTRY, required_fields, resolve_reward
 from reroll.rewards.base import RewardResult
-from reroll.rewards.isolation import ProcessPool
+from reroll.rewards.isolation import ProcessPool, RewardCallError, RewardTimeout
 
 DEFAULT_DOMAIN = "default"
 _FAILURES = ("reward_error", "reward_timeout")  # details set by the reward worker on a failed call
@@ -30,6 +30,11 @@ def domain_terms(cfg: RewardConfig) -> dict[str, list[RewardTermConfig]]:
     if not cfg.domains:
         return {DEFAULT_DOMAIN: [RewardTermConfig(fn=cfg.fn, args=cfg.args, isolation=cfg.isolation)]}
     return {name: d.rewards for name, d in cfg.domains.items()}
+
+
+def term_key(cfg: RewardConfig, domain: str, index: int) -> str:
+    """The config key of a domain's ``index``-th reward: ``reward`` or ``reward.domains.<d>.rewards[i]``."""
+    return f"reward.domains.{domain}.rewards[{index}]" if cfg.domains else "reward"
 
 
 def route(cfg: RewardConfig, tag: str) -> str:
@@ -65,6 +70,11 @@ def runs_isolated(term: RewardTermConfig) -> bool:
     return term.isolation == "process"
 
 
+class RewardTermError(Exception):
+    """A reward function raised (or its process died): the message names its config key, the function
+    and the error's type and text, e.g. ``reward.fn 'mod:f' raised TypeError: ...``."""
+
+
 @dataclass(frozen=True)
 class _Term:
     name: str
@@ -72,6 +82,7 @@ class _Term:
     weight: float
     args: Mapping[str, Any]
     isolated: bool
+    key: str  # where the config sets it, for errors
 
 
 class RewardRouter:
@@ -94,8 +105,9 @@ class RewardRouter:
                     t.weight,
                     t.args,
                     pool is not None and runs_isolated(t),
+                    f"{term_key(cfg, name, i)}.fn",
                 )
-                for t in terms
+                for i, t in enumerate(terms)
             ]
             for name, terms in domain_terms(cfg).items()
         }
@@ -106,14 +118,51 @@ class RewardRouter:
         terms = self.terms[route(self.cfg, tag)]
 
         def run(t: _Term) -> RewardResult:
-            if not t.isolated:
-                return t.fn(prompt, response, row)
-            assert self.pool is not None and deadline is not None, "an isolated term needs a deadline"
-            return self.pool.call(t.name, t.args, prompt, response, row, deadline=deadline)
+            try:
+                if not t.isolated:
+                    return t.fn(prompt, response, row)
+                assert self.pool is not None and deadline is not None, "an isolated term needs a deadline"
+                return self.pool.call(t.name, t.args, prompt, response, row, deadline=deadline)
+            except (
+                RewardTimeout,
+                RoleError,
+            ):  # a timeout is counted apart; the judge role's failure is its own
+                raise
+            except Exception as e:
+                raise RewardTermError(f"{t.key} {t.name!r} {_what_failed(t.name, e)}") from e
 
         if len(terms) == 1 and terms[0].weight == 1.0:
             return run(terms[0])
         return combine([(t.name, t.weight, run(t)) for t in terms])
+
+
+def _what_failed(name: str, e: Exception) -> str:
+    """``raised Type: text`` (a process-isolated call's error says so in its own words)."""
+    if isinstance(e, RewardCallError):
+        text = str(e).removeprefix(f"reward {name!r}").lstrip(": ")
+        return text if text.startswith("raised ") else f"failed: {text}"
+    return f"raised {type(e).__name__}: {e}"
+
+
+def check_failures(results: Sequence[RewardResult], cfg: RewardConfig, phase: str) -> None:
+    """Raise ``RewardFailure`` when more than ``cfg.max_error_share`` of ``results`` are reward calls that
+    raised, or when every one raised or timed out (nothing was scored). Timeouts are not in the share."""
+    n = len(results)
+    errors = [r for r in results if r.details.get("reward_error")]
+    timeouts = sum(1 for r in results if r.details.get("reward_timeout"))
+    first = str(errors[0].details.get("reward_error_message", "(no message)")) if errors else ""
+    if n and len(errors) + timeouts == n:
+        if not errors:
+            first = (
+                f"every call passed reward.sample_timeout_s={cfg.sample_timeout_s:g}s: raise it, or make "
+                f"the reward faster"
+            )
+        rule = f"every sample failed: {len(errors)} raised, {timeouts} timed out"
+        raise RewardFailure(phase, n, n, first, rule)
+    if n and len(errors) / n > cfg.max_error_share:
+        rule = f"more than reward.max_error_share={cfg.max_error_share:g}"
+        rule += f"; {timeouts} more timed out" if timeouts else ""
+        raise RewardFailure(phase, len(errors), n, first, rule)
 
 
 def _with_judge(term: RewardTermConfig, judge: Callable[[str], str] | None) -> dict[str, Any]:

@@ -50,11 +50,14 @@ class CriticWorker(StrategyWorker):
             mask = mb.response_mask.to(dev)
             token_loss, m = value_loss(values, old_values, returns, mask, clip=self.cfg.critic.value_clip)
             loss = aggregate(token_loss, mask, mode="token-mean", num_tokens=batch.num_tokens)
-            self._check_finite(loss, mb, f"returns {float(returns.abs().max())} max abs")
-            self.strategy.backward(loss)
+            self._backward(loss, mb, f"returns {float(returns.abs().max())} max abs")
             total += float(loss.detach())
             metrics.append({k: float(v) for k, v in m.items()})
-        return mean_metrics(metrics) | {"critic/vf_loss": total} | self._step("critic")
+        return (
+            mean_metrics(metrics)
+            | {"critic/vf_loss": total}
+            | self._step("critic", "critic/nonfinite_skipped")
+        )
 
     def save(self, directory: str, with_optimizer: bool = True) -> None:
         super().save(str(Path(directory) / SUBDIR), with_optimizer)

@@ -4,7 +4,9 @@ Each worker scores its items on ``reward.threads`` threads, each call under its 
 (``reward.sample_timeout_s``). A call that raises or passes its deadline scores
 ``reward.error_score`` with ``details["reward_error"]`` / ``details["reward_timeout"]`` set, so
 the step goes on and the count shows in ``reward/errors`` and ``reward/timeouts`` (and per domain
-``reward/<domain>/reward_errors`` / ``reward_timeouts``).
+``reward/<domain>/reward_errors`` / ``reward_timeouts``). A raising call's message (its config key,
+function, error type and text) is kept in ``details["reward_error_message"]``; the group stops the
+run when too many of a call's samples failed (``routing.check_failures``, ``reward.max_error_share``).
 
 Rewards whose ``isolation`` is 'process' (by default every ``package.module:function`` reward) run
 in a pool of ``reward.threads`` child processes (``reroll.rewards.isolation``): at the deadline the
@@ -29,7 +31,13 @@ from reroll.data.types import RewardItem
 from reroll.errors import RoleError
 from reroll.rewards.base import RewardResult
 from reroll.rewards.isolation import ProcessPool, RewardTimeout
-from reroll.rewards.routing import RewardRouter, domain_terms, runs_isolated
+from reroll.rewards.routing import (
+    RewardRouter,
+    RewardTermError,
+    check_failures,
+    domain_terms,
+    runs_isolated,
+)
 from reroll.roles.judge import JudgeClient, JudgeGroup
 from reroll.runtime.actors import WorkerGroup
 
@@ -74,10 +82,14 @@ class RewardWorker:
         if self.pool is not None:
             self.pool.close()
 
-    def _failed(self, kind: str) -> RewardResult:
+    def _failed(self, kind: str, message: str = "") -> RewardResult:
+        details = {
+            "reward_error": int(kind == "error"),
+            "reward_timeout": int(kind == "timeout"),
+            "correct": 0,
+        }
         return RewardResult(
-            self.cfg.error_score,
-            {"reward_error": int(kind == "error"), "reward_timeout": int(kind == "timeout"), "correct": 0},
+            self.cfg.error_score, details | ({"reward_error_message": message} if message else {})
         )
 
     def score(self, items: Sequence[RewardItem]) -> list[RewardResult]:
@@ -103,6 +115,7 @@ class RewardWorker:
         for i, it in enumerate(items):
             self._jobs.put(job(i, it))
         remaining = set(range(len(items)))
+        raised = 0
         while remaining:
             started = [deadlines[i] + _GRACE_S for i in remaining if i in deadlines]
             wait = max(0.0, min(started) - time.monotonic()) if started else 0.05
@@ -119,11 +132,14 @@ class RewardWorker:
                     log.warning("reward rank %d: item %d: %s", self.rank, i, out)
                     out = self._failed("timeout")
                 elif isinstance(out, BaseException):
-                    log.warning(
-                        "reward rank %d: item %d raised %s: %s", self.rank, i, type(out).__name__, out
-                    )
-                    out = self._failed("error")
+                    message = str(out) if isinstance(out, RewardTermError) else f"{type(out).__name__}: {out}"
+                    if not raised:  # one line per call, not one per sample
+                        log.warning("reward rank %d: item %d: %s", self.rank, i, message)
+                    raised += 1
+                    out = self._failed("error", message)
                 results[i] = out
+        if raised > 1:
+            log.warning("reward rank %d: %d of %d reward calls raised", self.rank, raised, len(items))
         return results  # type: ignore[return-value]
 
     def _expire(self, remaining: set[int], deadlines: dict[int, float], results: list) -> None:
@@ -149,16 +165,18 @@ class RewardGroup(WorkerGroup):
         super().__init__("reward", RewardWorker, make_args, cfg, timeout_s=cfg.reward.timeout_s)
 
     def score(self, items: Sequence[RewardItem], phase: str = "reward") -> list[RewardResult]:
-        """Results for ``items``, in order."""
+        """Results for ``items``, in order; ``RewardFailure`` (the run stops) when too many calls failed."""
         parts = self._deal(items)
         rc = self.reward_cfg
         rounds = math.ceil(max(map(len, parts), default=0) / rc.threads)
         self.timeout_s = rc.timeout_s + rounds * rc.sample_timeout_s
         refs = [h.score.remote(part) for h, part in zip(self.handles, parts)]
         try:
-            return [r for part in self._wait(refs, phase) for r in part]
+            results = [r for part in self._wait(refs, phase) for r in part]
         except RoleError as e:
             raise _other_role_error(e) or e from e
+        check_failures(results, rc, phase)
+        return results
 
     def shutdown(self) -> None:
         """Stop each worker's reward processes, then the workers."""

@@ -1,12 +1,20 @@
 """What the roles that hold a training strategy share: actor_train, reference and critic.
 
 A ``StrategyWorker`` sets up its process (threads, seed), holds a training strategy (``strategy.name``), joins its role's
-process group, scores batches in micro-batches, stops on a non-finite loss, saves and loads. A
+process group, scores batches in micro-batches, skips optimizer steps whose loss or gradient norm is
+not finite (and stops after ``optim.max_nonfinite_steps`` of them in a row), saves and loads. A
 ``StrategyGroup`` starts the ranks and their process group, and splits batches by rows across them.
+
+A non-finite step is skipped the same way on every rank and by every strategy: a micro-batch whose loss
+is NaN/inf is backpropagated as ``loss * nan``, so every gradient it reaches is NaN, the global
+gradient norm (reduced over the ranks) is NaN, and the strategy's finite-norm guard drops the update
+(``Strategy.step`` reports ``skipped``). Collectives stay matched: every rank still runs its backward
+and its step.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +29,8 @@ from reroll.data.types import TrainBatch
 from reroll.runtime.actors import WorkerGroup, free_address
 from reroll.runtime.placement import worker_device
 from reroll.strategies import Head, make_strategy
+
+log = logging.getLogger(__name__)
 
 
 def mean_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -39,6 +49,8 @@ class StrategyWorker:
         torch.set_num_threads(role_cfg.torch_threads or torch.get_num_threads())
         torch.manual_seed(cfg.seed + rank)
         self.role, self.rank, self.cfg = role, rank, cfg
+        self.nonfinite_in_row = 0  # optimizer steps skipped in a row (a finite one resets it)
+        self._nonfinite_losses: list[str] = []  # this step's micro-batches with a non-finite loss
         self.strategy = make_strategy(
             cfg,
             model_path=model_path,
@@ -106,18 +118,43 @@ class StrategyWorker:
         parts = [per_token(self._forward(mb), mb).cpu() for mb in self._micro_batches(batch)]
         return TrainBatch.concat(parts, width=batch.input_ids.shape[1])
 
-    def _step(self, prefix: str) -> dict[str, float]:
-        """The optimizer step, with its gradient norm and lr as ``<prefix>/grad_norm``, ``<prefix>/lr``."""
-        return {f"{prefix}/{k}": v for k, v in self.strategy.step(self.cfg.optim.grad_clip).items()}
-
-    def _check_finite(self, loss: torch.Tensor, mb: TrainBatch, stats: str) -> None:
-        """Stop on a non-finite loss, naming the role, rank, micro-batch and ``stats`` of its inputs."""
+    def _backward(self, loss: torch.Tensor, mb: TrainBatch, stats: str) -> None:
+        """Backward of a micro-batch's loss. A non-finite loss is noted with the micro-batch's size and
+        ``stats`` of its inputs, and backpropagated as ``loss * nan`` so that the step is skipped."""
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise FloatingPointError(
-                f"{self.role}[{self.rank}] loss is {value} on a micro-batch of {len(mb)} rows, "
-                f"{int(mb.response_mask.sum())} response tokens, {stats}: stopping"
+            self._nonfinite_losses.append(
+                f"loss {value} on a micro-batch of {len(mb)} rows, {int(mb.response_mask.sum())} response "
+                f"tokens, {stats}"
             )
+            loss = loss * float("nan")
+        self.strategy.backward(loss)
+
+    def _step(self, prefix: str, skipped_key: str) -> dict[str, float]:
+        """The optimizer step: its gradient norm and lr as ``<prefix>/grad_norm``, ``<prefix>/lr``, and
+        ``skipped_key`` 1 when the loss or gradient norm was not finite and the update was skipped.
+
+        ``optim.max_nonfinite_steps`` skipped in a row raise ``FloatingPointError`` with the last one's
+        diagnostic (the role's error then names the phase and step)."""
+        out = self.strategy.step(self.cfg.optim.grad_clip)
+        skipped = bool(out.pop("skipped", 0.0))
+        losses, self._nonfinite_losses = self._nonfinite_losses, []
+        self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0
+        if skipped:
+            limit = self.cfg.optim.max_nonfinite_steps
+            why = "; ".join(losses) if losses else "every loss finite"
+            diagnostic = f"gradient norm {out.get('grad_norm')} ({why})"
+            if self.nonfinite_in_row >= limit:
+                raise FloatingPointError(
+                    f"{self.nonfinite_in_row} optimizer steps in a row had a non-finite loss or gradient "
+                    f"norm (optim.max_nonfinite_steps={limit}); the last: {diagnostic}. Lower optim.lr or "
+                    f"optim.grad_clip, and check the rewards and advantages the batches carry"
+                )
+            log.warning(
+                "%s[%d]: optimizer step skipped (%d in a row of at most %d): %s",
+                self.role, self.rank, self.nonfinite_in_row, limit, diagnostic,
+            )  # fmt: skip
+        return {f"{prefix}/{k}": v for k, v in out.items()} | {skipped_key: float(skipped)}
 
 
 class StrategyGroup(WorkerGroup):

@@ -72,14 +72,13 @@ class TrainerWorker(StrategyWorker):
                 num_seqs=batch.num_seqs,
                 max_response_len=self.cfg.rollout.max_new_tokens,
             )
-            self._check_finite(loss, mb, _advantage_stats(mb))
-            self.strategy.backward(loss)
+            self._backward(loss, mb, _advantage_stats(mb))
             if mb.old_logprobs is None and mb.rollout_logprobs is not None:  # on-policy: measured here
                 m |= mismatch_metrics(logprobs, mb.rollout_logprobs.to(dev), mb.response_mask.to(dev))
             metrics.append({k: float(v) for k, v in m.items()} | {"actor/loss": float(loss.detach())})
         # actor/loss: the micro-batches' shares summed, this rank's share of the step's loss (as sft/loss)
         out = mean_metrics(metrics) | {"actor/loss": sum(m["actor/loss"] for m in metrics)}
-        out |= self._step("actor")
+        out |= self._step("actor", "train/nonfinite_skipped")
         return out | {"train/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - start)}
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
@@ -90,10 +89,9 @@ class TrainerWorker(StrategyWorker):
             logprobs = token_logprobs(logits, mb.input_ids.to(logits.device), 1.0)
             mask = mb.response_mask.to(logprobs.device)
             loss = -(logprobs * mask).sum() / batch.num_tokens
-            self._check_finite(loss, mb, _advantage_stats(mb))
-            self.strategy.backward(loss)
+            self._backward(loss, mb, _advantage_stats(mb))
             total += float(loss.detach())
-        return {"sft/loss": total} | self._step("sft")
+        return {"sft/loss": total} | self._step("sft", "sft/nonfinite_skipped")
 
     def adapter_update(self) -> AdapterUpdate | None:
         """Rank 0: the LoRA adapters and their config (``strategy.lora.sync: adapters``). Every rank must

@@ -2,7 +2,9 @@
 
 A checkpoint is written into ``checkpoints/.step_000010.partial``; only when every file is in place is a
 ``COMPLETE`` marker written and the directory renamed to ``step_000010``. A crash mid-write leaves a
-``.partial`` directory that ``latest`` never picks (and the next save of that step replaces).
+``.partial`` directory that ``latest`` never picks (and the next save of that step replaces). A write
+that fails (a full disk) removes the partial directory (``discard``) and becomes one message
+(``write_failed``): the newest complete checkpoint stays the one ``--resume`` picks.
 
 Layout: ``model/`` (Hugging Face: ``from_pretrained`` loads it), ``optimizer_rank{r}.pt``,
 ``trainer_state.json`` (step, data position, algorithm state).
@@ -15,6 +17,8 @@ import re
 import shutil
 from pathlib import Path
 from typing import Any
+
+from reroll.errors import UserError
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 MARKER = "COMPLETE"
@@ -62,3 +66,22 @@ def prune(run_dir: Path, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` complete checkpoints."""
     for old in complete_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def discard(partial: Path) -> None:
+    """Remove a partial checkpoint that will not be completed."""
+    shutil.rmtree(partial, ignore_errors=True)
+
+
+def write_failed(run_dir: Path, step: int, error: OSError, who: str) -> UserError:
+    """The error of a checkpoint whose write failed with ``error`` (in ``who``: the controller or a role)."""
+    where = f" ({error.filename})" if error.filename else ""
+    kept = latest(run_dir)
+    still = (
+        f"{kept.name} is still the newest complete checkpoint" if kept else "no complete checkpoint exists"
+    )
+    return UserError(
+        f"checkpoint of step {step} could not be written by {who}: {error.strerror or error}{where}. "
+        f"The partial checkpoint was removed and {still}: free space under {run_dir} "
+        f"(checkpoint.keep_last bounds how many are kept)" + (", then continue with --resume" if kept else "")
+    )

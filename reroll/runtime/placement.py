@@ -14,7 +14,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from reroll.config.placement import DeviceMap, device_map, placed_roles, run_roles
+from reroll.config.placement import DeviceMap, cluster_problems, device_map, placed_roles, run_roles
 from reroll.errors import UserError
 
 if TYPE_CHECKING:
@@ -50,7 +50,15 @@ class ResourceManager:
         placement = cfg.placement.model_copy(update={"device_type": self.device_type})
         self.cfg = cfg.model_copy(update={"placement": placement})
         self.map = device_map(cfg, run_roles(cfg), self.device_type) if pool else None
-        if self.map is None or cfg.runtime.backend == "local":
+        if cfg.runtime.backend == "local":
+            return
+        import ray
+
+        have = ray.cluster_resources()
+        problems = cluster_problems(cfg, have, self.device_type)
+        if problems:
+            raise UserError("\n".join(f"{path}: {message}" for path, message in problems))
+        if self.map is None:
             return
         if any(k > 1 for k in self.map.span.values()):
             raise UserError(
@@ -58,19 +66,10 @@ class ResourceManager:
                 "> 1 with placement.devices) is planned by `reroll plan` but not started by this version: "
                 "leave placement.devices unset and give roles.actor_infer.num_gpus_per_worker instead"
             )
-        import ray
         from ray.util.placement_group import placement_group
 
-        have = ray.cluster_resources()
         kind = "GPU" if self.device_type == "cuda" else "CPU"
         per = 1.0 if kind == "GPU" else cfg.placement.cpus_per_device
-        if have.get(kind, 0) < pool * per:
-            raise UserError(
-                f"placement: the pool needs {pool * per:g} {kind} ({pool} devices) but the Ray cluster has "
-                f"{have.get(kind, 0):g}:\n{self.map.table()}\n"
-                "fix: lower placement.devices and the roles' devices/world_size to fit, or join a bigger "
-                "cluster (runtime.ray_address)"
-            )
         bundle = {"GPU": 1.0, "CPU": cfg.placement.cpus_per_device} if kind == "GPU" else {"CPU": per}
         self.pg = placement_group([dict(bundle) for _ in range(pool)], strategy="PACK", name=_pg_name(cfg))
         if not self.pg.wait(timeout_seconds=60):

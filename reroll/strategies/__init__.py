@@ -53,7 +53,10 @@ class Strategy(Protocol):
     def backward(self, loss: torch.Tensor) -> None: ...
 
     def step(self, grad_clip: float) -> dict[str, float]:
-        """Reduce gradients, clip, step: ``{"grad_norm": pre-clip norm, "lr": lr used}``."""
+        """Reduce gradients, clip, step: ``{"grad_norm": pre-clip norm, "lr": lr used, "skipped": 0/1}``.
+
+        A non-finite global norm skips the update on every rank alike (gradients dropped, weights,
+        optimizer state and schedule unchanged) and reports ``skipped`` 1."""
         ...
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

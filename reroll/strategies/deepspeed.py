@@ -11,9 +11,10 @@ micro-batches that step had (token-budget micro-batching changes it from step to
 
 Clipping is DeepSpeed's (``gradient_clipping`` = ``optim.grad_clip``, the same rule as
 ``torch.nn.utils.clip_grad_norm_``); ``step`` returns the pre-clip norm DeepSpeed measured. A non-finite
-norm makes DeepSpeed skip the update, and the step then raises (fp16 aside, where a skipped step is the
-dynamic loss scale backing off). The optimizer is ``torch.optim.AdamW`` (``DeepSpeedCPUAdam`` with
-``offload_optimizer``) under our linear warm-up ``LambdaLR``.
+norm makes DeepSpeed skip the update, and the step reports ``skipped`` 1 (fp16 aside, where a
+skipped step is the dynamic loss scale backing off: logged, not counted). The optimizer is
+``torch.optim.AdamW`` (``DeepSpeedCPUAdam`` with ``offload_optimizer``) under our linear warm-up
+``LambdaLR``.
 
 Checkpoints: ``model/`` in Hugging Face form (rank 0, from the gathered weights) and, for resume,
 ``deepspeed/`` in DeepSpeed's own layout (every rank's optimizer partition, the fp32 master weights and
@@ -24,6 +25,7 @@ must call.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -219,12 +221,21 @@ class DeepSpeedStrategy:
         skipped = self.engine.skipped_steps
         self.engine.step()
         grad_norm = float(self.engine.get_global_grad_norm())
-        if self.engine.skipped_steps > skipped:
-            if self.cfg.model.dtype == "float16":
-                log.warning("fp16 loss scale overflow: update skipped, loss scale backs off")
-            else:
-                raise FloatingPointError(f"gradient norm is {grad_norm}: the update was skipped, stopping")
-        return {"grad_norm": grad_norm, "lr": float(lr), "peak_memory_gb": peak_memory_gb(self.device)}
+        was_skipped = self.engine.skipped_steps > skipped
+        if was_skipped and self.cfg.model.dtype == "float16":
+            log.warning("fp16 loss scale overflow: update skipped, loss scale backs off")
+            was_skipped = False  # the loss scale's business, not a non-finite step
+        elif not was_skipped and not math.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"gradient norm is {grad_norm} and DeepSpeed applied the update: stopping"
+            )
+        memory = peak_memory_gb(self.device)
+        return {
+            "grad_norm": grad_norm,
+            "lr": float(lr),
+            "skipped": float(was_skipped),
+            "peak_memory_gb": memory,
+        }
 
     # --- weights ---------------------------------------------------------------------------------
 

@@ -361,13 +361,13 @@ class MegatronStrategy:
             grad_norm = float(self.optimizer.clip_grad_norm(grad_clip))
         else:
             grad_norm = float(self.optimizer.get_grad_norm())
-        if not math.isfinite(grad_norm):
+        if not math.isfinite(grad_norm):  # skipped: no update, the schedule does not advance
             self._zero_grad()
-            raise FloatingPointError(f"gradient norm is {grad_norm}: stopping before the update")
+            return {"grad_norm": grad_norm, "lr": float(lr), "skipped": 1.0}
         self.optimizer.step_with_ready_grads()
         self._zero_grad()
         self.steps += 1
-        return {"grad_norm": grad_norm, "lr": float(lr)}
+        return {"grad_norm": grad_norm, "lr": float(lr), "skipped": 0.0}
 
     def _zero_grad(self) -> None:
         self.model.zero_grad_buffer()

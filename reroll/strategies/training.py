@@ -1,5 +1,6 @@
 """What the strategies that hold a Hugging Face model under a torch optimizer share: the warm-up
-schedule, the forward pass over padded or packed rows, the guarded optimizer step, moving optimizer
+schedule, the forward pass over padded or packed rows, the finite-norm guarded step (a non-finite
+gradient norm skips the update), moving optimizer
 state for offload, and the LoRA reference switch."""
 
 from __future__ import annotations
@@ -61,16 +62,22 @@ def optimizer_step(
     grad_norm: torch.Tensor,
     device: torch.device,
 ) -> dict[str, float]:
-    """Step with already clipped gradients, unless their pre-clip ``grad_norm`` is not finite (then stop).
+    """Step with already clipped gradients, unless their pre-clip ``grad_norm`` is not finite: then the
+    gradients are dropped, nothing changes (weights, optimizer state, schedule) and ``skipped`` is 1.
 
-    Returns ``grad_norm``, the ``lr`` used and ``peak_memory_gb``."""
+    Returns ``grad_norm``, the ``lr`` used, ``skipped`` and ``peak_memory_gb``."""
     lr = scheduler.get_last_lr()[0]
-    if not torch.isfinite(grad_norm):
-        raise FloatingPointError(f"gradient norm is {float(grad_norm)}: stopping before the update")
-    optimizer.step()
-    scheduler.step()
+    skipped = not bool(torch.isfinite(grad_norm))
+    if not skipped:
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": float(grad_norm), "lr": float(lr), "peak_memory_gb": peak_memory_gb(device)}
+    return {
+        "grad_norm": float(grad_norm),
+        "lr": float(lr),
+        "skipped": float(skipped),
+        "peak_memory_gb": peak_memory_gb(device),
+    }
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:

@@ -1,0 +1,239 @@
+"""What a run's inputs can be checked for without starting anything: ``reroll validate`` and ``run()``
+(before any worker starts) call ``preflight``, and every problem comes back at once, each naming its
+config key or file and the fix.
+
+Checked:
+
+- data files (``data.train_files`` / ``eval_files``, ``sft.files``): exist, are files (or a ``datasets``
+  save directory), are readable as UTF-8 JSONL / JSON / Parquet, hold rows, and their first
+  ``PEEK_ROWS`` rows have the fields the prompt template, the answer field, the SFT target and the
+  reward domains read. Files ``data.synthetic`` will write are skipped while they do not exist.
+- rewards: every ``fn`` imports (a registered name or ``package.module:function``) and can be called as
+  ``fn(prompt, response, row, **args)`` with the configured ``args`` (``inspect.signature().bind``).
+- ``output_dir``: nothing on its path is a regular file, and it can be written.
+- lengths: ``rollout.max_new_tokens``, ``rollout.vllm.max_model_len`` and
+  ``agentic.max_episode_tokens`` within the model's context length, read from ``config.json`` where
+  ``model.path`` is a local directory.
+- the Ray cluster holds the roles (``config.placement.cluster_problems``), when this process is
+  already connected to one (``ray.is_initialized()``).
+
+Left out: rows after the first ``PEEK_ROWS`` (the run loads them all before any worker starts and
+reports the first bad one the same way); context lengths of hub models not on disk; joining a Ray
+cluster only to check it (``reroll validate`` starts nothing; ``train`` checks the cluster it joins,
+``runtime.placement.ResourceManager``, before any worker starts); what only a call can show (a reward
+that raises on its inputs: ``reward.max_error_share`` stops the run at the first such step).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+import os
+import sys
+from pathlib import Path
+
+from reroll.config.loader import ConfigError, ConfigProblem
+from reroll.config.placement import cluster_problems
+from reroll.config.schema import RunConfig
+from reroll.data.datasets import check_row, read_rows, template_fields
+from reroll.errors import UserError
+from reroll.rewards import resolve_reward
+from reroll.rewards.routing import domain_required_fields, domain_terms, route, term_key
+
+PEEK_ROWS = 100  # rows of each data file checked for their fields
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def preflight(cfg: RunConfig, source: str = "config") -> None:
+    """Raise one ``ConfigError`` listing every problem ``check_inputs`` finds."""
+    problems = check_inputs(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+
+
+def check_inputs(cfg: RunConfig) -> list[ConfigProblem]:
+    """Every problem of the run's data files, rewards, output directory, lengths and cluster fit."""
+    problems = _check_output_dir(cfg)
+    problems += _check_data(cfg)
+    if cfg.pipeline != "agentic":
+        problems += _check_rewards(cfg)
+    problems += _check_lengths(cfg)
+    problems += _check_cluster(cfg)
+    return problems
+
+
+def _check_output_dir(cfg: RunConfig) -> list[ConfigProblem]:
+    run_dir = cfg.run_dir
+    existing = next(p for p in [run_dir, *run_dir.parents] if p.exists() or p == p.parent)
+    fix = "choose another output_dir (or name)"
+    if existing.exists() and not existing.is_dir():
+        where = "is" if existing == run_dir else f"is below {str(existing)!r}, which is"
+        return [
+            ConfigProblem("output_dir", f"the run directory {str(run_dir)!r} {where} a regular file: {fix}")
+        ]
+    if existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
+        return [
+            ConfigProblem(
+                "output_dir", f"{str(existing)!r} is not writable, so {str(run_dir)!r} cannot be made: {fix}"
+            )
+        ]
+    return []
+
+
+def _data_files(cfg: RunConfig) -> list[tuple[str, str, list[str]]]:
+    """``(config key, file, fields its rows need)`` for every data file the run reads."""
+    data = cfg.data
+    if data is None:
+        return []
+    fields = template_fields(data.prompt_template)
+    needs = [*fields, *([] if cfg.reward.domains else [data.answer_field])]
+    target = template_fields(cfg.sft.target_template) if cfg.sft is not None else []
+    warm_start = cfg.sft is not None and (cfg.pipeline == "sft" or cfg.sft.steps > 0)
+    sft_files = cfg.sft.files if cfg.sft is not None and cfg.sft.files else None
+    train_needs = needs + (target if warm_start and sft_files is None else [])
+    out = [(f"data.train_files[{i}]", f, train_needs) for i, f in enumerate(data.train_files)]
+    out += [(f"data.eval_files[{i}]", f, needs) for i, f in enumerate(data.eval_files)]
+    if warm_start and sft_files is not None:
+        sft_needs = [*fields, data.answer_field, *target]
+        out += [(f"sft.files[{i}]", f, sft_needs) for i, f in enumerate(sft_files)]
+    return [(key, f, list(dict.fromkeys(n))) for key, f, n in out]
+
+
+def _check_data(cfg: RunConfig) -> list[ConfigProblem]:
+    problems = []
+    synthetic = set()
+    if cfg.data is not None and cfg.data.synthetic is not None:
+        synthetic = {cfg.data.train_files[0], *cfg.data.eval_files[:1]}
+    for key, file, needed in _data_files(cfg):
+        if file in synthetic and not Path(file).exists():
+            continue  # data.synthetic writes it at start
+        try:
+            rows = read_rows(file, limit=PEEK_ROWS)
+            if not rows:
+                raise UserError(f"{file}: has no rows: add rows, or remove it from {key.split('[')[0]}")
+            for i, row in enumerate(rows):
+                check_row(file, i, row, needed)
+            if cfg.reward.domains:
+                _check_domains(cfg, file, rows)
+        except UserError as e:
+            problems.append(ConfigProblem(key, str(e)))
+    return problems
+
+
+def _check_domains(cfg: RunConfig, file: str, rows: list[dict]) -> None:
+    """The rows route to a reward domain and have the fields its registered rewards read."""
+    needs = domain_required_fields(cfg.reward)
+    answer = cfg.data.answer_field if cfg.data is not None else "answer"
+    for i, row in enumerate(rows):
+        domain = route(cfg.reward, str(row.get("domain", "default")))
+        missing = [f for f in needs[domain] if f not in row and not (f == "answer" and answer in row)]
+        if missing:
+            raise UserError(
+                f"{file}: row {i + 1} (domain {domain!r}) has no field {missing[0]!r}, which the domain's "
+                f"rewards read; the row has {sorted(row)}"
+            )
+
+
+def _check_rewards(cfg: RunConfig) -> list[ConfigProblem]:
+    problems = []
+    for domain, terms in domain_terms(cfg.reward).items():
+        for i, term in enumerate(terms):
+            key = term_key(cfg.reward, domain, i)
+            try:
+                fn = resolve_reward(term.fn)
+            except UserError as e:
+                problems.append(ConfigProblem(f"{key}.fn", str(e)))
+                continue
+            args = dict(term.args) | ({"judge": None} if term.fn == "engine_judge" else {})
+            problem = _call_problem(fn, term.fn, args, key)
+            if problem is not None:
+                problems.append(problem)
+    return problems
+
+
+def _call_problem(fn: object, name: str, args: dict, key: str) -> ConfigProblem | None:
+    """Whether ``fn(prompt, response, row, **args)`` binds to ``fn``'s signature."""
+    try:
+        sig = inspect.signature(fn)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return None
+    try:
+        sig.bind("prompt", "response", {}, **args)
+        return None
+    except TypeError as e:
+        error = str(e)
+    try:
+        sig.bind("prompt", "response", {})
+    except TypeError:
+        return ConfigProblem(
+            f"{key}.fn",
+            f"{name!r} cannot be called as fn(prompt, response, row, **args): its signature is {sig} "
+            f"({error}): give it the parameters (prompt, response, row)",
+        )
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    unknown = [k for k in args if k not in sig.parameters and not takes_any]
+    hints = [
+        f"{k!r} (did you mean {close[0]!r}?)"
+        if (close := difflib.get_close_matches(k, sig.parameters, n=1))
+        else repr(k)
+        for k in unknown
+    ]
+    what = f"does not take {', '.join(hints)}" if hints else f"cannot take these args ({error})"
+    return ConfigProblem(f"{key}.args", f"{name!r}{sig} {what}: fix {key}.args or the function")
+
+
+def _check_lengths(cfg: RunConfig) -> list[ConfigProblem]:
+    context, source = _context_length(cfg.model.path)
+    if context is None:
+        return []
+    where = f"the model's context length {context} ({source})"
+    problems = []
+    if cfg.rollout.max_new_tokens >= context:
+        problems.append(
+            ConfigProblem(
+                "rollout.max_new_tokens",
+                f"{cfg.rollout.max_new_tokens} leaves no room for a prompt within {where}: use less than "
+                f"{context} minus the longest prompt",
+            )
+        )
+    max_model_len = cfg.rollout.vllm.max_model_len
+    if cfg.rollout.engine == "vllm" and max_model_len is not None and max_model_len > context:
+        problems.append(
+            ConfigProblem(
+                "rollout.vllm.max_model_len", f"{max_model_len} is more than {where}: use at most {context}"
+            )
+        )
+    if cfg.agentic is not None and cfg.agentic.max_episode_tokens > context:
+        problems.append(
+            ConfigProblem(
+                "agentic.max_episode_tokens",
+                f"{cfg.agentic.max_episode_tokens} is more than {where}: use at most {context}",
+            )
+        )
+    return problems
+
+
+def _context_length(model_path: str) -> tuple[int | None, str]:
+    """The longest sequence the model at a local ``model_path`` takes, from its config.json."""
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, ""
+    for key in _CONTEXT_KEYS:
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value, f"{key} in {path}"
+    return None, ""
+
+
+def _check_cluster(cfg: RunConfig) -> list[ConfigProblem]:
+    """The roles fit the Ray cluster this process is connected to; nothing when it is not connected."""
+    ray = sys.modules.get("ray")
+    if cfg.runtime.backend != "ray" or ray is None or not ray.is_initialized():
+        return []
+    resources = ray.cluster_resources()
+    kind = cfg.placement.device_type
+    device_type = kind if kind != "auto" else ("cuda" if resources.get("GPU", 0) > 0 else "cpu")
+    return [ConfigProblem(path, message) for path, message in cluster_problems(cfg, resources, device_type)]
