@@ -37,8 +37,12 @@ def read_rows(path: str | Path, limit: int | None = None) -> list[dict[str, Any]
     an object."""
     p = Path(path)
     if not p.exists():
+        relative = (
+            "" if p.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
+        )
         raise DatasetError(
-            f"dataset file {str(path)!r} does not exist: fix the path in data.train_files / data.eval_files"
+            f"dataset file {str(path)!r} does not exist{relative}: fix the path in data.train_files / "
+            f"data.eval_files"
         )
     try:
         rows = _read(p, limit)

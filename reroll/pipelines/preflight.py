@@ -11,14 +11,15 @@ Checked:
 - rewards: every ``fn`` imports (a registered name or ``package.module:function``) and can be called as
   ``fn(prompt, response, row, **args)`` with the configured ``args`` (``inspect.signature().bind``).
 - ``output_dir``: nothing on its path is a regular file, and it can be written.
-- lengths: ``rollout.max_new_tokens``, ``rollout.vllm.max_model_len`` and
-  ``agentic.max_episode_tokens`` within the model's context length, read from ``config.json`` where
-  ``model.path`` is a local directory.
+- lengths: ``rollout.max_new_tokens`` and ``rollout.vllm.max_model_len`` within the model's context
+  length, read from ``config.json`` where ``model.path`` is a local directory.
 - the Ray cluster holds the roles (``config.placement.cluster_problems``), when this process is
   already connected to one (``ray.is_initialized()``).
 
-Left out: rows after the first ``PEEK_ROWS`` (the run loads them all before any worker starts and
-reports the first bad one the same way); context lengths of hub models not on disk; joining a Ray
+Left out: ``agentic.max_episode_tokens`` against the context (RoPE models run past
+``max_position_embeddings``, and the tiny game models' episodes do); rows after the first
+``PEEK_ROWS`` (the run loads them all before any worker starts and reports the first bad one the
+same way); context lengths of hub models not on disk; joining a Ray
 cluster only to check it (``reroll validate`` starts nothing; ``train`` checks the cluster it joins,
 ``runtime.placement.ResourceManager``, before any worker starts); what only a call can show (a reward
 that raises on its inputs: ``reward.max_error_share`` stops the run at the first such step).
@@ -202,13 +203,6 @@ def _check_lengths(cfg: RunConfig) -> list[ConfigProblem]:
         problems.append(
             ConfigProblem(
                 "rollout.vllm.max_model_len", f"{max_model_len} is more than {where}: use at most {context}"
-            )
-        )
-    if cfg.agentic is not None and cfg.agentic.max_episode_tokens > context:
-        problems.append(
-            ConfigProblem(
-                "agentic.max_episode_tokens",
-                f"{cfg.agentic.max_episode_tokens} is more than {where}: use at most {context}",
             )
         )
     return problems

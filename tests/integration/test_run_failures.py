@@ -39,6 +39,15 @@ def test_a_reward_raising_on_every_call_stops_at_step_1(tmp_path, assets, capsys
     assert [m["step"] for m in read_metrics(tmp_path / "runs" / "t")] == [0]  # no step trained on it
 
 
+def test_an_evaluation_where_the_reward_always_raises_stops_before_training(tmp_path, assets, capsys):
+    cfg = write_config(tmp_path / "c.yaml", assets)
+    code = main(["train", str(cfg), *LOCAL, RAISES])
+    err = capsys.readouterr().err
+    assert code == 2 and "the reward failed on 16 of 16 samples during evaluate" in err  # eval_limit 16
+    assert "raised TypeError: unsupported operand" in err
+    assert not (tmp_path / "runs" / "t" / "metrics.jsonl").exists()  # it failed before its first metrics
+
+
 def test_a_resumed_run_failing_before_its_first_step_leaves_the_run_as_it_was(tmp_path, assets, capsys):
     cfg = write_config(tmp_path / "c.yaml", assets, total_steps=1)
     assert main(["train", str(cfg), *LOCAL]) == 0
