@@ -2,7 +2,7 @@
 worker, with each call on the worker's threads (``isolation: thread``, the default for registered
 rewards) and in its child processes (``isolation: process``, the default for ``module:function``).
 
-    python benchmarks/rewards.py [--n 64] [--threads 4]
+    python benchmarks/rewards.py [--n 64] [--threads 4] [--only code_tests]
 
 The judge is timed against a stub server on 127.0.0.1 (so it measures reroll's overhead, not a
 model); the reward model is a tiny random Qwen2 classifier. Prints a Markdown table and the hardware.
@@ -20,6 +20,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from reroll.config.reward import RewardConfig
+from reroll.data.types import RewardItem
 from reroll.rewards import resolve_reward
 from reroll.roles.reward import RewardWorker
 
@@ -93,15 +94,18 @@ def main() -> None:
     p.add_argument("--n", type=int, default=64, help="samples per reward")
     p.add_argument("--threads", type=int, default=4, help="reward.threads of the worker")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (the reward model)")
+    p.add_argument("--only", default="", help="time only the rewards whose label contains this")
     args = p.parse_args()
     import torch
 
     torch.set_num_threads(args.torch_threads)
     tmp = tempfile.mkdtemp()
-    _tiny_reward_model(f"{tmp}/rm")
     cases = dict(CASES)
     cases["llm_judge (stub server)"] = ("4", {}, {"url": _stub_judge()})
     cases["reward_model (tiny Qwen2, 2 layers)"] = ("12+34=46", {}, {"path": f"{tmp}/rm"})
+    cases = {label: case for label, case in cases.items() if args.only in label}
+    if any(label.startswith("reward_model") for label in cases):
+        _tiny_reward_model(f"{tmp}/rm")
 
     print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
           f"{platform.system()} {platform.release()}, Python {platform.python_version()}")  # fmt: skip
@@ -119,7 +123,7 @@ def main() -> None:
         items = [("prompt", response, row)] * args.n
         fn(*items[0])  # warm up: imports, model load
         direct = _rate(lambda fn=fn, items=items: [fn(*it) for it in items], args.n)
-        tagged = [(*it, "d") for it in items]
+        tagged = [RewardItem(*it, "d") for it in items]
         rates = []
         for isolation in ("thread", "process"):
             term = {"fn": name, "args": fn_args, "isolation": isolation}

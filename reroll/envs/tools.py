@@ -25,7 +25,7 @@ from fractions import Fraction
 from typing import Any, ClassVar, Literal, Protocol
 
 from reroll.envs.base import Env
-from reroll.rewards.sandbox import Limits, run_python
+from reroll.rewards.sandbox import Limits, Sandbox, check_sandbox, run_python
 
 ToolFormat = Literal["hermes", "json_tags"]
 _JSON_TYPES = {"string": str, "number": (int, float), "integer": int, "boolean": bool, "object": dict}
@@ -173,7 +173,12 @@ class Calculator:
 
 
 class PythonTool:
-    """Run a Python program in ``reroll.rewards.sandbox`` and return what it printed."""
+    """Run a Python program in ``reroll.rewards.sandbox`` and return what it printed.
+
+    ``sandbox``: ``bubblewrap`` (default) or ``audit_hook`` (weaker; see the sandbox module). Made
+    without a usable bubblewrap, the tool raises ``SandboxUnavailable`` at once, naming the fix,
+    rather than answering every call with an error the policy would train on.
+    """
 
     name = "python"
     description = "Run a Python program and return its standard output; print the values you need."
@@ -183,12 +188,20 @@ class PythonTool:
         "required": ["code"],
     }
 
-    def __init__(self, cpu_s: int = 2, wall_s: float = 5.0, memory_mb: int = 256, max_chars: int = 500):
+    def __init__(
+        self,
+        cpu_s: int = 2,
+        wall_s: float = 5.0,
+        memory_mb: int = 256,
+        max_chars: int = 500,
+        sandbox: Sandbox = "bubblewrap",
+    ):
+        check_sandbox(sandbox)
         self.limits = Limits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb, max_output_bytes=max_chars * 4)
-        self.max_chars = max_chars
+        self.max_chars, self.sandbox = max_chars, sandbox
 
     def __call__(self, code: str) -> str:
-        result = run_python(code, limits=self.limits)
+        result = run_python(code, limits=self.limits, sandbox=self.sandbox)
         if result.status != "ok":
             tail = result.stderr.strip().splitlines()[-1:] or [""]
             return f"error ({result.status}): {tail[0]}"[: self.max_chars]

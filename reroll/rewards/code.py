@@ -8,30 +8,32 @@ row's ``tests`` is a list of cases in one of two styles:
 - function call: ``{"call": "add(3, 4)", "expected": 7}``; the program is executed and the call's value
   compared with ``expected`` (JSON values; tuples compare as lists). All call cases share one run.
 
-The score is the fraction of cases passed, or 0/1 with ``all_or_nothing``. See
-``reroll.rewards.sandbox`` for what the sandbox guarantees.
+The score is the fraction of cases passed, or 0/1 with ``all_or_nothing``. Programs run in
+bubblewrap (an unprivileged uid in its own namespaces, read-only files, no network): see
+``reroll.rewards.sandbox`` for what is enforced. ``sandbox: audit_hook`` in the reward's args opts
+into the weaker in-process guard where bubblewrap cannot be installed (a warning is logged).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from reroll.rewards.base import RewardResult
 from reroll.rewards.math import final_answer_text
-from reroll.rewards.sandbox import Limits, RunResult, run_python
+from reroll.rewards.sandbox import Limits, RunResult, Sandbox, run_python
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 
-# Appended to the program for call-style cases: evaluate each call, write one JSON line per case.
+# Appended to the program for call-style cases: evaluate each call, write one JSON line per case
+# to the results channel (a file the parent opened; the sandbox has no path to it).
 _CALL_HARNESS = """
 
 def __reroll_cases():
-    import json as _json
-    with open({results!r}, "w") as _out:
+    import json as _json, os as _os
+    with open(int(_os.environ["REROLL_RESULTS_FD"]), "w") as _out:
         for _i, _call in enumerate({calls!r}):
             try:
                 _value = _json.loads(_json.dumps(eval(_call)))
@@ -60,11 +62,13 @@ def code_tests(
     wall_s: float = 10.0,
     memory_mb: int = 1024,
     max_output_bytes: int = 1 << 20,
+    sandbox: Sandbox = "bubblewrap",
 ) -> RewardResult:
     """Fraction of ``sample["tests"]`` the response's program passes (0/1 with ``all_or_nothing``).
 
     details: ``passed`` (fraction), ``correct`` 0/1 (all passed), ``no_code`` 0/1, and per-outcome
-    counts ``timeouts``, ``memory``, ``output_limit``, ``errors`` over the runs.
+    counts ``timeouts``, ``memory``, ``output_limit``, ``errors`` over the runs. ``sandbox``:
+    ``bubblewrap`` (default; ``SandboxUnavailable`` names the fix if it cannot run) or ``audit_hook``.
     """
     tests = sample["tests"]
     if isinstance(tests, str):
@@ -82,26 +86,30 @@ def code_tests(
         raise ValueError(f"code_tests: each test needs 'stdin'/'stdout' or 'call'/'expected'; got {tests!r}")
     passed = 0
     for case in io_cases:
-        run = run_python(program, str(case.get("stdin", "")), limits=limits)
+        run = run_python(program, str(case.get("stdin", "")), limits=limits, sandbox=sandbox)
         _count(counts, run)
         passed += int(run.status == "ok" and _same_output(run.stdout, str(case.get("stdout", ""))))
     if call_cases:
-        passed += _run_calls(program, call_cases, limits, counts)
+        passed += _run_calls(program, call_cases, limits, counts, sandbox)
     fraction = passed / len(tests)
     correct = int(passed == len(tests))
     score = float(correct) if all_or_nothing else fraction
     return RewardResult(score, {"passed": fraction, "correct": correct, "no_code": 0, **counts})
 
 
-def _run_calls(program: str, cases: Sequence[Mapping[str, Any]], limits: Limits, counts: dict) -> int:
-    results = f".results-{secrets.token_hex(8)}.jsonl"
-    harness = _CALL_HARNESS.format(results=results, calls=[str(c["call"]) for c in cases])
-    run = run_python(program + harness, "", limits=limits, read_back=results, as_main=False)
+def _run_calls(
+    program: str, cases: Sequence[Mapping[str, Any]], limits: Limits, counts: dict, sandbox: Sandbox
+) -> int:
+    harness = _CALL_HARNESS.format(calls=[str(c["call"]) for c in cases])
+    run = run_python(program + harness, "", limits=limits, as_main=False, sandbox=sandbox)
     _count(counts, run)
     got = {}
-    for line in (run.files.get(results) or "").splitlines():
-        row = json.loads(line)
-        got[row["i"]] = row
+    for line in run.results.splitlines():
+        try:
+            row = json.loads(line)
+            got[int(row["i"])] = row
+        except (ValueError, KeyError, TypeError):  # a truncated or forged line: that case failed
+            continue
     expected = [json.loads(json.dumps(c.get("expected"))) for c in cases]
     return sum(i in got and "value" in got[i] and got[i]["value"] == want for i, want in enumerate(expected))
 

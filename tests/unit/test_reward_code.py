@@ -1,4 +1,8 @@
-"""code_tests and its sandbox: passing, failing and hostile programs, each contained and scored."""
+"""code_tests and its sandbox: passing, failing and hostile programs, each contained and scored.
+
+These run in the default sandbox (bubblewrap) with its audit hook on; ``test_sandbox_attacks.py``
+switches the hook off and checks the kernel layer. Nothing here uses a fixed path or cgroup name:
+secrets live in ``tmp_path`` and cgroups are checked by this process's own prefix."""
 
 from __future__ import annotations
 
@@ -6,13 +10,18 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
+from reroll.rewards.cgroups import cgroup_bases
 from reroll.rewards.code import code_tests, extract_program
-from reroll.rewards.sandbox import Limits, network_isolation, pids_cgroup_root, run_python
+from reroll.rewards.sandbox import Limits, bubblewrap_problem, network_isolation, run_python
+
+pytestmark = pytest.mark.skipif(
+    bubblewrap_problem() is not None, reason=f"no bubblewrap sandbox here: {bubblewrap_problem()}"
+)
 
 ADD_IO = {"tests": [{"stdin": "3 4\n", "stdout": "7\n"}, {"stdin": "-1 1\n", "stdout": "0\n"}]}
 FAST = {"cpu_s": 1, "wall_s": 5.0, "memory_mb": 256}
@@ -76,18 +85,17 @@ def test_fork_bomb_is_refused():
     assert r.status == "error" and "subprocess.Popen is not allowed" in r.stderr
 
 
-def test_host_home_and_files_are_unreadable(tmp_path):
-    secret = Path.home() / ".reroll-sandbox-test-secret"
+def test_host_files_are_unreadable(tmp_path):
+    secret = tmp_path / "secret.txt"
     secret.write_text("top secret")
-    try:
-        r = run_python(f"print(open({str(secret)!r}).read())")
-        assert r.status == "error" and "outside the sandbox" in r.stderr and "top secret" not in r.stdout
-        r = run_python("import os\nprint(os.listdir('/etc'))")
-        assert "outside the sandbox" in r.stderr
-        r = run_python("import os\nprint(os.path.expanduser('~'))\nopen('f.txt', 'w').write('ok')")
-        assert r.status == "ok" and "reroll-sandbox-" in r.stdout  # HOME is the run's own directory
-    finally:
-        secret.unlink()
+    r = run_python(f"print(open({str(secret)!r}).read())")  # the host's /tmp is not the sandbox's /tmp
+    assert r.status == "error" and "No such file" in r.stderr and "top secret" not in r.stdout
+    r = run_python("print(open('/root/.bashrc').read())")
+    assert r.status == "error" and "outside the sandbox" in r.stderr
+    r = run_python("import os\nprint(os.listdir('/etc'))")
+    assert "outside the sandbox" in r.stderr
+    r = run_python("import os\nprint(os.path.expanduser('~'))\nopen('f.txt', 'w').write('ok')")
+    assert (r.status, r.stdout) == ("ok", "/tmp\n")  # HOME and the working directory: the run's own tmpfs
 
 
 def test_sockets_are_refused():
@@ -117,9 +125,10 @@ def test_output_is_capped():
     assert r.status == "output_limit" and len(r.stdout) <= 10_000
 
 
-def test_working_directory_is_removed():
-    r = run_python("import os\nprint(os.getcwd())")
-    assert r.status == "ok" and not Path(r.stdout.strip()).exists()
+def test_run_directory_is_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the host-side run directory goes here
+    r = run_python("open('f.txt', 'w').write('x' * 1000)\nprint('ok')")
+    assert r.stdout == "ok\n" and list(tmp_path.iterdir()) == []
 
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)"
@@ -141,36 +150,32 @@ ESCAPE = (  # _posixsubprocess.fork_exec starts a process without an audit event
             "errors",
             "importing _posix",
         ),
-        ("print(open({home!r}).read())", "errors", "outside the sandbox"),
+        ("print(open({secret!r}).read())", "errors", "No such file"),  # not in the sandbox's /tmp
         (
             "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
             "errors",
             "not allowed",
         ),
     ],
-    ids=["10GB", "fork", "subprocess", "fork_exec", "reimport", "home", "socket"],
+    ids=["10GB", "fork", "subprocess", "fork_exec", "reimport", "host_file", "socket"],
 )
 def test_hostile_program_that_would_pass_scores_zero_with_its_reason(tmp_path, hostile, count, reason):
     """Each program does something hostile, then prints the right answer: only containment makes it fail."""
-    secret = Path.home() / ".reroll-sandbox-test-secret"
+    secret = tmp_path / "secret.txt"
     secret.write_text("top secret")
-    try:
-        with socket.socket() as server:  # something to connect to, were the connection allowed
-            server.bind(("127.0.0.1", 0))
-            server.listen()
-            program = hostile.format(home=str(secret), port=server.getsockname()[1]) + "\n" + ADD
-            r = code_tests("", fenced(program), {"tests": ADD_IO["tests"][:1]}, **FAST)
-            run = run_python(program, "3 4\n", limits=Limits(cpu_s=1, wall_s=5.0, memory_mb=256))
-    finally:
-        secret.unlink()
+    with socket.socket() as server:  # something to connect to, were the connection allowed
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        program = hostile.format(secret=str(secret), port=server.getsockname()[1]) + "\n" + ADD
+        r = code_tests("", fenced(program), {"tests": ADD_IO["tests"][:1]}, **FAST)
+        run = run_python(program, "3 4\n", limits=Limits(cpu_s=1, wall_s=5.0, memory_mb=256))
     assert (r.score, r.details[count]) == (0.0, 1)  # the test case failed, for this reason
     assert reason in run.stderr and run.stdout == ""  # (without the hostile line it passes: first test)
 
 
 def test_task_limit_is_enforced_by_the_kernel():
-    """Threads are tasks too, and start without any audit event: the cgroup (or RLIMIT_NPROC) stops them."""
-    if pids_cgroup_root() is None and os.getuid() == 0:
-        pytest.skip("no pids cgroup here and RLIMIT_NPROC does not bind root: no kernel task limit")
+    """Threads are tasks too, and start without any audit event: RLIMIT_NPROC in the run's own user
+    namespace (and its pids cgroup, where reroll may make one) stops them."""
     program = (
         "import threading, time\nthreading.stack_size(65536)\nn = 0\ntry:\n"
         "    for _ in range(500):\n"
@@ -180,5 +185,5 @@ def test_task_limit_is_enforced_by_the_kernel():
     r = run_python(program, limits=Limits(max_processes=16, wall_s=10.0))
     assert "refused: can't start new thread" in r.stdout
     assert int(r.stdout.split()[-1]) == 15  # 16 tasks: the main thread and 15 more
-    if pids_cgroup_root() is not None:
-        assert not [p for p in pids_cgroup_root().iterdir() if p.name.startswith("reroll-sandbox-")]
+    for base in cgroup_bases().values():  # only this process's: another suite may be running
+        assert not [p for p in base.iterdir() if p.name.startswith(f"reroll-sandbox-{os.getpid()}-")]
