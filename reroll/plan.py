@@ -2,10 +2,10 @@
 
 The estimate is arithmetic on the model's shape, not a measurement: weights, gradients and AdamW
 state per training rank after sharding (fsdp2 / deepspeed / megatron), activations and logits of one
-micro-batch, the engine's weights and KV cache, and the reference's weights. Colocated roles that
-offload between phases need the largest of them on a GPU; without offloading, their sum. The shape
-comes from ``model.path``'s config.json where it is a local directory, else from a table of the model
-families the examples use.
+micro-batch (or a forward-only one's logits, ``optim.logprob_*``, when larger), the engine's weights
+and KV cache, and the reference's weights. Colocated roles that offload between phases need the
+largest of them on a GPU; without offloading, their sum. The shape comes from ``model.path``'s
+config.json where it is a local directory, else from a table of the model families the examples use.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from reroll.config.placement import device_map, offload_between_phases, run_roles
+from reroll.config.placement import device_map, offload_between_phases, run_roles, trainer_strategy
 from reroll.config.schema import RunConfig
 from reroll.errors import UserError
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# fp32 chunks that per-token log-probs use at once (about 4 of CHUNK_ELEMENTS in reroll.algorithms.logprobs,
+# not imported here: the plan needs no torch)
+LOGPROB_WORKSPACE = 4 * 2**24 * 4
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,9 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
         # master weights and fp32 moments
         per_param = 12 if cfg.strategy.name in ("deepspeed", "megatron") else 2 * DTYPE_BYTES[cfg.model.dtype]
         optim = trained * per_param / (o_div if lora is None else 1)
-    tokens = cfg.optim.max_tokens_per_micro_batch or cfg.optim.micro_batch_size * seq
+    o = cfg.optim
+    tokens = o.max_tokens_per_micro_batch or o.micro_batch_size * seq
+    scored = o.logprob_max_tokens_per_micro_batch or (o.logprob_micro_batch_size or 0) * seq or tokens
     per_layer = 2 if cfg.model.gradient_checkpointing else 34  # bytes per token per hidden unit
     acts = tokens * shape.hidden * shape.layers * per_layer * p_bytes / 2 if trainable else 0.0
     model_par = 1
@@ -147,7 +152,12 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
         m = cfg.strategy.megatron
         model_par = m.tensor_parallel * m.context_parallel
         acts /= model_par * m.pipeline_parallel
-    logits = tokens * shape.vocab * (p_bytes + 4 + (4 if trainable else 0)) / model_par
+    # logits in the compute dtype (and their gradient when training); log-probs take fp32 chunks of them
+    train_logits = tokens * shape.vocab * 2 * p_bytes / model_par if trainable else 0.0
+    scored_logits = scored * shape.vocab * p_bytes / model_par  # forward-only passes (optim.logprob_*)
+    if scored_logits > acts + train_logits:
+        acts = 0.0
+    logits = max(train_logits, scored_logits) + LOGPROB_WORKSPACE
     total = weights + grads + optim + acts + logits
     parts = (
         f"weights {weights / GIB:.1f} + grads {grads / GIB:.1f} + adam {optim / GIB:.1f} + "
@@ -172,12 +182,15 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     pool = cfg.placement.devices or gpus
     if cfg.placement.devices is None:
         cfg = cfg.model_copy(update={"placement": cfg.placement.model_copy(update={"devices": pool})})
+    chosen = trainer_strategy(cfg, "cuda")  # the plan is for GPUs
+    shown = chosen if chosen == cfg.strategy.name else f"{chosen} (strategy.name {cfg.strategy.name})"
+    cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"name": chosen})})
     dmap = device_map(cfg, run_roles(cfg), "cuda")
     plans = {p.role: p for p in estimate(cfg, shape, prompt_tokens=prompt_tokens)}
     offload = offload_between_phases(cfg, "cuda")
     lines = [
         f"model {cfg.model.path}: {shape.params / 1e9:.2f}B parameters, {cfg.model.dtype}, "
-        f"strategy {cfg.strategy.name}, engine {cfg.rollout.engine}",
+        f"strategy {shown}, engine {cfg.rollout.engine}",
         f"{pool} GPUs in the pool, {gpus} available, {gpu_memory_gib:g} GiB each; colocated roles "
         f"{'offload between phases' if offload else 'stay resident'}",
         "",

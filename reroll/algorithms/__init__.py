@@ -47,7 +47,7 @@ from reroll.algorithms.kl import (
     kl_penalty,
     kl_reward_penalty,
 )
-from reroll.algorithms.logprobs import token_entropy, token_logprobs
+from reroll.algorithms.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from reroll.algorithms.losses import (
     POLICY_LOSSES,
     cispo_loss,
@@ -137,6 +137,7 @@ __all__ = [
     "steps_from_tokens",
     "token_entropy",
     "token_logprobs",
+    "token_logprobs_and_entropy",
     "token_values",
     "tokens_from_steps",
     "topr_loss",

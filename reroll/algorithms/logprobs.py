@@ -3,28 +3,145 @@
 Column ``t`` belongs to token ``t`` and is read off the model's output at position ``t - 1``, the
 last position that has not seen token ``t``; column 0 is 0 (``reroll.data.types``). The critic's
 values follow the same alignment (``reroll.algorithms.value.token_values``).
+
+Memory: a ``(tokens, vocab)`` fp32 copy of the logits is never made. With Qwen's 152k vocabulary a
+batch of 256 x 384 tokens would need 60 GB in fp32 (and autograd would keep several such tensors for
+backward). Instead the logits (any dtype, as the model returns them) are read ``chunk_tokens`` rows at a
+time, upcast to fp32 only inside a chunk, and reduced to per-token numbers at once. A chunked loop under
+plain autograd would still keep every chunk's fp32 intermediates until backward, so the work is a
+custom ``autograd.Function``: forward keeps only the logits (which autograd holds anyway, being the
+model's output) and one fp32 log-normaliser per token; backward recomputes each chunk's softmax and
+writes that chunk of the gradient, ``(onehot - p) / temperature`` for the log-prob and
+``-p (log p + H) / temperature`` for the entropy, in the logits' dtype. Peak extra memory, forward and
+backward alike, is a few fp32 chunks (about ``chunk_tokens x vocab x 4`` bytes each) plus the gradient
+of the logits that backward must return.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+# Rows per chunk: about 2**24 fp32 elements (64 MiB) per intermediate; 110 tokens at a 152k vocabulary.
+CHUNK_ELEMENTS = 2**24
 
 
-def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """log p(x_t | x_<t) for every position: ``(B, T, V)`` logits, ``(B, T)`` ids -> ``(B, T)``; column 0 is 0.
+def token_logprobs(
+    logits: Tensor, input_ids: Tensor, temperature: float = 1.0, *, chunk_tokens: int | None = None
+) -> Tensor:
+    """log p(x_t | x_<t) for every position: ``(B, T, V)`` logits, ``(B, T)`` ids -> ``(B, T)`` fp32;
+    column 0 is 0.
 
     Logits are divided by ``temperature`` first (as the engine samples), so the ratio the policy loss
-    sees is the one of the sampling distribution.
+    sees is the one of the sampling distribution. ``chunk_tokens``: rows upcast at a time (default:
+    about 2**24 fp32 elements).
     """
-    scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
-    logp = torch.log_softmax(scaled, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(logp, (1, 0), value=0.0)
+    logp, _ = _next_token_stats(logits, input_ids, temperature, chunk_tokens, entropy=False)
+    return logp
 
 
-def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+def token_entropy(logits: Tensor, temperature: float = 1.0, *, chunk_tokens: int | None = None) -> Tensor:
     """Entropy of the next-token distribution, aligned like ``token_logprobs``: ``(B, T, V)`` -> ``(B, T)``."""
-    scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
-    logp = torch.log_softmax(scaled, dim=-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return torch.nn.functional.pad(ent, (1, 0), value=0.0)
+    _, ent = _next_token_stats(logits, None, temperature, chunk_tokens, entropy=True)
+    return ent
+
+
+def token_logprobs_and_entropy(
+    logits: Tensor,
+    input_ids: Tensor,
+    temperature: float = 1.0,
+    *,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(token_logprobs, token_entropy)`` in one pass over the logits, both ``(B, T)`` fp32.
+
+    Backward through the entropy is computed only when its gradient is used: detach it (or leave it out
+    of the loss) and backward costs the same as for the log-probs alone."""
+    return _next_token_stats(logits, input_ids, temperature, chunk_tokens, entropy=True)
+
+
+def _next_token_stats(
+    logits: Tensor, input_ids: Tensor | None, temperature: float, chunk_tokens: int | None, *, entropy: bool
+) -> tuple[Tensor, Tensor]:
+    """Shifted, padded ``(B, T)`` log-probs (zeros without ``input_ids``) and entropy (zeros unless
+    ``entropy``). Every position is scored, the last one of a row too (it has no next token; 1/T extra
+    work), so that the logits are read as the contiguous ``(B*T, V)`` view without a copy."""
+    b, t, v = logits.shape
+    scale = temperature if temperature > 0 else 1.0
+    rows = chunk_tokens or max(1, CHUNK_ELEMENTS // v)
+    flat = logits.reshape(b * t, v)
+    targets = None
+    if input_ids is not None:  # the next token of each position; the last position's is a dummy 0
+        targets = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=0).reshape(b * t).to(logits.device)
+    logp, ent = _ChunkedNextToken.apply(flat, targets, scale, entropy, rows)
+
+    def align(x: Tensor) -> Tensor:  # position t-1 scores token t; column 0 is 0
+        return torch.nn.functional.pad(x.view(b, t)[:, :-1], (1, 0), value=0.0)
+
+    return align(logp), align(ent)
+
+
+class _ChunkedNextToken(torch.autograd.Function):
+    """``(N, V)`` logits -> per-row fp32 log p(target) and entropy, chunk by chunk (see the module doc).
+
+    Each chunk is one fp32 copy of its logits worked on in place, plus one more buffer where the
+    entropy needs p and log p at once."""
+
+    @staticmethod
+    def forward(
+        ctx, logits: Tensor, targets: Tensor | None, scale: float, entropy: bool, rows: int
+    ) -> tuple[Tensor, Tensor]:
+        n = logits.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        logp = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        ent = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        for a in range(0, n, rows):
+            s = slice(a, a + rows)
+            x = _scaled(logits[s], scale)
+            lse[s] = torch.logsumexp(x, dim=-1)
+            if targets is not None:
+                logp[s] = x.gather(-1, targets[s, None]).squeeze(-1) - lse[s]
+            if entropy:
+                logq = x.sub_(lse[s, None])
+                ent[s] = -logq.exp().mul_(logq).sum(-1)
+        ctx.save_for_backward(logits, targets, lse, ent)
+        ctx.scale, ctx.rows = scale, rows
+        ctx.set_materialize_grads(False)
+        if targets is None:
+            ctx.mark_non_differentiable(logp)
+        if not entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp: Tensor | None, grad_ent: Tensor | None):
+        logits, targets, lse, ent = ctx.saved_tensors
+        if targets is None:
+            grad_logp = None
+        if grad_logp is None and grad_ent is None:
+            return None, None, None, None, None
+        grad = torch.empty_like(logits)
+        for a in range(0, logits.shape[0], ctx.rows):
+            s = slice(a, a + ctx.rows)
+            logq = _scaled(logits[s], ctx.scale).sub_(lse[s, None])
+            if grad_ent is None:  # d log p_y / dx = onehot(y) - p
+                g = logq.exp_().mul_(-grad_logp[s, None])
+            else:  # dH/dx = -p (log p + H); with the log-prob's: -p ((log p + H) g_H + g_y) + onehot(y) g_y
+                p = logq.exp()
+                g = logq.add_(ent[s, None]).mul_(grad_ent[s, None])
+                if grad_logp is not None:
+                    g.add_(grad_logp[s, None])
+                g = g.mul_(p).neg_()
+                del p
+            if grad_logp is not None:
+                g.scatter_add_(-1, targets[s, None], grad_logp[s, None])
+            grad[s] = g if ctx.scale == 1.0 else g.div_(ctx.scale)
+        return grad, None, None, None, None
+
+
+def _scaled(chunk: Tensor, scale: float) -> Tensor:
+    """An fp32 copy of ``chunk`` divided by ``scale`` (a copy even when the logits are fp32)."""
+    x = chunk.to(torch.float32, copy=True)
+    return x if scale == 1.0 else x.div_(scale)

@@ -73,6 +73,18 @@ def placed_roles(cfg: RunConfig, roles: Iterable[str]) -> list[str]:
     return [r for r in roles if r in DEVICE_ROLES or getattr(cfg.roles, r).devices is not None]
 
 
+def trainer_strategy(cfg: RunConfig, device: str) -> str:
+    """``strategy.name`` with 'auto' resolved for trainer ranks on ``device`` ('cuda' or 'cpu'): fsdp2 on
+    GPUs; torch on CPUs, where sharding saves no memory worth having and one fsdp2 rank's step is
+    slower (about 1.4x on the tiny model, 2 cores). The run resolves it once, in ``ResourceManager``
+    with the device actor_train's ranks get, and writes it to config.yaml; ``make_strategy`` applies
+    the same rule to a config that did not pass there (tests, benchmarks)."""
+    name = cfg.strategy.name
+    if name != "auto":
+        return name
+    return "fsdp2" if device == "cuda" else "torch"
+
+
 def device_map(cfg: RunConfig, roles: Iterable[str], device_type: str) -> DeviceMap:
     """Where each rank of ``roles`` sits (``check_placement`` has vetted the config)."""
     ranks, span = {}, {}

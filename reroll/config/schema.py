@@ -152,6 +152,19 @@ class OptimConfig(StrictModel):
         description="Dynamic micro-batching: fill each micro-batch up to this many tokens instead of "
         "micro_batch_size rows (None: off).",
     )
+    logprob_micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per forward-only pass (reference and old log-probs, critic values): these "
+        "keep no activations for backward, so they can batch larger than training. None: as training "
+        "(micro_batch_size / max_tokens_per_micro_batch), unless logprob_max_tokens_per_micro_batch is set.",
+    )
+    logprob_max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget of a forward-only pass, like max_tokens_per_micro_batch. Either logprob_* "
+        "setting replaces both training limits for those passes. Results do not depend on either.",
+    )
     packing: bool = Field(
         False,
         description="Pack a micro-batch's rows into one sequence without padding; attention stays within "
@@ -242,10 +255,12 @@ class MegatronConfig(StrictModel):
 class StrategyConfig(StrictModel):
     """The training backend of actor_train, reference and critic."""
 
-    name: Literal["torch", "fsdp2", "deepspeed", "megatron"] = Field(
-        "torch",
+    name: Literal["auto", "torch", "fsdp2", "deepspeed", "megatron"] = Field(
+        "auto",
         description="'torch': one full copy per rank, gradients all-reduced; 'fsdp2': sharded (FSDP2); "
-        "'deepspeed': ZeRO-2/3; 'megatron': Megatron-Core model parallelism (GPUs).",
+        "'deepspeed': ZeRO-2/3; 'megatron': Megatron-Core model parallelism (GPUs). 'auto': fsdp2 where "
+        "actor_train runs on GPUs, torch on CPUs (where fsdp2 is slower); the run's config.yaml and "
+        "`reroll plan` show the choice.",
     )
     fsdp2: FSDP2Config = Field(default_factory=FSDP2Config, description="FSDP2 settings.")
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed settings.")

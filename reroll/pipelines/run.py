@@ -272,7 +272,8 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
     step, ckpt, last, total = 0, resume_from, {}, pipeline.total_steps
     try:
         start = _begin(pipeline, roles, resume_from)
-        metrics_log = open_metrics(cfg, resume_step=start if resume_from else None)
+        # roles.cfg: the config with the device type and strategy.name resolved, as config.yaml records it
+        metrics_log = open_metrics(roles.cfg, resume_step=start if resume_from else None)
         if start == 0:
             with roles.phase("evaluate", "actor_infer"):
                 before = pipeline.evaluate(roles)

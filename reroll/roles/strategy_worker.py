@@ -85,13 +85,16 @@ class StrategyWorker:
     def reload(self) -> None:
         self.strategy.reload()
 
-    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+    def _micro_batches(self, batch: TrainBatch, *, forward_only: bool = False) -> list[TrainBatch]:
         """This rank's micro-batches, in row order: up to ``optim.max_tokens_per_micro_batch`` real tokens
-        each when set, else ``optim.micro_batch_size`` rows. With several ranks, every rank gets as many
+        each when set, else ``optim.micro_batch_size`` rows; ``forward_only`` (no backward follows): the
+        ``optim.logprob_*`` limits when either is set. With several ranks, every rank gets as many
         as the rank with the most (a sharded strategy's forward is a collective), as far as its rows allow."""
         o = self.cfg.optim
-        budget = o.max_tokens_per_micro_batch
-        limits = {"max_rows": None if budget else o.micro_batch_size, "max_tokens": budget}
+        rows, budget = o.micro_batch_size, o.max_tokens_per_micro_batch
+        if forward_only and (o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch):
+            rows, budget = o.logprob_micro_batch_size, o.logprob_max_tokens_per_micro_batch
+        limits = {"max_rows": None if budget else rows, "max_tokens": budget}
         parts = micro_batches(batch, **limits)
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return parts
@@ -115,7 +118,8 @@ class StrategyWorker:
         self, batch: TrainBatch, per_token: Callable[[torch.Tensor, TrainBatch], torch.Tensor]
     ) -> torch.Tensor:
         """``per_token(model output, micro-batch)`` (b, t) over this rank's micro-batches: (B, T)."""
-        parts = [per_token(self._forward(mb), mb).cpu() for mb in self._micro_batches(batch)]
+        mbs = self._micro_batches(batch, forward_only=True)
+        parts = [per_token(self._forward(mb), mb).cpu() for mb in mbs]
         return TrainBatch.concat(parts, width=batch.input_ids.shape[1])
 
     def _backward(self, loss: torch.Tensor, mb: TrainBatch, stats: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from reroll.algorithms.correction import mismatch_metrics
-from reroll.algorithms.logprobs import token_entropy, token_logprobs
+from reroll.algorithms.logprobs import token_logprobs, token_logprobs_and_entropy
 from reroll.algorithms.objective import actor_loss
 from reroll.config.schema import RunConfig
 from reroll.data.types import TrainBatch
@@ -54,9 +54,8 @@ class TrainerWorker(StrategyWorker):
         for mb in self._micro_batches(batch):
             logits = self._forward(mb)
             ids = mb.input_ids.to(logits.device)
-            logprobs = token_logprobs(logits, ids, self.temperature)
-            entropy = token_entropy(logits, self.temperature)
-            if alg.entropy_coef == 0:
+            logprobs, entropy = token_logprobs_and_entropy(logits, ids, self.temperature)
+            if alg.entropy_coef == 0:  # a metric only: backward skips the entropy's gradient
                 entropy = entropy.detach()
             dev = logprobs.device
             loss, m = actor_loss(

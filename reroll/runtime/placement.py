@@ -14,7 +14,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from reroll.config.placement import DeviceMap, cluster_problems, device_map, placed_roles, run_roles
+from reroll.config.placement import (
+    DeviceMap,
+    cluster_problems,
+    device_map,
+    placed_roles,
+    run_roles,
+    trainer_strategy,
+)
 from reroll.errors import UserError
 
 if TYPE_CHECKING:
@@ -40,7 +47,8 @@ class ResourceManager:
 
     Without ``placement.devices`` it reserves nothing: each worker asks Ray for its role's
     ``num_gpus_per_worker`` / ``num_cpus_per_worker`` (the local backend ignores resources).
-    ``cfg`` is the run config with ``placement.device_type`` resolved: give it to the workers.
+    ``cfg`` is the run config with ``placement.device_type`` and ``strategy.name`` resolved: give it to
+    the workers.
     """
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -49,6 +57,8 @@ class ResourceManager:
         self.device_type = _resolve_device_type(cfg)
         placement = cfg.placement.model_copy(update={"device_type": self.device_type})
         self.cfg = cfg.model_copy(update={"placement": placement})
+        name = trainer_strategy(self.cfg, worker_device(self.cfg, "actor_train"))
+        self.cfg = self.cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"name": name})})
         self.map = device_map(cfg, run_roles(cfg), self.device_type) if pool else None
         if cfg.runtime.backend == "local":
             return

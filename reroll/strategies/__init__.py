@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
+from reroll.config.placement import trainer_strategy
 from reroll.errors import UserError
 
 if TYPE_CHECKING:
@@ -116,11 +117,12 @@ def make_strategy(
     world_size: int,
     head: Head,
 ) -> Strategy:
-    """The backend ``cfg.strategy.name`` names, holding the model at ``model_path``.
+    """The backend ``cfg.strategy.name`` names ('auto' resolved for ``device``, as the run resolves it:
+    ``reroll.config.placement.trainer_strategy``), holding the model at ``model_path``.
 
     A backend that is not installed is a ``UserError`` saying what to install.
     """
-    name = cfg.strategy.name
+    name = trainer_strategy(cfg, device)
     module, cls_name, package, install = _BACKENDS[name]
     if not strategy_available(name):
         raise UserError(

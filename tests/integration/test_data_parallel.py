@@ -1,4 +1,5 @@
-"""Two actor_train ranks (Ray actors, gloo) take the same optimizer step as one rank on the whole batch."""
+"""Two actor_train ranks (Ray actors, gloo) take the same optimizer step as one rank on the whole batch,
+with full copies (torch, what strategy.name auto picks on CPUs) and sharded (fsdp2, its pick on GPUs)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from tests.conftest import write_config
 pytestmark = pytest.mark.integration
 
 
-def _step(cfg_path, world_size: int, batch):
-    cfg = load_config(cfg_path, RunConfig, [f"roles.actor_train.world_size={world_size}"])
+def _step(cfg_path, world_size: int, batch, strategy: str):
+    overrides = [f"roles.actor_train.world_size={world_size}", f"strategy.name={strategy}"]
+    cfg = load_config(cfg_path, RunConfig, overrides)
     group = TrainerGroup("actor_train", cfg, trainable=True)
     try:
         group.configure_optimizer(1e-2, 0)
@@ -37,7 +39,8 @@ def _initial(path):
     return AutoModelForCausalLM.from_pretrained(cfg.model.path).state_dict()
 
 
-def test_two_ranks_equal_one(tmp_path, assets):
+@pytest.mark.parametrize("strategy", ["torch", "fsdp2"])
+def test_two_ranks_equal_one(tmp_path, assets, strategy):
     path = write_config(tmp_path / "c.yaml", assets, optim={"lr": 1e-2, "micro_batch_size": 4})
     start_ray(None)
     samples = load_samples([str(assets["train"])], template="{question}=")[:10]
@@ -45,8 +48,8 @@ def test_two_ranks_equal_one(tmp_path, assets):
     g = torch.Generator().manual_seed(0)
     batch.advantages = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
 
-    sft1, rl1, w1 = _step(path, 1, batch)
-    sft2, rl2, w2 = _step(path, 2, batch)  # 5 rows per rank, micro-batches of 4 and 1
+    sft1, rl1, w1 = _step(path, 1, batch, strategy)
+    sft2, rl2, w2 = _step(path, 2, batch, strategy)  # 5 rows per rank, micro-batches of 4 and 1
     assert sft2["sft/grad_norm"] == pytest.approx(sft1["sft/grad_norm"], rel=1e-5)
     assert rl2["actor/grad_norm"] == pytest.approx(rl1["actor/grad_norm"], rel=1e-5)
     # Gradients differ only by float summation order (~1e-7 relative). Adam divides by sqrt(v), so an

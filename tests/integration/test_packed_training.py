@@ -97,6 +97,30 @@ def test_packed_and_token_budget_steps_equal_fixed_padded_micro_batches(tmp_path
         log.info("%s: loss %.6f grad_norm %.6f", name, m_b["actor/loss"], m_b["actor/grad_norm"])
 
 
+def test_forward_only_micro_batches_give_the_same_logprobs(tmp_path, assets, batch):
+    """optim.logprob_* cut the no-grad passes (reference, old log-probs) differently from training; the
+    log-probs are the same, and the passes run as many forwards as the setting says."""
+
+    def score(overrides):
+        group = TrainerGroup("actor_train", _cfg(tmp_path, assets, overrides), trainable=True)
+        worker = group.handles[0]._obj  # local backend: count the forwards the strategy runs
+        forward, calls = worker.strategy.logits, []
+        worker.strategy.logits = lambda *a, **k: calls.append(1) or forward(*a, **k)
+        return group.compute_logprobs(batch), len(calls)
+
+    want, n = score(BASELINE)
+    assert n == 6  # 22 rows, 4 at a time
+    mask = batch.attention_mask  # padding columns are never read
+    for overrides, forwards in [
+        (("optim.logprob_micro_batch_size=22",), 1),
+        (("optim.logprob_micro_batch_size=1",), 22),
+        (("optim.logprob_max_tokens_per_micro_batch=30", "optim.packing=true"), 8),
+    ]:
+        got, n = score((*BASELINE, *overrides))
+        assert n == forwards, overrides
+        torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0, msg=str(overrides))
+
+
 def test_critic_packed_equals_padded(tmp_path, assets, batch):
     """The critic's values and its step are the same packed (and token-budgeted) as padded."""
     g = torch.Generator().manual_seed(1)

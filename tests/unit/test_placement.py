@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from reroll.config.loader import ConfigError, load_config
-from reroll.config.placement import device_map, run_roles
+from reroll.config.placement import device_map, run_roles, trainer_strategy
 from reroll.config.schema import RunConfig
-from reroll.runtime.placement import Colocation
+from reroll.runtime.placement import Colocation, ResourceManager
 
 
 def _cfg(tmp_path, **overrides):
@@ -111,3 +111,36 @@ def test_colocation_disabled_moves_nothing(tmp_path):
     col = Colocation(groups, device_map(cfg, run_roles(cfg), "cpu"), enabled=False)
     col.use("actor_infer")
     assert log == [] and col.pop_seconds() == {}
+
+
+def test_strategy_auto_is_fsdp2_where_actor_train_runs_on_gpus_and_torch_on_cpus(tmp_path):
+    """Resolved once, where the run resolves the device type (ResourceManager), from actor_train's
+    device; an explicit name stays. The run writes this config (config.yaml) and gives it to the workers."""
+
+    def resolved(**overrides):
+        return ResourceManager(_cfg(tmp_path, **{"runtime.backend": "local", **overrides})).cfg.strategy.name
+
+    assert _cfg(tmp_path).strategy.name == "auto"
+    assert resolved() == "torch"  # no pool, no GPU asked for: CPU workers
+    assert resolved(**{"roles.actor_train.num_gpus_per_worker": 1}) == "fsdp2"
+    assert resolved(**{"placement.devices": 1, "placement.device_type": "cuda"}) == "fsdp2"
+    assert resolved(**{"placement.devices": 1, "placement.device_type": "cpu"}) == "torch"
+    explicit = {"placement.devices": 1, "placement.device_type": "cuda", "strategy.name": "torch"}
+    assert resolved(**explicit) == "torch"
+    # a worker built from an unresolved config (tests, benchmarks) gets the same rule for its device
+    assert trainer_strategy(_cfg(tmp_path), "cuda") == "fsdp2"
+    assert trainer_strategy(_cfg(tmp_path), "cpu") == "torch"
+
+
+def test_plan_shows_the_strategy_auto_chose(tmp_path):
+    from reroll.plan import plan
+
+    two = {"model.path": "Qwen/Qwen2.5-0.5B-Instruct", "roles.actor_train.world_size": 2}
+    auto, _ = plan(_cfg(tmp_path, **two), gpus=2, gpu_memory_gib=80)
+    torch_, _ = plan(_cfg(tmp_path, **two, **{"strategy.name": "torch"}), gpus=2, gpu_memory_gib=80)
+    assert "strategy fsdp2 (strategy.name auto)," in auto and "strategy torch," in torch_
+
+    def actor_line(text):
+        return next(line for line in text.splitlines() if line.strip().startswith("actor_train"))
+
+    assert actor_line(auto) != actor_line(torch_)  # the plan shards weights and Adam state over 2 ranks

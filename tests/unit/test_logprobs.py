@@ -1,0 +1,99 @@
+"""Chunked log-probs and entropy equal the plain full-softmax computation, values and gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from reroll.algorithms.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
+
+
+def plain_logprobs(logits, ids, temperature):
+    """The straightforward version: whole (B, T, V) in fp32, log_softmax, gather, shift."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    picked = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(ids.shape[0], 1), picked], dim=1)
+
+
+def plain_entropy(logits, temperature):
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return torch.cat([torch.zeros(logits.shape[0], 1), ent], dim=1)
+
+
+def _inputs(dtype, seed=0, b=3, t=7, v=50):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(b, t, v, generator=gen)).to(dtype)
+    ids = torch.randint(0, v, (b, t), generator=gen)
+    weights = torch.randn(b, t, generator=gen)  # a loss that weighs every position differently
+    return logits, ids, weights
+
+
+def test_hand_computed():
+    # one row, V = 2, logits [0, ln 3] at position 0: p = [1/4, 3/4]; token 1 is id 1
+    # log p = ln 3/4 = -0.287682; H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.562335
+    logits = torch.tensor([[[0.0, math.log(3)], [5.0, -5.0]]])
+    ids = torch.tensor([[0, 1]])
+    logp, ent = token_logprobs_and_entropy(logits, ids)
+    assert_close(logp, torch.tensor([[0.0, math.log(0.75)]]))
+    assert_close(ent, torch.tensor([[0.0, -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [None, 1, 4, 100])
+def test_values_and_gradients_equal_plain(dtype, temperature, chunk):
+    logits, ids, w = _inputs(dtype)
+    want_lp, want_ent = plain_logprobs(logits, ids, temperature), plain_entropy(logits, temperature)
+    got_lp, got_ent = token_logprobs_and_entropy(logits, ids, temperature, chunk_tokens=chunk)
+    assert got_lp.dtype == got_ent.dtype == torch.float32
+    assert_close(got_lp, want_lp)
+    assert_close(got_ent, want_ent)
+    assert_close(token_logprobs(logits, ids, temperature, chunk_tokens=chunk), want_lp)
+    assert_close(token_entropy(logits, temperature, chunk_tokens=chunk), want_ent)
+
+    # gradients: log-probs alone, entropy alone, and both in one loss
+    for use_lp, use_ent in [(1.0, 0.0), (0.0, 1.0), (1.0, -0.3)]:
+        x_plain = logits.float().detach().requires_grad_()
+        want = use_lp * plain_logprobs(x_plain, ids, temperature)
+        want = want + use_ent * plain_entropy(x_plain, temperature)
+        (want * w).sum().backward()
+        x = logits.detach().requires_grad_()
+        lp, ent = token_logprobs_and_entropy(x, ids, temperature, chunk_tokens=chunk)
+        ((use_lp * lp + use_ent * ent) * w).sum().backward()
+        assert x.grad.dtype == dtype
+        assert_close(x.grad, x_plain.grad.to(dtype))
+
+
+def test_detached_entropy_gives_the_logprob_gradient():
+    logits, ids, w = _inputs(torch.float32, seed=1)
+    x = logits.clone().requires_grad_()
+    lp, ent = token_logprobs_and_entropy(x, ids, 0.7, chunk_tokens=2)
+    ((lp + ent.detach()) * w).sum().backward()
+    y = logits.clone().requires_grad_()
+    (plain_logprobs(y, ids, 0.7) * w).sum().backward()
+    assert_close(x.grad, y.grad)
+
+
+def test_no_grad_keeps_nothing_and_column_zero_is_zero():
+    logits, ids, _ = _inputs(torch.float32, seed=2)
+    with torch.no_grad():
+        lp, ent = token_logprobs_and_entropy(logits.requires_grad_(), ids, chunk_tokens=3)
+    assert lp.grad_fn is None and ent.grad_fn is None
+    assert (lp[:, 0] == 0).all() and (ent[:, 0] == 0).all()
+    assert (lp[:, 1:] < 0).all() and (ent[:, 1:] > 0).all()
+
+
+def test_zero_temperature_means_one():
+    logits, ids, _ = _inputs(torch.float32, seed=3)
+    assert_close(token_logprobs(logits, ids, 0.0), plain_logprobs(logits, ids, 1.0))
+
+
+def test_non_contiguous_logits():
+    logits, ids, _ = _inputs(torch.float32, seed=4, v=60)
+    sliced = logits[..., :50]  # e.g. a padded vocabulary cut to the tokenizer's size
+    assert not sliced.is_contiguous()
+    assert_close(token_logprobs(sliced, ids % 50), plain_logprobs(sliced, ids % 50, 1.0))
