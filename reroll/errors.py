@@ -12,26 +12,46 @@ class RoleError(RuntimeError):
     what the worker runs when the role says (``actor_infer[0] (vllm engine) failed during generate``)."""
 
     def __init__(
-        self, role: str, rank: int | None, phase: str, cause: str, detail: str | None = None
+        self,
+        role: str,
+        rank: int | None,
+        phase: str,
+        cause: str,
+        detail: str | None = None,
+        *,
+        died: bool = False,
     ) -> None:
+        """``died``: the worker's process is gone (killed, crashed, out of memory), not an exception in
+        it: the run may restart the role (``runtime.max_restarts``)."""
         where = f"{role}[{rank}]" if rank is not None else role
         if detail:
             where += f" ({detail})"
         super().__init__(f"{where} failed during {phase}: {cause}")
         self.role, self.rank, self.phase, self.cause, self.detail = role, rank, phase, cause, detail
+        self.died = died
 
     def __reduce__(self) -> tuple:  # so the error keeps its fields when it crosses Ray
-        return (RoleError, (self.role, self.rank, self.phase, self.cause, self.detail))
+        return (_role_error, (self.role, self.rank, self.phase, self.cause, self.detail, self.died))
 
     def in_phase(self, phase: str) -> RoleError:
         """The same error, naming the pipeline phase the failed call belonged to (when it differs)."""
         if self.phase == phase or self.phase.startswith(f"{phase} "):
             return self
-        return RoleError(self.role, self.rank, f"{phase} ({self.phase})", self.cause, self.detail)
+        return self.with_phase(f"{phase} ({self.phase})")
 
     def at_step(self, step: int) -> RoleError:
         """The same error, with the pipeline step in its phase."""
-        return RoleError(self.role, self.rank, f"{self.phase} at step {step}", self.cause, self.detail)
+        return self.with_phase(f"{self.phase} at step {step}")
+
+    def with_phase(self, phase: str, cause: str | None = None) -> RoleError:
+        """The same error with another phase (and cause)."""
+        cause = self.cause if cause is None else cause
+        return RoleError(self.role, self.rank, phase, cause, self.detail, died=self.died)
+
+
+def _role_error(*args: object) -> RoleError:
+    *fields, died = args
+    return RoleError(*fields, died=bool(died))  # type: ignore[arg-type]
 
 
 class RewardFailure(UserError):

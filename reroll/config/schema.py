@@ -414,7 +414,20 @@ class RuntimeConfig(StrictModel):
         "ray", description="'ray': each worker a Ray actor; 'local': all in this process (debugging)."
     )
     ray_address: str | None = Field(None, description="Join this Ray cluster (default: start a local one).")
-    call_timeout_s: float = Field(1800.0, gt=0, description="Longest one role call may take.")
+    call_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Longest one role call may take; past it the run stops, naming the role and phase, "
+        "with every worker's Python stack written to <run dir>/stacks/.",
+    )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="Dead workers restarted per run (a killed or crashed process, not an exception in "
+        "it): the role is restarted, given the current weights, and the step retried; actor_train or "
+        "critic go back to the latest checkpoint (the steps since are redone: checkpoint.every bounds "
+        "them). Past this many the run stops with the worker's error. 0: never restart.",
+    )
 
 
 class RunConfig(StrictModel):

@@ -15,7 +15,9 @@ a model off its device.
 
 from __future__ import annotations
 
+import copy
 import logging
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -39,8 +41,8 @@ from reroll.roles.env import EnvGroup
 from reroll.roles.reward import RewardGroup
 from reroll.roles.rollout import RolloutGroup
 from reroll.roles.trainer import TrainerGroup
-from reroll.runtime import checkpoint
-from reroll.runtime.actors import start_ray
+from reroll.runtime import checkpoint, stacks
+from reroll.runtime.actors import WorkerGroup, start_ray
 from reroll.runtime.console import step_line
 from reroll.runtime.metrics import MetricsLogger
 from reroll.runtime.placement import Colocation, ResourceManager
@@ -98,6 +100,7 @@ class Roles:
     colocation: Colocation | None = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     current_phase: str | None = None
+    restarted: list[str] = field(default_factory=list)  # '<role> at step <n>', one per restart
 
     @classmethod
     def start(cls, cfg: RunConfig, needs: RoleSet) -> Roles:
@@ -105,6 +108,7 @@ class Roles:
         stops the ones already started."""
         if cfg.runtime.backend == "ray":
             start_ray(cfg.runtime.ray_address)
+        stacks.configure(cfg.run_dir)  # where a call past its bound writes every worker's stack
         placement = ResourceManager(cfg)
         cfg = placement.cfg  # device type resolved, for the workers
         started: dict[str, Any] = {}
@@ -187,6 +191,38 @@ class Roles:
             return {}
         return {"sync/bytes": self.sync_weights()}
 
+    def restart(self, role: str) -> None:
+        """A fresh worker group for ``role`` (one of its workers died), resident on its devices. What it
+        held comes back where this can give it: an engine gets actor_train's current weights, the
+        reference its snapshot; judge restarts the reward workers too (they hold its handles).
+        actor_train and critic come back as built: ``_recover`` loads their checkpoint."""
+        groups: dict[str, WorkerGroup | None] = {
+            "actor_train": self.actor,
+            "actor_infer": self.rollout,
+            "reward": self.reward,
+            "judge": self.reward,
+            "reference": self.reference,
+            "critic": self.critic,
+            "env": self.env,
+        }
+        group = groups.get(role)
+        if group is None:
+            raise ValueError(f"no role {role!r} in this run to restart")
+        if self.colocation is not None:  # colocated others leave the device before the new workers load
+            self.colocation.offloaded.discard(group.role)
+            self.colocation.use(group.role)
+        if role == "judge":
+            self.reward.restart(judge=True)  # type: ignore[union-attr]
+        else:
+            group.restart()
+        if group is self.actor:
+            self.actor.weights_version += 1  # back to model.path's weights: the engine's are stale
+        elif group is self.rollout:
+            self.sync_weights()
+        elif group is self.reference:
+            with self.phase("recover", "reference"):
+                self.reference.load(self.cfg.run_dir / "reference")
+
     def pop_timings(self) -> dict[str, float]:
         """``timing/<phase>`` since the last call, with the colocation moves."""
         if self.colocation is not None:
@@ -244,6 +280,18 @@ class Pipeline:
     def checkpointed(self) -> Checkpointed:
         return Checkpointed()
 
+    def snapshot(self) -> Checkpointed:
+        """The state ``checkpointed`` saves, copied in memory: a step retried after a worker died
+        ``rewind``s to it and draws the same prompts, so every sample is counted once."""
+        return copy.deepcopy(self.checkpointed())
+
+    def rewind(self, saved: Checkpointed) -> None:
+        """Back to a ``snapshot``, through ``restore`` (the path a resumed run takes)."""
+        with tempfile.TemporaryDirectory(prefix="reroll-rewind-") as tmp:
+            for name, obj in saved.objects.items():
+                torch.save(obj, Path(tmp) / name)
+            self.restore(saved.state, Path(tmp))
+
     def step(self, roles: Roles, step: int) -> dict[str, float]:
         raise NotImplementedError
 
@@ -280,17 +328,21 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
             roles.pop_timings()
             metrics_log.log(0, before)
             tqdm.write(step_line(0, total, before))
-        steps = range(start + 1, total + 1)
-        for step in tqdm(steps, desc=pipeline.name, initial=start, total=total, disable=None):
-            began = time.perf_counter()
-            metrics = pipeline.step(roles, step)
-            if every(cfg.eval.every, step, total):
-                metrics |= roles.sync_if_stale()
-                with roles.phase("evaluate", "actor_infer"):
-                    metrics |= pipeline.evaluate(roles)
-            if every(cfg.checkpoint.every, step, total):
-                with roles.phase("checkpoint", "actor_train", "critic"):
-                    ckpt = save_checkpoint(cfg, roles.actor, step, pipeline.checkpointed(), roles.critic)
+        initial, step = pipeline.snapshot(), start + 1  # initial: where a trainer with no checkpoint restarts
+        bar = tqdm(desc=pipeline.name, initial=start, total=total, disable=None)
+        while step <= total:
+            began, before, version = time.perf_counter(), pipeline.snapshot(), roles.actor.weights_version
+            try:
+                metrics, ckpt = _step(pipeline, roles, step, ckpt)
+            except RoleError as e:  # a dead worker: restarted and the step retried, or raised
+                trained = roles.actor.weights_version != version
+                step = _recover(e, step, pipeline, roles, (before, initial), trained=trained) + 1
+                metrics_log.rewind(step - 1)
+                bar.n = step - 1
+                bar.refresh()
+                continue
+            if roles.restarted:
+                metrics["recovery/restarts"] = len(roles.restarted)
             metrics |= roles.pop_timings() | {"timing/step": time.perf_counter() - began}
             metrics_log.log(step, metrics)
             last = metrics
@@ -298,12 +350,85 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
             line = pipeline.sample_line()
             if line and cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
                 tqdm.write(line)
+            bar.update(1)
+            step += 1
+        bar.close()
         metrics_log.close()
     except (RoleError, RewardFailure) as e:
         raise (e.at_step(step) if step else e) from e
     finally:
         roles.shutdown()
     return RunResult(run_dir, ckpt, run_dir / "metrics.jsonl", run_dir / "config.yaml", last)
+
+
+def _step(
+    pipeline: Pipeline, roles: Roles, step: int, ckpt: Path | None
+) -> tuple[dict[str, float], Path | None]:
+    """One step, with its every-N evaluation and checkpoint: its metrics and the newest checkpoint."""
+    cfg, total = pipeline.cfg, pipeline.total_steps
+    metrics = pipeline.step(roles, step)
+    if every(cfg.eval.every, step, total):
+        metrics |= roles.sync_if_stale()
+        with roles.phase("evaluate", "actor_infer"):
+            metrics |= pipeline.evaluate(roles)
+    if every(cfg.checkpoint.every, step, total):
+        with roles.phase("checkpoint", "actor_train", "critic"):
+            ckpt = save_checkpoint(cfg, roles.actor, step, pipeline.checkpointed(), roles.critic)
+    return metrics, ckpt
+
+
+def _recover(
+    e: RoleError,
+    step: int,
+    pipeline: Pipeline,
+    roles: Roles,
+    snapshots: tuple[Checkpointed, Checkpointed],
+    *,
+    trained: bool,
+) -> int:
+    """Restart the role whose worker died during ``step`` (``e.died``; any other error is raised) and
+    return the step the loop continues after.
+
+    ``snapshots``: the pipeline's state before ``step`` and at the start of the loop. Most roles hold
+    nothing the run cannot give back (``Roles.restart``): the pipeline rewinds to the first and the step is retried with the same prompts. actor_train and critic lose their weights
+    and optimizer: both go back to the latest complete checkpoint, as ``--resume`` would (before the
+    first, to the start of the run, warm start included), and the steps since are redone. So does
+    any death after actor_train ``trained`` on ``step`` (in the weight sync or the evaluation): retrying
+    the step would train on its samples twice. A worker that dies during the
+    recovery is recovered in turn; ``runtime.max_restarts`` bounds them all."""
+    cfg, limit = pipeline.cfg, pipeline.cfg.runtime.max_restarts
+    (before, initial), back_to_checkpoint = snapshots, trained
+    while True:
+        if not e.died:
+            raise e
+        if len(roles.restarted) >= limit:
+            used = f" ({', '.join(roles.restarted)})" if roles.restarted else ""
+            raise e.with_phase(
+                e.phase,
+                f"{e.cause}; not restarted: runtime.max_restarts={limit} restarts were used{used}. Raise "
+                f"runtime.max_restarts, or find why workers die in their logs (/tmp/ray/session_latest/logs)",
+            )
+        roles.restarted.append(f"{e.role} at step {step}")
+        log.warning("step %d: %s; restarting %s (%d of %d)", step, e, e.role, len(roles.restarted), limit)
+        roles.pop_timings()  # the failed attempt's
+        try:
+            if e.role in ("actor_train", "critic"):
+                back_to_checkpoint = True
+                roles.restart("actor_train")
+                if roles.critic is not None:
+                    roles.restart("critic")
+            else:
+                roles.restart(e.role)
+            if not back_to_checkpoint:
+                pipeline.rewind(before)
+                return step - 1
+            found = checkpoint.latest(cfg.run_dir)
+            if found is None:
+                pipeline.rewind(initial)
+            log.warning("step %d: the run continues from %s", step, found or "its start")
+            return _begin(pipeline, roles, found)
+        except RoleError as again:
+            e = again
 
 
 def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None) -> int:

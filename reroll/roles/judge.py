@@ -84,7 +84,7 @@ class JudgeClient:
                 timeout_s=self.timeout_s,
             )
         except RoleError as e:  # gather numbers the one call rank 0: name the rank that failed
-            raise RoleError("judge", rank, e.phase, e.cause) from e
+            raise RoleError("judge", rank, e.phase, e.cause, died=e.died) from e
         return reply
 
 

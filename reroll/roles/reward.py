@@ -127,7 +127,7 @@ class RewardWorker:
             if i in remaining:  # not already scored as a timeout
                 remaining.discard(i)
                 if isinstance(out, RoleError):  # another role (the judge) failed: so does this call
-                    raise OtherRoleFailed(out.role, out.rank, out.phase, out.cause) from out
+                    raise OtherRoleFailed(out.role, out.rank, out.phase, out.cause, out.died) from out
                 if isinstance(out, RewardTimeout):
                     log.warning("reward rank %d: item %d: %s", self.rank, i, out)
                     out = self._failed("timeout")
@@ -160,9 +160,17 @@ class RewardGroup(WorkerGroup):
     def __init__(self, cfg: RunConfig) -> None:
         self.reward_cfg = cfg.reward
         self.judge = JudgeGroup(cfg) if cfg.reward.judge is not None else None
-        client = self.judge.client() if self.judge is not None else None
-        make_args = lambda rank: (rank, cfg.reward, cfg.roles.reward.torch_threads, client)  # noqa: E731
+        make_args = lambda rank: (rank, cfg.reward, cfg.roles.reward.torch_threads, self._client())  # noqa: E731
         super().__init__("reward", RewardWorker, make_args, cfg, timeout_s=cfg.reward.timeout_s)
+
+    def _client(self) -> JudgeClient | None:
+        return self.judge.client() if self.judge is not None else None
+
+    def restart(self, *, judge: bool = False) -> None:
+        """Fresh reward workers; ``judge``: the judge's ranks first (the workers call the new ones)."""
+        if judge and self.judge is not None:
+            self.judge.restart()
+        super().restart()
 
     def score(self, items: Sequence[RewardItem], phase: str = "reward") -> list[RewardResult]:
         """Results for ``items``, in order; ``RewardFailure`` (the run stops) when too many calls failed."""
@@ -193,11 +201,12 @@ class OtherRoleFailed(Exception):
     """A ``RoleError`` of another role (the judge) raised in a reward worker, in a form that crosses
     Ray (``RoleError`` itself does not unpickle); ``RewardGroup`` raises it as that ``RoleError``."""
 
-    def __init__(self, role: str, rank: int | None, phase: str, cause: str) -> None:
-        super().__init__(role, rank, phase, cause)
+    def __init__(self, role: str, rank: int | None, phase: str, cause: str, died: bool = False) -> None:
+        super().__init__(role, rank, phase, cause, died)
 
     def role_error(self) -> RoleError:
-        return RoleError(*self.args)
+        *fields, died = self.args
+        return RoleError(*fields, died=died)
 
     def __str__(self) -> str:
         return str(self.role_error())

@@ -168,9 +168,17 @@ class StrategyGroup(WorkerGroup):
         self, role: str, cls: type, make_args: Callable[[int], tuple[Any, ...]], cfg: RunConfig
     ) -> None:
         super().__init__(role, cls, make_args, cfg)
+        self._join()
+
+    def restart(self) -> None:
+        """Fresh ranks in a fresh process group (a dead rank's peers cannot go on in the old one)."""
+        super().restart()
+        self._join()
+
+    def _join(self) -> None:
         if self.world_size > 1:
-            [address] = self._wait([self.handles[0].rendezvous_address.remote()], "rendezvous")
-            self._wait([h.init_distributed.remote(address) for h in self.handles], "init_distributed")
+            [address] = self._wait([self._handles[0].rendezvous_address.remote()], "rendezvous")
+            self._wait([h.init_distributed.remote(address) for h in self._handles], "init_distributed")
 
     def configure_optimizer(self, lr: float, warmup_steps: int) -> None:
         self._wait(

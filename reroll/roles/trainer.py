@@ -199,11 +199,14 @@ class WeightBuckets:
         if self.local:
             return
         import ray
+        from ray.exceptions import RayActorError
 
         try:
             ray.get(bucket, timeout=self.trainer.timeout_s)
         except Exception as e:
-            raise RoleError(self.trainer.role, 0, "weight_sync", f"{type(e).__name__}: {e}") from e
+            died = isinstance(e, RayActorError)  # the trainer died making it: restart the trainer
+            cause = f"{type(e).__name__}: {e}"
+            raise RoleError(self.trainer.role, 0, "weight_sync", cause, died=died) from e
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every bucket loaded here, as one state dict (for checks; the engines take the buckets)."""

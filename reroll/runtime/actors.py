@@ -11,11 +11,13 @@ import functools
 import itertools
 import logging
 import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from reroll.errors import RoleError
+from reroll.runtime import stacks
 from reroll.runtime.placement import actor_options
 
 if TYPE_CHECKING:
@@ -91,7 +93,9 @@ def gather(
     refs: Sequence[Any], *, role: str, phase: str, timeout_s: float, detail: str | None = None
 ) -> list[Any]:
     """Results of per-rank calls in rank order; a failure or timeout raises ``RoleError`` (with
-    ``detail``, what the workers run, e.g. 'vllm engine')."""
+    ``detail``, what the workers run, e.g. 'vllm engine'). The first rank to fail raises at once, even
+    while others still run (a rank that died leaves its peers waiting in a collective). A dead worker's
+    error says ``died``; a timeout first writes every worker's stack to the run directory (``stacks``)."""
     fail = functools.partial(RoleError, role, detail=detail)
     if all(isinstance(r, _Ready) for r in refs):
         for rank, r in enumerate(refs):
@@ -99,27 +103,37 @@ def gather(
                 raise fail(rank, phase, f"{type(r.error).__name__}: {r.error}") from r.error
         return [r.value for r in refs]
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-    _ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        rank = list(refs).index(pending[0])
-        raise fail(rank, phase, f"no answer within {timeout_s:.0f} s (runtime.call_timeout_s)")
-    out = []
-    for rank, ref in enumerate(refs):
-        try:
-            out.append(ray.get(ref, timeout=timeout_s))
-        except RayTaskError as e:
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            raise fail(rank, phase, f"{type(cause).__name__}: {cause}") from e
-        except RayActorError as e:
-            if getattr(e, "actor_init_failed", False):  # keep the constructor's own error (e.g. a UserError)
-                cause = str(getattr(e, "error_msg", e)).strip().splitlines()[-1]
-                raise fail(rank, phase, f"the worker failed to start: {cause}") from e
-            raise fail(rank, phase, f"the worker process died ({e.__class__.__name__})") from e
-        except GetTimeoutError as e:
-            raise fail(rank, phase, f"no answer within {timeout_s:.0f} s") from e
-    return out
+    refs, out = list(refs), {}
+    deadline = time.monotonic() + timeout_s
+    while len(out) < len(refs):
+        pending = [r for r in refs if r not in out]
+        ready, _ = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            rank = refs.index(pending[0])
+            where = stacks.dump()
+            evidence = f"; every worker's Python stack is in {where}" if where else ""
+            raise fail(rank, phase, f"no answer within {timeout_s:.0f} s (runtime.call_timeout_s){evidence}")
+        for ref in ready:
+            out[ref] = _get(ref, refs.index(ref), fail, phase)
+    return [out[r] for r in refs]
+
+
+def _get(ref: Any, rank: int, fail: Callable[..., RoleError], phase: str) -> Any:
+    """A finished call's result, or its failure as a ``RoleError`` (``died`` when the process is gone)."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        return ray.get(ref, timeout=0)
+    except RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        raise fail(rank, phase, f"{type(cause).__name__}: {cause}") from e
+    except RayActorError as e:
+        if getattr(e, "actor_init_failed", False):  # keep the constructor's own error (e.g. a UserError)
+            cause = str(getattr(e, "error_msg", e)).strip().splitlines()[-1]
+            raise fail(rank, phase, f"the worker failed to start: {cause}") from e
+        raise fail(rank, phase, f"the worker process died ({e.__class__.__name__})", died=True) from e
 
 
 def free_address() -> str:
@@ -156,20 +170,39 @@ class WorkerGroup:
         self.role, self.world_size = role, rc.world_size
         self.detail: str | None = None  # what the workers run, named in errors ('vllm engine')
         self.timeout_s = timeout_s or cfg.runtime.call_timeout_s
-        local = cfg.runtime.backend == "local"
         # set by the run (``Roles``) when the role shares a device: raises if the role is offloaded
         self.residency_check: Callable[[str], None] | None = None
+        self.restarts = 0
+        self._recipe = (cls, make_args, cfg, concurrency_groups)
+        self._handles: list[Any] = []
+        self._spawn()
+
+    def _spawn(self) -> None:
+        cls, make_args, cfg, groups = self._recipe
+        local = cfg.runtime.backend == "local"
+        suffix = f"-restart{self.restarts}" if self.restarts else ""  # a killed actor's name frees late
         self._handles = [
             spawn(
                 cls,
                 make_args(rank),
                 backend=cfg.runtime.backend,
-                name=f"{role}-{rank}",
-                **({} if local else actor_options(cfg, role, rank)),
-                **({} if local or not concurrency_groups else {"concurrency_groups": concurrency_groups}),
+                name=f"{self.role}-{rank}{suffix}",
+                **({} if local else actor_options(cfg, self.role, rank)),
+                **({} if local or not groups else {"concurrency_groups": groups}),
             )
-            for rank in range(rc.world_size)
+            for rank in range(self.world_size)
         ]
+        if not local:
+            for rank, h in enumerate(self._handles):
+                stacks.track(f"{self.role}-{rank}", h)
+
+    def restart(self) -> None:
+        """Replace every rank with a fresh worker built as the first was (its state is that of a new
+        one): after a rank died, the run's recovery (``reroll.pipelines.run``) restores the rest."""
+        log.warning("restarting %s (%d rank%s)", self.role, self.world_size, "s" * (self.world_size > 1))
+        self._kill()
+        self.restarts += 1
+        self._spawn()
 
     @property
     def handles(self) -> list[Any]:
@@ -190,9 +223,13 @@ class WorkerGroup:
         return [list(items[a:b]) for a, b in itertools.pairwise(bounds)]
 
     def shutdown(self) -> None:
+        self._kill()
+
+    def _kill(self) -> None:
         if self._handles and not isinstance(self._handles[0], LocalHandle):
             import ray
 
-            for h in self._handles:
-                ray.kill(h)
+            for rank, h in enumerate(self._handles):
+                ray.kill(h, no_restart=True)
+                stacks.forget(f"{self.role}-{rank}")
         self._handles = []

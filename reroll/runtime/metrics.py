@@ -75,6 +75,15 @@ class MetricsLogger:
         tmp.write_text("".join(ln + "\n" for ln in kept))
         os.replace(tmp, self.path)
 
+    def rewind(self, step: int) -> None:
+        """Drop the lines after ``step``: the run goes back to it (a recovery from a checkpoint) and
+        logs the steps since again. TensorBoard and W&B keep the first rows (they take the new ones too)."""
+        if self._file is None:  # nothing written yet
+            return
+        self._file.close()
+        self._truncate_after(step)
+        self._file = self.path.open("a")
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         file = self._file or self._open()
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
