@@ -1,23 +1,31 @@
-"""One GRPO step on one device, reroll against TRL's ``GRPOTrainer``, as a per-phase table.
+"""One GRPO step on one GPU: reroll as users run it (Ray roles colocated) against TRL, as a table.
 
-    python benchmarks/grpo_step.py                      # Qwen2.5-0.5B shape, bf16, on the GPU
-    python benchmarks/grpo_step.py --tiny --device cpu  # a smoke run of the script on a laptop
+    python benchmarks/grpo_step.py                        # Qwen2.5-0.5B shape, bf16, on the GPU
+    python benchmarks/grpo_step.py --model-size 3b        # and a Qwen2.5-3B-shaped row
+    python benchmarks/grpo_step.py --tiny --device cpu --skip-trl   # a smoke run of the script
 
-Both sides get the same random-init model (Qwen2.5-0.5B's shape: 24 layers, hidden 896, 14 heads,
-2 KV heads, MLP 4864, vocab 151936, tied embeddings; built locally, nothing downloaded), the same
-prompts (``--prompts`` x ``--group`` samples of ``--prompt-len`` prompt tokens and up to
-``--new-tokens`` new ones, temperature 1), a KL term against a reference model (beta 0.04, so both
-run a reference pass), one optimizer step per batch in bf16, and a reward that needs no model.
-reroll runs its RLVR pipeline in one process (``runtime.backend=local``) with the Hugging Face
-engine (static KV cache, compiled decoding); TRL runs ``GRPOTrainer`` with its default
-``transformers`` generation (no vLLM on this machine). The first ``--warmup`` steps (compilation,
-allocator growth) are left out of the means.
+Rows, all in the same run on the same random-init model (Qwen2.5's shape, built locally, nothing
+downloaded), the same prompts (``--prompts`` x ``--group`` samples of ``--prompt-len`` prompt tokens
+and up to ``--new-tokens`` new ones, temperature 1), a KL term against a reference (beta 0.04, so
+every row runs a reference pass), one optimizer step per batch in bf16 and a model-free reward:
+
+- ``reroll ray``: the product path. RLVR on Ray with actor_train, actor_infer and reference
+  colocated on one GPU (``placement.devices: 1``), FSDP2 and the vLLM engine (CUDA graphs, sleep
+  mode, weights over CUDA IPC), ``placement.offload: auto``.
+- ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
+  Hugging Face engine with a static cache: the lower bound without Ray or colocation.
+- ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
+
+Per reroll row it prints each phase's seconds (offload/reload included), the step's wall time
+(``timing/step``: the whole step, not a sum of phases), new tokens per second and the ratio to TRL.
+The first ``--warmup`` steps (compilation, allocator growth) are left out of the means.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -32,9 +40,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 QWEN25_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
+QWEN25_3B = dict(hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2, intermediate_size=11008)
 TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128)
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz "
-PHASES = ("generate", "reward", "reference", "old_logprobs", "advantages", "train", "weight_sync")
+PHASES = (
+    "generate",
+    "reward",
+    "reference",
+    "old_logprobs",
+    "advantages",
+    "train",
+    "weight_sync",
+    "offload",
+    "reload",
+)
 
 
 def device_name(device: str) -> str:
@@ -45,12 +64,12 @@ def device_name(device: str) -> str:
     return _cpu_name()
 
 
-def build_inputs(root: Path, args: argparse.Namespace) -> tuple[Path, list[str]]:
+def build_inputs(root: Path, args: argparse.Namespace, size: str) -> tuple[Path, list[str]]:
     from reroll.models.tiny import build_tiny_model
 
-    shape = TINY if args.tiny else QWEN25_05B
+    shape = TINY if args.tiny else {"0.5b": QWEN25_05B, "3b": QWEN25_3B}[size]
     model = build_tiny_model(
-        root / "model",
+        root / f"model-{size}",
         alphabet=ALPHABET,
         vocab_size=None if args.tiny else 151936,
         max_position_embeddings=args.prompt_len + args.new_tokens + 8,
@@ -68,7 +87,10 @@ def length_reward(text: str) -> float:
     return sum(c.isdigit() for c in text) / max(len(text), 1)
 
 
-def run_reroll(root: Path, model: Path, prompts: list[str], args: argparse.Namespace) -> list[dict]:
+def run_reroll(
+    root: Path, model: Path, prompts: list[str], args: argparse.Namespace, mode: str
+) -> list[dict]:
+    """RLVR steps as ``mode`` says ('ray': colocated Ray roles, fsdp2 + vllm; 'local': one process)."""
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
     from reroll.pipelines.rlvr import RLVR
@@ -84,39 +106,54 @@ def run_reroll(root: Path, model: Path, prompts: list[str], args: argparse.Names
         "    return RewardResult(sum(c.isdigit() for c in response) / max(len(response), 1))\n"
     )
     sys.path.insert(0, str(root))
+    # Ray's workers start from this environment: they find the reward module there too
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     gpu = args.device == "cuda"
+    ray = mode == "ray"
+    engine = args.engine if ray else "hf"
+    name = f"reroll-{mode}-{model.name}"
     cfg = {
         "pipeline": "rlvr",
-        "name": "reroll",
+        "name": name,
         "output_dir": str(root / "{name}"),
-        "total_steps": args.steps,
+        "total_steps": args.steps + 1,  # the last step also evaluates and checkpoints: left out below
         "model": {"path": str(model), "dtype": args.dtype},
         "data": {"train_files": [str(rows)], "prompt_template": "{question}", "eval_limit": 1},
         "rollout": {
-            "engine": "hf",
+            "engine": engine,
             "batch_size": args.prompts * args.group,
             "group_size": args.group,
             "max_new_tokens": args.new_tokens,
             "temperature": 1.0,
             "generate_batch_size": args.prompts * args.group,
             "hf_static_cache": gpu,
+            "vllm": {
+                "enforce_eager": not gpu,  # CUDA graphs on the GPU
+                "gpu_memory_utilization": args.vllm_memory,
+                "max_model_len": args.prompt_len + args.new_tokens + 8,
+            },
         },
         "reward": {"fn": "bench_reward:digits", "isolation": "thread"},
         "algorithm": {"preset": "grpo", "kl_coef": 0.04},
+        "strategy": {"name": args.ray_strategy if ray else "torch"},
         "optim": {"lr": 1e-6, "micro_batch_size": args.micro_batch},
-        "roles": {
+        "eval": {"every": 0},
+        "checkpoint": {"every": 0, "keep_last": 1},
+        "logging": {"tensorboard": False, "sample_every": 0},
+        "runtime": {"backend": "ray" if ray else "local"},
+    }
+    if ray:  # every role on the one GPU, taking turns as the phases say
+        cfg["placement"] = {"devices": 1, "device_type": "cuda" if gpu else "cpu", "offload": "auto"}
+    else:
+        cfg["roles"] = {
             r: {"num_gpus_per_worker": 1.0 if gpu else 0.0}
             for r in ("actor_train", "actor_infer", "reference")
-        },
-        "eval": {"every": 0},
-        "logging": {"tensorboard": False, "sample_every": 0},
-        "runtime": {"backend": "local"},
-    }
-    path = root / "reroll.yaml"
+        }
+    path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run(RLVR, load_config(path, RunConfig))
     out = []
-    for row in read_metrics(root / "reroll")[1:]:
+    for row in read_metrics(root / name)[1:-1]:
         phases = {p: row.get(f"timing/{p}", 0.0) for p in PHASES}
         tokens = row["rollout/response_length"] * args.prompts * args.group
         out.append({**phases, "step": row["timing/step"], "new_tokens": tokens})  # the step's wall time
@@ -202,36 +239,46 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 0.5B shape")
+    ap.add_argument("--ray-strategy", default="fsdp2", help="the Ray row's training strategy")
+    ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="the Ray row's engine")
+    ap.add_argument("--vllm-memory", type=float, default=0.35, help="the engine's share of the GPU")
+    ap.add_argument("--model-size", default="0.5b", choices=["0.5b", "3b"], help="3b: adds a 3B-shaped row")
+    ap.add_argument("--rows", default="ray,local", help="reroll rows to run: ray, local")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model instead of Qwen2.5's shape")
     ap.add_argument("--skip-trl", action="store_true")
     args = ap.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
-    model, prompts = build_inputs(root, args)
-    results = {"reroll": run_reroll(root, model, prompts, args)}
-    if not args.skip_trl:
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-        results["trl"] = run_trl(root, model, prompts, args)
+    sizes = ["0.5b"] + (["3b"] if args.model_size == "3b" else [])
+    results: dict[str, list[dict]] = {}
+    for size in sizes:
+        model, prompts = build_inputs(root, args, size)
+        for mode in args.rows.split(","):
+            label = "tiny" if args.tiny else size
+            results[f"reroll {mode} {label}"] = run_reroll(root, model, prompts, args, mode)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        if not args.skip_trl and size == "0.5b":
+            results[f"trl {'tiny' if args.tiny else size}"] = run_trl(root, model, prompts, args)
 
-    shape = "tiny" if args.tiny else "Qwen2.5-0.5B-shaped"
+    shape = "tiny" if args.tiny else "Qwen2.5-shaped"
     print(
         f"\nGRPO step, {shape} random init, {args.dtype}, {args.prompts} prompts x {args.group} samples, "
         f"{args.prompt_len} prompt + up to {args.new_tokens} new tokens, on {device_name(args.device)}; "
         f"mean of steps {args.warmup + 1}..{args.steps} (seconds)"
     )
-    rr = results["reroll"]
-    print(f"{'phase':<14}{'reroll':>10}")
-    for p in PHASES:
-        print(f"{p:<14}{mean_after(rr, p, args.warmup):>10.2f}")
-    print(f"{'step':<14}{mean_after(rr, 'step', args.warmup):>10.2f}")
-    print(f"\n{'library':<10}{'s/step':>10}{'new tokens':>12}{'tokens/s':>10}")
+    reroll_rows = [k for k in results if k.startswith("reroll")]
+    print(f"{'phase':<14}" + "".join(f"{k:>20}" for k in reroll_rows))
+    for p in (*PHASES, "step"):
+        print(f"{p:<14}" + "".join(f"{mean_after(results[k], p, args.warmup):>20.2f}" for k in reroll_rows))
+    trl_row = next((k for k in results if k.startswith("trl")), None)
+    trl = mean_after(results[trl_row], "step", args.warmup) if trl_row else None
+    print(f"\n{'row':<20}{'s/step':>10}{'new tokens':>12}{'tokens/s':>10}{'/ TRL':>8}")
     for name, rows in results.items():
         step, toks = mean_after(rows, "step", args.warmup), mean_after(rows, "new_tokens", args.warmup)
-        print(f"{name:<10}{step:>10.2f}{toks:>12.0f}{toks / step:>10.0f}")
-    if "trl" in results:
-        ratio = mean_after(results["trl"], "step", args.warmup) / mean_after(rr, "step", args.warmup)
-        print(f"\nTRL step time / reroll step time: {ratio:.2f}x")
+        same_model = trl_row is not None and name.split()[-1] == trl_row.split()[-1]
+        ratio = f"{step / trl:>8.2f}" if trl and same_model else f"{'':>8}"
+        print(f"{name:<20}{step:>10.2f}{toks:>12.0f}{toks / step:>10.0f}{ratio}")
 
 
 if __name__ == "__main__":

@@ -201,3 +201,37 @@ def run_roles(cfg: RunConfig) -> list[str]:
     if cfg.critic is not None:
         roles.append("critic")
     return roles
+
+
+def shares_device(cfg: RunConfig, role: str) -> bool:
+    """Whether a rank of ``role`` shares a pool device with another role of the run."""
+    if not cfg.placement.devices:
+        return False
+    dmap = device_map(cfg, run_roles(cfg), cfg.placement.device_type)
+    return any(dmap.colocated(role, other) for other in dmap.ranks if other != role)
+
+
+def weight_sync_transport(cfg: RunConfig, device_type: str) -> str:
+    """'cuda_ipc' or 'object_store': ``rollout.weight_sync_transport`` with 'auto' resolved. CUDA IPC
+    needs every actor_infer rank on actor_train rank 0's GPU (it gathers the full weights) and an
+    in-process engine (the tensors are opened in the worker's process)."""
+    mode = cfg.rollout.weight_sync_transport
+    if mode != "auto":
+        return mode
+    if device_type != "cuda" or not cfg.placement.devices:
+        return "object_store"
+    if cfg.rollout.engine == "vllm" and not cfg.rollout.vllm.in_process:
+        return "object_store"
+    dmap = device_map(cfg, run_roles(cfg), device_type)
+    trainer0 = dmap.ranks["actor_train"][0]
+    return "cuda_ipc" if all(d == trainer0 for d in dmap.ranks["actor_infer"]) else "object_store"
+
+
+def colocated_trainer_roles(cfg: RunConfig, role: str) -> int:
+    """How many roles that hold a training strategy (actor_train, reference, critic) share a device
+    with rank 0 of ``role``, ``role`` included (1 without a pool)."""
+    if not cfg.placement.devices:
+        return 1
+    dmap = device_map(cfg, run_roles(cfg), cfg.placement.device_type)
+    device = dmap.ranks[role][0]
+    return len({r for r, _ in dmap.workers_on(device) if r != "actor_infer"})

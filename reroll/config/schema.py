@@ -100,8 +100,15 @@ class VLLMConfig(StrictModel):
         True,
         description="Run the engine core in the worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0).",
     )
-    enable_sleep_mode: bool = Field(
-        False, description="Allow sleep()/wake_up() to free GPU memory between rollouts (CUDA only)."
+    enable_sleep_mode: bool | None = Field(
+        None,
+        description="Allow sleep()/wake_up() to free GPU memory between rollouts (CUDA only). None: on "
+        "when actor_infer shares a GPU with another role and colocated roles offload (placement.offload).",
+    )
+    sleep_level: Literal[1, 2] = Field(
+        1,
+        description="What a sleeping engine keeps: 1, its weights in pinned host memory; 2, nothing (the "
+        "next wake needs a full weight sync first: not with strategy.lora.sync=adapters).",
     )
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + response (default: the model's context length)."
@@ -129,6 +136,13 @@ class RolloutConfig(StrictModel):
         False, description="hf engine: static KV cache + torch.compile'd decoding (for GPUs)."
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings.")
+    weight_sync_transport: Literal["auto", "object_store", "cuda_ipc"] = Field(
+        "auto",
+        description="How weights reach the engine: 'object_store' (host memory, through Ray), 'cuda_ipc' "
+        "(device memory shared with an in-process engine on the same GPU as actor_train rank 0; no "
+        "copy through the host). 'auto': cuda_ipc where placement puts every actor_infer rank on "
+        "actor_train rank 0's GPU, else object_store.",
+    )
     weight_sync_bucket_mb: float = Field(
         512.0,
         gt=0,
@@ -402,8 +416,10 @@ class PlacementConfig(StrictModel):
     cpus_per_device: float = Field(1.0, gt=0, description="CPU cores reserved with each pool device.")
     offload: Literal["auto", "always", "never"] = Field(
         "auto",
-        description="Colocated roles offload their state between phases: 'auto' on GPUs only, 'always' "
-        "(also on CPUs, where it moves nothing but exercises the path), 'never'.",
+        description="Colocated roles offload their state between phases: 'auto' on GPUs only, where the "
+        "engine sleeps (rollout.vllm.sleep_level) and a trainer role stays resident when its measured "
+        "memory fits beside the engine's share (rollout.vllm.gpu_memory_utilization); 'always' (every "
+        "role moves; on CPUs it moves nothing but exercises the path), 'never'.",
     )
 
 

@@ -12,10 +12,12 @@ renormalised distribution while the trainer's are not; ``mismatch/*`` metrics sh
 requests (temperature 0) get temperature-1 log-probs, as with the hf engine.
 
 Weight sync. ``load_weights`` hands one bucket of the trainer's weights (Hugging Face names, whole
-layers: ``reroll.runtime.weight_sync``) to each vLLM worker's ``reload_weights``, which maps names onto
-vLLM's fused layers and redoes any kernel repacking (CPU GEMM layouts) for the layers in the bucket
-and leaves the others as they were; ``finish_weight_update`` then resets the prefix cache so no KV
-computed with the old weights is reused. Nothing is written to disk. LoRA adapters are merged into
+layers: ``reroll.runtime.weight_sync``) to each vLLM worker: on a GPU to the model's own
+``load_weights`` (per-parameter loaders that copy in place into the fused layers, so CUDA graphs stay
+valid and no "weights were not loaded" warning fires for a partial bucket; the tensors may be views of
+the trainer's GPU buffer, ``cuda_ipc``), on CPU to ``reload_weights``, which also redoes the CPU
+kernels' weight repacking for the layers in the bucket. ``finish_weight_update`` then resets the
+prefix cache so no KV computed with the old weights is reused. Nothing is written to disk. LoRA adapters are merged into
 the base weights (``reroll.engines.lora``; the base is read from the checkpoint) and loaded the same way.
 
 Abort and metrics hook into vLLM's step loop: ``LLMEngine.step`` is wrapped so that once ``abort()``
@@ -76,6 +78,7 @@ class VLLMEngine:
 
         self._vllm = vllm
         self.cfg = cfg
+        self.device = device
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
@@ -84,7 +87,7 @@ class VLLMEngine:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             tensor_parallel_size=cfg.tensor_parallel_size,
             max_model_len=cfg.max_model_len,
-            enable_sleep_mode=cfg.enable_sleep_mode,
+            enable_sleep_mode=bool(cfg.enable_sleep_mode),
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             disable_log_stats=False,  # the scheduler stats behind engine/num_running, kv_cache_usage
@@ -101,6 +104,9 @@ class VLLMEngine:
 
     def _sampling_params(self, params: SamplingParams, seed: int | None) -> Any:
         greedy = params.temperature == 0
+        # without stop strings nothing needs vLLM's incremental detokenizer: the texts are decoded
+        # once, in a batch, after the call (stop strings are matched on text, so they keep it)
+        detokenize = bool(params.stop)
         return self._vllm.SamplingParams(
             n=params.n,
             temperature=params.temperature,
@@ -112,45 +118,68 @@ class VLLMEngine:
             seed=seed,
             logprobs=0,  # the sampled token's log-prob only
             skip_special_tokens=True,
+            detokenize=detokenize,
         )
 
     @engine_call
     def generate(
         self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
     ) -> list[list[Completion]]:
-        """``params.n`` completions per prompt. A seed makes the call reproducible: prompt ``i`` gets
-        seed ``seed + i * n`` and vLLM gives its ``n`` samples ``+0 .. +n-1``."""
+        """``params.n`` completions per prompt. A seed makes the call reproducible. With the engine in
+        this process (``rollout.vllm.in_process``) the seed seeds the whole batch (torch's generators,
+        which vLLM samples unseeded requests from): vLLM samples per-request-seeded requests one by
+        one, a cost that grows with the batch. Otherwise prompt ``i`` gets seed ``seed + i * n`` and
+        vLLM gives its ``n`` samples ``+0 .. +n-1``."""
         # a prompt is text (encoded without special tokens) or token ids, used exactly as given
         encoded = [
             p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in prompts
         ]
+        per_request = params.seed is not None and not self.cfg.in_process
+        if params.seed is not None and not per_request:
+            torch.manual_seed(params.seed)
         sampling = [
-            self._sampling_params(params, None if params.seed is None else params.seed + i * params.n)
+            self._sampling_params(params, params.seed + i * params.n if per_request else None)
             for i in range(len(prompts))
         ]
         start = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=False)
         self._seconds += time.perf_counter() - start
+        flat = [o for out in outputs for o in sorted(out.outputs, key=lambda o: o.index)]
+        texts = [o.text for o in flat] if params.stop else self._decode([o.token_ids for o in flat])
+        done = iter(zip(flat, texts))
         groups = [
-            [self._completion(ids, o) for o in sorted(out.outputs, key=lambda o: o.index)]
-            for ids, out in zip(encoded, outputs)
+            [self._completion(ids, *next(done)) for _ in out.outputs] for ids, out in zip(encoded, outputs)
         ]
         self._tokens += sum(len(c.response_ids) for g in groups for c in g)
         self._requests += len(prompts) * params.n
         return groups
 
+    def _decode(self, rows: list[Sequence[int]]) -> list[str]:
+        """The responses' texts in one batched call (what vLLM's detokenizer would give, eos dropped)."""
+        return self.tokenizer.batch_decode([list(r) for r in rows], skip_special_tokens=True)
+
     @staticmethod
-    def _completion(prompt_ids: list[int], out: Any) -> Completion:
+    def _completion(prompt_ids: list[int], out: Any, text: str) -> Completion:
         ids = list(out.token_ids)
         logprobs = [float(step[tok].logprob) for tok, step in zip(ids, out.logprobs)]
         reason = "length" if out.finish_reason == "length" else "stop"
-        return Completion(list(prompt_ids), ids, out.text, logprobs, reason)
+        return Completion(list(prompt_ids), ids, text, logprobs, reason)
 
     def load_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Load one bucket (whole layers) on every vLLM worker; layers not in it keep their values."""
+        """Load one bucket (whole layers) on every vLLM worker; layers not in it keep their values.
+
+        On a GPU the tensors go straight to the model's ``load_weights`` (vLLM's own per-parameter
+        loaders, which copy in place into the fused layers, so CUDA graphs stay valid; the tensors may
+        already be on the GPU: ``cuda_ipc`` sync). On CPU they go through ``reload_weights``, which
+        also redoes the CPU kernels' weight repacking for the layers in the bucket."""
         if self._asleep is not None:
             raise RuntimeError("VLLMEngine.load_weights: the engine is asleep; call wake_up() first")
         items = list(bucket)
+
+        def load(worker: Any) -> None:
+            runner = worker.model_runner
+            model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+            model.load_weights(weights=items)
 
         def reload(worker: Any) -> None:
             # a partial load makes vLLM warn about every layer it was not given: expected here
@@ -162,7 +191,7 @@ class VLLMEngine:
             finally:
                 quiet.setLevel(level)
 
-        self.llm.collective_rpc(reload)
+        self.llm.collective_rpc(load if self.device == "cuda" else reload)
 
     def finish_weight_update(self) -> None:
         """Drop the prefix cache (KV computed with the old weights)."""

@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from reroll.config.loader import dump_config
-from reroll.config.placement import offload_between_phases
+from reroll.config.placement import offload_between_phases, weight_sync_transport
 from reroll.config.schema import RunConfig
 from reroll.data.coverage import lost_characters_warning
 from reroll.errors import RewardFailure, RoleError, UserError
@@ -178,10 +178,13 @@ class Roles:
                 self.hold("actor_infer")
                 self.rollout.update_lora(update.tensors, update.config)
             else:
-                buckets = self.actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb)
+                transport = weight_sync_transport(self.cfg, self.cfg.placement.device_type)
+                buckets = self.actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, transport)
                 sent = self.actor.sync_bytes()  # runs once the buckets are made
                 self.hold("actor_infer")
                 self.rollout.load_weight_buckets(buckets)
+                if transport == "cuda_ipc":
+                    self.actor.release_shared()
             self.rollout.weights_version = self.actor.weights_version
         return float(sent)
 
@@ -305,7 +308,8 @@ class Pipeline:
 
 
 def every(n: int, step: int, total: int) -> bool:
-    """Whether an every-``n``-steps duty falls on ``step`` (always on the last step; never with n=0)."""
+    """Whether an every-``n``-steps duty falls on ``step``: every ``n``-th step (none with n=0) and
+    always the last, so a finished run is evaluated and checkpointed."""
     return (n > 0 and step % n == 0) or step == total
 
 

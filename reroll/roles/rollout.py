@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from reroll.config.placement import offload_between_phases, shares_device
 from reroll.config.schema import RunConfig
 from reroll.data.types import Completion, SamplingParams
 from reroll.engines import make_engine
@@ -18,7 +19,7 @@ from reroll.errors import RoleError
 from reroll.roles.trainer import WeightBuckets
 from reroll.runtime.actors import WorkerGroup
 from reroll.runtime.placement import worker_device
-from reroll.runtime.weight_sync import WeightBucket
+from reroll.runtime.weight_sync import SharedBucket, WeightBucket, open_bucket
 
 
 class RolloutWorker:
@@ -29,14 +30,29 @@ class RolloutWorker:
         torch.set_num_threads(rc.torch_threads or torch.get_num_threads())
         self.rank = rank
         device = worker_device(cfg, "actor_infer")
+        rollout = cfg.rollout
+        if rollout.engine == "vllm" and rollout.vllm.enable_sleep_mode is None:
+            # auto: sleep between rollouts where another role takes this GPU in turn
+            sleeps = device == "cuda" and shares_device(cfg, "actor_infer")
+            sleeps = sleeps and offload_between_phases(cfg, cfg.placement.device_type)
+            rollout = rollout.model_copy(
+                update={"vllm": rollout.vllm.model_copy(update={"enable_sleep_mode": sleeps})}
+            )
+        self.sleep_level = rollout.vllm.sleep_level if rollout.engine == "vllm" else 1
         self.engine = make_engine(
-            cfg.rollout.engine, cfg.model.path, cfg.rollout, dtype=cfg.model.dtype, device=device
+            rollout.engine, cfg.model.path, rollout, dtype=cfg.model.dtype, device=device
         )
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
         return self.engine.generate(prompts, params)
 
-    def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, bucket: WeightBucket | SharedBucket) -> None:
+        """One bucket: tensors, or a ``SharedBucket`` of the trainer's GPU buffer (``cuda_ipc``)."""
+        if isinstance(bucket, SharedBucket):
+            opened = open_bucket(bucket)
+            self.engine.load_weights(opened)
+            del opened  # the views into the trainer's buffer: it may free it once every rank is done
+            return
         self.engine.load_weights(bucket)
 
     def finish_weight_update(self) -> None:
@@ -57,7 +73,7 @@ class RolloutWorker:
         return self.engine.metrics()
 
     def offload(self) -> None:
-        self.engine.sleep()
+        self.engine.sleep(self.sleep_level)
 
     def reload(self) -> None:
         self.engine.wake_up()

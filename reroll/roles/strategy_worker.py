@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reroll.config.placement import colocated_trainer_roles
 from reroll.config.schema import RunConfig
 from reroll.data.packing import micro_batches, pack, unpack
 from reroll.data.types import TrainBatch
@@ -80,10 +81,34 @@ class StrategyWorker:
         self.strategy.load(Path(directory))
 
     def offload(self) -> None:
+        """Give the device to a colocated role: move the state to host memory, or, where
+        ``placement.offload`` is 'auto' and the state fits beside the engine's share of the GPU, keep
+        it and free only the allocator's cached blocks (the decision is remade, measured, each time)."""
+        if self._fits_beside_engine():
+            torch.cuda.empty_cache()
+            return
         self.strategy.offload()
+        self._offloaded = True
 
     def reload(self) -> None:
-        self.strategy.reload()
+        if getattr(self, "_offloaded", False):
+            self.strategy.reload()
+            self._offloaded = False
+
+    def _fits_beside_engine(self) -> bool:
+        """'auto' on a GPU with a vLLM engine (whose memory is bounded by its gpu_memory_utilization):
+        this role's reserved memory, times the trainer roles sharing the GPU, plus the engine's share
+        stay under 90 % of the GPU."""
+        cfg = self.cfg
+        if cfg.placement.offload != "auto" or cfg.rollout.engine != "vllm" or not torch.cuda.is_available():
+            return False
+        if worker_device(cfg, self.role) != "cuda":
+            return False
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        trainers = colocated_trainer_roles(cfg, self.role)
+        need = torch.cuda.memory_reserved() * trainers + cfg.rollout.vllm.gpu_memory_utilization * total
+        return need <= 0.9 * total
 
     def _micro_batches(self, batch: TrainBatch, *, forward_only: bool = False) -> list[TrainBatch]:
         """This rank's micro-batches, in row order: up to ``optim.max_tokens_per_micro_batch`` real tokens

@@ -20,9 +20,10 @@ from reroll.algorithms.objective import actor_loss
 from reroll.config.schema import RunConfig
 from reroll.data.types import TrainBatch
 from reroll.errors import RoleError
+from reroll.models.loading import DTYPES
 from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker, mean_metrics
 from reroll.runtime.actors import LocalHandle
-from reroll.runtime.weight_sync import WeightBucket, split_into_buckets
+from reroll.runtime.weight_sync import SharedBucket, WeightBucket, share_bucket, split_into_buckets
 from reroll.strategies.lora import AdapterUpdate, payload_bytes
 
 
@@ -33,6 +34,7 @@ class TrainerWorker(StrategyWorker):
         super().__init__(role, rank, cfg, model_path=cfg.model.path, trainable=trainable, head="causal_lm")
         self.temperature = cfg.rollout.temperature or 1.0
         self._sync_bytes = 0
+        self._shared: list[torch.Tensor] = []  # cuda_ipc buffers held until the engines loaded them
 
     def compute_logprobs(self, batch: TrainBatch, base_model: bool = False) -> torch.Tensor:
         """``(B, T)`` log-probs of ``batch.input_ids`` at the sampling temperature; ``base_model``: with the
@@ -99,14 +101,45 @@ class TrainerWorker(StrategyWorker):
         self._sync_bytes = update.num_bytes
         return update if self.rank == 0 else None
 
-    def stream_weights(self, bucket_mb: float) -> Iterator[WeightBucket]:
+    def stream_weights(
+        self, bucket_mb: float, transport: str = "object_store"
+    ) -> Iterator[WeightBucket | SharedBucket]:
         """Rank 0: the full weights (Hugging Face names) in buckets of whole layers, about ``bucket_mb``
         MiB each (a Ray streaming generator: the engines load one bucket while the next is sent). Every
-        rank must call it, like ``adapter_update``; the others yield nothing."""
-        state = self.strategy.full_state_dict()
-        self._sync_bytes = payload_bytes(state)
-        if self.rank == 0:
-            yield from split_into_buckets(state.items(), int(bucket_mb * 2**20))
+        rank must call it, like ``adapter_update``; the others yield nothing.
+
+        ``transport`` 'object_store': CPU tensors; 'cuda_ipc': each bucket stays on the GPU, copied into
+        one buffer in the engine's dtype and yielded as a ``SharedBucket`` handle; the buffers are held
+        until ``release_shared``. Weights are gathered one at a time where the strategy can
+        (``named_weights``), so the full state dict never sits in host memory."""
+        on_device = transport == "cuda_ipc"
+        dtype = DTYPES[self.cfg.model.dtype]
+        named_weights = getattr(self.strategy, "named_weights", None)
+        if named_weights is not None and self.cfg.strategy.lora is None:
+            named = named_weights(on_device=on_device)
+        else:  # LoRA (merged into the base) and the strategies that gather all at once
+            named = iter(self.strategy.full_state_dict().items())
+            if on_device:
+                named = ((k, v.to(self.strategy.device)) for k, v in named)
+        self._sync_bytes = 0
+        self._shared.clear()
+        for bucket in split_into_buckets(named, int(bucket_mb * 2**20)):
+            if not on_device:
+                self._sync_bytes += payload_bytes(dict(bucket))
+                if self.rank == 0:
+                    yield bucket
+                continue
+            self._sync_bytes += sum(t.numel() for _, t in bucket) * dtype.itemsize
+            if self.rank == 0:
+                shared, buffer = share_bucket(bucket, dtype)
+                self._shared.append(buffer)
+                yield shared
+
+    def release_shared(self) -> None:
+        """Drop the GPU buffers of the last ``cuda_ipc`` sync (the engines have loaded them)."""
+        self._shared.clear()
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
 
     def sync_bytes(self) -> int:
         """Bytes of the last ``stream_weights`` or ``adapter_update`` payload (``sync/bytes``)."""
@@ -155,11 +188,17 @@ class TrainerGroup(StrategyGroup):
         """The LoRA adapters and their config, from rank 0 (every rank takes part in the gather)."""
         return self._wait([h.adapter_update.remote() for h in self.handles], "weight_sync")[0]
 
-    def weight_buckets(self, bucket_mb: float) -> WeightBuckets:
+    def weight_buckets(self, bucket_mb: float, transport: str = "object_store") -> WeightBuckets:
         """Start every rank making its weight buckets (a sharded strategy gathers collectively) now,
-        while the trainer holds its device; the buckets wait in Ray's object store until an engine loads
-        them (``RolloutGroup.load_weight_buckets``), so the trainer may be offloaded in between."""
-        return WeightBuckets(self, bucket_mb)
+        while the trainer holds its device; the buckets (or, with ``transport`` 'cuda_ipc', handles of
+        GPU buffers the trainer holds until ``release_shared``) wait in Ray's object store until an
+        engine loads them (``RolloutGroup.load_weight_buckets``)."""
+        return WeightBuckets(self, bucket_mb, transport)
+
+    def release_shared(self) -> None:
+        """Free rank 0's ``cuda_ipc`` buffers once every engine has loaded them. Like ``offload``, allowed
+        while the role is offloaded (it frees memory; the model is not used)."""
+        self._wait([self._handles[0].release_shared.remote()], "weight_sync")
 
     def sync_bytes(self) -> int:
         """Bytes of rank 0's last weight-sync payload (full weights or adapters): ``sync/bytes``."""
@@ -170,18 +209,19 @@ class WeightBuckets:
     """A trainer's weights as buckets (``TrainerGroup.weight_buckets``): iterate to get rank 0's buckets
     in order (Ray references, or the buckets themselves with the local backend)."""
 
-    def __init__(self, trainer: TrainerGroup, bucket_mb: float) -> None:
+    def __init__(self, trainer: TrainerGroup, bucket_mb: float, transport: str = "object_store") -> None:
         self.trainer = trainer
         handles = trainer.handles
         self.local = isinstance(handles[0], LocalHandle)
         if self.local:  # run now, as a Ray actor would
             try:
-                self.streams = [list(h.stream_weights.remote(bucket_mb).value) for h in handles]
+                self.streams = [list(h.stream_weights.remote(bucket_mb, transport).value) for h in handles]
             except Exception as e:
                 raise RoleError(trainer.role, 0, "weight_sync", f"{type(e).__name__}: {e}") from e
         else:
             self.streams = [
-                h.stream_weights.options(num_returns="streaming").remote(bucket_mb) for h in handles
+                h.stream_weights.options(num_returns="streaming").remote(bucket_mb, transport)
+                for h in handles
             ]
 
     def __iter__(self) -> Iterator[Any]:

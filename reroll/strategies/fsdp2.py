@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -185,6 +186,14 @@ class FSDP2Strategy:
         if self.lora is None:
             return state
         return merge_lora(state, scale=self.lora.alpha / self.lora.rank)
+
+    def named_weights(self, *, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights one at a time, unsharded, in Hugging Face names: on the device (``on_device``)
+        or as CPU copies. A collective (each DTensor is all-gathered in turn): every rank iterates to
+        the end; only rank 0's values are meant to be used. LoRA models: use ``full_state_dict``."""
+        for name, value in self.model.state_dict().items():
+            full = (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+            yield name, full if on_device else full.to("cpu", copy=True)
 
     def adapter_update(self) -> AdapterUpdate:
         """The adapters alone (peft's saved names) and their ``LoraConfig``; a collective, like

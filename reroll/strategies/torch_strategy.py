@@ -8,6 +8,7 @@ ranks), so summing gradients over ranks gives exactly the full-batch gradient. R
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,6 +130,12 @@ class TorchStrategy:
         LoRA, the base weights with the adapters merged in."""
         state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         return state if self.lora is None else merge_lora(state, scale=self.lora.alpha / self.lora.rank)
+
+    def named_weights(self, *, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights one at a time, in Hugging Face names: the live tensors (``on_device``) or CPU
+        copies; never the whole state dict at once (LoRA models: use ``full_state_dict``)."""
+        for name, value in self.model.state_dict().items():
+            yield name, value.detach() if on_device else value.detach().to("cpu", copy=True)
 
     def adapter_update(self) -> AdapterUpdate:
         """The LoRA adapters alone (peft's saved names) and their ``LoraConfig``."""

@@ -144,3 +144,31 @@ def test_plan_shows_the_strategy_auto_chose(tmp_path):
         return next(line for line in text.splitlines() if line.strip().startswith("actor_train"))
 
     assert actor_line(auto) != actor_line(torch_)  # the plan shards weights and Adam state over 2 ranks
+
+
+def test_weight_sync_transport_is_cuda_ipc_only_on_the_trainers_gpu(tmp_path):
+    from reroll.config.placement import weight_sync_transport
+
+    colocated = _cfg(tmp_path, **{"placement.devices": 1})
+    assert weight_sync_transport(colocated, "cuda") == "cuda_ipc"
+    assert weight_sync_transport(colocated, "cpu") == "object_store"  # no GPU memory to share
+    apart = _cfg(tmp_path, **{"placement.devices": 2, "roles.actor_infer.devices": "[1]"})
+    assert weight_sync_transport(apart, "cuda") == "object_store"  # the engine is on another GPU
+    no_pool = _cfg(tmp_path)
+    assert weight_sync_transport(no_pool, "cuda") == "object_store"  # Ray places it: unknown GPU
+    multiprocess = _cfg(
+        tmp_path, **{"placement.devices": 1, "rollout.engine": "vllm", "rollout.vllm.in_process": "false"}
+    )
+    assert weight_sync_transport(multiprocess, "cuda") == "object_store"  # opened in another process
+    forced = _cfg(tmp_path, **{"rollout.weight_sync_transport": "object_store", "placement.devices": 1})
+    assert weight_sync_transport(forced, "cuda") == "object_store"
+
+
+def test_trainer_roles_sharing_a_device_are_counted(tmp_path):
+    from reroll.config.placement import colocated_trainer_roles
+
+    one = _cfg(tmp_path, **{"placement.devices": 1})  # actor_train, reference and the engine on device 0
+    assert colocated_trainer_roles(one, "actor_train") == 2
+    two = _cfg(tmp_path, **{"placement.devices": 2, "roles.reference.devices": "[1]"})
+    assert colocated_trainer_roles(two, "actor_train") == 1
+    assert colocated_trainer_roles(_cfg(tmp_path), "actor_train") == 1
