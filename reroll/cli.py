@@ -77,6 +77,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from reroll.runtime.plots import plot_runs, split_runs_and_metrics
+
+    runs, metrics = split_runs_and_metrics(args.runs_and_metrics)
+    path = plot_runs(runs, metrics, args.out or runs[0] / "plots")
+    print(f"wrote {path}")
+    return 0
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from reroll.pipelines.preflight import preflight
 
@@ -208,6 +217,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--limit", type=int, help="only the first N prompts of the split")
     g.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     g.set_defaults(func=cmd_generate)
+
+    pt = sub.add_parser(
+        "plot",
+        help="draw runs' metrics per step into a PNG (default: reward, accuracy, KL, step time)",
+    )
+    pt.add_argument(
+        "runs_and_metrics",
+        nargs="+",
+        metavar="RUN_DIR [RUN_DIR ...] [METRIC ...]",
+        help="run directories (one line each), then metric names or patterns: eval/accuracy 'timing/*'",
+    )
+    pt.add_argument(
+        "--out", type=Path, help="a .png file, or a directory for curves.png (default: <first run>/plots)"
+    )
+    pt.set_defaults(func=cmd_plot)
 
     v = sub.add_parser(
         "validate",

@@ -44,7 +44,7 @@ from reroll.roles.trainer import TrainerGroup
 from reroll.runtime import checkpoint, stacks
 from reroll.runtime.actors import WorkerGroup, start_ray
 from reroll.runtime.console import step_line
-from reroll.runtime.metrics import MetricsLogger
+from reroll.runtime.metrics import MetricsLogger, MlflowSettings
 from reroll.runtime.placement import Colocation, ResourceManager
 from reroll.runtime.timing import PhaseTimer
 
@@ -520,6 +520,7 @@ def open_metrics(cfg: RunConfig, resume_step: int | None) -> MetricsLogger:
         config=cfg.model_dump(mode="json"),
         resume_step=resume_step,
         on_open=lambda: dump_config(cfg, cfg.run_dir / "config.yaml"),
+        mlflow=MlflowSettings(lg.mlflow_experiment, lg.mlflow_tracking_uri) if lg.mlflow else None,
     )
 
 
