@@ -1,8 +1,10 @@
-"""The ``reroll`` command: train, validate, and offline helpers (tiny model, synthetic data, config docs,
-environment checks).
+"""The ``reroll`` command: train, validate, plan, generate (sample and score a model or checkpoint),
+plot (a run's curves), and offline helpers (tiny model, synthetic data, config docs, environment checks).
 
 User errors (config, files, data) print one message and exit 2, without a traceback; ``--debug``
-shows it. A role's failure prints which role, rank and phase failed and exits 1.
+shows it. A role's failure prints which role, rank and phase failed and exits 1. Third-party notices
+that say nothing about the run are hidden (``reroll.runtime.quiet``); ``--verbose`` shows them. A
+closed pipe (``reroll config-docs | head``) ends the command quietly with 141, as SIGPIPE would.
 """
 
 from __future__ import annotations
@@ -220,12 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     pt = sub.add_parser(
         "plot",
+        usage="reroll plot [-h] [--out FILE.png|DIR] RUN_DIR [RUN_DIR ...] [METRIC ...]",
         help="draw runs' metrics per step into a PNG (default: reward, accuracy, KL, step time)",
     )
     pt.add_argument(
         "runs_and_metrics",
         nargs="+",
-        metavar="RUN_DIR [RUN_DIR ...] [METRIC ...]",
+        metavar="RUN_DIR|METRIC",
         help="run directories (one line each), then metric names or patterns: eval/accuracy 'timing/*'",
     )
     pt.add_argument(
