@@ -7,8 +7,10 @@ Hidden by default:
   strategy is deepspeed shows it (``allow_deepspeed_notice``).
 - Ray's "Token authentication is enabled for this Ray cluster" (the notice that it is *disabled*, a
   security warning, stays).
-- vLLM's warnings (``VLLM_LOGGING_LEVEL=ERROR`` instead of WARNING; an exported value wins) and its
-  checkpoint-loading bar (``vllm_load_bar``); torch's C++ warnings in workers (``TORCH_CPP_LOG_LEVEL``).
+- vLLM's warnings (``VLLM_LOGGING_LEVEL=ERROR`` instead of WARNING; an exported value wins: among
+  them the per-bucket weight-loading lines), "Triton ... doesn't include CPU backend" (logged before
+  vLLM's logging is set up) and its checkpoint-loading bar (``vllm_load_bar``); torch's C++ warnings
+  in workers, such as the NUMA binding notice (``TORCH_CPP_LOG_LEVEL=ERROR``).
 
 The command line calls ``configure`` in the driver; ``ray_runtime_env`` carries the choice to every
 Ray worker (``REROLL_VERBOSE``) and runs ``configure_worker`` as each worker process starts.
@@ -21,7 +23,6 @@ import os
 from typing import Any
 
 ENV = "REROLL_VERBOSE"
-_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 class _DropMessages(logging.Filter):
@@ -37,6 +38,13 @@ class _DropMessages(logging.Filter):
 
 _DEEPSPEED = _DropMessages("Setting accelerator to CPU")
 _RAY_AUTH = _DropMessages("Token authentication is enabled")
+# logged while vLLM is imported, before its own logging (and VLLM_LOGGING_LEVEL) is set up
+_VLLM_TRITON = _DropMessages("Triton is installed, but doesn't include CPU backend")
+_FILTERS = (
+    ("DeepSpeed", _DEEPSPEED),
+    ("ray._private.authentication.authentication_token_setup", _RAY_AUTH),
+    ("vllm.triton_utils.importing", _VLLM_TRITON),
+)
 
 
 def verbose() -> bool:
@@ -53,7 +61,7 @@ def configure(show: bool) -> None:
 def configure_worker() -> None:
     """Install the filters in this process unless it is verbose (the loggers need not exist yet:
     the libraries add their handlers to the same logger objects later and keep the filters)."""
-    for name, drop in (("DeepSpeed", _DEEPSPEED), (_RAY_AUTH_LOGGER, _RAY_AUTH)):
+    for name, drop in _FILTERS:
         logger = logging.getLogger(name)
         if verbose():
             logger.removeFilter(drop)

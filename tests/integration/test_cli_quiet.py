@@ -16,6 +16,7 @@ from reroll.cli import main
 from tests.conftest import reroll_cli, write_config
 
 DEEPSPEED_NOTICE = "Setting accelerator to CPU"
+RAY_AUTH = "ray._private.authentication.authentication_token_setup"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
@@ -45,9 +46,9 @@ def test_filters_follow_the_verbose_choice(monkeypatch):
     from reroll.runtime import quiet
 
     record = logging.LogRecord("DeepSpeed", logging.WARNING, __file__, 1, DEEPSPEED_NOTICE + ".", (), None)
-    auth = logging.LogRecord(quiet._RAY_AUTH_LOGGER, logging.WARNING, __file__, 1, "Token authentication is enabled for this Ray cluster.", (), None)  # fmt: skip
-    disabled = logging.LogRecord(quiet._RAY_AUTH_LOGGER, logging.WARNING, __file__, 1, "Token authentication is disabled for this Ray cluster.", (), None)  # fmt: skip
-    ds, ray_auth = logging.getLogger("DeepSpeed"), logging.getLogger(quiet._RAY_AUTH_LOGGER)
+    auth = logging.LogRecord(RAY_AUTH, logging.WARNING, __file__, 1, "Token authentication is enabled for this Ray cluster.", (), None)  # fmt: skip
+    disabled = logging.LogRecord(RAY_AUTH, logging.WARNING, __file__, 1, "Token authentication is disabled for this Ray cluster.", (), None)  # fmt: skip
+    ds, ray_auth = logging.getLogger("DeepSpeed"), logging.getLogger(RAY_AUTH)
     monkeypatch.setenv(quiet.ENV, "0")
     quiet.configure(False)
     assert not ds.filter(record) and not ray_auth.filter(auth)
