@@ -324,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: the last complete checkpoint can be resumed with --resume", file=sys.stderr)
+        if args.command == "generate":
+            print("interrupted: rerun the same command to continue the output file", file=sys.stderr)
+        else:
+            print("interrupted: the last complete checkpoint can be resumed with --resume", file=sys.stderr)
         return 130
 
 

@@ -127,6 +127,8 @@ def generate(
     if checkpoint is not None:
         model = cfg.model.model_copy(update={"path": str(resolve_checkpoint(checkpoint)), "build_tiny": None})
         cfg = cfg.model_copy(update={"model": model})
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit must be at least 1, got {limit}")
     if split == "eval" and not cfg.data.eval_files:
         raise UserError("generate: data.eval_files is empty; set it, or generate over --split train")
     preflight(cfg)
