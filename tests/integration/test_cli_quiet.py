@@ -15,6 +15,8 @@ import pytest
 from reroll.cli import main
 from tests.conftest import reroll_cli, write_config
 
+pytestmark = pytest.mark.integration
+
 DEEPSPEED_NOTICE = "Setting accelerator to CPU"
 RAY_AUTH = "ray._private.authentication.authentication_token_setup"
 
