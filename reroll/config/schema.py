@@ -398,6 +398,17 @@ class LoggingConfig(StrictModel):
     tensorboard: bool = Field(True, description="Write TensorBoard event files.")
     wandb: bool = Field(False, description="Log to Weights & Biases (pip install 'reroll[tracking]').")
     wandb_project: str = Field("reroll", description="W&B project.")
+    mlflow: bool = Field(
+        False,
+        description="Log the resolved config as params and the metrics per step to MLflow (pip install "
+        "'reroll[mlflow]'; 'reroll[tracking]' has the client for a tracking server).",
+    )
+    mlflow_experiment: str = Field("reroll", description="MLflow experiment (made if missing).")
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow store: a server ('http://host:5000'), 'sqlite:///mlflow.db', ... (default: "
+        "MLFLOW_TRACKING_URI, else MLflow's own default).",
+    )
     sample_every: int = Field(10, ge=0, description="Log one sample completion every N steps (0: never).")
 
 
