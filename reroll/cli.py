@@ -60,6 +60,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from reroll.pipelines.serve import serve
+
+    cfg = _load(args)
+
+    def ready(server) -> None:
+        print(f"serving {cfg.name} at {server.url} (OpenAI chat completions; Ctrl-C stops)", flush=True)
+
+    serve(cfg, checkpoint=args.checkpoint, host=args.host, port=args.port, ready=ready)
+    return 0
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from reroll.pipelines.preflight import preflight
 
@@ -158,6 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the run's last complete checkpoint")
     t.set_defaults(func=cmd_train)
 
+    s = sub.add_parser(
+        "serve", help="serve the policy (or a checkpoint) as an OpenAI-compatible chat-completions endpoint"
+    )
+    s.add_argument("config", type=Path)
+    s.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
+    s.add_argument(
+        "--checkpoint", type=Path, help="a checkpoint, its model/ directory, or a run directory (its latest)"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument(
+        "--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)"
+    )
+    s.set_defaults(func=cmd_serve)
+
     v = sub.add_parser(
         "validate",
         help="check a config, its data files, rewards, output directory and lengths without running it",
@@ -240,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if args.command == "serve":
+            return 0
         print("interrupted: the last complete checkpoint can be resumed with --resume", file=sys.stderr)
         return 130
 
