@@ -64,8 +64,12 @@ def test_a_two_turn_agent_is_recorded_as_the_chat_template_of_its_conversation(e
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
             if observation is not None:
                 messages.append({"role": "user", "content": observation})
-        with pytest.raises(openai.BadRequestError, match="does not continue the episode"):  # history rewritten
-            client.chat.completions.create(model="m", messages=[messages[0], {"role": "user", "content": "pile 1"}])
+        with pytest.raises(
+            openai.BadRequestError, match="does not continue the episode"
+        ):  # history rewritten
+            client.chat.completions.create(
+                model="m", messages=[messages[0], {"role": "user", "content": "pile 1"}]
+            )
         record = server.close_episode(key)
         with pytest.raises(openai.NotFoundError, match="no open episode"):
             client.chat.completions.create(model="m", messages=messages[:2])
@@ -97,10 +101,14 @@ def test_the_endpoint_answers_the_openai_client_plain_streamed_and_with_errors(e
         client = _client(server.url)
         assert [m.id for m in client.models.list()] == ["tiny"]
         out = client.chat.completions.create(model="tiny", messages=messages, n=3, seed=5, logprobs=True)
-        expected = engine.generate([chat_prompt_ids(tokenizer, messages)], SamplingParams(n=3, max_new_tokens=5, seed=5))[0]
+        expected = engine.generate(
+            [chat_prompt_ids(tokenizer, messages)], SamplingParams(n=3, max_new_tokens=5, seed=5)
+        )[0]
         assert [c.message.content for c in out.choices] == [c.text for c in expected]
         assert [c.finish_reason for c in out.choices] == [c.finish_reason for c in expected]
-        assert out.usage.prompt_tokens == len(chat_prompt_ids(tokenizer, messages)) == 8  # <|user|> p i l e _ 7 <|assistant|>
+        assert (
+            out.usage.prompt_tokens == len(chat_prompt_ids(tokenizer, messages)) == 8
+        )  # <|user|> p i l e _ 7 <|assistant|>
         lps = [t.logprob for t in out.choices[0].logprobs.content]
         assert lps == pytest.approx(expected[0].logprobs, abs=1e-5)
         single = client.chat.completions.create(model="tiny", messages=messages, seed=6).choices[0]
@@ -126,7 +134,9 @@ def test_reroll_serve_answers_on_a_free_port_and_stops_on_interrupt(tmp_path, as
         line = proc.stdout.readline()  # "serving t at http://127.0.0.1:PORT/v1 ..." once it listens
         assert line.startswith("serving t at http://127.0.0.1:"), line + proc.stderr.read()
         url = line.split()[3]
-        reply = _client(url).chat.completions.create(model="t", messages=[{"role": "user", "content": "1+2="}])
+        reply = _client(url).chat.completions.create(
+            model="t", messages=[{"role": "user", "content": "1+2="}]
+        )
         assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens >= 1
     finally:
         proc.send_signal(signal.SIGINT)
@@ -165,6 +175,8 @@ def test_agentic_training_through_the_agent_proxy(tmp_path, game_model):
         assert row["env/finish_terminated"] == 1
         # each episode: 12-13 prompt tokens ("pile N"), 4 + 4 generated, the second user turn and ends
         assert 40 <= row["rollout/episode_tokens"] <= 45
-        assert 0 < row["rollout/reward_mean"] < 1 and row["actor/grad_norm"] > 0  # the agent's rewards trained
+        assert (
+            0 < row["rollout/reward_mean"] < 1 and row["actor/grad_norm"] > 0
+        )  # the agent's rewards trained
     assert rows[2]["eval/turns"] == 2 and "eval/success" in rows[2]
     print(f"agent-proxy training, 2 steps through the CLI: {time.monotonic() - start:.1f} s")
