@@ -6,7 +6,9 @@ endpoint on a ``ChatServer`` over actor_infer; the env workers run the agent fun
 agent's calls (all live episodes' calls batched into engine calls) and keeps each episode's token
 sequence. When the agents have returned, each episode is that sequence, the agent's reward on its last
 turn, and how it ended: the same ``Episode`` the environment runner (``run_episodes``) produces, so
-the agentic pipeline trains on it unchanged.
+the agentic pipeline trains on it unchanged. An agent that raises after the server refused a call past
+``agentic.max_turns`` or ``max_episode_tokens`` ends its episode as the environment runner's would
+(``turn_limit`` / ``token_budget``, reward 0), not as an error.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ def run_agent_episodes(
             ep.traj, ep.states = record.traj, record.states
         turns = ep.traj.turns
         ep.rewards = [0.0] * max(turns - 1, 0) + [result.reward]
-        if result.error is not None:
+        if result.error is not None and record.finish:  # refused past a limit, and the agent gave up
+            ep.finish, ep.rewards[-1] = record.finish, 0.0
+        elif result.error is not None:
             ep.finish, ep.error = "error", result.error
         else:
             ep.finish = record.finish or "terminated"

@@ -325,8 +325,18 @@ class ChatServer:
             yield head | {"choices": [{"index": i, "delta": {}, "finish_reason": c.finish_reason}]}
 
 
+_UNSUPPORTED = ("tools", "functions", "tool_choice", "response_format", "logit_bias")
+
+
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     """The request's messages as ``{"role", "content"}`` with text content (parts of type text joined)."""
+    asked = [k for k in _UNSUPPORTED if body.get(k)] + (["top_logprobs"] if body.get("top_logprobs") else [])
+    if asked:
+        raise RequestError(
+            f"{', '.join(asked)}: not supported by this endpoint (chat messages with text content only; "
+            "parse tool calls from the text in your agent)",
+            code="unsupported_parameter",
+        )
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise RequestError("'messages' must be a non-empty list of {role, content}", code="invalid_messages")

@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+from reroll.config.schema import RunConfig
 from reroll.data.types import SamplingParams
 from reroll.runtime.metrics import read_metrics
 from tests.conftest import reroll_cli, write_config
@@ -119,8 +120,54 @@ def test_the_endpoint_answers_the_openai_client_plain_streamed_and_with_errors(e
         assert chunks[-1].choices[0].finish_reason == single.finish_reason
         with pytest.raises(openai.BadRequestError, match="'messages' must be a non-empty list"):
             client.chat.completions.create(model="tiny", messages=[])
+        with pytest.raises(openai.BadRequestError, match="tools: not supported by this endpoint"):
+            tool = {"type": "function", "function": {"name": "move", "parameters": {"type": "object"}}}
+            client.chat.completions.create(model="tiny", messages=messages, tools=[tool])
         with pytest.raises(openai.BadRequestError, match="temperature at least 0"):
             client.chat.completions.create(model="tiny", messages=messages, temperature=-1)
+
+
+def _agent_config(tmp_path: Path, model: Path, **agentic) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "pipeline": "agentic",
+            "output_dir": str(tmp_path / "runs"),
+            "model": {"path": str(model)},
+            "agentic": {"env": "agent:tests.integration.agents:two_turns", **agentic},
+            "rollout": {"batch_size": 4, "group_size": 4, "max_new_tokens": 4},
+            "runtime": {"backend": "local"},
+        }
+    )
+
+
+def test_concurrent_agents_share_engine_calls_and_limits_end_episodes_as_truncated(
+    tmp_path, game_model, engine, tokenizer
+):
+    from reroll.roles.agent_proxy import run_agent_episodes
+    from reroll.roles.chat_server import ChatServer
+    from reroll.roles.env import EnvGroup
+
+    batches: list[int] = []
+
+    def generate(prompts, params):  # the engine, slowed so that requests queue behind a running call
+        batches.append(len(prompts))
+        time.sleep(0.3)
+        return engine.generate(prompts, params)
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=1)
+    starts, tasks = [(s, 0) for s in range(6)], [{"pile": 9, "seed": s} for s in range(6)]
+    envs = EnvGroup(_agent_config(tmp_path, game_model))
+    with ChatServer(generate, tokenizer, model_name="t", defaults=params) as server:
+        played = run_agent_episodes(server, envs, starts, tasks, params, max_turns=4, max_tokens=256)
+        assert [(e.finish, e.traj.turns, e.error) for e in played] == [("terminated", 2, None)] * 6
+        assert sum(batches) == 12 and max(batches) > 1 and len(batches) < 12  # 12 calls, fewer engine calls
+        # a second call past max_turns=1, or past the token budget, is refused; the agent raises on it
+        # and the episode ends as the environment runner's would: truncated by the limit, reward 0
+        for limits, finish in (({"max_turns": 1, "max_tokens": 256}, "turn_limit"),
+                               ({"max_turns": 4, "max_tokens": 30}, "token_budget")):  # fmt: skip
+            [ep] = run_agent_episodes(server, envs, starts[:1], tasks[:1], params, **limits)
+            assert (ep.finish, ep.traj.turns, ep.rewards, ep.error) == (finish, 1, [0.0], None)
+    assert not server.episodes  # every episode endpoint was closed
 
 
 def test_reroll_serve_answers_on_a_free_port_and_stops_on_interrupt(tmp_path, assets):
