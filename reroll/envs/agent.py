@@ -46,23 +46,22 @@ def load_agent(env: str, options: Mapping[str, Any]) -> AgentFn:
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise UserError(
-            f"agentic.env {env!r}: write an agent as 'agent:package.module:function', e.g. "
-            "'agent:my_agents.solver:run'"
+            f"{env!r}: write an agent as 'agent:package.module:function', e.g. 'agent:my_agents.solver:run'"
         )
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise UserError(
-            f"agentic.env {env!r}: cannot import {target!r} ({e}); the module must be importable "
+            f"agent {target!r} cannot be imported ({e}); the module must be importable "
             "from the directory you run reroll in (or on PYTHONPATH)"
         ) from e
     if not callable(fn):
-        raise UserError(f"agentic.env {env!r}: {target!r} is a {type(fn).__name__}, not a function")
+        raise UserError(f"agent {target!r} is a {type(fn).__name__}, not a function")
     try:
         inspect.signature(fn).bind("http://host/v1", {}, **options)
     except TypeError as e:
         raise UserError(
-            f"agentic.env {env!r}: {target}(base_url, task, **agentic.env_config) does not bind ({e}); "
+            f"agent {target}(base_url, task, **agentic.env_config) does not bind ({e}); "
             f"the options given were {sorted(options) or 'none'}"
         ) from e
     except ValueError:  # a builtin without a signature: called as it is

@@ -139,6 +139,10 @@ def _check_agent(cfg: RunConfig) -> list[ConfigProblem]:
     for key, file in (("agentic.tasks", a.tasks), ("agentic.eval_tasks", a.eval_tasks)):
         if file is None:
             continue
+        if not Path(file).exists():
+            where = "" if Path(file).is_absolute() else f" (read from the current directory, {Path.cwd()})"
+            problems.append(ConfigProblem(key, f"{file!r} does not exist{where}: fix the path in {key}"))
+            continue
         try:
             if not read_rows(file, limit=1):
                 raise UserError(f"{file}: has no rows: add rows, or remove {key}")

@@ -39,7 +39,7 @@ def test_load_agent_names_what_to_fix():
     assert load_agent(f"agent:{HERE}:agent", {"bonus": 1.0})("u", {"seed": 5}, bonus=1.0) == 1.5
     with pytest.raises(UserError, match=r"write an agent as 'agent:package\.module:function'"):
         load_agent("agent:no_colon", {})
-    with pytest.raises(UserError, match=r"cannot import 'nowhere\.at_all:run'"):
+    with pytest.raises(UserError, match=r"agent 'nowhere\.at_all:run' cannot be imported"):
         load_agent("agent:nowhere.at_all:run", {})
     with pytest.raises(UserError, match=r"does not bind .*unexpected keyword argument 'bonsu'.*\['bonsu'\]"):
         load_agent(f"agent:{HERE}:agent", {"bonsu": 1.0})
@@ -102,7 +102,7 @@ def test_config_and_preflight_checks_of_an_agent(agentic, tmp_path):
         for p in check_inputs(agentic(env_config={"bonsu": 1}, tasks=str(tmp_path / "no.jsonl")))
     }
     assert "does not bind" in bad["agentic.env"]
-    assert "no.jsonl' does not exist" in bad["agentic.tasks"]
+    assert "no.jsonl' does not exist: fix the path in agentic.tasks" in bad["agentic.tasks"]
 
 
 def test_requests_are_read_as_openai_sends_them():
