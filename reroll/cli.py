@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from reroll.errors import RoleError, UserError
@@ -68,7 +70,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def ready(server) -> None:
         print(f"serving {cfg.name} at {server.url} (OpenAI chat completions; Ctrl-C stops)", flush=True)
 
-    serve(cfg, checkpoint=args.checkpoint, host=args.host, port=args.port, ready=ready)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # `kill` stops it as Ctrl-C does, workers cleaned up
+    serve(cfg, checkpoint=args.checkpoint, host=args.host, port=args.port, ready=ready, stop=stop)
     return 0
 
 

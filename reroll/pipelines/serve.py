@@ -69,6 +69,7 @@ def serve(
     rollout = None
     try:
         rollout = RolloutGroup(placement.cfg)
+        rollout.metrics()  # returns once every rank has built its engine: the first request does not wait
         try:
             server = ChatServer(
                 rollout.generate,
@@ -85,7 +86,9 @@ def serve(
         with server:
             if ready is not None:
                 ready(server)
-            (stop or threading.Event()).wait()
+            stop = stop or threading.Event()
+            while not stop.wait(1.0):  # a timed wait, so Ctrl-C reaches the main thread at once
+                pass
     finally:
         if rollout is not None:
             rollout.shutdown()

@@ -170,7 +170,7 @@ def test_concurrent_agents_share_engine_calls_and_limits_end_episodes_as_truncat
     assert not server.episodes  # every episode endpoint was closed
 
 
-def test_reroll_serve_answers_on_a_free_port_and_stops_on_interrupt(tmp_path, assets):
+def test_reroll_serve_answers_on_a_free_port_and_stops_on_sigterm(tmp_path, assets):
     cfg = write_config(tmp_path / "c.yaml", assets)
     proc = subprocess.Popen(
         [sys.executable, "-m", "reroll.cli", "serve", str(cfg), "--port", "0", "runtime.backend=local",
@@ -186,7 +186,7 @@ def test_reroll_serve_answers_on_a_free_port_and_stops_on_interrupt(tmp_path, as
         )
         assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens >= 1
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # as `kill` does; Ctrl-C (SIGINT) takes the same way out
         code = proc.wait(timeout=60)
     assert code == 0
 
