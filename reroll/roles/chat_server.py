@@ -64,7 +64,6 @@ class EpisodeRecord:
     traj: Trajectory | None = None
     states: list[str] = field(default_factory=list)
     finish: str = ""
-    calls: int = 0
     params: SamplingParams = field(default_factory=SamplingParams)
     max_turns: int = 8
     max_tokens: int = 1024
@@ -208,7 +207,6 @@ class ChatServer:
             record.traj = traj
             record.states.append(next((m["content"] for m in reversed(new) if m["role"] != "assistant"), ""))
             self.builder.add_response(traj, completion.response_ids, completion.logprobs, completion.text)
-            record.calls += 1
             return completion
 
     def _extend(
@@ -245,7 +243,10 @@ class ChatServer:
             messages=[dict(m) for m in old],
         )
         new = messages[len(old) :]
-        self.builder.add_messages(traj, new)
+        try:
+            self.builder.add_messages(traj, new)
+        except ValueError as e:  # a template that re-renders earlier turns: not one growing sequence
+            raise RequestError(str(e), code="not_append_only") from e
         return traj, new
 
     # --- requests ---
