@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 from reroll.errors import RoleError, UserError
@@ -70,10 +69,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def ready(server) -> None:
         print(f"serving {cfg.name} at {server.url} (OpenAI chat completions; Ctrl-C stops)", flush=True)
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # `kill` stops it as Ctrl-C does, workers cleaned up
-    serve(cfg, checkpoint=args.checkpoint, host=args.host, port=args.port, ready=ready, stop=stop)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as Ctrl-C does, even while it starts
+    serve(cfg, checkpoint=args.checkpoint, host=args.host, port=args.port, ready=ready)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
