@@ -8,7 +8,9 @@ per episode (``grpo``, ``rloo``, ``reinforce_pp``: the episode's total reward) o
 (``step_return``, ``gigpo``: per-turn rewards with ``algorithm.gamma``). An optional SFT warm start
 imitates the environment's scripted (or random) policy. Episodes that end in an environment error
 are recorded (``env/errors``, ``env/timeouts``, a log line) and, by ``agentic.error_policy``, left
-out of the update or trained with reward 0.
+out of the update or trained with reward 0. With ``agentic.env: "agent:module:function"`` the
+episodes are played by external agent code against an OpenAI-compatible endpoint that serves
+actor_infer (``reroll.roles.agent_proxy``), and assembled into the same token sequences.
 """
 
 from __future__ import annotations

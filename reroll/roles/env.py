@@ -6,7 +6,9 @@ raises, or that hangs, ends its own episode with a recorded error and never bloc
 ``EnvGroup`` deals episodes to workers (Ray actors through ``WorkerGroup``: a dead worker is a
 ``RoleError``). ``run_episodes`` plays a batch of episodes turn by turn: all live episodes' prompts go
 to the engine in one call per turn, as token ids (``reroll.envs.trajectory``), then their actions to
-the environments. ``episode_batch`` turns episodes into a ``TrainBatch`` with per-turn tensors.
+the environments. ``episode_batch`` turns episodes into a ``TrainBatch`` with per-turn tensors. For an
+``agent:`` environment the workers run the agent function instead (``play_agents``; see
+``reroll.roles.agent_proxy``).
 """
 
 from __future__ import annotations
