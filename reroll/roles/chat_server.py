@@ -115,6 +115,14 @@ class _Batcher:
         self.thread.join(timeout=5)
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    """A thread per connection; a listen backlog for hundreds of agents connecting at once (the
+    standard library's 5 drops connections: clients see connection errors and connect timeouts)."""
+
+    daemon_threads = True
+    request_queue_size = 1024
+
+
 class ChatServer:
     """The endpoint, started on ``host:port`` (port 0: a free one) in a background thread; ``url`` is
     its ``/v1`` base. ``defaults``: the sampling settings a request does not set. Use as a context
@@ -134,8 +142,7 @@ class ChatServer:
         self.builder = TrajectoryBuilder(tokenizer) if getattr(tokenizer, "chat_template", None) else None
         self.episodes: dict[str, EpisodeRecord] = {}
         self._batcher = _Batcher(generate)
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer((host, port), _handler(self))
         self.host, self.port = host, self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="chat-server", daemon=True)
         self._thread.start()
