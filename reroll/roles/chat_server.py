@@ -139,7 +139,7 @@ class ChatServer:
         port: int = 0,
     ) -> None:
         self.tokenizer, self.model_name, self.defaults = tokenizer, model_name, defaults
-        self.builder = TrajectoryBuilder(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        self.builder: TrajectoryBuilder | None = None  # made by the first episode (serving needs none)
         self.episodes: dict[str, EpisodeRecord] = {}
         self._batcher = _Batcher(generate)
         self.httpd = _HTTPServer((host, port), _handler(self))
@@ -172,7 +172,8 @@ class ChatServer:
     def open_episode(self, params: SamplingParams, *, max_turns: int, max_tokens: int) -> str:
         """A new episode endpoint; returns its key (its base URL is ``episode_url(key)``)."""
         if self.builder is None:
-            chat_prompt_ids(self.tokenizer, [])  # raises the no-template error
+            chat_prompt_ids(self.tokenizer, [{"role": "user", "content": ""}])  # raises the no-template error
+            self.builder = TrajectoryBuilder(self.tokenizer)  # raises for a template that is not append-only
         key = uuid.uuid4().hex
         self.episodes[key] = EpisodeRecord(params=params, max_turns=max_turns, max_tokens=max_tokens)
         return key
