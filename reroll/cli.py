@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -86,6 +87,23 @@ def cmd_plot(args: argparse.Namespace) -> int:
     path = plot_runs(runs, metrics, args.out or runs[0] / "plots")
     print(f"wrote {path}")
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from reroll.pipelines.serve import serve
+
+    cfg = _load(args)
+
+    def ready(server) -> None:
+        print(f"serving {cfg.name} at {server.url} (OpenAI chat completions; Ctrl-C stops)", flush=True)
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as Ctrl-C does, even while it starts
+    serve(cfg, checkpoint=args.checkpoint, host=args.host, port=args.port, ready=ready)
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -236,6 +254,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pt.set_defaults(func=cmd_plot)
 
+    s = sub.add_parser(
+        "serve", help="serve the policy (or a checkpoint) as an OpenAI-compatible chat-completions endpoint"
+    )
+    s.add_argument("config", type=Path)
+    s.add_argument("overrides", **overrides)
+    s.add_argument(
+        "--checkpoint", type=Path, help="a checkpoint, its model/ directory, or a run directory (its latest)"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument(
+        "--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)"
+    )
+    s.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
+    s.set_defaults(func=cmd_serve)
+
     v = sub.add_parser(
         "validate",
         help="check a config, its data files, rewards, output directory and lengths without running it",
@@ -324,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if args.command == "serve":
+            return 0
         if args.command == "generate":
             print("interrupted: rerun the same command to continue the output file", file=sys.stderr)
         else:

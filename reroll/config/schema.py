@@ -311,10 +311,25 @@ class AgenticConfig(StrictModel):
     step, rollout.group_size of them per seed, rollout.max_new_tokens per turn."""
 
     env: str = Field(
-        description="Environment: a registered name (`reroll env-check --list`), 'gem:<id>' or 'module:Factory'."
+        description="Environment: a registered name (`reroll env-check --list`), 'gem:<id>', 'module:Factory', "
+        "or 'agent:module:function' for agent code that talks to an OpenAI-compatible endpoint (docs/serve.md)."
     )
     env_config: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword options of the environment."
+        default_factory=dict,
+        description="Keyword options of the environment (of the agent function, for 'agent:').",
+    )
+    tasks: str | None = Field(
+        None,
+        description="'agent:' environments: JSONL/JSON/Parquet rows handed to the agent, row seed % rows for "
+        "episode seed (with the row's 'seed' set); without it the task is {'seed': seed}.",
+    )
+    eval_tasks: str | None = Field(
+        None, description="'agent:' environments: the held-out rows, one per evaluation episode (else tasks)."
+    )
+    agent_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="'agent:' environments: an agent run (the whole episode) past this ends with an error (recorded).",
     )
     system_prompt: str | None = Field(None, description="A system message before the first observation.")
     max_turns: int = Field(
@@ -592,6 +607,27 @@ class RunConfig(StrictModel):
                 ConfigProblem(
                     "agentic", "pipeline 'agentic' needs an `agentic:` section naming the environment (env)"
                 )
+            )
+        a = self.agentic
+        if self.pipeline == "agentic" and a is not None and a.env.startswith("agent:"):
+            if a.system_prompt:
+                problems.append(
+                    ConfigProblem(
+                        "agentic.system_prompt",
+                        "an 'agent:' environment writes its own messages: put the system prompt in the agent",
+                    )
+                )
+            if self.sft is not None and self.sft.steps > 0:
+                problems.append(
+                    ConfigProblem(
+                        "sft",
+                        "an 'agent:' environment has no scripted policy for an SFT warm start: remove `sft:` "
+                        "and start from a model that can already follow the agent's prompts",
+                    )
+                )
+        elif a is not None and (a.tasks or a.eval_tasks):
+            problems.append(
+                ConfigProblem("agentic.tasks", "tasks are read by 'agent:' environments only: remove them")
             )
         if self.pipeline == "agentic" and self.data is not None:
             problems.append(

@@ -83,29 +83,11 @@ class GenerateResult:
         return "\n".join(lines)
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """The model directory of ``path``: a checkpoint (``step_000200``, its ``model/``) or a run
-    directory (its newest complete checkpoint)."""
-    path = Path(path)
-    if (path / "model" / "config.json").is_file():
-        return path / "model"
-    if (path / "config.json").is_file():
-        return path
-    latest = checkpoints.latest(path)
-    if latest is not None:
-        return latest / "model"
-    raise UserError(
-        f"--checkpoint {path}: no model there (no config.json in it or in its model/ directory, and no "
-        f"complete checkpoint under {path / 'checkpoints'}): give a run's checkpoints/step_XXXXXX, its "
-        f"model/ directory or the run directory"
-    )
-
-
 def default_out(cfg: RunConfig, split: Split, checkpoint: Path | None) -> Path:
     """``<run dir>/generations/<split>-<step_XXXXXX|base>.jsonl``."""
     tag = "base"
     if checkpoint is not None:
-        model_dir = resolve_checkpoint(checkpoint)
+        model_dir = checkpoints.model_dir(checkpoint)
         tag = (model_dir.parent if model_dir.name == "model" else model_dir).name
     return cfg.run_dir / "generations" / f"{split}-{tag}.jsonl"
 
@@ -125,7 +107,9 @@ def generate(
             f"is {cfg.pipeline!r}{'' if cfg.data else ' with no data section'}"
         )
     if checkpoint is not None:
-        model = cfg.model.model_copy(update={"path": str(resolve_checkpoint(checkpoint)), "build_tiny": None})
+        model = cfg.model.model_copy(
+            update={"path": str(checkpoints.model_dir(checkpoint)), "build_tiny": None}
+        )
         cfg = cfg.model_copy(update={"model": model})
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be at least 1, got {limit}")

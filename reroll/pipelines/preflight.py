@@ -10,6 +10,8 @@ Checked:
   reward domains read. Files ``data.synthetic`` will write are skipped while they do not exist.
 - rewards: every ``fn`` imports (a registered name or ``package.module:function``) and can be called as
   ``fn(prompt, response, row, **args)`` with the configured ``args`` (``inspect.signature().bind``).
+- an ``agent:`` environment (``agentic.env``): the function imports and binds ``(base_url, task,
+  **agentic.env_config)``; ``agentic.tasks`` / ``eval_tasks`` read as rows.
 - ``output_dir``: nothing on its path is a regular file, and it can be written.
 - lengths: ``rollout.max_new_tokens`` and ``rollout.vllm.max_model_len`` within the model's context
   length, read from ``config.json`` where ``model.path`` is a local directory.
@@ -38,6 +40,7 @@ from reroll.config.loader import ConfigError, ConfigProblem
 from reroll.config.placement import cluster_problems
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import check_row, read_rows, template_fields
+from reroll.envs.agent import is_agent, load_agent
 from reroll.errors import UserError
 from reroll.rewards import resolve_reward
 from reroll.rewards.routing import domain_required_fields, domain_terms, route, term_key
@@ -59,6 +62,8 @@ def check_inputs(cfg: RunConfig) -> list[ConfigProblem]:
     problems += _check_data(cfg)
     if cfg.pipeline != "agentic":
         problems += _check_rewards(cfg)
+    elif cfg.agentic is not None and is_agent(cfg.agentic.env):
+        problems += _check_agent(cfg)
     problems += _check_lengths(cfg)
     problems += _check_cluster(cfg)
     return problems
@@ -117,6 +122,30 @@ def _check_data(cfg: RunConfig) -> list[ConfigProblem]:
                 check_row(file, i, row, needed)
             if cfg.reward.domains:
                 _check_domains(cfg, file, rows)
+        except UserError as e:
+            problems.append(ConfigProblem(key, str(e)))
+    return problems
+
+
+def _check_agent(cfg: RunConfig) -> list[ConfigProblem]:
+    """The agent function imports and binds its options; its task files read as rows."""
+    a = cfg.agentic
+    assert a is not None
+    problems = []
+    try:
+        load_agent(a.env, a.env_config)
+    except UserError as e:
+        problems.append(ConfigProblem("agentic.env", str(e)))
+    for key, file in (("agentic.tasks", a.tasks), ("agentic.eval_tasks", a.eval_tasks)):
+        if file is None:
+            continue
+        if not Path(file).exists():
+            where = "" if Path(file).is_absolute() else f" (read from the current directory, {Path.cwd()})"
+            problems.append(ConfigProblem(key, f"{file!r} does not exist{where}: fix the path in {key}"))
+            continue
+        try:
+            if not read_rows(file, limit=1):
+                raise UserError(f"{file}: has no rows: add rows, or remove {key}")
         except UserError as e:
             problems.append(ConfigProblem(key, str(e)))
     return problems

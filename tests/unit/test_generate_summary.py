@@ -6,8 +6,7 @@ import itertools
 
 import pytest
 
-from reroll.errors import UserError
-from reroll.pipelines.generate import pass_at_k, pass_ks, resolve_checkpoint, summarize
+from reroll.pipelines.generate import pass_at_k, pass_ks, summarize
 
 
 @pytest.mark.parametrize(
@@ -70,15 +69,3 @@ def test_summary_per_domain_and_over_all():
     assert out["all"].reward_mean == pytest.approx(2.7 / 6)
     assert out["all"].pass_at == pytest.approx({1: 1.5 / 3, 2: 2 / 3})
     assert list(summarize(records[:2], 2)) == ["all"]  # one domain: no per-domain rows
-
-
-def test_checkpoint_resolves_to_its_model_directory(tmp_path):
-    step = tmp_path / "run" / "checkpoints" / "step_000010"
-    (step / "model").mkdir(parents=True)
-    (step / "model" / "config.json").write_text("{}")
-    (step / "COMPLETE").write_text("")
-    assert resolve_checkpoint(step) == step / "model"
-    assert resolve_checkpoint(step / "model") == step / "model"
-    assert resolve_checkpoint(tmp_path / "run") == step / "model"  # a run: its newest checkpoint
-    with pytest.raises(UserError, match="no model there"):
-        resolve_checkpoint(tmp_path)
