@@ -9,6 +9,7 @@ Standard library only, plus the `packaging` and `tomli` that pip vendors.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -44,10 +45,8 @@ def missing() -> list[str]:
         if req.specifier and not req.specifier.contains(version.split("+")[0], prereleases=True):
             problems.append(f"{req.name} {version} does not satisfy {req}")
     for name in REMOVED:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             problems.append(f"{name} {metadata.version(name)} is installed (the install removes it)")
-        except metadata.PackageNotFoundError:
-            pass
     return problems
 
 

@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from reroll.config.startable import MEGATRON_MODEL_TYPES, megatron_model_problem
 from reroll.errors import UserError
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = MEGATRON_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,8 @@ class GPTShape:
 def gpt_shape(hf_config: Any) -> GPTShape:
     """The ``GPTShape`` of a Qwen2/Qwen2.5, Qwen3 or Llama config; anything else is a ``UserError``."""
     c = hf_config
-    if c.model_type not in SUPPORTED_MODEL_TYPES:
-        raise UserError(
-            f"strategy.name=megatron converts {', '.join(SUPPORTED_MODEL_TYPES)} models; model.path is a "
-            f"{c.model_type!r} model: use strategy.name=fsdp2 for it"
-        )
+    if (why := megatron_model_problem(c.model_type)) is not None:
+        raise UserError(why)
     if getattr(c, "use_sliding_window", False):
         raise UserError(
             "strategy.name=megatron does not support sliding-window attention (use_sliding_window)"

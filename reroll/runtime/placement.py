@@ -22,6 +22,7 @@ from reroll.config.placement import (
     run_roles,
     trainer_strategy,
 )
+from reroll.config.startable import role_device, start_problems
 from reroll.errors import UserError
 
 if TYPE_CHECKING:
@@ -33,9 +34,7 @@ log = logging.getLogger(__name__)
 def worker_device(cfg: RunConfig, role: str) -> str:
     """'cuda' or 'cpu' for ``role``'s workers, in a config whose ``placement.device_type`` the
     ``ResourceManager`` has resolved (``auto`` counts as cpu here)."""
-    if cfg.placement.devices and role in placed_roles(cfg, [role]):
-        return "cuda" if cfg.placement.device_type == "cuda" else "cpu"
-    return "cuda" if getattr(cfg.roles, role).num_gpus_per_worker > 0 else "cpu"
+    return role_device(cfg, role, cfg.placement.device_type)
 
 
 def _pg_name(cfg: RunConfig) -> str:
@@ -60,6 +59,9 @@ class ResourceManager:
         name = trainer_strategy(self.cfg, worker_device(self.cfg, "actor_train"))
         self.cfg = self.cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"name": name})})
         self.map = device_map(cfg, run_roles(cfg), self.device_type) if pool else None
+        refused = start_problems(cfg, self.device_type)  # what validate and plan refuse, device now known
+        if refused:
+            raise UserError("\n".join(f"{path}: {message}" for path, message in refused))
         if cfg.runtime.backend == "local":
             return
         import ray
@@ -70,12 +72,6 @@ class ResourceManager:
             raise UserError("\n".join(f"{path}: {message}" for path, message in problems))
         if self.map is None:
             return
-        if any(k > 1 for k in self.map.span.values()):
-            raise UserError(
-                "placement: an engine rank spanning several pool devices (rollout.vllm.tensor_parallel_size "
-                "> 1 with placement.devices) is planned by `reroll plan` but not started by this version: "
-                "leave placement.devices unset and give roles.actor_infer.num_gpus_per_worker instead"
-            )
         from ray.util.placement_group import placement_group
 
         kind = "GPU" if self.device_type == "cuda" else "CPU"
