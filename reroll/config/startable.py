@@ -95,9 +95,10 @@ def megatron_model_problem(found: str | None) -> str | None:
     """Why the Megatron strategy cannot convert a model of type ``found`` (None: it can, or unknown)."""
     if found is None or found in MEGATRON_MODEL_TYPES:
         return None
+    moe = " (mixture-of-experts conversion is not built)" if "moe" in found else ""
     return (
         f"strategy.name=megatron converts {', '.join(MEGATRON_MODEL_TYPES)} models; model.path is a "
-        f"{found!r} model (mixture-of-experts conversion is not built): use strategy.name=fsdp2 for it"
+        f"{found!r} model{moe}: use strategy.name=fsdp2 for it"
     )
 
 
