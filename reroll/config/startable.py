@@ -115,7 +115,10 @@ def megatron_option_problems(cfg: RunConfig, head: str = "causal_lm") -> list[tu
         )
     if cfg.strategy.lora is not None:
         problems.append(
-            ("strategy.lora", "strategy.lora is not supported with strategy.name=megatron: use fsdp2 or torch")
+            (
+                "strategy.lora",
+                "strategy.lora is not supported with strategy.name=megatron: use fsdp2 or torch",
+            )
         )
     if cfg.model.dtype == "float16":
         problems.append(
@@ -186,7 +189,8 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
         for role in megatron:
             size = getattr(cfg.roles, role).world_size
             problems += [
-                ("strategy.megatron", m) for m in megatron_parallel_problems(size, cfg.strategy.megatron, role)
+                ("strategy.megatron", m)
+                for m in megatron_parallel_problems(size, cfg.strategy.megatron, role)
             ]
             if devices[role] == "cpu":
                 problems.append((f"roles.{role}", MEGATRON_NEEDS_GPUS.replace("<role>", role)))
