@@ -304,6 +304,12 @@ class RoleConfig(StrictModel):
         "devices[r * len(devices) // world_size]; roles sharing a device are colocated. Default with a "
         "pool: the first world_size devices.",
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each worker asks for, to pin the role to nodes: {node_b: 1} "
+        "runs it only on nodes started with `ray start --resources '{\"node_b\": N}'`. On the pool, the "
+        "bundles of the role's devices ask for them.",
+    )
 
 
 class AgenticConfig(StrictModel):
@@ -429,7 +435,11 @@ class RuntimeConfig(StrictModel):
     backend: Literal["ray", "local"] = Field(
         "ray", description="'ray': each worker a Ray actor; 'local': all in this process (debugging)."
     )
-    ray_address: str | None = Field(None, description="Join this Ray cluster (default: start a local one).")
+    ray_address: str | None = Field(
+        None,
+        description="Join the Ray cluster at this address (host:port of `ray start --head`); unset: the "
+        "RAY_ADDRESS environment variable (set by `ray job submit`) if any, else start a local cluster.",
+    )
     call_timeout_s: float = Field(
         1800.0,
         gt=0,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -62,20 +64,43 @@ class LocalHandle:
 
 
 def start_ray(address: str | None) -> None:
-    """Connect to ``address`` or start a local Ray cluster (once per process)."""
+    """Join the cluster at ``address``, else at ``RAY_ADDRESS`` (what ``ray job submit`` sets for its
+    driver), else start a local one (once per process).
+
+    Joining by address, Ray does not turn on token authentication by itself, while ``ray start`` turns
+    it on where a token exists (``~/.ray/auth_token``, ``RAY_AUTH_TOKEN``): so does this, unless
+    ``RAY_AUTH_MODE`` says otherwise. Under ``ray job submit`` the job's runtime environment comes
+    first: its environment variables are kept and only the others added."""
     import ray
 
     if ray.is_initialized():
         return
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}}
+    joining = address or os.environ.get("RAY_ADDRESS")
+    if joining and "RAY_AUTH_MODE" not in os.environ and _auth_token_available():
+        os.environ["RAY_AUTH_MODE"] = "token"
+    env_vars = {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
+    job_vars = ((job.get("runtime_env") or {}).get("env_vars")) or {}
+    env_vars = {k: v for k, v in env_vars.items() if k not in job_vars}
     ray.init(
         address=address,
         include_dashboard=False,
         log_to_driver=True,
         logging_level=logging.WARNING,
-        runtime_env=env,
+        runtime_env={"env_vars": env_vars},
         configure_logging=True,
     )
+    if joining:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        log.info("joined the Ray cluster at %s: %d nodes, %s", joining, len(nodes), ray.cluster_resources())
+
+
+def _auth_token_available() -> bool:
+    """Whether a Ray authentication token is where Ray looks for one."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    return os.path.isfile(path)
 
 
 def spawn(cls: type, args: tuple[Any, ...], *, backend: str, name: str, **options: Any) -> Any:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from reroll.config.placement import (
     DeviceMap,
+    bundle_resources,
     cluster_problems,
     device_map,
     placed_roles,
@@ -77,10 +78,11 @@ class ResourceManager:
         kind = "GPU" if self.device_type == "cuda" else "CPU"
         per = 1.0 if kind == "GPU" else cfg.placement.cpus_per_device
         bundle = {"GPU": 1.0, "CPU": cfg.placement.cpus_per_device} if kind == "GPU" else {"CPU": per}
-        self.pg = placement_group([dict(bundle) for _ in range(pool)], strategy="PACK", name=_pg_name(cfg))
+        bundles = [bundle | bundle_resources(cfg, self.map, d) for d in range(pool)]
+        self.pg = placement_group(bundles, strategy="PACK", name=_pg_name(cfg))
         if not self.pg.wait(timeout_seconds=60):
             raise UserError(
-                f"placement: Ray could not reserve {pool} x {bundle} within 60 s (other jobs hold the "
+                f"placement: Ray could not reserve {bundles} within 60 s (other jobs hold the "
                 f"resources?):\n{self.map.table()}"
             )
         log.info("placement (%s):\n%s", self.device_type, self.map.table())
@@ -98,7 +100,11 @@ def actor_options(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:
     ``num_cpus/num_gpus_per_worker`` when it is not on the pool."""
     rc = getattr(cfg.roles, role)
     if not cfg.placement.devices or role not in placed_roles(cfg, [role]):
-        return {"num_cpus": rc.num_cpus_per_worker, "num_gpus": rc.num_gpus_per_worker}
+        return {
+            "num_cpus": rc.num_cpus_per_worker,
+            "num_gpus": rc.num_gpus_per_worker,
+            **({"resources": dict(rc.resources)} if rc.resources else {}),
+        }
     from ray.util import get_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
