@@ -76,8 +76,8 @@ def start_ray(address: str | None) -> None:
     if ray.is_initialized():
         return
     joining = address or os.environ.get("RAY_ADDRESS")
-    if joining and "RAY_AUTH_MODE" not in os.environ and _auth_token_available():
-        os.environ["RAY_AUTH_MODE"] = "token"
+    if joining:
+        _token_auth_like_ray_start()
     env_vars = {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
     job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
     job_vars = ((job.get("runtime_env") or {}).get("env_vars")) or {}
@@ -95,12 +95,16 @@ def start_ray(address: str | None) -> None:
         log.info("joined the Ray cluster at %s: %d nodes, %s", joining, len(nodes), ray.cluster_resources())
 
 
-def _auth_token_available() -> bool:
-    """Whether a Ray authentication token is where Ray looks for one."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return True
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
-    return os.path.isfile(path)
+def _token_auth_like_ray_start() -> None:
+    """Turn on Ray's token authentication where a token exists and ``RAY_AUTH_MODE`` is unset, as
+    ``ray start`` does for the cluster (Ray versions before token authentication: nothing to do)."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def spawn(cls: type, args: tuple[Any, ...], *, backend: str, name: str, **options: Any) -> Any:
