@@ -2,7 +2,9 @@
 with its own custom resource and temp dir), joined by ``reroll train`` through ``RAY_ADDRESS`` as
 ``ray job submit`` gives it to its driver: actor_train is pinned to one node and actor_infer to the other
 (``roles.<role>.resources``), so every weight sync and every batch crosses nodes; the run directory and
-checkpoints land below the driver's working directory, not the nodes' (``ray start`` ran elsewhere)."""
+checkpoints land below the driver's working directory, not the nodes' (``ray start`` ran elsewhere).
+Where Ray's dashboard can run (``pip install "ray[default]"``), the same cluster also takes the run as
+``ray job submit -- python -m reroll.cli train CONFIG``."""
 
 from __future__ import annotations
 
@@ -24,6 +26,14 @@ from reroll.runtime.metrics import read_metrics
 from tests.conftest import QUICKSTART, ROOT
 
 pytestmark = pytest.mark.integration
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]  # the `ray` command of this interpreter
+
+
+def _dashboard_available() -> bool:
+    """Whether Ray's dashboard (which `ray job submit` talks to) can start: ray[default] is installed."""
+    from ray._private.utils import get_dashboard_dependency_error
+
+    return get_dashboard_dependency_error() is None
 
 
 def _free_port() -> int:
@@ -41,7 +51,7 @@ def _start_node(args: list[str], log: Path, cwd: Path, env: dict[str, str]) -> s
     """``ray start ARGS --block`` in its own process group (stopped by ``_stop``); waits until it is up."""
     out = log.open("w")
     proc = subprocess.Popen(
-        ["ray", "start", *args, "--block", "--disable-usage-stats"],
+        [*RAY, "start", *args, "--block", "--disable-usage-stats"],
         cwd=cwd,
         env=env,
         stdout=out,
@@ -71,10 +81,12 @@ def _stop(proc: subprocess.Popen) -> None:
         time.sleep(1)  # the group's other processes exit after the leader
 
 
-@pytest.fixture
-def two_nodes(tmp_path):
-    """``(address, cluster cwd)`` of a head node with resource ``node_a`` and a second node with
-    ``node_b``, 3 CPUs each (Ray allows more than the machine's cores), stopped after the test."""
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """``(address, cluster cwd, dashboard url or None)`` of a head node with resource ``node_a`` and a
+    second node with ``node_b``, 3 CPUs each (Ray allows more than the machine's cores), stopped after
+    this module's tests."""
+    tmp_path = tmp_path_factory.mktemp("cluster")
     cwd = tmp_path / "cluster-cwd"
     cwd.mkdir()
     env = {
@@ -84,15 +96,14 @@ def two_nodes(tmp_path):
     if _token_exists() and "RAY_AUTH_MODE" not in env:  # as Ray's docs say for a node joining a token cluster
         env["RAY_AUTH_MODE"] = "token"
     temp = [tempfile.mkdtemp(prefix="rr-", dir="/tmp") for _ in range(2)]  # short: socket paths are bounded
-    port = _free_port()
+    port, dashboard = _free_port(), _free_port() if _dashboard_available() else None
+    head = ["--head", f"--port={port}", f"--ray-client-server-port={_free_port()}"]
+    if dashboard is None:
+        head.append("--include-dashboard=false")
+    else:
+        head += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}"]
     nodes = []
     try:
-        head = [
-            "--head",
-            f"--port={port}",
-            f"--ray-client-server-port={_free_port()}",
-            "--include-dashboard=false",
-        ]
         nodes.append(
             _start_node(
                 [*head, "--num-cpus=3", '--resources={"node_a": 4}', f"--temp-dir={temp[0]}"],
@@ -114,12 +125,52 @@ def two_nodes(tmp_path):
                 env,
             )
         )
-        yield f"127.0.0.1:{port}", cwd
+        yield f"127.0.0.1:{port}", cwd, (f"http://127.0.0.1:{dashboard}" if dashboard else None)
     finally:
         for proc in reversed(nodes):
             _stop(proc)
         for path in temp:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _config(driver: Path, name: str, *, absolute: bool = False) -> Path:
+    """A 2-step quickstart in ``driver``: actor_train on node_a, actor_infer on node_b. Its paths stay
+    relative (resolved against the driver's directory) unless ``absolute``."""
+    cfg = yaml.safe_load(QUICKSTART.read_text())
+    cfg.update(name=name, total_steps=2)
+    if absolute:
+        cfg["output_dir"] = str(driver / "runs" / "{name}")
+        cfg["model"]["path"] = str(driver / cfg["model"]["path"])
+        for key in ("train_files", "eval_files"):
+            cfg["data"][key] = [str(driver / f) for f in cfg["data"][key]]
+    cfg["sft"]["steps"] = 30
+    cfg["data"].update(eval_limit=32)
+    cfg["data"]["synthetic"].update(n_train=600, n_test=32)
+    cfg["rollout"]["batch_size"] = cfg["optim"]["micro_batch_size"] = 64
+    cfg["eval"]["every"], cfg["checkpoint"]["every"] = 2, 1
+    cfg["logging"] = {"tensorboard": False, "sample_every": 0}
+    cfg["roles"] = {
+        "actor_train": {"resources": {"node_a": 1}, "torch_threads": 1},
+        "actor_infer": {"resources": {"node_b": 1}, "torch_threads": 1},
+        "reward": {"torch_threads": 1},
+    }
+    path = driver / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _check_run(run_dir: Path) -> None:
+    """Checkpoints of both steps in ``run_dir``, and weights that crossed nodes: after each sync from
+    node_a the engine on node_b scores its samples as the trainer does (the warm start moved the
+    weights far from model.path's, so a missed sync shows here)."""
+    assert (run_dir / "checkpoints/step_000001/COMPLETE").exists()
+    assert (run_dir / "checkpoints/step_000002/model/config.json").exists()
+    metrics = {r["step"]: r for r in read_metrics(run_dir)}
+    for step in (1, 2):
+        assert metrics[step]["sync/bytes"] > 0
+        assert metrics[step]["mismatch/logprob_abs_max"] < 1e-4
+        assert metrics[step]["rollout/response_length"] > 0  # batches came back from node_b
+    assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[2]
 
 
 ACTOR_NODES = """
@@ -132,23 +183,10 @@ print(json.dumps({a["Name"]: custom.get(a["Address"]["NodeID"]) for a in actors(
 
 
 def test_train_joins_a_two_node_cluster_with_roles_on_different_nodes(tmp_path, two_nodes):
-    address, cluster_cwd = two_nodes
+    address, cluster_cwd, _ = two_nodes
     driver = tmp_path / "driver"
     driver.mkdir()
-    cfg = yaml.safe_load(QUICKSTART.read_text())  # relative paths: resolved against the driver's directory
-    cfg.update(name="cluster", total_steps=2)
-    cfg["sft"]["steps"] = 30
-    cfg["data"].update(eval_limit=32)
-    cfg["data"]["synthetic"].update(n_train=600, n_test=32)
-    cfg["rollout"]["batch_size"] = cfg["optim"]["micro_batch_size"] = 64
-    cfg["eval"]["every"], cfg["checkpoint"]["every"] = 2, 1
-    cfg["logging"] = {"tensorboard": False, "sample_every": 0}
-    cfg["roles"] = {
-        "actor_train": {"resources": {"node_a": 1}, "torch_threads": 1},
-        "actor_infer": {"resources": {"node_b": 1}, "torch_threads": 1},
-        "reward": {"torch_threads": 1},
-    }
-    (driver / "cluster.yaml").write_text(yaml.safe_dump(cfg))
+    _config(driver, "cluster")
     env = {
         **os.environ,
         "RAY_ADDRESS": address,
@@ -170,12 +208,11 @@ def test_train_joins_a_two_node_cluster_with_roles_on_different_nodes(tmp_path, 
     assert out.returncode == 0, out.stderr[-4000:]
     assert "joined the Ray cluster" in out.stderr and "2 nodes" in out.stderr
 
-    # where the driver says: its summary's paths, below its own working directory
+    # where the driver says: its summary's paths, below its own working directory, and nowhere else
     ckpt = Path("runs/cluster/checkpoints/step_000002")
     assert f"checkpoint: {ckpt}  (from_pretrained: {ckpt / 'model'})" in out.stdout
-    assert (driver / ckpt / "COMPLETE").exists() and (driver / ckpt / "model" / "config.json").exists()
-    assert (driver / "runs/cluster/checkpoints/step_000001/COMPLETE").exists()
-    assert not (cluster_cwd / "runs").exists()  # nothing landed in the nodes' working directory
+    _check_run(driver / "runs" / "cluster")
+    assert not (cluster_cwd / "runs").exists()
 
     # the roles ran on the nodes their resources name
     query_env = {**env, **({"RAY_AUTH_MODE": "token"} if _token_exists() else {})}
@@ -191,11 +228,29 @@ def test_train_joins_a_two_node_cluster_with_roles_on_different_nodes(tmp_path, 
     nodes = json.loads(placed.stdout.strip().splitlines()[-1])
     assert nodes["actor_train-0"] == ["node_a"] and nodes["actor_infer-0"] == ["node_b"]
 
-    # weights crossed: after each sync from node_a the engine on node_b scores its samples as the trainer
-    # does (the warm start moved the weights far from model.path's, so a missed sync shows here)
-    metrics = {r["step"]: r for r in read_metrics(driver / "runs" / "cluster")}
-    for step in (1, 2):
-        assert metrics[step]["sync/bytes"] > 0
-        assert metrics[step]["mismatch/logprob_abs_max"] < 1e-4
-        assert metrics[step]["rollout/response_length"] > 0  # batches came back from node_b
-    assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[2]
+
+def test_ray_job_submit_runs_reroll_train(tmp_path, two_nodes):
+    """`ray job submit -- python -m reroll.cli train CONFIG`: the job's driver joins the cluster through the
+    RAY_ADDRESS the job gives it, under a job runtime env that sets one of reroll's own variables."""
+    _, _, dashboard = two_nodes
+    if dashboard is None:
+        pytest.skip('`ray job submit` needs Ray\'s dashboard: pip install "ray[default]"')
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    config = _config(driver, "job", absolute=True)  # the job's driver runs in the head node's directory
+    env = {**os.environ, **({"RAY_AUTH_MODE": "token"} if _token_exists() else {})}
+    runtime_env = json.dumps({"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    train = [sys.executable, "-m", "reroll.cli", "train", str(config)]
+    out = subprocess.run(
+        [*RAY, "job", "submit", "--address", dashboard, "--runtime-env-json", runtime_env, "--", *train],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    logs = out.stdout + out.stderr
+    assert out.returncode == 0 and "succeeded" in logs, logs[-4000:]
+    assert (
+        "joined the Ray cluster" in logs and f"checkpoint: {driver}/runs/job/checkpoints/step_000002" in logs
+    )
+    _check_run(driver / "runs" / "job")
