@@ -489,6 +489,28 @@ class RunConfig(StrictModel):
     def run_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
 
+    def absolute_paths(self) -> RunConfig:
+        """This config with the paths workers use made absolute against this process's working
+        directory: the run directory (``output_dir``: checkpoints, the reference snapshot) and
+        ``model.path``, ``critic.model_path`` and ``reward.judge.model_path`` where they are local. A Ray
+        worker's working directory is its node's (where ``ray start`` ran), not the driver's, so a
+        relative path would land there."""
+
+        def local(path: str) -> str:
+            return str(Path(path).resolve()) if Path(path).exists() else path
+
+        update: dict[str, Any] = {
+            "output_dir": str(self.run_dir.resolve()),
+            "model": self.model.model_copy(update={"path": local(self.model.path)}),
+        }
+        if self.critic is not None and self.critic.model_path is not None:
+            update["critic"] = self.critic.model_copy(update={"model_path": local(self.critic.model_path)})
+        judge = self.reward.judge
+        if judge is not None:
+            judge = judge.model_copy(update={"model_path": local(judge.model_path)})
+            update["reward"] = self.reward.model_copy(update={"judge": judge})
+        return self.model_copy(update=update)
+
     @property
     def prompts_per_step(self) -> int:
         return self.rollout.batch_size // self.rollout.group_size

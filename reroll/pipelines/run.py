@@ -328,7 +328,7 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
     """Run the pipeline for its ``total_steps`` (or continue the run in its directory)."""
     preflight(cfg)  # what `reroll validate` checks, before anything is built or started
     ensure_tiny_model(cfg.model)
-    cfg = absolute_paths(cfg)  # workers on other nodes (or started elsewhere) read the driver's paths
+    cfg = cfg.absolute_paths()  # workers on other nodes (or started elsewhere) read the driver's paths
     pipeline = pipeline_cls(cfg)
     warn_unrepresentable(cfg, pipeline.texts())
     resume_from, run_dir = open_run_dir(cfg, resume=resume)
@@ -474,28 +474,6 @@ def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None) -> int:
     roles.sync_if_stale()
     roles.pop_timings()
     return start
-
-
-def absolute_paths(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with the paths workers use made absolute against this process's working directory: the
-    run directory (``output_dir``: checkpoints, the reference snapshot) and ``model.path``,
-    ``critic.model_path`` and ``reward.judge.model_path`` where they are local. A worker's working
-    directory is its node's (``ray start``'s), not the driver's, so a relative path would land there."""
-
-    def local(path: str) -> str:
-        return str(Path(path).resolve()) if Path(path).exists() else path
-
-    update: dict[str, Any] = {
-        "output_dir": str(cfg.run_dir.resolve()),
-        "model": cfg.model.model_copy(update={"path": local(cfg.model.path)}),
-    }
-    if cfg.critic is not None and cfg.critic.model_path is not None:
-        update["critic"] = cfg.critic.model_copy(update={"model_path": local(cfg.critic.model_path)})
-    judge = cfg.reward.judge
-    if judge is not None:
-        judge = judge.model_copy(update={"model_path": local(judge.model_path)})
-        update["reward"] = cfg.reward.model_copy(update={"judge": judge})
-    return cfg.model_copy(update=update)
 
 
 def warn_unrepresentable(cfg: RunConfig, texts: Iterable[str]) -> None:
