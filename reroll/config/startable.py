@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from reroll.config.placement import placed_roles, rank_span, run_roles, trainer_strategy
 
@@ -100,6 +101,48 @@ def megatron_model_problem(found: str | None) -> str | None:
         f"strategy.name=megatron converts {', '.join(MEGATRON_MODEL_TYPES)} models; model.path is a "
         f"{found!r} model{moe}: use strategy.name=fsdp2 for it"
     )
+
+
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def megatron_model_problems(c: Any) -> list[str]:
+    """What the Megatron conversion (``reroll.models.megatron_convert``) cannot take in the Hugging Face
+    config ``c`` (a ``PretrainedConfig``, or config.json's fields as attributes)."""
+    why = megatron_model_problem(getattr(c, "model_type", None))
+    if why is not None:
+        return [why]
+    problems = []
+    if getattr(c, "use_sliding_window", False):
+        problems.append(
+            "strategy.name=megatron does not support sliding-window attention (use_sliding_window)"
+        )
+    if c.model_type == "llama" and (getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)):
+        problems.append("strategy.name=megatron supports Llama without attention_bias/mlp_bias only")
+    act = getattr(c, "hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"strategy.name=megatron supports SwiGLU (hidden_act silu), not {act!r}")
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3" and any(float(rope.get(k, -1)) != v for k, v in LLAMA3_ROPE.items()):
+        problems.append(
+            f"llama3 rope scaling other than {LLAMA3_ROPE} is not supported by Megatron-Core: {rope}"
+        )
+    elif rope_type not in ("default", "llama3"):
+        problems.append(f"strategy.name=megatron does not support rope_type {rope_type!r}")
+    return problems
+
+
+def _model_config(path: str) -> Any:
+    """``model.path``'s config.json as attributes when it is a local directory, else an object with only
+    the known family's ``model_type`` (None when neither tells)."""
+    try:
+        fields = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+        if isinstance(fields, dict):
+            return SimpleNamespace(**fields)
+    except (OSError, ValueError):
+        pass
+    return SimpleNamespace(model_type=model_type(path))
 
 
 def megatron_option_problems(cfg: RunConfig, head: str = "causal_lm") -> list[tuple[str, str]]:
@@ -195,8 +238,7 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
             if devices[role] == "cpu":
                 problems.append((f"roles.{role}", MEGATRON_NEEDS_GPUS.replace("<role>", role)))
         problems += megatron_option_problems(cfg, "value" if "critic" in megatron else "causal_lm")
-        if (why := megatron_model_problem(model_type(cfg.model.path))) is not None:
-            problems.append(("model.path", why))
+        problems += [("model.path", m) for m in megatron_model_problems(_model_config(cfg.model.path))]
     if any(s == "deepspeed" for s in strategies.values()):
         problems += deepspeed_problems(cfg)
     infer = role_device(cfg, "actor_infer", device_type) if device_type else None

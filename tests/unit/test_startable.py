@@ -167,3 +167,36 @@ def test_the_strategies_raise_the_shared_messages(tmp_path, name):
             head="causal_lm",
         )
     assert message in str(e.value)
+
+
+def test_a_local_model_megatron_cannot_convert_is_refused_before_start(tmp_path):
+    """The conversion's own checks (reroll.models.megatron_convert.gpt_shape) run on config.json at
+    validate time, with the same words the conversion raises."""
+    from types import SimpleNamespace
+
+    from reroll.errors import UserError
+    from reroll.models.megatron_convert import gpt_shape
+
+    fields = {
+        "model_type": "qwen2",
+        "use_sliding_window": True,
+        "hidden_act": "gelu",
+        "rope_scaling": {"rope_type": "yarn"},
+    }
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(fields))
+    problems = [
+        m
+        for p, m in start_problems(_cfg(tmp_path, "strategy.name=megatron", model=str(model)))
+        if p == "model.path"
+    ]
+    assert (
+        len(problems) == 3
+        and "sliding-window" in problems[0]
+        and "'gelu'" in problems[1]
+        and "'yarn'" in problems[2]
+    )
+    with pytest.raises(UserError) as e:
+        gpt_shape(SimpleNamespace(**fields))
+    assert str(e.value) == "; ".join(problems)
