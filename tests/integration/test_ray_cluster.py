@@ -96,41 +96,50 @@ def two_nodes(tmp_path_factory):
     if _token_exists() and "RAY_AUTH_MODE" not in env:  # as Ray's docs say for a node joining a token cluster
         env["RAY_AUTH_MODE"] = "token"
     temp = [tempfile.mkdtemp(prefix="rr-", dir="/tmp") for _ in range(2)]  # short: socket paths are bounded
+    nodes: list[subprocess.Popen] = []
+    try:
+        # once more on fresh ports if Ray itself does not come up (a port taken between the pick and the
+        # bind by another suite on the machine); the first attempt's log is kept beside the second's
+        for attempt in (1, 2):
+            try:
+                address, dashboard = _start_cluster(nodes, temp, tmp_path / f"attempt{attempt}", cwd, env)
+                break
+            except RuntimeError as e:
+                print(f"attempt {attempt} to start the cluster failed: {e}", file=sys.stderr)
+                for proc in reversed(nodes):
+                    _stop(proc)
+                nodes.clear()
+                if attempt == 2:
+                    raise
+        yield address, cwd, dashboard
+    finally:
+        for proc in reversed(nodes):
+            _stop(proc)
+        for path in temp:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _start_cluster(
+    nodes: list[subprocess.Popen], temp: list[str], logs: Path, cwd: Path, env: dict[str, str]
+) -> tuple[str, str | None]:
+    """Start the head and the second node (appended to ``nodes``): the GCS address and dashboard URL."""
+    logs.mkdir()
     port, dashboard = _free_port(), _free_port() if _dashboard_available() else None
     head = ["--head", f"--port={port}", f"--ray-client-server-port={_free_port()}"]
     if dashboard is None:
         head.append("--include-dashboard=false")
     else:
         head += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}"]
-    nodes = []
-    try:
-        nodes.append(
-            _start_node(
-                [*head, "--num-cpus=3", '--resources={"node_a": 4}', f"--temp-dir={temp[0]}"],
-                tmp_path / "head.log",
-                cwd,
-                env,
-            )
-        )
-        nodes.append(
-            _start_node(
-                [
-                    f"--address=127.0.0.1:{port}",
-                    "--num-cpus=3",
-                    '--resources={"node_b": 4}',
-                    f"--temp-dir={temp[1]}",
-                ],
-                tmp_path / "node_b.log",
-                cwd,
-                env,
-            )
-        )
-        yield f"127.0.0.1:{port}", cwd, (f"http://127.0.0.1:{dashboard}" if dashboard else None)
-    finally:
-        for proc in reversed(nodes):
-            _stop(proc)
-        for path in temp:
-            shutil.rmtree(path, ignore_errors=True)
+    head += ["--num-cpus=3", '--resources={"node_a": 4}', f"--temp-dir={temp[0]}"]
+    nodes.append(_start_node(head, logs / "head.log", cwd, env))
+    second = [
+        f"--address=127.0.0.1:{port}",
+        "--num-cpus=3",
+        '--resources={"node_b": 4}',
+        f"--temp-dir={temp[1]}",
+    ]
+    nodes.append(_start_node(second, logs / "node_b.log", cwd, env))
+    return f"127.0.0.1:{port}", (f"http://127.0.0.1:{dashboard}" if dashboard else None)
 
 
 def _config(driver: Path, name: str, *, absolute: bool = False) -> Path:
