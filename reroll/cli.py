@@ -121,7 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _load(args)
     text, fits = plan(cfg, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, prompt_tokens=args.prompt_tokens)
     if not fits:
-        raise UserError(f"{args.config}: the plan does not fit\n{text}")
+        what = "cannot start" if "\ncannot start:" in text else "the plan does not fit"
+        raise UserError(f"{args.config}: {what}\n{text}")
     print(text)
     return 0
 

@@ -195,7 +195,44 @@ def cluster_problems(cfg: RunConfig, resources: dict[str, float], device_type: s
                     f"num_{kind.lower()}s_per_worker, or join a bigger cluster (runtime.ray_address)",
                 )
             )
-    return problems
+    return problems + custom_resource_problems(cfg, resources)
+
+
+def bundle_resources(cfg: RunConfig, dmap: DeviceMap, device: int) -> dict[str, float]:
+    """The custom Ray resources (``roles.<role>.resources``) pool device ``device``'s bundle asks for: per
+    key, the most any role on that device asks."""
+    out: dict[str, float] = {}
+    for role, _ in dmap.workers_on(device):
+        for key, value in getattr(cfg.roles, role).resources.items():
+            out[key] = max(out.get(key, 0.0), value)
+    return out
+
+
+def custom_resource_problems(cfg: RunConfig, resources: dict[str, float]) -> list[tuple[str, str]]:
+    """The custom resources the roles ask for (``roles.<role>.resources``) that the cluster lacks."""
+    pool = cfg.placement.devices
+    need: dict[str, float] = {}
+    if pool:
+        dmap = device_map(cfg, run_roles(cfg), cfg.placement.device_type)
+        for d in range(pool):
+            for key, value in bundle_resources(cfg, dmap, d).items():
+                need[key] = need.get(key, 0.0) + value
+    for role in started_roles(cfg):
+        if pool and role in placed_roles(cfg, [role]):
+            continue
+        rc = getattr(cfg.roles, role)
+        for key, value in rc.resources.items():
+            need[key] = need.get(key, 0.0) + value * rc.world_size
+    return [
+        (
+            "roles",
+            f"the roles ask Ray for {value:g} of the custom resource {key!r} (roles.<role>.resources) but the "
+            f"cluster has {resources.get(key, 0):g}: start nodes with `ray start --resources "
+            f"'{{\"{key}\": N}}'`, or change roles.<role>.resources",
+        )
+        for key, value in need.items()
+        if value > resources.get(key, 0) + 1e-9
+    ]
 
 
 def run_roles(cfg: RunConfig) -> list[str]:

@@ -304,6 +304,12 @@ class RoleConfig(StrictModel):
         "devices[r * len(devices) // world_size]; roles sharing a device are colocated. Default with a "
         "pool: the first world_size devices.",
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each worker asks for, to pin the role to nodes: {node_b: 1} "
+        "runs it only on nodes started with `ray start --resources '{\"node_b\": N}'`. On the pool, the "
+        "bundles of the role's devices ask for them.",
+    )
 
 
 class AgenticConfig(StrictModel):
@@ -455,7 +461,11 @@ class RuntimeConfig(StrictModel):
     backend: Literal["ray", "local"] = Field(
         "ray", description="'ray': each worker a Ray actor; 'local': all in this process (debugging)."
     )
-    ray_address: str | None = Field(None, description="Join this Ray cluster (default: start a local one).")
+    ray_address: str | None = Field(
+        None,
+        description="Join the Ray cluster at this address (host:port of `ray start --head`); unset: the "
+        "RAY_ADDRESS environment variable (set by `ray job submit`) if any, else start a local cluster.",
+    )
     call_timeout_s: float = Field(
         1800.0,
         gt=0,
@@ -504,6 +514,28 @@ class RunConfig(StrictModel):
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
+
+    def absolute_paths(self) -> RunConfig:
+        """This config with the paths workers use made absolute against this process's working
+        directory: the run directory (``output_dir``: checkpoints, the reference snapshot) and
+        ``model.path``, ``critic.model_path`` and ``reward.judge.model_path`` where they are local. A Ray
+        worker's working directory is its node's (where ``ray start`` ran), not the driver's, so a
+        relative path would land there."""
+
+        def local(path: str) -> str:
+            return str(Path(path).resolve()) if Path(path).exists() else path
+
+        update: dict[str, Any] = {
+            "output_dir": str(self.run_dir.resolve()),
+            "model": self.model.model_copy(update={"path": local(self.model.path)}),
+        }
+        if self.critic is not None and self.critic.model_path is not None:
+            update["critic"] = self.critic.model_copy(update={"model_path": local(self.critic.model_path)})
+        judge = self.reward.judge
+        if judge is not None:
+            judge = judge.model_copy(update={"model_path": local(judge.model_path)})
+            update["reward"] = self.reward.model_copy(update={"judge": judge})
+        return self.model_copy(update=update)
 
     @property
     def prompts_per_step(self) -> int:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from reroll.config.schema import VLLMConfig
+from reroll.config.startable import VLLM_SLEEP_NEEDS_CUDA
 from reroll.data.types import Completion, SamplingParams
 from reroll.engines.base import EngineAborted, EngineStats, engine_call
 from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merge_lora
@@ -70,10 +71,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, cfg: VLLMConfig, *, dtype: str = "float32", device: str = "cpu"):
         if cfg.enable_sleep_mode and device == "cpu":
-            raise UserError(
-                "rollout.vllm.enable_sleep_mode needs CUDA: vLLM's CPU build has no sleep mode "
-                "('Sleep mode is not supported on current platform'); set it to false on CPU"
-            )
+            raise UserError(VLLM_SLEEP_NEEDS_CUDA)
         os.environ.update(_vllm_env(cfg, device))
         import vllm
 

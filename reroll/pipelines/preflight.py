@@ -15,6 +15,10 @@ Checked:
 - ``output_dir``: nothing on its path is a regular file, and it can be written.
 - lengths: ``rollout.max_new_tokens`` and ``rollout.vllm.max_model_len`` within the model's context
   length, read from ``config.json`` where ``model.path`` is a local directory.
+- what the roles would refuse when they start, decided by the config alone (``reroll.config.startable``,
+  which ``reroll plan`` runs too): Megatron parallel sizes and models not built, options a strategy or
+  engine does not take, an engine rank spanning pool devices; the device-dependent ones (Megatron or
+  vLLM sleep mode on CPUs) where the device type is known (``placement.device_type``, or the cluster).
 - the Ray cluster holds the roles (``config.placement.cluster_problems``), when this process is
   already connected to one (``ray.is_initialized()``).
 
@@ -39,6 +43,7 @@ from pathlib import Path
 from reroll.config.loader import ConfigError, ConfigProblem
 from reroll.config.placement import cluster_problems
 from reroll.config.schema import RunConfig
+from reroll.config.startable import start_problems
 from reroll.data.datasets import check_row, read_rows, template_fields
 from reroll.envs.agent import is_agent, load_agent
 from reroll.errors import UserError
@@ -65,6 +70,7 @@ def check_inputs(cfg: RunConfig) -> list[ConfigProblem]:
     elif cfg.agentic is not None and is_agent(cfg.agentic.env):
         problems += _check_agent(cfg)
     problems += _check_lengths(cfg)
+    problems += _check_startable(cfg)
     problems += _check_cluster(cfg)
     return problems
 
@@ -251,12 +257,25 @@ def _context_length(model_path: str) -> tuple[int | None, str]:
     return None, ""
 
 
+def _connected_device_type(cfg: RunConfig) -> str | None:
+    """What a pool device is on the Ray cluster this process is connected to; None when not connected."""
+    ray = sys.modules.get("ray")
+    if cfg.runtime.backend != "ray" or ray is None or not ray.is_initialized():
+        return None
+    kind = cfg.placement.device_type
+    return kind if kind != "auto" else ("cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu")
+
+
+def _check_startable(cfg: RunConfig) -> list[ConfigProblem]:
+    """What this version would refuse while the roles start (``reroll.config.startable``, the check
+    ``reroll plan`` runs too); device-dependent checks only when the device type is known."""
+    return [ConfigProblem(path, m) for path, m in start_problems(cfg, _connected_device_type(cfg))]
+
+
 def _check_cluster(cfg: RunConfig) -> list[ConfigProblem]:
     """The roles fit the Ray cluster this process is connected to; nothing when it is not connected."""
     ray = sys.modules.get("ray")
     if cfg.runtime.backend != "ray" or ray is None or not ray.is_initialized():
         return []
-    resources = ray.cluster_resources()
-    kind = cfg.placement.device_type
-    device_type = kind if kind != "auto" else ("cuda" if resources.get("GPU", 0) > 0 else "cpu")
+    resources, device_type = ray.cluster_resources(), _connected_device_type(cfg)
     return [ConfigProblem(path, message) for path, message in cluster_problems(cfg, resources, device_type)]

@@ -62,17 +62,28 @@ class RunResult:
     final_metrics: dict[str, float] = field(default_factory=dict)
 
     def summary(self, name: str) -> str:
-        """The lines a finished run prints: held-out accuracy and where everything is."""
+        """The lines a finished run prints: held-out accuracy and where everything is (relative to the
+        working directory when below it)."""
         acc = self.final_metrics.get("eval/accuracy")
         lines = [f"done: {name}" + (f" | held-out accuracy {acc:.3f}" if acc is not None else "")]
         if self.checkpoint is not None:
-            lines.append(f"  checkpoint: {self.checkpoint}  (from_pretrained: {self.checkpoint / 'model'})")
+            ckpt = _shown(self.checkpoint)
+            lines.append(f"  checkpoint: {ckpt}  (from_pretrained: {ckpt / 'model'})")
         tb = self.run_dir / "tensorboard"
         lines.append(
-            f"  metrics:    {self.metrics_path}" + (f"  (tensorboard --logdir {tb})" if tb.exists() else "")
+            f"  metrics:    {_shown(self.metrics_path)}"
+            + (f"  (tensorboard --logdir {_shown(tb)})" if tb.exists() else "")
         )
-        lines.append(f"  config:     {self.config_path}")
+        lines.append(f"  config:     {_shown(self.config_path)}")
         return "\n".join(lines)
+
+
+def _shown(path: Path) -> Path:
+    """``path`` relative to the working directory when below it, else as it is."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 @dataclass(frozen=True)
@@ -320,6 +331,7 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
     """Run the pipeline for its ``total_steps`` (or continue the run in its directory)."""
     preflight(cfg)  # what `reroll validate` checks, before anything is built or started
     ensure_tiny_model(cfg.model)
+    cfg = cfg.absolute_paths()  # workers on other nodes (or started elsewhere) read the driver's paths
     pipeline = pipeline_cls(cfg)
     warn_unrepresentable(cfg, pipeline.texts())
     resume_from, run_dir = open_run_dir(cfg, resume=resume)
