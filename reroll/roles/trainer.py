@@ -18,10 +18,10 @@ from reroll.algorithms.correction import mismatch_metrics
 from reroll.algorithms.logprobs import token_logprobs, token_logprobs_and_entropy
 from reroll.algorithms.objective import actor_loss
 from reroll.config.schema import RunConfig
+from reroll.data.preferences import PairBatch
 from reroll.data.types import TrainBatch
 from reroll.errors import RoleError
 from reroll.models.loading import DTYPES
-from reroll.data.preferences import PairBatch
 from reroll.roles.preference import PairWorkerMixin, combine_pair_metrics
 from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker, mean_metrics
 from reroll.runtime.actors import LocalHandle
@@ -190,7 +190,8 @@ class TrainerGroup(StrategyGroup):
         log-probs (summed; ``average``: per token); ``base_model``: LoRA adapters disabled."""
         shards = batch.split(self.world_size)
         parts = self._wait(
-            [h.score_pairs.remote(s, average, base_model) for h, s in zip(self.handles, shards)], "score_pairs"
+            [h.score_pairs.remote(s, average, base_model) for h, s in zip(self.handles, shards)],
+            "score_pairs",
         )
         return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
 
