@@ -37,7 +37,8 @@ class PreferenceConfig(StrictModel):
     )
     shuffle: bool = Field(True, description="Reshuffle the pairs every epoch.")
     synthetic: SyntheticPreferenceConfig | None = Field(
-        None, description="If set, generate arithmetic pairs into train_files[0] / eval_files[0] when missing."
+        None,
+        description="If set, generate arithmetic pairs into train_files[0] / eval_files[0] when missing.",
     )
 
 
@@ -45,7 +46,9 @@ class RewardModelConfig(StrictModel):
     """Reward-model training (pipeline reward_model): a scalar head on the last token, Bradley-Terry loss."""
 
     margin: float = Field(
-        0.0, ge=0, description="The chosen reward must beat the rejected by this: -log sigmoid(r_c - r_r - m)."
+        0.0,
+        ge=0,
+        description="The chosen reward must beat the rejected by this: -log sigmoid(r_c - r_r - m).",
     )
     center_coef: float = Field(
         0.0, ge=0, description="Centring regulariser: adds center_coef * (r_c + r_r)^2 per pair."
@@ -60,7 +63,9 @@ class DPOConfig(StrictModel):
         description="'sigmoid' (DPO; with label_smoothing, conservative DPO), 'ipo', 'hinge' (SLiC), 'robust' "
         "(robust DPO), 'simpo' (reference-free, length-normalised). Formulas: docs/algorithms.md.",
     )
-    beta: float = Field(0.1, gt=0, description="Inverse temperature of the implicit reward beta * log(pi/ref).")
+    beta: float = Field(
+        0.1, gt=0, description="Inverse temperature of the implicit reward beta * log(pi/ref)."
+    )
     label_smoothing: float = Field(
         0.0, ge=0, lt=0.5, description="Share of pairs assumed flipped ('sigmoid' and 'robust' only)."
     )
@@ -93,10 +98,14 @@ def check_preference(
             ("preference", f"pipeline {pipeline!r} needs a `preference:` section (train_files of pairs)")
         )
     if not prefs and preference is not None:
-        problems.append(("preference", f"pipeline {pipeline!r} reads no preference pairs: remove `preference:`"))
+        problems.append(
+            ("preference", f"pipeline {pipeline!r} reads no preference pairs: remove `preference:`")
+        )
     for name, section in (("reward_model", reward_model), ("dpo", dpo)):
         if section is not None and pipeline != name:
-            problems.append((name, f"`{name}:` is read by pipeline {name!r} only, not {pipeline!r}: remove it"))
+            problems.append(
+                (name, f"`{name}:` is read by pipeline {name!r} only, not {pipeline!r}: remove it")
+            )
     if pipeline == "reward_model" and packing:
         problems.append(
             (
@@ -117,6 +126,9 @@ def check_preference(
         problems.append(("data", "pipeline 'reward_model' trains on preference pairs only: remove `data:`"))
     if dpo is not None and dpo.label_smoothing and dpo.loss not in ("sigmoid", "robust"):
         problems.append(
-            ("dpo.label_smoothing", f"label_smoothing applies to 'sigmoid' and 'robust', not {dpo.loss!r}: set it to 0")
+            (
+                "dpo.label_smoothing",
+                f"label_smoothing applies to 'sigmoid' and 'robust', not {dpo.loss!r}: set it to 0",
+            )
         )
     return problems

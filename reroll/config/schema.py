@@ -450,14 +450,17 @@ class RuntimeConfig(StrictModel):
 class RunConfig(StrictModel):
     """A whole run."""
 
-    pipeline: Literal["rlvr", "sft", "agentic", "reward_model", "dpo"] = Field(description="Which pipeline runs.")
+    pipeline: Literal["rlvr", "sft", "agentic", "reward_model", "dpo"] = Field(
+        description="Which pipeline runs."
+    )
     name: str = Field("run", description="Run name.")
     output_dir: str = Field("runs/{name}", description="Run directory; '{name}' is replaced by the name.")
     seed: int = Field(0, description="Seed for data order, sampling and init.")
     total_steps: int = Field(100, ge=0, description="Training steps (RLVR) after the warm start.")
     model: ModelConfig
     data: DataConfig | None = Field(
-        None, description="Prompts (pipelines rlvr and sft; in pipeline dpo, the SFT warm start and evaluation)."
+        None,
+        description="Prompts (pipelines rlvr and sft; in pipeline dpo, the SFT warm start and evaluation).",
     )
     agentic: AgenticConfig | None = Field(None, description="Environment episodes (pipeline agentic).")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -123,7 +123,9 @@ def load_pairs(
             if limit is not None and len(pairs) >= limit:
                 return pairs
     if not pairs:
-        raise DatasetError(f"no rows in {list(files)}: the preference files are empty; add rows or fix the paths")
+        raise DatasetError(
+            f"no rows in {list(files)}: the preference files are empty; add rows or fix the paths"
+        )
     return pairs
 
 
@@ -237,9 +239,7 @@ def make_arithmetic_preferences(
     out = []
     for row in make_arithmetic_rows(n, max_operand=max_operand, ops=ops, seed=seed):
         wrong = near_miss(int(row["answer"]), rng)
-        out.append(
-            {**row, "prompt": f"{row['question']}=", "chosen": row["answer"], "rejected": str(wrong)}
-        )
+        out.append({**row, "prompt": f"{row['question']}=", "chosen": row["answer"], "rejected": str(wrong)})
     return out
 
 

@@ -105,7 +105,9 @@ class DPO(Pipeline):
     def _reference(self, roles: Roles) -> TrainerGroup:
         return roles.reference or roles.actor  # a LoRA run's reference: actor_train's base model
 
-    def _reference_scores(self, roles: Roles, parts: Iterable[PairBatch]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reference_scores(
+        self, roles: Roles, parts: Iterable[PairBatch]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's response log-probs of the chosen and of the rejected ``(P,)``, over ``parts``
         (called where the reference holds its device)."""
         ref = self._reference(roles)

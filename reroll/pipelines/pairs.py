@@ -31,7 +31,12 @@ def write_synthetic_pairs(cfg: RunConfig) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         made = write_arithmetic_preferences(
-            tmp, n_train=syn.n_train, n_test=syn.n_test, max_operand=syn.max_operand, ops=syn.ops, seed=syn.seed
+            tmp,
+            n_train=syn.n_train,
+            n_test=syn.n_test,
+            max_operand=syn.max_operand,
+            ops=syn.ops,
+            seed=syn.seed,
         )
         for src, dst in zip([made["train"], made["test"]], targets):
             dst.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,9 @@ class PairWorkerMixin:
             first, last = int(proxy.group_ids[0]), int(proxy.group_ids[-1])
             yield batch.select(slice(first, last + 1))
 
-    def _pair_scores(self, mb: PairBatch, *, average: bool = False) -> tuple[torch.Tensor, TrainBatch, torch.Tensor | None]:
+    def _pair_scores(
+        self, mb: PairBatch, *, average: bool = False
+    ) -> tuple[torch.Tensor, TrainBatch, torch.Tensor | None]:
         """``(2p,)`` scores of the micro-batch's chosen then rejected rows: a reward model's rewards, or a
         causal LM's response log-probs at temperature 1 (summed; ``average``: per token). Also the stacked
         rows and their token log-probs (None for a reward model)."""
