@@ -8,6 +8,10 @@ Checked:
   save directory), are readable as UTF-8 JSONL / JSON / Parquet, hold rows, and their first
   ``PEEK_ROWS`` rows have the fields the prompt template, the answer field, the SFT target and the
   reward domains read. Files ``data.synthetic`` will write are skipped while they do not exist.
+- preference files (``preference.train_files`` / ``eval_files``): readable the same way, and every row
+  a valid pair (``check_preference_row``: prompt, chosen and rejected present, non-empty strings or
+  message lists, chosen different from rejected). Files ``preference.synthetic`` will write are skipped
+  while they do not exist.
 - rewards: every ``fn`` imports (a registered name or ``package.module:function``) and can be called as
   ``fn(prompt, response, row, **args)`` with the configured ``args`` (``inspect.signature().bind``).
 - an ``agent:`` environment (``agentic.env``): the function imports and binds ``(base_url, task,
@@ -45,6 +49,7 @@ from reroll.config.placement import cluster_problems
 from reroll.config.schema import RunConfig
 from reroll.config.startable import start_problems
 from reroll.data.datasets import check_row, read_rows, template_fields
+from reroll.data.preferences import check_preference_row
 from reroll.envs.agent import is_agent, load_agent
 from reroll.errors import UserError
 from reroll.rewards import resolve_reward
@@ -65,7 +70,8 @@ def check_inputs(cfg: RunConfig) -> list[ConfigProblem]:
     """Every problem of the run's data files, rewards, output directory, lengths and cluster fit."""
     problems = _check_output_dir(cfg)
     problems += _check_data(cfg)
-    if cfg.pipeline != "agentic":
+    problems += _check_preferences(cfg)
+    if cfg.pipeline not in ("agentic", "reward_model"):
         problems += _check_rewards(cfg)
     elif cfg.agentic is not None and is_agent(cfg.agentic.env):
         problems += _check_agent(cfg)
@@ -152,6 +158,29 @@ def _check_agent(cfg: RunConfig) -> list[ConfigProblem]:
         try:
             if not read_rows(file, limit=1):
                 raise UserError(f"{file}: has no rows: add rows, or remove {key}")
+        except UserError as e:
+            problems.append(ConfigProblem(key, str(e)))
+    return problems
+
+
+def _check_preferences(cfg: RunConfig) -> list[ConfigProblem]:
+    """Every row of the preference files is a valid pair (all rows: a bad pair is cheap to find here)."""
+    prefs = cfg.preference
+    if prefs is None:
+        return []
+    synthetic = {prefs.train_files[0], *prefs.eval_files[:1]} if prefs.synthetic is not None else set()
+    problems = []
+    files = [(f"preference.train_files[{i}]", f) for i, f in enumerate(prefs.train_files)]
+    files += [(f"preference.eval_files[{i}]", f) for i, f in enumerate(prefs.eval_files)]
+    for key, file in files:
+        if file in synthetic and not Path(file).exists():
+            continue  # preference.synthetic writes it at start
+        try:
+            rows = read_rows(file)
+            if not rows:
+                raise UserError(f"{file}: has no rows: add pairs, or remove it from {key.split('[')[0]}")
+            for i, row in enumerate(rows):
+                check_preference_row(file, i, row)
         except UserError as e:
             problems.append(ConfigProblem(key, str(e)))
     return problems

@@ -88,10 +88,12 @@ def _shown(path: Path) -> Path:
 
 @dataclass(frozen=True)
 class RoleSet:
-    """Which roles a run starts. actor_infer always runs; actor_train too, except where nothing trains
-    (``reroll generate``: the engine loads ``model.path`` itself)."""
+    """Which roles a run starts. actor_train runs except where nothing trains (``reroll generate``: the
+    engine loads ``model.path`` itself); actor_infer except where nothing generates (preference
+    pipelines without a held-out generation)."""
 
     actor_train: bool = True
+    rollout: bool = True  # actor_infer: generation (and the held-out evaluation of most pipelines)
     reference: bool = False
     critic: bool = False
     reward: bool = True
@@ -104,7 +106,7 @@ class Roles:
 
     cfg: RunConfig
     actor: TrainerGroup | None
-    rollout: RolloutGroup
+    rollout: RolloutGroup | None = None
     reward: RewardGroup | None = None
     reference: TrainerGroup | None = None
     critic: CriticGroup | None = None
@@ -127,7 +129,8 @@ class Roles:
         started: dict[str, Any] = {}
         try:
             started["actor"] = TrainerGroup("actor_train", cfg, trainable=True) if needs.actor_train else None
-            started["rollout"] = RolloutGroup(cfg)
+            if needs.rollout:
+                started["rollout"] = RolloutGroup(cfg)
             if needs.reward:
                 started["reward"] = RewardGroup(cfg)
             if needs.reference:
@@ -184,6 +187,7 @@ class Roles:
     def sync_weights(self) -> float:
         """actor_train's weights into actor_infer (gathered while the trainer holds its device), or only
         the LoRA adapters where ``strategy.lora.sync`` is 'adapters'. Returns the bytes sent (``sync/bytes``)."""
+        assert self.rollout is not None, "sync_weights: this run has no actor_infer"
         lora = self.cfg.strategy.lora
         with self.phase("weight_sync", "actor_train"):
             if lora is not None and lora.sync == "adapters":
@@ -204,7 +208,9 @@ class Roles:
 
     def sync_if_stale(self) -> dict[str, float]:
         """Sync the engine if actor_train has stepped or loaded since: ``{"sync/bytes": ...}`` or ``{}``."""
-        if self.actor is None or self.rollout.weights_version == self.actor.weights_version:
+        if self.actor is None or self.rollout is None:
+            return {}
+        if self.rollout.weights_version == self.actor.weights_version:
             return {}
         return {"sync/bytes": self.sync_weights()}
 
@@ -268,6 +274,7 @@ class Pipeline:
     costs nothing); ``run`` then starts ``roles_needed()`` and calls the rest."""
 
     name: ClassVar[str]
+    evaluate_uses: ClassVar[tuple[str, ...]] = ("actor_infer",)  # the roles ``evaluate`` calls
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -342,7 +349,7 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
         # roles.cfg: the config with the device type and strategy.name resolved, as config.yaml records it
         metrics_log = open_metrics(roles.cfg, resume_step=start if resume_from else None)
         if start == 0:
-            with roles.phase("evaluate", "actor_infer"):
+            with roles.phase("evaluate", *pipeline.evaluate_uses):
                 before = pipeline.evaluate(roles)
             roles.pop_timings()
             metrics_log.log(0, before)
@@ -388,7 +395,7 @@ def _step(
     metrics = pipeline.step(roles, step)
     if every(cfg.eval.every, step, total):
         metrics |= roles.sync_if_stale()
-        with roles.phase("evaluate", "actor_infer"):
+        with roles.phase("evaluate", *pipeline.evaluate_uses):
             metrics |= pipeline.evaluate(roles)
     if every(cfg.checkpoint.every, step, total):
         with roles.phase("checkpoint", "actor_train", "critic"):
