@@ -22,7 +22,7 @@ from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
 from reroll.data.types import RewardItem, Rollout, Sample, TrainBatch, build_train_batch
 from reroll.models.loading import load_tokenizer
-from reroll.pipelines.async_rollout import RolloutSource
+from reroll.pipelines.async_rollout import QUEUE_FILE, RolloutSource
 from reroll.pipelines.common import (
     evaluate,
     load_data,
@@ -73,14 +73,14 @@ class RLVR(Pipeline):
 
     def restore(self, saved: dict[str, Any], directory: Path) -> None:
         self.sampler.restore(saved["sampler"])
-        self.source.restore(saved.get("rollout_source", {"engine_version": saved.get("step", 0)}))
+        self.source.restore(saved.get("rollout_source", {"engine_version": saved.get("step", 0)}), directory)
         self.state = AdvantageState.from_state_dict(torch.load(directory / "algorithm_state.pt"))
 
     def checkpointed(self) -> Checkpointed:
-        return Checkpointed(
-            {"sampler": self.sampler.state(), "rollout_source": self.source.state()},
-            {"algorithm_state.pt": self.state.state_dict()},
-        )
+        objects: dict[str, Any] = {"algorithm_state.pt": self.state.state_dict()}
+        if self.cfg.rollout.async_steps:  # the generations submitted ahead, waited for
+            objects[QUEUE_FILE] = self.source.queue_state()
+        return Checkpointed({"sampler": self.sampler.state(), "rollout_source": self.source.state()}, objects)
 
     def evaluate(self, roles: Roles) -> dict[str, float]:
         return evaluate(self.cfg, roles, self.held_out)
