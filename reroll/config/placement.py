@@ -241,12 +241,12 @@ def async_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     """What ``rollout.async_steps`` cannot run with, as ``(dotted path, message)``: generation overlaps
     training only where actor_infer has devices of its own."""
     r = cfg.rollout
+    problems = tail_problems(cfg)
     if not r.async_steps:
         if r.max_staleness is not None:
             return [("rollout.max_staleness", "bounds the staleness of async samples, but rollout.async_steps "
                      "is 0 (every sample is fresh): remove max_staleness, or set async_steps")]  # fmt: skip
-        return []
-    problems = []
+        return problems
     if cfg.pipeline != "rlvr":
         problems.append(
             (
@@ -302,3 +302,29 @@ def _devices_needed(cfg: RunConfig) -> int:
     infer = cfg.roles.actor_infer.world_size * rank_span(cfg, "actor_infer")
     others = max(getattr(cfg.roles, r).world_size for r in run_roles(cfg) if r != "actor_infer")
     return others + infer
+
+
+def tail_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """What ``rollout.tail_threshold`` (tail batching) cannot run with."""
+    r, path = cfg.rollout, "rollout.tail_threshold"
+    if r.tail_threshold is None:
+        if "tail_share" in r.model_fields_set:
+            return [
+                ("rollout.tail_share", "is set, but tail batching is off: set rollout.tail_threshold too")
+            ]
+        return []
+    problems = []
+    if r.tail_threshold >= r.max_new_tokens:
+        problems.append(
+            (path, f"({r.tail_threshold}) must be below rollout.max_new_tokens ({r.max_new_tokens}), or no "
+             f"response is ever set aside: e.g. {max(1, r.max_new_tokens // 2)}")
+        )  # fmt: skip
+    others = {
+        "rollout.async_steps": r.async_steps > 0,
+        "algorithm.dynamic_sampling": cfg.algorithm.dynamic_sampling,
+        f"pipeline {cfg.pipeline!r}": cfg.pipeline != "rlvr",
+    }
+    for what, on in others.items():
+        if on:
+            problems.append((path, f"tail batching does not run with {what} yet: turn one of them off"))
+    return problems

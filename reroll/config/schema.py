@@ -158,6 +158,21 @@ class RolloutConfig(StrictModel):
         "than actor_train's are regenerated with the engine's current weights "
         "(staleness/regenerated_groups). At least async_steps; None: async_steps.",
     )
+    tail_threshold: int | None = Field(
+        None,
+        ge=1,
+        description="Tail batching (RollPacker): ordinary steps generate at most this many tokens per "
+        "response; a group with a response cut there is set aside and finished, from its tokens, with "
+        "others in a later tail step (tail/*). Below max_new_tokens; rlvr, synchronous only. None: off. "
+        "See docs/async.md.",
+    )
+    tail_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="Tail batching: the most of an ordinary step's groups set aside; past it, the step "
+        "finishes its other cut responses itself (its batch keeps at least 1 - tail_share of batch_size).",
+    )
     weight_sync_bucket_mb: float = Field(
         512.0,
         gt=0,

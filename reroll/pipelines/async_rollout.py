@@ -24,7 +24,7 @@ here so that the pipeline's step stays one screen:
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,9 @@ from reroll.algorithms.shaping import equal_reward_mask
 from reroll.config.placement import weight_sync_transport
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import DomainSampler, PromptSampler
-from reroll.data.types import Completion, RewardItem, Rollout, Sample
+from reroll.data.types import Completion, RewardItem, Rollout, Sample, SamplingParams
 from reroll.pipelines.common import sampling, step_seed
+from reroll.pipelines.long_tail import Partial, TailBatcher, partials
 from reroll.pipelines.run import Roles
 from reroll.rewards import routing
 from reroll.rewards.base import RewardResult
@@ -46,11 +47,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class Scored:
     """Samples with their rewards, grouped by prompt (``rollouts[i].group`` numbers the groups from 0),
-    and the policy version that generated each."""
+    and the policy version that generated each response token."""
 
     rollouts: list[Rollout] = field(default_factory=list)
     results: list[RewardResult] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)  # per sample, per response token
 
     def __len__(self) -> int:
         return len(self.rollouts)
@@ -116,11 +117,18 @@ class RolloutSource:
         self.queue: dict[int, _Queued] = {}  # async: step -> its generation, submitted ahead
         self.loads: list[Any] = []  # async: weight loads queued since the last submission
         self._roles: Roles | None = None  # the roles the queue's calls went to (to drain it)
+        self.tail = TailBatcher(cfg)
+        self.tail_metrics: dict[str, float] = {}
 
     def next(self, roles: Roles, step: int) -> tuple[Scored, dict[str, float]]:
         """The scored groups ``step`` trains on and the metrics of making them."""
         k = self.cfg.rollout.async_steps
-        first = self._round(roles, step, 0) if k == 0 else self._take(roles, step)
+        if self.tail.tail_step_due():
+            self.tail.engine_version = self.engine_version
+            parts, self.tail_metrics = self.tail.finish(roles, step)
+            first = self._score(roles, parts)
+        else:
+            first = self._round(roles, step, 0) if k == 0 else self._take(roles, step)
         first, regenerated = self._bound_staleness(roles, step, first)
         if self.cfg.algorithm.dynamic_sampling:
             scored, metrics = self._refilled(roles, step, first)
@@ -128,26 +136,33 @@ class RolloutSource:
             scored, metrics = first, self._generated_metrics([first])
         if k:
             metrics["staleness/regenerated_groups"] = float(regenerated)
+        metrics |= self.tail_metrics | length_metrics(scored)
         return scored, metrics | staleness_metrics(scored, trainer_version=step - 1)
 
-    def _round(self, roles: Roles, step: int, round_: int) -> Scored:
-        """One generation round: a batch of prompts from the sampler, generated and scored now."""
-        prompts = self.sampler.next_batch()
+    def _params(self, step: int, round_: int) -> SamplingParams:
+        """A generation round's sampling: ``group_size`` per prompt, up to the tail threshold if set."""
         params = sampling(self.cfg, n=self.cfg.rollout.group_size, seed=round_seed(self.cfg, step, round_))
-        with roles.phase("generate", "actor_infer"):
-            groups = roles.rollout.generate([s.prompt for s in prompts], params)
-            self.engine_metrics = roles.rollout.metrics()
-        return self._score(roles, prompts, groups, [self.engine_version] * len(prompts))
+        return replace(params, max_new_tokens=self.tail.max_new_tokens())
 
-    def _score(
-        self, roles: Roles, prompts: list[Sample], groups: list[list[Completion]], versions: list[int]
-    ) -> Scored:
-        rollouts = [Rollout(s, g, c) for g, (s, comps) in enumerate(zip(prompts, groups)) for c in comps]
+    def _round(self, roles: Roles, step: int, round_: int) -> Scored:
+        """One generation round: a batch of prompts from the sampler, generated and scored now (groups
+        with a response past the tail threshold set aside)."""
+        prompts = self.sampler.next_batch()
+        with roles.phase("generate", "actor_infer"):
+            groups = roles.rollout.generate([s.prompt for s in prompts], self._params(step, round_))
+            self.engine_metrics = roles.rollout.metrics()
+        parts = partials(prompts, groups, self.engine_version)
+        if self.tail.enabled:
+            self.tail.engine_version = self.engine_version
+            parts, self.tail_metrics = self.tail.defer(roles, step, parts)
+        return self._score(roles, parts)
+
+    def _score(self, roles: Roles, parts: list[Partial]) -> Scored:
+        rollouts = [Rollout(p.sample, g, c) for g, p in enumerate(parts) for c in p.completions]
         assert roles.reward is not None
         with roles.phase("reward"):
             results = roles.reward.score([RewardItem.answering(r.sample, r.completion) for r in rollouts])
-        per_sample = [v for v, comps in zip(versions, groups) for _ in comps]
-        return Scored(rollouts, results, per_sample)
+        return Scored(rollouts, results, [v for p in parts for v in p.versions])
 
     def _refilled(self, roles: Roles, step: int, first: Scored) -> tuple[Scored, dict[str, float]]:
         """DAPO dynamic sampling: groups with a reward spread, refilled by extra rounds up to the batch."""
@@ -199,12 +214,11 @@ class RolloutSource:
         with roles.phase("generate", "actor_infer"):
             groups = self._collect(roles, queued)
             self.engine_metrics = roles.rollout.metrics(now=True)
-        return self._score(roles, queued.prompts, groups, [queued.version] * len(groups))
+        return self._score(roles, partials(queued.prompts, groups, queued.version))
 
     def _submit(self, roles: Roles, step: int) -> _Queued:
         prompts = self.sampler.next_batch()
-        params = sampling(self.cfg, n=self.cfg.rollout.group_size, seed=round_seed(self.cfg, step, 0))
-        refs = roles.rollout.submit([s.prompt for s in prompts], params)
+        refs = roles.rollout.submit([s.prompt for s in prompts], self._params(step, 0))
         queued = _Queued(step, prompts, self.engine_version, refs, self.loads)
         self.loads = []
         return queued
@@ -221,14 +235,17 @@ class RolloutSource:
         r = self.cfg.rollout
         bound = r.async_steps if r.max_staleness is None else r.max_staleness
         groups = scored.groups()
-        old = [i for i, g in enumerate(groups) if step - 1 - min(g.versions) > bound]
+        old = [
+            i
+            for i, g in enumerate(groups)
+            if step - 1 - min(min(v, default=step - 1) for v in g.versions) > bound
+        ]
         if not r.async_steps or not old:
             return scored, 0
         prompts = [groups[i].rollouts[0].sample for i in old]
-        params = sampling(self.cfg, n=r.group_size, seed=round_seed(self.cfg, step, 0))
         with roles.phase("generate", "actor_infer"):
-            fresh = roles.rollout.generate([s.prompt for s in prompts], params)
-        redone = self._score(roles, prompts, fresh, [self.engine_version] * len(prompts)).groups()
+            fresh = roles.rollout.generate([s.prompt for s in prompts], self._params(step, 0))
+        redone = self._score(roles, partials(prompts, fresh, self.engine_version)).groups()
         for i, group in zip(old, redone):
             groups[i] = group
         return Scored.join(groups), len(old)
@@ -264,11 +281,17 @@ class RolloutSource:
         """The JSON part of the state (the queue's completions go to ``objects``, see ``queue_state``)."""
         return {"engine_version": self.engine_version}
 
+    @property
+    def holds_samples(self) -> bool:
+        """Whether the state includes samples (generated ahead, or set aside for a tail step)."""
+        return bool(self.cfg.rollout.async_steps) or self.tail.enabled
+
     def queue_state(self) -> dict[str, Any]:
-        """The generations submitted ahead, waited for, as plain containers (``torch.load``-able with
-        ``weights_only``): the completions a resumed run trains on."""
+        """The generations submitted ahead, waited for, and the groups set aside for a tail step, as
+        plain containers (``torch.load``-able with ``weights_only``): what a resumed run trains on."""
         self._drain(self._roles)
         return {
+            "tail": self.tail.state(),
             "queued": [
                 {
                     "step": q.step,
@@ -277,7 +300,7 @@ class RolloutSource:
                     "groups": [[asdict(c) for c in g] for g in q.groups or []],
                 }
                 for q in self.queue.values()
-            ]
+            ],
         }
 
     def restore(self, state: dict[str, Any], directory: Path | None = None) -> None:
@@ -286,8 +309,11 @@ class RolloutSource:
         self.engine_version = int(state["engine_version"])
         self.queue, self.loads = {}, []
         path = None if directory is None else directory / QUEUE_FILE
+        self.tail.restore([])
         if path is not None and path.exists():
-            for q in torch.load(path)["queued"]:
+            saved = torch.load(path)
+            self.tail.restore(saved.get("tail", []))
+            for q in saved["queued"]:
                 prompts = [Sample(**s) for s in q["prompts"]]
                 groups = [[Completion(**c) for c in g] for g in q["groups"]]
                 self.queue[q["step"]] = _Queued(q["step"], prompts, q["version"], groups=groups)
@@ -297,16 +323,20 @@ def staleness_metrics(scored: Scored, *, trainer_version: int) -> dict[str, floa
     """How many training steps older than actor_train's (``trainer_version``) the policy was that
     generated each response token: ``staleness/mean`` and ``/max`` over tokens, and the share of tokens
     generated off-policy (staleness > 0)."""
-    stale = [
-        (trainer_version - v, len(r.completion.response_ids))
-        for v, r in zip(scored.versions, scored.rollouts)
-    ]
-    tokens = sum(n for _, n in stale) or 1
+    stale = [trainer_version - v for per_token in scored.versions for v in per_token]
+    n = max(1, len(stale))
     return {
-        "staleness/mean": sum(s * n for s, n in stale) / tokens,
-        "staleness/max": float(max((s for s, _ in stale), default=0)),
-        "staleness/off_policy_tokens": sum(n for s, n in stale if s > 0) / tokens,
+        "staleness/mean": sum(stale) / n,
+        "staleness/max": float(max(stale, default=0)),
+        "staleness/off_policy_tokens": sum(s > 0 for s in stale) / n,
     }
+
+
+def length_metrics(scored: Scored) -> dict[str, float]:
+    """Response lengths of the trained batch, in tokens: ``rollout/length_p50``, ``_p95``, ``_max``."""
+    lengths = sorted(len(r.completion.response_ids) for r in scored.rollouts) or [0]
+    at = lambda q: float(lengths[min(len(lengths) - 1, round(q * (len(lengths) - 1)))])  # noqa: E731
+    return {"rollout/length_p50": at(0.5), "rollout/length_p95": at(0.95), "rollout/length_max": at(1.0)}
 
 
 def _split_by_spread(scored: Scored) -> tuple[list[Scored], list[Scored]]:

@@ -78,7 +78,7 @@ class RLVR(Pipeline):
 
     def checkpointed(self) -> Checkpointed:
         objects: dict[str, Any] = {"algorithm_state.pt": self.state.state_dict()}
-        if self.cfg.rollout.async_steps:  # the generations submitted ahead, waited for
+        if self.source.holds_samples:  # generated ahead (waited for), or set aside for a tail step
             objects[QUEUE_FILE] = self.source.queue_state()
         return Checkpointed({"sampler": self.sampler.state(), "rollout_source": self.source.state()}, objects)
 

@@ -129,3 +129,19 @@ def test_max_staleness_without_async_is_refused(tmp_path, assets, capsys):
     cfg = write_config(tmp_path / "c.yaml", assets)
     assert main(["validate", str(cfg), "rollout.max_staleness=2"]) == 2
     assert "rollout.max_staleness: bounds the staleness of async samples" in capsys.readouterr().err
+
+
+def test_tail_batching_sets_long_groups_aside_for_a_tail_step(tmp_path, assets):
+    """The random tiny model rarely stops: most groups run past 3 tokens; half of each step's groups
+    wait, and every third step finishes them (from their tokens, up to 8)."""
+    rollout = {"max_new_tokens": 8, "tail_threshold": 3, "tail_share": 0.5}
+    sections = {"eval": {"every": 0}, "rollout": rollout, "checkpoint": {"every": 2}}
+    cfg = write_config(tmp_path / "c.yaml", assets, total_steps=3, **sections)
+    assert main(["train", str(cfg), "runtime.backend=local"]) == 0
+    rows = _rows(tmp_path / "runs" / "t")
+    assert [rows[s]["tail/step"] for s in (1, 2, 3)] == [0, 0, 1]
+    assert rows[1]["tail/deferred_groups"] == rows[2]["tail/deferred_groups"] == 2  # share 0.5 of 4
+    assert rows[2]["tail/pending_groups"] == 4 and rows[3]["tail/pending_groups"] == 0
+    assert rows[3]["rollout/length_max"] > 3  # continued past the threshold
+    assert rows[3]["staleness/max"] >= 1  # the first tokens of the set-aside groups are older
+    assert (tmp_path / "runs" / "t" / "checkpoints" / "step_000002" / "rollout_queue.pt").exists()

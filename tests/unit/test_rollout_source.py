@@ -145,7 +145,7 @@ def test_staleness_is_measured_per_token():
     def rollout(n_tokens: int) -> Rollout:
         return Rollout(Sample("u", "p", {}), 0, Completion([1], [2] * n_tokens, "", [0.0] * n_tokens, "stop"))
 
-    scored = Scored([rollout(1), rollout(3)], [RewardResult(0.0)] * 2, versions=[4, 2])
+    scored = Scored([rollout(1), rollout(3)], [RewardResult(0.0)] * 2, versions=[[4], [2, 2, 2]])
     m = staleness_metrics(scored, trainer_version=4)
     # tokens: 1 at staleness 0, 3 at staleness 2 -> mean (0 + 6) / 4, off-policy 3 / 4
     assert m == {"staleness/mean": 1.5, "staleness/max": 2.0, "staleness/off_policy_tokens": 0.75}
