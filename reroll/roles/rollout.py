@@ -43,7 +43,9 @@ class RolloutWorker:
             rollout.engine, cfg.model.path, rollout, dtype=cfg.model.dtype, device=device
         )
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
         return self.engine.generate(prompts, params)
 
     def load_weights(self, bucket: WeightBucket | SharedBucket) -> None:
@@ -90,12 +92,12 @@ class RolloutGroup(WorkerGroup):
         self.weights_version = 0  # the actor_train ``weights_version`` it holds (both start from model.path)
 
     def generate(
-        self, prompts: Sequence[str], params: SamplingParams, phase: str = "generate"
+        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams, phase: str = "generate"
     ) -> list[list[Completion]]:
-        """``params.n`` completions per prompt, in prompt order."""
+        """``params.n`` completions per prompt (text, or token ids used as given), in prompt order."""
         return self.collect(self.submit(prompts, params), phase)
 
-    def submit(self, prompts: Sequence[str], params: SamplingParams) -> list[Any]:
+    def submit(self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams) -> list[Any]:
         """Start ``generate`` on every rank and return at once (Ray references, for ``collect``). Each
         rank runs its calls in the order they were submitted, weight loads included."""
         return [h.generate.remote(part, params) for h, part in zip(self.handles, self._deal(prompts))]
