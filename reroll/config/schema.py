@@ -169,7 +169,7 @@ class RolloutConfig(StrictModel):
     tail_share: float = Field(
         0.25,
         gt=0,
-        le=1,
+        lt=1,
         description="Tail batching: the most of an ordinary step's groups set aside; past it, the step "
         "finishes its other cut responses itself (its batch keeps at least 1 - tail_share of batch_size).",
     )
