@@ -12,6 +12,8 @@ a synchronous step wait for its slowest sample.
 Rows:
 
 - ``sync``: ``rollout.async_steps: 0``; actor_train and actor_infer take turns, each using all cores.
+- ``sync half``: the same, each role with half the cores, as in the async row (on a loaded machine
+  fewer threads can be faster: this row separates the thread count from the overlap).
 - ``async k=1``: ``rollout.async_steps: 1``; a CPU pool of two slots, actor_infer on its own, each
   role with half the cores; importance-sampling correction on (the default).
 - ``tail``: synchronous with tail batching (``rollout.tail_threshold: --tail-threshold``,
@@ -97,7 +99,8 @@ def warm_start(work: Path, args: argparse.Namespace) -> Path:
     cfg["sft"] = {"steps": args.sft_steps, "batch_size": 64, "lr": 1e-3, "warmup_steps": 10}
     threads = {"torch_threads": args.cores}
     cfg["roles"] = {"actor_train": threads, "actor_infer": threads}
-    run(cfg, work / "sft.yaml")
+    if not (work / "sft" / "checkpoints").exists():  # kept from an earlier run in --work
+        run(cfg, work / "sft.yaml")
     [ckpt] = sorted((work / "sft" / "checkpoints").glob("step_*"))
     return ckpt / "model"
 
@@ -106,13 +109,16 @@ def row_config(work: Path, args: argparse.Namespace, start: Path, name: str, k: 
     cfg = base_config(work, args) | {"name": name, "total_steps": args.steps}
     cfg["model"] = {"path": str(start)}
     cfg["rollout"]["async_steps"] = k
+    half = max(1, args.cores // 2)
+    if name == "sync_half":
+        cfg["roles"] = {"actor_train": {"torch_threads": half}, "actor_infer": {"torch_threads": half}}
+        return cfg
     if tail:
         cfg["rollout"] |= {"tail_threshold": args.tail_threshold, "tail_share": 0.25}
     if k == 0:  # roles take turns: each may use every core
         threads = {"torch_threads": args.cores}
         cfg["roles"] = {"actor_train": threads, "actor_infer": threads}
     else:  # two CPU slots, actor_infer on its own
-        half = max(1, args.cores // 2)
         cfg["placement"] = {"devices": 2, "cpus_per_device": max(0.5, args.cores / 2 - 0.5)}
         cfg["roles"] = {
             "actor_train": {"torch_threads": half, "devices": [0]},
@@ -161,9 +167,11 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         start = warm_start(work, args)
         results = {}
-        for name, k, tail in (("sync", 0, False), ("async k=1", 1, False), ("tail", 0, True)):
+        rows = (("sync", 0, False), ("sync half", 0, False), ("async k=1", 1, False), ("tail", 0, True))
+        for name, k, tail in rows:
             slug = name.replace(" ", "_").replace("=", "")
-            run(row_config(work, args, start, slug, k, tail), work / f"{slug}.yaml")
+            if not (work / slug / "metrics.jsonl").exists():  # a row kept from an earlier run in --work
+                run(row_config(work, args, start, slug, k, tail), work / f"{slug}.yaml")
             results[name] = summarise(work / slug, args.batch)
 
     print(
@@ -178,6 +186,8 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(f"{r[k]:.3f}" for k in keys) + " |")
     cut = 1 - results["tail"]["step p95 s"] / results["sync"]["step p95 s"]
     print(f"tail batching: p95 step time {100 * cut:+.0f}% less than sync")
+    half = results["async k=1"]["samples/s"] / results["sync half"]["samples/s"]
+    print(f"async over sync with the same threads per role: {half:.2f}x")
     print(f"speedup {results['async k=1']['samples/s'] / results['sync']['samples/s']:.2f}")
 
 
