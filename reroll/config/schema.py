@@ -303,8 +303,8 @@ class StrategyConfig(StrictModel):
         "auto",
         description="'torch': one full copy per rank, gradients all-reduced; 'fsdp2': sharded (FSDP2); "
         "'deepspeed': ZeRO-2/3; 'megatron': Megatron-Core model parallelism (GPUs). 'auto': fsdp2 where "
-        "actor_train runs on GPUs, torch on CPUs (where fsdp2 is slower); the run's config.yaml and "
-        "`reroll plan` show the choice.",
+        "actor_train has several GPU ranks or a `strategy.fsdp2` option is set, otherwise torch (one fsdp2 "
+        "rank shards nothing and is slower); the run's config.yaml and `reroll plan` show the choice.",
     )
     fsdp2: FSDP2Config = Field(default_factory=FSDP2Config, description="FSDP2 settings.")
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed settings.")
@@ -428,6 +428,17 @@ class LoggingConfig(StrictModel):
     tensorboard: bool = Field(True, description="Write TensorBoard event files.")
     wandb: bool = Field(False, description="Log to Weights & Biases (pip install 'reroll[tracking]').")
     wandb_project: str = Field("reroll", description="W&B project.")
+    mlflow: bool = Field(
+        False,
+        description="Log the resolved config as params and the metrics per step to MLflow (pip install "
+        "'reroll[mlflow]'; 'reroll[tracking]' has the client for a tracking server).",
+    )
+    mlflow_experiment: str = Field("reroll", description="MLflow experiment (made if missing).")
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow store: a server ('http://host:5000'), 'sqlite:///mlflow.db', ... (default: "
+        "MLFLOW_TRACKING_URI, else MLflow's own default).",
+    )
     sample_every: int = Field(10, ge=0, description="Log one sample completion every N steps (0: never).")
 
 

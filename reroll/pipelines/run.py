@@ -44,7 +44,7 @@ from reroll.roles.trainer import TrainerGroup
 from reroll.runtime import checkpoint, stacks
 from reroll.runtime.actors import WorkerGroup, start_ray
 from reroll.runtime.console import step_line
-from reroll.runtime.metrics import MetricsLogger
+from reroll.runtime.metrics import MetricsLogger, MlflowSettings
 from reroll.runtime.placement import Colocation, ResourceManager
 from reroll.runtime.timing import PhaseTimer
 
@@ -77,8 +77,10 @@ class RunResult:
 
 @dataclass(frozen=True)
 class RoleSet:
-    """Which optional roles a pipeline starts (actor_train and actor_infer always run)."""
+    """Which roles a run starts. actor_infer always runs; actor_train too, except where nothing trains
+    (``reroll generate``: the engine loads ``model.path`` itself)."""
 
+    actor_train: bool = True
     reference: bool = False
     critic: bool = False
     reward: bool = True
@@ -90,7 +92,7 @@ class Roles:
     """The role groups of a run, where ``placement`` put them, and the phases that take turns on devices."""
 
     cfg: RunConfig
-    actor: TrainerGroup
+    actor: TrainerGroup | None
     rollout: RolloutGroup
     reward: RewardGroup | None = None
     reference: TrainerGroup | None = None
@@ -113,7 +115,7 @@ class Roles:
         cfg = placement.cfg  # device type resolved, for the workers
         started: dict[str, Any] = {}
         try:
-            started["actor"] = TrainerGroup("actor_train", cfg, trainable=True)
+            started["actor"] = TrainerGroup("actor_train", cfg, trainable=True) if needs.actor_train else None
             started["rollout"] = RolloutGroup(cfg)
             if needs.reward:
                 started["reward"] = RewardGroup(cfg)
@@ -125,7 +127,8 @@ class Roles:
                 started["env"] = EnvGroup(cfg)
         except BaseException:
             for group in started.values():
-                group.shutdown()
+                if group is not None:
+                    group.shutdown()
             placement.shutdown()
             raise
         roles = cls(cfg, **started, placement=placement)
@@ -190,7 +193,7 @@ class Roles:
 
     def sync_if_stale(self) -> dict[str, float]:
         """Sync the engine if actor_train has stepped or loaded since: ``{"sync/bytes": ...}`` or ``{}``."""
-        if self.rollout.weights_version == self.actor.weights_version:
+        if self.actor is None or self.rollout.weights_version == self.actor.weights_version:
             return {}
         return {"sync/bytes": self.sync_weights()}
 
@@ -517,6 +520,7 @@ def open_metrics(cfg: RunConfig, resume_step: int | None) -> MetricsLogger:
         config=cfg.model_dump(mode="json"),
         resume_step=resume_step,
         on_open=lambda: dump_config(cfg, cfg.run_dir / "config.yaml"),
+        mlflow=MlflowSettings(lg.mlflow_experiment, lg.mlflow_tracking_uri) if lg.mlflow else None,
     )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from reroll.errors import RoleError
-from reroll.runtime import stacks
+from reroll.runtime import quiet, stacks
 from reroll.runtime.placement import actor_options
 
 if TYPE_CHECKING:
@@ -67,7 +67,8 @@ def start_ray(address: str | None) -> None:
 
     if ray.is_initialized():
         return
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}}
+    env = quiet.ray_runtime_env()  # third-party notices hidden in workers too, unless --verbose
+    env["env_vars"] |= {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
     ray.init(
         address=address,
         include_dashboard=False,
