@@ -25,6 +25,7 @@ from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import (
     evaluate,
     load_data,
+    prompt_format,
     prompt_sampler,
     sample_line,
     sampling,
@@ -45,9 +46,10 @@ class RLVR(Pipeline):
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         write_synthetic_data(cfg)
-        self.train, self.held_out = load_data(cfg)
-        self.sampler = prompt_sampler(cfg, self.train)
         self.tokenizer = load_tokenizer(cfg.model.path)
+        self.format = prompt_format(cfg, self.tokenizer)
+        self.train, self.held_out = load_data(cfg, self.format)
+        self.sampler = prompt_sampler(cfg, self.train)
         self.state = AdvantageState.initial(cfg.algorithm)
         self.last: tuple[Rollout, RewardResult] | None = None
 
@@ -67,7 +69,7 @@ class RLVR(Pipeline):
         rows = PromptSampler(
             self.train, sft.batch_size, seed=self.cfg.seed + 1, shuffle=self.cfg.data.shuffle
         )
-        batch = lambda i: sft_batch(rows.next_batch(), self.tokenizer, sft.target_template)  # noqa: E731
+        batch = lambda i: sft_batch(rows.next_batch(), self.format, sft.target_template)  # noqa: E731
         sft_warm_start(self.cfg, roles, batch, "the training rows' targets")
 
     def restore(self, saved: dict[str, Any], directory: Path) -> None:
