@@ -9,6 +9,9 @@ an error that says so and gives the command that fetches it. Needs ``pip install
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +80,29 @@ def read_hub_rows(source: HubDatasetConfig, limit: int | None = None) -> list[di
     return [_renamed(row, source, i) for i, row in enumerate(rows)]
 
 
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """datasets' log lines ("Using the latest cached version ... offline mode is enabled") say what
+    the config asked for; failures come back as errors."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _load_hub(source: HubDatasetConfig, limit: int | None) -> list[dict[str, Any]]:
     datasets = _datasets()
     offline = bool(datasets.config.HF_HUB_OFFLINE)
     try:
-        found = datasets.load_dataset(source.dataset, source.subset, split=source.split)
+        with _quiet_datasets():
+            found = datasets.load_dataset(source.dataset, source.subset, split=source.split)
     except (ConnectionError, FileNotFoundError) as e:
         raise HubDatasetError(_not_cached(source, offline, e)) from e
     except ValueError as e:  # no such split, or no such subset (in the cache: "Couldn't find cache ...")
-        text = " ".join(str(e).split())
+        text = " ".join(str(e).split()).rstrip(".")
         if "split" in text.lower():
             fix = "fix `split`"
         elif "config" in text.lower():
@@ -113,7 +130,8 @@ def _not_cached(source: HubDatasetConfig, offline: bool, error: Exception) -> st
         f"dataset {source.label!r} could not be loaded from the Hub or from {where} "
         f"({type(error).__name__}: {' '.join(str(error).split())[:300]}): check the id and your network "
         f"(private or gated datasets need `hf auth login`), or fetch it elsewhere with "
-        f"{fetch_command(source)} and copy the cache here"
+        f"{fetch_command(source)} and copy the cache here (HF_DATASETS_OFFLINE=1 then reads it without "
+        f"trying the Hub)"
     )
 
 
