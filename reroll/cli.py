@@ -218,6 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _import_from_cwd() -> None:
+    """Put the current directory on the import path, as ``python -m reroll.cli`` does and as Ray does
+    for its workers, so a ``reward.fn: my_rewards:score`` beside the config imports the same way in
+    ``reroll validate`` (the installed script's ``sys.path`` starts at its own directory)."""
+    cwd = os.getcwd()
+    if not any(p in ("", ".", cwd) for p in sys.path):
+        sys.path.insert(0, cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -227,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args.debug)
+    _import_from_cwd()
     try:
         return args.func(args)
     except UserError as e:

@@ -59,7 +59,9 @@ class RLVR(Pipeline):
         return RoleSet(reference=reference, critic=self.cfg.critic is not None)
 
     def texts(self) -> Iterable[str]:
-        yield from (s.prompt for s in [*self.train, *self.held_out])
+        # as written, not through the chat template (whose special tokens are not characters)
+        yield from (s.text for s in [*self.train, *self.held_out])
+        yield from [self.cfg.data.system_prompt] if self.cfg.data.system_prompt else []
         yield from (str(s.row.get("answer", "")) for s in self.train)
 
     def warm_start(self, roles: Roles) -> None:

@@ -45,7 +45,9 @@ class SFT(Pipeline):
 
     def texts(self) -> Iterable[str]:
         assert self.cfg.sft is not None
-        yield from (s.prompt for s in [*self.train, *self.held_out])
+        # as written, not through the chat template (whose special tokens are not characters)
+        yield from (s.text for s in [*self.train, *self.held_out])
+        yield from [self.cfg.data.system_prompt] if self.cfg.data.system_prompt else []
         yield from (self.cfg.sft.target_template.format(**s.row) for s in self.train)
 
     def optimizer(self) -> tuple[float, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,3 +24,18 @@ class RewardFn(Protocol):
     """``fn(prompt, response, sample) -> RewardResult``; ``sample`` is the dataset row (answer, tests, ...)."""
 
     def __call__(self, prompt: str, response: str, sample: Mapping[str, Any]) -> RewardResult: ...
+
+
+def as_result(value: Any) -> RewardResult:
+    """What a reward function returned, as a ``RewardResult``: one as it is, a plain number (``1.0``,
+    ``True``, a numpy scalar) as its score with no details; anything else is a ``TypeError`` saying
+    what to return."""
+    if isinstance(value, RewardResult):
+        return value
+    if isinstance(value, numbers.Real):
+        return RewardResult(float(value))
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    raise TypeError(
+        f"returned {type(value).__name__} {shown}: return a number or RewardResult(score, details) "
+        f"(from reroll.rewards import RewardResult)"
+    )

@@ -10,6 +10,7 @@ from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
 from reroll.data.arithmetic import ARITHMETIC_ALPHABET
 from reroll.data.chat import ChatTemplateError, PromptFormat
+from reroll.data.coverage import lost_characters_warning
 from reroll.data.datasets import load_samples
 from reroll.data.types import Completion, RewardItem
 from reroll.envs.trajectory import TrajectoryBuilder
@@ -110,6 +111,9 @@ def test_a_row_renders_identically_in_rlvr_sft_evaluation_and_agentic(tmp_path, 
     a = sft_batch(rlvr.train[:4], rlvr.format, "{answer}")
     b = sft_batch(sft.train[:4], sft.format, "{answer}")
     assert a.input_ids.tolist() == b.input_ids.tolist()
+    # the start-of-run character check reads the texts as written, not the template's special tokens
+    assert lost_characters_warning(tok, rlvr.texts()) is None
+    assert lost_characters_warning(tok, [s.prompt for s in rlvr.train[:1]]) is not None  # '<|user|>'
     # agentic: an episode's first prompt is the same rendering of its first observation
     traj = TrajectoryBuilder(tok).start_episode("2+3=", SYSTEM)
     assert traj.ids == tok.encode(rlvr.format.prompt("2+3="), add_special_tokens=False)
