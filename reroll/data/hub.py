@@ -43,8 +43,9 @@ def is_saved_dataset(path: Path) -> bool:
 
 def read_saved_rows(path: Path, split: str | None, limit: int | None) -> list[dict[str, Any]]:
     """Rows of a ``save_to_disk`` directory; a ``DatasetDict`` needs ``split``."""
-    found = _datasets().load_from_disk(str(path))
-    if hasattr(found, "keys"):  # a DatasetDict: one dataset per split
+    datasets = _datasets()
+    found = datasets.load_from_disk(str(path))
+    if isinstance(found, datasets.DatasetDict):  # one dataset per split
         splits = list(found.keys())
         if split is None:
             raise HubDatasetError(

@@ -107,6 +107,8 @@ def test_a_save_to_disk_directory_by_split(tmp_path, assets):
     ).save_to_disk(str(saved))
     rows = read_rows(HubDatasetConfig(dataset=str(saved), split="test", rename={"problem": "question"}))
     assert [r["question"] for r in rows] == ["0+2", "1+2", "2+2"]
+    datasets.Dataset.from_list(TEST).save_to_disk(str(tmp_path / "one"))  # a Dataset: a plain path
+    assert read_rows(str(tmp_path / "one"), limit=2) == TEST[:2]
     cfg = _config(tmp_path, assets, [str(saved)])  # a plain path to a dataset with splits
     [problem] = check_inputs(cfg)
     assert "holds the splits ['train', 'test']: name one" in problem.message
