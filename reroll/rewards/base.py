@@ -13,8 +13,9 @@ class RewardResult:
     """What a reward function returns for one response.
 
     score: the scalar reward. details: anything worth logging (extracted answer, tests passed, ...);
-    numeric details are averaged into ``reward/<name>/<key>`` metrics.
-    """
+    ``correct`` (0/1) decides accuracy (else ``score >= 1``); with ``reward.domains``, numeric details
+    are averaged into ``reward/<domain>/<key>`` metrics. A reward may also return a plain number
+    (``as_result``)."""
 
     score: float
     details: Mapping[str, Any] = field(default_factory=dict)
