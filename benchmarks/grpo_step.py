@@ -10,8 +10,8 @@ and up to ``--new-tokens`` new ones, temperature 1), a KL term against a referen
 every row runs a reference pass), one optimizer step per batch in bf16 and a model-free reward:
 
 - ``reroll ray``: the product path. RLVR on Ray with actor_train, actor_infer and reference
-  colocated on one GPU (``placement.devices: 1``), FSDP2 and the vLLM engine (CUDA graphs, sleep
-  mode, weights over CUDA IPC), ``placement.offload: auto``.
+  colocated on one GPU (``placement.devices: 1``), ``strategy.name: auto`` (torch at one rank) and
+  the vLLM engine (CUDA graphs, sleep mode, weights over CUDA IPC), ``placement.offload: auto``.
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 - ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
@@ -74,6 +74,7 @@ def build_inputs(root: Path, args: argparse.Namespace, size: str) -> tuple[Path,
         vocab_size=None if args.tiny else 151936,
         max_position_embeddings=args.prompt_len + args.new_tokens + 8,
         dtype=args.dtype,
+        for_cpu_engine=args.device == "cpu",
         **shape,
     )
     rng = random.Random(0)
@@ -90,7 +91,7 @@ def length_reward(text: str) -> float:
 def run_reroll(
     root: Path, model: Path, prompts: list[str], args: argparse.Namespace, mode: str
 ) -> list[dict]:
-    """RLVR steps as ``mode`` says ('ray': colocated Ray roles, fsdp2 + vllm; 'local': one process)."""
+    """RLVR steps as ``mode`` says ('ray': colocated Ray roles and vllm; 'local': one process)."""
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
     from reroll.pipelines.rlvr import RLVR
@@ -136,7 +137,11 @@ def run_reroll(
         "reward": {"fn": "bench_reward:digits", "isolation": "thread"},
         "algorithm": {"preset": "grpo", "kl_coef": 0.04},
         "strategy": {"name": args.ray_strategy if ray else "torch"},
-        "optim": {"lr": 1e-6, "micro_batch_size": args.micro_batch},
+        "optim": {
+            "lr": 1e-6,
+            "micro_batch_size": args.micro_batch,
+            "logprob_micro_batch_size": args.logprob_micro_batch,
+        },
         "eval": {"every": 0},
         "checkpoint": {"every": 0, "keep_last": 1},
         "logging": {"tensorboard": False, "sample_every": 0},
@@ -237,9 +242,17 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument(
+        "--logprob-micro-batch",
+        type=int,
+        default=64,
+        help="reroll's forward-only passes (reference, old log-probs): rows per pass (optim.logprob_micro_batch_size)",
+    )
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--ray-strategy", default="fsdp2", help="the Ray row's training strategy")
+    ap.add_argument(
+        "--ray-strategy", default="auto", help="the Ray row's training strategy (auto: torch at one rank)"
+    )
     ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="the Ray row's engine")
     ap.add_argument("--vllm-memory", type=float, default=0.35, help="the engine's share of the GPU")
     ap.add_argument("--model-size", default="0.5b", choices=["0.5b", "3b"], help="3b: adds a 3B-shaped row")

@@ -45,6 +45,12 @@ CASES = {
         {"tests": [{"stdin": "1 2\n", "stdout": "3\n"}, {"stdin": "5 5\n", "stdout": "10\n"}]},
         {},
     ),
+    # the same programs without the OS sandbox: what bubblewrap's namespaces cost per program
+    "code_tests (2 io tests), sandbox audit_hook": (
+        CODE,
+        {"tests": [{"stdin": "1 2\n", "stdout": "3\n"}, {"stdin": "5 5\n", "stdout": "10\n"}]},
+        {"sandbox": "audit_hook"},
+    ),
 }
 
 

@@ -47,6 +47,22 @@ def reroll_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     )
 
 
+def quickstart_overrides(tmp_path: Path, total_steps: int) -> list[str]:
+    """``reroll train QUICKSTART`` overrides for a run under ``tmp_path``: the quickstart builds its tiny
+    model and data in ``tmp_path/assets``, writes the run to ``tmp_path/quickstart`` and runs
+    ``total_steps`` GRPO steps with only the step-0 and final evaluations and no checkpoint but the last."""
+    assets = tmp_path / "assets"
+    return [
+        f"output_dir={tmp_path}/{{name}}",
+        f"model.path={assets}/tiny-arithmetic",
+        f"data.train_files=[{assets}/arithmetic/train.jsonl]",
+        f"data.eval_files=[{assets}/arithmetic/test.jsonl]",
+        f"total_steps={total_steps}",
+        "eval.every=0",
+        "checkpoint.every=0",
+    ]
+
+
 def write_config(path: Path, assets: dict[str, Path], **sections) -> Path:
     """A small RLVR config over the session's assets; keyword sections replace the defaults' keys."""
     cfg = {

@@ -74,15 +74,20 @@ def placed_roles(cfg: RunConfig, roles: Iterable[str]) -> list[str]:
 
 
 def trainer_strategy(cfg: RunConfig, device: str) -> str:
-    """``strategy.name`` with 'auto' resolved for trainer ranks on ``device`` ('cuda' or 'cpu'): fsdp2 on
-    GPUs; torch on CPUs, where sharding saves no memory worth having and one fsdp2 rank's step is
-    slower (about 1.4x on the tiny model, 2 cores). The run resolves it once, in ``ResourceManager``
-    with the device actor_train's ranks get, and writes it to config.yaml; ``make_strategy`` applies
-    the same rule to a config that did not pass there (tests, benchmarks)."""
+    """``strategy.name`` with 'auto' resolved for trainer ranks on ``device`` ('cuda' or 'cpu'): fsdp2
+    where it shards something (actor_train has several GPU ranks) or the user set one of its options
+    (``strategy.fsdp2``: CPU offload, mixed precision); torch otherwise. One fsdp2 rank shards nothing
+    and is slower: 1.5x the torch strategy's train and reference time on an H200 (0.5B shape,
+    docs/benchmarks.md), about 1.4x on the tiny model on 2 CPU cores. The run resolves it once, in
+    ``ResourceManager`` with the device actor_train's ranks get, and writes it to config.yaml;
+    ``make_strategy`` applies the same rule to a config that did not pass there (tests, benchmarks)."""
     name = cfg.strategy.name
     if name != "auto":
         return name
-    return "fsdp2" if device == "cuda" else "torch"
+    if device != "cuda":
+        return "torch"
+    sharded = cfg.roles.actor_train.world_size > 1
+    return "fsdp2" if sharded or cfg.strategy.fsdp2.model_fields_set else "torch"
 
 
 def device_map(cfg: RunConfig, roles: Iterable[str], device_type: str) -> DeviceMap:

@@ -332,8 +332,8 @@ class StrategyConfig(StrictModel):
         "auto",
         description="'torch': one full copy per rank, gradients all-reduced; 'fsdp2': sharded (FSDP2); "
         "'deepspeed': ZeRO-2/3; 'megatron': Megatron-Core model parallelism (GPUs). 'auto': fsdp2 where "
-        "actor_train runs on GPUs, torch on CPUs (where fsdp2 is slower); the run's config.yaml and "
-        "`reroll plan` show the choice.",
+        "actor_train has several GPU ranks or a `strategy.fsdp2` option is set, otherwise torch (one fsdp2 "
+        "rank shards nothing and is slower); the run's config.yaml and `reroll plan` show the choice.",
     )
     fsdp2: FSDP2Config = Field(default_factory=FSDP2Config, description="FSDP2 settings.")
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed settings.")

@@ -166,6 +166,7 @@ def build_tiny_model(
     vocab_size: int | None = None,
     dtype: str = "float32",
     seed: int = 0,
+    for_cpu_engine: bool = True,
     chat_template: bool = True,
 ) -> Path:
     """Save a random-init ``Qwen2ForCausalLM`` (fp32 unless ``dtype``) and its ``char_tokenizer(alphabet)`` to ``out_dir``.
@@ -173,11 +174,13 @@ def build_tiny_model(
     Embeddings are tied; ``num_kv_heads`` defaults to ``num_heads`` and ``intermediate_size`` to
     ``4 * hidden_size``. ``vocab_size`` larger than the tokenizer's pads the embedding (the shape of a
     real model for speed measurements; ids past the tokenizer decode to nothing). The same ``seed``
-    gives the same weights; ``chat_template=False`` saves a tokenizer without one. Returns ``out_dir`` as a ``Path``,
+    gives the same weights. ``for_cpu_engine`` checks the head size against vLLM's CPU backend (turn it
+    off for a model meant for GPUs, e.g. Qwen2.5-3B's head size 128); ``chat_template=False`` saves a
+    tokenizer without one. Returns ``out_dir`` as a ``Path``,
     loadable offline with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    _check_dims(hidden_size, num_heads, num_kv_heads)
+    _check_dims(hidden_size, num_heads, num_kv_heads, for_cpu_engine)
     tokenizer = char_tokenizer(alphabet, chat_template=chat_template)
     config = Qwen2Config(
         vocab_size=max(vocab_size or 0, len(tokenizer)),
@@ -210,14 +213,14 @@ def build_tiny_model(
     return out
 
 
-def _check_dims(hidden_size: int, num_heads: int, num_kv_heads: int) -> None:
+def _check_dims(hidden_size: int, num_heads: int, num_kv_heads: int, for_cpu_engine: bool = True) -> None:
     if hidden_size % num_heads:
         raise ValueError(
             f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}); "
             f"pick num_heads so that hidden_size // num_heads is one of {SUPPORTED_HEAD_DIMS}"
         )
     head_dim = hidden_size // num_heads
-    if head_dim not in SUPPORTED_HEAD_DIMS:
+    if for_cpu_engine and head_dim not in SUPPORTED_HEAD_DIMS:
         fixes = ", ".join(
             f"num_heads={hidden_size // d}" for d in SUPPORTED_HEAD_DIMS if hidden_size % d == 0
         )

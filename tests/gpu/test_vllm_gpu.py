@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from reroll.engines import engine_available
-from tests.conftest import QUICKSTART, assert_kill_mid_generation_is_reported, reroll_cli, write_config
+from tests.conftest import (
+    QUICKSTART,
+    assert_kill_mid_generation_is_reported,
+    quickstart_overrides,
+    reroll_cli,
+    write_config,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -106,17 +112,7 @@ def test_killed_engine_is_reported_within_a_minute(roles):
 def test_colocated_grpo_steps_learn(tmp_path):
     from reroll.runtime.metrics import read_metrics
 
-    assets = tmp_path / "assets"
-    overrides = [
-        f"output_dir={tmp_path}/{{name}}",
-        f"model.path={assets}/tiny-arithmetic",
-        f"data.train_files=[{assets}/arithmetic/train.jsonl]",
-        f"data.eval_files=[{assets}/arithmetic/test.jsonl]",
-        "total_steps=40",
-        "eval.every=0",
-        "checkpoint.every=0",
-        *COLOCATED,
-    ]
+    overrides = [*quickstart_overrides(tmp_path, total_steps=40), *COLOCATED]
     out = reroll_cli("train", QUICKSTART, *overrides, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "quickstart")

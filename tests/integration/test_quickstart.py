@@ -11,7 +11,7 @@ import pytest
 
 from reroll.engines import engine_available
 from reroll.runtime.metrics import read_metrics
-from tests.conftest import QUICKSTART, reroll_cli
+from tests.conftest import QUICKSTART, quickstart_overrides, reroll_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -29,17 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
     ],
 )
 def test_quickstart_grpo_beats_sft(tmp_path, engine):
-    assets = tmp_path / "assets"
-    overrides = [
-        f"output_dir={tmp_path}/{{name}}",
-        f"model.path={assets}/tiny-arithmetic",
-        f"data.train_files=[{assets}/arithmetic/train.jsonl]",
-        f"data.eval_files=[{assets}/arithmetic/test.jsonl]",
-        "total_steps=60",
-        "eval.every=0",
-        "checkpoint.every=0",
-        f"rollout.engine={engine}",
-    ]
+    overrides = [*quickstart_overrides(tmp_path, total_steps=60), f"rollout.engine={engine}"]
     out = reroll_cli("train", QUICKSTART, *overrides, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 60/60 | reward" in out.stdout or "step 60/60 | reward" in out.stderr

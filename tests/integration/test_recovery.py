@@ -157,3 +157,63 @@ def test_a_call_past_its_bound_writes_every_workers_stack(tmp_path, assets):
         hung.shutdown()
         idle.shutdown()
         stacks.configure(None)
+
+
+def _kill_once(monkeypatch, pipeline_cls, role: str, at: int) -> None:
+    """``role``'s workers are killed as step ``at`` begins (its first attempt only)."""
+    import ray
+
+    real_step, pending = pipeline_cls.step, [at]
+
+    def step(self, roles, step):
+        if step in pending:
+            pending.remove(step)
+            for handle in getattr(roles, role)._handles:
+                ray.kill(handle, no_restart=True)
+        return real_step(self, roles, step)
+
+    monkeypatch.setattr(pipeline_cls, "step", step)
+
+
+def test_a_killed_critic_is_restarted_from_its_checkpoint(tmp_path, assets, monkeypatch):
+    """PPO's critic dies at step 3: it comes back from the step-2 checkpoint with actor_train (the run
+    goes back to it) and the run finishes every step, each logged once."""
+    sections = {
+        "algorithm": {"preset": "ppo"},
+        "critic": {"lr": 1e-3},
+        "checkpoint": {"every": 2},
+        "runtime": {"max_restarts": 1},
+    }
+    path = write_config(tmp_path / "c.yaml", assets, name="critic", total_steps=4, **sections)
+    cfg = load_config(path, RunConfig)
+    _kill_once(monkeypatch, RLVR, "critic", at=3)
+    run_module.run(RLVR, cfg)
+    metrics = read_metrics(cfg.run_dir)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+    assert metrics[-1]["recovery/restarts"] == 1 and "critic/vf_loss" in metrics[-1]
+
+
+def test_a_killed_environment_worker_is_restarted_and_its_episodes_replayed(tmp_path, monkeypatch):
+    from reroll.models.tiny import GAME_ALPHABET, build_tiny_model
+    from reroll.pipelines.agentic import Agentic
+
+    model = build_tiny_model(tmp_path / "game", alphabet=GAME_ALPHABET, hidden_size=64, num_heads=2)
+    raw = {
+        "pipeline": "agentic",
+        "name": "env",
+        "output_dir": str(tmp_path / "{name}"),
+        "total_steps": 3,
+        "model": {"path": str(model)},
+        "agentic": {"env": "nim", "eval_episodes": 0, "max_turns": 4},
+        "rollout": {"batch_size": 8, "group_size": 2, "max_new_tokens": 2},
+        "optim": {"lr": 1e-3, "micro_batch_size": 8},
+        "logging": {"tensorboard": False, "sample_every": 0},
+        "runtime": {"max_restarts": 1},
+    }
+    cfg = RunConfig.model_validate(raw)
+    _kill_once(monkeypatch, Agentic, "env", at=2)
+    run_module.run(Agentic, cfg)
+    metrics = read_metrics(cfg.run_dir)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert metrics[-1]["recovery/restarts"] == 1
+    assert all(m.get("env/errors", 0) == 0 for m in metrics)  # replayed, not scored as broken episodes
