@@ -330,6 +330,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _import_from_cwd() -> None:
+    """Put the current directory on the import path, as ``python -m reroll.cli`` does and as Ray does
+    for its workers, so a ``reward.fn: my_rewards:score`` beside the config imports the same way in
+    ``reroll validate`` (the installed script's ``sys.path`` starts at its own directory)."""
+    cwd = os.getcwd()
+    if not any(p in ("", ".", cwd) for p in sys.path):
+        sys.path.insert(0, cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -339,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args.debug, args.verbose)
+    _import_from_cwd()
     try:
         code = args.func(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit

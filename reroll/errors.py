@@ -61,7 +61,7 @@ class RewardFailure(UserError):
     def __init__(self, phase: str, failed: int, total: int, first: str, rule: str) -> None:
         super().__init__(
             f"the reward failed on {failed} of {total} samples during {phase} ({rule}); the first: {first}. "
-            f"A reward is called fn(prompt, response, row, **args) and returns a RewardResult: fix the "
+            f"A reward is called fn(prompt, response, row, **args) and returns a RewardResult or a number: fix the "
             f"function or its args (`reroll validate` checks that it imports and takes them)"
         )
         self.phase, self.failed, self.total, self.first, self.rule = phase, failed, total, first, rule

@@ -9,9 +9,9 @@ written, resolved, into the run directory.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from reroll.config.algorithm import AlgorithmConfig, check_algorithm
 from reroll.config.alphabet import Alphabet
@@ -36,6 +36,11 @@ class TinyModelConfig(StrictModel):
     num_layers: int = Field(2, ge=1, description="Transformer blocks.")
     num_heads: int = Field(4, ge=1, description="Attention heads.")
     seed: int = Field(0, description="Seed of the random init.")
+    chat_template: bool = Field(
+        True,
+        description="Give the tokenizer a chat template ('<|user|>...<|assistant|>', turns ending with "
+        "'<eos>'); false: none, as a base model's tokenizer.",
+    )
 
 
 class ModelConfig(StrictModel):
@@ -62,12 +67,66 @@ class SyntheticDataConfig(StrictModel):
     seed: int = Field(0, description="Seed of the generator.")
 
 
+class HubDatasetConfig(StrictModel):
+    """A Hugging Face dataset by name, one split; read from the local cache when HF_DATASETS_OFFLINE=1."""
+
+    dataset: str = Field(
+        description="Hub id ('org/name', loaded with datasets.load_dataset), or a directory written by "
+        "datasets' save_to_disk (a DatasetDict's split is picked by `split`).",
+    )
+    split: str = Field("train", min_length=1, description="The split to read ('train', 'test', ...).")
+    subset: str | None = Field(
+        None,
+        description="The dataset's configuration (load_dataset's `name`, e.g. 'main'); None: its default.",
+    )
+    rename: dict[str, str] = Field(
+        default_factory=dict,
+        description="Fields renamed as rows are read, {name in the dataset: name the config reads}, e.g. "
+        "{problem: question, solution: answer}; the other fields keep their names.",
+    )
+
+    @property
+    def label(self) -> str:
+        """How errors and row ids name it: ``org/name[subset]:split``."""
+        subset = f"[{self.subset}]" if self.subset else ""
+        return f"{self.dataset}{subset}:{self.split}"
+
+
+def _source_kind(value: Any) -> str:
+    return "HubDatasetConfig" if isinstance(value, dict | HubDatasetConfig) else "str"
+
+
+DataSource = Annotated[
+    Union[Annotated[str, Tag("str")], Annotated[HubDatasetConfig, Tag("HubDatasetConfig")]],  # noqa: UP007
+    Discriminator(_source_kind),
+]
+"""One entry of ``data.train_files`` / ``eval_files`` / ``sft.files``: a file path or a dataset by name."""
+
+
 class DataConfig(StrictModel):
     """Prompts for rollouts, held-out prompts for evaluation."""
 
-    train_files: list[str] = Field(min_length=1, description="JSONL / JSON / Parquet files or datasets dirs.")
-    eval_files: list[str] = Field(default_factory=list, description="Held-out files for evaluation.")
-    prompt_template: str = Field("{question}", description="Python format string over a row's fields.")
+    train_files: list[DataSource] = Field(
+        min_length=1,
+        description="Training rows: each entry a path (JSONL / JSON / Parquet file, or a datasets "
+        "save_to_disk directory; a relative path is read from the current directory) or a Hugging Face "
+        "dataset by name, {dataset: org/name, split: train, subset: ..., rename: {...}}.",
+    )
+    eval_files: list[DataSource] = Field(
+        default_factory=list, description="Held-out rows for evaluation, in the same forms as train_files."
+    )
+    prompt_template: str = Field(
+        "{question}", description="Python format string over a row's fields: the user message."
+    )
+    chat_template: Literal["auto", True, False] = Field(
+        "auto",
+        description="Render prompts with the tokenizer's chat template (the user message, after "
+        "system_prompt) in rollouts, evaluation and SFT: 'auto' when the tokenizer has one, true (an "
+        "error without one), false (the prompt_template text as it is).",
+    )
+    system_prompt: str | None = Field(
+        None, description="A system message before each prompt (needs a chat template)."
+    )
     answer_field: str = Field("answer", description="The row field the reward compares against.")
     id_field: str = Field("id", description="The row field that identifies a row (optional in rows).")
     eval_limit: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out rows.")
@@ -425,7 +484,9 @@ class SFTConfig(StrictModel):
     batch_size: int = Field(64, ge=1, description="Rows per optimizer step.")
     lr: float = Field(1e-3, gt=0, description="Learning rate.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then constant.")
-    files: list[str] | None = Field(None, description="Rows to learn from (default: data.train_files).")
+    files: list[DataSource] | None = Field(
+        None, description="Rows to learn from, in the forms of data.train_files (default: data.train_files)."
+    )
     target_template: str = Field(
         "{answer}", description="What the model should answer, over the row's fields."
     )
@@ -752,6 +813,18 @@ class RunConfig(StrictModel):
             problems.append(
                 ConfigProblem("agentic.tasks", "tasks are read by 'agent:' environments only: remove them")
             )
+        if self.data is not None and self.data.synthetic is not None:
+            targets = [("data.train_files[0]", self.data.train_files[0])]
+            targets += [("data.eval_files[0]", f) for f in self.data.eval_files[:1]]
+            problems += [
+                ConfigProblem(
+                    key,
+                    f"data.synthetic writes its rows to a file, but this entry is the dataset "
+                    f"{src.label!r}: name a .jsonl path here, or remove data.synthetic",
+                )
+                for key, src in targets
+                if isinstance(src, HubDatasetConfig)
+            ]
         if self.pipeline == "agentic" and self.data is not None:
             problems.append(
                 ConfigProblem(

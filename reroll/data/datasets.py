@@ -1,8 +1,14 @@
 """Prompt datasets: rows from JSONL / JSON / Parquet / Hugging Face ``datasets``, rendered by a template.
 
-A row is a flat mapping (``{"question": "12+34", "answer": "46"}``). The prompt is
-``template.format(**row)``; the reward function sees the whole row. Rows are checked when loaded, so a
-missing field is reported with its file and line before any model is started.
+A row is a flat mapping (``{"question": "12+34", "answer": "46"}``). The user message is
+``template.format(**row)``; the model's prompt is that message in the run's ``PromptFormat``
+(``reroll.data.chat``: the chat template, or the text as it is); the reward function sees the
+message and the whole row. Rows are checked when loaded, so a missing field is reported with its
+file and line before any model is started.
+
+A source is a path (a file, or a ``save_to_disk`` directory) or a ``HubDatasetConfig``: a Hugging
+Face dataset by name and split, loaded with ``datasets.load_dataset`` (from the local cache when
+``HF_DATASETS_OFFLINE=1``), its fields renamed as the config says.
 """
 
 from __future__ import annotations
@@ -11,13 +17,16 @@ import json
 import random
 import re
 import string
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reroll.config.schema import HubDatasetConfig
 from reroll.data.types import Sample
 from reroll.errors import UserError
+
+Source = str | Path | HubDatasetConfig
 
 
 class DatasetError(UserError):
@@ -30,11 +39,20 @@ def template_fields(template: str) -> list[str]:
     return list(dict.fromkeys(re.split(r"[.\[]", name)[0] for name in names))
 
 
-def read_rows(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """Every row (or the first ``limit``) of a ``.jsonl``, ``.json`` or ``.parquet`` file, or of a
-    ``datasets`` save directory. Whatever cannot be read is a ``DatasetError`` naming the file and
-    the fix: missing, a directory where a file is meant, not UTF-8, not valid JSON, a row that is not
-    an object."""
+def source_name(source: Source) -> str:
+    """How errors and row ids name a source: the path, or ``org/name[subset]:split``."""
+    return source.label if isinstance(source, HubDatasetConfig) else str(source)
+
+
+def read_rows(path: Source, limit: int | None = None) -> list[dict[str, Any]]:
+    """Every row (or the first ``limit``) of a ``.jsonl``, ``.json`` or ``.parquet`` file, of a
+    ``datasets`` save directory, or of a Hugging Face dataset (``HubDatasetConfig``). Whatever cannot
+    be read is a ``DatasetError`` naming the file and the fix: missing, a directory where a file is
+    meant, not UTF-8, not valid JSON, a row that is not an object, a dataset not in the cache."""
+    if isinstance(path, HubDatasetConfig):
+        from reroll.data.hub import read_hub_rows
+
+        return read_hub_rows(path, limit)
     p = Path(path)
     if not p.exists():
         relative = (
@@ -61,19 +79,14 @@ def read_rows(path: str | Path, limit: int | None = None) -> list[dict[str, Any]
 
 def _read(p: Path, limit: int | None) -> list[Any]:
     if p.is_dir():
-        if not (p / "dataset_info.json").exists() and not (p / "state.json").exists():
+        from reroll.data.hub import is_saved_dataset, read_saved_rows
+
+        if not is_saved_dataset(p):
             raise DatasetError(
                 f"{p}: is a directory, not a dataset file: name a .jsonl / .json / .parquet file, or a "
                 f"directory written by datasets' save_to_disk"
             )
-        try:
-            import datasets
-        except ImportError as e:
-            raise DatasetError(
-                f"{p}: a dataset directory needs `datasets`: pip install 'reroll[data]'"
-            ) from e
-        found = datasets.load_from_disk(str(p))
-        return list(found.select(range(min(limit, len(found)))) if limit is not None else found)
+        return read_saved_rows(p, None, limit)
     if p.suffix == ".jsonl":
         return _read_jsonl(p, limit)
     if p.suffix == ".json":
@@ -145,28 +158,37 @@ def check_row(file: str, index: int, row: dict[str, Any], needed: Sequence[str])
 
 
 def load_samples(
-    files: Sequence[str],
+    files: Sequence[Source],
     *,
     template: str,
+    render: Callable[[str], str] | None = None,
     required: Sequence[str] = (),
     id_field: str = "id",
     domain_field: str = "domain",
     limit: int | None = None,
 ) -> list[Sample]:
-    """Rows of ``files`` made into ``Sample``s; a row lacking a template field or a ``required`` field is an error."""
+    """Rows of ``files`` made into ``Sample``s; a row lacking a template field or a ``required`` field is an error.
+
+    The sample's ``message`` is ``template.format(**row)``; its ``prompt``, what the model reads, is
+    ``render(message)`` (a ``PromptFormat.prompt``; the message itself without ``render``)."""
     needed = list(dict.fromkeys([*template_fields(template), *required]))
     samples: list[Sample] = []
     for file in files:
+        name = source_name(file)
+        stem = Path(file).stem if not isinstance(file, HubDatasetConfig) else name
         for i, row in enumerate(read_rows(file)):
-            check_row(file, i, row, needed)
-            uid = str(row.get(id_field, f"{Path(file).stem}-{i}"))
+            check_row(name, i, row, needed)
+            uid = str(row.get(id_field, f"{stem}-{i}"))
             domain = str(row.get(domain_field, "default"))
-            samples.append(Sample(uid=uid, prompt=template.format(**row), row=row, domain=domain))
+            message = template.format(**row)
+            prompt = render(message) if render is not None else message
+            samples.append(Sample(uid=uid, prompt=prompt, row=row, domain=domain, message=message))
             if limit is not None and len(samples) >= limit:
                 return samples
     if not samples:
         raise DatasetError(
-            f"no rows in {list(files)}: the dataset files are empty; add rows or fix the paths"
+            f"no rows in {[source_name(f) for f in files]}: the dataset files are empty; add rows or fix "
+            f"the paths"
         )
     return samples
 

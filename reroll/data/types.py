@@ -21,12 +21,22 @@ import torch
 
 @dataclass(frozen=True)
 class Sample:
-    """A dataset row rendered into a prompt. ``row`` keeps every field for the reward function."""
+    """A dataset row rendered into a prompt. ``row`` keeps every field for the reward function.
+
+    ``message`` is the row through ``data.prompt_template`` (the user message); ``prompt`` is what the
+    model reads: that message in the chat template when one is used, else the message itself
+    (``message=None``: the same as ``prompt``)."""
 
     uid: str
     prompt: str
     row: dict[str, Any]
     domain: str = "default"
+    message: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The user message: ``message``, or ``prompt`` where no template wrapped it."""
+        return self.message if self.message is not None else self.prompt
 
 
 @dataclass(frozen=True)
@@ -137,7 +147,8 @@ _PER_SEQUENCE = ("step_rewards", "step_states")
 
 @dataclass(frozen=True)
 class RewardItem:
-    """What a reward worker scores: the prompt, the response, the dataset row and the row's domain."""
+    """What a reward worker scores: the prompt (the user message), the response, the dataset row and
+    the row's domain."""
 
     prompt: str
     response: str
@@ -146,8 +157,9 @@ class RewardItem:
 
     @classmethod
     def answering(cls, sample: Sample, completion: Completion) -> RewardItem:
-        """The item for ``completion``, a response to ``sample``."""
-        return cls(sample.prompt, completion.text, sample.row, sample.domain)
+        """The item for ``completion``, a response to ``sample``; the reward's ``prompt`` is the user
+        message (the prompt template's text, before any chat template)."""
+        return cls(sample.text, completion.text, sample.row, sample.domain)
 
 
 def build_train_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBatch:

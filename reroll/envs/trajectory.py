@@ -6,7 +6,9 @@ the chat template and the environment add after them (the end of the assistant t
 observation as a message, the next generation prompt). Only the policy's tokens are in the loss
 (``policy``); ``turn`` numbers them by turn for per-turn credit.
 
-The template's pieces are found by rendering: the text after an assistant message's content is the
+The conversation is rendered by ``reroll.data.chat`` (the same functions that render RLVR, SFT and
+evaluation prompts): the first prompt is ``PromptFormat.prompt`` of the first observation. The
+template's pieces are found by rendering: the text after an assistant message's content is the
 end-of-turn suffix (``<eos>`` for the tiny models, ``<|im_end|>\\n`` for ChatML), of which the
 policy generated the first token when it stopped on it; an observation's tokens are the text that
 rendering the conversation with that message adds. So when the policy's text re-tokenises to the
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-_MARK = "\u2063MARK\u2063"  # content no template will produce on its own
+from reroll.data.chat import chat_messages, end_of_turn_ids, render_chat
 
 
 @dataclass
@@ -51,24 +53,18 @@ class TrajectoryBuilder:
 
     def __init__(self, tokenizer: Any, *, observation_role: str = "user") -> None:
         self.tokenizer, self.observation_role = tokenizer, observation_role
-        probe = [{"role": "user", "content": "u"}]
-        prompt = self._render(probe, generation_prompt=True)
-        full = self._render([*probe, {"role": "assistant", "content": _MARK}], generation_prompt=False)
-        if not full.startswith(prompt) or _MARK not in full:
-            raise ValueError(
-                "the chat template does not render an assistant message after the generation prompt it "
-                "added (the conversation is not append-only), so multi-turn trajectories cannot be built "
-                "token-exactly: use a template that only appends"
-            )
-        self.end_of_turn = self._encode(full.split(_MARK, 1)[1])
+        self.end_of_turn = end_of_turn_ids(tokenizer)
 
     def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
-        )
+        return render_chat(self.tokenizer, messages, generation_prompt=generation_prompt)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def start_episode(self, observation: str, system_prompt: str | None = None) -> Trajectory:
+        """The first prompt: the system prompt and the first observation, as ``chat_messages`` puts
+        them (so for the user role, ``PromptFormat(...).prompt(observation)`` tokenised)."""
+        return self.start(chat_messages(observation, system_prompt, role=self.observation_role))
 
     def start(self, messages: list[dict[str, str]]) -> Trajectory:
         """The first prompt (system and first observation, say) with the generation prompt."""

@@ -80,6 +80,7 @@ def build_tiny_from_config(path: str | Path, tiny: TinyModelConfig) -> Path:
         num_layers=tiny.num_layers,
         num_heads=tiny.num_heads,
         seed=tiny.seed,
+        chat_template=tiny.chat_template,
     )
 
 
@@ -95,12 +96,14 @@ def ensure_tiny_model(model: ModelConfig) -> Path | None:
     return build_tiny_from_config(model.path, model.build_tiny)
 
 
-def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+def char_tokenizer(alphabet: str, *, chat_template: bool = True) -> PreTrainedTokenizerFast:
     """A tokenizer with one token per character of ``alphabet``, plus ``<pad>``, ``<eos>``, ``<unk>``.
 
     Ids: ``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, then ``<|system|>``, ``<|user|>``, ``<|assistant|>``
     (the chat template's role markers), then the alphabet in order. No BOS/EOS is added on encode.
-    ``padding_side`` is left to the caller.
+    ``padding_side`` is left to the caller. With ``chat_template`` (the default) it carries
+    ``CHAT_TEMPLATE`` (``<|user|>12+34<|assistant|>``, an assistant turn ending with ``<eos>``);
+    without, it has none, as a base model's tokenizer (the role tokens stay in the vocabulary).
 
     It is a byte-level BPE with no merges and exactly the pipeline of ``Qwen2Tokenizer``: for a
     ``qwen2`` checkpoint, transformers 5 (and so vLLM) always rebuilds the tokenizer as
@@ -146,7 +149,8 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
         additional_special_tokens=list(ROLE_TOKENS),
         clean_up_tokenization_spaces=False,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
@@ -164,6 +168,7 @@ def build_tiny_model(
     dtype: str = "float32",
     seed: int = 0,
     for_cpu_engine: bool = True,
+    chat_template: bool = True,
 ) -> Path:
     """Save a random-init ``Qwen2ForCausalLM`` (fp32 unless ``dtype``) and its ``char_tokenizer(alphabet)`` to ``out_dir``.
 
@@ -171,12 +176,13 @@ def build_tiny_model(
     ``4 * hidden_size``. ``vocab_size`` larger than the tokenizer's pads the embedding (the shape of a
     real model for speed measurements; ids past the tokenizer decode to nothing). The same ``seed``
     gives the same weights. ``for_cpu_engine`` checks the head size against vLLM's CPU backend (turn it
-    off for a model meant for GPUs, e.g. Qwen2.5-3B's head size 128). Returns ``out_dir`` as a ``Path``,
+    off for a model meant for GPUs, e.g. Qwen2.5-3B's head size 128); ``chat_template=False`` saves a
+    tokenizer without one. Returns ``out_dir`` as a ``Path``,
     loadable offline with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check_dims(hidden_size, num_heads, num_kv_heads, for_cpu_engine)
-    tokenizer = char_tokenizer(alphabet)
+    tokenizer = char_tokenizer(alphabet, chat_template=chat_template)
     config = Qwen2Config(
         vocab_size=max(vocab_size or 0, len(tokenizer)),
         hidden_size=hidden_size,

@@ -27,12 +27,14 @@ import torch
 
 from reroll.algorithms.objective import AdvantageState, compute_advantages
 from reroll.config.schema import AgenticConfig, RunConfig
+from reroll.data.chat import ChatTemplateError
 from reroll.data.datasets import read_rows
 from reroll.data.types import SamplingParams
 from reroll.envs.agent import is_agent
 from reroll.envs.check import policy_action
 from reroll.envs.registry import make_env
 from reroll.envs.trajectory import TrajectoryBuilder
+from reroll.errors import UserError
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import sampling, sft_warm_start, step_seed, train_mini_batches
 from reroll.pipelines.run import Checkpointed, Pipeline, Roles, RoleSet
@@ -50,7 +52,10 @@ class Agentic(Pipeline):
         super().__init__(cfg)
         assert cfg.agentic is not None
         self.a: AgenticConfig = cfg.agentic
-        self.builder = TrajectoryBuilder(load_tokenizer(cfg.model.path))
+        try:  # episodes are chats: the same rendering as rlvr/sft prompts (reroll.data.chat)
+            self.builder = TrajectoryBuilder(load_tokenizer(cfg.model.path))
+        except ChatTemplateError as e:
+            raise UserError(f"{cfg.model.path}: {e}") from e
         self.state = AdvantageState.initial(cfg.algorithm)
         self.last: list[Episode] = []
         self.agent = is_agent(self.a.env)  # external agent code through the proxy endpoint
@@ -223,8 +228,7 @@ def _scripted_episode(cfg: RunConfig, builder: TrajectoryBuilder, seed: int) -> 
     assert a is not None
     env, rng = make_env(a.env, a.env_config), random.Random(seed)
     obs, _ = env.reset(seed=seed % a.eval_seed)
-    head = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
-    ep = Episode(seed, seed, builder.start([*head, {"role": builder.observation_role, "content": obs}]))
+    ep = Episode(seed, seed, builder.start_episode(obs, a.system_prompt))
     ep.states.append(obs)
     tok = builder.tokenizer
     for _ in range(a.max_turns):

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from reroll.algorithms.aggregation import count_tokens_and_seqs
 from reroll.config.schema import RunConfig
+from reroll.data.chat import ChatTemplateError, PromptFormat
 from reroll.data.datasets import DomainSampler, PromptSampler, load_samples
 from reroll.data.types import Completion, RewardItem, Sample, SamplingParams, TrainBatch
 from reroll.errors import UserError
@@ -29,8 +30,11 @@ log = logging.getLogger(__name__)
 def write_synthetic_data(cfg: RunConfig) -> None:
     """Write the synthetic task ``data.synthetic`` asks for, where its files do not exist yet."""
     syn = cfg.data.synthetic
-    targets = [Path(cfg.data.train_files[0]), *(Path(f) for f in cfg.data.eval_files[:1])]
-    if syn is not None and not all(p.exists() for p in targets):
+    if syn is None:
+        return
+    # RunConfig.check guarantees these entries are paths when data.synthetic is set
+    targets = [Path(str(cfg.data.train_files[0])), *(Path(str(f)) for f in cfg.data.eval_files[:1])]
+    if not all(p.exists() for p in targets):
         from reroll.data.arithmetic import write_arithmetic_dataset
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -48,10 +52,26 @@ def write_synthetic_data(cfg: RunConfig) -> None:
         log.info("wrote synthetic %s data to %s", syn.task, ", ".join(map(str, targets)))
 
 
-def load_data(cfg: RunConfig) -> tuple[list[Sample], list[Sample]]:
-    """Training and held-out samples, checked for the fields the template and reward need."""
+def prompt_format(cfg: RunConfig, tokenizer: Any) -> PromptFormat:
+    """The run's ``PromptFormat``: ``data.chat_template`` and ``data.system_prompt`` over ``tokenizer``;
+    one that cannot be built is a ``UserError`` naming the keys."""
+    assert cfg.data is not None
+    try:
+        fmt = PromptFormat(
+            tokenizer, chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt
+        )
+    except ChatTemplateError as e:
+        raise UserError(f"{cfg.model.path}: {e}") from e
+    log.info("prompts: %s", fmt.describe())
+    return fmt
+
+
+def load_data(cfg: RunConfig, fmt: PromptFormat | None = None) -> tuple[list[Sample], list[Sample]]:
+    """Training and held-out samples in the run's prompt format (``None``: the template's text as it
+    is), checked for the fields the template and reward need."""
     kw = {
         "template": cfg.data.prompt_template,
+        "render": fmt.prompt if fmt is not None else None,
         "required": [] if cfg.reward.domains else [cfg.data.answer_field],
         "id_field": cfg.data.id_field,
     }
@@ -98,16 +118,23 @@ def prompt_sampler(cfg: RunConfig, train: list[Sample]) -> PromptSampler | Domai
 def _with_answer(sample: Sample, field_name: str) -> Sample:
     if field_name not in sample.row:  # a domain whose rewards read no answer (code tests, rules)
         return sample
-    return Sample(sample.uid, sample.prompt, {**sample.row, "answer": sample.row[field_name]}, sample.domain)
+    return replace(sample, row={**sample.row, "answer": sample.row[field_name]})
 
 
-def sft_batch(samples: Sequence[Sample], tokenizer: Any, target_template: str) -> TrainBatch:
-    """Prompt + target + eos rows; the loss covers the target and eos."""
+def sft_batch(samples: Sequence[Sample], fmt: PromptFormat | Any, target_template: str) -> TrainBatch:
+    """Prompt + target + end-of-response rows; the loss covers the target and its end only.
+
+    The prompt is the sample's, as rollouts see it (chat template and system prompt included); the
+    response ends with ``fmt.end_of_response`` (the template's end-of-turn token, or eos). A tokenizer
+    in place of ``fmt`` means raw prompts (ending with eos)."""
+    if not isinstance(fmt, PromptFormat):
+        fmt = PromptFormat(fmt, chat_template=False)
+    tokenizer = fmt.tokenizer
     rows = []
     for s in samples:
         prompt = tokenizer.encode(s.prompt, add_special_tokens=False)
         target = tokenizer.encode(target_template.format(**s.row), add_special_tokens=False)
-        rows.append((prompt, [*target, tokenizer.eos_token_id]))
+        rows.append((prompt, [*target, *fmt.end_of_response]))
     width = max(len(p) + len(t) for p, t in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.bool)

@@ -8,6 +8,10 @@ Checked:
   save directory), are readable as UTF-8 JSONL / JSON / Parquet, hold rows, and their first
   ``PEEK_ROWS`` rows have the fields the prompt template, the answer field, the SFT target and the
   reward domains read. Files ``data.synthetic`` will write are skipped while they do not exist.
+  A Hugging Face dataset by name is loaded as the run would (from the local cache when offline):
+  one that is not there says so and how to fetch it; a wrong split, subset or ``rename`` is named.
+- the chat template: ``data.chat_template: true`` or a ``data.system_prompt`` needs a tokenizer with
+  one, checked where ``model.path`` is a local directory.
 - preference files (``preference.train_files`` / ``eval_files``): readable the same way, and every row
   a valid pair (``check_preference_row``: prompt, chosen and rejected present, non-empty strings or
   message lists, chosen different from rejected). Files ``preference.synthetic`` will write are skipped
@@ -48,7 +52,8 @@ from reroll.config.loader import ConfigError, ConfigProblem
 from reroll.config.placement import cluster_problems
 from reroll.config.schema import RunConfig
 from reroll.config.startable import start_problems
-from reroll.data.datasets import check_row, read_rows, template_fields
+from reroll.data.chat import ChatTemplateError, PromptFormat
+from reroll.data.datasets import Source, check_row, read_rows, source_name, template_fields
 from reroll.data.preferences import check_preference_row
 from reroll.envs.agent import is_agent, load_agent
 from reroll.errors import UserError
@@ -71,6 +76,7 @@ def check_inputs(cfg: RunConfig) -> list[ConfigProblem]:
     problems = _check_output_dir(cfg)
     problems += _check_data(cfg)
     problems += _check_preferences(cfg)
+    problems += _check_chat_template(cfg)
     if cfg.pipeline not in ("agentic", "reward_model"):
         problems += _check_rewards(cfg)
     elif cfg.agentic is not None and is_agent(cfg.agentic.env):
@@ -99,7 +105,7 @@ def _check_output_dir(cfg: RunConfig) -> list[ConfigProblem]:
     return []
 
 
-def _data_files(cfg: RunConfig) -> list[tuple[str, str, list[str]]]:
+def _data_files(cfg: RunConfig) -> list[tuple[str, Source, list[str]]]:
     """``(config key, file, fields its rows need)`` for every data file the run reads."""
     data = cfg.data
     if data is None:
@@ -121,22 +127,45 @@ def _data_files(cfg: RunConfig) -> list[tuple[str, str, list[str]]]:
 def _check_data(cfg: RunConfig) -> list[ConfigProblem]:
     problems = []
     synthetic = set()
-    if cfg.data is not None and cfg.data.synthetic is not None:
-        synthetic = {cfg.data.train_files[0], *cfg.data.eval_files[:1]}
+    if cfg.data is not None and cfg.data.synthetic is not None:  # paths only (RunConfig.check)
+        synthetic = {str(cfg.data.train_files[0]), *map(str, cfg.data.eval_files[:1])}
     for key, file, needed in _data_files(cfg):
-        if file in synthetic and not Path(file).exists():
+        name = source_name(file)
+        if isinstance(file, str) and file in synthetic and not Path(file).exists():
             continue  # data.synthetic writes it at start
         try:
             rows = read_rows(file, limit=PEEK_ROWS)
             if not rows:
-                raise UserError(f"{file}: has no rows: add rows, or remove it from {key.split('[')[0]}")
+                raise UserError(f"{name}: has no rows: add rows, or remove it from {key.split('[')[0]}")
             for i, row in enumerate(rows):
-                check_row(file, i, row, needed)
+                check_row(name, i, row, needed)
             if cfg.reward.domains:
-                _check_domains(cfg, file, rows)
+                _check_domains(cfg, name, rows)
         except UserError as e:
             problems.append(ConfigProblem(key, str(e)))
     return problems
+
+
+def _check_chat_template(cfg: RunConfig) -> list[ConfigProblem]:
+    """``data.chat_template`` / ``data.system_prompt`` work with the tokenizer at a local ``model.path``."""
+    data = cfg.data
+    asks = data is not None and (data.chat_template is True or data.system_prompt)
+    if data is None or not asks or not Path(cfg.model.path).is_dir():
+        return []
+    from reroll.models.loading import load_tokenizer
+
+    try:
+        PromptFormat(
+            load_tokenizer(cfg.model.path),
+            chat_template=data.chat_template,
+            system_prompt=data.system_prompt,
+        )
+    except ChatTemplateError as e:
+        key = "data.chat_template" if data.chat_template is True else "data.system_prompt"
+        return [ConfigProblem(key, f"{cfg.model.path}: {e}")]
+    except UserError as e:  # no tokenizer there at all
+        return [ConfigProblem("model.path", str(e))]
+    return []
 
 
 def _check_agent(cfg: RunConfig) -> list[ConfigProblem]:

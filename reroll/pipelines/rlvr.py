@@ -26,6 +26,7 @@ from reroll.pipelines.async_rollout import QUEUE_FILE, RolloutSource
 from reroll.pipelines.common import (
     evaluate,
     load_data,
+    prompt_format,
     prompt_sampler,
     sample_line,
     sampling,
@@ -45,10 +46,11 @@ class RLVR(Pipeline):
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         write_synthetic_data(cfg)
-        self.train, self.held_out = load_data(cfg)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.format = prompt_format(cfg, self.tokenizer)
+        self.train, self.held_out = load_data(cfg, self.format)
         self.sampler = prompt_sampler(cfg, self.train)
         self.source = RolloutSource(cfg, self.sampler)
-        self.tokenizer = load_tokenizer(cfg.model.path)
         self.state = AdvantageState.initial(cfg.algorithm)
         self.last: tuple[Rollout, RewardResult] | None = None
 
@@ -58,7 +60,9 @@ class RLVR(Pipeline):
         return RoleSet(reference=reference, critic=self.cfg.critic is not None)
 
     def texts(self) -> Iterable[str]:
-        yield from (s.prompt for s in [*self.train, *self.held_out])
+        # as written, not through the chat template (whose special tokens are not characters)
+        yield from (s.text for s in [*self.train, *self.held_out])
+        yield from [self.cfg.data.system_prompt] if self.cfg.data.system_prompt else []
         yield from (str(s.row.get("answer", "")) for s in self.train)
 
     def warm_start(self, roles: Roles) -> None:
@@ -68,7 +72,7 @@ class RLVR(Pipeline):
         rows = PromptSampler(
             self.train, sft.batch_size, seed=self.cfg.seed + 1, shuffle=self.cfg.data.shuffle
         )
-        batch = lambda i: sft_batch(rows.next_batch(), self.tokenizer, sft.target_template)  # noqa: E731
+        batch = lambda i: sft_batch(rows.next_batch(), self.format, sft.target_template)  # noqa: E731
         sft_warm_start(self.cfg, roles, batch, "the training rows' targets")
 
     def restore(self, saved: dict[str, Any], directory: Path) -> None:

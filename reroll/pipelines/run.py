@@ -61,14 +61,23 @@ class RunResult:
     config_path: Path
     final_metrics: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def model_path(self) -> Path | None:
+        """The directory ``AutoModelForCausalLM.from_pretrained`` loads: ``model/`` in the checkpoint."""
+        return self.checkpoint / "model" if self.checkpoint is not None else None
+
     def summary(self, name: str) -> str:
         """The lines a finished run prints: held-out accuracy and where everything is (relative to the
         working directory when below it)."""
         acc = self.final_metrics.get("eval/accuracy")
         lines = [f"done: {name}" + (f" | held-out accuracy {acc:.3f}" if acc is not None else "")]
-        if self.checkpoint is not None:
-            ckpt = _shown(self.checkpoint)
-            lines.append(f"  checkpoint: {ckpt}  (from_pretrained: {ckpt / 'model'})")
+        if self.checkpoint is not None:  # the loadable model first: that is what people copy
+            lines.append(
+                f"  model:      {_shown(self.model_path)}  (from_pretrained loads it, tokenizer included)"
+            )
+            lines.append(
+                f"  checkpoint: {_shown(self.checkpoint)}  (model, optimizer, data position: --resume)"
+            )
         tb = self.run_dir / "tensorboard"
         lines.append(
             f"  metrics:    {_shown(self.metrics_path)}"

@@ -13,7 +13,7 @@ from typing import Any
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler, load_samples
 from reroll.models.loading import load_tokenizer
-from reroll.pipelines.common import evaluate, load_data, sft_batch, write_synthetic_data
+from reroll.pipelines.common import evaluate, load_data, prompt_format, sft_batch, write_synthetic_data
 from reroll.pipelines.run import Checkpointed, Pipeline, Roles
 
 
@@ -24,12 +24,16 @@ class SFT(Pipeline):
         super().__init__(cfg)
         assert cfg.sft is not None  # RunConfig.check guarantees it
         write_synthetic_data(cfg)
-        self.train, self.held_out = load_data(cfg)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.format = prompt_format(cfg, self.tokenizer)
+        self.train, self.held_out = load_data(cfg, self.format)
         if cfg.sft.files:
             self.train = load_samples(
-                cfg.sft.files, template=cfg.data.prompt_template, required=[cfg.data.answer_field]
+                cfg.sft.files,
+                template=cfg.data.prompt_template,
+                render=self.format.prompt,
+                required=[cfg.data.answer_field],
             )
-        self.tokenizer = load_tokenizer(cfg.model.path)
         self.sampler = PromptSampler(
             self.train, cfg.sft.batch_size, seed=cfg.seed + 1, shuffle=cfg.data.shuffle
         )
@@ -41,7 +45,9 @@ class SFT(Pipeline):
 
     def texts(self) -> Iterable[str]:
         assert self.cfg.sft is not None
-        yield from (s.prompt for s in [*self.train, *self.held_out])
+        # as written, not through the chat template (whose special tokens are not characters)
+        yield from (s.text for s in [*self.train, *self.held_out])
+        yield from [self.cfg.data.system_prompt] if self.cfg.data.system_prompt else []
         yield from (self.cfg.sft.target_template.format(**s.row) for s in self.train)
 
     def optimizer(self) -> tuple[float, int]:
@@ -57,7 +63,7 @@ class SFT(Pipeline):
     def step(self, roles: Roles, step: int) -> dict[str, float]:
         assert self.cfg.sft is not None
         with roles.phase("train", "actor_train"):
-            batch = sft_batch(self.sampler.next_batch(), self.tokenizer, self.cfg.sft.target_template)
+            batch = sft_batch(self.sampler.next_batch(), self.format, self.cfg.sft.target_template)
             return roles.actor.train_sft(batch)
 
     def evaluate(self, roles: Roles) -> dict[str, float]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from reroll.rewards.base import RewardResult
+from reroll.rewards.base import RewardResult, as_result
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,7 @@ def serve(fd: int) -> None:
             key = (name, repr(sorted(args.items())))
             if key not in fns:
                 fns[key] = resolve_reward(name, args)
-            result = fns[key](prompt, response, row)
-            if not isinstance(result, RewardResult):
-                raise TypeError(f"reward {name!r} returned {type(result).__name__}, not a RewardResult")
+            result = as_result(fns[key](prompt, response, row))  # a plain number is a score
             reply: tuple[str, Any] = ("ok", result)
         except BaseException as e:  # every failure of the reward goes back as a message
             reply = ("error", f"{type(e).__name__}: {e}")

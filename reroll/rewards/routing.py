@@ -18,7 +18,7 @@ from reroll.algorithms.shaping import batch_normalize
 from reroll.config.reward import RewardConfig, RewardTermConfig
 from reroll.errors import RewardFailure, RoleError, UserError
 from reroll.rewards import REGISTRY, required_fields, resolve_reward
-from reroll.rewards.base import RewardResult
+from reroll.rewards.base import RewardResult, as_result
 from reroll.rewards.isolation import ProcessPool, RewardCallError, RewardTimeout
 
 DEFAULT_DOMAIN = "default"
@@ -120,9 +120,9 @@ class RewardRouter:
         def run(t: _Term) -> RewardResult:
             try:
                 if not t.isolated:
-                    return t.fn(prompt, response, row)
+                    return as_result(t.fn(prompt, response, row))
                 assert self.pool is not None and deadline is not None, "an isolated term needs a deadline"
-                return self.pool.call(t.name, t.args, prompt, response, row, deadline=deadline)
+                return as_result(self.pool.call(t.name, t.args, prompt, response, row, deadline=deadline))
             except (
                 RewardTimeout,
                 RoleError,

@@ -192,11 +192,10 @@ def run_episodes(
 ) -> list[Episode]:
     """Play one episode per ``(seed, group)`` until each ends; one engine call per turn for all live ones."""
     episodes = [Episode(seed, group) for seed, group in starts]
-    head = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for ep, r in zip(episodes, envs.reset([(i, seed) for i, (seed, _) in enumerate(starts)])):
         if _ended(ep, r):
             continue
-        ep.traj = builder.start([*head, {"role": builder.observation_role, "content": r.observation}])
+        ep.traj = builder.start_episode(r.observation, system_prompt)
         ep.states.append(r.observation)
     live = [i for i, ep in enumerate(episodes) if not ep.finish]
     for _ in range(max_turns):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -21,7 +23,7 @@ from tests.conftest import write_config
 pytestmark = pytest.mark.integration
 
 
-def test_sft_pipeline_improves_accuracy(tmp_path, assets):
+def test_sft_pipeline_improves_accuracy(tmp_path, assets, capsys):
     cfg = write_config(
         tmp_path / "c.yaml",
         assets,
@@ -38,6 +40,12 @@ def test_sft_pipeline_improves_accuracy(tmp_path, assets):
     assert losses[-1] < 0.5 * losses[0]  # next-token loss on the answers at least halves
     assert rows[0]["eval/accuracy"] == 0.0 < rows[-1]["eval/accuracy"]  # from 0 for a random model
     assert checkpoint.latest(tmp_path / "runs" / "sft").name == "step_000060"
+    # the summary's model line is the directory from_pretrained loads (model and tokenizer)
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("model:")]
+    printed = Path(line.split()[1])
+    assert printed == checkpoint.latest(tmp_path / "runs" / "sft") / "model"
+    assert AutoModelForCausalLM.from_pretrained(printed).num_parameters() > 0
+    assert load_tokenizer(str(printed)).chat_template  # the chat template travels with the model
 
 
 def test_checkpoint_loads_in_transformers_with_trainer_logprobs(tmp_path, assets):

@@ -1,0 +1,155 @@
+"""Chat templates: one rendering for rlvr, sft, evaluation and agentic; auto follows the tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reroll.config.loader import load_config
+from reroll.config.schema import RunConfig
+from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+from reroll.data.chat import ChatTemplateError, PromptFormat
+from reroll.data.coverage import lost_characters_warning
+from reroll.data.datasets import load_samples
+from reroll.data.types import Completion, RewardItem
+from reroll.envs.trajectory import TrajectoryBuilder
+from reroll.models.loading import load_tokenizer
+from reroll.models.tiny import build_tiny_model, char_tokenizer
+from reroll.pipelines.common import evaluate, sft_batch
+from reroll.pipelines.preflight import check_inputs
+from reroll.pipelines.rlvr import RLVR
+from reroll.pipelines.sft import SFT
+from tests.conftest import write_config
+
+ALPHABET = ARITHMETIC_ALPHABET + "abcdefghijklmnopqrstuvwxyz."
+SYSTEM = "add."
+
+
+def test_auto_uses_the_template_only_when_the_tokenizer_has_one():
+    chat, raw = char_tokenizer(ALPHABET), char_tokenizer(ALPHABET, chat_template=False)
+    assert PromptFormat(chat).chat and not PromptFormat(raw).chat
+    assert PromptFormat(chat).prompt("12+34=") == "<|user|>12+34=<|assistant|>"
+    assert PromptFormat(raw).prompt("12+34=") == "12+34="  # a base tokenizer: the template's text
+    assert PromptFormat(chat, chat_template=False).prompt("12+34=") == "12+34="
+    with_system = PromptFormat(chat, chat_template=True, system_prompt=SYSTEM)
+    assert with_system.prompt("1+2=") == "<|system|>add.<|user|>1+2=<|assistant|>"
+    with pytest.raises(ChatTemplateError, match="has no chat template"):
+        PromptFormat(raw, chat_template=True)
+    with pytest.raises(ChatTemplateError, match=r"data\.system_prompt is set"):
+        PromptFormat(raw, system_prompt=SYSTEM)  # auto found no template: nowhere to put it
+    # a response ends where the engine stops: the template's end of turn (<eos> here), else eos
+    assert PromptFormat(chat).end_of_response == [chat.eos_token_id]
+    assert PromptFormat(raw).end_of_response == [raw.eos_token_id]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return build_tiny_model(
+        tmp_path_factory.mktemp("chat") / "model", alphabet=ALPHABET, hidden_size=64, num_heads=2
+    )
+
+
+def _config(tmp_path, assets, model, pipeline: str, **data) -> RunConfig:
+    path = write_config(
+        tmp_path / f"{pipeline}.yaml",
+        assets,
+        pipeline=pipeline,
+        model={"path": str(model)},
+        data={"system_prompt": SYSTEM, "eval_limit": 4, **data},
+        sft={"steps": 2, "batch_size": 4},
+    )
+    return load_config(path, RunConfig)
+
+
+class _Recorder:
+    """actor_infer and reward for ``evaluate``: records the prompts and answers each with '0'."""
+
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+        self.items: list[RewardItem] = []
+        self.rollout, self.reward = self, self
+
+    def generate(self, prompts, params, phase="generate"):
+        self.prompts += prompts
+        return [[Completion([], [], "0", [], "stop")] for _ in prompts]
+
+    def score(self, items, phase="reward"):
+        from reroll.rewards.base import RewardResult
+
+        self.items += items
+        return [RewardResult(0.0) for _ in items]
+
+
+def test_a_row_renders_identically_in_rlvr_sft_evaluation_and_agentic(tmp_path, assets, chat_model):
+    rlvr = RLVR(_config(tmp_path, assets, chat_model, "rlvr"))
+    tok = load_tokenizer(str(chat_model))
+    expected = tok.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "2+3="}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert expected == "<|system|>add.<|user|>2+3=<|assistant|>"
+    sft = SFT(_config(tmp_path, assets, chat_model, "sft"))
+    row = rlvr.train[0]
+    assert row.prompt == tok.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row.row["question"] + "="}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert [s.prompt for s in rlvr.train] == [s.prompt for s in sft.train]  # rollouts and SFT rows
+    # evaluation sends the held-out prompts as they are; the reward sees the user message
+    for pipeline in (rlvr, sft):
+        roles = _Recorder()
+        evaluate(pipeline.cfg, roles, pipeline.held_out)  # type: ignore[arg-type]
+        assert roles.prompts == [s.prompt for s in rlvr.held_out]
+        assert all(
+            p.startswith("<|system|>add.<|user|>") and p.endswith("<|assistant|>") for p in roles.prompts
+        )
+        assert [i.prompt for i in roles.items] == [s.row["question"] + "=" for s in rlvr.held_out]
+    # the SFT warm start of rlvr and the sft pipeline train on the same tokens
+    a = sft_batch(rlvr.train[:4], rlvr.format, "{answer}")
+    b = sft_batch(sft.train[:4], sft.format, "{answer}")
+    assert a.input_ids.tolist() == b.input_ids.tolist()
+    # the start-of-run character check reads the texts as written, not the template's special tokens
+    assert lost_characters_warning(tok, rlvr.texts()) is None
+    assert lost_characters_warning(tok, [s.prompt for s in rlvr.train[:1]]) is not None  # '<|user|>'
+    # agentic: an episode's first prompt is the same rendering of its first observation
+    traj = TrajectoryBuilder(tok).start_episode("2+3=", SYSTEM)
+    assert traj.ids == tok.encode(rlvr.format.prompt("2+3="), add_special_tokens=False)
+
+
+def test_false_gives_the_prompt_template_text(tmp_path, assets, chat_model):
+    rlvr = RLVR(_config(tmp_path, assets, chat_model, "rlvr", chat_template=False, system_prompt=None))
+    assert all(s.prompt == s.row["question"] + "=" for s in rlvr.train)
+
+
+def test_sft_with_a_chat_template_has_loss_only_on_the_response(tmp_path, chat_model):
+    tok = load_tokenizer(str(chat_model))
+    fmt = PromptFormat(tok, system_prompt=SYSTEM)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        json.dumps({"question": "12+34", "answer": "46"})
+        + "\n"
+        + json.dumps({"question": "1+2", "answer": "3"})
+    )
+    samples = load_samples([str(rows)], template="{question}=", render=fmt.prompt)
+    batch = sft_batch(samples, fmt, "{answer}")
+    for i, (s, answer) in enumerate(zip(samples, ["46", "3"])):
+        ids = batch.input_ids[i][batch.attention_mask[i]].tolist()
+        assert tok.decode(ids) == f"<|system|>add.<|user|>{s.row['question']}=<|assistant|>{answer}<eos>"
+        in_loss = batch.input_ids[i][batch.response_mask[i]].tolist()
+        assert tok.decode(in_loss) == f"{answer}<eos>"  # no system, user or role tokens in the loss
+
+
+def test_validate_refuses_a_template_the_tokenizer_lacks(tmp_path, assets):
+    base = build_tiny_model(
+        tmp_path / "base", alphabet=ALPHABET, hidden_size=64, num_heads=2, chat_template=False
+    )
+    cfg = _config(tmp_path, assets, base, "rlvr", chat_template=True, system_prompt=None)
+    [problem] = check_inputs(cfg)
+    assert problem.path == "data.chat_template" and "has no chat template" in problem.message
+    cfg = _config(tmp_path, assets, base, "rlvr")  # auto, with a system prompt
+    [problem] = check_inputs(cfg)
+    assert problem.path == "data.system_prompt" and "nowhere to put it" in problem.message
+    assert check_inputs(_config(tmp_path, assets, base, "rlvr", system_prompt=None)) == []
