@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from reroll.data.arithmetic import make_arithmetic_rows
+from reroll.data.chat import PromptFormat, chat_messages
 from reroll.data.datasets import DatasetError, read_rows
 from reroll.data.types import TrainBatch
 
@@ -83,13 +84,19 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def render_pair(row: dict[str, Any], tokenizer: Any = None) -> tuple[str, str, str]:
-    """``(prompt, chosen, rejected)`` text of a checked row: strings as they are; message lists through
-    the tokenizer's chat template (the prompt with the generation prompt, each response as the text the
+def render_pair(
+    row: dict[str, Any], tokenizer: Any = None, fmt: PromptFormat | None = None
+) -> tuple[str, str, str]:
+    """``(prompt, chosen, rejected)`` text of a checked row: strings as they are, unless ``fmt`` (the
+    run's ``PromptFormat``) uses the chat template, which then wraps them as a user message (with the
+    system prompt) and an assistant reply, as rlvr and sft render prompts; message lists through the
+    tokenizer's chat template (the prompt with the generation prompt, each response as the text the
     template adds after it). The one place preference rows become text."""
     prompt = row["prompt"]
     if isinstance(prompt, str) and isinstance(row["chosen"], str) and isinstance(row["rejected"], str):
-        return prompt, row["chosen"], row["rejected"]
+        if fmt is None or not fmt.chat:
+            return prompt, row["chosen"], row["rejected"]
+        prompt = chat_messages(prompt, fmt.system_prompt)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise DatasetError(
             "preference rows with chat message lists need a tokenizer with a chat template: the model's "
@@ -111,14 +118,19 @@ def render_pair(row: dict[str, Any], tokenizer: Any = None) -> tuple[str, str, s
 
 
 def load_pairs(
-    files: Sequence[str], tokenizer: Any = None, *, id_field: str = "id", limit: int | None = None
+    files: Sequence[str],
+    tokenizer: Any = None,
+    *,
+    fmt: PromptFormat | None = None,
+    id_field: str = "id",
+    limit: int | None = None,
 ) -> list[PreferencePair]:
     """Every row of ``files`` checked (``check_preference_row``) and rendered (``render_pair``)."""
     pairs: list[PreferencePair] = []
     for file in files:
         for i, row in enumerate(read_rows(file)):
             check_preference_row(file, i, row)
-            prompt, chosen, rejected = render_pair(row, tokenizer)
+            prompt, chosen, rejected = render_pair(row, tokenizer, fmt)
             pairs.append(PreferencePair(str(row.get(id_field, f"{file}:{i + 1}")), prompt, chosen, rejected))
             if limit is not None and len(pairs) >= limit:
                 return pairs

@@ -27,7 +27,14 @@ from reroll.data.datasets import PromptSampler
 from reroll.data.preferences import PairBatch, PreferencePair, pair_batch
 from reroll.data.types import Sample
 from reroll.models.loading import load_tokenizer
-from reroll.pipelines.common import evaluate, load_data, sft_batch, sft_warm_start, write_synthetic_data
+from reroll.pipelines.common import (
+    evaluate,
+    load_data,
+    prompt_format,
+    sft_batch,
+    sft_warm_start,
+    write_synthetic_data,
+)
 from reroll.pipelines.pairs import batches, load_preference_data, pair_texts, write_synthetic_pairs
 from reroll.pipelines.run import Checkpointed, Pipeline, Roles, RoleSet
 from reroll.roles.trainer import TrainerGroup
@@ -47,9 +54,10 @@ class DPO(Pipeline):
         self.pairs, self.held_out_pairs = load_preference_data(cfg, self.tokenizer)
         self.rows: list[Sample] = []
         self.held_out: list[Sample] = []
+        self.format = prompt_format(cfg, self.tokenizer) if cfg.data is not None else None
         if cfg.data is not None:
             write_synthetic_data(cfg)
-            self.rows, self.held_out = load_data(cfg)
+            self.rows, self.held_out = load_data(cfg, self.format)
         assert cfg.preference is not None
         self.sampler = PromptSampler(
             list(range(len(self.pairs))),  # type: ignore[arg-type]  # pair indices: the cache is by index
@@ -74,7 +82,7 @@ class DPO(Pipeline):
         if sft is None or not self.rows:
             return
         rows = PromptSampler(self.rows, sft.batch_size, seed=self.cfg.seed + 1, shuffle=True)
-        batch = lambda i: sft_batch(rows.next_batch(), self.tokenizer, sft.target_template)  # noqa: E731
+        batch = lambda i: sft_batch(rows.next_batch(), self.format or self.tokenizer, sft.target_template)  # noqa: E731
         sft_warm_start(self.cfg, roles, batch, "data.train_files' targets")
 
     def restore(self, saved: dict[str, Any], directory: Path) -> None:

@@ -24,8 +24,9 @@ from tqdm import tqdm
 from reroll.config.schema import RunConfig
 from reroll.data.types import RewardItem, Sample
 from reroll.errors import UserError
+from reroll.models.loading import load_tokenizer
 from reroll.models.tiny import ensure_tiny_model
-from reroll.pipelines.common import load_data, sampling, step_seed, write_synthetic_data
+from reroll.pipelines.common import load_data, prompt_format, sampling, step_seed, write_synthetic_data
 from reroll.pipelines.preflight import preflight
 from reroll.pipelines.run import Roles, RoleSet
 from reroll.rewards import routing
@@ -118,7 +119,7 @@ def generate(
     preflight(cfg)
     ensure_tiny_model(cfg.model)
     write_synthetic_data(cfg)
-    train, held_out = load_data(cfg)
+    train, held_out = load_data(cfg, prompt_format(cfg, load_tokenizer(cfg.model.path)))
     samples = (held_out if split == "eval" else train)[:limit]
     n = cfg.rollout.group_size
     done = _read_done(out, samples, cfg.model.path, n)

@@ -15,6 +15,7 @@ from reroll.algorithms.preference import bradley_terry_loss
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
 from reroll.data.preferences import PairBatch, PreferencePair, load_pairs, pair_batch
+from reroll.pipelines.common import prompt_format
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +46,15 @@ def write_synthetic_pairs(cfg: RunConfig) -> None:
 
 
 def load_preference_data(cfg: RunConfig, tokenizer: Any) -> tuple[list[PreferencePair], list[PreferencePair]]:
-    """Training and held-out pairs, every row checked (a bad one names its file and row)."""
+    """Training and held-out pairs, every row checked (a bad one names its file and row). With a
+    ``data`` section (dpo's warm start and evaluation) string pairs are rendered in its prompt format,
+    so what DPO trains on is what the SFT warm start and the evaluation see; without one, as written."""
     prefs = cfg.preference
     assert prefs is not None
-    train = load_pairs(prefs.train_files, tokenizer, id_field=prefs.id_field)
+    fmt = prompt_format(cfg, tokenizer) if cfg.data is not None else None
+    train = load_pairs(prefs.train_files, tokenizer, fmt=fmt, id_field=prefs.id_field)
     held_out = (
-        load_pairs(prefs.eval_files, tokenizer, id_field=prefs.id_field, limit=prefs.eval_limit)
+        load_pairs(prefs.eval_files, tokenizer, fmt=fmt, id_field=prefs.id_field, limit=prefs.eval_limit)
         if prefs.eval_files
         else []
     )

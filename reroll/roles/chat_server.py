@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from reroll.data.chat import ChatTemplateError, render_chat
 from reroll.data.types import Completion, SamplingParams
 from reroll.envs.trajectory import Trajectory, TrajectoryBuilder
 
@@ -38,13 +39,15 @@ Generate = Callable[[list[list[int]], SamplingParams], list[list[Completion]]]
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """The prompt token ids of ``messages`` with the generation prompt: the tokenizer's chat template."""
-    if not getattr(tokenizer, "chat_template", None):
+    """The prompt token ids of ``messages`` with the generation prompt: the tokenizer's chat template,
+    rendered as everywhere else (``reroll.data.chat.render_chat``)."""
+    try:
+        text = render_chat(tokenizer, messages, generation_prompt=True)
+    except ChatTemplateError:
         raise ValueError(
             "the model's tokenizer has no chat template, so chat messages cannot be made into a prompt: "
             "use a model whose tokenizer_config.json has one (instruct models do)"
-        )
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        ) from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
