@@ -250,9 +250,16 @@ _READ_BY = {
 
 
 def user_set_fields(cfg: AlgorithmConfig) -> set[str]:
-    """The fields given a value other than the preset's (a value equal to the preset's is indistinguishable)."""
+    """The fields given a value other than the preset's, or the default where the preset has none (a
+    value equal to those is indistinguishable from not setting it: a run's own config.yaml, which
+    writes every field, loads back)."""
     preset = PRESETS.get(cfg.preset or "", {})
-    return {f for f in cfg.model_fields_set if f not in preset or getattr(cfg, f) != preset[f]}
+    fields = type(cfg).model_fields
+
+    def unchanged(f: str) -> bool:
+        return getattr(cfg, f) == (preset[f] if f in preset else fields[f].get_default(call_default_factory=True))
+
+    return {f for f in cfg.model_fields_set if not unchanged(f)}
 
 
 def _ignored_fields(cfg: AlgorithmConfig) -> list[str]:

@@ -14,3 +14,14 @@ class StrictModel(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    def changed_fields(self) -> set[str]:
+        """The fields set to something other than their default. Checks of the form "X is set but
+        unused" read this, not ``model_fields_set``: a run's own config.yaml writes every field, and
+        must load back."""
+        fields = type(self).model_fields
+        return {
+            f
+            for f in self.model_fields_set
+            if getattr(self, f) != fields[f].get_default(call_default_factory=True)
+        }

@@ -350,7 +350,7 @@ def tail_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     """What ``rollout.tail_threshold`` (tail batching) cannot run with."""
     r, path = cfg.rollout, "rollout.tail_threshold"
     if r.tail_threshold is None:
-        if "tail_share" in r.model_fields_set:
+        if "tail_share" in r.changed_fields():
             return [
                 ("rollout.tail_share", "is set, but tail batching is off: set rollout.tail_threshold too")
             ]

@@ -135,7 +135,7 @@ def check_reward(cfg: RewardConfig) -> list[tuple[str, str]]:
         if cfg.default_domain is not None:
             problems.append(("reward.default_domain", "is only used with reward.domains; remove it"))
         return problems
-    given = cfg.model_fields_set & {"fn", "args", "isolation"}
+    given = cfg.changed_fields() & {"fn", "args", "isolation"}
     if given:
         problems.append(
             (
