@@ -257,7 +257,9 @@ def user_set_fields(cfg: AlgorithmConfig) -> set[str]:
     fields = type(cfg).model_fields
 
     def unchanged(f: str) -> bool:
-        return getattr(cfg, f) == (preset[f] if f in preset else fields[f].get_default(call_default_factory=True))
+        return getattr(cfg, f) == (
+            preset[f] if f in preset else fields[f].get_default(call_default_factory=True)
+        )
 
     return {f for f in cfg.model_fields_set if not unchanged(f)}
 

@@ -30,5 +30,5 @@ def test_a_dumped_config_loads_back_unchanged(tmp_path, example):
 
 def test_set_but_unused_still_refused_when_it_differs_from_the_default(tmp_path):
     path = ROOT / "examples" / "quickstart" / "arithmetic_grpo.yaml"
-    with pytest.raises(Exception, match="algorithm.lam is set"):
+    with pytest.raises(Exception, match=r"algorithm\.lam is set"):
         load_config(path, RunConfig, ["algorithm.lam=0.5"])
