@@ -95,7 +95,7 @@ def test_dead_engine_during_a_broadcast_is_reported_not_hung(tmp_path, assets):
         "runtime.backend=ray",
         "rollout.weight_sync_transport=collective",
         "roles.actor_infer.world_size=2",
-        "runtime.call_timeout_s=60",
+        "runtime.call_timeout_s=600",
     ]
     cfg = load_config(write_config(tmp_path / "c.yaml", assets), RunConfig, overrides)
     start_ray(None)
@@ -109,7 +109,7 @@ def test_dead_engine_during_a_broadcast_is_reported_not_hung(tmp_path, assets):
         with pytest.raises(RoleError, match=r"actor_infer\[1\].*died"):
             rollout.load_weight_buckets(actor.weight_buckets(0.05, "collective"))
         assert actor.sync_bytes() > 0  # the trainer's stream ended (it failed; it did not hang)
-        assert time.monotonic() - began < 30  # well inside runtime.call_timeout_s
+        assert time.monotonic() - began < 60  # not runtime.call_timeout_s: the connection dropped
         rollout.restart()
         form_weight_group(actor, rollout, "gloo")
         rollout.load_weight_buckets(actor.weight_buckets(0.05, "collective"))
