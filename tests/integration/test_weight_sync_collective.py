@@ -5,6 +5,8 @@ GPUs runs the same code), only the buckets' layouts going through Ray."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from reroll.data.datasets import load_samples
 from reroll.data.types import Rollout, SamplingParams, build_train_batch
 from reroll.errors import RoleError
 from reroll.models.loading import load_tokenizer
+from reroll.rewards.base import RewardResult
 from reroll.pipelines.common import sft_batch
 from reroll.roles.rollout import RolloutGroup, form_weight_group
 from reroll.roles.trainer import TrainerGroup
@@ -119,9 +122,15 @@ def test_dead_engine_during_a_broadcast_is_reported_not_hung(tmp_path, assets):
         rollout.shutdown()
 
 
+def starts_with_digit(prompt: str, response: str, sample: Mapping[str, Any]) -> RewardResult:
+    """1 when the response starts with a digit: the untrained tiny model gets a mix of 0s and 1s."""
+    return RewardResult(score=float(response[:1].isdigit()))
+
+
 def test_rlvr_with_collective_matches_object_store(tmp_path, assets):
-    """The same two RLVR steps with either transport give the same metrics (the same weights reach the
-    engine), and the collective run reports its bytes and rate."""
+    """The same two RLVR steps with either transport give the same metrics, and at step 2 the engine
+    samples with the weights step 1 trained (its log-probs are the trainer's): the sync carried them.
+    The collective run reports the bytes that went through the group and the rate."""
     runs = {}
     for transport in ("object_store", "collective"):
         path = write_config(
@@ -129,6 +138,8 @@ def test_rlvr_with_collective_matches_object_store(tmp_path, assets):
             assets,
             name=transport,
             seed=3,
+            optim={"lr": 1e-2, "micro_batch_size": 16},
+            reward={"fn": f"{__name__}:starts_with_digit"},
             rollout={"batch_size": 16, "group_size": 4, "max_new_tokens": 4, "weight_sync_transport": transport},
         )
         out = reroll_cli("train", str(path), "runtime.backend=ray", "eval.every=0", "checkpoint.every=0")
@@ -138,6 +149,8 @@ def test_rlvr_with_collective_matches_object_store(tmp_path, assets):
         base, coll = (step_metrics(runs[t], step) for t in ("object_store", "collective"))
         for key in ("rollout/reward_mean", "actor/loss", "actor/grad_norm", "sync/bytes"):
             assert coll[key] == pytest.approx(base[key], rel=1e-4, abs=1e-6), (step, key)
+        assert coll["actor/grad_norm"] > 0  # the step moved the policy: the next sync matters
+        assert coll["mismatch/logprob_abs_max"] < 1e-4  # the engine sampled with the trainer's weights
         assert coll["sync/bytes_collective"] >= coll["sync/bytes"] > 0
         assert "sync/bytes_collective" not in base
         [row] = [m for m in read_metrics(runs["collective"]) if m["step"] == step]
