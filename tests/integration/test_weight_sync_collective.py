@@ -17,8 +17,8 @@ from reroll.data.datasets import load_samples
 from reroll.data.types import Rollout, SamplingParams, build_train_batch
 from reroll.errors import RoleError
 from reroll.models.loading import load_tokenizer
-from reroll.rewards.base import RewardResult
 from reroll.pipelines.common import sft_batch
+from reroll.rewards.base import RewardResult
 from reroll.roles.rollout import RolloutGroup, form_weight_group
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime.actors import start_ray
@@ -140,7 +140,12 @@ def test_rlvr_with_collective_matches_object_store(tmp_path, assets):
             seed=3,
             optim={"lr": 1e-2, "micro_batch_size": 16},
             reward={"fn": f"{__name__}:starts_with_digit"},
-            rollout={"batch_size": 16, "group_size": 4, "max_new_tokens": 4, "weight_sync_transport": transport},
+            rollout={
+                "batch_size": 16,
+                "group_size": 4,
+                "max_new_tokens": 4,
+                "weight_sync_transport": transport,
+            },
         )
         out = reroll_cli("train", str(path), "runtime.backend=ray", "eval.every=0", "checkpoint.every=0")
         assert out.returncode == 0, out.stderr[-3000:]
