@@ -139,7 +139,7 @@ def test_rlvr_with_collective_matches_object_store(tmp_path, assets):
             name=transport,
             seed=3,
             optim={"lr": 1e-2, "micro_batch_size": 16},
-            reward={"fn": f"{__name__}:starts_with_digit"},
+            reward={"fn": "tests.integration.test_weight_sync_collective:starts_with_digit"},
             rollout={
                 "batch_size": 16,
                 "group_size": 4,
