@@ -122,6 +122,37 @@ def test_dead_engine_during_a_broadcast_is_reported_not_hung(tmp_path, assets):
         rollout.shutdown()
 
 
+def test_run_forms_the_group_again_after_an_engine_restarts(tmp_path, assets):
+    """The run's path (``Roles``): the first sync forms the group and reports its bytes; an engine
+    restarted after it died joins a group formed again and gets the trainer's current weights."""
+    import ray
+
+    from reroll.pipelines.run import Roles, RoleSet
+
+    overrides = ["runtime.backend=ray", "rollout.weight_sync_transport=collective"]
+    cfg = load_config(write_config(tmp_path / "c.yaml", assets), RunConfig, overrides)
+    roles = Roles.start(cfg, RoleSet(reward=False))
+    try:
+        samples = load_samples([str(assets["train"])], template="{question}=")[:8]
+        batch = sft_batch(samples, load_tokenizer(cfg.model.path), "{answer}")
+        roles.actor.configure_optimizer(1e-2, 0)
+        roles.actor.train_sft(batch)
+        sent = roles.sync_weights()
+        metrics = roles.pop_timings()
+        assert roles.weight_group_formed and metrics["sync/bytes_collective"] == sent > 0
+        assert metrics["sync/gb_per_s"] > 0
+
+        ray.kill(roles.rollout.handles[0])
+        roles.actor.train_sft(batch)  # the weights move on while the engine is gone
+        roles.restart("actor_infer")  # a fresh engine: the group is formed again, then synced
+        trainer = roles.actor.weight_buckets(1.0).tensors()
+        engine = _engine_state(roles.rollout, 0)
+        assert all(torch.equal(engine[name], value) for name, value in trainer.items())
+        assert roles.rollout.collective_bytes() == [sent]
+    finally:
+        roles.shutdown()
+
+
 def starts_with_digit(prompt: str, response: str, sample: Mapping[str, Any]) -> RewardResult:
     """1 when the response starts with a digit: the untrained tiny model gets a mix of 0s and 1s."""
     return RewardResult(score=float(response[:1].isdigit()))
