@@ -1,8 +1,10 @@
-"""The ``reroll`` command: train, validate, and offline helpers (tiny model, synthetic data, config docs,
-environment checks).
+"""The ``reroll`` command: train, validate, plan, generate (sample and score a model or checkpoint),
+plot (a run's curves), and offline helpers (tiny model, synthetic data, config docs, environment checks).
 
 User errors (config, files, data) print one message and exit 2, without a traceback; ``--debug``
-shows it. A role's failure prints which role, rank and phase failed and exits 1.
+shows it. A role's failure prints which role, rank and phase failed and exits 1. Third-party notices
+that say nothing about the run are hidden (``reroll.runtime.quiet``); ``--verbose`` shows them. A
+closed pipe (``reroll config-docs | head``) ends the command quietly with 141, as SIGPIPE would.
 """
 
 from __future__ import annotations
@@ -10,12 +12,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
 from reroll.errors import RoleError, UserError
 
 log = logging.getLogger("reroll")
+VERBOSE_HELP = (
+    "show third-party notices that are hidden by default (DeepSpeed's accelerator detection, Ray's token "
+    "authentication, vLLM's warnings and loading bars, transformers' progress bars)"
+)
 
 
 class _TqdmHandler(logging.Handler):
@@ -27,7 +34,10 @@ class _TqdmHandler(logging.Handler):
         tqdm.write(self.format(record), file=sys.stderr)
 
 
-def _setup_logging(debug: bool) -> None:
+def _setup_logging(debug: bool, verbose: bool) -> None:
+    from reroll.runtime import quiet
+
+    quiet.configure(verbose or debug)
     handler = _TqdmHandler()
     handler.setFormatter(
         logging.Formatter("%(message)s" if not debug else "%(levelname)s %(name)s: %(message)s")
@@ -37,7 +47,7 @@ def _setup_logging(debug: bool) -> None:
     root.setLevel(logging.WARNING)
     logging.getLogger("reroll").setLevel(logging.DEBUG if debug else logging.INFO)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not debug:
+    if not (debug or verbose):
         import transformers
 
         transformers.logging.set_verbosity_error()
@@ -60,6 +70,42 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from reroll.pipelines.generate import default_out, generate
+
+    cfg = _load(args)
+    out = args.out or default_out(cfg, args.split, args.checkpoint)
+    result = generate(cfg, out=out, split=args.split, checkpoint=args.checkpoint, limit=args.limit)
+    print(result.table())
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from reroll.runtime.plots import plot_runs, split_runs_and_metrics
+
+    runs, metrics = split_runs_and_metrics(args.runs_and_metrics)
+    path = plot_runs(runs, metrics, args.out or runs[0] / "plots")
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from reroll.pipelines.serve import serve
+
+    cfg = _load(args)
+
+    def ready(server) -> None:
+        print(f"serving {cfg.name} at {server.url} (OpenAI chat completions; Ctrl-C stops)", flush=True)
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as Ctrl-C does, even while it starts
+    serve(cfg, checkpoint=args.checkpoint, host=args.host, port=args.port, ready=ready)
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from reroll.pipelines.preflight import preflight
 
@@ -75,7 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _load(args)
     text, fits = plan(cfg, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, prompt_tokens=args.prompt_tokens)
     if not fits:
-        raise UserError(f"{args.config}: the plan does not fit\n{text}")
+        what = "cannot start" if "\ncannot start:" in text else "the plan does not fit"
+        raise UserError(f"{args.config}: {what}\n{text}")
     print(text)
     return 0
 
@@ -150,27 +197,92 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="reroll", description="RL post-training of language models on Ray.")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sub = p.add_subparsers(dest="command", required=True)
+    # default=[]: argparse calls a '*' positional without a default required in its usage error
+    overrides = {
+        "nargs": "*",
+        "default": [],
+        "metavar": "KEY=VALUE",
+        "help": "dotted overrides: rollout.group_size=4 optim.lr=1e-4 (quote text with braces: "
+        "'data.prompt_template=\"{question}=\"')",
+    }
 
     t = sub.add_parser("train", help="run the pipeline a config describes")
     t.add_argument("config", type=Path)
-    t.add_argument("overrides", nargs="*", help="dotted overrides: rollout.group_size=4 optim.lr=1e-4")
+    t.add_argument("overrides", **overrides)
     t.add_argument("--resume", action="store_true", help="continue from the run's last complete checkpoint")
+    t.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     t.set_defaults(func=cmd_train)
+
+    g = sub.add_parser(
+        "generate",
+        help="sample rollout.group_size responses per prompt, score them with the rewards, write JSONL and "
+        "print reward, accuracy and pass@k",
+    )
+    g.add_argument("config", type=Path)
+    g.add_argument("overrides", **overrides)
+    g.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="a run's checkpoints/step_XXXXXX, its model/ directory, or a run directory (its newest "
+        "checkpoint); default: model.path",
+    )
+    g.add_argument(
+        "--out",
+        type=Path,
+        help="the JSONL file; a rerun skips the prompts it holds (default: "
+        "<run dir>/generations/<split>-<step_XXXXXX|base>.jsonl)",
+    )
+    g.add_argument("--split", choices=["eval", "train"], default="eval", help="which prompts (default: eval)")
+    g.add_argument("--limit", type=int, help="only the first N prompts of the split")
+    g.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
+    g.set_defaults(func=cmd_generate)
+
+    pt = sub.add_parser(
+        "plot",
+        usage="reroll plot [-h] [--out FILE.png|DIR] RUN_DIR [RUN_DIR ...] [METRIC ...]",
+        help="draw runs' metrics per step into a PNG (default: reward, accuracy, KL, step time)",
+    )
+    pt.add_argument(
+        "runs_and_metrics",
+        nargs="+",
+        metavar="RUN_DIR|METRIC",
+        help="run directories (one line each), then metric names or patterns: eval/accuracy 'timing/*'",
+    )
+    pt.add_argument(
+        "--out", type=Path, help="a .png file, or a directory for curves.png (default: <first run>/plots)"
+    )
+    pt.set_defaults(func=cmd_plot)
+
+    s = sub.add_parser(
+        "serve", help="serve the policy (or a checkpoint) as an OpenAI-compatible chat-completions endpoint"
+    )
+    s.add_argument("config", type=Path)
+    s.add_argument("overrides", **overrides)
+    s.add_argument(
+        "--checkpoint", type=Path, help="a checkpoint, its model/ directory, or a run directory (its latest)"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument(
+        "--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)"
+    )
+    s.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
+    s.set_defaults(func=cmd_serve)
 
     v = sub.add_parser(
         "validate",
         help="check a config, its data files, rewards, output directory and lengths without running it",
     )
     v.add_argument("config", type=Path)
-    v.add_argument("overrides", nargs="*")
+    v.add_argument("overrides", **overrides)
     v.set_defaults(func=cmd_validate)
 
     pl = sub.add_parser(
         "plan", help="print where roles go on N GPUs and their memory; refuse what cannot fit"
     )
     pl.add_argument("config", type=Path)
-    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("overrides", **overrides)
     pl.add_argument("--gpus", type=int, required=True, help="GPUs available")
     pl.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
     pl.add_argument("--prompt-tokens", type=int, default=512, help="assumed prompt length")
@@ -205,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("env-check", help="play an environment with a random or scripted policy (no model)")
     e.add_argument("name", nargs="?", help="registered name, 'gem:<id>' or 'package.module:Factory'")
-    e.add_argument("options", nargs="*", help="environment options: size=6 num_boxes=2")
+    e.add_argument("options", nargs="*", default=[], help="environment options: size=6 num_boxes=2")
     e.add_argument("--policy", choices=["random", "scripted"], default="random")
     e.add_argument("--episodes", type=int, default=20)
     e.add_argument("--seed", type=int, default=0)
@@ -226,9 +338,15 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    _setup_logging(args.debug)
+    _setup_logging(args.debug, args.verbose)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return code
+    except BrokenPipeError:  # `reroll config-docs | head`: the reader left; nothing to report
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush goes nowhere
+        return 141  # 128 + SIGPIPE, as a program the pipe stopped
     except UserError as e:
         if args.debug:
             raise
@@ -240,7 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: the last complete checkpoint can be resumed with --resume", file=sys.stderr)
+        if args.command == "serve":
+            return 0
+        if args.command == "generate":
+            print("interrupted: rerun the same command to continue the output file", file=sys.stderr)
+        else:
+            print("interrupted: the last complete checkpoint can be resumed with --resume", file=sys.stderr)
         return 130
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from reroll.config.placement import device_map, offload_between_phases, run_roles, trainer_strategy
 from reroll.config.schema import RunConfig
+from reroll.config.startable import start_problems
 from reroll.errors import UserError
 
 GIB = 1024**3
@@ -179,6 +180,7 @@ def _engine(cfg: RunConfig, shape: Shape, seq: int, world: int) -> RolePlan:
 def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 512) -> tuple[str, bool]:
     """The printed plan and whether it fits ``gpus`` GPUs of ``gpu_memory_gib`` each."""
     shape = model_shape(cfg.model.path)
+    refused = start_problems(cfg, "cuda")  # the check `reroll validate` and the run's start make
     pool = cfg.placement.devices or gpus
     if cfg.placement.devices is None:
         cfg = cfg.model_copy(update={"placement": cfg.placement.model_copy(update={"devices": pool})})
@@ -212,7 +214,11 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
         lines.append(f"\nthe pool needs {pool} GPUs but only {gpus} are available")
     verdict = "fits" if fits else "does NOT fit"
     lines.append(f"\n{verdict}: peak {worst:.1f} GiB on one GPU of {gpu_memory_gib:g} GiB (90% usable)")
-    if not fits:
+    if refused:
+        fits = False
+        lines.append("\ncannot start: this version refuses the config (`reroll validate` says the same):")
+        lines += [f"  {path}: {message}" for path, message in refused]
+    if not fits and not refused:
         lines.append(
             "to fit: add GPUs (placement.devices, roles.<role>.devices), shard more (strategy.name=fsdp2 "
             "or megatron parallel sizes), turn on model.gradient_checkpointing, lower "

@@ -161,7 +161,16 @@ class AlgorithmConfig(StrictModel):
     # filters
     overlong_filter: bool = Field(False, description="Drop truncated responses from the loss (DAPO).")
     dynamic_sampling: bool = Field(
-        False, description="Drop groups whose rewards are all equal (DAPO); the pipeline refills the batch."
+        False,
+        description="Drop groups whose rewards are all equal (DAPO); the rlvr pipeline refills the batch "
+        "with extra generation rounds (dynamic_sampling_max_rounds).",
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        3,
+        ge=0,
+        description="dynamic_sampling: extra generation rounds per step (new prompts each) to refill the "
+        "batch to rollout.batch_size with groups that have a reward spread; past them the step trains on "
+        "the groups it has (dapo/missing_groups). 0: no refill.",
     )
     correct_threshold: float = Field(
         0.5, description="A reward above this counts as correct (RAFT++ mask, difficulty mask)."
@@ -236,6 +245,7 @@ _READ_BY = {
     "gigpo_step_weight": ("adv_estimator", ("gigpo",)),
     "dual_clip": ("policy_loss", ("ppo_clip",)),
     "topr_level": ("policy_loss", ("topr",)),
+    "dynamic_sampling_max_rounds": ("dynamic_sampling", (True,)),
 }
 
 

@@ -83,7 +83,10 @@ def load_config(path: str | Path, model: type[T], overrides: Sequence[str] = ())
     it runs once every field is valid.
     """
     path, source = Path(path), f"config {path}"
-    data = apply_overrides(_read_yaml(path), parse_overrides(overrides))
+    try:
+        data = apply_overrides(_read_yaml(path), parse_overrides(overrides))
+    except ConfigError as e:
+        raise _with_quote_hints(e, _split_overrides(overrides)) from None
     try:
         cfg = model.model_validate(data)
     except ValidationError as e:
@@ -219,6 +222,27 @@ def _split_overrides(items: Sequence[str]) -> list[_Override]:
     return out
 
 
+def _quote_hint(item: str) -> str:
+    """For an override whose value YAML reads as a mapping (``{question}`` is ``{question: null}``): how
+    to set the text instead."""
+    key, _, text = item.partition("=")
+    if not (text.lstrip().startswith("{") and isinstance(_parse_value(text), dict)):
+        return ""
+    return (
+        f"; the value {text!r} reads as a YAML mapping: to set it as text, quote it inside the shell's "
+        f"quotes: '{key}=\"{text}\"'"
+    )
+
+
+def _with_quote_hints(error: ConfigError, overrides: list[_Override]) -> ConfigError:
+    """``error`` with ``_quote_hint`` added to the problems under a mapping-valued override."""
+    problems = []
+    for p in error.problems:
+        hints = "".join(_quote_hint(item) for keys, item in overrides if p.path.startswith(".".join(keys)))
+        problems.append(ConfigProblem(p.path, p.message + hints))
+    return ConfigError(problems, error.source)
+
+
 def _parse_value(text: str) -> Any:
     """The override's value as YAML (``3``, ``0.5``, ``true``, ``[1, 2]``, ``null``); else the text itself."""
     try:
@@ -257,6 +281,7 @@ def _problems_from(
         ]
         if notes:
             message += f" (set on the command line: {', '.join(notes)})"
+            message += "".join(_quote_hint(item) for item in notes)
         if (problem := ConfigProblem(_dotted(keys), message)) not in problems:
             problems.append(problem)
     return problems

@@ -195,7 +195,44 @@ def cluster_problems(cfg: RunConfig, resources: dict[str, float], device_type: s
                     f"num_{kind.lower()}s_per_worker, or join a bigger cluster (runtime.ray_address)",
                 )
             )
-    return problems
+    return problems + custom_resource_problems(cfg, resources)
+
+
+def bundle_resources(cfg: RunConfig, dmap: DeviceMap, device: int) -> dict[str, float]:
+    """The custom Ray resources (``roles.<role>.resources``) pool device ``device``'s bundle asks for: per
+    key, the most any role on that device asks."""
+    out: dict[str, float] = {}
+    for role, _ in dmap.workers_on(device):
+        for key, value in getattr(cfg.roles, role).resources.items():
+            out[key] = max(out.get(key, 0.0), value)
+    return out
+
+
+def custom_resource_problems(cfg: RunConfig, resources: dict[str, float]) -> list[tuple[str, str]]:
+    """The custom resources the roles ask for (``roles.<role>.resources``) that the cluster lacks."""
+    pool = cfg.placement.devices
+    need: dict[str, float] = {}
+    if pool:
+        dmap = device_map(cfg, run_roles(cfg), cfg.placement.device_type)
+        for d in range(pool):
+            for key, value in bundle_resources(cfg, dmap, d).items():
+                need[key] = need.get(key, 0.0) + value
+    for role in started_roles(cfg):
+        if pool and role in placed_roles(cfg, [role]):
+            continue
+        rc = getattr(cfg.roles, role)
+        for key, value in rc.resources.items():
+            need[key] = need.get(key, 0.0) + value * rc.world_size
+    return [
+        (
+            "roles",
+            f"the roles ask Ray for {value:g} of the custom resource {key!r} (roles.<role>.resources) but the "
+            f"cluster has {resources.get(key, 0):g}: start nodes with `ray start --resources "
+            f"'{{\"{key}\": N}}'`, or change roles.<role>.resources",
+        )
+        for key, value in need.items()
+        if value > resources.get(key, 0) + 1e-9
+    ]
 
 
 def run_roles(cfg: RunConfig) -> list[str]:
@@ -225,12 +262,16 @@ def weight_sync_transport(cfg: RunConfig, device_type: str) -> str:
     - collective: no actor_infer rank on a GPU any actor_train rank uses (an NCCL group cannot hold
       two members on one GPU, and both roles stay resident while the buffers stream) and an engine
       that receives in the worker's process (hf, or in-process vLLM).
-    - object_store: everything else, and always on CPU (the object store is host memory there too;
-      'collective' with gloo is for a CPU cluster of several nodes, or to test the GPU path)."""
+    - object_store: everything else; always on CPU (the object store is host memory there too;
+      'collective' with gloo is for a CPU cluster of several nodes, or to test the GPU path), and with
+      ``rollout.async_steps`` (its loads queue behind the generations in flight, where a broadcast
+      would hold the trainer until the engine is free)."""
     mode = cfg.rollout.weight_sync_transport
     if mode != "auto":
         return mode
     if device_type != "cuda" or not cfg.placement.devices:
+        return "object_store"
+    if cfg.rollout.async_steps:  # object-store loads queue behind the generations in flight
         return "object_store"
     in_worker = cfg.rollout.engine == "hf" or (cfg.rollout.engine == "vllm" and cfg.rollout.vllm.in_process)
     if not in_worker:
@@ -276,3 +317,96 @@ def colocated_trainer_roles(cfg: RunConfig, role: str) -> int:
     dmap = device_map(cfg, run_roles(cfg), cfg.placement.device_type)
     device = dmap.ranks[role][0]
     return len({r for r, _ in dmap.workers_on(device) if r != "actor_infer"})
+
+
+def async_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """What ``rollout.async_steps`` cannot run with, as ``(dotted path, message)``: generation overlaps
+    training only where actor_infer has devices of its own."""
+    r = cfg.rollout
+    problems = tail_problems(cfg)
+    if not r.async_steps:
+        if r.max_staleness is not None:
+            return [("rollout.max_staleness", "bounds the staleness of async samples, but rollout.async_steps "
+                     "is 0 (every sample is fresh): remove max_staleness, or set async_steps")]  # fmt: skip
+        return problems
+    if cfg.pipeline != "rlvr":
+        problems.append(
+            (
+                "rollout.async_steps",
+                f"runs in pipeline 'rlvr' only, not {cfg.pipeline!r}: set async_steps to 0",
+            )
+        )
+    if r.max_staleness is not None and r.max_staleness < r.async_steps:
+        problems.append(
+            (
+                "rollout.max_staleness",
+                f"({r.max_staleness}) is below rollout.async_steps ({r.async_steps}), the staleness every "
+                f"async sample has: every batch would be generated again. Set max_staleness to at least "
+                f"{r.async_steps}, or lower async_steps",
+            )
+        )
+    if r.weight_sync_transport == "cuda_ipc":
+        problems.append(
+            (
+                "rollout.weight_sync_transport",
+                "'cuda_ipc' shares actor_train's GPU memory with an engine on the same GPU, but "
+                "rollout.async_steps needs actor_infer on devices of its own: use 'auto' or 'object_store'",
+            )
+        )
+    if cfg.placement.devices:
+        dmap = device_map(cfg, run_roles(cfg), cfg.placement.device_type)
+        shared = [o for o in dmap.ranks if o != "actor_infer" and dmap.colocated("actor_infer", o)]
+        if shared:
+            problems.append(
+                (
+                    "roles.actor_infer.devices",
+                    f"rollout.async_steps={r.async_steps} generates while {', '.join(shared)} compute(s), but "
+                    f"actor_infer shares pool devices with {', '.join(shared)}, so they would take turns "
+                    f"(colocated):\n{dmap.table()}\nfix: give actor_infer devices of its own (e.g. "
+                    f"placement.devices={_devices_needed(cfg)} with roles.actor_infer.devices set to the "
+                    f"last), or set rollout.async_steps to 0",
+                )
+            )
+    elif 0 < cfg.roles.actor_infer.num_gpus_per_worker < 1:
+        problems.append(
+            (
+                "roles.actor_infer.num_gpus_per_worker",
+                f"({cfg.roles.actor_infer.num_gpus_per_worker}) is a fraction of a GPU, which another role "
+                "may share, so generation would not overlap training: with rollout.async_steps give "
+                "actor_infer whole GPUs (or a placement pool with devices of its own)",
+            )
+        )
+    return problems
+
+
+def _devices_needed(cfg: RunConfig) -> int:
+    """A pool big enough for actor_infer's ranks beside the others' (a suggestion in an error)."""
+    infer = cfg.roles.actor_infer.world_size * rank_span(cfg, "actor_infer")
+    others = max(getattr(cfg.roles, r).world_size for r in run_roles(cfg) if r != "actor_infer")
+    return others + infer
+
+
+def tail_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """What ``rollout.tail_threshold`` (tail batching) cannot run with."""
+    r, path = cfg.rollout, "rollout.tail_threshold"
+    if r.tail_threshold is None:
+        if "tail_share" in r.model_fields_set:
+            return [
+                ("rollout.tail_share", "is set, but tail batching is off: set rollout.tail_threshold too")
+            ]
+        return []
+    problems = []
+    if r.tail_threshold >= r.max_new_tokens:
+        problems.append(
+            (path, f"({r.tail_threshold}) must be below rollout.max_new_tokens ({r.max_new_tokens}), or no "
+             f"response is ever set aside: e.g. {max(1, r.max_new_tokens // 2)}")
+        )  # fmt: skip
+    others = {
+        "rollout.async_steps": r.async_steps > 0,
+        "algorithm.dynamic_sampling": cfg.algorithm.dynamic_sampling,
+        f"pipeline {cfg.pipeline!r}": cfg.pipeline != "rlvr",
+    }
+    for what, on in others.items():
+        if on:
+            problems.append((path, f"tail batching does not run with {what} yet: turn one of them off"))
+    return problems

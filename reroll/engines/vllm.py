@@ -42,10 +42,12 @@ from typing import Any
 import torch
 
 from reroll.config.schema import VLLMConfig
+from reroll.config.startable import VLLM_SLEEP_NEEDS_CUDA
 from reroll.data.types import Completion, SamplingParams
 from reroll.engines.base import EngineAborted, EngineStats, engine_call
 from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merge_lora
 from reroll.errors import UserError
+from reroll.runtime import quiet
 from reroll.runtime.weight_sync import layer_key
 
 
@@ -54,7 +56,7 @@ def _vllm_env(cfg: VLLMConfig, device: str) -> dict[str, str]:
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if cfg.in_process else "1",
         # vLLM's per-request INFO lines would drown the step lines; export it to see them
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "VLLM_LOGGING_LEVEL": quiet.vllm_logging_level(),
         # weight loading sends a function to the engine's workers (collective_rpc); with worker
         # processes (tensor parallelism, in_process false) vLLM pickles it only when this is set
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
@@ -70,10 +72,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, cfg: VLLMConfig, *, dtype: str = "float32", device: str = "cpu"):
         if cfg.enable_sleep_mode and device == "cpu":
-            raise UserError(
-                "rollout.vllm.enable_sleep_mode needs CUDA: vLLM's CPU build has no sleep mode "
-                "('Sleep mode is not supported on current platform'); set it to false on CPU"
-            )
+            raise UserError(VLLM_SLEEP_NEEDS_CUDA)
         os.environ.update(_vllm_env(cfg, device))
         import vllm
 
@@ -92,6 +91,7 @@ class VLLMEngine:
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             disable_log_stats=False,  # the scheduler stats behind engine/num_running, kv_cache_usage
+            use_tqdm_on_load=quiet.vllm_load_bar(),
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.model_path = model_path

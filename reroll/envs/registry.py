@@ -39,6 +39,11 @@ def make_env(name: str, config: Mapping[str, Any] | None = None) -> Env:
     config = dict(config or {})
     if name.startswith("gem:"):
         return _make_gem(name[4:], config)
+    if name.startswith("agent:"):
+        raise UserError(
+            f"{name!r} is agent code, not an environment with reset/step: it plays whole episodes against an "
+            "endpoint during training (docs/serve.md); `reroll validate` checks that it imports and binds"
+        )
     target = _REGISTRY.get(name) or (name if ":" in name else None)
     if target is None:
         close = difflib.get_close_matches(name, env_names(), n=1)

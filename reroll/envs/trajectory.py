@@ -91,8 +91,13 @@ class TrajectoryBuilder:
 
     def add_observation(self, traj: Trajectory, text: str) -> None:
         """The environment's observation as a message, and the next generation prompt."""
+        self.add_messages(traj, [{"role": self.observation_role, "content": text}])
+
+    def add_messages(self, traj: Trajectory, messages: Sequence[dict[str, str]]) -> None:
+        """Messages after the last assistant turn (an observation, tool results, a new user turn), and
+        the next generation prompt."""
         before = self._render(traj.messages, generation_prompt=False)
-        traj.messages.append({"role": self.observation_role, "content": text})
+        traj.messages.extend(dict(m) for m in messages)
         after = self._render(traj.messages, generation_prompt=True)
         if not after.startswith(before):
             raise ValueError(

@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from reroll.config.startable import MEGATRON_MODEL_TYPES, megatron_model_problems
 from reroll.errors import UserError
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = MEGATRON_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -63,32 +64,13 @@ class GPTShape:
 def gpt_shape(hf_config: Any) -> GPTShape:
     """The ``GPTShape`` of a Qwen2/Qwen2.5, Qwen3 or Llama config; anything else is a ``UserError``."""
     c = hf_config
-    if c.model_type not in SUPPORTED_MODEL_TYPES:
-        raise UserError(
-            f"strategy.name=megatron converts {', '.join(SUPPORTED_MODEL_TYPES)} models; model.path is a "
-            f"{c.model_type!r} model: use strategy.name=fsdp2 for it"
-        )
-    if getattr(c, "use_sliding_window", False):
-        raise UserError(
-            "strategy.name=megatron does not support sliding-window attention (use_sliding_window)"
-        )
-    if c.model_type == "llama" and (getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)):
-        raise UserError("strategy.name=megatron supports Llama without attention_bias/mlp_bias only")
-    if c.hidden_act != "silu":
-        raise UserError(f"strategy.name=megatron supports SwiGLU (hidden_act silu), not {c.hidden_act!r}")
+    problems = megatron_model_problems(c)  # the check `reroll validate` and `reroll plan` make
+    if problems:
+        raise UserError("; ".join(problems))
     rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    factor = None
-    if rope_type == "llama3":
-        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        if any(float(rope.get(k, -1)) != v for k, v in fixed.items()):
-            raise UserError(
-                f"llama3 rope scaling other than {fixed} is not supported by Megatron-Core: {rope}"
-            )
-        factor = float(rope["factor"])
-    elif rope_type != "default":
-        raise UserError(f"strategy.name=megatron does not support rope_type {rope_type!r}")
+    factor = float(rope["factor"]) if rope_type == "llama3" else None
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return GPTShape(
         model_type=c.model_type,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.utils import logging as hf_logging
 
 from reroll.config.alphabet import parse_alphabet
 from reroll.data.arithmetic import ARITHMETIC_ALPHABET
@@ -202,7 +203,13 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one shard, written in milliseconds: no "Writing model shards" bar
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
     return out
 

@@ -8,7 +8,9 @@ per episode (``grpo``, ``rloo``, ``reinforce_pp``: the episode's total reward) o
 (``step_return``, ``gigpo``: per-turn rewards with ``algorithm.gamma``). An optional SFT warm start
 imitates the environment's scripted (or random) policy. Episodes that end in an environment error
 are recorded (``env/errors``, ``env/timeouts``, a log line) and, by ``agentic.error_policy``, left
-out of the update or trained with reward 0.
+out of the update or trained with reward 0. With ``agentic.env: "agent:module:function"`` the
+episodes are played by external agent code against an OpenAI-compatible endpoint that serves
+actor_infer (``reroll.roles.agent_proxy``), and assembled into the same token sequences.
 """
 
 from __future__ import annotations
@@ -25,13 +27,17 @@ import torch
 
 from reroll.algorithms.objective import AdvantageState, compute_advantages
 from reroll.config.schema import AgenticConfig, RunConfig
+from reroll.data.datasets import read_rows
 from reroll.data.types import SamplingParams
+from reroll.envs.agent import is_agent
 from reroll.envs.check import policy_action
 from reroll.envs.registry import make_env
 from reroll.envs.trajectory import TrajectoryBuilder
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import sampling, sft_warm_start, step_seed, train_mini_batches
 from reroll.pipelines.run import Checkpointed, Pipeline, Roles, RoleSet
+from reroll.roles.agent_proxy import agent_task, run_agent_episodes
+from reroll.roles.chat_server import ChatServer
 from reroll.roles.env import Episode, episode_batch, run_episodes
 
 log = logging.getLogger(__name__)
@@ -47,6 +53,9 @@ class Agentic(Pipeline):
         self.builder = TrajectoryBuilder(load_tokenizer(cfg.model.path))
         self.state = AdvantageState.initial(cfg.algorithm)
         self.last: list[Episode] = []
+        self.agent = is_agent(self.a.env)  # external agent code through the proxy endpoint
+        self.tasks = read_rows(self.a.tasks) if self.a.tasks else []
+        self.eval_tasks = read_rows(self.a.eval_tasks) if self.a.eval_tasks else []
 
     def roles_needed(self) -> RoleSet:
         return RoleSet(reference=self.cfg.needs_reference, reward=False, env=True)
@@ -55,6 +64,9 @@ class Agentic(Pipeline):
         """The system prompt and a few first observations (the environment writes the rest)."""
         if self.a.system_prompt:
             yield self.a.system_prompt
+        if self.agent:  # the agent writes the messages; its tasks' text is what can be checked
+            yield from (str(v) for row in self.tasks[:100] for v in row.values() if isinstance(v, str))
+            return
         for seed in range(4):
             yield make_env(self.a.env, self.a.env_config).reset(seed=seed)[0]
 
@@ -72,9 +84,25 @@ class Agentic(Pipeline):
     def checkpointed(self) -> Checkpointed:
         return Checkpointed(objects={"algorithm_state.pt": self.state.state_dict()})
 
-    def _play(self, roles: Roles, starts: list[tuple[int, int]], params: SamplingParams) -> list[Episode]:
+    def _play(
+        self, roles: Roles, starts: list[tuple[int, int]], params: SamplingParams, *, held_out: bool = False
+    ) -> list[Episode]:
         assert roles.env is not None
         limits = {"max_turns": self.a.max_turns, "max_tokens": self.a.max_episode_tokens}
+        if self.agent:
+            if held_out and self.eval_tasks:
+                tasks = [agent_task(self.eval_tasks, i, seed) for i, (seed, _) in enumerate(starts)]
+            else:
+                tasks = [agent_task(self.tasks, seed, seed) for seed, _ in starts]
+            generate = lambda prompts, p: roles.rollout.generate(prompts, p, phase="agent_call")  # noqa: E731
+            with ChatServer(
+                generate,
+                self.builder.tokenizer,
+                model_name=self.cfg.name,
+                defaults=params,
+                host=_proxy_host(self.cfg),
+            ) as server:
+                return run_agent_episodes(server, roles.env, starts, tasks, params, **limits)
         return run_episodes(
             roles.rollout.generate,
             roles.env,
@@ -127,13 +155,24 @@ class Agentic(Pipeline):
         if n == 0:
             return {}
         starts = [(self.a.eval_seed + i, i) for i in range(n)]
-        out = _episode_metrics(self._play(roles, starts, sampling(self.cfg, n=1, greedy=True)), "eval")
+        params = sampling(self.cfg, n=1, greedy=True)
+        out = _episode_metrics(self._play(roles, starts, params, held_out=True), "eval")
         return out | {"eval/accuracy": out["eval/success"]}
 
     def sample_line(self) -> str | None:
         if not self.last:
             return None
         return f"  sample: {self.builder.tokenizer.decode(self.last[0].traj.ids)!r} (reward {self.last[0].total_reward:g})"
+
+
+def _proxy_host(cfg: RunConfig) -> str:
+    """Where the agent endpoint listens: this node's address on a Ray cluster (env workers may run on
+    other nodes of it), else the loopback address."""
+    if cfg.runtime.backend == "local":
+        return "127.0.0.1"
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def _train_starts(cfg: RunConfig, step: int) -> list[tuple[int, int]]:

@@ -8,11 +8,21 @@ Checked:
   save directory), are readable as UTF-8 JSONL / JSON / Parquet, hold rows, and their first
   ``PEEK_ROWS`` rows have the fields the prompt template, the answer field, the SFT target and the
   reward domains read. Files ``data.synthetic`` will write are skipped while they do not exist.
+- preference files (``preference.train_files`` / ``eval_files``): readable the same way, and every row
+  a valid pair (``check_preference_row``: prompt, chosen and rejected present, non-empty strings or
+  message lists, chosen different from rejected). Files ``preference.synthetic`` will write are skipped
+  while they do not exist.
 - rewards: every ``fn`` imports (a registered name or ``package.module:function``) and can be called as
   ``fn(prompt, response, row, **args)`` with the configured ``args`` (``inspect.signature().bind``).
+- an ``agent:`` environment (``agentic.env``): the function imports and binds ``(base_url, task,
+  **agentic.env_config)``; ``agentic.tasks`` / ``eval_tasks`` read as rows.
 - ``output_dir``: nothing on its path is a regular file, and it can be written.
 - lengths: ``rollout.max_new_tokens`` and ``rollout.vllm.max_model_len`` within the model's context
   length, read from ``config.json`` where ``model.path`` is a local directory.
+- what the roles would refuse when they start, decided by the config alone (``reroll.config.startable``,
+  which ``reroll plan`` runs too): Megatron parallel sizes and models not built, options a strategy or
+  engine does not take, an engine rank spanning pool devices; the device-dependent ones (Megatron or
+  vLLM sleep mode on CPUs) where the device type is known (``placement.device_type``, or the cluster).
 - the Ray cluster holds the roles (``config.placement.cluster_problems``), when this process is
   already connected to one (``ray.is_initialized()``).
 
@@ -37,7 +47,10 @@ from pathlib import Path
 from reroll.config.loader import ConfigError, ConfigProblem
 from reroll.config.placement import cluster_problems
 from reroll.config.schema import RunConfig
+from reroll.config.startable import start_problems
 from reroll.data.datasets import check_row, read_rows, template_fields
+from reroll.data.preferences import check_preference_row
+from reroll.envs.agent import is_agent, load_agent
 from reroll.errors import UserError
 from reroll.rewards import resolve_reward
 from reroll.rewards.routing import domain_required_fields, domain_terms, route, term_key
@@ -57,9 +70,13 @@ def check_inputs(cfg: RunConfig) -> list[ConfigProblem]:
     """Every problem of the run's data files, rewards, output directory, lengths and cluster fit."""
     problems = _check_output_dir(cfg)
     problems += _check_data(cfg)
-    if cfg.pipeline != "agentic":
+    problems += _check_preferences(cfg)
+    if cfg.pipeline not in ("agentic", "reward_model"):
         problems += _check_rewards(cfg)
+    elif cfg.agentic is not None and is_agent(cfg.agentic.env):
+        problems += _check_agent(cfg)
     problems += _check_lengths(cfg)
+    problems += _check_startable(cfg)
     problems += _check_cluster(cfg)
     return problems
 
@@ -117,6 +134,53 @@ def _check_data(cfg: RunConfig) -> list[ConfigProblem]:
                 check_row(file, i, row, needed)
             if cfg.reward.domains:
                 _check_domains(cfg, file, rows)
+        except UserError as e:
+            problems.append(ConfigProblem(key, str(e)))
+    return problems
+
+
+def _check_agent(cfg: RunConfig) -> list[ConfigProblem]:
+    """The agent function imports and binds its options; its task files read as rows."""
+    a = cfg.agentic
+    assert a is not None
+    problems = []
+    try:
+        load_agent(a.env, a.env_config)
+    except UserError as e:
+        problems.append(ConfigProblem("agentic.env", str(e)))
+    for key, file in (("agentic.tasks", a.tasks), ("agentic.eval_tasks", a.eval_tasks)):
+        if file is None:
+            continue
+        if not Path(file).exists():
+            where = "" if Path(file).is_absolute() else f" (read from the current directory, {Path.cwd()})"
+            problems.append(ConfigProblem(key, f"{file!r} does not exist{where}: fix the path in {key}"))
+            continue
+        try:
+            if not read_rows(file, limit=1):
+                raise UserError(f"{file}: has no rows: add rows, or remove {key}")
+        except UserError as e:
+            problems.append(ConfigProblem(key, str(e)))
+    return problems
+
+
+def _check_preferences(cfg: RunConfig) -> list[ConfigProblem]:
+    """Every row of the preference files is a valid pair (all rows: a bad pair is cheap to find here)."""
+    prefs = cfg.preference
+    if prefs is None:
+        return []
+    synthetic = {prefs.train_files[0], *prefs.eval_files[:1]} if prefs.synthetic is not None else set()
+    problems = []
+    files = [(f"preference.train_files[{i}]", f) for i, f in enumerate(prefs.train_files)]
+    files += [(f"preference.eval_files[{i}]", f) for i, f in enumerate(prefs.eval_files)]
+    for key, file in files:
+        if file in synthetic and not Path(file).exists():
+            continue  # preference.synthetic writes it at start
+        try:
+            rows = read_rows(file)
+            if not rows:
+                raise UserError(f"{file}: has no rows: add pairs, or remove it from {key.split('[')[0]}")
+            for i, row in enumerate(rows):
+                check_preference_row(file, i, row)
         except UserError as e:
             problems.append(ConfigProblem(key, str(e)))
     return problems
@@ -222,12 +286,25 @@ def _context_length(model_path: str) -> tuple[int | None, str]:
     return None, ""
 
 
+def _connected_device_type(cfg: RunConfig) -> str | None:
+    """What a pool device is on the Ray cluster this process is connected to; None when not connected."""
+    ray = sys.modules.get("ray")
+    if cfg.runtime.backend != "ray" or ray is None or not ray.is_initialized():
+        return None
+    kind = cfg.placement.device_type
+    return kind if kind != "auto" else ("cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu")
+
+
+def _check_startable(cfg: RunConfig) -> list[ConfigProblem]:
+    """What this version would refuse while the roles start (``reroll.config.startable``, the check
+    ``reroll plan`` runs too); device-dependent checks only when the device type is known."""
+    return [ConfigProblem(path, m) for path, m in start_problems(cfg, _connected_device_type(cfg))]
+
+
 def _check_cluster(cfg: RunConfig) -> list[ConfigProblem]:
     """The roles fit the Ray cluster this process is connected to; nothing when it is not connected."""
     ray = sys.modules.get("ray")
     if cfg.runtime.backend != "ray" or ray is None or not ray.is_initialized():
         return []
-    resources = ray.cluster_resources()
-    kind = cfg.placement.device_type
-    device_type = kind if kind != "auto" else ("cuda" if resources.get("GPU", 0) > 0 else "cpu")
+    resources, device_type = ray.cluster_resources(), _connected_device_type(cfg)
     return [ConfigProblem(path, message) for path, message in cluster_problems(cfg, resources, device_type)]

@@ -22,6 +22,7 @@ from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
 from reroll.data.types import RewardItem, Rollout, Sample, TrainBatch, build_train_batch
 from reroll.models.loading import load_tokenizer
+from reroll.pipelines.async_rollout import QUEUE_FILE, RolloutSource
 from reroll.pipelines.common import (
     evaluate,
     load_data,
@@ -30,7 +31,6 @@ from reroll.pipelines.common import (
     sampling,
     sft_batch,
     sft_warm_start,
-    step_seed,
     train_mini_batches,
     write_synthetic_data,
 )
@@ -47,6 +47,7 @@ class RLVR(Pipeline):
         write_synthetic_data(cfg)
         self.train, self.held_out = load_data(cfg)
         self.sampler = prompt_sampler(cfg, self.train)
+        self.source = RolloutSource(cfg, self.sampler)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.state = AdvantageState.initial(cfg.algorithm)
         self.last: tuple[Rollout, RewardResult] | None = None
@@ -72,26 +73,23 @@ class RLVR(Pipeline):
 
     def restore(self, saved: dict[str, Any], directory: Path) -> None:
         self.sampler.restore(saved["sampler"])
+        self.source.restore(saved.get("rollout_source", {"engine_version": saved.get("step", 0)}), directory)
         self.state = AdvantageState.from_state_dict(torch.load(directory / "algorithm_state.pt"))
 
     def checkpointed(self) -> Checkpointed:
-        return Checkpointed(
-            {"sampler": self.sampler.state()}, {"algorithm_state.pt": self.state.state_dict()}
-        )
+        objects: dict[str, Any] = {"algorithm_state.pt": self.state.state_dict()}
+        if self.source.holds_samples:  # generated ahead (waited for), or set aside for a tail step
+            objects[QUEUE_FILE] = self.source.queue_state()
+        return Checkpointed({"sampler": self.sampler.state(), "rollout_source": self.source.state()}, objects)
 
     def evaluate(self, roles: Roles) -> dict[str, float]:
         return evaluate(self.cfg, roles, self.held_out)
 
     def step(self, roles: Roles, step: int) -> dict[str, float]:
         cfg = self.cfg
-        with roles.phase("generate", "actor_infer"):
-            prompts = self.sampler.next_batch()
-            params = sampling(cfg, n=cfg.rollout.group_size, seed=step_seed(cfg, step))
-            groups = roles.rollout.generate([s.prompt for s in prompts], params)
-            rollouts = [Rollout(s, g, c) for g, (s, comps) in enumerate(zip(prompts, groups)) for c in comps]
-            engine_metrics = roles.rollout.metrics()
+        scored, source_metrics = self.source.next(roles, step)  # the generate and reward phases
+        rollouts, results = scored.rollouts, scored.results
         with roles.phase("reward"):
-            results = roles.reward.score([RewardItem.answering(r.sample, r.completion) for r in rollouts])
             batch, domains = self._scored_batch(rollouts, results)
         if cfg.needs_reference:
             ref = roles.reference or roles.actor  # a LoRA run's reference: its base model
@@ -104,7 +102,7 @@ class RLVR(Pipeline):
             with roles.phase("values", "critic"):
                 batch.values = roles.critic.compute_values(batch)
         if cfg.algorithm.adv_estimator == "remax":
-            batch.baseline_rewards = self._greedy_rewards(roles, prompts)
+            batch.baseline_rewards = self._greedy_rewards(roles, scored.prompts)
         with roles.phase("advantages"):
             adv = self._advantages(batch, rollouts)
             kept = batch.select(adv.keep)
@@ -113,14 +111,14 @@ class RLVR(Pipeline):
         if roles.critic is not None:
             with roles.phase("critic", "critic"):
                 metrics |= train_mini_batches(cfg, kept, step, roles.critic.train)
-        metrics["sync/bytes"] = roles.sync_weights()
+        metrics["sync/bytes"] = self.source.push_weights(roles, step)
         self.last = (rollouts[0], results[0])
         return (
             metrics
             | _rollout_metrics(rollouts, results, batch)
             | routing.domain_metrics(domains, results, per_domain=bool(cfg.reward.domains))
             | {k: float(v) for k, v in adv.metrics.items()}
-            | engine_metrics
+            | source_metrics
         )
 
     def _scored_batch(

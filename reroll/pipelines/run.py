@@ -44,7 +44,7 @@ from reroll.roles.trainer import TrainerGroup
 from reroll.runtime import checkpoint, stacks
 from reroll.runtime.actors import WorkerGroup, start_ray
 from reroll.runtime.console import step_line
-from reroll.runtime.metrics import MetricsLogger
+from reroll.runtime.metrics import MetricsLogger, MlflowSettings
 from reroll.runtime.placement import Colocation, ResourceManager
 from reroll.runtime.timing import PhaseTimer
 
@@ -62,23 +62,38 @@ class RunResult:
     final_metrics: dict[str, float] = field(default_factory=dict)
 
     def summary(self, name: str) -> str:
-        """The lines a finished run prints: held-out accuracy and where everything is."""
+        """The lines a finished run prints: held-out accuracy and where everything is (relative to the
+        working directory when below it)."""
         acc = self.final_metrics.get("eval/accuracy")
         lines = [f"done: {name}" + (f" | held-out accuracy {acc:.3f}" if acc is not None else "")]
         if self.checkpoint is not None:
-            lines.append(f"  checkpoint: {self.checkpoint}  (from_pretrained: {self.checkpoint / 'model'})")
+            ckpt = _shown(self.checkpoint)
+            lines.append(f"  checkpoint: {ckpt}  (from_pretrained: {ckpt / 'model'})")
         tb = self.run_dir / "tensorboard"
         lines.append(
-            f"  metrics:    {self.metrics_path}" + (f"  (tensorboard --logdir {tb})" if tb.exists() else "")
+            f"  metrics:    {_shown(self.metrics_path)}"
+            + (f"  (tensorboard --logdir {_shown(tb)})" if tb.exists() else "")
         )
-        lines.append(f"  config:     {self.config_path}")
+        lines.append(f"  config:     {_shown(self.config_path)}")
         return "\n".join(lines)
+
+
+def _shown(path: Path) -> Path:
+    """``path`` relative to the working directory when below it, else as it is."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 @dataclass(frozen=True)
 class RoleSet:
-    """Which optional roles a pipeline starts (actor_train and actor_infer always run)."""
+    """Which roles a run starts. actor_train runs except where nothing trains (``reroll generate``: the
+    engine loads ``model.path`` itself); actor_infer except where nothing generates (preference
+    pipelines without a held-out generation)."""
 
+    actor_train: bool = True
+    rollout: bool = True  # actor_infer: generation (and the held-out evaluation of most pipelines)
     reference: bool = False
     critic: bool = False
     reward: bool = True
@@ -90,8 +105,8 @@ class Roles:
     """The role groups of a run, where ``placement`` put them, and the phases that take turns on devices."""
 
     cfg: RunConfig
-    actor: TrainerGroup
-    rollout: RolloutGroup
+    actor: TrainerGroup | None
+    rollout: RolloutGroup | None = None
     reward: RewardGroup | None = None
     reference: TrainerGroup | None = None
     critic: CriticGroup | None = None
@@ -115,8 +130,9 @@ class Roles:
         cfg = placement.cfg  # device type resolved, for the workers
         started: dict[str, Any] = {}
         try:
-            started["actor"] = TrainerGroup("actor_train", cfg, trainable=True)
-            started["rollout"] = RolloutGroup(cfg)
+            started["actor"] = TrainerGroup("actor_train", cfg, trainable=True) if needs.actor_train else None
+            if needs.rollout:
+                started["rollout"] = RolloutGroup(cfg)
             if needs.reward:
                 started["reward"] = RewardGroup(cfg)
             if needs.reference:
@@ -127,7 +143,8 @@ class Roles:
                 started["env"] = EnvGroup(cfg)
         except BaseException:
             for group in started.values():
-                group.shutdown()
+                if group is not None:
+                    group.shutdown()
             placement.shutdown()
             raise
         roles = cls(cfg, **started, placement=placement)
@@ -175,6 +192,7 @@ class Roles:
         (``sync/bytes``); its rate (``sync/gb_per_s``: bytes over the seconds of the whole sync, which
         ``timing/weight_sync`` shows) and, with the ``collective`` transport, the bytes that went
         through the group (``sync/bytes_collective``) come with the next ``pop_timings``."""
+        assert self.rollout is not None, "sync_weights: this run has no actor_infer"
         lora = self.cfg.strategy.lora
         began = time.perf_counter()
         stats: dict[str, float] = {}
@@ -219,6 +237,8 @@ class Roles:
 
     def sync_if_stale(self) -> dict[str, float]:
         """Sync the engine if actor_train has stepped or loaded since: ``{"sync/bytes": ...}`` or ``{}``."""
+        if self.actor is None or self.rollout is None:
+            return {}
         if self.rollout.weights_version == self.actor.weights_version:
             return {}
         return {"sync/bytes": self.sync_weights()}
@@ -287,6 +307,7 @@ class Pipeline:
     costs nothing); ``run`` then starts ``roles_needed()`` and calls the rest."""
 
     name: ClassVar[str]
+    evaluate_uses: ClassVar[tuple[str, ...]] = ("actor_infer",)  # the roles ``evaluate`` calls
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -350,6 +371,7 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
     """Run the pipeline for its ``total_steps`` (or continue the run in its directory)."""
     preflight(cfg)  # what `reroll validate` checks, before anything is built or started
     ensure_tiny_model(cfg.model)
+    cfg = cfg.absolute_paths()  # workers on other nodes (or started elsewhere) read the driver's paths
     pipeline = pipeline_cls(cfg)
     warn_unrepresentable(cfg, pipeline.texts())
     resume_from, run_dir = open_run_dir(cfg, resume=resume)
@@ -360,7 +382,7 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
         # roles.cfg: the config with the device type and strategy.name resolved, as config.yaml records it
         metrics_log = open_metrics(roles.cfg, resume_step=start if resume_from else None)
         if start == 0:
-            with roles.phase("evaluate", "actor_infer"):
+            with roles.phase("evaluate", *pipeline.evaluate_uses):
                 before = pipeline.evaluate(roles)
             roles.pop_timings()
             metrics_log.log(0, before)
@@ -406,7 +428,7 @@ def _step(
     metrics = pipeline.step(roles, step)
     if every(cfg.eval.every, step, total):
         metrics |= roles.sync_if_stale()
-        with roles.phase("evaluate", "actor_infer"):
+        with roles.phase("evaluate", *pipeline.evaluate_uses):
             metrics |= pipeline.evaluate(roles)
     if every(cfg.checkpoint.every, step, total):
         with roles.phase("checkpoint", "actor_train", "critic"):
@@ -550,6 +572,7 @@ def open_metrics(cfg: RunConfig, resume_step: int | None) -> MetricsLogger:
         config=cfg.model_dump(mode="json"),
         resume_step=resume_step,
         on_open=lambda: dump_config(cfg, cfg.run_dir / "config.yaml"),
+        mlflow=MlflowSettings(lg.mlflow_experiment, lg.mlflow_tracking_uri) if lg.mlflow else None,
     )
 
 

@@ -6,7 +6,9 @@ raises, or that hangs, ends its own episode with a recorded error and never bloc
 ``EnvGroup`` deals episodes to workers (Ray actors through ``WorkerGroup``: a dead worker is a
 ``RoleError``). ``run_episodes`` plays a batch of episodes turn by turn: all live episodes' prompts go
 to the engine in one call per turn, as token ids (``reroll.envs.trajectory``), then their actions to
-the environments. ``episode_batch`` turns episodes into a ``TrainBatch`` with per-turn tensors.
+the environments. ``episode_batch`` turns episodes into a ``TrainBatch`` with per-turn tensors. For an
+``agent:`` environment the workers run the agent function instead (``play_agents``; see
+``reroll.roles.agent_proxy``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from reroll.config.schema import RunConfig
 from reroll.data.types import Completion, SamplingParams, TrainBatch
+from reroll.envs.agent import AgentOutcome, is_agent, load_agent, play
 from reroll.envs.base import Env, StepResult, is_success
 from reroll.envs.registry import make_env
 from reroll.envs.trajectory import Trajectory, TrajectoryBuilder
@@ -35,7 +38,10 @@ class EnvWorker:
     def __init__(self, rank: int, name: str, config: dict[str, Any], step_timeout_s: float) -> None:
         self.rank, self.name, self.config, self.timeout_s = rank, name, config, step_timeout_s
         self.envs: dict[int, Env] = {}
-        make_env(name, config)  # a bad name or option fails here, at start, not mid-step
+        # a bad name or option fails here, at start, not mid-step
+        self.agent = load_agent(name, config) if is_agent(name) else None
+        if self.agent is None:
+            make_env(name, config)
 
     def reset(self, starts: list[tuple[int, int]]) -> list[StepResult]:
         """A fresh environment per ``(episode, seed)``, reset with that seed."""
@@ -47,6 +53,17 @@ class EnvWorker:
 
     def step(self, actions: list[tuple[int, str]]) -> list[StepResult]:
         calls = [(ep, lambda env=self.envs[ep], a=action: _as_step(env.step(a))) for ep, action in actions]
+        return self._run(calls)
+
+    def play_agents(self, jobs: list[tuple[int, str, dict[str, Any]]]) -> list[StepResult]:
+        """``agent:`` environments: the agent function on each ``(episode, base_url, task)``, each in its
+        own thread under the timeout (the whole episode); its reward comes back as a last step."""
+        agent = self.agent
+        assert agent is not None
+        calls = [
+            (ep, lambda url=url, task=task: _as_outcome(play(agent, url, task, self.config)))
+            for ep, url, task in jobs
+        ]
         return self._run(calls)
 
     def close(self, episodes: list[int]) -> None:
@@ -66,14 +83,12 @@ class EnvWorker:
             t.start()
             threads.append((ep, t))
         deadline = time.monotonic() + self.timeout_s
-        results = []
+        results, key = [], "step_timeout_s" if self.agent is None else "agent_timeout_s"
         for ep, t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
             if ep not in out:  # still running: abandon it (a thread cannot be killed) and its env
                 self.envs.pop(ep, None)
-                out[ep] = StepResult(
-                    ep, error=f"no answer within {self.timeout_s:g} s (agentic.step_timeout_s)"
-                )
+                out[ep] = StepResult(ep, error=f"no answer within {self.timeout_s:g} s (agentic.{key})")
             results.append(out[ep])
             results[-1].episode = ep
         return results
@@ -99,6 +114,12 @@ def _as_step(out: Any) -> StepResult:
     return StepResult(-1, str(obs), float(reward), bool(terminated), bool(truncated), _plain(info))
 
 
+def _as_outcome(o: AgentOutcome) -> StepResult:
+    if o.error is not None:
+        return StepResult(-1, error=o.error)
+    return StepResult(-1, reward=o.reward, terminated=True, info=o.info | {"success": o.success})
+
+
 def _plain(info: Any) -> dict[str, Any]:
     """The info's scalar entries (what travels back to the driver and into the logs)."""
     if not isinstance(info, dict):
@@ -112,9 +133,8 @@ class EnvGroup(WorkerGroup):
     def __init__(self, cfg: RunConfig) -> None:
         a = cfg.agentic
         assert a is not None
-        super().__init__(
-            "env", EnvWorker, lambda rank: (rank, a.env, dict(a.env_config), a.step_timeout_s), cfg
-        )
+        timeout_s = a.agent_timeout_s if is_agent(a.env) else a.step_timeout_s
+        super().__init__("env", EnvWorker, lambda rank: (rank, a.env, dict(a.env_config), timeout_s), cfg)
 
     def _by_rank(self, items: Sequence[tuple[int, Any]], method: str, phase: str) -> list[StepResult]:
         parts: list[list[tuple[int, Any]]] = [[] for _ in self.handles]
@@ -129,6 +149,10 @@ class EnvGroup(WorkerGroup):
 
     def step(self, actions: Sequence[tuple[int, str]]) -> list[StepResult]:
         return self._by_rank(actions, "step", "env_step")
+
+    def play_agents(self, jobs: Sequence[tuple[int, str, dict[str, Any]]]) -> list[StepResult]:
+        """Each ``(episode, base_url, task)`` played by the agent function (``agent:`` environments)."""
+        return self._by_rank(jobs, "play_agents", "agent_episodes")
 
     def close(self, episodes: Sequence[int]) -> None:
         parts: list[list[int]] = [[] for _ in self.handles]

@@ -52,7 +52,9 @@ class RolloutWorker:
             rollout.engine, cfg.model.path, rollout, dtype=cfg.model.dtype, device=device
         )
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
         return self.engine.generate(prompts, params)
 
     def join_weight_group(self, address: str, rank: int, world_size: int, backend: str) -> None:
@@ -119,11 +121,30 @@ class RolloutGroup(WorkerGroup):
         self.weights_version = 0  # the actor_train ``weights_version`` it holds (both start from model.path)
 
     def generate(
-        self, prompts: Sequence[str], params: SamplingParams, phase: str = "generate"
+        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams, phase: str = "generate"
     ) -> list[list[Completion]]:
-        """``params.n`` completions per prompt, in prompt order."""
-        refs = [h.generate.remote(part, params) for h, part in zip(self.handles, self._deal(prompts))]
+        """``params.n`` completions per prompt (text, or token ids used as given), in prompt order."""
+        return self.collect(self.submit(prompts, params), phase)
+
+    def submit(self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams) -> list[Any]:
+        """Start ``generate`` on every rank and return at once (Ray references, for ``collect``). Each
+        rank runs its calls in the order they were submitted, weight loads included."""
+        return [h.generate.remote(part, params) for h, part in zip(self.handles, self._deal(prompts))]
+
+    def collect(self, refs: Sequence[Any], phase: str = "generate") -> list[list[Completion]]:
+        """The completions of a ``submit``, in prompt order (waits for them)."""
         return [group for part in self._wait(refs, phase) for group in part]
+
+    def submit_weight_buckets(self, buckets: WeightBuckets | Iterable[WeightBucket]) -> list[Any]:
+        """Queue ``load_weight_buckets``' calls on every rank without waiting for them (behind any
+        ``generate`` submitted before): the references, to pass to ``wait_loaded``. Iterating waits
+        only for the trainer to make each bucket. Object-store buckets only (not ``cuda_ipc``)."""
+        refs = [h.load_weights.remote(bucket) for bucket in buckets for h in self.handles]
+        return refs + [h.finish_weight_update.remote() for h in self.handles]
+
+    def wait_loaded(self, refs: Sequence[Any]) -> None:
+        """Wait for the weight loads ``submit_weight_buckets`` queued (a failure names weight_sync)."""
+        self._wait(refs, "weight_sync")
 
     def load_weight_buckets(self, buckets: WeightBuckets | Iterable[WeightBucket]) -> None:
         """Load ``TrainerGroup.weight_buckets(...)`` into every rank, one bucket (``rollout.weight_sync_bucket_mb``,
@@ -166,9 +187,11 @@ class RolloutGroup(WorkerGroup):
     def reload(self) -> None:
         self._wait([h.reload.remote() for h in self._handles], "wake_up")
 
-    def metrics(self) -> dict[str, float]:
-        """Each rank's ``engine/*`` metrics summed (throughput, requests), the KV-cache usage averaged."""
-        parts = self._wait([h.metrics.remote() for h in self.handles], "metrics")
+    def metrics(self, *, now: bool = False) -> dict[str, float]:
+        """Each rank's ``engine/*`` metrics summed (throughput, requests), the KV-cache usage averaged.
+        ``now``: on the control thread, without waiting for a ``generate`` in flight or queued."""
+        method = lambda h: h.metrics.options(concurrency_group="control") if now else h.metrics  # noqa: E731
+        parts = self._wait([method(h).remote() for h in self.handles], "metrics")
         return {
             k: sum(p[k] for p in parts) / (len(parts) if k == "engine/kv_cache_usage" else 1)
             for k in parts[0]

@@ -27,6 +27,7 @@ from reroll.config.placement import colocated_trainer_roles
 from reroll.config.schema import RunConfig
 from reroll.data.packing import micro_batches, pack, unpack
 from reroll.data.types import TrainBatch
+from reroll.runtime import quiet
 from reroll.runtime.actors import WorkerGroup, free_address
 from reroll.runtime.placement import worker_device
 from reroll.strategies import Head, make_strategy
@@ -50,6 +51,8 @@ class StrategyWorker:
         torch.set_num_threads(role_cfg.torch_threads or torch.get_num_threads())
         torch.manual_seed(cfg.seed + rank)
         self.role, self.rank, self.cfg = role, rank, cfg
+        if cfg.strategy.name == "deepspeed":
+            quiet.allow_deepspeed_notice()  # what DeepSpeed detects concerns a DeepSpeed run
         self.nonfinite_in_row = 0  # optimizer steps skipped in a row (a finite one resets it)
         self._nonfinite_losses: list[str] = []  # this step's micro-batches with a non-finite loss
         self.strategy = make_strategy(

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from reroll.errors import RoleError
-from reroll.runtime import stacks
+from reroll.runtime import quiet, stacks
 from reroll.runtime.placement import actor_options
 
 if TYPE_CHECKING:
@@ -62,12 +64,26 @@ class LocalHandle:
 
 
 def start_ray(address: str | None) -> None:
-    """Connect to ``address`` or start a local Ray cluster (once per process)."""
+    """Join the cluster at ``address``, else at ``RAY_ADDRESS`` (what ``ray job submit`` sets for its
+    driver), else start a local one (once per process).
+
+    Joining by address, Ray does not turn on token authentication by itself, while ``ray start`` turns
+    it on where a token exists (``~/.ray/auth_token``, ``RAY_AUTH_TOKEN``): so does this, unless
+    ``RAY_AUTH_MODE`` says otherwise. Under ``ray job submit`` the job's runtime environment comes
+    first: its environment variables are kept and only the others added."""
     import ray
 
     if ray.is_initialized():
         return
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}}
+    joining = address or os.environ.get("RAY_ADDRESS")
+    if joining:
+        _token_auth_like_ray_start()
+    env = quiet.ray_runtime_env()  # third-party notices hidden in workers too, unless --verbose
+    env["env_vars"] |= {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    # under `ray job submit` the job's runtime env comes first: Ray refuses a variable set twice
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
+    job_vars = ((job.get("runtime_env") or {}).get("env_vars")) or {}
+    env["env_vars"] = {k: v for k, v in env["env_vars"].items() if k not in job_vars}
     ray.init(
         address=address,
         include_dashboard=False,
@@ -76,6 +92,21 @@ def start_ray(address: str | None) -> None:
         runtime_env=env,
         configure_logging=True,
     )
+    if joining:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        log.info("joined the Ray cluster at %s: %d nodes, %s", joining, len(nodes), ray.cluster_resources())
+
+
+def _token_auth_like_ray_start() -> None:
+    """Turn on Ray's token authentication where a token exists and ``RAY_AUTH_MODE`` is unset, as
+    ``ray start`` does for the cluster (Ray versions before token authentication: nothing to do)."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def spawn(cls: type, args: tuple[Any, ...], *, backend: str, name: str, **options: Any) -> Any:

@@ -85,3 +85,22 @@ def write_failed(run_dir: Path, step: int, error: OSError, who: str) -> UserErro
         f"The partial checkpoint was removed and {still}: free space under {run_dir} "
         f"(checkpoint.keep_last bounds how many are kept)" + (", then continue with --resume" if kept else "")
     )
+
+
+def model_dir(path: Path) -> Path:
+    """The model directory of ``path``: a checkpoint (``step_000200``, its ``model/``) or a run
+    directory (its newest complete checkpoint): what ``reroll generate`` and ``reroll serve`` load for
+    ``--checkpoint``."""
+    path = Path(path)
+    if (path / "model" / "config.json").is_file():
+        return path / "model"
+    if (path / "config.json").is_file():
+        return path
+    latest_checkpoint = latest(path)
+    if latest_checkpoint is not None:
+        return latest_checkpoint / "model"
+    raise UserError(
+        f"--checkpoint {path}: no model there (no config.json in it or in its model/ directory, and no "
+        f"complete checkpoint under {path / 'checkpoints'}): give a run's checkpoints/step_XXXXXX, its "
+        f"model/ directory or the run directory"
+    )

@@ -12,6 +12,11 @@ _COLUMNS = [
     ("actor/pg_loss", "pg_loss", "{:+.4f}"),
     ("critic/vf_loss", "vf_loss", "{:.4f}"),
     ("sft/loss", "sft_loss", "{:.4f}"),
+    ("rm/loss", "rm_loss", "{:.4f}"),
+    ("rm/accuracy", "pair_acc", "{:.3f}"),
+    ("dpo/loss", "dpo_loss", "{:.4f}"),
+    ("dpo/accuracy", "pair_acc", "{:.3f}"),
+    ("dpo/margins", "margin", "{:+.3f}"),
 ]
 _PHASES = [
     ("generate", "gen"),

@@ -1,4 +1,4 @@
-"""Metrics sinks: one JSONL line per step in the run directory, TensorBoard, and W&B when asked for."""
+"""Metrics sinks: one JSONL line per step in the run directory, TensorBoard, and W&B or MLflow when asked for."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import importlib.util
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,11 +35,18 @@ class MetricsLogger:
         config: Mapping[str, Any],
         resume_step: int | None = None,
         on_open: Callable[[], None] | None = None,
+        mlflow: MlflowSettings | None = None,
     ) -> None:
         if wandb and importlib.util.find_spec("wandb") is None:
             raise UserError(
                 "logging.wandb is true but wandb is not installed: pip install 'reroll[tracking]'"
             )
+        if mlflow is not None and importlib.util.find_spec("mlflow") is None:
+            raise UserError(
+                "logging.mlflow is true but mlflow is not installed: pip install 'reroll[mlflow]' (or "
+                "'reroll[tracking]' for the client of a tracking server)"
+            )
+        self._mlflow_settings, self._mlflow = mlflow, None
         self.run_dir, self.path = run_dir, run_dir / "metrics.jsonl"
         self._settings = (tensorboard, wandb, wandb_project, run_name, dict(config))
         self._resume_step, self._on_open = resume_step, on_open
@@ -62,6 +71,8 @@ class MetricsLogger:
             import wandb as wandb_lib
 
             self._wandb = wandb_lib.init(project=wandb_project, name=run_name, config=config, resume="allow")
+        if self._mlflow_settings is not None:
+            self._mlflow = MlflowRun.open(self._mlflow_settings, self.run_dir, run_name, config)
         return self._file
 
     def _truncate_after(self, step: int) -> None:
@@ -93,7 +104,9 @@ class MetricsLogger:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, float(v), step)
         if self._wandb is not None:
-            self._wandb.log(dict(metrics), step=step)
+            self._wandb.log(dict(metrics), step=step, commit=True)  # now, not when the next step comes
+        if self._mlflow is not None:
+            self._mlflow.log(step, metrics)
 
     def close(self) -> None:
         if self._file is not None:
@@ -102,6 +115,76 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._mlflow is not None:
+            self._mlflow.close()
+
+
+@dataclass(frozen=True)
+class MlflowSettings:
+    """Where MLflow runs go: ``tracking_uri`` (None: ``MLFLOW_TRACKING_URI`` or MLflow's default)."""
+
+    experiment: str = "reroll"
+    tracking_uri: str | None = None
+
+
+class MlflowRun:
+    """One MLflow run of a reroll run: the resolved config as params, metrics per step. A resumed run
+    continues the same MLflow run (its id is kept in the run directory, ``mlflow_run_id``)."""
+
+    def __init__(self, client: Any, run_id: str) -> None:
+        self.client, self.run_id = client, run_id
+
+    @classmethod
+    def open(
+        cls, settings: MlflowSettings, run_dir: Path, run_name: str, config: Mapping[str, Any]
+    ) -> MlflowRun:
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        id_file = run_dir / "mlflow_run_id"
+        try:
+            client = MlflowClient(tracking_uri=settings.tracking_uri)
+            if id_file.exists():
+                run_id = id_file.read_text().strip()
+                client.update_run(run_id, status="RUNNING")
+                return cls(client, run_id)
+            found = client.get_experiment_by_name(settings.experiment)
+            exp_id = found.experiment_id if found else client.create_experiment(settings.experiment)
+            run_id = client.create_run(exp_id, run_name=run_name).info.run_id
+            params = [Param(k, str(v)[:500]) for k, v in _flatten(config).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
+                client.log_batch(run_id, params=params[i : i + 100])
+        except MlflowException as e:
+            raise UserError(
+                f"logging.mlflow: cannot open the MLflow store {settings.tracking_uri or '(default)'}: "
+                f"{str(e).splitlines()[0]}; set logging.mlflow_tracking_uri (a server 'http://host:5000', "
+                f"or 'sqlite:///mlflow.db' with pip install 'reroll[mlflow]')"
+            ) from e
+        id_file.write_text(run_id)
+        return cls(client, run_id)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics per call
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    out: dict[str, Any] = {}
+    for k, v in config.items():
+        if isinstance(v, Mapping) and v:
+            out |= _flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from reroll.config.placement import (
     DeviceMap,
+    bundle_resources,
     check_weight_sync,
     cluster_problems,
     device_map,
@@ -23,6 +24,7 @@ from reroll.config.placement import (
     run_roles,
     trainer_strategy,
 )
+from reroll.config.startable import role_device, start_problems
 from reroll.errors import UserError
 
 if TYPE_CHECKING:
@@ -34,9 +36,7 @@ log = logging.getLogger(__name__)
 def worker_device(cfg: RunConfig, role: str) -> str:
     """'cuda' or 'cpu' for ``role``'s workers, in a config whose ``placement.device_type`` the
     ``ResourceManager`` has resolved (``auto`` counts as cpu here)."""
-    if cfg.placement.devices and role in placed_roles(cfg, [role]):
-        return "cuda" if cfg.placement.device_type == "cuda" else "cpu"
-    return "cuda" if getattr(cfg.roles, role).num_gpus_per_worker > 0 else "cpu"
+    return role_device(cfg, role, cfg.placement.device_type)
 
 
 def _pg_name(cfg: RunConfig) -> str:
@@ -61,6 +61,9 @@ class ResourceManager:
         name = trainer_strategy(self.cfg, worker_device(self.cfg, "actor_train"))
         self.cfg = self.cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"name": name})})
         self.map = device_map(cfg, run_roles(cfg), self.device_type) if pool else None
+        refused = start_problems(cfg, self.device_type)  # what validate and plan refuse, device now known
+        if refused:
+            raise UserError("\n".join(f"{path}: {message}" for path, message in refused))
         if cfg.runtime.backend == "local":
             return
         import ray
@@ -72,21 +75,16 @@ class ResourceManager:
             raise UserError("\n".join(f"{path}: {message}" for path, message in problems))
         if self.map is None:
             return
-        if any(k > 1 for k in self.map.span.values()):
-            raise UserError(
-                "placement: an engine rank spanning several pool devices (rollout.vllm.tensor_parallel_size "
-                "> 1 with placement.devices) is planned by `reroll plan` but not started by this version: "
-                "leave placement.devices unset and give roles.actor_infer.num_gpus_per_worker instead"
-            )
         from ray.util.placement_group import placement_group
 
         kind = "GPU" if self.device_type == "cuda" else "CPU"
         per = 1.0 if kind == "GPU" else cfg.placement.cpus_per_device
         bundle = {"GPU": 1.0, "CPU": cfg.placement.cpus_per_device} if kind == "GPU" else {"CPU": per}
-        self.pg = placement_group([dict(bundle) for _ in range(pool)], strategy="PACK", name=_pg_name(cfg))
+        bundles = [bundle | bundle_resources(cfg, self.map, d) for d in range(pool)]
+        self.pg = placement_group(bundles, strategy="PACK", name=_pg_name(cfg))
         if not self.pg.wait(timeout_seconds=60):
             raise UserError(
-                f"placement: Ray could not reserve {pool} x {bundle} within 60 s (other jobs hold the "
+                f"placement: Ray could not reserve {bundles} within 60 s (other jobs hold the "
                 f"resources?):\n{self.map.table()}"
             )
         log.info("placement (%s):\n%s", self.device_type, self.map.table())
@@ -104,7 +102,11 @@ def actor_options(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:
     ``num_cpus/num_gpus_per_worker`` when it is not on the pool."""
     rc = getattr(cfg.roles, role)
     if not cfg.placement.devices or role not in placed_roles(cfg, [role]):
-        return {"num_cpus": rc.num_cpus_per_worker, "num_gpus": rc.num_gpus_per_worker}
+        return {
+            "num_cpus": rc.num_cpus_per_worker,
+            "num_gpus": rc.num_gpus_per_worker,
+            **({"resources": dict(rc.resources)} if rc.resources else {}),
+        }
     from ray.util import get_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

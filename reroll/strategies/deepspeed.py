@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime import constants as ds_constants
 
+from reroll.config.startable import deepspeed_problems
 from reroll.errors import UserError
-from reroll.models.loading import load_causal_lm, load_value_model
+from reroll.models.loading import load_causal_lm, load_reward_model, load_value_model
 from reroll.strategies import Head
 from reroll.strategies.memory import peak_memory_gb
 from reroll.strategies.training import forward_logits, warmup_schedule
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model}
+_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_reward_model}
 _TAG = "state"  # the one tag under ``<checkpoint>/deepspeed/``: a checkpoint directory holds one step
 
 
@@ -75,16 +76,9 @@ class DeepSpeedStrategy:
                 f"strategy.name is 'deepspeed' but deepspeed {deepspeed.__version__} lacks "
                 "managed_gradient_accumulation (caller-owned step boundaries): pip install 'deepspeed>=0.19.8'"
             )
-        if cfg.strategy.lora is not None:
-            raise UserError(
-                "strategy.lora is not supported by the deepspeed strategy: use strategy.name=fsdp2 or torch, "
-                "or remove strategy.lora"
-            )
-        if self.ds.offload_params and self.ds.zero_stage != 3:
-            raise UserError(
-                "strategy.deepspeed.offload_params needs zero_stage 3 (ZeRO-2 does not shard parameters): "
-                "set strategy.deepspeed.zero_stage=3 or offload_params=false"
-            )
+        problems = deepspeed_problems(cfg)
+        if problems:
+            raise UserError("; ".join(message for _, message in problems))
         self.device = torch.device(device)
         self.rank, self.world_size, self.trainable = rank, world_size, trainable
         self._load = _LOADERS[head]

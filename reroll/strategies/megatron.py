@@ -30,6 +30,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+from reroll.config.startable import (
+    MEGATRON_NEEDS_GPUS,
+    megatron_option_problems,
+    megatron_parallel_problems,
+)
 from reroll.errors import UserError
 from reroll.models import megatron_convert as mc
 from reroll.models.loading import DTYPES, load_causal_lm
@@ -44,30 +49,12 @@ log = logging.getLogger(__name__)
 
 def check_parallel_sizes(world_size: int, m: MegatronConfig) -> int:
     """The data-parallel size of ``world_size`` ranks under ``m``'s model-parallel sizes; a ``UserError`` if
-    they do not fit or ask for what this strategy cannot do yet."""
-    if m.pipeline_parallel > 1:
-        raise UserError(
-            f"strategy.megatron.pipeline_parallel={m.pipeline_parallel}: pipeline parallelism is not yet "
-            "supported by reroll's megatron strategy; set it to 1 and use tensor_parallel"
-        )
-    if m.context_parallel > 1:
-        raise UserError(
-            f"strategy.megatron.context_parallel={m.context_parallel}: context parallelism is not yet "
-            "supported by reroll's megatron strategy (it needs Transformer Engine); set it to 1"
-        )
-    if m.expert_parallel > 1:
-        raise UserError(
-            f"strategy.megatron.expert_parallel={m.expert_parallel}: the megatron strategy converts dense "
-            "models only (no experts); set it to 1"
-        )
-    model_parallel = m.tensor_parallel * m.pipeline_parallel * m.context_parallel
-    if world_size % model_parallel:
-        raise UserError(
-            f"the role's world_size ({world_size}) must be divisible by strategy.megatron tensor_parallel "
-            f"({m.tensor_parallel}) x pipeline_parallel ({m.pipeline_parallel}) x context_parallel "
-            f"({m.context_parallel}) = {model_parallel}: change roles.<role>.world_size or the parallel sizes"
-        )
-    return world_size // model_parallel
+    they do not fit or ask for what this strategy cannot do yet (``reroll.config.startable``, the check
+    ``reroll validate`` and ``reroll plan`` run)."""
+    problems = megatron_parallel_problems(world_size, m)
+    if problems:
+        raise UserError("; ".join(problems))
+    return world_size // (m.tensor_parallel * m.pipeline_parallel * m.context_parallel)
 
 
 def use_transformer_engine(setting: str) -> bool:
@@ -83,10 +70,7 @@ def use_transformer_engine(setting: str) -> bool:
 
 def _check_device(device: torch.device) -> None:
     if device.type != "cuda":
-        raise UserError(
-            "strategy.name=megatron needs GPUs (Megatron-Core's forward runs on CUDA): give the role "
-            "roles.<role>.num_gpus_per_worker > 0, or set strategy.name=fsdp2"
-        )
+        raise UserError(MEGATRON_NEEDS_GPUS)
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -143,15 +127,9 @@ class MegatronStrategy:
         world_size: int = 1,
         head: Head = "causal_lm",
     ) -> None:
-        if head != "causal_lm":
-            raise UserError(
-                "strategy.name=megatron holds causal LMs only; the critic's value head needs "
-                "strategy.name=fsdp2 or torch"
-            )
-        if cfg.strategy.lora is not None:
-            raise UserError("strategy.lora is not supported with strategy.name=megatron: use fsdp2 or torch")
-        if cfg.model.dtype == "float16":
-            raise UserError("strategy.name=megatron trains in bfloat16 or float32: set model.dtype=bfloat16")
+        problems = megatron_option_problems(cfg, head)
+        if problems:
+            raise UserError("; ".join(message for _, message in problems))
         self.device = torch.device(device)
         _check_device(self.device)
         self.mcfg = cfg.strategy.megatron

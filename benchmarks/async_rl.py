@@ -1,0 +1,195 @@
+"""Synchronous vs asynchronous (off-policy) RLVR on a long-tailed task, through the CLI and Ray, as a table.
+
+    python benchmarks/async_rl.py                           # all cores of this machine, CPU roles
+    python benchmarks/async_rl.py --steps 4 --sft-steps 20  # a smoke run of the script
+
+The quickstart model (tiny Qwen2, hidden 128) learns 2-digit addition. One SFT run gives every row the
+same starting point (partly right, so rewards vary); then each row runs ``--steps`` GRPO steps of
+``--batch`` samples from that checkpoint. Responses may run to ``--max-new-tokens`` (48): a policy
+that has not learned to stop keeps writing, which gives the long tail of response lengths that makes
+a synchronous step wait for its slowest sample.
+
+Rows:
+
+- ``sync``: ``rollout.async_steps: 0``; actor_train and actor_infer take turns, each using all cores.
+- ``sync half``: the same, each role with half the cores, as in the async row (on a loaded machine
+  fewer threads can be faster: this row separates the thread count from the overlap).
+- ``async k=1``: ``rollout.async_steps: 1``; a CPU pool of two slots, actor_infer on its own, each
+  role with half the cores; importance-sampling correction on (the default).
+- ``tail``: synchronous with tail batching (``rollout.tail_threshold: --tail-threshold``,
+  ``tail_share: 0.25``): ordinary steps stop at the threshold, long groups are finished in tail steps.
+
+Per row: samples/s (trained samples over the summed ``timing/step`` of the GRPO steps), median and
+p95 step time, mean response length and the median of each step's longest, mean staleness, and
+held-out accuracy
+(greedy, ``--eval-limit`` rows) before and after. The last line is ``speedup <async / sync samples/s>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def base_config(work: Path, args: argparse.Namespace) -> dict:
+    return {
+        "pipeline": "rlvr",
+        "name": "base",
+        "output_dir": str(work / "{name}"),
+        "seed": 0,
+        "model": {
+            "path": str(work / "assets" / "tiny-arithmetic"),
+            "build_tiny": {"alphabet": "arithmetic", "hidden_size": 128, "num_layers": 2, "num_heads": 4},
+        },
+        "data": {
+            "train_files": [str(work / "assets" / "train.jsonl")],
+            "eval_files": [str(work / "assets" / "test.jsonl")],
+            "prompt_template": "{question}=",
+            "eval_limit": args.eval_limit,
+            "synthetic": {
+                "task": "arithmetic",
+                "n_train": 5000,
+                "n_test": 500,
+                "max_operand": 99,
+                "ops": "+",
+            },
+        },
+        "rollout": {
+            "engine": "hf",
+            "batch_size": args.batch,
+            "group_size": 8,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": 1.0,
+        },
+        "reward": {"fn": "exact_match"},
+        "algorithm": {"preset": "grpo", "kl_coef": 0.0, "loss_agg_mode": "token-mean"},
+        "optim": {"lr": 3e-4, "micro_batch_size": args.batch},
+        "eval": {"every": 0},
+        "checkpoint": {"every": 0, "keep_last": 1},
+        "logging": {"tensorboard": False, "sample_every": 0},
+    }
+
+
+def run(cfg: dict, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-m", "reroll.cli", "train", str(path)], capture_output=True, text=True, env=env
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"{path.name} failed:\n{out.stderr[-3000:]}")
+
+
+def warm_start(work: Path, args: argparse.Namespace) -> Path:
+    """The quickstart's SFT warm start as an SFT run: its final checkpoint is every row's start."""
+    cfg = base_config(work, args) | {"name": "sft", "pipeline": "sft"}
+    for key in ("rollout", "reward", "algorithm", "optim"):
+        cfg.pop(key)
+    cfg["sft"] = {"steps": args.sft_steps, "batch_size": 64, "lr": 1e-3, "warmup_steps": 10}
+    threads = {"torch_threads": args.cores}
+    cfg["roles"] = {"actor_train": threads, "actor_infer": threads}
+    if not (work / "sft" / "checkpoints").exists():  # kept from an earlier run in --work
+        run(cfg, work / "sft.yaml")
+    [ckpt] = sorted((work / "sft" / "checkpoints").glob("step_*"))
+    return ckpt / "model"
+
+
+def row_config(work: Path, args: argparse.Namespace, start: Path, name: str, k: int, tail: bool) -> dict:
+    cfg = base_config(work, args) | {"name": name, "total_steps": args.steps}
+    cfg["model"] = {"path": str(start)}
+    cfg["rollout"]["async_steps"] = k
+    half = max(1, args.cores // 2)
+    if name == "sync_half":
+        cfg["roles"] = {"actor_train": {"torch_threads": half}, "actor_infer": {"torch_threads": half}}
+        return cfg
+    if tail:
+        cfg["rollout"] |= {"tail_threshold": args.tail_threshold, "tail_share": 0.25}
+    if k == 0:  # roles take turns: each may use every core
+        threads = {"torch_threads": args.cores}
+        cfg["roles"] = {"actor_train": threads, "actor_infer": threads}
+    else:  # two CPU slots, actor_infer on its own
+        cfg["placement"] = {"devices": 2, "cpus_per_device": max(0.5, args.cores / 2 - 0.5)}
+        cfg["roles"] = {
+            "actor_train": {"torch_threads": half, "devices": [0]},
+            "actor_infer": {"torch_threads": half, "devices": [1]},
+        }
+    return cfg
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarise(run_dir: Path, batch: int) -> dict[str, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    times = [r["timing/step"] for r in steps]
+    lengths = [r["rollout/response_length"] for r in steps]
+    longest = [r["rollout/length_max"] for r in steps]
+    return {
+        "samples/s": sum(r["filter/kept_samples"] for r in steps) / sum(times),
+        "step p50 s": statistics.median(times),
+        "step p95 s": percentile(times, 0.95),
+        "len mean": statistics.mean(lengths),
+        "len max p50": statistics.median(longest),
+        "staleness": statistics.mean(r.get("staleness/mean", 0.0) for r in steps),
+        "acc before": rows[0]["eval/accuracy"],
+        "acc after": rows[-1]["eval/accuracy"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--sft-steps", type=int, default=250)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--tail-threshold", type=int, default=8)
+    p.add_argument("--eval-limit", type=int, default=500)
+    p.add_argument("--cores", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--work", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="reroll-async-bench-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        start = warm_start(work, args)
+        results = {}
+        rows = (("sync", 0, False), ("sync half", 0, False), ("async k=1", 1, False), ("tail", 0, True))
+        for name, k, tail in rows:
+            slug = name.replace(" ", "_").replace("=", "")
+            if not (work / slug / "metrics.jsonl").exists():  # a row kept from an earlier run in --work
+                run(row_config(work, args, start, slug, k, tail), work / f"{slug}.yaml")
+            results[name] = summarise(work / slug, args.batch)
+
+    print(
+        f"\n{platform.processor() or platform.machine()}, {args.cores} cores | quickstart model, "
+        f"{args.steps} GRPO steps x {args.batch} samples, max_new_tokens {args.max_new_tokens}, "
+        f"hf engine, after {args.sft_steps} SFT steps\n"
+    )
+    keys = list(next(iter(results.values())))
+    print("| row | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    for name, r in results.items():
+        print(f"| {name} | " + " | ".join(f"{r[k]:.3f}" for k in keys) + " |")
+    cut = 1 - results["tail"]["step p95 s"] / results["sync"]["step p95 s"]
+    print(f"tail batching: p95 step time {100 * cut:+.0f}% less than sync")
+    half = results["async k=1"]["samples/s"] / results["sync half"]["samples/s"]
+    print(f"async over sync with the same threads per role: {half:.2f}x")
+    print(f"speedup {results['async k=1']['samples/s'] / results['sync']['samples/s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Whether this version of reroll can start a config: one check for ``reroll validate``, ``reroll plan`` and
+the run.
+
+``start_problems`` lists, as ``(dotted path, message)``, every reason a run of the config would be refused
+while its roles are created that the config alone decides (with the device type and the model's type where
+they are known): parallel sizes the Megatron strategy does not build, options a strategy or engine does not
+take, an engine rank spanning several pool devices. ``reroll validate`` and ``run()`` (through
+``reroll.pipelines.preflight``), ``reroll plan`` and the run's ``ResourceManager`` (once the device type is
+known) all call it, and the strategies and engines raise the same messages from the same functions when
+built directly, so a config ``plan`` passes is one the run starts, and what the run refuses ``validate``
+and ``plan`` refuse first, with the same words.
+
+Not here, because the config does not decide them: whether a package is installed, whether the Ray
+cluster holds the roles (``reroll.config.placement.cluster_problems``), what a checkpoint or the data hold.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from reroll.config.placement import placed_roles, rank_span, run_roles, trainer_strategy
+
+if TYPE_CHECKING:
+    from reroll.config.schema import MegatronConfig, RunConfig
+
+# Model types the Megatron strategy converts (reroll.models.megatron_convert); MoE models are not among them.
+MEGATRON_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+# Hugging Face model types of the known families by name prefix, for hub ids that are not on disk.
+KNOWN_MODEL_TYPES = {
+    "qwen2.5-": "qwen2",
+    "qwen2-": "qwen2",
+    "qwen3-30b-a3b": "qwen3_moe",
+    "qwen3-235b-a22b": "qwen3_moe",
+    "qwen3-": "qwen3",
+    "llama-": "llama",
+    "meta-llama-3": "llama",
+}
+
+
+def model_type(path: str) -> str | None:
+    """The Hugging Face ``model_type`` of ``model.path``: its config.json when local, else the known family
+    its name starts with; None when neither tells."""
+    config = Path(path) / "config.json"
+    try:
+        found = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+        return found if isinstance(found, str) else None
+    except (OSError, ValueError, AttributeError):
+        pass
+    name = path.lower().rsplit("/", 1)[-1]
+    for prefix in sorted(KNOWN_MODEL_TYPES, key=len, reverse=True):
+        if name.startswith(prefix):
+            return KNOWN_MODEL_TYPES[prefix]
+    return None
+
+
+def role_device(cfg: RunConfig, role: str, device_type: str) -> str:
+    """'cuda' or 'cpu' for ``role``'s workers when pool devices are ``device_type``: the pool's type for
+    a role on the pool, else by its ``num_gpus_per_worker``."""
+    if cfg.placement.devices and role in placed_roles(cfg, [role]):
+        return "cuda" if device_type == "cuda" else "cpu"
+    return "cuda" if getattr(cfg.roles, role).num_gpus_per_worker > 0 else "cpu"
+
+
+def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "<role>") -> list[str]:
+    """What the Megatron strategy cannot do with ``world_size`` ranks under ``m``'s parallel sizes."""
+    problems = []
+    if m.pipeline_parallel > 1:
+        problems.append(
+            f"strategy.megatron.pipeline_parallel={m.pipeline_parallel}: pipeline parallelism is not yet "
+            "supported by reroll's megatron strategy; set it to 1 and use tensor_parallel"
+        )
+    if m.context_parallel > 1:
+        problems.append(
+            f"strategy.megatron.context_parallel={m.context_parallel}: context parallelism is not yet "
+            "supported by reroll's megatron strategy (it needs Transformer Engine); set it to 1"
+        )
+    if m.expert_parallel > 1:
+        problems.append(
+            f"strategy.megatron.expert_parallel={m.expert_parallel}: the megatron strategy converts dense "
+            "models only (no experts); set it to 1"
+        )
+    model_parallel = m.tensor_parallel * m.pipeline_parallel * m.context_parallel
+    if world_size % model_parallel:
+        problems.append(
+            f"the role's world_size ({world_size}) must be divisible by strategy.megatron tensor_parallel "
+            f"({m.tensor_parallel}) x pipeline_parallel ({m.pipeline_parallel}) x context_parallel "
+            f"({m.context_parallel}) = {model_parallel}: change roles.{role}.world_size or the parallel sizes"
+        )
+    return problems
+
+
+def megatron_model_problem(found: str | None) -> str | None:
+    """Why the Megatron strategy cannot convert a model of type ``found`` (None: it can, or unknown)."""
+    if found is None or found in MEGATRON_MODEL_TYPES:
+        return None
+    moe = " (mixture-of-experts conversion is not built)" if "moe" in found else ""
+    return (
+        f"strategy.name=megatron converts {', '.join(MEGATRON_MODEL_TYPES)} models; model.path is a "
+        f"{found!r} model{moe}: use strategy.name=fsdp2 for it"
+    )
+
+
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def megatron_model_problems(c: Any) -> list[str]:
+    """What the Megatron conversion (``reroll.models.megatron_convert``) cannot take in the Hugging Face
+    config ``c`` (a ``PretrainedConfig``, or config.json's fields as attributes)."""
+    why = megatron_model_problem(getattr(c, "model_type", None))
+    if why is not None:
+        return [why]
+    problems = []
+    if getattr(c, "use_sliding_window", False):
+        problems.append(
+            "strategy.name=megatron does not support sliding-window attention (use_sliding_window)"
+        )
+    if c.model_type == "llama" and (getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)):
+        problems.append("strategy.name=megatron supports Llama without attention_bias/mlp_bias only")
+    act = getattr(c, "hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"strategy.name=megatron supports SwiGLU (hidden_act silu), not {act!r}")
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3" and any(float(rope.get(k, -1)) != v for k, v in LLAMA3_ROPE.items()):
+        problems.append(
+            f"llama3 rope scaling other than {LLAMA3_ROPE} is not supported by Megatron-Core: {rope}"
+        )
+    elif rope_type not in ("default", "llama3"):
+        problems.append(f"strategy.name=megatron does not support rope_type {rope_type!r}")
+    return problems
+
+
+def _model_config(path: str) -> Any:
+    """``model.path``'s config.json as attributes when it is a local directory, else an object with only
+    the known family's ``model_type`` (None when neither tells)."""
+    try:
+        fields = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+        if isinstance(fields, dict):
+            return SimpleNamespace(**fields)
+    except (OSError, ValueError):
+        pass
+    return SimpleNamespace(model_type=model_type(path))
+
+
+def megatron_option_problems(cfg: RunConfig, head: str = "causal_lm") -> list[tuple[str, str]]:
+    """Options the Megatron strategy does not take."""
+    problems = []
+    if head != "causal_lm":
+        problems.append(
+            (
+                "critic",
+                "strategy.name=megatron holds causal LMs only; the critic's value head needs "
+                "strategy.name=fsdp2 or torch",
+            )
+        )
+    if cfg.strategy.lora is not None:
+        problems.append(
+            (
+                "strategy.lora",
+                "strategy.lora is not supported with strategy.name=megatron: use fsdp2 or torch",
+            )
+        )
+    if cfg.model.dtype == "float16":
+        problems.append(
+            ("model.dtype", "strategy.name=megatron trains in bfloat16 or float32: set model.dtype=bfloat16")
+        )
+    return problems
+
+
+MEGATRON_NEEDS_GPUS = (
+    "strategy.name=megatron needs GPUs (Megatron-Core's forward runs on CUDA): give the role "
+    "roles.<role>.num_gpus_per_worker > 0, or set strategy.name=fsdp2"
+)
+
+
+def deepspeed_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """Options the DeepSpeed strategy does not take."""
+    problems = []
+    if cfg.strategy.lora is not None:
+        problems.append(
+            (
+                "strategy.lora",
+                "strategy.lora is not supported by the deepspeed strategy: use strategy.name=fsdp2 or torch, "
+                "or remove strategy.lora",
+            )
+        )
+    ds = cfg.strategy.deepspeed
+    if ds.offload_params and ds.zero_stage != 3:
+        problems.append(
+            (
+                "strategy.deepspeed.offload_params",
+                "strategy.deepspeed.offload_params needs zero_stage 3 (ZeRO-2 does not shard parameters): "
+                "set strategy.deepspeed.zero_stage=3 or offload_params=false",
+            )
+        )
+    return problems
+
+
+VLLM_SLEEP_NEEDS_CUDA = (
+    "rollout.vllm.enable_sleep_mode needs CUDA: vLLM's CPU build has no sleep mode "
+    "('Sleep mode is not supported on current platform'); set it to false on CPU"
+)
+
+
+def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple[str, str]]:
+    """Every reason the roles of ``cfg`` would be refused at start, as ``(dotted path, message)``.
+
+    ``device_type``: what a pool device is ('cuda' or 'cpu'), or None where that is not known yet
+    (``reroll validate`` without a cluster, a config with ``placement.device_type: auto``): the checks
+    that depend on it are then left to the run, which calls this again once it knows."""
+    if device_type is None and cfg.placement.device_type != "auto":
+        device_type = cfg.placement.device_type
+    problems = []
+    if cfg.placement.devices and rank_span(cfg, "actor_infer") > 1:
+        problems.append(
+            (
+                "rollout.vllm.tensor_parallel_size",
+                f"{cfg.rollout.vllm.tensor_parallel_size} with placement.devices: an engine rank spanning "
+                "several pool devices is not built yet; set rollout.vllm.tensor_parallel_size=1 (one engine "
+                "rank per device, roles.actor_infer.world_size engines), or leave placement.devices unset "
+                "and give roles.actor_infer.num_gpus_per_worker",
+            )
+        )
+    trainers = [r for r in run_roles(cfg) if r != "actor_infer"]
+    devices = {r: role_device(cfg, r, device_type) if device_type else None for r in trainers}
+    strategies = {r: trainer_strategy(cfg, devices[r]) if devices[r] else cfg.strategy.name for r in trainers}
+    megatron = [r for r in trainers if strategies[r] == "megatron"]
+    if megatron:
+        for role in megatron:
+            size = getattr(cfg.roles, role).world_size
+            problems += [
+                ("strategy.megatron", m)
+                for m in megatron_parallel_problems(size, cfg.strategy.megatron, role)
+            ]
+            if devices[role] == "cpu":
+                problems.append((f"roles.{role}", MEGATRON_NEEDS_GPUS.replace("<role>", role)))
+        problems += megatron_option_problems(cfg, "value" if "critic" in megatron else "causal_lm")
+        problems += [("model.path", m) for m in megatron_model_problems(_model_config(cfg.model.path))]
+    if any(s == "deepspeed" for s in strategies.values()):
+        problems += deepspeed_problems(cfg)
+    infer = role_device(cfg, "actor_infer", device_type) if device_type else None
+    if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.enable_sleep_mode and infer == "cpu":
+        problems.append(("rollout.vllm.enable_sleep_mode", VLLM_SLEEP_NEEDS_CUDA))
+    return list(dict.fromkeys(problems))  # a problem of both megatron roles once

@@ -1,0 +1,151 @@
+"""RolloutSource with fake roles: DAPO refills (rounds, filtered groups, data position)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+
+from reroll.config.schema import RunConfig
+from reroll.data.datasets import PromptSampler
+from reroll.data.types import Completion, Rollout, Sample
+from reroll.pipelines.async_rollout import RolloutSource, Scored, round_seed, staleness_metrics
+from reroll.rewards.base import RewardResult
+
+
+class FakeRollout:
+    """Each prompt's completions are its row's ``scores`` as text, one per sample; records each call's seed."""
+
+    def __init__(self) -> None:
+        self.seeds: list[int | None] = []
+
+    def generate(self, prompts, params, phase="generate"):
+        return self.collect(self.submit(prompts, params))
+
+    def submit(self, prompts, params):
+        self.seeds.append(params.seed)
+        return [prompts]
+
+    def collect(self, refs, phase="generate"):
+        completion = lambda s: Completion([1], [2], s, [0.0], "stop")  # noqa: E731
+        return [[completion(s) for s in p.split(",")] for prompts in refs for p in prompts]
+
+    def wait_loaded(self, refs):
+        pass
+
+    def metrics(self, now=False):
+        return {"engine/requests": 1.0}
+
+
+class FakeReward:
+    def score(self, items, phase="reward"):
+        return [RewardResult(float(it.response)) for it in items]
+
+
+class FakeRoles:
+    def __init__(self) -> None:
+        self.rollout, self.reward, self.phases = FakeRollout(), FakeReward(), []
+
+    @contextmanager
+    def phase(self, name, *uses):
+        self.phases.append(name)
+        yield
+
+
+def make_cfg(rollout=None, **algorithm) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "pipeline": "rlvr",
+            "model": {"path": "org/model"},
+            "data": {"train_files": ["x.jsonl"]},
+            "rollout": {"batch_size": 8, "group_size": 2, **(rollout or {})},
+            "algorithm": algorithm,
+        }
+    )
+
+
+def sampler(prompts: list[str], batch: int) -> PromptSampler:
+    """Prompts are the scores of their group's samples, e.g. '1,0' (a spread) or '0,0' (none)."""
+    rows = [Sample(f"u{i}", p, {"answer": ""}) for i, p in enumerate(prompts)]
+    return PromptSampler(rows, batch, shuffle=False)
+
+
+def test_refill_rounds_until_the_batch_is_full():
+    # 4 groups per step; round 0 has 2 with a spread, round 1 has 1, round 2 has 3 (one surplus)
+    rounds = [["1,0", "0,0", "1,1", "0,1"], ["0,0", "1,1", "1,0", "0,0"], ["1,0", "0,1", "1,0", "0,0"]]
+    prompts = [p for r in rounds for p in r]
+    cfg = make_cfg(dynamic_sampling=True, dynamic_sampling_max_rounds=3)
+    roles, data = FakeRoles(), sampler(prompts, 4)
+    scored, metrics = RolloutSource(cfg, data).next(roles, step=5)
+
+    assert metrics["dapo/rounds"] == 3
+    assert metrics["dapo/filtered_groups"] == 2 + 3 + 1  # equal-reward groups of the three rounds
+    assert metrics["dapo/kept_groups"] == 4 and metrics["dapo/missing_groups"] == 0
+    assert metrics["dapo/generated_accuracy"] == pytest.approx(10 / 24)  # ones: 4 + 3 + 3 of 24 samples
+    assert [r.sample.prompt for r in scored.rollouts[::2]] == ["1,0", "0,1", "1,0", "1,0"]
+    assert [r.group for r in scored.rollouts] == [0, 0, 1, 1, 2, 2, 3, 3]  # renumbered
+    assert len(scored) == cfg.rollout.batch_size
+    # each round drew a fresh batch of prompts (the data position moved 3 batches) with its own seed
+    assert data.state() == {"epoch": 0, "index": 12}
+    assert roles.rollout.seeds == [round_seed(cfg, 5, r) for r in range(3)]
+    assert len(set(roles.rollout.seeds)) == 3
+    assert roles.phases == ["generate", "reward"] * 3
+
+
+def test_refill_stops_after_max_rounds_and_trains_on_what_it_has():
+    prompts = ["1,0", "0,0", "0,0", "0,0"] * 3
+    cfg = make_cfg(dynamic_sampling=True, dynamic_sampling_max_rounds=1)
+    scored, metrics = RolloutSource(cfg, sampler(prompts, 4)).next(FakeRoles(), step=1)
+    assert metrics["dapo/rounds"] == 2  # the first and one extra
+    assert metrics["dapo/kept_groups"] == 2 and metrics["dapo/missing_groups"] == 2
+    # made up to the batch with the first equal-reward groups, which the loss's filter drops
+    assert [r.sample.prompt for r in scored.rollouts[::2]] == ["1,0", "1,0", "0,0", "0,0"]
+    assert len(scored) == 8
+
+
+def test_no_refill_without_dynamic_sampling():
+    cfg = make_cfg()
+    roles, data = FakeRoles(), sampler(["0,0", "1,1", "1,0", "0,0"], 4)
+    scored, metrics = RolloutSource(cfg, data).next(roles, step=1)
+    assert len(scored) == 8 and not any(k.startswith("dapo/") for k in metrics)
+    assert roles.rollout.seeds == [round_seed(cfg, 1, 0)]
+
+
+def test_max_rounds_without_dynamic_sampling_is_an_error():
+    with pytest.raises(ValueError, match="dynamic_sampling_max_rounds is set"):
+        make_cfg(dynamic_sampling_max_rounds=2)
+
+
+def test_async_submits_ahead_and_stamps_the_engine_version():
+    cfg = make_cfg({"async_steps": 2})
+    assert cfg.algorithm.rollout_is == "token"  # importance sampling on by default when async
+    roles, source = FakeRoles(), RolloutSource(cfg, sampler(["1,0"] * 40, 4))
+    _, metrics = source.next(roles, step=1)
+    assert sorted(source.queue) == [2, 3]  # steps 2 and 3 submitted ahead, in order
+    assert roles.rollout.seeds == [round_seed(cfg, s, 0) for s in (1, 2, 3)]
+    assert metrics["staleness/mean"] == 0
+    source.engine_version = 1  # push_weights after step 1 (fake roles: only the version)
+    _, metrics = source.next(roles, step=2)  # generated before step 1 trained: one step stale
+    assert metrics["staleness/max"] == 1 and metrics["staleness/off_policy_tokens"] == 1
+    assert source.queue[4].version == 1  # submitted at step 2, behind the weights of step 1
+
+
+def test_groups_older_than_max_staleness_are_generated_again():
+    cfg = make_cfg({"async_steps": 1, "max_staleness": 1})
+    roles, source = FakeRoles(), RolloutSource(cfg, sampler(["1,0", "0,1"] * 20, 4))
+    source.next(roles, step=1)  # queues step 2 with version 0
+    # as if a run resumed with older samples queued: step 7's, of version 0, are 6 - 0 > 1 steps stale
+    source.queue[7], source.engine_version = source.queue.pop(2), 5
+    _, metrics = source.next(roles, step=7)
+    assert metrics["staleness/regenerated_groups"] == 4
+    assert metrics["staleness/max"] == 1  # regenerated by the engine's weights (step 5) at step 7
+
+
+def test_staleness_is_measured_per_token():
+    def rollout(n_tokens: int) -> Rollout:
+        return Rollout(Sample("u", "p", {}), 0, Completion([1], [2] * n_tokens, "", [0.0] * n_tokens, "stop"))
+
+    scored = Scored([rollout(1), rollout(3)], [RewardResult(0.0)] * 2, versions=[[4], [2, 2, 2]])
+    m = staleness_metrics(scored, trainer_version=4)
+    # tokens: 1 at staleness 0, 3 at staleness 2 -> mean (0 + 6) / 4, off-policy 3 / 4
+    assert m == {"staleness/mean": 1.5, "staleness/max": 2.0, "staleness/off_policy_tokens": 0.75}

@@ -1,0 +1,202 @@
+"""What a config can start (reroll.config.startable), the custom resources that pin roles to nodes, and the
+absolute paths the driver hands to workers on other nodes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from reroll.config.loader import load_config
+from reroll.config.placement import cluster_problems
+from reroll.config.schema import RunConfig
+from reroll.config.startable import model_type, start_problems
+
+
+def _cfg(tmp_path: Path, *overrides: str, model: str | None = None) -> RunConfig:
+    base = {
+        "pipeline": "rlvr",
+        "model": {"path": model or str(tmp_path)},
+        "data": {"train_files": ["x.jsonl"]},
+        "rollout": {"batch_size": 8, "group_size": 4},
+        "algorithm": {"kl_coef": 0.1},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return load_config(path, RunConfig, list(overrides))
+
+
+def _paths(problems: list[tuple[str, str]]) -> list[str]:
+    return [path for path, _ in problems]
+
+
+def test_a_plain_config_starts_anywhere(tmp_path):
+    cfg = _cfg(tmp_path)
+    assert start_problems(cfg) == start_problems(cfg, "cpu") == start_problems(cfg, "cuda") == []
+
+
+def test_megatron_sizes_and_options_not_built_are_listed_at_once(tmp_path):
+    cfg = _cfg(
+        tmp_path,
+        "strategy.name=megatron",
+        "strategy.megatron.pipeline_parallel=2",
+        "strategy.megatron.expert_parallel=2",
+        "roles.reference.world_size=3",
+        "model.dtype=float16",
+        model="Qwen/Qwen3-30B-A3B",
+    )
+    problems = start_problems(cfg)
+    messages = " | ".join(m for _, m in problems)
+    assert "pipeline parallelism is not yet supported" in messages
+    assert "expert_parallel=2" in messages
+    assert "world_size (3) must be divisible by" in messages and "roles.reference.world_size" in messages
+    assert "trains in bfloat16 or float32" in messages
+    assert "'qwen3_moe' model (mixture-of-experts conversion is not built)" in messages
+    # actor_train and the reference share the PP and EP problems: each is listed once
+    assert len(problems) == len(set(problems))
+
+
+def test_device_dependent_refusals_wait_for_the_device_type(tmp_path):
+    cfg = _cfg(
+        tmp_path, "strategy.name=megatron", "rollout.engine=vllm", "rollout.vllm.enable_sleep_mode=true"
+    )
+    assert start_problems(cfg) == []  # validate without a cluster: the device is not known yet
+    on_cpu = start_problems(cfg, "cpu")
+    assert _paths(on_cpu) == ["roles.actor_train", "roles.reference", "rollout.vllm.enable_sleep_mode"]
+    assert "roles.actor_train.num_gpus_per_worker > 0" in on_cpu[0][1]
+    # without a pool, roles run where num_gpus_per_worker says (0: CPUs) whatever the cluster has
+    assert _paths(start_problems(cfg, "cuda")) == _paths(on_cpu)
+    pooled = _cfg(
+        tmp_path,
+        "strategy.name=megatron",
+        "rollout.engine=vllm",
+        "rollout.vllm.enable_sleep_mode=true",
+        "placement.devices=1",
+    )
+    assert start_problems(pooled, "cuda") == []
+    pinned = _cfg(
+        tmp_path, "placement.device_type=cpu", "rollout.engine=vllm", "rollout.vllm.enable_sleep_mode=true"
+    )
+    assert _paths(start_problems(pinned)) == ["rollout.vllm.enable_sleep_mode"]  # the config says cpu
+
+
+def test_an_engine_spanning_pool_devices_is_refused_only_on_the_pool(tmp_path):
+    spans = _cfg(
+        tmp_path, "rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2", "placement.devices=2"
+    )
+    assert _paths(start_problems(spans)) == ["rollout.vllm.tensor_parallel_size"]
+    off_pool = _cfg(tmp_path, "rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2")
+    assert start_problems(off_pool, "cuda") == []
+
+
+def test_deepspeed_options_it_does_not_take(tmp_path):
+    cfg = _cfg(
+        tmp_path,
+        "strategy.name=deepspeed",
+        "strategy.deepspeed.zero_stage=2",
+        "strategy.deepspeed.offload_params=true",
+    )
+    assert _paths(start_problems(cfg)) == ["strategy.deepspeed.offload_params"]
+
+
+def test_model_type_from_a_local_config_or_the_known_families(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    assert model_type(str(tmp_path)) == "mixtral"
+    assert model_type("Qwen/Qwen3-235B-A22B") == "qwen3_moe"
+    assert model_type("Qwen/Qwen3-8B") == "qwen3"
+    assert model_type("Qwen/Qwen2.5-7B-Instruct") == "qwen2"
+    assert model_type("someone/unknown-model") is None
+
+
+def test_custom_resources_the_cluster_lacks_are_refused_with_the_flag(tmp_path):
+    cfg = _cfg(
+        tmp_path,
+        "roles.actor_infer.resources={node_b: 1}",
+        "roles.reward.world_size=2",
+        "roles.reward.resources={node_b: 1}",
+    )
+    have = {"CPU": 8.0, "node_b": 2.0}
+    [(path, message)] = cluster_problems(cfg, have, "cpu")
+    assert (
+        path == "roles" and "3 of the custom resource 'node_b'" in message and "the cluster has 2" in message
+    )
+    assert "ray start --resources" in message
+    assert cluster_problems(cfg, {**have, "node_b": 3.0}, "cpu") == []
+    # on the pool, each device's bundle asks once for what its roles ask
+    pooled = _cfg(
+        tmp_path,
+        "placement.devices=2",
+        "roles.actor_infer.devices=[1]",
+        "roles.actor_infer.resources={node_b: 1}",
+    )
+    assert cluster_problems(pooled, {"CPU": 8.0, "node_b": 1.0}, "cpu") == []
+    assert _paths(cluster_problems(pooled, {"CPU": 8.0}, "cpu")) == ["roles"]
+
+
+def test_workers_get_absolute_paths_from_the_driver(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    cfg = _cfg(tmp_path, "output_dir=runs/{name}", "name=x", model="models/tiny")
+    out = cfg.absolute_paths()
+    assert out.run_dir == tmp_path / "runs" / "x" and out.run_dir.is_absolute()
+    assert out.model.path == str(tmp_path / "models" / "tiny")
+    hub = _cfg(tmp_path, model="Qwen/Qwen2.5-0.5B-Instruct").absolute_paths()
+    assert hub.model.path == "Qwen/Qwen2.5-0.5B-Instruct"  # a hub id stays one
+
+
+@pytest.mark.parametrize("name", ["megatron"])  # deepspeed calls the same function; its import takes 10 s
+def test_the_strategies_raise_the_shared_messages(tmp_path, name):
+    """Built directly (tests, benchmarks), a strategy refuses what start_problems lists, in its words."""
+    from reroll.errors import UserError
+    from reroll.strategies import make_strategy, strategy_available
+
+    if not strategy_available(name):
+        pytest.skip(f"{name} is not installed")
+    cfg = _cfg(tmp_path, f"strategy.name={name}", "strategy.lora.rank=4")
+    [(_, message)] = [p for p in start_problems(cfg) if p[0] == "strategy.lora"]
+    with pytest.raises(UserError) as e:
+        make_strategy(
+            cfg,
+            model_path=str(tmp_path),
+            device="cpu",
+            trainable=True,
+            rank=0,
+            world_size=1,
+            head="causal_lm",
+        )
+    assert message in str(e.value)
+
+
+def test_a_local_model_megatron_cannot_convert_is_refused_before_start(tmp_path):
+    """The conversion's own checks (reroll.models.megatron_convert.gpt_shape) run on config.json at
+    validate time, with the same words the conversion raises."""
+    from types import SimpleNamespace
+
+    from reroll.errors import UserError
+    from reroll.models.megatron_convert import gpt_shape
+
+    fields = {
+        "model_type": "qwen2",
+        "use_sliding_window": True,
+        "hidden_act": "gelu",
+        "rope_scaling": {"rope_type": "yarn"},
+    }
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(fields))
+    problems = [
+        m
+        for p, m in start_problems(_cfg(tmp_path, "strategy.name=megatron", model=str(model)))
+        if p == "model.path"
+    ]
+    assert (
+        len(problems) == 3
+        and "sliding-window" in problems[0]
+        and "'gelu'" in problems[1]
+        and "'yarn'" in problems[2]
+    )
+    with pytest.raises(UserError) as e:
+        gpt_shape(SimpleNamespace(**fields))
+    assert str(e.value) == "; ".join(problems)
