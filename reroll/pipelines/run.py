@@ -222,6 +222,7 @@ class Roles:
         """The ``collective`` transport: both roles resident (placement keeps them apart), the group
         formed if this is the first sync since either role (re)started, then each bucket broadcast
         as it is gathered. A failure leaves the group to be formed again at the next sync."""
+        assert self.actor is not None and self.rollout is not None
         self.hold("actor_train", "actor_infer")
         try:
             if not self.weight_group_formed:
