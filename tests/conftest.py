@@ -36,7 +36,7 @@ def step_metrics(run_dir: Path, step: int) -> dict[str, float]:
     return {
         k: v
         for k, v in row.items()
-        if not k.startswith(measured) and not k.endswith(("tokens_per_s", "peak_memory_gb"))
+        if not k.startswith(measured) and not k.endswith(("tokens_per_s", "gb_per_s", "peak_memory_gb"))
     }
 
 

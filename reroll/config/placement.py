@@ -254,19 +254,59 @@ def shares_device(cfg: RunConfig, role: str) -> bool:
 
 
 def weight_sync_transport(cfg: RunConfig, device_type: str) -> str:
-    """'cuda_ipc' or 'object_store': ``rollout.weight_sync_transport`` with 'auto' resolved. CUDA IPC
-    needs every actor_infer rank on actor_train rank 0's GPU (it gathers the full weights) and an
-    in-process engine (the tensors are opened in the worker's process)."""
+    """'cuda_ipc', 'collective' or 'object_store': ``rollout.weight_sync_transport`` with 'auto'
+    resolved, on a pool of ``device_type`` devices.
+
+    - cuda_ipc: every actor_infer rank on actor_train rank 0's GPU (it gathers the full weights) and an
+      in-process engine (the tensors are opened in the worker's process).
+    - collective: no actor_infer rank on a GPU any actor_train rank uses (an NCCL group cannot hold
+      two members on one GPU, and both roles stay resident while the buffers stream) and an engine
+      that receives in the worker's process (hf, or in-process vLLM).
+    - object_store: everything else; always on CPU (the object store is host memory there too;
+      'collective' with gloo is for a CPU cluster of several nodes, or to test the GPU path), and with
+      ``rollout.async_steps`` (its loads queue behind the generations in flight, where a broadcast
+      would hold the trainer until the engine is free)."""
     mode = cfg.rollout.weight_sync_transport
     if mode != "auto":
         return mode
     if device_type != "cuda" or not cfg.placement.devices:
         return "object_store"
-    if cfg.rollout.engine == "vllm" and not cfg.rollout.vllm.in_process:
+    if cfg.rollout.async_steps:  # object-store loads queue behind the generations in flight
+        return "object_store"
+    in_worker = cfg.rollout.engine == "hf" or (cfg.rollout.engine == "vllm" and cfg.rollout.vllm.in_process)
+    if not in_worker:
         return "object_store"
     dmap = device_map(cfg, run_roles(cfg), device_type)
     trainer0 = dmap.ranks["actor_train"][0]
-    return "cuda_ipc" if all(d == trainer0 for d in dmap.ranks["actor_infer"]) else "object_store"
+    if all(d == trainer0 for d in dmap.ranks["actor_infer"]) and dmap.span.get("actor_infer", 1) == 1:
+        return "cuda_ipc"
+    return "object_store" if dmap.colocated("actor_train", "actor_infer") else "collective"
+
+
+def check_weight_sync(cfg: RunConfig, device_type: str) -> list[tuple[str, str]]:
+    """Problems of an explicit ``rollout.weight_sync_transport: collective`` on a pool of ``device_type``
+    devices ('auto' while not yet resolved): it needs Ray workers, and on GPUs (or with
+    ``placement.offload: always``) actor_infer off actor_train's devices."""
+    if cfg.rollout.weight_sync_transport != "collective":
+        return []
+    path = "rollout.weight_sync_transport"
+    if cfg.runtime.backend == "local":
+        return [(path, "'collective' broadcasts between worker processes: it needs runtime.backend=ray")]
+    shared_ok = device_type != "cuda" and cfg.placement.offload != "always"
+    if not cfg.placement.devices or shared_ok or check_placement(cfg):
+        return []
+    dmap = device_map(cfg, run_roles(cfg), device_type)
+    if not dmap.colocated("actor_train", "actor_infer"):
+        return []
+    return [
+        (
+            path,
+            f"'collective' needs actor_infer on devices no actor_train rank uses (train "
+            f"{sorted(dmap.covered('actor_train'))}, infer {sorted(dmap.covered('actor_infer'))}): both stay "
+            "resident while the weights stream, and NCCL cannot hold two members on one GPU. Set "
+            "roles.actor_infer.devices apart, or use 'auto' (cuda_ipc on the trainer's GPU)",
+        )
+    ]
 
 
 def colocated_trainer_roles(cfg: RunConfig, role: str) -> int:

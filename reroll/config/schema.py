@@ -17,7 +17,7 @@ from reroll.config.algorithm import AlgorithmConfig, check_algorithm
 from reroll.config.alphabet import Alphabet
 from reroll.config.base import StrictModel
 from reroll.config.loader import ConfigProblem
-from reroll.config.placement import async_problems, check_placement
+from reroll.config.placement import async_problems, check_placement, check_weight_sync
 from reroll.config.preference import DPOConfig, PreferenceConfig, RewardModelConfig, check_preference
 from reroll.config.reward import RewardConfig, check_reward
 
@@ -196,12 +196,16 @@ class RolloutConfig(StrictModel):
         False, description="hf engine: static KV cache + torch.compile'd decoding (for GPUs)."
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings.")
-    weight_sync_transport: Literal["auto", "object_store", "cuda_ipc"] = Field(
+    weight_sync_transport: Literal["auto", "object_store", "cuda_ipc", "collective"] = Field(
         "auto",
         description="How weights reach the engine: 'object_store' (host memory, through Ray), 'cuda_ipc' "
         "(device memory shared with an in-process engine on the same GPU as actor_train rank 0; no "
-        "copy through the host). 'auto': cuda_ipc where placement puts every actor_infer rank on "
-        "actor_train rank 0's GPU, else object_store.",
+        "copy through the host), 'collective' (broadcast from actor_train rank 0 to every engine through "
+        "a process group of their own: NCCL on GPUs, gloo on CPUs; only names, shapes and dtypes go "
+        "through Ray; needs runtime.backend=ray). 'auto': cuda_ipc where placement puts every actor_infer "
+        "rank on actor_train rank 0's GPU; collective where it puts them on GPUs of the pool that no "
+        "actor_train rank uses (hf engine or in-process vLLM); else object_store (always on CPU, and with "
+        "async_steps).",
     )
     async_steps: int = Field(
         0,
@@ -711,6 +715,7 @@ class RunConfig(StrictModel):
         ]
         problems += [ConfigProblem(path, m) for path, m in check_reward(self.reward)]
         problems += [ConfigProblem(path, m) for path, m in check_placement(self)]
+        problems += [ConfigProblem(p, m) for p, m in check_weight_sync(self, self.placement.device_type)]
         problems += [ConfigProblem(path, m) for path, m in async_problems(self)]
         warm_start = self.pipeline != "sft" and self.sft is not None and self.sft.steps > 0
         if self.strategy.lora is not None and self.needs_reference and warm_start:

@@ -15,7 +15,8 @@ Weight sync. ``load_weights`` hands one bucket of the trainer's weights (Hugging
 layers: ``reroll.runtime.weight_sync``) to each vLLM worker: on a GPU to the model's own
 ``load_weights`` (per-parameter loaders that copy in place into the fused layers, so CUDA graphs stay
 valid and no "weights were not loaded" warning fires for a partial bucket; the tensors may be views of
-the trainer's GPU buffer, ``cuda_ipc``), on CPU to ``reload_weights``, which also redoes the CPU
+the trainer's GPU buffer, ``cuda_ipc``, or of the buffer the worker received through the weight-sync
+group, ``collective``), on CPU to ``reload_weights``, which also redoes the CPU
 kernels' weight repacking for the layers in the bucket. ``finish_weight_update`` then resets the
 prefix cache so no KV computed with the old weights is reused. Nothing is written to disk. LoRA adapters are merged into
 the base weights (``reroll.engines.lora``; the base is read from the checkpoint) and loaded the same way.

@@ -39,7 +39,7 @@ from reroll.pipelines.preflight import preflight
 from reroll.roles.critic import CriticGroup
 from reroll.roles.env import EnvGroup
 from reroll.roles.reward import RewardGroup
-from reroll.roles.rollout import RolloutGroup
+from reroll.roles.rollout import RolloutGroup, form_weight_group
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime import checkpoint, stacks
 from reroll.runtime.actors import WorkerGroup, start_ray
@@ -125,6 +125,8 @@ class Roles:
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     current_phase: str | None = None
     restarted: list[str] = field(default_factory=list)  # '<role> at step <n>', one per restart
+    sync_stats: dict[str, float] = field(default_factory=dict)  # the last weight sync's rate, until popped
+    weight_group_formed: bool = False  # the 'collective' transport's group (formed again after restarts)
 
     @classmethod
     def start(cls, cfg: RunConfig, needs: RoleSet) -> Roles:
@@ -195,25 +197,53 @@ class Roles:
 
     def sync_weights(self) -> float:
         """actor_train's weights into actor_infer (gathered while the trainer holds its device), or only
-        the LoRA adapters where ``strategy.lora.sync`` is 'adapters'. Returns the bytes sent (``sync/bytes``)."""
+        the LoRA adapters where ``strategy.lora.sync`` is 'adapters'. Returns the bytes sent
+        (``sync/bytes``); its rate (``sync/gb_per_s``: bytes over the seconds of the whole sync, which
+        ``timing/weight_sync`` shows) and, with the ``collective`` transport, the bytes that went
+        through the group (``sync/bytes_collective``) come with the next ``pop_timings``."""
         assert self.rollout is not None, "sync_weights: this run has no actor_infer"
         lora = self.cfg.strategy.lora
+        began = time.perf_counter()
+        stats: dict[str, float] = {}
         with self.phase("weight_sync", "actor_train"):
-            if lora is not None and lora.sync == "adapters":
+            if lora is not None and lora.sync == "adapters":  # small: through the object store
                 update = self.actor.adapter_update()
                 sent = self.actor.sync_bytes()
                 self.hold("actor_infer")
                 self.rollout.update_lora(update.tensors, update.config)
             else:
                 transport = weight_sync_transport(self.cfg, self.cfg.placement.device_type)
-                buckets = self.actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, transport)
-                sent = self.actor.sync_bytes()  # runs once the buckets are made
-                self.hold("actor_infer")
-                self.rollout.load_weight_buckets(buckets)
+                if transport == "collective":
+                    sent, stats = self._broadcast_weights()
+                else:
+                    buckets = self.actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, transport)
+                    sent = self.actor.sync_bytes()  # runs once the buckets are made
+                    self.hold("actor_infer")
+                    self.rollout.load_weight_buckets(buckets)
                 if transport == "cuda_ipc":
                     self.actor.release_shared()
             self.rollout.weights_version = self.actor.weights_version
+        seconds = time.perf_counter() - began
+        self.sync_stats = stats | {"sync/gb_per_s": sent / seconds / 1e9}
         return float(sent)
+
+    def _broadcast_weights(self) -> tuple[int, dict[str, float]]:
+        """The ``collective`` transport: both roles resident (placement keeps them apart), the group
+        formed if this is the first sync since either role (re)started, then each bucket broadcast
+        as it is gathered. A failure leaves the group to be formed again at the next sync."""
+        assert self.actor is not None and self.rollout is not None
+        self.hold("actor_train", "actor_infer")
+        try:
+            if not self.weight_group_formed:
+                backend = "nccl" if self.cfg.placement.device_type == "cuda" else "gloo"
+                form_weight_group(self.actor, self.rollout, backend)
+                self.weight_group_formed = True
+            buckets = self.actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, "collective")
+            self.rollout.load_weight_buckets(buckets)
+        except RoleError:
+            self.weight_group_formed = False
+            raise
+        return self.actor.sync_bytes(), {"sync/bytes_collective": float(self.actor.collective_bytes())}
 
     def sync_if_stale(self) -> dict[str, float]:
         """Sync the engine if actor_train has stepped or loaded since: ``{"sync/bytes": ...}`` or ``{}``."""
@@ -243,6 +273,8 @@ class Roles:
         if self.colocation is not None:  # colocated others leave the device before the new workers load
             self.colocation.offloaded.discard(group.role)
             self.colocation.use(group.role)
+        if group is self.actor or group is self.rollout:
+            self.weight_group_formed = False  # a new member: the next sync forms the group again
         if role == "judge":
             self.reward.restart(judge=True)  # type: ignore[union-attr]
         else:
@@ -256,10 +288,12 @@ class Roles:
                 self.reference.load(self.cfg.run_dir / "reference")
 
     def pop_timings(self) -> dict[str, float]:
-        """``timing/<phase>`` since the last call, with the colocation moves."""
+        """``timing/<phase>`` since the last call, with the colocation moves, and the last weight
+        sync's ``sync/gb_per_s`` (and ``sync/bytes_collective``) if one ran since."""
         if self.colocation is not None:
             self.timer.add(self.colocation.pop_seconds())
-        return self.timer.pop()
+        stats, self.sync_stats = self.sync_stats, {}
+        return self.timer.pop() | stats
 
     def shutdown(self) -> None:
         for group in (self.env, self.actor, self.rollout, self.reward, self.reference, self.critic):

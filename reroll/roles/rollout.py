@@ -16,10 +16,17 @@ from reroll.config.schema import RunConfig
 from reroll.data.types import Completion, SamplingParams
 from reroll.engines import make_engine
 from reroll.errors import RoleError
-from reroll.roles.trainer import WeightBuckets
+from reroll.roles.trainer import TrainerGroup, WeightBuckets
 from reroll.runtime.actors import WorkerGroup
 from reroll.runtime.placement import worker_device
-from reroll.runtime.weight_sync import SharedBucket, WeightBucket, open_bucket
+from reroll.runtime.weight_sync import (
+    BroadcastGroup,
+    BucketLayout,
+    SharedBucket,
+    WeightBucket,
+    open_bucket,
+    unpack_bucket,
+)
 
 
 class RolloutWorker:
@@ -39,6 +46,8 @@ class RolloutWorker:
                 update={"vllm": rollout.vllm.model_copy(update={"enable_sleep_mode": sleeps})}
             )
         self.sleep_level = rollout.vllm.sleep_level if rollout.engine == "vllm" else 1
+        self.timeout_s = cfg.runtime.call_timeout_s
+        self._weight_group: BroadcastGroup | None = None  # transport 'collective'
         self.engine = make_engine(
             rollout.engine, cfg.model.path, rollout, dtype=cfg.model.dtype, device=device
         )
@@ -48,8 +57,28 @@ class RolloutWorker:
     ) -> list[list[Completion]]:
         return self.engine.generate(prompts, params)
 
-    def load_weights(self, bucket: WeightBucket | SharedBucket) -> None:
-        """One bucket: tensors, or a ``SharedBucket`` of the trainer's GPU buffer (``cuda_ipc``)."""
+    def join_weight_group(self, address: str, rank: int, world_size: int, backend: str) -> None:
+        """Join the weight-sync group that actor_train rank 0 hosts at ``address`` (``collective``)."""
+        if self._weight_group is not None:
+            self._weight_group.close()
+            self._weight_group = None
+        self._weight_group = BroadcastGroup(address, rank, world_size, backend, self.timeout_s)
+
+    def collective_bytes(self) -> int:
+        """Bytes received through the weight-sync group since it was formed."""
+        return 0 if self._weight_group is None else self._weight_group.bytes
+
+    def load_weights(self, bucket: WeightBucket | SharedBucket | BucketLayout) -> None:
+        """One bucket: tensors, a ``SharedBucket`` of the trainer's GPU buffer (``cuda_ipc``), or the
+        ``BucketLayout`` of a buffer actor_train rank 0 broadcasts now through the weight-sync group
+        (``collective``): received into a buffer of that size on the group's device, then loaded."""
+        if isinstance(bucket, BucketLayout):
+            if self._weight_group is None:
+                raise RuntimeError("a 'collective' weight bucket before join_weight_group formed the group")
+            flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._weight_group.device)
+            self._weight_group.broadcast(flat)
+            self.engine.load_weights(unpack_bucket(flat, bucket.entries))
+            return
         if isinstance(bucket, SharedBucket):
             opened = open_bucket(bucket)
             self.engine.load_weights(opened)
@@ -130,6 +159,10 @@ class RolloutGroup(WorkerGroup):
                 raise
         self._wait([h.finish_weight_update.remote() for h in self.handles], "weight_sync")
 
+    def collective_bytes(self) -> list[int]:
+        """Bytes each rank has received through the weight-sync group since it was formed."""
+        return self._wait([h.collective_bytes.remote() for h in self.handles], "weight_sync")
+
     def update_lora(self, adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> None:
         """A peft adapter (peft's names, ``LoraConfig`` as a dict) merged into every rank's base weights."""
         adapter, config = dict(adapter), dict(config)
@@ -163,3 +196,18 @@ class RolloutGroup(WorkerGroup):
             k: sum(p[k] for p in parts) / (len(parts) if k == "engine/kv_cache_usage" else 1)
             for k in parts[0]
         }
+
+
+def form_weight_group(actor: TrainerGroup, rollout: RolloutGroup, backend: str) -> None:
+    """The weight-sync group of the ``collective`` transport: actor_train rank 0 (the source, which
+    hosts the rendezvous on a free port of its node) and every actor_infer rank, joined at once
+    (``backend`` 'nccl' on GPUs, 'gloo' on CPUs). Formed again after either role restarts."""
+    [address] = actor._wait([actor.handles[0].rendezvous_address.remote()], "weight_group")
+    world = rollout.world_size + 1
+    source = actor.handles[0].join_weight_group.remote(address, world, backend)
+    engines = [
+        h.join_weight_group.remote(address, rank + 1, world, backend)
+        for rank, h in enumerate(rollout.handles)
+    ]
+    rollout._wait(engines, "weight_group")
+    actor._wait([source], "weight_group")

@@ -25,7 +25,15 @@ from reroll.models.loading import DTYPES
 from reroll.roles.preference import PairWorkerMixin, combine_pair_metrics
 from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker, mean_metrics
 from reroll.runtime.actors import LocalHandle
-from reroll.runtime.weight_sync import SharedBucket, WeightBucket, share_bucket, split_into_buckets
+from reroll.runtime.weight_sync import (
+    BroadcastGroup,
+    BucketLayout,
+    SharedBucket,
+    WeightBucket,
+    pack_bucket,
+    share_bucket,
+    split_into_buckets,
+)
 from reroll.strategies.lora import AdapterUpdate, payload_bytes
 
 
@@ -38,6 +46,8 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         self.temperature = cfg.rollout.temperature or 1.0
         self._sync_bytes = 0
         self._shared: list[torch.Tensor] = []  # cuda_ipc buffers held until the engines loaded them
+        self._weight_group: BroadcastGroup | None = None  # rank 0, transport 'collective'
+        self._collective_bytes = 0  # bytes the last sync broadcast through that group
 
     def compute_logprobs(self, batch: TrainBatch, base_model: bool = False) -> torch.Tensor:
         """``(B, T)`` log-probs of ``batch.input_ids`` at the sampling temperature; ``base_model``: with the
@@ -104,18 +114,34 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         self._sync_bytes = update.num_bytes
         return update if self.rank == 0 else None
 
+    def join_weight_group(self, address: str, world_size: int, backend: str) -> None:
+        """Rank 0: host and join the weight-sync group (``collective`` transport) as its rank 0, the
+        source; the engines join it at the same time (``reroll.roles.rollout.form_weight_group``)."""
+        if self._weight_group is not None:
+            self._weight_group.close()
+            self._weight_group = None
+        self._weight_group = BroadcastGroup(address, 0, world_size, backend, self.cfg.runtime.call_timeout_s)
+
     def stream_weights(
         self, bucket_mb: float, transport: str = "object_store"
-    ) -> Iterator[WeightBucket | SharedBucket]:
+    ) -> Iterator[WeightBucket | SharedBucket | BucketLayout]:
         """Rank 0: the full weights (Hugging Face names) in buckets of whole layers, about ``bucket_mb``
         MiB each (a Ray streaming generator: the engines load one bucket while the next is sent). Every
         rank must call it, like ``adapter_update``; the others yield nothing.
 
         ``transport`` 'object_store': CPU tensors; 'cuda_ipc': each bucket stays on the GPU, copied into
         one buffer in the engine's dtype and yielded as a ``SharedBucket`` handle; the buffers are held
-        until ``release_shared``. Weights are gathered one at a time where the strategy can
-        (``named_weights``), so the full state dict never sits in host memory."""
-        on_device = transport == "cuda_ipc"
+        until ``release_shared``; 'collective': each bucket is copied into one buffer in the engine's
+        dtype (on the GPU with nccl), its ``BucketLayout`` yielded, and the buffer broadcast through
+        the weight-sync group while the engines receive it (``RolloutWorker.load_weights``). Weights
+        are gathered one at a time where the strategy can (``named_weights``), so the full state dict
+        never sits in host memory."""
+        group = self._weight_group
+        if transport == "collective" and self.rank == 0 and group is None:
+            raise RuntimeError("transport 'collective' before join_weight_group formed the weight-sync group")
+        on_device = transport == "cuda_ipc" or (
+            transport == "collective" and group is not None and group.backend == "nccl"
+        )
         dtype = DTYPES[self.cfg.model.dtype]
         named_weights = getattr(self.strategy, "named_weights", None)
         if named_weights is not None and self.cfg.strategy.lora is None:
@@ -124,19 +150,29 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
             named = iter(self.strategy.full_state_dict().items())
             if on_device:
                 named = ((k, v.to(self.strategy.device)) for k, v in named)
-        self._sync_bytes = 0
+        self._sync_bytes = self._collective_bytes = 0
         self._shared.clear()
         for bucket in split_into_buckets(named, int(bucket_mb * 2**20)):
-            if not on_device:
+            if transport == "object_store":
                 self._sync_bytes += payload_bytes(dict(bucket))
                 if self.rank == 0:
                     yield bucket
                 continue
             self._sync_bytes += sum(t.numel() for _, t in bucket) * dtype.itemsize
-            if self.rank == 0:
+            if self.rank != 0:
+                continue
+            if transport == "cuda_ipc":
                 shared, buffer = share_bucket(bucket, dtype)
                 self._shared.append(buffer)
                 yield shared
+                continue
+            assert group is not None
+            layout, flat = pack_bucket(bucket, dtype, group.device)
+            del bucket
+            yield layout  # the driver hands it to the engines, which then receive the buffer
+            sent = group.bytes
+            group.broadcast(flat)
+            self._collective_bytes += group.bytes - sent
 
     def release_shared(self) -> None:
         """Drop the GPU buffers of the last ``cuda_ipc`` sync (the engines have loaded them)."""
@@ -147,6 +183,10 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
     def sync_bytes(self) -> int:
         """Bytes of the last ``stream_weights`` or ``adapter_update`` payload (``sync/bytes``)."""
         return self._sync_bytes
+
+    def collective_bytes(self) -> int:
+        """Bytes the last ``stream_weights`` broadcast through the weight-sync group (``sync/bytes_collective``)."""
+        return self._collective_bytes
 
 
 def _advantage_stats(mb: TrainBatch) -> str:
@@ -226,6 +266,10 @@ class TrainerGroup(StrategyGroup):
         """Bytes of rank 0's last weight-sync payload (full weights or adapters): ``sync/bytes``."""
         return self._wait([self.handles[0].sync_bytes.remote()], "weight_sync")[0]
 
+    def collective_bytes(self) -> int:
+        """Bytes rank 0's last sync broadcast through the weight-sync group: ``sync/bytes_collective``."""
+        return self._wait([self.handles[0].collective_bytes.remote()], "weight_sync")[0]
+
 
 class WeightBuckets:
     """A trainer's weights as buckets (``TrainerGroup.weight_buckets``): iterate to get rank 0's buckets
@@ -247,14 +291,31 @@ class WeightBuckets:
             ]
 
     def __iter__(self) -> Iterator[Any]:
-        yield from self.streams[0]
         if self.local:
+            yield from self.streams[0]
             return
+        yield from self._bounded(self.streams[0])
         for rank, stream in enumerate(self.streams[1:], start=1):  # they yield nothing; wait for the end
             try:
                 self.trainer._wait(list(stream), "weight_sync")
             except RoleError as e:
                 raise RoleError(self.trainer.role, rank, "weight_sync", e.cause) from e
+
+    def _bounded(self, stream: Any) -> Iterator[Any]:
+        """Rank 0's bucket references as they come, each within ``runtime.call_timeout_s`` (a trainer
+        stuck making one raises ``RoleError``, as any call past its bound)."""
+        import ray
+
+        while True:
+            ready, _ = ray.wait([stream], timeout=self.trainer.timeout_s)
+            if not ready:
+                cause = f"no weight bucket within {self.trainer.timeout_s:.0f} s (runtime.call_timeout_s)"
+                raise RoleError(self.trainer.role, 0, "weight_sync", cause)
+            try:
+                ref = next(stream)
+            except StopIteration:
+                return
+            yield ref
 
     def raise_if_failed(self, bucket: Any) -> None:
         """When loading ``bucket`` failed: if the trainer failed to make it, say so (not the engine)."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from reroll.config.placement import (
     DeviceMap,
     bundle_resources,
+    check_weight_sync,
     cluster_problems,
     device_map,
     placed_roles,
@@ -69,6 +70,7 @@ class ResourceManager:
 
         have = ray.cluster_resources()
         problems = cluster_problems(cfg, have, self.device_type)
+        problems += check_weight_sync(cfg, self.device_type)  # the device type is known only now
         if problems:
             raise UserError("\n".join(f"{path}: {message}" for path, message in problems))
         if self.map is None:

@@ -18,7 +18,7 @@ from reroll.engines import engine_available
 from reroll.errors import RoleError
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import sft_batch
-from reroll.roles.rollout import RolloutGroup
+from reroll.roles.rollout import RolloutGroup, form_weight_group
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime.actors import start_ray
 from reroll.runtime.weight_sync import split_into_buckets
@@ -189,3 +189,28 @@ def test_vllm_lora_update_equals_peft_model(assets, groups):
 def test_vllm_engine_killed_mid_generation_is_reported(groups):
     """Runs last in this module: it kills the module's engine."""
     assert_kill_mid_generation_is_reported(groups[2])
+
+
+def test_vllm_weights_over_collective(assets, groups):
+    """``weight_sync_transport: collective``: the trainer's buckets broadcast through a gloo group into
+    the in-process vLLM engine (CPU here; NCCL on GPUs runs the same code), the engine then scoring
+    with the trainer's weights."""
+    actor, _, engine = groups
+    samples = load_samples([str(assets["train"])], template="{question}=")[:8]
+    batch = _batch(
+        assets, engine.generate([s.prompt for s in samples], SamplingParams(n=2, max_new_tokens=4))
+    )
+    actor.configure_optimizer(1e-2, 0)
+    actor.train_sft(sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}"))
+    after = actor.compute_logprobs(batch)
+    scored = batch.attention_mask.clone()
+    scored[:, 0] = False
+    assert (
+        engine.score(batch.input_ids, batch.attention_mask, 1.0)[scored] - after[scored]
+    ).abs().max() > 1e-3
+
+    form_weight_group(actor, engine, "gloo")
+    engine.load_weight_buckets(actor.weight_buckets(0.05, "collective"))
+    synced = engine.score(batch.input_ids, batch.attention_mask, 1.0)
+    torch.testing.assert_close(synced[scored], after[scored], atol=1e-5, rtol=0)
+    assert engine.collective_bytes() == [actor.collective_bytes()] and actor.collective_bytes() > 0

@@ -63,6 +63,27 @@ def test_weight_buckets_keep_layers_whole_and_respect_the_size():
         next(split_into_buckets(named, 0))
 
 
+def test_packed_bucket_round_trips_in_the_engines_dtype():
+    """``pack_bucket``/``unpack_bucket`` (the collective and cuda_ipc transports' buffer): every weight at
+    a 256-byte offset, cast to the engine's dtype, read back as views with its shape."""
+    import torch
+
+    from reroll.runtime.weight_sync import pack_bucket, unpack_bucket
+
+    bucket = [("a", torch.randn(3, 5)), ("b", torch.arange(7.0)), ("c", torch.randn(2, 2, 2))]
+    layout, flat = pack_bucket(bucket, torch.bfloat16)
+    # a: 15 x 2 B = 30 B -> 256; b: 14 B -> 256; c: 16 B -> 256
+    assert [e[3] for e in layout.entries] == [0, 256, 512] and layout.nbytes == 768 == flat.numel()
+    assert flat.dtype == torch.uint8
+    received = flat.clone()  # what a receiver's buffer holds after the broadcast
+    out = unpack_bucket(received, layout.entries)
+    assert [n for n, _ in out] == ["a", "b", "c"]
+    for (_, sent), (_, got) in zip(bucket, out):
+        assert got.dtype == torch.bfloat16 and got.shape == sent.shape
+        assert torch.equal(got, sent.to(torch.bfloat16))
+    assert out[1][1].data_ptr() == received.data_ptr() + 256  # views, no copy
+
+
 def test_merge_lora_by_hand():
     import torch
 

@@ -153,14 +153,44 @@ def test_plan_shows_the_strategy_auto_chose(tmp_path):
     assert actor_line(auto) != actor_line(torch_)  # the plan shards weights and Adam state over 2 ranks
 
 
-def test_weight_sync_transport_is_cuda_ipc_only_on_the_trainers_gpu(tmp_path):
+def test_weight_sync_transport_auto_rule(tmp_path):
     from reroll.config.placement import weight_sync_transport
 
     colocated = _cfg(tmp_path, **{"placement.devices": 1})
     assert weight_sync_transport(colocated, "cuda") == "cuda_ipc"
     assert weight_sync_transport(colocated, "cpu") == "object_store"  # no GPU memory to share
     apart = _cfg(tmp_path, **{"placement.devices": 2, "roles.actor_infer.devices": "[1]"})
-    assert weight_sync_transport(apart, "cuda") == "object_store"  # the engine is on another GPU
+    assert weight_sync_transport(apart, "cuda") == "collective"  # the engine is on another GPU
+    assert weight_sync_transport(apart, "cpu") == "object_store"  # host memory either way
+    apart_async = _cfg(
+        tmp_path, **{"placement.devices": 2, "roles.actor_infer.devices": "[1]", "rollout.async_steps": 1}
+    )
+    assert weight_sync_transport(apart_async, "cuda") == "object_store"  # loads queue behind generations
+    straddles = _cfg(
+        tmp_path,
+        **{"placement.devices": 2, "roles.actor_infer.world_size": 2, "roles.actor_infer.devices": "[0, 1]"},
+    )
+    assert weight_sync_transport(straddles, "cuda") == "object_store"  # one engine on the trainer's GPU
+    shared = _cfg(
+        tmp_path,
+        **{
+            "placement.devices": 2,
+            "roles.actor_train.world_size": 2,
+            "roles.actor_train.devices": "[0, 1]",
+            "roles.actor_infer.devices": "[1]",
+        },
+    )
+    assert weight_sync_transport(shared, "cuda") == "object_store"  # trainer rank 1 shares its GPU
+    apart_mp = _cfg(
+        tmp_path,
+        **{
+            "placement.devices": 2,
+            "roles.actor_infer.devices": "[1]",
+            "rollout.engine": "vllm",
+            "rollout.vllm.in_process": "false",
+        },
+    )
+    assert weight_sync_transport(apart_mp, "cuda") == "object_store"  # received outside vLLM's workers
     no_pool = _cfg(tmp_path)
     assert weight_sync_transport(no_pool, "cuda") == "object_store"  # Ray places it: unknown GPU
     multiprocess = _cfg(
@@ -179,3 +209,24 @@ def test_trainer_roles_sharing_a_device_are_counted(tmp_path):
     two = _cfg(tmp_path, **{"placement.devices": 2, "roles.reference.devices": "[1]"})
     assert colocated_trainer_roles(two, "actor_train") == 1
     assert colocated_trainer_roles(_cfg(tmp_path), "actor_train") == 1
+
+
+def test_explicit_collective_is_checked(tmp_path):
+    from reroll.config.loader import ConfigError
+    from reroll.config.placement import check_weight_sync
+
+    with pytest.raises(ConfigError, match=r"rollout.weight_sync_transport: .*needs runtime.backend=ray"):
+        _cfg(tmp_path, **{"rollout.weight_sync_transport": "collective", "runtime.backend": "local"})
+    on_one_gpu = _cfg(tmp_path, **{"rollout.weight_sync_transport": "collective", "placement.devices": 1})
+    [(_, message)] = check_weight_sync(on_one_gpu, "cuda")
+    assert "no actor_train rank uses (train [0], infer [0])" in message
+    assert check_weight_sync(on_one_gpu, "cpu") == []  # CPU slots: both stay resident (no offload)
+    apart = _cfg(
+        tmp_path,
+        **{
+            "rollout.weight_sync_transport": "collective",
+            "placement.devices": 2,
+            "roles.actor_infer.devices": "[1]",
+        },
+    )
+    assert check_weight_sync(apart, "cuda") == []
