@@ -19,6 +19,7 @@ from reroll.config.base import StrictModel
 from reroll.config.loader import ConfigProblem
 from reroll.config.placement import check_placement
 from reroll.config.reward import RewardConfig, check_reward
+from reroll.config.teacher import DistillConfig, RewardModelConfig, check_distill
 
 
 class TinyModelConfig(StrictModel):
@@ -364,6 +365,13 @@ class RolesConfig(StrictModel):
         default_factory=RoleConfig,
         description="Environment workers, each hosting many episodes (pipeline agentic).",
     )
+    teacher: RoleConfig = Field(
+        default_factory=RoleConfig,
+        description="Distillation teachers (pipeline distill); every teacher of distill.teachers is placed so.",
+    )
+    reward_model: RoleConfig = Field(
+        default_factory=RoleConfig, description="The learned reward model (if `reward_model:` is set)."
+    )
 
 
 class SFTConfig(StrictModel):
@@ -449,7 +457,7 @@ class RuntimeConfig(StrictModel):
 class RunConfig(StrictModel):
     """A whole run."""
 
-    pipeline: Literal["rlvr", "sft", "agentic"] = Field(description="Which pipeline runs.")
+    pipeline: Literal["rlvr", "sft", "agentic", "distill"] = Field(description="Which pipeline runs.")
     name: str = Field("run", description="Run name.")
     output_dir: str = Field("runs/{name}", description="Run directory; '{name}' is replaced by the name.")
     seed: int = Field(0, description="Seed for data order, sampling and init.")
@@ -469,6 +477,14 @@ class RunConfig(StrictModel):
         None,
         description="A learned value function, needed by (and only by) adv_estimator 'gae', as in preset ppo; "
         "its betas, weight decay, grad clip and micro-batch size are optim's.",
+    )
+    distill: DistillConfig | None = Field(
+        None, description="Teachers and loss of pipeline 'distill' (on-policy or offline distillation)."
+    )
+    reward_model: RewardModelConfig | None = Field(
+        None,
+        description="A trained reward model scoring rlvr responses as the reward_model role (RLHF); reward.fn "
+        "still scores the held-out evaluation.",
     )
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -490,7 +506,7 @@ class RunConfig(StrictModel):
 
     @property
     def needs_reference(self) -> bool:
-        return self.algorithm.kl_coef > 0
+        return self.algorithm.kl_coef > 0 and self.pipeline != "distill"
 
     def check(self) -> list[ConfigProblem]:
         """Cross-section checks, all reported at once."""
@@ -513,6 +529,8 @@ class RunConfig(StrictModel):
             )
         problems += self._pipeline_sections()
         problems += [ConfigProblem(path, m) for path, m in check_reward(self.reward)]
+        if self.distill is not None:
+            problems += [ConfigProblem(path, m) for path, m in check_distill(self.distill)]
         problems += [ConfigProblem(path, m) for path, m in check_placement(self)]
         warm_start = self.pipeline != "sft" and self.sft is not None and self.sft.steps > 0
         if self.strategy.lora is not None and self.needs_reference and warm_start:
@@ -538,7 +556,7 @@ class RunConfig(StrictModel):
                 )
             )
         per_update = self.optim.mini_batches * self.roles.actor_train.world_size
-        if self.pipeline in ("rlvr", "agentic") and batch % per_update:
+        if self.pipeline in ("rlvr", "agentic", "distill") and batch % per_update:
             problems.append(
                 ConfigProblem(
                     "optim.mini_batches",
@@ -567,12 +585,29 @@ class RunConfig(StrictModel):
                     f"the path, or remove critic.model_path to start the critic from model.path",
                 )
             )
+        problems += self._teacher_paths()
         return problems
+
+    def _teacher_paths(self) -> list[ConfigProblem]:
+        """The distillation teachers' and the reward model's paths can be loaded."""
+        paths = {
+            f"distill.teachers.{n}.model_path": t.model_path
+            for n, t in (self.distill.teachers.items() if self.distill else [])
+        }
+        if self.reward_model is not None:
+            paths["reward_model.path"] = self.reward_model.path
+        return [
+            ConfigProblem(
+                key, f"{path!r} is neither an existing directory nor a hub id ('org/name'): fix the path"
+            )
+            for key, path in paths.items()
+            if not _loadable(path)
+        ]
 
     def _pipeline_sections(self) -> list[ConfigProblem]:
         """The sections each pipeline reads are present."""
         problems = []
-        if self.pipeline in ("rlvr", "sft") and self.data is None:
+        if self.pipeline in ("rlvr", "sft", "distill") and self.data is None:
             problems.append(
                 ConfigProblem("data", f"pipeline {self.pipeline!r} needs a `data:` section (train_files)")
             )
@@ -580,6 +615,37 @@ class RunConfig(StrictModel):
             problems.append(
                 ConfigProblem(
                     "agentic", "pipeline 'agentic' needs an `agentic:` section naming the environment (env)"
+                )
+            )
+        if self.pipeline == "distill" and self.distill is None:
+            problems.append(
+                ConfigProblem(
+                    "distill",
+                    "pipeline 'distill' needs a `distill:` section (teachers: {name: {model_path}})",
+                )
+            )
+        if self.pipeline != "distill" and self.distill is not None:
+            problems.append(
+                ConfigProblem(
+                    "distill", f"is read by pipeline 'distill' only, not {self.pipeline!r}: remove it"
+                )
+            )
+        on_policy = (
+            self.pipeline == "distill" and self.distill is not None and self.distill.mode == "on_policy"
+        )
+        if on_policy and self.rollout.temperature != 1.0:
+            problems.append(
+                ConfigProblem(
+                    "rollout.temperature",
+                    f"on-policy distillation estimates the reverse KL on the student's own samples, which "
+                    f"must come from the distribution it trains (temperature 1), not {self.rollout.temperature:g}: "
+                    f"set rollout.temperature: 1.0",
+                )
+            )
+        if self.reward_model is not None and self.pipeline != "rlvr":
+            problems.append(
+                ConfigProblem(
+                    "reward_model", f"is read by pipeline 'rlvr' only, not {self.pipeline!r}: remove it"
                 )
             )
         if self.pipeline == "agentic" and self.data is not None:

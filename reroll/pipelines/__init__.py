@@ -1,4 +1,4 @@
-"""Pipelines: one ``Pipeline`` class each (rlvr, agentic, sft), run by the shared skeleton ``run.run``."""
+"""Pipelines: one ``Pipeline`` class each (rlvr, agentic, sft, distill), run by the shared skeleton ``run.run``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ def pipeline_class(name: str) -> type[Pipeline]:
         from reroll.pipelines.sft import SFT
 
         return SFT
+    if name == "distill":
+        from reroll.pipelines.distill import Distill
+
+        return Distill
     if name == "agentic":
         from reroll.pipelines.agentic import Agentic
 

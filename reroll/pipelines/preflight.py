@@ -10,6 +10,9 @@ Checked:
   reward domains read. Files ``data.synthetic`` will write are skipped while they do not exist.
 - rewards: every ``fn`` imports (a registered name or ``package.module:function``) and can be called as
   ``fn(prompt, response, row, **args)`` with the configured ``args`` (``inspect.signature().bind``).
+- distillation and RLHF models (``distill.teachers``, ``reward_model``) where their paths are local: a
+  teacher has the student's tokenizer; a reward model is a one-label ``...ForSequenceClassification``;
+  the data rows route to a teacher (their ``domain``).
 - ``output_dir``: nothing on its path is a regular file, and it can be written.
 - lengths: ``rollout.max_new_tokens`` and ``rollout.vllm.max_model_len`` within the model's context
   length, read from ``config.json`` where ``model.path`` is a local directory.
@@ -37,6 +40,7 @@ from pathlib import Path
 from reroll.config.loader import ConfigError, ConfigProblem
 from reroll.config.placement import cluster_problems
 from reroll.config.schema import RunConfig
+from reroll.config.teacher import teacher_for
 from reroll.data.datasets import check_row, read_rows, template_fields
 from reroll.errors import UserError
 from reroll.rewards import resolve_reward
@@ -60,6 +64,7 @@ def check_inputs(cfg: RunConfig) -> list[ConfigProblem]:
     if cfg.pipeline != "agentic":
         problems += _check_rewards(cfg)
     problems += _check_lengths(cfg)
+    problems += _check_teacher_models(cfg)
     problems += _check_cluster(cfg)
     return problems
 
@@ -90,7 +95,10 @@ def _data_files(cfg: RunConfig) -> list[tuple[str, str, list[str]]]:
     fields = template_fields(data.prompt_template)
     needs = [*fields, *([] if cfg.reward.domains else [data.answer_field])]
     target = template_fields(cfg.sft.target_template) if cfg.sft is not None else []
-    warm_start = cfg.sft is not None and (cfg.pipeline == "sft" or cfg.sft.steps > 0)
+    offline = cfg.distill is not None and cfg.distill.mode == "offline"
+    if offline and cfg.sft is None:  # offline distillation reads the SFT rows' targets
+        target = template_fields("{answer}")
+    warm_start = (cfg.sft is not None and (cfg.pipeline == "sft" or cfg.sft.steps > 0)) or offline
     sft_files = cfg.sft.files if cfg.sft is not None and cfg.sft.files else None
     train_needs = needs + (target if warm_start and sft_files is None else [])
     out = [(f"data.train_files[{i}]", f, train_needs) for i, f in enumerate(data.train_files)]
@@ -117,6 +125,8 @@ def _check_data(cfg: RunConfig) -> list[ConfigProblem]:
                 check_row(file, i, row, needed)
             if cfg.reward.domains:
                 _check_domains(cfg, file, rows)
+            if cfg.distill is not None:
+                _check_teacher_routes(cfg, file, rows)
         except UserError as e:
             problems.append(ConfigProblem(key, str(e)))
     return problems
@@ -134,6 +144,77 @@ def _check_domains(cfg: RunConfig, file: str, rows: list[dict]) -> None:
                 f"{file}: row {i + 1} (domain {domain!r}) has no field {missing[0]!r}, which the domain's "
                 f"rewards read; the row has {sorted(row)}"
             )
+
+
+def _check_teacher_routes(cfg: RunConfig, file: str, rows: list[dict]) -> None:
+    """Every row routes to a distillation teacher."""
+    assert cfg.distill is not None
+    for i, row in enumerate(rows):
+        try:
+            teacher_for(cfg.distill, str(row.get("domain", "default")))
+        except ValueError as e:
+            raise UserError(f"{file}: row {i + 1}: {e}") from e
+
+
+def _check_teacher_models(cfg: RunConfig) -> list[ConfigProblem]:
+    """A reward model is a one-label sequence classifier; a teacher reads and writes the student's tokens.
+    Checked where the paths are local directories."""
+    problems = []
+    rm = cfg.reward_model
+    config = _local_config(rm.path) if rm is not None else None
+    if rm is not None and config is not None:
+        arch = config.get("architectures") or []
+        labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+        if not any(str(a).endswith("ForSequenceClassification") for a in arch):
+            problems.append(
+                ConfigProblem(
+                    "reward_model.path",
+                    f"{rm.path!r} holds {arch or 'no architectures'}, not a sequence-classification reward model "
+                    f"(AutoModelForSequenceClassification): train one with `pipeline: reward_model`, or point "
+                    f"at its checkpoint's model/ directory",
+                )
+            )
+        elif labels != 1:
+            problems.append(
+                ConfigProblem(
+                    "reward_model.path",
+                    f"{rm.path!r} has {labels} labels; a reward model scores with one (num_labels=1)",
+                )
+            )
+    if cfg.distill is not None:
+        student = _local_vocab(cfg.model.path)
+        for name, t in cfg.distill.teachers.items():
+            teacher = _local_vocab(t.model_path)
+            if student is not None and teacher is not None and teacher != student:
+                problems.append(
+                    ConfigProblem(
+                        f"distill.teachers.{name}.model_path",
+                        f"the teacher's tokenizer ({len(teacher)} tokens) differs from the student's "
+                        f"({len(student)} tokens, model.path {cfg.model.path!r}): distillation compares "
+                        f"the two models token by token, so they must share one tokenizer",
+                    )
+                )
+    return problems
+
+
+def _local_config(path: str) -> dict | None:
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _local_vocab(path: str) -> dict[str, int] | None:
+    """The tokenizer's vocabulary where ``path`` is a local directory holding one."""
+    if not Path(path).is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path).get_vocab()
+    except (OSError, ValueError):
+        return None
 
 
 def _check_rewards(cfg: RunConfig) -> list[ConfigProblem]:

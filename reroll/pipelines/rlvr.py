@@ -54,7 +54,11 @@ class RLVR(Pipeline):
     def roles_needed(self) -> RoleSet:
         # with LoRA the reference is actor_train's own base model (adapters disabled): no second copy
         reference = self.cfg.needs_reference and self.cfg.strategy.lora is None
-        return RoleSet(reference=reference, critic=self.cfg.critic is not None)
+        return RoleSet(
+            reference=reference,
+            critic=self.cfg.critic is not None,
+            reward_model=self.cfg.reward_model is not None,
+        )
 
     def texts(self) -> Iterable[str]:
         yield from (s.prompt for s in [*self.train, *self.held_out])
@@ -90,9 +94,10 @@ class RLVR(Pipeline):
             groups = roles.rollout.generate([s.prompt for s in prompts], params)
             rollouts = [Rollout(s, g, c) for g, (s, comps) in enumerate(zip(prompts, groups)) for c in comps]
             engine_metrics = roles.rollout.metrics()
-        with roles.phase("reward"):
+        with roles.phase("reward", *(["reward_model"] if roles.reward_model is not None else [])):
             results = roles.reward.score([RewardItem.answering(r.sample, r.completion) for r in rollouts])
             batch, domains = self._scored_batch(rollouts, results)
+            learned = self._learned_reward(roles, rollouts, batch, results)
         if cfg.needs_reference:
             ref = roles.reference or roles.actor  # a LoRA run's reference: its base model
             with roles.phase("reference", ref.role):
@@ -121,6 +126,7 @@ class RLVR(Pipeline):
             | routing.domain_metrics(domains, results, per_domain=bool(cfg.reward.domains))
             | {k: float(v) for k, v in adv.metrics.items()}
             | engine_metrics
+            | learned
         )
 
     def _scored_batch(
@@ -132,6 +138,26 @@ class RLVR(Pipeline):
         raw = torch.tensor([r.score for r in results], dtype=torch.float32)
         batch.rewards = routing.normalize_by_domain(raw, domains, self.cfg.reward)
         return batch, domains
+
+    def _learned_reward(
+        self, roles: Roles, rollouts: list[Rollout], batch: TrainBatch, results: list[RewardResult]
+    ) -> dict[str, float]:
+        """With ``reward_model``: the batch's rewards become weight x the reward model's score plus
+        rule_weight x reward.fn's (RLHF). Returns the reward model's metrics (nothing without one)."""
+        rm = self.cfg.reward_model
+        if rm is None or roles.reward_model is None:
+            return {}
+        scores, truncated = roles.reward_model.score(
+            [r.sample.prompt for r in rollouts], [r.completion.text for r in rollouts]
+        )
+        batch.rewards = rm.weight * scores + rm.rule_weight * batch.rewards
+        return {
+            "rollout/reward_mean": float(batch.rewards.mean()),  # the training reward, as without one
+            "rollout/reward_model_score": float(scores.mean()),
+            "rollout/reward_model_score_std": float(scores.std()) if len(scores) > 1 else 0.0,
+            "rollout/rule_reward_mean": sum(r.score for r in results) / len(results),
+            "reward_model/truncated": float(truncated.float().mean()),
+        }
 
     def _advantages(self, batch: TrainBatch, rollouts: list[Rollout]) -> AdvantageResult:
         adv = compute_advantages(
@@ -160,6 +186,13 @@ class RLVR(Pipeline):
                 [RewardItem.answering(s, c) for s, c in zip(prompts, greedy)], "baseline"
             )
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
+        rm = self.cfg.reward_model
+        if rm is not None and roles.reward_model is not None:  # scored as the samples are
+            with roles.phase("baseline", "reward_model"):
+                learned, _ = roles.reward_model.score(
+                    [s.prompt for s in prompts], [c.text for c in greedy], "baseline"
+                )
+            scores = rm.weight * learned + rm.rule_weight * scores
         return scores.repeat_interleave(self.cfg.rollout.group_size)
 
     def sample_line(self) -> str | None:

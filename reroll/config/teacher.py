@@ -1,0 +1,141 @@
+"""Sections of the models that teach the policy: distillation teachers and a learned reward model.
+
+Distillation (``pipeline: distill``) from one teacher, or several routed by the row's ``domain`` the
+way reward domains are (``reroll.rewards.routing``)::
+
+    distill:
+      mode: on_policy            # the student samples, the teacher scores its tokens (reverse KL)
+      teachers:
+        math: {model_path: runs/teacher-math/checkpoints/step_000400/model, tags: [math, gsm8k]}
+        code: {model_path: runs/teacher-code/checkpoints/step_000400/model}
+      default_teacher: math      # rows whose tag no teacher lists
+
+A trained reward model (``AutoModelForSequenceClassification``, one label) scoring an ``rlvr`` run's
+responses as the ``reward_model`` role (RLHF)::
+
+    reward_model: {path: runs/rm/checkpoints/step_000200/model}
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from reroll.config.base import StrictModel
+
+
+class TeacherConfig(StrictModel):
+    """One teacher model and the row tags it teaches."""
+
+    model_path: str = Field(
+        description="Hub id or local directory of the teacher (a causal LM with the student's tokenizer)."
+    )
+    tags: list[str] = Field(
+        default_factory=list,
+        description="Row `domain` values this teacher teaches (default: the teacher's own name). With a "
+        "single teacher every row goes to it.",
+    )
+
+
+class DistillConfig(StrictModel):
+    """Distillation (pipeline 'distill'): teachers served as the ``teacher`` role, placed by roles.teacher."""
+
+    mode: Literal["on_policy", "offline"] = Field(
+        "on_policy",
+        description="'on_policy': the student samples rollout.batch_size responses per step (actor_infer) and "
+        "the teacher scores every response token; the loss is the per-token reverse KL. 'offline': the "
+        "teacher's top-k next-token log-probs over the SFT rows (sft.files or data.train_files, target "
+        "sft.target_template) are computed once and cached in the run directory; the loss is the forward "
+        "KL, mixed with the cross-entropy by ce_weight.",
+    )
+    teachers: dict[str, TeacherConfig] = Field(
+        min_length=1, description="Teachers by name; rows are routed to them by their `domain` tag."
+    )
+    default_teacher: str | None = Field(
+        None, description="Teacher of rows whose tag no teacher lists (None: such a row is an error)."
+    )
+    top_k: int = Field(
+        32,
+        ge=1,
+        description="offline: teacher log-probs kept per position (the rest of its mass is dropped).",
+    )
+    ce_weight: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="offline: loss = (1 - ce_weight) * forward KL + ce_weight * cross-entropy on the row's "
+        "own target tokens.",
+    )
+    batch_size: int = Field(64, ge=1, description="offline: SFT rows per optimizer step.")
+
+
+class RewardModelConfig(StrictModel):
+    """A trained reward model served as the ``reward_model`` role (placed by roles.reward_model): it scores
+    whole responses in batches on its own devices (or colocated ones) for an rlvr run (RLHF)."""
+
+    path: str = Field(
+        description="Local directory or hub id of an AutoModelForSequenceClassification checkpoint with one "
+        "label (what `pipeline: reward_model` writes), with its tokenizer."
+    )
+    template: str = Field(
+        "{prompt}{response}",
+        description="The text the reward model scores, over {prompt} and {response}; the score is its output "
+        "at the last token.",
+    )
+    max_length: int = Field(
+        1024,
+        ge=1,
+        description="Longest text scored, in the reward model's tokens; longer texts keep their end.",
+    )
+    weight: float = Field(
+        1.0, description="The training reward is weight * score + rule_weight * reward.fn's score."
+    )
+    rule_weight: float = Field(
+        0.0,
+        description="Weight of reward.fn's score in the training reward (0: the rule reward is only measured, "
+        "as rollout/accuracy and eval/accuracy).",
+    )
+
+
+def teacher_for(cfg: DistillConfig, tag: str) -> str:
+    """The teacher a row tagged ``tag`` is routed to (one teacher takes every row)."""
+    if len(cfg.teachers) == 1:
+        return next(iter(cfg.teachers))
+    for name, t in cfg.teachers.items():
+        if tag in (t.tags or [name]):
+            return name
+    if cfg.default_teacher is not None:
+        return cfg.default_teacher
+    known = {tg: n for n, t in cfg.teachers.items() for tg in (t.tags or [n])}
+    raise ValueError(
+        f"a row is tagged domain {tag!r}, which no teacher lists (tags: {known}): add it to a teacher's "
+        f"tags, or set distill.default_teacher"
+    )
+
+
+def check_distill(cfg: DistillConfig) -> list[tuple[str, str]]:
+    """``(dotted path, reason)`` for each problem of the distill section."""
+    problems = []
+    if cfg.mode == "on_policy":
+        offline_only = sorted(cfg.model_fields_set & {"top_k", "ce_weight", "batch_size"})
+        problems += [
+            (f"distill.{key}", "is used by mode 'offline' only: remove it, or set distill.mode: offline")
+            for key in offline_only
+        ]
+    seen: dict[str, str] = {}
+    for name, t in cfg.teachers.items():
+        for tag in t.tags or [name]:
+            if tag in seen:
+                problems.append(
+                    (f"distill.teachers.{name}.tags", f"tag {tag!r} is also routed to {seen[tag]!r}")
+                )
+            seen[tag] = name
+    if cfg.default_teacher is not None and cfg.default_teacher not in cfg.teachers:
+        problems.append(
+            (
+                "distill.default_teacher",
+                f"{cfg.default_teacher!r} is not one of the teachers {sorted(cfg.teachers)}",
+            )
+        )
+    return problems
