@@ -47,6 +47,29 @@ def reverse_kl_pg_loss(
     return loss * response_mask, metrics
 
 
+def reverse_kl_topk_loss(
+    student_logprobs: Tensor, teacher_topk: Tensor, teacher_ids: Tensor, response_mask: Tensor
+) -> tuple[Tensor, Metrics]:
+    """l_t = sum_v pi_S(v) (log pi_S(v) - log pi_T(v)), the exact per-token reverse KL at each prefix the
+    student sampled: (B, T, V), (B, T, K), (B, T, K) -> (B, T).
+
+    GKD on student outputs with the reverse KL (Agarwal et al., arXiv 2306.13649). The teacher is known on
+    its top K tokens; its remaining mass 1 - sum_K pi_T is spread evenly over the other V - K tokens
+    (exact when K = V). ``student_logprobs`` is the student's full next-token log-softmax, aligned like
+    the log-probs (column t is the distribution of token t); memory: one (B, T, V) fp32 tensor.
+    """
+    vocab, k = student_logprobs.shape[-1], teacher_topk.shape[-1]
+    top = teacher_topk.float()
+    rest = (1.0 - top.exp().sum(-1, keepdim=True)).clamp(min=1e-12) / max(vocab - k, 1)
+    teacher = (
+        rest.log().expand(*top.shape[:-1], vocab).clone() if k < vocab else torch.zeros_like(student_logprobs)
+    )
+    teacher = teacher.scatter(-1, teacher_ids, top)
+    kl = (student_logprobs.exp() * (student_logprobs - teacher)).sum(-1)
+    metrics = {"distill/reverse_kl": masked_mean(kl.detach(), response_mask)}
+    return kl * response_mask, metrics
+
+
 def forward_kl_topk_loss(
     student_topk: Tensor,
     teacher_topk: Tensor,

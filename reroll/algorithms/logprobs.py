@@ -159,11 +159,20 @@ def token_logprobs_at(logits: Tensor, ids: Tensor, *, chunk_tokens: int | None =
     return torch.nn.functional.pad(out.view(b, t, k)[:, :-1], (0, 0, 1, 0), value=0.0)
 
 
+def token_log_softmax(logits: Tensor) -> Tensor:
+    """The full next-token log-softmax, aligned like ``token_logprobs``: ``(B, T, V)`` -> ``(B, T, V)``
+    fp32; column 0 is 0. Not chunked: it holds (B, T, V) fp32 (losses that need every token's mass)."""
+    out = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return torch.nn.functional.pad(out, (0, 0, 1, 0), value=0.0)
+
+
 @torch.no_grad()
 def token_topk(logits: Tensor, k: int, *, chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
     """The ``k`` most likely next tokens at each position, aligned like ``token_logprobs``: ``(B, T, V)``
-    -> (log-probs ``(B, T, k)`` fp32, ids ``(B, T, k)`` long), largest first; column 0 is 0 (ids 0)."""
+    -> (log-probs ``(B, T, k)`` fp32, ids ``(B, T, k)`` long), largest first; column 0 is 0 (ids 0).
+    ``k`` past the vocabulary size gives the whole vocabulary."""
     b, t, v = logits.shape
+    k = min(k, v)
     rows = chunk_tokens or max(1, CHUNK_ELEMENTS // v)
     flat = logits.reshape(b * t, v)
     values = torch.empty(b * t, k, dtype=torch.float32, device=logits.device)

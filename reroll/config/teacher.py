@@ -55,10 +55,18 @@ class DistillConfig(StrictModel):
     default_teacher: str | None = Field(
         None, description="Teacher of rows whose tag no teacher lists (None: such a row is an error)."
     )
+    on_policy_loss: Literal["sampled", "topk"] = Field(
+        "sampled",
+        description="on_policy: 'sampled', the reverse KL estimated on the sampled token alone (a per-token "
+        "policy gradient; the teacher sends one log-prob per token); 'topk', the exact reverse KL over the "
+        "student's whole next-token distribution at each sampled prefix, the teacher known on its top_k "
+        "tokens (GKD; lower variance, learns faster; the student's (tokens x vocabulary) log-softmax in fp32).",
+    )
     top_k: int = Field(
         32,
         ge=1,
-        description="offline: teacher log-probs kept per position (the rest of its mass is dropped).",
+        description="Teacher log-probs kept per position (offline, and on_policy_loss 'topk'); the rest of "
+        "its mass is dropped (offline) or spread evenly over the other tokens (topk).",
     )
     ce_weight: float = Field(
         0.0,
@@ -82,6 +90,11 @@ class RewardModelConfig(StrictModel):
         "{prompt}{response}",
         description="The text the reward model scores, over {prompt} and {response}; the score is its output "
         "at the last token.",
+    )
+    append_eos: bool = Field(
+        True,
+        description="Append the reward model tokenizer's eos token to the text, as `pipeline: reward_model` "
+        "trains (prompt + response + eos): the score is read at the eos.",
     )
     max_length: int = Field(
         1024,
@@ -118,11 +131,14 @@ def check_distill(cfg: DistillConfig) -> list[tuple[str, str]]:
     """``(dotted path, reason)`` for each problem of the distill section."""
     problems = []
     if cfg.mode == "on_policy":
-        offline_only = sorted(cfg.model_fields_set & {"top_k", "ce_weight", "batch_size"})
+        offline_only = {"ce_weight", "batch_size"} | ({"top_k"} if cfg.on_policy_loss == "sampled" else set())
+        offline_only = sorted(cfg.model_fields_set & offline_only)
         problems += [
-            (f"distill.{key}", "is used by mode 'offline' only: remove it, or set distill.mode: offline")
+            (f"distill.{key}", "is not used by mode 'on_policy' with this on_policy_loss: remove it")
             for key in offline_only
         ]
+    if cfg.mode == "offline" and "on_policy_loss" in cfg.model_fields_set:
+        problems.append(("distill.on_policy_loss", "is used by mode 'on_policy' only: remove it"))
     seen: dict[str, str] = {}
     for name, t in cfg.teachers.items():
         for tag in t.tags or [name]:

@@ -110,7 +110,7 @@ class Distill(Pipeline):
 
     def _on_policy_step(self, roles: Roles, step: int) -> dict[str, float]:
         cfg = self.cfg
-        assert roles.teacher is not None
+        assert roles.teacher is not None and cfg.distill is not None
         with roles.phase("generate", "actor_infer"):
             prompts = self.sampler.next_batch()
             params = sampling(cfg, n=cfg.rollout.group_size, seed=step_seed(cfg, step))
@@ -120,7 +120,10 @@ class Distill(Pipeline):
         batch = build_train_batch(rollouts, self.tokenizer.pad_token_id)
         owners = [self.owners[self.position[id(r.sample)]] for r in rollouts]
         with roles.phase("teacher", "teacher"):
-            batch.teacher_logprobs = roles.teacher.compute_logprobs(batch, owners)
+            if cfg.distill.on_policy_loss == "topk":
+                topk = roles.teacher.compute_topk(batch, owners, cfg.distill.top_k)
+                batch.teacher_topk_logprobs, batch.teacher_topk_ids = topk
+            batch.teacher_logprobs = roles.teacher.compute_logprobs(batch, owners)  # for the metrics too
         with roles.phase("train", "actor_train"):
             metrics = train_mini_batches(cfg, batch, step, roles.actor.train_distill)
         metrics["sync/bytes"] = roles.sync_weights()

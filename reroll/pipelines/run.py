@@ -139,7 +139,14 @@ class Roles:
             placement.shutdown()
             raise
         roles = cls(cfg, **started, placement=placement)
-        models = (roles.actor, roles.rollout, roles.reference, roles.critic, roles.teacher, roles.reward_model)
+        models = (
+            roles.actor,
+            roles.rollout,
+            roles.reference,
+            roles.critic,
+            roles.teacher,
+            roles.reward_model,
+        )
         placed = {g.role: g for g in models if g}
         offload = offload_between_phases(cfg, placement.device_type)
         roles.colocation = Colocation(placed, placement.map, offload)

@@ -11,7 +11,8 @@ an unpadded row. Because the critic loads the same way, ``critic.model_path: <th
 starts PPO's value function from the reward model.
 
 Texts are tokenised with the reward model's own tokenizer (it need not be the policy's), without special
-tokens, keeping the last ``reward_model.max_length`` tokens; micro-batches follow the forward-only
+tokens, its eos appended (``reward_model.append_eos``, as reward models are trained on prompt + response +
+eos), keeping the last ``reward_model.max_length`` tokens; micro-batches follow the forward-only
 ``optim.logprob_*`` limits.
 """
 
@@ -37,13 +38,14 @@ class RewardModelWorker(StrategyWorker):
         path = cfg.reward_model.path
         super().__init__(ROLE, rank, cfg, model_path=path, trainable=False, head="value")
         self.tokenizer = load_tokenizer(path)
-        self.max_length = cfg.reward_model.max_length
+        self.max_length, self.append_eos = cfg.reward_model.max_length, cfg.reward_model.append_eos
 
     def score(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores (n,), truncated bool (n,))``: the model's output at each text's last token."""
         if not texts:
             return torch.zeros(0), torch.zeros(0, dtype=torch.bool)
-        rows = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        eos = [self.tokenizer.eos_token_id] if self.append_eos else []
+        rows = [self.tokenizer.encode(t, add_special_tokens=False) + eos for t in texts]
         truncated = torch.tensor([len(r) > self.max_length for r in rows])
         rows = [r[-self.max_length :] or [self.tokenizer.pad_token_id] for r in rows]
         batch = _right_padded(rows, self.tokenizer.pad_token_id)

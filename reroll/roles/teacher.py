@@ -104,11 +104,16 @@ class TeacherSet:
     def compute_topk(
         self, batch: TrainBatch, owners: Sequence[str], k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's teacher's top-``k`` next-token log-probs and ids, ``(B, T, k)`` each."""
-        shape = (*batch.input_ids.shape, k)
-        values, ids = torch.zeros(shape, dtype=torch.float32), torch.zeros(shape, dtype=torch.long)
+        """Each row's teacher's top-``k`` next-token log-probs and ids, ``(B, T, k)`` each (``k`` at most
+        the vocabulary size)."""
+        values = ids = None
         for name, rows in _rows_by_owner(owners).items():
-            values[rows], ids[rows] = self.groups[name].compute_topk(batch.select(rows), k)
+            v, i = self.groups[name].compute_topk(batch.select(rows), k)
+            if values is None or ids is None:
+                values = v.new_zeros((len(batch), *v.shape[1:]))
+                ids = i.new_zeros((len(batch), *i.shape[1:]))
+            values[rows], ids[rows] = v, i
+        assert values is not None and ids is not None, "an empty batch"
         return values, ids
 
     def offload(self) -> None:

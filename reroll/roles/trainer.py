@@ -16,8 +16,13 @@ import torch
 
 from reroll.algorithms.aggregation import aggregate
 from reroll.algorithms.correction import mismatch_metrics
-from reroll.algorithms.distill import forward_kl_topk_loss, reverse_kl_pg_loss
-from reroll.algorithms.logprobs import token_logprobs, token_logprobs_and_entropy, token_logprobs_at
+from reroll.algorithms.distill import forward_kl_topk_loss, reverse_kl_pg_loss, reverse_kl_topk_loss
+from reroll.algorithms.logprobs import (
+    token_log_softmax,
+    token_logprobs,
+    token_logprobs_and_entropy,
+    token_logprobs_at,
+)
 from reroll.algorithms.objective import actor_loss
 from reroll.config.schema import RunConfig
 from reroll.data.types import TrainBatch
@@ -97,17 +102,25 @@ class TrainerWorker(StrategyWorker):
         return {"sft/loss": total} | self._step("sft", "sft/nonfinite_skipped")
 
     def train_distill(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step of distillation, token mean over the whole step: the forward KL to the
-        teacher's top-k (with ``distill.ce_weight`` of cross-entropy) where the batch carries
-        ``teacher_topk_*`` (offline), else the per-token reverse KL on the student's own samples
-        (``teacher_logprobs``, on-policy). Log-probs at temperature 1, the teacher's."""
+        """One optimizer step of distillation, token mean over the whole step. Offline: the forward KL to
+        the teacher's top-k (``teacher_topk_*``, with ``distill.ce_weight`` of cross-entropy). On-policy:
+        the per-token reverse KL on the student's own samples, estimated on the sampled token
+        (``teacher_logprobs``) or exact over the student's distribution (``teacher_topk_*``,
+        on_policy_loss 'topk'). Log-probs at temperature 1, the teacher's."""
         assert self.cfg.distill is not None
         metrics, total = [], 0.0
         for mb in self._micro_batches(batch):
             logits = self._forward(mb)
             dev = logits.device
             ids, mask = mb.input_ids.to(dev), mb.response_mask.to(dev)
-            if mb.teacher_topk_ids is not None:
+            if self.cfg.distill.mode == "on_policy" and mb.teacher_topk_ids is not None:
+                token_loss, m = reverse_kl_topk_loss(
+                    token_log_softmax(logits),
+                    mb.teacher_topk_logprobs.to(dev),
+                    mb.teacher_topk_ids.to(dev),
+                    mask,
+                )
+            elif mb.teacher_topk_ids is not None:
                 token_loss, m = forward_kl_topk_loss(
                     token_logprobs_at(logits, mb.teacher_topk_ids.to(dev)),
                     mb.teacher_topk_logprobs.to(dev),

@@ -7,7 +7,7 @@ import math
 import torch
 from torch.testing import assert_close
 
-from reroll.algorithms.distill import forward_kl_topk_loss, reverse_kl_pg_loss
+from reroll.algorithms.distill import forward_kl_topk_loss, reverse_kl_pg_loss, reverse_kl_topk_loss
 from reroll.algorithms.logprobs import token_logprobs_at, token_topk
 
 
@@ -84,3 +84,24 @@ def test_topk_is_aligned_and_sorted():
     assert ids.tolist() == [[[0, 0], [1, 2]]]
     assert_close(values[0, 1], torch.log_softmax(logits[0, 0], -1)[[1, 2]])
     assert_close(values[0, 0], torch.zeros(2))
+
+
+def test_reverse_kl_topk_is_the_exact_kl_with_the_whole_vocabulary():
+    gen = torch.Generator().manual_seed(1)
+    student = torch.log_softmax(torch.randn(2, 3, 5, generator=gen), -1)
+    teacher_full = torch.log_softmax(torch.randn(2, 3, 5, generator=gen), -1)
+    top, ids = teacher_full.topk(5, dim=-1)
+    mask = torch.tensor([[False, True, True], [True, True, False]])
+    loss, m = reverse_kl_topk_loss(student, top, ids, mask)
+    exact = (student.exp() * (student - teacher_full)).sum(-1)
+    assert_close(loss, exact * mask)
+    assert_close(m["distill/reverse_kl"], exact[mask].mean())
+
+
+def test_reverse_kl_topk_spreads_the_teacher_rest_evenly():
+    # V = 3, teacher top-1: token 0 with p = .5; the other two get (1 - .5) / 2 = .25 each
+    # student uniform: KL = sum 1/3 (ln 1/3 - ln q) = 1/3 (ln(2/3) + 2 ln(4/3))
+    student = torch.full((1, 1, 3), math.log(1 / 3))
+    top, ids = torch.tensor([[[math.log(0.5)]]]), torch.tensor([[[0]]])
+    loss, _ = reverse_kl_topk_loss(student, top, ids, torch.ones(1, 1, dtype=torch.bool))
+    assert_close(loss, torch.tensor([[(math.log(2 / 3) + 2 * math.log(4 / 3)) / 3]]))
