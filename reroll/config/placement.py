@@ -202,7 +202,7 @@ def run_roles(cfg: RunConfig) -> list[str]:
         roles.append("critic")
     if cfg.pipeline == "distill":
         roles.append("teacher")
-    if cfg.reward_model is not None:
+    if cfg.reward.model is not None:
         roles.append("reward_model")
     return roles
 

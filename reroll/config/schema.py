@@ -18,8 +18,9 @@ from reroll.config.alphabet import Alphabet
 from reroll.config.base import StrictModel
 from reroll.config.loader import ConfigProblem
 from reroll.config.placement import check_placement
+from reroll.config.preference import DPOConfig, PreferenceConfig, RewardModelConfig, check_preference
 from reroll.config.reward import RewardConfig, check_reward
-from reroll.config.teacher import DistillConfig, RewardModelConfig, check_distill
+from reroll.config.teacher import DistillConfig, check_distill
 
 
 class TinyModelConfig(StrictModel):
@@ -370,7 +371,7 @@ class RolesConfig(StrictModel):
         description="Distillation teachers (pipeline distill); every teacher of distill.teachers is placed so.",
     )
     reward_model: RoleConfig = Field(
-        default_factory=RoleConfig, description="The learned reward model (if `reward_model:` is set)."
+        default_factory=RoleConfig, description="The learned reward model (if `reward.model` is set)."
     )
 
 
@@ -457,13 +458,18 @@ class RuntimeConfig(StrictModel):
 class RunConfig(StrictModel):
     """A whole run."""
 
-    pipeline: Literal["rlvr", "sft", "agentic", "distill"] = Field(description="Which pipeline runs.")
+    pipeline: Literal["rlvr", "sft", "agentic", "reward_model", "dpo", "distill"] = Field(
+        description="Which pipeline runs."
+    )
     name: str = Field("run", description="Run name.")
     output_dir: str = Field("runs/{name}", description="Run directory; '{name}' is replaced by the name.")
     seed: int = Field(0, description="Seed for data order, sampling and init.")
     total_steps: int = Field(100, ge=0, description="Training steps (RLVR) after the warm start.")
     model: ModelConfig
-    data: DataConfig | None = Field(None, description="Prompts (pipelines rlvr and sft).")
+    data: DataConfig | None = Field(
+        None,
+        description="Prompts (pipelines rlvr and sft; in pipeline dpo, the SFT warm start and evaluation).",
+    )
     agentic: AgenticConfig | None = Field(None, description="Environment episodes (pipeline agentic).")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
@@ -481,11 +487,13 @@ class RunConfig(StrictModel):
     distill: DistillConfig | None = Field(
         None, description="Teachers and loss of pipeline 'distill' (on-policy or offline distillation)."
     )
-    reward_model: RewardModelConfig | None = Field(
-        None,
-        description="A trained reward model scoring rlvr responses as the reward_model role (RLHF); reward.fn "
-        "still scores the held-out evaluation.",
+    preference: PreferenceConfig | None = Field(
+        None, description="Preference pairs (pipelines reward_model and dpo)."
     )
+    reward_model: RewardModelConfig | None = Field(
+        None, description="Reward-model training settings (pipeline reward_model; defaults if absent)."
+    )
+    dpo: DPOConfig | None = Field(None, description="DPO-family settings (pipeline dpo; defaults if absent).")
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -506,7 +514,14 @@ class RunConfig(StrictModel):
 
     @property
     def needs_reference(self) -> bool:
+        if self.pipeline == "dpo":
+            return (self.dpo or DPOConfig()).loss != "simpo"
         return self.algorithm.kl_coef > 0 and self.pipeline != "distill"
+
+    @property
+    def policy_head(self) -> Literal["causal_lm", "reward"]:
+        """What actor_train holds: a causal LM, or (pipeline reward_model) a one-score sequence classifier."""
+        return "reward" if self.pipeline == "reward_model" else "causal_lm"
 
     def check(self) -> list[ConfigProblem]:
         """Cross-section checks, all reported at once."""
@@ -528,6 +543,18 @@ class RunConfig(StrictModel):
                 )
             )
         problems += self._pipeline_sections()
+        problems += [
+            ConfigProblem(path, m)
+            for path, m in check_preference(
+                self.pipeline,
+                self.preference,
+                self.reward_model,
+                self.dpo,
+                packing=self.optim.packing,
+                has_data=self.data is not None,
+                lora=self.strategy.lora is not None,
+            )
+        ]
         problems += [ConfigProblem(path, m) for path, m in check_reward(self.reward)]
         if self.distill is not None:
             problems += [ConfigProblem(path, m) for path, m in check_distill(self.distill)]
@@ -537,9 +564,9 @@ class RunConfig(StrictModel):
             problems.append(
                 ConfigProblem(
                     "strategy.lora",
-                    "with LoRA the KL reference is the base model (adapters disabled), not the policy after "
+                    "with LoRA the reference is the base model (adapters disabled), not the policy after "
                     f"the SFT warm start (sft.steps={self.sft.steps}): run the SFT as its own run and point "
-                    "model.path at its checkpoint, or set algorithm.kl_coef=0",
+                    "model.path at its checkpoint, or set algorithm.kl_coef=0 (pipeline dpo: dpo.loss=simpo)",
                 )
             )
         if self.pipeline == "sft" and self.sft is None:
@@ -594,8 +621,8 @@ class RunConfig(StrictModel):
             f"distill.teachers.{n}.model_path": t.model_path
             for n, t in (self.distill.teachers.items() if self.distill else [])
         }
-        if self.reward_model is not None:
-            paths["reward_model.path"] = self.reward_model.path
+        if self.reward.model is not None:
+            paths["reward.model.path"] = self.reward.model.path
         return [
             ConfigProblem(
                 key, f"{path!r} is neither an existing directory nor a hub id ('org/name'): fix the path"
@@ -610,6 +637,18 @@ class RunConfig(StrictModel):
         if self.pipeline in ("rlvr", "sft", "distill") and self.data is None:
             problems.append(
                 ConfigProblem("data", f"pipeline {self.pipeline!r} needs a `data:` section (train_files)")
+            )
+        if self.pipeline == "reward_model" and self.sft is not None:
+            problems.append(
+                ConfigProblem("sft", "pipeline 'reward_model' has no SFT warm start: remove `sft:`")
+            )
+        if self.pipeline == "dpo" and self.sft is not None and self.sft.steps > 0 and self.data is None:
+            problems.append(
+                ConfigProblem(
+                    "data",
+                    f"the SFT warm start (sft.steps={self.sft.steps}) learns from data.train_files: add a "
+                    "`data:` section, or set sft.steps=0",
+                )
             )
         if self.pipeline == "agentic" and self.agentic is None:
             problems.append(
@@ -642,10 +681,10 @@ class RunConfig(StrictModel):
                     f"set rollout.temperature: 1.0",
                 )
             )
-        if self.reward_model is not None and self.pipeline != "rlvr":
+        if self.reward.model is not None and self.pipeline != "rlvr":
             problems.append(
                 ConfigProblem(
-                    "reward_model", f"is read by pipeline 'rlvr' only, not {self.pipeline!r}: remove it"
+                    "reward.model", f"is read by pipeline 'rlvr' only, not {self.pipeline!r}: remove it"
                 )
             )
         if self.pipeline == "agentic" and self.data is not None:

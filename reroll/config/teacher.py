@@ -1,4 +1,4 @@
-"""Sections of the models that teach the policy: distillation teachers and a learned reward model.
+"""The distill section: teachers served as the ``teacher`` role, and how rows are routed to them.
 
 Distillation (``pipeline: distill``) from one teacher, or several routed by the row's ``domain`` the
 way reward domains are (``reroll.rewards.routing``)::
@@ -9,11 +9,6 @@ way reward domains are (``reroll.rewards.routing``)::
         math: {model_path: runs/teacher-math/checkpoints/step_000400/model, tags: [math, gsm8k]}
         code: {model_path: runs/teacher-code/checkpoints/step_000400/model}
       default_teacher: math      # rows whose tag no teacher lists
-
-A trained reward model (``AutoModelForSequenceClassification``, one label) scoring an ``rlvr`` run's
-responses as the ``reward_model`` role (RLHF)::
-
-    reward_model: {path: runs/rm/checkpoints/step_000200/model}
 """
 
 from __future__ import annotations
@@ -76,39 +71,6 @@ class DistillConfig(StrictModel):
         "own target tokens.",
     )
     batch_size: int = Field(64, ge=1, description="offline: SFT rows per optimizer step.")
-
-
-class RewardModelConfig(StrictModel):
-    """A trained reward model served as the ``reward_model`` role (placed by roles.reward_model): it scores
-    whole responses in batches on its own devices (or colocated ones) for an rlvr run (RLHF)."""
-
-    path: str = Field(
-        description="Local directory or hub id of an AutoModelForSequenceClassification checkpoint with one "
-        "label (what `pipeline: reward_model` writes), with its tokenizer."
-    )
-    template: str = Field(
-        "{prompt}{response}",
-        description="The text the reward model scores, over {prompt} and {response}; the score is its output "
-        "at the last token.",
-    )
-    append_eos: bool = Field(
-        True,
-        description="Append the reward model tokenizer's eos token to the text, as `pipeline: reward_model` "
-        "trains (prompt + response + eos): the score is read at the eos.",
-    )
-    max_length: int = Field(
-        1024,
-        ge=1,
-        description="Longest text scored, in the reward model's tokens; longer texts keep their end.",
-    )
-    weight: float = Field(
-        1.0, description="The training reward is weight * score + rule_weight * reward.fn's score."
-    )
-    rule_weight: float = Field(
-        0.0,
-        description="Weight of reward.fn's score in the training reward (0: the rule reward is only measured, "
-        "as rollout/accuracy and eval/accuracy).",
-    )
 
 
 def teacher_for(cfg: DistillConfig, tag: str) -> str:

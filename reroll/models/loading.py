@@ -15,6 +15,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
@@ -79,6 +80,42 @@ def load_value_model(
     missing = set(info["missing_keys"])
     if missing:
         log.info("value model from %s: %s start at zero", path, ", ".join(sorted(missing)))
+    for name, param in model.named_parameters():
+        if name in missing:
+            torch.nn.init.zeros_(param)
+    return model.to(device)
+
+
+def load_reward_model(
+    path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """A reward model: the model at ``path`` as ``AutoModelForSequenceClassification`` with one output,
+    the score of each row's last non-pad token, ``(B, 1)``.
+
+    A causal LM checkpoint gives the body and a new head, which starts at zero (every reward 0); a
+    saved reward model loads its own. ``config.pad_token_id`` is set from the tokenizer saved beside
+    the model where the config lacks it (the head finds each row's last token by it), so what
+    ``save_pretrained`` writes loads with ``AutoModelForSequenceClassification.from_pretrained`` and
+    scores batches as it trained.
+    """
+    report = logging.getLogger("transformers.modeling_utils")  # its load report: the new head is expected
+    level = report.level
+    try:
+        report.setLevel(logging.ERROR)
+        config = AutoConfig.from_pretrained(str(path))
+        config.num_labels = 1
+        if config.pad_token_id is None:
+            config.pad_token_id = load_tokenizer(str(path)).pad_token_id
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            str(path), config=config, dtype=DTYPES[dtype], output_loading_info=True
+        )
+    except OSError as e:
+        raise UserError(f"cannot load a reward model from {str(path)!r}: {e}") from e
+    finally:
+        report.setLevel(level)
+    missing = set(info["missing_keys"])
+    if missing:
+        log.info("reward model from %s: %s start at zero", path, ", ".join(sorted(missing)))
     for name, param in model.named_parameters():
         if name in missing:
             torch.nn.init.zeros_(param)

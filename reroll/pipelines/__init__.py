@@ -1,4 +1,5 @@
-"""Pipelines: one ``Pipeline`` class each (rlvr, agentic, sft, distill), run by the shared skeleton ``run.run``."""
+"""Pipelines: one ``Pipeline`` class each (rlvr, agentic, sft, reward_model, dpo, distill), run by the
+shared skeleton ``run.run``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ def pipeline_class(name: str) -> type[Pipeline]:
         from reroll.pipelines.distill import Distill
 
         return Distill
+    if name == "reward_model":
+        from reroll.pipelines.reward_model import RewardModel
+
+        return RewardModel
+    if name == "dpo":
+        from reroll.pipelines.dpo import DPO
+
+        return DPO
     if name == "agentic":
         from reroll.pipelines.agentic import Agentic
 

@@ -8,9 +8,13 @@ Checked:
   save directory), are readable as UTF-8 JSONL / JSON / Parquet, hold rows, and their first
   ``PEEK_ROWS`` rows have the fields the prompt template, the answer field, the SFT target and the
   reward domains read. Files ``data.synthetic`` will write are skipped while they do not exist.
+- preference files (``preference.train_files`` / ``eval_files``): readable the same way, and every row
+  a valid pair (``check_preference_row``: prompt, chosen and rejected present, non-empty strings or
+  message lists, chosen different from rejected). Files ``preference.synthetic`` will write are skipped
+  while they do not exist.
 - rewards: every ``fn`` imports (a registered name or ``package.module:function``) and can be called as
   ``fn(prompt, response, row, **args)`` with the configured ``args`` (``inspect.signature().bind``).
-- distillation and RLHF models (``distill.teachers``, ``reward_model``) where their paths are local: a
+- distillation and RLHF models (``distill.teachers``, ``reward.model``) where their paths are local: a
   teacher has the student's tokenizer; a reward model is a one-label ``...ForSequenceClassification``;
   the data rows route to a teacher (their ``domain``).
 - ``output_dir``: nothing on its path is a regular file, and it can be written.
@@ -42,6 +46,7 @@ from reroll.config.placement import cluster_problems
 from reroll.config.schema import RunConfig
 from reroll.config.teacher import teacher_for
 from reroll.data.datasets import check_row, read_rows, template_fields
+from reroll.data.preferences import check_preference_row
 from reroll.errors import UserError
 from reroll.rewards import resolve_reward
 from reroll.rewards.routing import domain_required_fields, domain_terms, route, term_key
@@ -61,7 +66,8 @@ def check_inputs(cfg: RunConfig) -> list[ConfigProblem]:
     """Every problem of the run's data files, rewards, output directory, lengths and cluster fit."""
     problems = _check_output_dir(cfg)
     problems += _check_data(cfg)
-    if cfg.pipeline != "agentic":
+    problems += _check_preferences(cfg)
+    if cfg.pipeline not in ("agentic", "reward_model"):
         problems += _check_rewards(cfg)
     problems += _check_lengths(cfg)
     problems += _check_teacher_models(cfg)
@@ -132,6 +138,29 @@ def _check_data(cfg: RunConfig) -> list[ConfigProblem]:
     return problems
 
 
+def _check_preferences(cfg: RunConfig) -> list[ConfigProblem]:
+    """Every row of the preference files is a valid pair (all rows: a bad pair is cheap to find here)."""
+    prefs = cfg.preference
+    if prefs is None:
+        return []
+    synthetic = {prefs.train_files[0], *prefs.eval_files[:1]} if prefs.synthetic is not None else set()
+    problems = []
+    files = [(f"preference.train_files[{i}]", f) for i, f in enumerate(prefs.train_files)]
+    files += [(f"preference.eval_files[{i}]", f) for i, f in enumerate(prefs.eval_files)]
+    for key, file in files:
+        if file in synthetic and not Path(file).exists():
+            continue  # preference.synthetic writes it at start
+        try:
+            rows = read_rows(file)
+            if not rows:
+                raise UserError(f"{file}: has no rows: add pairs, or remove it from {key.split('[')[0]}")
+            for i, row in enumerate(rows):
+                check_preference_row(file, i, row)
+        except UserError as e:
+            problems.append(ConfigProblem(key, str(e)))
+    return problems
+
+
 def _check_domains(cfg: RunConfig, file: str, rows: list[dict]) -> None:
     """The rows route to a reward domain and have the fields its registered rewards read."""
     needs = domain_required_fields(cfg.reward)
@@ -160,7 +189,7 @@ def _check_teacher_models(cfg: RunConfig) -> list[ConfigProblem]:
     """A reward model is a one-label sequence classifier; a teacher reads and writes the student's tokens.
     Checked where the paths are local directories."""
     problems = []
-    rm = cfg.reward_model
+    rm = cfg.reward.model
     config = _local_config(rm.path) if rm is not None else None
     if rm is not None and config is not None:
         arch = config.get("architectures") or []
@@ -168,7 +197,7 @@ def _check_teacher_models(cfg: RunConfig) -> list[ConfigProblem]:
         if not any(str(a).endswith("ForSequenceClassification") for a in arch):
             problems.append(
                 ConfigProblem(
-                    "reward_model.path",
+                    "reward.model.path",
                     f"{rm.path!r} holds {arch or 'no architectures'}, not a sequence-classification reward model "
                     f"(AutoModelForSequenceClassification): train one with `pipeline: reward_model`, or point "
                     f"at its checkpoint's model/ directory",
@@ -177,7 +206,7 @@ def _check_teacher_models(cfg: RunConfig) -> list[ConfigProblem]:
         elif labels != 1:
             problems.append(
                 ConfigProblem(
-                    "reward_model.path",
+                    "reward.model.path",
                     f"{rm.path!r} has {labels} labels; a reward model scores with one (num_labels=1)",
                 )
             )

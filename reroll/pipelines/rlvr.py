@@ -57,7 +57,7 @@ class RLVR(Pipeline):
         return RoleSet(
             reference=reference,
             critic=self.cfg.critic is not None,
-            reward_model=self.cfg.reward_model is not None,
+            reward_model=self.cfg.reward.model is not None,
         )
 
     def texts(self) -> Iterable[str]:
@@ -142,9 +142,9 @@ class RLVR(Pipeline):
     def _learned_reward(
         self, roles: Roles, rollouts: list[Rollout], batch: TrainBatch, results: list[RewardResult]
     ) -> dict[str, float]:
-        """With ``reward_model``: the batch's rewards become weight x the reward model's score plus
+        """With ``reward.model``: the batch's rewards become weight x the reward model's score plus
         rule_weight x reward.fn's (RLHF). Returns the reward model's metrics (nothing without one)."""
-        rm = self.cfg.reward_model
+        rm = self.cfg.reward.model
         if rm is None or roles.reward_model is None:
             return {}
         scores, truncated = roles.reward_model.score(
@@ -186,7 +186,7 @@ class RLVR(Pipeline):
                 [RewardItem.answering(s, c) for s, c in zip(prompts, greedy)], "baseline"
             )
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
-        rm = self.cfg.reward_model
+        rm = self.cfg.reward.model
         if rm is not None and roles.reward_model is not None:  # scored as the samples are
             with roles.phase("baseline", "reward_model"):
                 learned, _ = roles.reward_model.score(

@@ -79,8 +79,9 @@ class RunResult:
 
 @dataclass(frozen=True)
 class RoleSet:
-    """Which optional roles a pipeline starts (actor_train and actor_infer always run)."""
+    """Which optional roles a pipeline starts (actor_train always runs)."""
 
+    rollout: bool = True  # actor_infer: generation (and the held-out evaluation of most pipelines)
     reference: bool = False
     critic: bool = False
     reward: bool = True
@@ -95,7 +96,7 @@ class Roles:
 
     cfg: RunConfig
     actor: TrainerGroup
-    rollout: RolloutGroup
+    rollout: RolloutGroup | None = None
     reward: RewardGroup | None = None
     reference: TrainerGroup | None = None
     critic: CriticGroup | None = None
@@ -120,7 +121,8 @@ class Roles:
         started: dict[str, Any] = {}
         try:
             started["actor"] = TrainerGroup("actor_train", cfg, trainable=True)
-            started["rollout"] = RolloutGroup(cfg)
+            if needs.rollout:
+                started["rollout"] = RolloutGroup(cfg)
             if needs.reward:
                 started["reward"] = RewardGroup(cfg)
             if needs.reference:
@@ -188,6 +190,7 @@ class Roles:
     def sync_weights(self) -> float:
         """actor_train's weights into actor_infer (gathered while the trainer holds its device), or only
         the LoRA adapters where ``strategy.lora.sync`` is 'adapters'. Returns the bytes sent (``sync/bytes``)."""
+        assert self.rollout is not None, "sync_weights: this run has no actor_infer"
         lora = self.cfg.strategy.lora
         with self.phase("weight_sync", "actor_train"):
             if lora is not None and lora.sync == "adapters":
@@ -208,7 +211,7 @@ class Roles:
 
     def sync_if_stale(self) -> dict[str, float]:
         """Sync the engine if actor_train has stepped or loaded since: ``{"sync/bytes": ...}`` or ``{}``."""
-        if self.rollout.weights_version == self.actor.weights_version:
+        if self.rollout is None or self.rollout.weights_version == self.actor.weights_version:
             return {}
         return {"sync/bytes": self.sync_weights()}
 
@@ -275,6 +278,7 @@ class Pipeline:
     costs nothing); ``run`` then starts ``roles_needed()`` and calls the rest."""
 
     name: ClassVar[str]
+    evaluate_uses: ClassVar[tuple[str, ...]] = ("actor_infer",)  # the roles ``evaluate`` calls
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -348,7 +352,7 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
         # roles.cfg: the config with the device type and strategy.name resolved, as config.yaml records it
         metrics_log = open_metrics(roles.cfg, resume_step=start if resume_from else None)
         if start == 0:
-            with roles.phase("evaluate", "actor_infer"):
+            with roles.phase("evaluate", *pipeline.evaluate_uses):
                 before = pipeline.evaluate(roles)
             roles.pop_timings()
             metrics_log.log(0, before)
@@ -394,7 +398,7 @@ def _step(
     metrics = pipeline.step(roles, step)
     if every(cfg.eval.every, step, total):
         metrics |= roles.sync_if_stale()
-        with roles.phase("evaluate", "actor_infer"):
+        with roles.phase("evaluate", *pipeline.evaluate_uses):
             metrics |= pipeline.evaluate(roles)
     if every(cfg.checkpoint.every, step, total):
         with roles.phase("checkpoint", "actor_train", "critic"):

@@ -5,14 +5,14 @@ reward_model`` writes, or any Bradley-Terry reward model). A ``RewardModelWorker
 strategy, forward only, on the devices ``roles.reward_model`` gives it (its own, or shared with the
 policy: the run offloads it between phases like the reference). It is loaded as the critic is
 (``reroll.models.loading.load_value_model``: the body and the one-output ``score`` head, applied at every
-position), and the reward is the output at the last token of ``reward_model.template`` (over
+position), and the reward is the output at the last token of ``reward.model.template`` (over
 ``{prompt}`` and ``{response}``), which is what the sequence-classification model itself returns for
 an unpadded row. Because the critic loads the same way, ``critic.model_path: <the reward model>``
 starts PPO's value function from the reward model.
 
 Texts are tokenised with the reward model's own tokenizer (it need not be the policy's), without special
-tokens, its eos appended (``reward_model.append_eos``, as reward models are trained on prompt + response +
-eos), keeping the last ``reward_model.max_length`` tokens; micro-batches follow the forward-only
+tokens, its eos appended (``reward.model.append_eos``, as reward models are trained on prompt + response +
+eos), keeping the last ``reward.model.max_length`` tokens; micro-batches follow the forward-only
 ``optim.logprob_*`` limits.
 """
 
@@ -34,11 +34,11 @@ class RewardModelWorker(StrategyWorker):
     """One rank of the reward model."""
 
     def __init__(self, rank: int, cfg: RunConfig) -> None:
-        assert cfg.reward_model is not None, "the reward_model role needs a reward_model section"
-        path = cfg.reward_model.path
+        assert cfg.reward.model is not None, "the reward_model role needs reward.model"
+        path = cfg.reward.model.path
         super().__init__(ROLE, rank, cfg, model_path=path, trainable=False, head="value")
         self.tokenizer = load_tokenizer(path)
-        self.max_length, self.append_eos = cfg.reward_model.max_length, cfg.reward_model.append_eos
+        self.max_length, self.append_eos = cfg.reward.model.max_length, cfg.reward.model.append_eos
 
     def score(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores (n,), truncated bool (n,))``: the model's output at each text's last token."""
@@ -68,9 +68,9 @@ class RewardModelGroup(StrategyGroup):
     """The reward model's ranks; texts are dealt in contiguous blocks across them."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        assert cfg.reward_model is not None
+        assert cfg.reward.model is not None
         super().__init__(ROLE, RewardModelWorker, lambda rank: (rank, cfg), cfg)
-        self.template = cfg.reward_model.template
+        self.template = cfg.reward.model.template
 
     def score(
         self, prompts: Sequence[str], responses: Sequence[str], phase: str = "reward"

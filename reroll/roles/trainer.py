@@ -25,20 +25,23 @@ from reroll.algorithms.logprobs import (
 )
 from reroll.algorithms.objective import actor_loss
 from reroll.config.schema import RunConfig
+from reroll.data.preferences import PairBatch
 from reroll.data.types import TrainBatch
 from reroll.errors import RoleError
 from reroll.models.loading import DTYPES
+from reroll.roles.preference import PairWorkerMixin, combine_pair_metrics
 from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker, mean_metrics
 from reroll.runtime.actors import LocalHandle
 from reroll.runtime.weight_sync import SharedBucket, WeightBucket, share_bucket, split_into_buckets
 from reroll.strategies.lora import AdapterUpdate, payload_bytes
 
 
-class TrainerWorker(StrategyWorker):
-    """One rank of actor_train or reference."""
+class TrainerWorker(PairWorkerMixin, StrategyWorker):
+    """One rank of actor_train or reference (pipeline reward_model: actor_train is the reward model)."""
 
     def __init__(self, role: str, rank: int, cfg: RunConfig, trainable: bool) -> None:
-        super().__init__(role, rank, cfg, model_path=cfg.model.path, trainable=trainable, head="causal_lm")
+        head = cfg.policy_head
+        super().__init__(role, rank, cfg, model_path=cfg.model.path, trainable=trainable, head=head)
         self.temperature = cfg.rollout.temperature or 1.0
         self._sync_bytes = 0
         self._shared: list[torch.Tensor] = []  # cuda_ipc buffers held until the engines loaded them
@@ -237,6 +240,25 @@ class TrainerGroup(StrategyGroup):
         parts = self._wait([h.train_distill.remote(s) for h, s in zip(self.handles, shards)], "train")
         self.weights_version += 1
         return mean_metrics(parts) | {"distill/loss": sum(p["distill/loss"] for p in parts)}
+
+    def score_pairs(
+        self, batch: PairBatch, *, average: bool = False, base_model: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(P,)`` scores of the chosen and the rejected responses: rewards (a reward model) or response
+        log-probs (summed; ``average``: per token); ``base_model``: LoRA adapters disabled."""
+        shards = batch.split(self.world_size)
+        parts = self._wait(
+            [h.score_pairs.remote(s, average, base_model) for h, s in zip(self.handles, shards)],
+            "score_pairs",
+        )
+        return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
+
+    def train_pairs(self, batch: PairBatch) -> dict[str, float]:
+        """One optimizer step on preference pairs (reward-model or DPO-family loss)."""
+        shards = batch.split(self.world_size)
+        parts = self._wait([h.train_pairs.remote(s) for h, s in zip(self.handles, shards)], "train")
+        self.weights_version += 1
+        return combine_pair_metrics(parts)
 
     def load(self, directory: Path) -> None:
         super().load(directory)

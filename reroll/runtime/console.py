@@ -15,6 +15,11 @@ _COLUMNS = [
     ("distill/reverse_kl", "rkl", "{:.4f}"),
     ("distill/forward_kl", "fkl", "{:.4f}"),
     ("rollout/reward_model_score", "rm", "{:+.3f}"),
+    ("rm/loss", "rm_loss", "{:.4f}"),
+    ("rm/accuracy", "pair_acc", "{:.3f}"),
+    ("dpo/loss", "dpo_loss", "{:.4f}"),
+    ("dpo/accuracy", "pair_acc", "{:.3f}"),
+    ("dpo/margins", "margin", "{:+.3f}"),
 ]
 _PHASES = [
     ("generate", "gen"),

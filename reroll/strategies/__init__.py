@@ -19,7 +19,7 @@ from reroll.errors import UserError
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
 
-Head = Literal["causal_lm", "value"]
+Head = Literal["causal_lm", "value", "reward"]
 
 
 class Strategy(Protocol):

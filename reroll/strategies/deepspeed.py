@@ -36,7 +36,7 @@ import torch.distributed as dist
 from deepspeed.runtime import constants as ds_constants
 
 from reroll.errors import UserError
-from reroll.models.loading import load_causal_lm, load_value_model
+from reroll.models.loading import load_causal_lm, load_reward_model, load_value_model
 from reroll.strategies import Head
 from reroll.strategies.memory import peak_memory_gb
 from reroll.strategies.training import forward_logits, warmup_schedule
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model}
+_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_reward_model}
 _TAG = "state"  # the one tag under ``<checkpoint>/deepspeed/``: a checkpoint directory holds one step
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from reroll.models.loading import DTYPES, load_causal_lm, load_value_model
+from reroll.models.loading import DTYPES, load_causal_lm, load_reward_model, load_value_model
 from reroll.strategies import Head
 from reroll.strategies.lora import (
     AdapterUpdate,
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model}
+_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_reward_model}
 
 
 class FSDP2Strategy:

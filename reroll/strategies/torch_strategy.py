@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from reroll.models.loading import load_causal_lm, load_value_model
+from reroll.models.loading import load_causal_lm, load_reward_model, load_value_model
 from reroll.strategies import Head
 from reroll.strategies.lora import (
     AdapterUpdate,
@@ -38,7 +38,7 @@ from reroll.strategies.training import (
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
 
-_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model}
+_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_reward_model}
 
 
 class TorchStrategy:

@@ -37,7 +37,7 @@ def _cfg(rm_path, critic: dict | None = None, **extra) -> RunConfig:
             "pipeline": "rlvr",
             "model": {"path": str(rm_path)},
             "data": {"train_files": ["unused.jsonl"]},
-            "reward_model": {"path": str(rm_path), **extra},
+            "reward": {"model": {"path": str(rm_path), **extra}},
             "optim": {"micro_batch_size": 2},  # several micro-batches, rows of different lengths padded
             "runtime": {"backend": "local"},
         }

@@ -1,4 +1,4 @@
-"""The distill and reward_model sections: strict checks, teacher routing, and what `reroll validate` catches."""
+"""The distill section and reward.model: strict checks, teacher routing, and what `reroll validate` catches."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_section_checks_name_their_keys(make):
     assert "neither an existing directory" in _problems(missing)["distill.teachers.a.model_path"]
     assert "needs a `distill:` section" in _problems(make(distill=None))["distill"]
     assert "pipeline 'distill' only" in _problems(make(pipeline="rlvr"))["distill"]
-    assert "pipeline 'rlvr' only" in _problems(make(reward_model={"path": "x/y"}))["reward_model"]
+    assert "pipeline 'rlvr' only" in _problems(make(reward={"model": {"path": "x/y"}}))["reward.model"]
     with pytest.raises(ValueError, match="Extra inputs"):
         make(distill={"temperatur": 1.0})  # strict: a misspelt key is an error
 
@@ -101,19 +101,18 @@ def test_validate_checks_rows_routes_tokenizers_and_the_reward_model(make, tmp_p
     assert "row 2: a row is tagged domain 'chat', which no teacher lists" in problems["data.train_files[0]"]
 
     rlhf = make(
-        pipeline="rlvr", distill=None, model={"path": str(student)}, reward_model={"path": str(student)}
+        pipeline="rlvr", distill=None, model={"path": str(student)}, reward={"model": {"path": str(student)}}
     )
     problems = {p.path: p.message for p in check_inputs(rlhf)}
-    assert "not a sequence-classification reward model" in problems["reward_model.path"]
+    assert "not a sequence-classification reward model" in problems["reward.model.path"]
     tok = char_tokenizer(ARITHMETIC_ALPHABET)
     rm_cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=1, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id)  # fmt: skip
     torch.manual_seed(0)
     Qwen2ForSequenceClassification(rm_cfg).save_pretrained(tmp_path / "rm")
-    ok = rlhf.model_copy(
-        update={"reward_model": rlhf.reward_model.model_copy(update={"path": str(tmp_path / "rm")})}
-    )
-    assert "reward_model.path" not in {p.path for p in check_inputs(ok)}
+    rm = {"model": {"path": str(tmp_path / "rm")}}
+    ok = make(pipeline="rlvr", distill=None, model={"path": str(student)}, reward=rm)
+    assert "reward.model.path" not in {p.path for p in check_inputs(ok)}
 
 
 def test_validate_cli_exits_2_naming_the_key(make, tmp_path, capsys):

@@ -1,0 +1,265 @@
+"""Preference pairs: rows ``{"prompt", "chosen", "rejected"}`` read through ``datasets.read_rows``, checked,
+rendered to text, and made into the paired tensors the reward-model and DPO pipelines train on.
+
+A row's fields are strings, or chat message lists (``[{"role": "user", "content": ...}, ...]``): the
+prompt's messages, and the assistant turn(s) of each response. ``render_pair`` is the one place a row
+becomes text (message lists through the tokenizer's chat template). A bad row (a missing field, an
+empty text, chosen equal to rejected) is a ``DatasetError`` naming its file and row.
+
+``write_arithmetic_preferences`` makes synthetic pairs from the arithmetic task: the correct answer is
+preferred to a near miss (one digit or the carry wrong, as a partly trained model errs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reroll.data.arithmetic import make_arithmetic_rows
+from reroll.data.datasets import DatasetError, read_rows
+from reroll.data.types import TrainBatch
+
+FIELDS = ("prompt", "chosen", "rejected")
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One rendered pair: the prompt text and the two responses' text (``uid``: file and row, or the id)."""
+
+    uid: str
+    prompt: str
+    chosen: str
+    rejected: str
+
+
+def check_preference_row(file: str, index: int, row: dict[str, Any]) -> None:
+    """``row`` (the ``index``-th of ``file``, from 0) has a non-empty prompt, chosen and rejected, each a
+    string or a list of chat messages, and chosen differs from rejected."""
+    where = f"{file}: row {index + 1}"
+    missing = [k for k in FIELDS if k not in row]
+    if missing:
+        raise DatasetError(
+            f"{where} has no field {missing[0]!r}: a preference row needs {list(FIELDS)} (the row has "
+            f"{sorted(row)}); rename the fields or fix the row"
+        )
+    for key in FIELDS:
+        value = row[key]
+        if isinstance(value, list):
+            bad = next((m for m in value if not _is_message(m)), None) if value else "[]"
+            if bad is not None:
+                raise DatasetError(
+                    f"{where}: {key!r} is a list but {bad!r} is not a chat message "
+                    f'{{"role": ..., "content": "..."}}: give a string or a list of messages'
+                )
+            text = "".join(m["content"] for m in value)
+        elif isinstance(value, str):
+            text = value
+        else:
+            raise DatasetError(
+                f"{where}: {key!r} is a {type(value).__name__}; it must be a string or a list of chat messages"
+            )
+        if not text.strip():
+            raise DatasetError(f"{where}: {key!r} is empty: every pair needs a prompt and two responses")
+    if row["chosen"] == row["rejected"]:
+        raise DatasetError(
+            f"{where}: 'chosen' and 'rejected' are the same ({_short(row['chosen'])}): a pair must prefer one "
+            f"response to a different one; drop the row"
+        )
+
+
+def _is_message(m: Any) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def render_pair(row: dict[str, Any], tokenizer: Any = None) -> tuple[str, str, str]:
+    """``(prompt, chosen, rejected)`` text of a checked row: strings as they are; message lists through
+    the tokenizer's chat template (the prompt with the generation prompt, each response as the text the
+    template adds after it). The one place preference rows become text."""
+    prompt = row["prompt"]
+    if isinstance(prompt, str) and isinstance(row["chosen"], str) and isinstance(row["rejected"], str):
+        return prompt, row["chosen"], row["rejected"]
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(
+            "preference rows with chat message lists need a tokenizer with a chat template: the model's "
+            "tokenizer has none; give the fields as strings"
+        )
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    head = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def response(value: str | list[dict[str, str]]) -> str:
+        turns = value if isinstance(value, list) else [{"role": "assistant", "content": value}]
+        full = tokenizer.apply_chat_template([*messages, *turns], tokenize=False)
+        if not full.startswith(head):  # a template that renders the last turn differently: keep the turns
+            return "".join(t["content"] for t in turns)
+        text = full[len(head) :]
+        eos = getattr(tokenizer, "eos_token", None)
+        return text[: -len(eos)] if eos and text.endswith(eos) else text  # pair_batch appends eos
+
+    return head, response(row["chosen"]), response(row["rejected"])
+
+
+def load_pairs(
+    files: Sequence[str], tokenizer: Any = None, *, id_field: str = "id", limit: int | None = None
+) -> list[PreferencePair]:
+    """Every row of ``files`` checked (``check_preference_row``) and rendered (``render_pair``)."""
+    pairs: list[PreferencePair] = []
+    for file in files:
+        for i, row in enumerate(read_rows(file)):
+            check_preference_row(file, i, row)
+            prompt, chosen, rejected = render_pair(row, tokenizer)
+            pairs.append(PreferencePair(str(row.get(id_field, f"{file}:{i + 1}")), prompt, chosen, rejected))
+            if limit is not None and len(pairs) >= limit:
+                return pairs
+    if not pairs:
+        raise DatasetError(
+            f"no rows in {list(files)}: the preference files are empty; add rows or fix the paths"
+        )
+    return pairs
+
+
+@dataclass
+class PairBatch:
+    """Pairs as two right-padded ``TrainBatch``es, row i of ``chosen`` against row i of ``rejected``
+    (prompt + response + eos; ``response_mask`` on the response and eos). ``ref_chosen`` /
+    ``ref_rejected``: the reference's sequence log-probs ``(P,)`` where the loss needs them;
+    ``num_pairs``: the pairs of the whole optimizer step (all micro-batches, all ranks);
+    ``pad_token_id`` fills the padding (a sequence-classification head reads the last non-pad token)."""
+
+    chosen: TrainBatch
+    rejected: TrainBatch
+    ref_chosen: torch.Tensor | None = None
+    ref_rejected: torch.Tensor | None = None
+    num_pairs: float | None = None
+    pad_token_id: int = 0
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    def select(self, index: torch.Tensor | slice) -> PairBatch:
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return replace(
+            self,
+            chosen=self.chosen.select(index).trim(),
+            rejected=self.rejected.select(index).trim(),
+            ref_chosen=pick(self.ref_chosen),
+            ref_rejected=pick(self.ref_rejected),
+        )
+
+    def split(self, n: int) -> list[PairBatch]:
+        """``n`` contiguous chunks of near-equal size (for data-parallel ranks); pairs stay whole."""
+        bounds = torch.linspace(0, len(self), n + 1).round().long().tolist()
+        return [self.select(slice(a, b)) for a, b in itertools.pairwise(bounds)]
+
+    def stacked(self) -> TrainBatch:
+        """One batch of 2P rows, the chosen then the rejected, right-padded to one width (one forward)."""
+        width = max(self.chosen.input_ids.shape[1], self.rejected.input_ids.shape[1])
+        cat = lambda a, b, pad: TrainBatch.concat([a, b], width, pad)  # noqa: E731
+        c, r = self.chosen, self.rejected
+        return TrainBatch(
+            input_ids=cat(c.input_ids, r.input_ids, self.pad_token_id).long(),
+            attention_mask=cat(c.attention_mask, r.attention_mask, False).bool(),
+            response_mask=cat(c.response_mask, r.response_mask, False).bool(),
+            group_ids=torch.cat([c.group_ids, r.group_ids]),
+        )
+
+    def proxy(self) -> TrainBatch:
+        """One row per pair whose real tokens are the pair's (chosen and rejected), ``group_ids`` the pair
+        index: what ``micro_batches`` cuts by rows and tokens without splitting a pair."""
+        mask = torch.cat([self.chosen.attention_mask, self.rejected.attention_mask], dim=1)
+        return TrainBatch(
+            input_ids=torch.zeros(mask.shape, dtype=torch.long),
+            attention_mask=mask,
+            response_mask=torch.zeros_like(mask),
+            group_ids=torch.arange(len(self)),
+        )
+
+
+def pair_batch(pairs: Sequence[PreferencePair], tokenizer: Any) -> PairBatch:
+    """Tokenised pairs: prompt + response + eos, the loss and the reward on the response and eos."""
+
+    def side(texts: list[tuple[str, str]]) -> TrainBatch:
+        rows = []
+        for prompt, response in texts:
+            p = tokenizer.encode(prompt, add_special_tokens=False)
+            r = tokenizer.encode(response, add_special_tokens=False)
+            rows.append((p, [*r, tokenizer.eos_token_id]))
+        width = max(len(p) + len(r) for p, r in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.bool)
+        resp = torch.zeros_like(attn)
+        for i, (p, r) in enumerate(rows):
+            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+            attn[i, : len(p) + len(r)] = True
+            resp[i, len(p) : len(p) + len(r)] = True
+        return TrainBatch(ids, attn, resp, group_ids=torch.arange(len(rows)))
+
+    batch = PairBatch(
+        chosen=side([(p.prompt, p.chosen) for p in pairs]),
+        rejected=side([(p.prompt, p.rejected) for p in pairs]),
+        num_pairs=float(len(pairs)),
+        pad_token_id=int(tokenizer.pad_token_id),
+    )
+    return batch
+
+
+def near_miss(answer: int, rng: random.Random) -> int:
+    """A wrong answer close to ``answer`` (never negative where ``answer`` is not): one digit off by one
+    or more, or the tens or hundreds carry wrong."""
+    candidates = {answer + d for d in (-100, -10, -2, -1, 1, 2, 10, 100)}
+    digits = str(abs(answer))
+    for i in range(len(digits)):  # one digit changed to any other
+        for d in "0123456789":
+            if d != digits[i] and not (i == 0 and d == "0" and len(digits) > 1):
+                candidates.add(int(("-" if answer < 0 else "") + digits[:i] + d + digits[i + 1 :]))
+    candidates.discard(answer)
+    if answer >= 0:
+        candidates = {c for c in candidates if c >= 0}
+    return rng.choice(sorted(candidates))
+
+
+def make_arithmetic_preferences(
+    n: int, *, max_operand: int = 99, ops: Sequence[str] = ("+",), seed: int = 0
+) -> list[dict[str, Any]]:
+    """``n`` pairs over the problems ``make_arithmetic_rows(n, ...)`` draws (the same seed: the same
+    problems, in the same order): prompt ``"12+34="``, chosen the answer, rejected a ``near_miss``. Rows
+    keep ``question`` and ``answer``, so exact match can score generations against them."""
+    rng = random.Random(seed * 7_919 + 1)
+    out = []
+    for row in make_arithmetic_rows(n, max_operand=max_operand, ops=ops, seed=seed):
+        wrong = near_miss(int(row["answer"]), rng)
+        out.append({**row, "prompt": f"{row['question']}=", "chosen": row["answer"], "rejected": str(wrong)})
+    return out
+
+
+def write_arithmetic_preferences(
+    out_dir: str | Path,
+    *,
+    n_train: int,
+    n_test: int,
+    max_operand: int = 99,
+    ops: Sequence[str] = ("+",),
+    seed: int = 0,
+) -> dict[str, Path]:
+    """``train.jsonl`` and ``test.jsonl`` of arithmetic preferences; the split is the one
+    ``write_arithmetic_dataset`` makes with the same arguments, so its held-out questions stay unseen."""
+    rows = make_arithmetic_preferences(n_train + n_test, max_operand=max_operand, ops=ops, seed=seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"train": out / "train.jsonl", "test": out / "test.jsonl"}
+    for split, split_rows in (("train", rows[:n_train]), ("test", rows[n_train:])):
+        with paths[split].open("w") as f:
+            for row in split_rows:
+                f.write(json.dumps({**row, "id": f"{split}-{row['id']}"}) + "\n")
+    return paths

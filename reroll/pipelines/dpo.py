@@ -1,0 +1,147 @@
+"""DPO and its family (IPO, hinge, robust / conservative DPO, reference-free SimPO) on preference pairs.
+
+Each step actor_train takes one optimizer step on ``preference.batch_size`` pairs; the loss compares
+the policy's response log-probs with the reference's (``reroll.algorithms.preference.dpo_loss``). The
+reference is the policy the loop starts from (after the optional SFT warm start on
+``data.train_files``; with LoRA, the base model with the adapters disabled). With
+``dpo.reference: cached`` it scores every training pair once, before step 1, and the cache is saved
+in checkpoints; with ``on_the_fly`` it scores each step's pairs. SimPO needs no reference.
+
+Evaluation: with ``data.eval_files``, greedy generations scored by the reward (``eval/accuracy``, as
+in sft and rlvr, so the runs compare); with ``preference.eval_files``, the implicit rewards on held-out
+pairs (``eval/pair_accuracy``, ``eval/margins``, ``eval/rewards/chosen`` / ``rejected``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reroll.algorithms.preference import dpo_loss
+from reroll.config.preference import DPOConfig
+from reroll.config.schema import RunConfig
+from reroll.data.datasets import PromptSampler
+from reroll.data.preferences import PairBatch, PreferencePair, pair_batch
+from reroll.data.types import Sample
+from reroll.models.loading import load_tokenizer
+from reroll.pipelines.common import evaluate, load_data, sft_batch, sft_warm_start, write_synthetic_data
+from reroll.pipelines.pairs import batches, load_preference_data, pair_texts, write_synthetic_pairs
+from reroll.pipelines.run import Checkpointed, Pipeline, Roles, RoleSet
+from reroll.roles.trainer import TrainerGroup
+
+SCORE_BATCH = 256  # pairs per reference-scoring call
+CACHE_FILE = "dpo_reference.pt"
+
+
+class DPO(Pipeline):
+    name = "dpo"
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.settings = cfg.dpo or DPOConfig()
+        write_synthetic_pairs(cfg)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.pairs, self.held_out_pairs = load_preference_data(cfg, self.tokenizer)
+        self.rows: list[Sample] = []
+        self.held_out: list[Sample] = []
+        if cfg.data is not None:
+            write_synthetic_data(cfg)
+            self.rows, self.held_out = load_data(cfg)
+        assert cfg.preference is not None
+        self.sampler = PromptSampler(
+            list(range(len(self.pairs))),  # type: ignore[arg-type]  # pair indices: the cache is by index
+            cfg.preference.batch_size,
+            seed=cfg.seed,
+            shuffle=cfg.preference.shuffle,
+        )
+        self.ref_cache: torch.Tensor | None = None  # (N, 2): the reference's log-probs of chosen, rejected
+        self.held_out_ref: torch.Tensor | None = None
+
+    def roles_needed(self) -> RoleSet:
+        generate = bool(self.held_out)
+        reference = self.cfg.needs_reference and self.cfg.strategy.lora is None
+        return RoleSet(rollout=generate, reward=generate, reference=reference)
+
+    def texts(self) -> Iterable[str]:
+        yield from pair_texts([*self.pairs, *self.held_out_pairs])
+        yield from (s.prompt for s in [*self.rows, *self.held_out])
+
+    def warm_start(self, roles: Roles) -> None:
+        sft = self.cfg.sft
+        if sft is None or not self.rows:
+            return
+        rows = PromptSampler(self.rows, sft.batch_size, seed=self.cfg.seed + 1, shuffle=True)
+        batch = lambda i: sft_batch(rows.next_batch(), self.tokenizer, sft.target_template)  # noqa: E731
+        sft_warm_start(self.cfg, roles, batch, "data.train_files' targets")
+
+    def restore(self, saved: dict[str, Any], directory: Path) -> None:
+        self.sampler.restore(saved["sampler"])
+        cache = directory / CACHE_FILE
+        self.ref_cache = torch.load(cache) if cache.exists() else None
+
+    def checkpointed(self) -> Checkpointed:
+        objects = {} if self.ref_cache is None else {CACHE_FILE: self.ref_cache}
+        return Checkpointed({"sampler": self.sampler.state()}, objects)
+
+    def step(self, roles: Roles, step: int) -> dict[str, float]:
+        index = torch.tensor(self.sampler.next_batch())
+        batch = pair_batch([self.pairs[i] for i in index], self.tokenizer)
+        if self.cfg.needs_reference:
+            with roles.phase("reference", self._reference(roles).role):
+                if self.settings.reference == "on_the_fly":
+                    batch.ref_chosen, batch.ref_rejected = self._reference_scores(roles, [batch])
+                elif self.ref_cache is None:  # once, before the first step (a resumed run loads it)
+                    self.ref_cache = self._reference_cache(roles, self.pairs)
+            if self.ref_cache is not None:
+                batch.ref_chosen, batch.ref_rejected = self.ref_cache[index, 0], self.ref_cache[index, 1]
+        with roles.phase("train", "actor_train"):
+            return roles.actor.train_pairs(batch)
+
+    def _reference(self, roles: Roles) -> TrainerGroup:
+        return roles.reference or roles.actor  # a LoRA run's reference: actor_train's base model
+
+    def _reference_scores(
+        self, roles: Roles, parts: Iterable[PairBatch]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's response log-probs of the chosen and of the rejected ``(P,)``, over ``parts``
+        (called where the reference holds its device)."""
+        ref = self._reference(roles)
+        scores = [ref.score_pairs(b, base_model=roles.reference is None) for b in parts]
+        return torch.cat([c for c, _ in scores]), torch.cat([r for _, r in scores])
+
+    def _reference_cache(self, roles: Roles, pairs: list[PreferencePair]) -> torch.Tensor:
+        """``(N, 2)``: the reference's log-probs of every pair's chosen and rejected response."""
+        chosen, rejected = self._reference_scores(roles, batches(pairs, self.tokenizer, SCORE_BATCH))
+        return torch.stack([chosen, rejected], dim=-1)
+
+    def evaluate(self, roles: Roles) -> dict[str, float]:
+        out = evaluate(self.cfg, roles, self.held_out) if self.held_out else {}
+        if not self.held_out_pairs:
+            return out
+        simpo = self.settings.loss == "simpo"
+        if self.cfg.needs_reference and self.held_out_ref is None:  # once: the reference does not change
+            roles.hold(self._reference(roles).role)
+            self.held_out_ref = self._reference_cache(roles, self.held_out_pairs)
+        roles.hold("actor_train")
+        parts = batches(self.held_out_pairs, self.tokenizer, SCORE_BATCH)
+        scores = [roles.actor.score_pairs(b, average=simpo) for b in parts]
+        chosen, rejected = torch.cat([c for c, _ in scores]), torch.cat([r for _, r in scores])
+        ref = self.held_out_ref
+        _, m = dpo_loss(
+            chosen,
+            rejected,
+            None if ref is None else ref[:, 0],
+            None if ref is None else ref[:, 1],
+            loss=self.settings.loss,
+            beta=self.settings.beta,
+            simpo_gamma=self.settings.simpo_gamma,
+        )
+        return out | {
+            "eval/pair_accuracy": float(m["accuracy"].mean()),
+            "eval/margins": float(m["margins"].mean()),
+            "eval/rewards/chosen": float(m["rewards/chosen"].mean()),
+            "eval/rewards/rejected": float(m["rewards/rejected"].mean()),
+        }

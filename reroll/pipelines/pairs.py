@@ -1,0 +1,87 @@
+"""What the preference pipelines (reward_model, dpo) share: the pairs, their sampler, and held-out pair metrics."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reroll.algorithms.preference import bradley_terry_loss
+from reroll.config.schema import RunConfig
+from reroll.data.datasets import PromptSampler
+from reroll.data.preferences import PairBatch, PreferencePair, load_pairs, pair_batch
+
+log = logging.getLogger(__name__)
+
+
+def write_synthetic_pairs(cfg: RunConfig) -> None:
+    """Write the synthetic pairs ``preference.synthetic`` asks for, where its files do not exist yet."""
+    prefs = cfg.preference
+    assert prefs is not None
+    syn = prefs.synthetic
+    targets = [Path(prefs.train_files[0]), *(Path(f) for f in prefs.eval_files[:1])]
+    if syn is None or all(p.exists() for p in targets):
+        return
+    from reroll.data.preferences import write_arithmetic_preferences
+
+    with tempfile.TemporaryDirectory() as tmp:
+        made = write_arithmetic_preferences(
+            tmp,
+            n_train=syn.n_train,
+            n_test=syn.n_test,
+            max_operand=syn.max_operand,
+            ops=syn.ops,
+            seed=syn.seed,
+        )
+        for src, dst in zip([made["train"], made["test"]], targets):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+    log.info("wrote synthetic %s preferences to %s", syn.task, ", ".join(map(str, targets)))
+
+
+def load_preference_data(cfg: RunConfig, tokenizer: Any) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    """Training and held-out pairs, every row checked (a bad one names its file and row)."""
+    prefs = cfg.preference
+    assert prefs is not None
+    train = load_pairs(prefs.train_files, tokenizer, id_field=prefs.id_field)
+    held_out = (
+        load_pairs(prefs.eval_files, tokenizer, id_field=prefs.id_field, limit=prefs.eval_limit)
+        if prefs.eval_files
+        else []
+    )
+    return train, held_out
+
+
+def pair_sampler(cfg: RunConfig, pairs: list[PreferencePair]) -> PromptSampler:
+    """Each step's ``preference.batch_size`` pairs, reshuffled every epoch, resumable."""
+    assert cfg.preference is not None
+    return PromptSampler(pairs, cfg.preference.batch_size, seed=cfg.seed, shuffle=cfg.preference.shuffle)  # type: ignore[arg-type]
+
+
+def pair_texts(pairs: Iterable[PreferencePair]) -> Iterable[str]:
+    for p in pairs:
+        yield from (p.prompt, p.chosen, p.rejected)
+
+
+def batches(pairs: Sequence[PreferencePair], tokenizer: Any, size: int) -> Iterable[PairBatch]:
+    """``pairs`` in order as batches of at most ``size`` (scoring many pairs without one huge padding)."""
+    for start in range(0, len(pairs), size):
+        yield pair_batch(pairs[start : start + size], tokenizer)
+
+
+def reward_pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor, prefix: str) -> dict[str, float]:
+    """A reward model's numbers on pairs: pairwise accuracy, mean margin, reward mean and std."""
+    loss, m = bradley_terry_loss(chosen, rejected)
+    both = torch.cat([chosen, rejected])
+    return {
+        f"{prefix}/accuracy": float(m["accuracy"].mean()),
+        f"{prefix}/margin": float(m["margin"].mean()),
+        f"{prefix}/loss": float(loss.mean()),
+        f"{prefix}/reward_mean": float(both.mean()),
+        f"{prefix}/reward_std": float(both.std(unbiased=False)),
+    }
