@@ -600,36 +600,7 @@ class RunConfig(StrictModel):
                     f"or add model.build_tiny to build a tiny model there",
                 )
             )
-        if (
-            self.critic is not None
-            and self.critic.model_path is not None
-            and not _loadable(self.critic.model_path)
-        ):
-            problems.append(
-                ConfigProblem(
-                    "critic.model_path",
-                    f"{self.critic.model_path!r} is neither an existing directory nor a hub id ('org/name'): fix "
-                    f"the path, or remove critic.model_path to start the critic from model.path",
-                )
-            )
-        problems += self._teacher_paths()
         return problems
-
-    def _teacher_paths(self) -> list[ConfigProblem]:
-        """The distillation teachers' and the reward model's paths can be loaded."""
-        paths = {
-            f"distill.teachers.{n}.model_path": t.model_path
-            for n, t in (self.distill.teachers.items() if self.distill else [])
-        }
-        if self.reward.model is not None:
-            paths["reward.model.path"] = self.reward.model.path
-        return [
-            ConfigProblem(
-                key, f"{path!r} is neither an existing directory nor a hub id ('org/name'): fix the path"
-            )
-            for key, path in paths.items()
-            if not _loadable(path)
-        ]
 
     def _pipeline_sections(self) -> list[ConfigProblem]:
         """The sections each pipeline reads are present."""

@@ -186,9 +186,24 @@ def _check_teacher_routes(cfg: RunConfig, file: str, rows: list[dict]) -> None:
 
 
 def _check_teacher_models(cfg: RunConfig) -> list[ConfigProblem]:
-    """A reward model is a one-label sequence classifier; a teacher reads and writes the student's tokens.
-    Checked where the paths are local directories."""
-    problems = []
+    """The model paths an earlier run may have written (teachers, the reward model, critic.model_path)
+    exist; a reward model is a one-label sequence classifier; a teacher has the student's tokenizer
+    (these two where the paths are local directories)."""
+    paths = {
+        f"distill.teachers.{n}.model_path": t.model_path
+        for n, t in (cfg.distill.teachers.items() if cfg.distill else [])
+    }
+    if cfg.reward.model is not None:
+        paths["reward.model.path"] = cfg.reward.model.path
+    if cfg.critic is not None and cfg.critic.model_path is not None:  # may be an earlier run's output
+        paths["critic.model_path"] = cfg.critic.model_path
+    problems = [
+        ConfigProblem(
+            key, f"{path!r} is neither an existing directory nor a hub id ('org/name'): fix the path"
+        )
+        for key, path in paths.items()
+        if not _loadable(path)
+    ]
     rm = cfg.reward.model
     config = _local_config(rm.path) if rm is not None else None
     if rm is not None and config is not None:
@@ -224,6 +239,12 @@ def _check_teacher_models(cfg: RunConfig) -> list[ConfigProblem]:
                     )
                 )
     return problems
+
+
+def _loadable(path: str) -> bool:
+    parts = path.split("/")
+    hub_id = len(parts) == 2 and all(parts) and not path.startswith((".", "/", "~"))
+    return hub_id or Path(path).exists()
 
 
 def _local_config(path: str) -> dict | None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from reroll.config.schema import RunConfig
+from reroll.data.preferences import pair_batch
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.pairs import (
     batches,
@@ -28,7 +29,6 @@ from reroll.pipelines.pairs import (
     write_synthetic_pairs,
 )
 from reroll.pipelines.run import Checkpointed, Pipeline, Roles, RoleSet
-from reroll.data.preferences import pair_batch
 
 EVAL_BATCH = 256  # held-out pairs per scoring call
 

@@ -79,8 +79,6 @@ def test_section_checks_name_their_keys(make):
         }
     )
     assert "'m' is also routed to 'a'" in _problems(twice)["distill.teachers.b.tags"]
-    missing = make(distill={"teachers": {"a": {"model_path": "./nowhere"}}})
-    assert "neither an existing directory" in _problems(missing)["distill.teachers.a.model_path"]
     assert "needs a `distill:` section" in _problems(make(distill=None))["distill"]
     assert "pipeline 'distill' only" in _problems(make(pipeline="rlvr"))["distill"]
     assert "pipeline 'rlvr' only" in _problems(make(reward={"model": {"path": "x/y"}}))["reward.model"]
@@ -97,6 +95,11 @@ def test_validate_checks_rows_routes_tokenizers_and_the_reward_model(make, tmp_p
     cfg = make(model={"path": str(student)}, distill={"teachers": teachers})
     problems = {p.path: p.message for p in check_inputs(cfg)}
     assert "differs from the student's" in problems["distill.teachers.math.model_path"]
+    missing = make(distill={"teachers": {"a": {"model_path": "./nowhere"}}})
+    assert (
+        "neither an existing directory"
+        in {p.path: p.message for p in check_inputs(missing)}["distill.teachers.a.model_path"]
+    )
     assert "distill.teachers.x.model_path" not in problems
     assert "row 2: a row is tagged domain 'chat', which no teacher lists" in problems["data.train_files[0]"]
 
