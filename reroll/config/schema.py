@@ -533,6 +533,7 @@ class RunConfig(StrictModel):
                 has_critic=self.critic is not None,
                 max_response_len=self.rollout.max_new_tokens,
             )
+            if self.pipeline != "distill"  # distillation's loss is its own (distill section)
         ]
         if self.pipeline != "agentic" and self.algorithm.adv_estimator in ("step_return", "gigpo"):
             problems.append(

@@ -84,7 +84,8 @@ class Distill(Pipeline):
 
     def texts(self) -> Iterable[str]:
         yield from (s.prompt for s in [*self.train, *self.held_out])
-        yield from (self.target.format(**s.row) for s in self.train)
+        if self.offline or (self.cfg.sft is not None and self.cfg.sft.steps):  # the rows' targets are read
+            yield from (self.target.format(**s.row) for s in self.train)
 
     def warm_start(self, roles: Roles) -> None:
         if self.cfg.sft is not None and self.cfg.sft.steps:
