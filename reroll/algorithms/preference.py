@@ -37,7 +37,7 @@ def bradley_terry_loss(
     loss = -F.logsigmoid(diff - margin)
     if center_coef:
         loss = loss + center_coef * (chosen_rewards + rejected_rewards) ** 2
-    return loss, {"accuracy": (diff > 0).float(), "margin": diff.detach()}
+    return loss, {"accuracy": (diff > 0).to(diff.dtype), "margin": diff.detach()}
 
 
 def dpo_loss(
@@ -94,5 +94,5 @@ def dpo_loss(
         "rewards/chosen": rewards_c,
         "rewards/rejected": rewards_r,
         "margins": margins,
-        "accuracy": (margins > 0).float(),
+        "accuracy": (margins > 0).to(margins.dtype),
     }

@@ -89,14 +89,16 @@ class DPO(Pipeline):
     def step(self, roles: Roles, step: int) -> dict[str, float]:
         index = torch.tensor(self.sampler.next_batch())
         batch = pair_batch([self.pairs[i] for i in index], self.tokenizer)
-        if self.cfg.needs_reference:
+        on_the_fly = self.settings.reference == "on_the_fly"
+        if self.cfg.needs_reference and (on_the_fly or self.ref_cache is None):
             with roles.phase("reference", self._reference(roles).role):
-                if self.settings.reference == "on_the_fly":
+                if on_the_fly:
                     batch.ref_chosen, batch.ref_rejected = self._reference_scores(roles, [batch])
-                elif self.ref_cache is None:  # once, before the first step (a resumed run loads it)
+                else:  # once, before the first step (a resumed run loads it)
                     self.ref_cache = self._reference_cache(roles, self.pairs)
-            if self.ref_cache is not None:
-                batch.ref_chosen, batch.ref_rejected = self.ref_cache[index, 0], self.ref_cache[index, 1]
+        if self.cfg.needs_reference and not on_the_fly:
+            assert self.ref_cache is not None
+            batch.ref_chosen, batch.ref_rejected = self.ref_cache[index, 0], self.ref_cache[index, 1]
         with roles.phase("train", "actor_train"):
             return roles.actor.train_pairs(batch)
 
