@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from reroll.cli import main
+from reroll.runtime import checkpoint
 from reroll.runtime.metrics import read_metrics
 from tests.conftest import ROOT, reroll_cli, write_config
 
@@ -129,7 +130,7 @@ def test_examples_on_policy_distillation_closes_half_the_gap(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     teacher_acc = read_metrics(tmp_path / "distill-teacher")[-1]["eval/accuracy"]
-    teacher = tmp_path / "distill-teacher" / "checkpoints" / "step_000800" / "model"
+    teacher = checkpoint.latest(tmp_path / "distill-teacher") / "model"
     out = reroll_cli(
         "train", EXAMPLES / "on_policy.yaml", *common, f"model.path={assets}/student",
         f"distill.teachers.arithmetic.model_path={teacher}", timeout=3000,

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from reroll.cli import main
+from reroll.runtime import checkpoint
 from reroll.runtime.metrics import read_metrics
 from tests.conftest import ROOT, reroll_cli, write_config
 
@@ -101,7 +102,7 @@ def test_examples_rlhf_raises_held_out_accuracy_15_points(tmp_path):
     common = [f"output_dir={tmp_path}/{{name}}", "runtime.backend=local", *THREADS]
     out = reroll_cli("train", ex / "reward_model" / "sft_start.yaml", *common, model, *data, timeout=3000)
     assert out.returncode == 0, out.stderr[-3000:]
-    sft = tmp_path / "reward-model-sft" / "checkpoints" / "step_000300" / "model"
+    sft = checkpoint.latest(tmp_path / "reward-model-sft") / "model"
     prefs = [
         f"preference.train_files=[{assets}/prefs/train.jsonl]",
         f"preference.eval_files=[{assets}/prefs/test.jsonl]",
@@ -115,7 +116,7 @@ def test_examples_rlhf_raises_held_out_accuracy_15_points(tmp_path):
         timeout=3000,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    rm = tmp_path / "reward-model" / "checkpoints" / "step_000300" / "model"
+    rm = checkpoint.latest(tmp_path / "reward-model") / "model"
     out = reroll_cli(
         "train",
         ex / "rlhf" / "arithmetic_rlhf.yaml",
