@@ -57,8 +57,8 @@ def _distill(tmp_path, assets, teacher, **sections) -> Path:
 
 
 def test_on_policy_distillation_moves_the_student_to_the_teacher(tmp_path, assets, teacher):
-    warm = {"steps": 40, "batch_size": 32, "lr": 3e-3}
-    cfg = _distill(tmp_path, assets, teacher, distill={"on_policy_loss": "topk"}, sft=warm)
+    # the student from its random init: far from the teacher, so the fall of the KL is well above its noise
+    cfg = _distill(tmp_path, assets, teacher, total_steps=20, distill={"on_policy_loss": "topk"})
     out = reroll_cli("train", cfg)  # the real path: Ray actors for student, engine, teacher and reward
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs" / "d")
