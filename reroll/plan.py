@@ -19,6 +19,10 @@ from reroll.config.schema import RunConfig
 from reroll.config.startable import start_problems
 from reroll.errors import UserError
 
+# Roles whose model never steps (no gradients or optimizer). The plan sizes every model role with the
+# policy's shape: a teacher or reward model of another size is estimated as the policy's.
+FROZEN_ROLES = ("reference", "teacher", "reward_model")
+
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # fp32 chunks that per-token log-probs use at once (about 4 of CHUNK_ELEMENTS in reroll.algorithms.logprobs,
@@ -106,7 +110,7 @@ def estimate(cfg: RunConfig, shape: Shape, *, prompt_tokens: int) -> list[RolePl
         if role == "actor_infer":
             plans.append(_engine(cfg, shape, seq, rc.world_size))
         else:
-            plans.append(_trainer(cfg, shape, seq, role, rc.world_size, trainable=role != "reference"))
+            plans.append(_trainer(cfg, shape, seq, role, rc.world_size, trainable=role not in FROZEN_ROLES))
     return plans
 
 

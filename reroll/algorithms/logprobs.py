@@ -145,3 +145,76 @@ def _scaled(chunk: Tensor, scale: float) -> Tensor:
     """An fp32 copy of ``chunk`` divided by ``scale`` (a copy even when the logits are fp32)."""
     x = chunk.to(torch.float32, copy=True)
     return x if scale == 1.0 else x.div_(scale)
+
+
+def token_logprobs_at(logits: Tensor, ids: Tensor, *, chunk_tokens: int | None = None) -> Tensor:
+    """log p(v | x_<t) for K token ids per position, aligned like ``token_logprobs``: ``(B, T, V)``
+    logits, ``(B, T, K)`` ids -> ``(B, T, K)`` fp32; column 0 is 0. ``ids[b, t]`` are ids for column
+    ``t`` (scored off position ``t - 1``). Chunked with a recomputing backward, like the log-probs."""
+    b, t, v = logits.shape
+    k = ids.shape[-1]
+    rows = chunk_tokens or max(1, CHUNK_ELEMENTS // v)
+    targets = torch.nn.functional.pad(ids[:, 1:], (0, 0, 0, 1), value=0).reshape(b * t, k)
+    out = _ChunkedGather.apply(logits.reshape(b * t, v), targets.to(logits.device), rows)
+    return torch.nn.functional.pad(out.view(b, t, k)[:, :-1], (0, 0, 1, 0), value=0.0)
+
+
+def token_log_softmax(logits: Tensor) -> Tensor:
+    """The full next-token log-softmax, aligned like ``token_logprobs``: ``(B, T, V)`` -> ``(B, T, V)``
+    fp32; column 0 is 0. Not chunked: it holds (B, T, V) fp32 (losses that need every token's mass)."""
+    out = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return torch.nn.functional.pad(out, (0, 0, 1, 0), value=0.0)
+
+
+@torch.no_grad()
+def token_topk(logits: Tensor, k: int, *, chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+    """The ``k`` most likely next tokens at each position, aligned like ``token_logprobs``: ``(B, T, V)``
+    -> (log-probs ``(B, T, k)`` fp32, ids ``(B, T, k)`` long), largest first; column 0 is 0 (ids 0).
+    ``k`` past the vocabulary size gives the whole vocabulary."""
+    b, t, v = logits.shape
+    k = min(k, v)
+    rows = chunk_tokens or max(1, CHUNK_ELEMENTS // v)
+    flat = logits.reshape(b * t, v)
+    values = torch.empty(b * t, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(b * t, k, dtype=torch.long, device=logits.device)
+    for a in range(0, b * t, rows):
+        s = slice(a, a + rows)
+        top = torch.log_softmax(flat[s].float(), dim=-1).topk(k, dim=-1)
+        values[s], ids[s] = top.values, top.indices
+
+    def align(x: Tensor) -> Tensor:
+        return torch.nn.functional.pad(x.view(b, t, k)[:, :-1], (0, 0, 1, 0), value=0)
+
+    return align(values), align(ids)
+
+
+class _ChunkedGather(torch.autograd.Function):
+    """``(N, V)`` logits, ``(N, K)`` ids -> ``(N, K)`` fp32 log-softmax at those ids, chunk by chunk;
+    backward ``d/dx = scatter(g) - p * sum_k g_k``, recomputed per chunk."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, rows: int) -> Tensor:
+        n = logits.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+        for a in range(0, n, rows):
+            s = slice(a, a + rows)
+            x = logits[s].to(torch.float32)
+            lse[s] = torch.logsumexp(x, dim=-1)
+            out[s] = x.gather(-1, targets[s]) - lse[s, None]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.rows = rows
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for a in range(0, logits.shape[0], ctx.rows):
+            s = slice(a, a + ctx.rows)
+            p = logits[s].to(torch.float32).sub_(lse[s, None]).exp_()
+            g = p.mul_(-grad_out[s].sum(-1, keepdim=True))
+            g.scatter_add_(-1, targets[s], grad_out[s])
+            grad[s] = g
+        return grad, None, None

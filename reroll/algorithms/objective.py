@@ -191,7 +191,7 @@ def _shape_rewards(
     max_len: int | None,
     stats: shaping.RunningMeanStd,
 ) -> tuple[Tensor, shaping.RunningMeanStd | None, Metrics]:
-    """Overlong penalty, then normalisation, then clipping."""
+    """Overlong penalty, then normalisation, then clipping, then the length penalty."""
     shaped = rewards.float()
     metrics: Metrics = {}
     if cfg.overlong_shaping:
@@ -215,6 +215,10 @@ def _shape_rewards(
     if cfg.reward_clip is not None:
         metrics["reward/clip_frac"] = (shaped.abs() > cfg.reward_clip).float().mean()
         shaped = shaping.clip_symmetric(shaped, clip=cfg.reward_clip)
+    if cfg.length_penalty:
+        penalty = shaping.length_penalty(lengths, coef=cfg.length_penalty)
+        shaped = shaped + penalty
+        metrics["reward/length_penalty_mean"] = penalty.mean()
     metrics["reward/shaped_mean"] = masked_mean(shaped, keep)
     return shaped, new_stats, metrics
 

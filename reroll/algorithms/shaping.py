@@ -123,6 +123,12 @@ def overlong_penalty(
     return ramp.clamp(min=-1.0, max=0.0) * penalty_factor
 
 
+def length_penalty(response_lengths: Tensor, *, coef: float) -> Tensor:
+    """p_i = -coef * L_i, to add to the reward: (B,) -> (B,). A linear cost per response token, the
+    usual guard against a learned reward model's length bias (e.g. Singhal et al., arXiv 2310.03716)."""
+    return -coef * response_lengths.to(torch.float32)
+
+
 def overlong_mask(response_lengths: Tensor, *, max_len: int, truncated: Tensor | None = None) -> Tensor:
     """keep_i = not truncated_i (DAPO's overlong filtering): (B,) -> bool (B,).
 

@@ -150,6 +150,13 @@ class AlgorithmConfig(StrictModel):
     reward_clip: float | None = Field(
         None, gt=0, description="Clamp rewards to [-reward_clip, reward_clip] after normalisation; None: off."
     )
+    length_penalty: float = Field(
+        0.0,
+        ge=0,
+        description="Subtract length_penalty x response tokens from each reward, after normalisation and "
+        "clipping: a check on a learned reward model that favours longer answers (reward hacking); logged "
+        "as reward/length_penalty_mean.",
+    )
     overlong_shaping: bool = Field(False, description="Add DAPO's soft overlong penalty to the reward.")
     overlong_buffer_len: int = Field(
         4096, ge=1, description="DAPO L_cache: length of the penalty ramp, tokens."

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
 
 # Roles that hold a model on a device; reward (and judge) workers run on CPUs unless given devices.
-DEVICE_ROLES = ("actor_train", "actor_infer", "reference", "critic")
+DEVICE_ROLES = ("actor_train", "actor_infer", "reference", "critic", "teacher", "reward_model")
 
 
 @dataclass(frozen=True)
@@ -242,6 +242,10 @@ def run_roles(cfg: RunConfig) -> list[str]:
         roles.append("reference")
     if cfg.critic is not None:
         roles.append("critic")
+    if cfg.pipeline == "distill":
+        roles.append("teacher")
+    if cfg.reward.model is not None:
+        roles.append("reward_model")
     return roles
 
 
@@ -310,7 +314,8 @@ def check_weight_sync(cfg: RunConfig, device_type: str) -> list[tuple[str, str]]
 
 
 def colocated_trainer_roles(cfg: RunConfig, role: str) -> int:
-    """How many roles that hold a training strategy (actor_train, reference, critic) share a device
+    """How many roles that hold a training strategy (actor_train, reference, critic, teacher,
+    reward_model) share a device
     with rank 0 of ``role``, ``role`` included (1 without a pool)."""
     if not cfg.placement.devices:
         return 1

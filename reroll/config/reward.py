@@ -12,6 +12,12 @@ Mixed domains (rows carry a ``domain`` field; each domain sets its share of a st
         code: {share: 0.3, rewards: [{fn: code_tests, args: {all_or_nothing: true}}]}
         chat: {share: 0.2, tags: [ifeval, if], rewards: [{fn: ifeval}]}
 
+A trained reward model served as the ``reward_model`` role (RLHF; ``fn`` still scores the evaluation)::
+
+    reward:
+      fn: exact_match
+      model: {path: runs/reward-model/checkpoints/step_000300/model}
+
 An LLM judge served by one of reroll's engines, as the ``judge`` role (placed by ``roles.judge``)::
 
     reward:
@@ -87,6 +93,39 @@ class JudgeConfig(StrictModel):
     batch_size: int = Field(32, ge=1, description="Sequences per engine call inside a judge worker.")
 
 
+class LearnedRewardConfig(StrictModel):
+    """A trained reward model served as the ``reward_model`` role (placed by roles.reward_model): it scores
+    whole responses in batches on its own devices (or colocated ones) for an rlvr run (RLHF)."""
+
+    path: str = Field(
+        description="Local directory or hub id of an AutoModelForSequenceClassification checkpoint with one "
+        "label (what `pipeline: reward_model` writes), with its tokenizer."
+    )
+    template: str = Field(
+        "{prompt}{response}",
+        description="The text the reward model scores, over {prompt} and {response}; the score is its output "
+        "at the last token.",
+    )
+    append_eos: bool = Field(
+        True,
+        description="Append the reward model tokenizer's eos token to the text, as `pipeline: reward_model` "
+        "trains (prompt + response + eos): the score is read at the eos.",
+    )
+    max_length: int = Field(
+        1024,
+        ge=1,
+        description="Longest text scored, in the reward model's tokens; longer texts keep their end.",
+    )
+    weight: float = Field(
+        1.0, description="The training reward is weight * score + rule_weight * reward.fn's score."
+    )
+    rule_weight: float = Field(
+        0.0,
+        description="Weight of reward.fn's score in the training reward (0: the rule reward is only measured, "
+        "as rollout/accuracy and eval/accuracy).",
+    )
+
+
 class RewardConfig(StrictModel):
     """Which rewards score responses, and how reward workers run them."""
 
@@ -102,6 +141,12 @@ class RewardConfig(StrictModel):
     )
     judge: JudgeConfig | None = Field(
         None, description="The judge model of `engine_judge` rewards (starts the `judge` role)."
+    )
+    model: LearnedRewardConfig | None = Field(
+        None,
+        description="A trained reward model (starts the `reward_model` role, pipeline rlvr): the training "
+        "reward becomes model.weight x its score + model.rule_weight x the rewards above, which still score "
+        "the held-out evaluation (RLHF).",
     )
     threads: int = Field(
         4, ge=1, description="Reward calls run concurrently in each reward worker (and its reward processes)."

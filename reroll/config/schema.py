@@ -20,6 +20,7 @@ from reroll.config.loader import ConfigProblem
 from reroll.config.placement import async_problems, check_placement, check_weight_sync
 from reroll.config.preference import DPOConfig, PreferenceConfig, RewardModelConfig, check_preference
 from reroll.config.reward import RewardConfig, check_reward
+from reroll.config.teacher import DistillConfig, check_distill
 
 
 class TinyModelConfig(StrictModel):
@@ -479,6 +480,13 @@ class RolesConfig(StrictModel):
         default_factory=RoleConfig,
         description="Environment workers, each hosting many episodes (pipeline agentic).",
     )
+    teacher: RoleConfig = Field(
+        default_factory=RoleConfig,
+        description="Distillation teachers (pipeline distill); every teacher of distill.teachers is placed so.",
+    )
+    reward_model: RoleConfig = Field(
+        default_factory=RoleConfig, description="The learned reward model (if `reward.model` is set)."
+    )
 
 
 class SFTConfig(StrictModel):
@@ -581,7 +589,7 @@ class RuntimeConfig(StrictModel):
 class RunConfig(StrictModel):
     """A whole run."""
 
-    pipeline: Literal["rlvr", "sft", "agentic", "reward_model", "dpo"] = Field(
+    pipeline: Literal["rlvr", "sft", "agentic", "reward_model", "dpo", "distill"] = Field(
         description="Which pipeline runs."
     )
     name: str = Field("run", description="Run name.")
@@ -606,6 +614,9 @@ class RunConfig(StrictModel):
         None,
         description="A learned value function, needed by (and only by) adv_estimator 'gae', as in preset ppo; "
         "its betas, weight decay, grad clip and micro-batch size are optim's.",
+    )
+    distill: DistillConfig | None = Field(
+        None, description="Teachers and loss of pipeline 'distill' (on-policy or offline distillation)."
     )
     preference: PreferenceConfig | None = Field(
         None, description="Preference pairs (pipelines reward_model and dpo)."
@@ -674,7 +685,7 @@ class RunConfig(StrictModel):
     def needs_reference(self) -> bool:
         if self.pipeline == "dpo":
             return (self.dpo or DPOConfig()).loss != "simpo"
-        return self.algorithm.kl_coef > 0
+        return self.algorithm.kl_coef > 0 and self.pipeline != "distill"
 
     @property
     def policy_head(self) -> Literal["causal_lm", "reward"]:
@@ -691,6 +702,7 @@ class RunConfig(StrictModel):
                 has_critic=self.critic is not None,
                 max_response_len=self.rollout.max_new_tokens,
             )
+            if self.pipeline != "distill"  # distillation's loss is its own (distill section)
         ]
         if self.pipeline != "agentic" and self.algorithm.adv_estimator in ("step_return", "gigpo"):
             problems.append(
@@ -714,6 +726,8 @@ class RunConfig(StrictModel):
             )
         ]
         problems += [ConfigProblem(path, m) for path, m in check_reward(self.reward)]
+        if self.distill is not None:
+            problems += [ConfigProblem(path, m) for path, m in check_distill(self.distill)]
         problems += [ConfigProblem(path, m) for path, m in check_placement(self)]
         problems += [ConfigProblem(p, m) for p, m in check_weight_sync(self, self.placement.device_type)]
         problems += [ConfigProblem(path, m) for path, m in async_problems(self)]
@@ -741,7 +755,7 @@ class RunConfig(StrictModel):
                 )
             )
         per_update = self.optim.mini_batches * self.roles.actor_train.world_size
-        if self.pipeline in ("rlvr", "agentic") and batch % per_update:
+        if self.pipeline in ("rlvr", "agentic", "distill") and batch % per_update:
             problems.append(
                 ConfigProblem(
                     "optim.mini_batches",
@@ -758,24 +772,12 @@ class RunConfig(StrictModel):
                     f"or add model.build_tiny to build a tiny model there",
                 )
             )
-        if (
-            self.critic is not None
-            and self.critic.model_path is not None
-            and not _loadable(self.critic.model_path)
-        ):
-            problems.append(
-                ConfigProblem(
-                    "critic.model_path",
-                    f"{self.critic.model_path!r} is neither an existing directory nor a hub id ('org/name'): fix "
-                    f"the path, or remove critic.model_path to start the critic from model.path",
-                )
-            )
         return problems
 
     def _pipeline_sections(self) -> list[ConfigProblem]:
         """The sections each pipeline reads are present."""
         problems = []
-        if self.pipeline in ("rlvr", "sft") and self.data is None:
+        if self.pipeline in ("rlvr", "sft", "distill") and self.data is None:
             problems.append(
                 ConfigProblem("data", f"pipeline {self.pipeline!r} needs a `data:` section (train_files)")
             )
@@ -830,6 +832,37 @@ class RunConfig(StrictModel):
                 for key, src in targets
                 if isinstance(src, HubDatasetConfig)
             ]
+        if self.pipeline == "distill" and self.distill is None:
+            problems.append(
+                ConfigProblem(
+                    "distill",
+                    "pipeline 'distill' needs a `distill:` section (teachers: {name: {model_path}})",
+                )
+            )
+        if self.pipeline != "distill" and self.distill is not None:
+            problems.append(
+                ConfigProblem(
+                    "distill", f"is read by pipeline 'distill' only, not {self.pipeline!r}: remove it"
+                )
+            )
+        on_policy = (
+            self.pipeline == "distill" and self.distill is not None and self.distill.mode == "on_policy"
+        )
+        if on_policy and self.rollout.temperature != 1.0:
+            problems.append(
+                ConfigProblem(
+                    "rollout.temperature",
+                    f"on-policy distillation estimates the reverse KL on the student's own samples, which "
+                    f"must come from the distribution it trains (temperature 1), not {self.rollout.temperature:g}: "
+                    f"set rollout.temperature: 1.0",
+                )
+            )
+        if self.reward.model is not None and self.pipeline != "rlvr":
+            problems.append(
+                ConfigProblem(
+                    "reward.model", f"is read by pipeline 'rlvr' only, not {self.pipeline!r}: remove it"
+                )
+            )
         if self.pipeline == "agentic" and self.data is not None:
             problems.append(
                 ConfigProblem(

@@ -98,6 +98,11 @@ class TrainBatch:
     step_ids: torch.Tensor | None = None  # long (B, T)
     step_rewards: torch.Tensor | None = None  # float (B, S)
     step_states: torch.Tensor | None = None  # long (B, S)
+    # distillation: the teacher's log-probs of the batch's tokens (on-policy), or its top-k next-token
+    # log-probs and their ids at each position (offline), aligned like the log-probs
+    teacher_logprobs: torch.Tensor | None = None  # float (B, T)
+    teacher_topk_logprobs: torch.Tensor | None = None  # float (B, T, K)
+    teacher_topk_ids: torch.Tensor | None = None  # long (B, T, K)
     num_tokens: float | None = None
     num_seqs: float | None = None
 
@@ -129,7 +134,7 @@ class TrainBatch:
         width = int(self.attention_mask.sum(-1).max()) if len(self) else 0
         width = max(width, 1)
         per_token = [
-            n for n in self._tensor_fields() if n not in _PER_SEQUENCE and getattr(self, n).dim() == 2
+            n for n in self._tensor_fields() if n not in _PER_SEQUENCE and getattr(self, n).dim() >= 2
         ]
         return replace(self, **{name: getattr(self, name)[:, :width] for name in per_token})
 

@@ -1,5 +1,5 @@
-"""Pipelines: one ``Pipeline`` class each (rlvr, agentic, sft, reward_model, dpo), run by the shared
-skeleton ``run.run``."""
+"""Pipelines: one ``Pipeline`` class each (rlvr, agentic, sft, reward_model, dpo, distill), run by the
+shared skeleton ``run.run``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ def pipeline_class(name: str) -> type[Pipeline]:
         from reroll.pipelines.sft import SFT
 
         return SFT
+    if name == "distill":
+        from reroll.pipelines.distill import Distill
+
+        return Distill
     if name == "reward_model":
         from reroll.pipelines.reward_model import RewardModel
 

@@ -20,6 +20,9 @@ Checked:
   ``fn(prompt, response, row, **args)`` with the configured ``args`` (``inspect.signature().bind``).
 - an ``agent:`` environment (``agentic.env``): the function imports and binds ``(base_url, task,
   **agentic.env_config)``; ``agentic.tasks`` / ``eval_tasks`` read as rows.
+- distillation and RLHF models (``distill.teachers``, ``reward.model``) where their paths are local: a
+  teacher has the student's tokenizer; a reward model is a one-label ``...ForSequenceClassification``;
+  the data rows route to a teacher (their ``domain``).
 - ``output_dir``: nothing on its path is a regular file, and it can be written.
 - lengths: ``rollout.max_new_tokens`` and ``rollout.vllm.max_model_len`` within the model's context
   length, read from ``config.json`` where ``model.path`` is a local directory.
@@ -52,6 +55,7 @@ from reroll.config.loader import ConfigError, ConfigProblem
 from reroll.config.placement import cluster_problems
 from reroll.config.schema import RunConfig
 from reroll.config.startable import start_problems
+from reroll.config.teacher import teacher_for
 from reroll.data.chat import ChatTemplateError, PromptFormat
 from reroll.data.datasets import Source, check_row, read_rows, source_name, template_fields
 from reroll.data.preferences import check_preference_row
@@ -83,6 +87,7 @@ def check_inputs(cfg: RunConfig) -> list[ConfigProblem]:
         problems += _check_agent(cfg)
     problems += _check_lengths(cfg)
     problems += _check_startable(cfg)
+    problems += _check_teacher_models(cfg)
     problems += _check_cluster(cfg)
     return problems
 
@@ -113,7 +118,10 @@ def _data_files(cfg: RunConfig) -> list[tuple[str, Source, list[str]]]:
     fields = template_fields(data.prompt_template)
     needs = [*fields, *([] if cfg.reward.domains else [data.answer_field])]
     target = template_fields(cfg.sft.target_template) if cfg.sft is not None else []
-    warm_start = cfg.sft is not None and (cfg.pipeline == "sft" or cfg.sft.steps > 0)
+    offline = cfg.distill is not None and cfg.distill.mode == "offline"
+    if offline and cfg.sft is None:  # offline distillation reads the SFT rows' targets
+        target = template_fields("{answer}")
+    warm_start = (cfg.sft is not None and (cfg.pipeline == "sft" or cfg.sft.steps > 0)) or offline
     sft_files = cfg.sft.files if cfg.sft is not None and cfg.sft.files else None
     train_needs = needs + (target if warm_start and sft_files is None else [])
     out = [(f"data.train_files[{i}]", f, train_needs) for i, f in enumerate(data.train_files)]
@@ -141,6 +149,8 @@ def _check_data(cfg: RunConfig) -> list[ConfigProblem]:
                 check_row(name, i, row, needed)
             if cfg.reward.domains:
                 _check_domains(cfg, name, rows)
+            if cfg.distill is not None:
+                _check_teacher_routes(cfg, name, rows)
         except UserError as e:
             problems.append(ConfigProblem(key, str(e)))
     return problems
@@ -227,6 +237,98 @@ def _check_domains(cfg: RunConfig, file: str, rows: list[dict]) -> None:
                 f"{file}: row {i + 1} (domain {domain!r}) has no field {missing[0]!r}, which the domain's "
                 f"rewards read; the row has {sorted(row)}"
             )
+
+
+def _check_teacher_routes(cfg: RunConfig, file: str, rows: list[dict]) -> None:
+    """Every row routes to a distillation teacher."""
+    assert cfg.distill is not None
+    for i, row in enumerate(rows):
+        try:
+            teacher_for(cfg.distill, str(row.get("domain", "default")))
+        except ValueError as e:
+            raise UserError(f"{file}: row {i + 1}: {e}") from e
+
+
+def _check_teacher_models(cfg: RunConfig) -> list[ConfigProblem]:
+    """The model paths an earlier run may have written (teachers, the reward model, critic.model_path)
+    exist; a reward model is a one-label sequence classifier; a teacher has the student's tokenizer
+    (these two where the paths are local directories)."""
+    paths = {
+        f"distill.teachers.{n}.model_path": t.model_path
+        for n, t in (cfg.distill.teachers.items() if cfg.distill else [])
+    }
+    if cfg.reward.model is not None:
+        paths["reward.model.path"] = cfg.reward.model.path
+    if cfg.critic is not None and cfg.critic.model_path is not None:  # may be an earlier run's output
+        paths["critic.model_path"] = cfg.critic.model_path
+    problems = [
+        ConfigProblem(
+            key, f"{path!r} is neither an existing directory nor a hub id ('org/name'): fix the path"
+        )
+        for key, path in paths.items()
+        if not _loadable(path)
+    ]
+    rm = cfg.reward.model
+    config = _local_config(rm.path) if rm is not None else None
+    if rm is not None and config is not None:
+        arch = config.get("architectures") or []
+        labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+        if not any(str(a).endswith("ForSequenceClassification") for a in arch):
+            problems.append(
+                ConfigProblem(
+                    "reward.model.path",
+                    f"{rm.path!r} holds {arch or 'no architectures'}, not a sequence-classification reward model "
+                    f"(AutoModelForSequenceClassification): train one with `pipeline: reward_model`, or point "
+                    f"at its checkpoint's model/ directory",
+                )
+            )
+        elif labels != 1:
+            problems.append(
+                ConfigProblem(
+                    "reward.model.path",
+                    f"{rm.path!r} has {labels} labels; a reward model scores with one (num_labels=1)",
+                )
+            )
+    if cfg.distill is not None:
+        student = _local_vocab(cfg.model.path)
+        for name, t in cfg.distill.teachers.items():
+            teacher = _local_vocab(t.model_path)
+            if student is not None and teacher is not None and teacher != student:
+                problems.append(
+                    ConfigProblem(
+                        f"distill.teachers.{name}.model_path",
+                        f"the teacher's tokenizer ({len(teacher)} tokens) differs from the student's "
+                        f"({len(student)} tokens, model.path {cfg.model.path!r}): distillation compares "
+                        f"the two models token by token, so they must share one tokenizer",
+                    )
+                )
+    return problems
+
+
+def _loadable(path: str) -> bool:
+    parts = path.split("/")
+    hub_id = len(parts) == 2 and all(parts) and not path.startswith((".", "/", "~"))
+    return hub_id or Path(path).exists()
+
+
+def _local_config(path: str) -> dict | None:
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _local_vocab(path: str) -> dict[str, int] | None:
+    """The tokenizer's vocabulary where ``path`` is a local directory holding one."""
+    if not Path(path).is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path).get_vocab()
+    except (OSError, ValueError):
+        return None
 
 
 def _check_rewards(cfg: RunConfig) -> list[ConfigProblem]:

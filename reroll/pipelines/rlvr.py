@@ -57,7 +57,11 @@ class RLVR(Pipeline):
     def roles_needed(self) -> RoleSet:
         # with LoRA the reference is actor_train's own base model (adapters disabled): no second copy
         reference = self.cfg.needs_reference and self.cfg.strategy.lora is None
-        return RoleSet(reference=reference, critic=self.cfg.critic is not None)
+        return RoleSet(
+            reference=reference,
+            critic=self.cfg.critic is not None,
+            reward_model=self.cfg.reward.model is not None,
+        )
 
     def texts(self) -> Iterable[str]:
         # as written, not through the chat template (whose special tokens are not characters)
@@ -93,8 +97,9 @@ class RLVR(Pipeline):
         cfg = self.cfg
         scored, source_metrics = self.source.next(roles, step)  # the generate and reward phases
         rollouts, results = scored.rollouts, scored.results
-        with roles.phase("reward"):
+        with roles.phase("reward", *(["reward_model"] if roles.reward_model is not None else [])):
             batch, domains = self._scored_batch(rollouts, results)
+            learned = self._learned_reward(roles, rollouts, batch, results)
         if cfg.needs_reference:
             ref = roles.reference or roles.actor  # a LoRA run's reference: its base model
             with roles.phase("reference", ref.role):
@@ -123,6 +128,7 @@ class RLVR(Pipeline):
             | routing.domain_metrics(domains, results, per_domain=bool(cfg.reward.domains))
             | {k: float(v) for k, v in adv.metrics.items()}
             | source_metrics
+            | learned
         )
 
     def _scored_batch(
@@ -134,6 +140,26 @@ class RLVR(Pipeline):
         raw = torch.tensor([r.score for r in results], dtype=torch.float32)
         batch.rewards = routing.normalize_by_domain(raw, domains, self.cfg.reward)
         return batch, domains
+
+    def _learned_reward(
+        self, roles: Roles, rollouts: list[Rollout], batch: TrainBatch, results: list[RewardResult]
+    ) -> dict[str, float]:
+        """With ``reward.model``: the batch's rewards become weight x the reward model's score plus
+        rule_weight x reward.fn's (RLHF). Returns the reward model's metrics (nothing without one)."""
+        rm = self.cfg.reward.model
+        if rm is None or roles.reward_model is None:
+            return {}
+        scores, truncated = roles.reward_model.score(
+            [r.sample.prompt for r in rollouts], [r.completion.text for r in rollouts]
+        )
+        batch.rewards = rm.weight * scores + rm.rule_weight * batch.rewards
+        return {
+            "rollout/reward_mean": float(batch.rewards.mean()),  # the training reward, as without one
+            "rollout/reward_model_score": float(scores.mean()),
+            "rollout/reward_model_score_std": float(scores.std()) if len(scores) > 1 else 0.0,
+            "rollout/rule_reward_mean": sum(r.score for r in results) / len(results),
+            "reward_model/truncated": float(truncated.float().mean()),
+        }
 
     def _advantages(self, batch: TrainBatch, rollouts: list[Rollout]) -> AdvantageResult:
         adv = compute_advantages(
@@ -162,6 +188,13 @@ class RLVR(Pipeline):
                 [RewardItem.answering(s, c) for s, c in zip(prompts, greedy)], "baseline"
             )
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
+        rm = self.cfg.reward.model
+        if rm is not None and roles.reward_model is not None:  # scored as the samples are
+            with roles.phase("baseline", "reward_model"):
+                learned, _ = roles.reward_model.score(
+                    [s.prompt for s in prompts], [c.text for c in greedy], "baseline"
+                )
+            scores = rm.weight * learned + rm.rule_weight * scores
         return scores.repeat_interleave(self.cfg.rollout.group_size)
 
     def sample_line(self) -> str | None:

@@ -39,7 +39,9 @@ from reroll.pipelines.preflight import preflight
 from reroll.roles.critic import CriticGroup
 from reroll.roles.env import EnvGroup
 from reroll.roles.reward import RewardGroup
+from reroll.roles.reward_model import RewardModelGroup
 from reroll.roles.rollout import RolloutGroup, form_weight_group
+from reroll.roles.teacher import TeacherSet
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime import checkpoint, stacks
 from reroll.runtime.actors import WorkerGroup, start_ray
@@ -107,6 +109,8 @@ class RoleSet:
     critic: bool = False
     reward: bool = True
     env: bool = False
+    teacher: bool = False
+    reward_model: bool = False
 
 
 @dataclass
@@ -120,6 +124,8 @@ class Roles:
     reference: TrainerGroup | None = None
     critic: CriticGroup | None = None
     env: EnvGroup | None = None
+    teacher: TeacherSet | None = None
+    reward_model: RewardModelGroup | None = None
     placement: ResourceManager | None = None
     colocation: Colocation | None = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
@@ -150,6 +156,10 @@ class Roles:
                 started["critic"] = CriticGroup(cfg)
             if needs.env:
                 started["env"] = EnvGroup(cfg)
+            if needs.teacher:
+                started["teacher"] = TeacherSet(cfg)
+            if needs.reward_model:
+                started["reward_model"] = RewardModelGroup(cfg)
         except BaseException:
             for group in started.values():
                 if group is not None:
@@ -157,7 +167,15 @@ class Roles:
             placement.shutdown()
             raise
         roles = cls(cfg, **started, placement=placement)
-        placed = {g.role: g for g in (roles.actor, roles.rollout, roles.reference, roles.critic) if g}
+        models = (
+            roles.actor,
+            roles.rollout,
+            roles.reference,
+            roles.critic,
+            roles.teacher,
+            roles.reward_model,
+        )
+        placed = {g.role: g for g in models if g}
         offload = offload_between_phases(cfg, placement.device_type)
         roles.colocation = Colocation(placed, placement.map, offload)
         if roles.colocation.enabled:
@@ -258,7 +276,7 @@ class Roles:
         held comes back where this can give it: an engine gets actor_train's current weights, the
         reference its snapshot; judge restarts the reward workers too (they hold its handles).
         actor_train and critic come back as built: ``_recover`` loads their checkpoint."""
-        groups: dict[str, WorkerGroup | None] = {
+        groups: dict[str, WorkerGroup | TeacherSet | None] = {
             "actor_train": self.actor,
             "actor_infer": self.rollout,
             "reward": self.reward,
@@ -266,6 +284,8 @@ class Roles:
             "reference": self.reference,
             "critic": self.critic,
             "env": self.env,
+            "teacher": self.teacher,
+            "reward_model": self.reward_model,
         }
         group = groups.get(role)
         if group is None:
@@ -296,7 +316,8 @@ class Roles:
         return self.timer.pop() | stats
 
     def shutdown(self) -> None:
-        for group in (self.env, self.actor, self.rollout, self.reward, self.reference, self.critic):
+        groups = (self.env, self.actor, self.rollout, self.reward, self.reference, self.critic, self.teacher)
+        for group in (*groups, self.reward_model):
             if group is not None:
                 group.shutdown()
         if self.placement is not None:

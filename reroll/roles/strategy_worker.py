@@ -193,9 +193,15 @@ class StrategyGroup(WorkerGroup):
     """The ranks of a strategy role, joined in one process group when there are several."""
 
     def __init__(
-        self, role: str, cls: type, make_args: Callable[[int], tuple[Any, ...]], cfg: RunConfig
+        self,
+        role: str,
+        cls: type,
+        make_args: Callable[[int], tuple[Any, ...]],
+        cfg: RunConfig,
+        *,
+        name: str | None = None,
     ) -> None:
-        super().__init__(role, cls, make_args, cfg)
+        super().__init__(role, cls, make_args, cfg, name=name)
         self._join()
 
     def restart(self) -> None:

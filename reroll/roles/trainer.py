@@ -14,8 +14,15 @@ from typing import Any
 
 import torch
 
+from reroll.algorithms.aggregation import aggregate
 from reroll.algorithms.correction import mismatch_metrics
-from reroll.algorithms.logprobs import token_logprobs, token_logprobs_and_entropy
+from reroll.algorithms.distill import forward_kl_topk_loss, reverse_kl_pg_loss, reverse_kl_topk_loss
+from reroll.algorithms.logprobs import (
+    token_log_softmax,
+    token_logprobs,
+    token_logprobs_and_entropy,
+    token_logprobs_at,
+)
 from reroll.algorithms.objective import actor_loss
 from reroll.config.schema import RunConfig
 from reroll.data.preferences import PairBatch
@@ -107,6 +114,45 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
             total += float(loss.detach())
         return {"sft/loss": total} | self._step("sft", "sft/nonfinite_skipped")
 
+    def train_distill(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step of distillation, token mean over the whole step. Offline: the forward KL to
+        the teacher's top-k (``teacher_topk_*``, with ``distill.ce_weight`` of cross-entropy). On-policy:
+        the per-token reverse KL on the student's own samples, estimated on the sampled token
+        (``teacher_logprobs``) or exact over the student's distribution (``teacher_topk_*``,
+        on_policy_loss 'topk'). Log-probs at temperature 1, the teacher's."""
+        assert self.cfg.distill is not None
+        metrics, total = [], 0.0
+        for mb in self._micro_batches(batch):
+            logits = self._forward(mb)
+            dev = logits.device
+            ids, mask = mb.input_ids.to(dev), mb.response_mask.to(dev)
+            if self.cfg.distill.mode == "on_policy" and mb.teacher_topk_ids is not None:
+                token_loss, m = reverse_kl_topk_loss(
+                    token_log_softmax(logits),
+                    mb.teacher_topk_logprobs.to(dev),
+                    mb.teacher_topk_ids.to(dev),
+                    mask,
+                )
+            elif mb.teacher_topk_ids is not None:
+                token_loss, m = forward_kl_topk_loss(
+                    token_logprobs_at(logits, mb.teacher_topk_ids.to(dev)),
+                    mb.teacher_topk_logprobs.to(dev),
+                    token_logprobs(logits, ids),
+                    mask,
+                    ce_weight=self.cfg.distill.ce_weight,
+                )
+            else:
+                token_loss, m = reverse_kl_pg_loss(
+                    token_logprobs(logits, ids), mb.teacher_logprobs.to(dev), mask
+                )
+            loss = aggregate(token_loss, mask, mode="token-mean", num_tokens=batch.num_tokens)
+            self._backward(loss, mb, f"teacher log-probs {_teacher_stats(mb)}")
+            total += float(loss.detach())
+            metrics.append({k: float(v) for k, v in m.items()})
+        return (
+            mean_metrics(metrics) | {"distill/loss": total} | self._step("actor", "train/nonfinite_skipped")
+        )
+
     def adapter_update(self) -> AdapterUpdate | None:
         """Rank 0: the LoRA adapters and their config (``strategy.lora.sync: adapters``). Every rank must
         call it (a sharded strategy gathers collectively); the others return None."""
@@ -189,6 +235,11 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         return self._collective_bytes
 
 
+def _teacher_stats(mb: TrainBatch) -> str:
+    t = mb.teacher_topk_logprobs if mb.teacher_topk_logprobs is not None else mb.teacher_logprobs
+    return "none" if t is None else f"min {float(t.min())}"
+
+
 def _advantage_stats(mb: TrainBatch) -> str:
     top = None if mb.advantages is None else float(mb.advantages.abs().max())
     return f"advantages {top} max abs"
@@ -222,6 +273,13 @@ class TrainerGroup(StrategyGroup):
         parts = self._wait([h.train_sft.remote(s) for h, s in zip(self.handles, shards)], "sft")
         self.weights_version += 1
         return mean_metrics(parts)
+
+    def train_distill(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step of distillation (``TrainerWorker.train_distill``); ``distill/loss`` summed over ranks."""
+        shards = batch.split(self.world_size)
+        parts = self._wait([h.train_distill.remote(s) for h, s in zip(self.handles, shards)], "train")
+        self.weights_version += 1
+        return mean_metrics(parts) | {"distill/loss": sum(p["distill/loss"] for p in parts)}
 
     def score_pairs(
         self, batch: PairBatch, *, average: bool = False, base_model: bool = False

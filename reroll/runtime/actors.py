@@ -194,11 +194,14 @@ class WorkerGroup:
         *,
         timeout_s: float | None = None,
         concurrency_groups: dict[str, int] | None = None,
+        name: str | None = None,
     ) -> None:
         """``concurrency_groups``: extra Ray threads by name, for calls that must run while another is
-        in flight (``handle.abort.options(concurrency_group="control")``)."""
+        in flight (``handle.abort.options(concurrency_group="control")``). ``name``: what the workers'
+        Ray actors are named after (default: the role), for several groups of one role (teachers)."""
         rc = getattr(cfg.roles, role)
         self.role, self.world_size = role, rc.world_size
+        self.name = name or role
         self.detail: str | None = None  # what the workers run, named in errors ('vllm engine')
         self.timeout_s = timeout_s or cfg.runtime.call_timeout_s
         # set by the run (``Roles``) when the role shares a device: raises if the role is offloaded
@@ -217,7 +220,7 @@ class WorkerGroup:
                 cls,
                 make_args(rank),
                 backend=cfg.runtime.backend,
-                name=f"{self.role}-{rank}{suffix}",
+                name=f"{self.name}-{rank}{suffix}",
                 **({} if local else actor_options(cfg, self.role, rank)),
                 **({} if local or not groups else {"concurrency_groups": groups}),
             )
@@ -225,7 +228,7 @@ class WorkerGroup:
         ]
         if not local:
             for rank, h in enumerate(self._handles):
-                stacks.track(f"{self.role}-{rank}", h)
+                stacks.track(f"{self.name}-{rank}", h)
 
     def restart(self) -> None:
         """Replace every rank with a fresh worker built as the first was (its state is that of a new
@@ -262,5 +265,5 @@ class WorkerGroup:
 
             for rank, h in enumerate(self._handles):
                 ray.kill(h, no_restart=True)
-                stacks.forget(f"{self.role}-{rank}")
+                stacks.forget(f"{self.name}-{rank}")
         self._handles = []

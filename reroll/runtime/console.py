@@ -12,6 +12,9 @@ _COLUMNS = [
     ("actor/pg_loss", "pg_loss", "{:+.4f}"),
     ("critic/vf_loss", "vf_loss", "{:.4f}"),
     ("sft/loss", "sft_loss", "{:.4f}"),
+    ("distill/reverse_kl", "rkl", "{:.4f}"),
+    ("distill/forward_kl", "fkl", "{:.4f}"),
+    ("rollout/reward_model_score", "rm", "{:+.3f}"),
     ("rm/loss", "rm_loss", "{:.4f}"),
     ("rm/accuracy", "pair_acc", "{:.3f}"),
     ("dpo/loss", "dpo_loss", "{:.4f}"),
@@ -21,6 +24,7 @@ _COLUMNS = [
 _PHASES = [
     ("generate", "gen"),
     ("reward", "rew"),
+    ("teacher", "teach"),
     ("reference", "ref"),
     ("episodes", "play"),
     ("baseline", "base"),

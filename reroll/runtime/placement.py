@@ -115,7 +115,9 @@ def actor_options(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:
         roles.append(role)
     dmap = device_map(cfg, roles, cfg.placement.device_type)
     device = dmap.ranks[role][rank]
-    share = len(dmap.workers_on(device))
+    # every teacher of distill.teachers is a group of roles.teacher's ranks: each takes a share
+    teachers = len(cfg.distill.teachers) if cfg.distill is not None else 1
+    share = sum(teachers if r == "teacher" else 1 for r, _ in dmap.workers_on(device))
     pg = get_placement_group(_pg_name(cfg))
     return {
         "num_cpus": cfg.placement.cpus_per_device / share,

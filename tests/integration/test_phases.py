@@ -17,7 +17,9 @@ import yaml
 
 from reroll.cli import main
 from reroll.roles.critic import CriticWorker
+from reroll.roles.reward_model import RewardModelWorker
 from reroll.roles.rollout import RolloutWorker
+from reroll.roles.teacher import TeacherWorker
 from reroll.roles.trainer import TrainerWorker
 from tests.conftest import write_config
 
@@ -43,7 +45,7 @@ def calls(monkeypatch) -> list[tuple[str, str, bool]]:
 
         monkeypatch.setattr(cls, name, recorded)
 
-    for cls in (TrainerWorker, RolloutWorker, CriticWorker):
+    for cls in (TrainerWorker, RolloutWorker, CriticWorker, TeacherWorker, RewardModelWorker):
         for name, fn in inspect.getmembers(cls, inspect.isfunction):
             if not name.startswith("_"):
                 wrap(cls, name, fn)
@@ -110,6 +112,33 @@ def test_agentic_with_reference_and_warm_start(tmp_path, calls):
         ("actor_train", "train_rl"),
         ("actor_infer", "generate"),
     } <= called
+
+
+@pytest.mark.parametrize("mode", ["on_policy", "offline"])
+def test_distill(tmp_path, assets, calls, mode):
+    teachers = {"arithmetic": {"model_path": str(assets["model"])}}
+    cfg = write_config(
+        tmp_path / "c.yaml", assets, pipeline="distill", distill={"mode": mode, "teachers": teachers},
+        sft={"steps": 2, "batch_size": 8}, eval={"every": 1},
+    )  # fmt: skip
+    assert main(["train", str(cfg), *COLOCATED]) == 0
+    _assert_never_offloaded(calls, {"actor_train", "actor_infer", "teacher"})
+    called = {(role, name) for role, name, _ in calls}
+    scored = ("teacher", "compute_logprobs" if mode == "on_policy" else "compute_topk")
+    assert {scored, ("actor_train", "train_distill"), ("actor_train", "train_sft")} <= called
+
+
+def test_rlhf_reward_model(tmp_path, assets, calls):
+    from transformers import AutoModelForSequenceClassification
+
+    rm = tmp_path / "rm"  # the tiny policy as a one-label classifier (a new head): enough for the phases
+    AutoModelForSequenceClassification.from_pretrained(assets["model"], num_labels=1).save_pretrained(rm)
+    for f in assets["model"].glob("*token*"):
+        (rm / f.name).write_bytes(f.read_bytes())
+    cfg = write_config(tmp_path / "c.yaml", assets, total_steps=2, reward={"model": {"path": str(rm)}})
+    assert main(["train", str(cfg), *COLOCATED]) == 0
+    _assert_never_offloaded(calls, {"actor_train", "actor_infer", "reward_model"})
+    assert ("reward_model", "score", False) in calls
 
 
 def test_sft(tmp_path, assets, calls):
