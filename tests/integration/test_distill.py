@@ -21,6 +21,10 @@ pytestmark = pytest.mark.integration
 EXAMPLES = ROOT / "examples" / "distill"
 
 
+# teacher and student learn from scratch on raw text (no chat format to match), as the examples do
+RAW_PROMPTS = {"chat_template": False}
+
+
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory, assets) -> Path:
     """A teacher larger than the student (hidden 128, 2 layers vs 64), SFT-trained on the assets' rows."""
@@ -36,6 +40,7 @@ def teacher(tmp_path_factory, assets) -> Path:
         },
         sft={"steps": 120, "batch_size": 32, "lr": 3e-3},
         eval={"every": 0},
+        data=RAW_PROMPTS,
     )
     assert main(["train", str(cfg), "runtime.backend=local"]) == 0
     return tmp / "runs" / "teacher" / "checkpoints" / "step_000120" / "model"
@@ -53,6 +58,7 @@ def _distill(tmp_path, assets, teacher, **sections) -> Path:
     }
     for key, value in sections.items():
         base[key] = {**base[key], **value} if isinstance(base.get(key), dict) else value
+    base["data"] = {**RAW_PROMPTS, **base.get("data", {})}
     return write_config(tmp_path / "d.yaml", assets, **base)
 
 

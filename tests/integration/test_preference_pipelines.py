@@ -53,6 +53,7 @@ def pref_config(tmp_path: Path, assets, prefs, pipeline: str, **sections) -> Pat
                 "train_files": [str(assets["train"])],
                 "eval_files": [str(assets["test"])],
                 "prompt_template": "{question}=",
+                "chat_template": False,  # from scratch, as the example: raw text
             },
             "rollout": {"max_new_tokens": 4},
         }
@@ -94,6 +95,7 @@ def test_reward_model_learns_and_loads_as_a_sequence_classifier(tmp_path, assets
     )
 
 
+@pytest.mark.long  # 36 s on 2 cores; the torch strategy runs in CI
 @pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
 def test_reward_model_strategies_take_the_torch_step(tmp_path, assets, prefs, strategy):
     if not strategy_available(strategy):
@@ -122,7 +124,9 @@ def test_bad_pair_fails_validate_naming_file_and_row(tmp_path, assets, prefs):
     assert out.returncode == 2 and "optim.packing" in out.stderr
 
 
-@pytest.mark.parametrize("pipeline", ["reward_model", "dpo"])
+@pytest.mark.parametrize(
+    "pipeline", [pytest.param("reward_model", marks=pytest.mark.long), "dpo"]
+)  # the reward model's resume is the same code path as dpo's, 22 s each on 2 cores
 def test_resumed_preference_run_repeats_the_straight_one(tmp_path, assets, prefs, pipeline):
     """The sampler's position and DPO's cached reference log-probs come back from the checkpoint."""
     sections = {"checkpoint": {"every": 1, "keep_last": 3}}

@@ -219,7 +219,8 @@ def test_train_joins_a_two_node_cluster_with_roles_on_different_nodes(tmp_path, 
 
     # where the driver says: its summary's paths, below its own working directory, and nowhere else
     ckpt = Path("runs/cluster/checkpoints/step_000002")
-    assert f"checkpoint: {ckpt}  (from_pretrained: {ckpt / 'model'})" in out.stdout
+    assert f"model:      {ckpt / 'model'}  (from_pretrained loads it" in out.stdout
+    assert f"checkpoint: {ckpt}  (model, optimizer, data position: --resume)" in out.stdout
     _check_run(driver / "runs" / "cluster")
     assert not (cluster_cwd / "runs").exists()
 

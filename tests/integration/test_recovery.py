@@ -175,6 +175,7 @@ def _kill_once(monkeypatch, pipeline_cls, role: str, at: int) -> None:
     monkeypatch.setattr(pipeline_cls, "step", step)
 
 
+@pytest.mark.long  # 24 s on 2 cores; CI keeps the four-role kill test and the environment one
 def test_a_killed_critic_is_restarted_from_its_checkpoint(tmp_path, assets, monkeypatch):
     """PPO's critic dies at step 3: it comes back from the step-2 checkpoint with actor_train (the run
     goes back to it) and the run finishes every step, each logged once."""
