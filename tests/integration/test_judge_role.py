@@ -79,5 +79,9 @@ def test_a_dead_judge_is_a_role_error_naming_the_judge(tmp_path):
         with pytest.raises(RoleError, match=r"judge\[0\] failed during judge") as e:
             group.score([RewardItem("q", "a", {}, "chat")])
         assert (e.value.role, e.value.rank) == ("judge", 0)
+        assert e.value.died  # so the run restarts it (Roles.restart("judge"), runtime.max_restarts)
+        group.restart(judge=True)  # what Roles.restart("judge") does: judge ranks, then the reward workers
+        [result] = group.score([RewardItem("q", "a", {}, "chat")])
+        assert result.score == -0.5  # the new judge answers (its reply has no number: the parse-error score)
     finally:
         group.shutdown()
