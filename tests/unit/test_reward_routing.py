@@ -65,7 +65,7 @@ def test_routing_by_tags_and_unknown_tags():
 
 def test_config_problems_are_reported():
     bad = RewardConfig(
-        fn="exact_match",
+        fn="numeric_match",  # not the default: a value equal to it is indistinguishable from unset
         default_domain="nope",
         domains={
             "a": {"share": 0.7, "rewards": [{"fn": "exact_match"}]},
