@@ -22,6 +22,7 @@ import shutil
 import signal
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import IO, Any
 
@@ -83,6 +84,10 @@ def dump(wait_s: float = 2.0) -> Path | None:
     out = _run_dir / "stacks"
     out.mkdir(parents=True, exist_ok=True)
     with (out / "driver.txt").open("w") as f:
+        # the waiting thread first: faulthandler lists at most 100 threads, newest first, so in a
+        # process with many (servers, Ray's) the main thread's wait could fall past its cut
+        f.write("Waiting thread (most recent call last):\n" + "".join(traceback.format_stack()) + "\n")
+        f.flush()
         faulthandler.dump_traceback(f, all_threads=True)
     if not _workers:
         return out

@@ -186,11 +186,6 @@ def test_vllm_lora_update_equals_peft_model(assets, groups):
         torch.testing.assert_close(engine.score(ids, mask, 1.0)[:, 1:], reference, atol=1e-5, rtol=0)
 
 
-def test_vllm_engine_killed_mid_generation_is_reported(groups):
-    """Runs last in this module: it kills the module's engine."""
-    assert_kill_mid_generation_is_reported(groups[2])
-
-
 def test_vllm_weights_over_collective(assets, groups):
     """``weight_sync_transport: collective``: the trainer's buckets broadcast through a gloo group into
     the in-process vLLM engine (CPU here; NCCL on GPUs runs the same code), the engine then scoring
@@ -214,3 +209,8 @@ def test_vllm_weights_over_collective(assets, groups):
     synced = engine.score(batch.input_ids, batch.attention_mask, 1.0)
     torch.testing.assert_close(synced[scored], after[scored], atol=1e-5, rtol=0)
     assert engine.collective_bytes() == [actor.collective_bytes()] and actor.collective_bytes() > 0
+
+
+def test_vllm_engine_killed_mid_generation_is_reported(groups):  # last: it kills the module's engine
+    """Runs last in this module: it kills the module's engine."""
+    assert_kill_mid_generation_is_reported(groups[2])
