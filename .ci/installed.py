@@ -10,6 +10,7 @@ Standard library only, plus the `packaging` and `tomli` that pip vendors.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -44,6 +45,12 @@ def missing() -> list[str]:
         # a local build tag (2.13.0+cpu) satisfies the pin of its release
         if req.specifier and not req.specifier.contains(version.split("+")[0], prereleases=True):
             problems.append(f"{req.name} {version} does not satisfy {req}")
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.find_spec("reroll")  # sys.path[0] is .ci/: this finds the installed reroll
+    if spec is not None and spec.origin and Path(spec.origin).resolve().parents[1] != root:
+        problems.append(
+            f"reroll is installed from {Path(spec.origin).parents[1]}, not this checkout ({root})"
+        )
     for name in REMOVED:
         with contextlib.suppress(metadata.PackageNotFoundError):
             problems.append(f"{name} {metadata.version(name)} is installed (the install removes it)")
