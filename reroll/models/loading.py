@@ -9,7 +9,9 @@ token ``t``; column 0 is 0. The pure functions that read them off the logits are
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -64,26 +66,11 @@ def load_value_model(
     at zero, so every value starts at 0; a saved critic loads its own head. ``save_pretrained``
     writes it back in the same form.
     """
-    report = logging.getLogger("transformers.modeling_utils")  # its load report: the new head is expected
-    level = report.level
-    try:
-        report.setLevel(logging.ERROR)
-        config = AutoConfig.from_pretrained(str(path))
+
+    def configure(config: Any) -> None:
         config.num_labels, config.classifier_dropout = 1, 0.0
-        model, info = AutoModelForTokenClassification.from_pretrained(
-            str(path), config=config, dtype=DTYPES[dtype], output_loading_info=True
-        )
-    except OSError as e:
-        raise UserError(f"cannot load a value model from {str(path)!r}: {e}") from e
-    finally:
-        report.setLevel(level)
-    missing = set(info["missing_keys"])
-    if missing:
-        log.info("value model from %s: %s start at zero", path, ", ".join(sorted(missing)))
-    for name, param in model.named_parameters():
-        if name in missing:
-            torch.nn.init.zeros_(param)
-    return model.to(device)
+
+    return _with_zero_head(AutoModelForTokenClassification, "value model", path, configure, dtype, device)
 
 
 def load_reward_model(
@@ -98,24 +85,41 @@ def load_reward_model(
     ``save_pretrained`` writes loads with ``AutoModelForSequenceClassification.from_pretrained`` and
     scores batches as it trained.
     """
+
+    def configure(config: Any) -> None:
+        config.num_labels = 1
+        if config.pad_token_id is None:
+            config.pad_token_id = load_tokenizer(str(path)).pad_token_id
+
+    return _with_zero_head(AutoModelForSequenceClassification, "reward model", path, configure, dtype, device)
+
+
+def _with_zero_head(
+    auto_cls: Any,
+    what: str,
+    path: str | Path,
+    configure: Callable[[Any], None],
+    dtype: str,
+    device: str | torch.device,
+) -> PreTrainedModel:
+    """``auto_cls`` from ``path`` with its config changed by ``configure``; parameters the checkpoint
+    lacks (a new scoring head) start at zero. A load failure is a ``UserError`` naming ``what``."""
     report = logging.getLogger("transformers.modeling_utils")  # its load report: the new head is expected
     level = report.level
     try:
         report.setLevel(logging.ERROR)
         config = AutoConfig.from_pretrained(str(path))
-        config.num_labels = 1
-        if config.pad_token_id is None:
-            config.pad_token_id = load_tokenizer(str(path)).pad_token_id
-        model, info = AutoModelForSequenceClassification.from_pretrained(
+        configure(config)
+        model, info = auto_cls.from_pretrained(
             str(path), config=config, dtype=DTYPES[dtype], output_loading_info=True
         )
     except OSError as e:
-        raise UserError(f"cannot load a reward model from {str(path)!r}: {e}") from e
+        raise UserError(f"cannot load a {what} from {str(path)!r}: {e}") from e
     finally:
         report.setLevel(level)
     missing = set(info["missing_keys"])
     if missing:
-        log.info("reward model from %s: %s start at zero", path, ", ".join(sorted(missing)))
+        log.info("%s from %s: %s start at zero", what, path, ", ".join(sorted(missing)))
     for name, param in model.named_parameters():
         if name in missing:
             torch.nn.init.zeros_(param)

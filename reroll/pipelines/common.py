@@ -34,22 +34,31 @@ def write_synthetic_data(cfg: RunConfig) -> None:
         return
     # RunConfig.check guarantees these entries are paths when data.synthetic is set
     targets = [Path(str(cfg.data.train_files[0])), *(Path(str(f)) for f in cfg.data.eval_files[:1])]
-    if not all(p.exists() for p in targets):
-        from reroll.data.arithmetic import write_arithmetic_dataset
+    from reroll.data.arithmetic import write_arithmetic_dataset
 
-        with tempfile.TemporaryDirectory() as tmp:
-            made = write_arithmetic_dataset(
-                tmp,
-                n_train=syn.n_train,
-                n_test=syn.n_test,
-                max_operand=syn.max_operand,
-                ops=syn.ops,
-                seed=syn.seed,
-            )
-            for src, dst in zip([made["train"], made["test"]], targets):
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, dst)
-        log.info("wrote synthetic %s data to %s", syn.task, ", ".join(map(str, targets)))
+    write_synthetic_files(write_arithmetic_dataset, syn, targets, "data")
+
+
+def write_synthetic_files(
+    writer: Callable[..., dict[str, Path]], syn: Any, targets: list[Path], what: str
+) -> None:
+    """``writer``'s train/test files for the synthetic section ``syn`` (n_train, n_test, max_operand,
+    ops, seed), copied to ``targets`` (train, then test if any) where they do not all exist yet."""
+    if all(p.exists() for p in targets):
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        made = writer(
+            tmp,
+            n_train=syn.n_train,
+            n_test=syn.n_test,
+            max_operand=syn.max_operand,
+            ops=syn.ops,
+            seed=syn.seed,
+        )
+        for src, dst in zip([made["train"], made["test"]], targets):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+    log.info("wrote synthetic %s %s to %s", syn.task, what, ", ".join(map(str, targets)))
 
 
 def prompt_format(cfg: RunConfig, tokenizer: Any) -> PromptFormat:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ from reroll.algorithms.preference import bradley_terry_loss
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
 from reroll.data.preferences import PairBatch, PreferencePair, load_pairs, pair_batch
-from reroll.pipelines.common import prompt_format
+from reroll.pipelines.common import prompt_format, write_synthetic_files
 
 log = logging.getLogger(__name__)
 
@@ -26,23 +24,11 @@ def write_synthetic_pairs(cfg: RunConfig) -> None:
     assert prefs is not None
     syn = prefs.synthetic
     targets = [Path(prefs.train_files[0]), *(Path(f) for f in prefs.eval_files[:1])]
-    if syn is None or all(p.exists() for p in targets):
+    if syn is None:
         return
     from reroll.data.preferences import write_arithmetic_preferences
 
-    with tempfile.TemporaryDirectory() as tmp:
-        made = write_arithmetic_preferences(
-            tmp,
-            n_train=syn.n_train,
-            n_test=syn.n_test,
-            max_operand=syn.max_operand,
-            ops=syn.ops,
-            seed=syn.seed,
-        )
-        for src, dst in zip([made["train"], made["test"]], targets):
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
-    log.info("wrote synthetic %s preferences to %s", syn.task, ", ".join(map(str, targets)))
+    write_synthetic_files(write_arithmetic_preferences, syn, targets, "preferences")
 
 
 def load_preference_data(cfg: RunConfig, tokenizer: Any) -> tuple[list[PreferencePair], list[PreferencePair]]:
