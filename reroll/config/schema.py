@@ -444,6 +444,17 @@ class AgenticConfig(StrictModel):
     step_timeout_s: float = Field(
         30.0, gt=0, description="A reset or step slower than this ends its episode with an error (recorded)."
     )
+    streaming: bool = Field(
+        False,
+        description="Episodes advance independently: an episode's next turn goes to the engine as soon as its "
+        "environment answers, environment steps run concurrently (false: all live episodes turn in lockstep).",
+    )
+    batch_wait_s: float = Field(
+        0.05,
+        ge=0,
+        description="streaming: how long the engine waits for other episodes' turns after the first arrives "
+        "(it starts at once when every live episode waits); what a slow environment can stall the others.",
+    )
     error_policy: Literal["drop", "zero"] = Field(
         "drop",
         description="Episodes that ended in an environment error: 'drop' from training, or train them with reward 0.",
@@ -814,6 +825,14 @@ class RunConfig(StrictModel):
                         "sft",
                         "an 'agent:' environment has no scripted policy for an SFT warm start: remove `sft:` "
                         "and start from a model that can already follow the agent's prompts",
+                    )
+                )
+            if a.streaming:
+                problems.append(
+                    ConfigProblem(
+                        "agentic.streaming",
+                        "'agent:' episodes always advance independently (each agent calls the endpoint when "
+                        "it is ready): remove agentic.streaming",
                     )
                 )
         elif a is not None and (a.tasks or a.eval_tasks):

@@ -2,7 +2,9 @@
 
 Each step plays ``rollout.batch_size`` episodes, ``rollout.group_size`` per seed (a group), through
 the env workers: every turn, one engine call for all live episodes, then one step of each
-environment. An episode is one token sequence built with the chat template (``reroll.envs
+environment; with ``agentic.streaming`` each episode advances on its own (``stream_episodes``):
+its next turn goes to the engine as soon as its environment answered, sharing an engine call with
+the turns that wait at the same time. An episode is one token sequence built with the chat template (``reroll.envs
 .trajectory``); the loss covers only the tokens the policy generated. Advantages are the algorithm's:
 per episode (``grpo``, ``rloo``, ``reinforce_pp``: the episode's total reward) or per turn
 (``step_return``, ``gigpo``: per-turn rewards with ``algorithm.gamma``). An optional SFT warm start
@@ -16,6 +18,7 @@ actor_infer (``reroll.roles.agent_proxy``), and assembled into the same token se
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import Counter
 from collections.abc import Iterable
@@ -29,7 +32,7 @@ from reroll.algorithms.objective import AdvantageState, compute_advantages
 from reroll.config.schema import AgenticConfig, RunConfig
 from reroll.data.chat import ChatTemplateError
 from reroll.data.datasets import read_rows
-from reroll.data.types import SamplingParams
+from reroll.data.types import Completion, SamplingParams
 from reroll.envs.agent import is_agent
 from reroll.envs.check import policy_action
 from reroll.envs.registry import make_env
@@ -40,7 +43,7 @@ from reroll.pipelines.common import sampling, sft_warm_start, step_seed, train_m
 from reroll.pipelines.run import Checkpointed, Pipeline, Roles, RoleSet
 from reroll.roles.agent_proxy import agent_task, run_agent_episodes
 from reroll.roles.chat_server import ChatServer
-from reroll.roles.env import Episode, episode_batch, run_episodes
+from reroll.roles.env import Episode, episode_batch, run_episodes, stream_episodes
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +94,21 @@ class Agentic(Pipeline):
 
     def _play(
         self, roles: Roles, starts: list[tuple[int, int]], params: SamplingParams, *, held_out: bool = False
-    ) -> list[Episode]:
+    ) -> tuple[list[Episode], list[int]]:
+        """The episodes, and the number of prompts of each engine call that played them."""
         assert roles.env is not None
         limits = {"max_turns": self.a.max_turns, "max_tokens": self.a.max_episode_tokens}
+        sizes: list[int] = []
+
+        def generate(prompts: list[list[int]], p: SamplingParams) -> list[list[Completion]]:
+            sizes.append(len(prompts))
+            return roles.rollout.generate(prompts, p, phase="agent_call" if self.agent else "generate")
+
         if self.agent:
             if held_out and self.eval_tasks:
                 tasks = [agent_task(self.eval_tasks, i, seed) for i, (seed, _) in enumerate(starts)]
             else:
                 tasks = [agent_task(self.tasks, seed, seed) for seed, _ in starts]
-            generate = lambda prompts, p: roles.rollout.generate(prompts, p, phase="agent_call")  # noqa: E731
             with ChatServer(
                 generate,
                 self.builder.tokenizer,
@@ -107,27 +116,40 @@ class Agentic(Pipeline):
                 defaults=params,
                 host=_proxy_host(self.cfg),
             ) as server:
-                return run_agent_episodes(server, roles.env, starts, tasks, params, **limits)
-        return run_episodes(
-            roles.rollout.generate,
-            roles.env,
-            self.builder,
-            starts,
-            params,
-            **limits,
-            system_prompt=self.a.system_prompt,
-        )
+                return run_agent_episodes(server, roles.env, starts, tasks, params, **limits), sizes
+        if self.a.streaming:
+            episodes = stream_episodes(
+                generate,
+                roles.env,
+                self.builder,
+                starts,
+                params,
+                **limits,
+                system_prompt=self.a.system_prompt,
+                wait_s=self.a.batch_wait_s,
+            )
+        else:
+            episodes = run_episodes(
+                generate,
+                roles.env,
+                self.builder,
+                starts,
+                params,
+                **limits,
+                system_prompt=self.a.system_prompt,
+            )
+        return episodes, sizes
 
     def step(self, roles: Roles, step: int) -> dict[str, float]:
         cfg = self.cfg
         with roles.phase("episodes", "actor_infer"):
-            episodes = self._play(
+            episodes, sizes = self._play(
                 roles, _train_starts(cfg, step), sampling(cfg, n=1, seed=step_seed(cfg, step))
             )
             engine_metrics = roles.rollout.metrics()
         _log_errors(episodes, step)
         self.last = episodes
-        metrics = _episode_metrics(episodes, "rollout") | engine_metrics
+        metrics = _episode_metrics(episodes, "rollout") | _turn_metrics(episodes, sizes) | engine_metrics
         trainable = _trainable(cfg, episodes)
         if not trainable:
             return metrics | {"train/skipped": 1.0}
@@ -161,7 +183,7 @@ class Agentic(Pipeline):
             return {}
         starts = [(self.a.eval_seed + i, i) for i in range(n)]
         params = sampling(self.cfg, n=1, greedy=True)
-        out = _episode_metrics(self._play(roles, starts, params, held_out=True), "eval")
+        out = _episode_metrics(self._play(roles, starts, params, held_out=True)[0], "eval")
         return out | {"eval/accuracy": out["eval/success"]}
 
     def sample_line(self) -> str | None:
@@ -214,6 +236,27 @@ def _episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
         out["env/timeouts"] = sum(e.error is not None and "no answer within" in e.error for e in episodes) / n
         out |= {f"env/finish_{k}": v / n for k, v in finish.items()}
     return out
+
+
+def _turn_metrics(episodes: list[Episode], sizes: list[int]) -> dict[str, float]:
+    """How the episodes' turns went through the engine: seconds per turn (engine wait and call, env
+    step) and prompts per engine call. Lockstep turns wait for the slowest episode of the turn;
+    streamed ones only for their own environment and a batch window."""
+    seconds = sorted(s for e in episodes for s in e.turn_seconds)
+    out = {"agentic/engine_calls": float(len(sizes))}
+    if sizes:
+        out |= {
+            "agentic/engine_batch_mean": sum(sizes) / len(sizes),
+            "agentic/engine_batch_max": float(max(sizes)),
+        }
+    if seconds:
+        out |= {f"agentic/turn_latency_p{q}": _quantile(seconds, q / 100) for q in (50, 95)}
+    return out
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted values (nearest rank)."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def _log_errors(episodes: list[Episode], step: int) -> None:

@@ -4,7 +4,7 @@
 ``GET /v1/models`` with the Python standard library's HTTP server, so any OpenAI client can call it.
 Every request's messages go through the tokenizer's chat template (``chat_prompt_ids``, the one place
 a template is applied here); the prompts of requests that arrive together go to the engine in one
-``generate`` call (``_Batcher``), so many concurrent agents share the engine's batch.
+``generate`` call (``reroll.roles.batcher``), so many concurrent agents share the engine's batch.
 
 For agentic training the server also serves one endpoint per episode, ``/episodes/<key>/v1``
 (``open_episode``). There it keeps the episode's token sequence: the first call's messages start it,
@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -32,10 +30,9 @@ from typing import Any
 from reroll.data.chat import ChatTemplateError, render_chat
 from reroll.data.types import Completion, SamplingParams
 from reroll.envs.trajectory import Trajectory, TrajectoryBuilder
+from reroll.roles.batcher import Batcher, Generate
 
 log = logging.getLogger(__name__)
-
-Generate = Callable[[list[list[int]], SamplingParams], list[list[Completion]]]
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -73,51 +70,6 @@ class EpisodeRecord:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _Batcher:
-    """One thread that sends every waiting request to the engine: one ``generate`` per distinct
-    sampling settings. An engine failure fails those requests and is kept in ``failure``."""
-
-    def __init__(self, generate: Generate) -> None:
-        self.generate, self.failure = generate, None
-        self.queue: queue.Queue[tuple[list[int], SamplingParams, Future] | None] = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, name="chat-batcher", daemon=True)
-        self.thread.start()
-
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
-        done: Future = Future()
-        self.queue.put((prompt_ids, params, done))
-        return done.result()
-
-    def _loop(self) -> None:
-        while (first := self.queue.get()) is not None:
-            waiting, stop = [first], False
-            while not self.queue.empty():
-                item = self.queue.get()
-                if item is None:
-                    stop = True
-                    break
-                waiting.append(item)
-            by_params: dict[SamplingParams, list[tuple[list[int], Future]]] = {}
-            for ids, params, done in waiting:
-                by_params.setdefault(params, []).append((ids, done))
-            for params, group in by_params.items():
-                try:
-                    out = self.generate([ids for ids, _ in group], params)
-                except Exception as e:
-                    self.failure = self.failure or e
-                    for _, done in group:
-                        done.set_exception(e)
-                    continue
-                for (_, done), completions in zip(group, out):
-                    done.set_result(completions)
-            if stop:
-                return
-
-    def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout=5)
-
-
 class _HTTPServer(ThreadingHTTPServer):
     """A thread per connection; a listen backlog for hundreds of agents connecting at once (the
     standard library's 5 drops connections: clients see connection errors and connect timeouts)."""
@@ -144,7 +96,7 @@ class ChatServer:
         self.tokenizer, self.model_name, self.defaults = tokenizer, model_name, defaults
         self.builder: TrajectoryBuilder | None = None  # made by the first episode (serving needs none)
         self.episodes: dict[str, EpisodeRecord] = {}
-        self._batcher = _Batcher(generate)
+        self._batcher = Batcher(generate)
         self.httpd = _HTTPServer((host, port), _handler(self))
         self.host, self.port = host, self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="chat-server", daemon=True)

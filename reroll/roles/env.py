@@ -6,7 +6,10 @@ raises, or that hangs, ends its own episode with a recorded error and never bloc
 ``EnvGroup`` deals episodes to workers (Ray actors through ``WorkerGroup``: a dead worker is a
 ``RoleError``). ``run_episodes`` plays a batch of episodes turn by turn: all live episodes' prompts go
 to the engine in one call per turn, as token ids (``reroll.envs.trajectory``), then their actions to
-the environments. ``episode_batch`` turns episodes into a ``TrainBatch`` with per-turn tensors. For an
+the environments. ``stream_episodes`` (``agentic.streaming``) plays the same episodes each in its own
+thread: an episode's next prompt goes to the engine as soon as its environment answered, the prompts
+that arrive together sharing an engine call (``reroll.roles.batcher``), and its environment steps run
+while other episodes' do (env workers then run calls concurrently). ``episode_batch`` turns episodes into a ``TrainBatch`` with per-turn tensors. For an
 ``agent:`` environment the workers run the agent function instead (``play_agents``; see
 ``reroll.roles.agent_proxy``).
 """
@@ -14,10 +17,12 @@ the environments. ``episode_batch`` turns episodes into a ``TrainBatch`` with pe
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +34,7 @@ from reroll.envs.agent import AgentOutcome, is_agent, load_agent, play
 from reroll.envs.base import Env, StepResult, is_success
 from reroll.envs.registry import make_env
 from reroll.envs.trajectory import Trajectory, TrajectoryBuilder
+from reroll.roles.batcher import Batcher
 from reroll.runtime.actors import WorkerGroup
 
 
@@ -128,13 +134,24 @@ def _plain(info: Any) -> dict[str, Any]:
 
 
 class EnvGroup(WorkerGroup):
-    """All env workers; episode ``i`` lives on worker ``i % world_size``."""
+    """All env workers; episode ``i`` lives on worker ``i % world_size``. With ``agentic.streaming``
+    a worker runs one call per episode it hosts at once (each episode's steps are its own calls)."""
 
     def __init__(self, cfg: RunConfig) -> None:
         a = cfg.agentic
         assert a is not None
         timeout_s = a.agent_timeout_s if is_agent(a.env) else a.step_timeout_s
-        super().__init__("env", EnvWorker, lambda rank: (rank, a.env, dict(a.env_config), timeout_s), cfg)
+        world = cfg.roles.env.world_size
+        concurrent = (
+            math.ceil(max(cfg.rollout.batch_size, a.eval_episodes, 1) / world) + 1 if a.streaming else 1
+        )
+        super().__init__(
+            "env",
+            EnvWorker,
+            lambda rank: (rank, a.env, dict(a.env_config), timeout_s),
+            cfg,
+            max_concurrency=concurrent,
+        )
 
     def _by_rank(self, items: Sequence[tuple[int, Any]], method: str, phase: str) -> list[StepResult]:
         parts: list[list[tuple[int, Any]]] = [[] for _ in self.handles]
@@ -173,6 +190,7 @@ class Episode:
     finish: str = ""  # terminated | truncated | turn_limit | token_budget | error
     success: bool = False
     error: str | None = None
+    turn_seconds: list[float] = field(default_factory=list)  # each turn: engine wait and call, env step
 
     @property
     def total_reward(self) -> float:
@@ -205,11 +223,13 @@ def run_episodes(
         live = [i for i in live if not episodes[i].finish]
         if not live:
             break
+        start = time.perf_counter()
         completions = [g[0] for g in generate([episodes[i].traj.ids for i in live], params)]
         for i, c in zip(live, completions):
             builder.add_response(episodes[i].traj, c.response_ids, c.logprobs, c.text)
         for i, r in zip(live, envs.step([(i, c.text) for i, c in zip(live, completions)])):
             ep = episodes[i]
+            ep.turn_seconds.append(time.perf_counter() - start)
             ep.rewards.append(r.reward)
             if not _ended(ep, r):
                 builder.add_observation(ep.traj, r.observation)
@@ -219,6 +239,90 @@ def run_episodes(
         episodes[i].finish = "turn_limit"
     envs.close(list(range(len(episodes))))
     return episodes
+
+
+def stream_episodes(
+    generate: Callable[[list[list[int]], SamplingParams], list[list[Completion]]],
+    envs: EnvGroup,
+    builder: TrajectoryBuilder,
+    starts: Sequence[tuple[int, int]],
+    params: SamplingParams,
+    *,
+    max_turns: int,
+    max_tokens: int,
+    system_prompt: str | None = None,
+    wait_s: float = 0.05,
+) -> list[Episode]:
+    """``run_episodes`` without lockstep turns: each episode plays in its own thread, its prompts batched
+    with those of the episodes that wait at the same time (up to ``wait_s``, ``reroll.roles.batcher``).
+
+    An episode's tokens, rewards and ending are those ``run_episodes`` gives it, for an engine whose
+    answer to a prompt does not depend on the other prompts of its call (greedy decoding). A failing
+    engine or env worker (a ``RoleError``) stops every episode after its current turn and is raised.
+    """
+    episodes = [Episode(seed, group) for seed, group in starts]
+    batcher = Batcher(generate, wait_s=wait_s, expect=len(episodes))
+    turns = _Turns(envs, builder, batcher, params, max_turns, max_tokens, system_prompt)
+
+    def play(i: int) -> None:
+        try:
+            turns.play(i, episodes[i])
+        except BaseException:
+            turns.stop.set()
+            raise
+        finally:
+            batcher.leave()
+
+    failure: BaseException | None = None
+    try:
+        with ThreadPoolExecutor(max(len(episodes), 1), thread_name_prefix="episode") as pool:
+            for done in as_completed([pool.submit(play, i) for i in range(len(episodes))]):
+                failure = failure or done.exception()
+    finally:
+        batcher.close()
+    if failure is not None:
+        raise failure
+    envs.close(list(range(len(episodes))))
+    return episodes
+
+
+@dataclass
+class _Turns:
+    """What every episode thread of ``stream_episodes`` shares; ``stop`` ends them all after their turn."""
+
+    envs: EnvGroup
+    builder: TrajectoryBuilder
+    batcher: Batcher
+    params: SamplingParams
+    max_turns: int
+    max_tokens: int
+    system_prompt: str | None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def play(self, i: int, ep: Episode) -> None:
+        """Episode ``i`` from its reset to its end, one turn after the other."""
+        [r] = self.envs.reset([(i, ep.seed)])
+        if _ended(ep, r):
+            return
+        ep.traj = self.builder.start_episode(r.observation, self.system_prompt)
+        ep.states.append(r.observation)
+        for _ in range(self.max_turns):
+            if self.stop.is_set():  # another episode's engine or env worker failed: the step is over
+                return
+            if len(ep.traj.ids) + self.params.max_new_tokens > self.max_tokens:
+                ep.finish = "token_budget"
+                return
+            start = time.perf_counter()
+            c = self.batcher.submit(list(ep.traj.ids), self.params)[0]
+            self.builder.add_response(ep.traj, c.response_ids, c.logprobs, c.text)
+            [r] = self.envs.step([(i, c.text)])
+            ep.turn_seconds.append(time.perf_counter() - start)
+            ep.rewards.append(r.reward)
+            if _ended(ep, r):
+                return
+            self.builder.add_observation(ep.traj, r.observation)
+            ep.states.append(r.observation)
+        ep.finish = "turn_limit"
 
 
 def _ended(ep: Episode, r: StepResult) -> bool:

@@ -109,15 +109,18 @@ def _token_auth_like_ray_start() -> None:
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
-def spawn(cls: type, args: tuple[Any, ...], *, backend: str, name: str, **options: Any) -> Any:
-    """One worker: a Ray actor with the given ``options`` (resources, scheduling), or a ``LocalHandle``."""
+def spawn(
+    cls: type, args: tuple[Any, ...], *, backend: str, name: str, max_concurrency: int = 1, **options: Any
+) -> Any:
+    """One worker: a Ray actor with the given ``options`` (resources, scheduling), running up to
+    ``max_concurrency`` calls at once in threads, or a ``LocalHandle``."""
     if backend == "local":
         return LocalHandle(cls(*args))
     import ray
 
     groups = options.pop("concurrency_groups", None)  # Ray takes these at ray.remote only
     actor_cls = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
-    return actor_cls.options(name=name, max_concurrency=1, **options).remote(*args)
+    return actor_cls.options(name=name, max_concurrency=max_concurrency, **options).remote(*args)
 
 
 def gather(
@@ -194,10 +197,12 @@ class WorkerGroup:
         *,
         timeout_s: float | None = None,
         concurrency_groups: dict[str, int] | None = None,
+        max_concurrency: int = 1,
         name: str | None = None,
     ) -> None:
         """``concurrency_groups``: extra Ray threads by name, for calls that must run while another is
-        in flight (``handle.abort.options(concurrency_group="control")``). ``name``: what the workers'
+        in flight (``handle.abort.options(concurrency_group="control")``). ``max_concurrency``: calls a
+        worker runs at once (threads; the worker's methods must allow it). ``name``: what the workers'
         Ray actors are named after (default: the role), for several groups of one role (teachers)."""
         rc = getattr(cfg.roles, role)
         self.role, self.world_size = role, rc.world_size
@@ -208,6 +213,7 @@ class WorkerGroup:
         self.residency_check: Callable[[str], None] | None = None
         self.restarts = 0
         self._recipe = (cls, make_args, cfg, concurrency_groups)
+        self.max_concurrency = max_concurrency
         self._handles: list[Any] = []
         self._spawn()
 
@@ -221,6 +227,7 @@ class WorkerGroup:
                 make_args(rank),
                 backend=cfg.runtime.backend,
                 name=f"{self.name}-{rank}{suffix}",
+                max_concurrency=self.max_concurrency,
                 **({} if local else actor_options(cfg, self.role, rank)),
                 **({} if local or not groups else {"concurrency_groups": groups}),
             )
