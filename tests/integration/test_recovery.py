@@ -194,7 +194,8 @@ def test_a_killed_critic_is_restarted_from_its_checkpoint(tmp_path, assets, monk
     assert metrics[-1]["recovery/restarts"] == 1 and "critic/vf_loss" in metrics[-1]
 
 
-def test_a_killed_environment_worker_is_restarted_and_its_episodes_replayed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("streaming", [False, True], ids=["lockstep", "streaming"])
+def test_a_killed_environment_worker_is_restarted_and_its_episodes_replayed(tmp_path, monkeypatch, streaming):
     from reroll.models.tiny import GAME_ALPHABET, build_tiny_model
     from reroll.pipelines.agentic import Agentic
 
@@ -205,16 +206,46 @@ def test_a_killed_environment_worker_is_restarted_and_its_episodes_replayed(tmp_
         "output_dir": str(tmp_path / "{name}"),
         "total_steps": 3,
         "model": {"path": str(model)},
-        "agentic": {"env": "nim", "eval_episodes": 0, "max_turns": 4},
+        "agentic": {"env": "nim", "eval_episodes": 0, "max_turns": 4, "streaming": streaming},
         "rollout": {"batch_size": 8, "group_size": 2, "max_new_tokens": 2},
         "optim": {"lr": 1e-3, "micro_batch_size": 8},
         "logging": {"tensorboard": False, "sample_every": 0},
         "runtime": {"max_restarts": 1},
     }
     cfg = RunConfig.model_validate(raw)
-    _kill_once(monkeypatch, Agentic, "env", at=2)
+    if streaming:  # killed mid-step, while other episodes' calls are in flight on the workers
+        _kill_at_first_env_step(monkeypatch, Agentic, at=2)
+    else:
+        _kill_once(monkeypatch, Agentic, "env", at=2)
     run_module.run(Agentic, cfg)
     metrics = read_metrics(cfg.run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     assert metrics[-1]["recovery/restarts"] == 1
     assert all(m.get("env/errors", 0) == 0 for m in metrics)  # replayed, not scored as broken episodes
+
+
+def _kill_at_first_env_step(monkeypatch, pipeline_cls, at: int) -> None:
+    """The env workers are killed at the first environment step of step ``at`` (after the resets)."""
+    import threading
+
+    import ray
+
+    from reroll.roles.env import EnvGroup
+
+    real_step, real_env_step = pipeline_cls.step, EnvGroup.step
+    state, lock = {"step": 0, "armed": True}, threading.Lock()
+
+    def step(self, roles, step):
+        state["step"] = step
+        return real_step(self, roles, step)
+
+    def env_step(self, actions):
+        with lock:
+            if state["step"] == at and state["armed"]:
+                state["armed"] = False
+                for handle in self._handles:
+                    ray.kill(handle, no_restart=True)
+        return real_env_step(self, actions)
+
+    monkeypatch.setattr(pipeline_cls, "step", step)
+    monkeypatch.setattr(EnvGroup, "step", env_step)
