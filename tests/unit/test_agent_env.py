@@ -92,6 +92,9 @@ def test_config_and_preflight_checks_of_an_agent(agentic, tmp_path):
     assert agentic().check() == [] and check_inputs(agentic()) == []
     problems = {p.path: p.message for p in agentic(system_prompt="be brief").check()}
     assert "put the system prompt in the agent" in problems["agentic.system_prompt"]
+    problems = {p.path: p.message for p in agentic(streaming=True).check()}
+    assert "always advance independently" in problems["agentic.streaming"]
+    assert agentic(env="nim", streaming=True).check() == []
     nim = agentic(env="nim", tasks="t.jsonl")
     assert (
         "tasks are read by 'agent:' environments only"
