@@ -4,10 +4,10 @@ Each step plays ``rollout.batch_size`` episodes, ``rollout.group_size`` per seed
 the env workers: every turn, one engine call for all live episodes, then one step of each
 environment; with ``agentic.streaming`` each episode advances on its own (``stream_episodes``):
 its next turn goes to the engine as soon as its environment answered, sharing an engine call with
-the turns that wait at the same time. An episode is one token sequence built with the chat template (``reroll.envs
-.trajectory``); the loss covers only the tokens the policy generated. Advantages are the algorithm's:
-per episode (``grpo``, ``rloo``, ``reinforce_pp``: the episode's total reward) or per turn
-(``step_return``, ``gigpo``: per-turn rewards with ``algorithm.gamma``). An optional SFT warm start
+the turns that wait at the same time. An episode is one token sequence built with the chat
+template (``reroll.envs.trajectory``); the loss covers only the tokens the policy generated.
+Advantages are the algorithm's: per episode (``grpo``, ``rloo``, ``reinforce_pp``: the episode's
+total reward) or per turn (``step_return``, ``gigpo``: per-turn rewards with ``algorithm.gamma``). An optional SFT warm start
 imitates the environment's scripted (or random) policy. Episodes that end in an environment error
 are recorded (``env/errors``, ``env/timeouts``, a log line) and, by ``agentic.error_policy``, left
 out of the update or trained with reward 0. With ``agentic.env: "agent:module:function"`` the

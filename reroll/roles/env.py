@@ -9,9 +9,9 @@ to the engine in one call per turn, as token ids (``reroll.envs.trajectory``), t
 the environments. ``stream_episodes`` (``agentic.streaming``) plays the same episodes each in its own
 thread: an episode's next prompt goes to the engine as soon as its environment answered, the prompts
 that arrive together sharing an engine call (``reroll.roles.batcher``), and its environment steps run
-while other episodes' do (env workers then run calls concurrently). ``episode_batch`` turns episodes into a ``TrainBatch`` with per-turn tensors. For an
-``agent:`` environment the workers run the agent function instead (``play_agents``; see
-``reroll.roles.agent_proxy``).
+while other episodes' do (env workers then run calls concurrently). ``episode_batch`` turns episodes
+into a ``TrainBatch`` with per-turn tensors. For an ``agent:`` environment the workers run the agent
+function instead (``play_agents``; see ``reroll.roles.agent_proxy``).
 """
 
 from __future__ import annotations
