@@ -189,6 +189,6 @@ def test_streamed_episodes_on_ray_env_workers_do_not_wait_for_a_slow_one():
     finally:
         envs.shutdown()
     assert streamed[3].traj.turns >= 2 and streamed[1].traj.turns >= 2
-    assert all(sum(e.turn_seconds) < 0.5 for e in streamed[:3]), [e.turn_seconds for e in streamed]
+    assert all(sum(e.turn_seconds) < 0.9 for e in streamed[:3]), [e.turn_seconds for e in streamed]
     assert all(s >= 1.0 for s in lockstep[1].turn_seconds[:2])
     assert [_fields(e) for e in streamed] == [_fields(e) for e in lockstep]

@@ -159,7 +159,7 @@ def test_a_slow_environment_does_not_hold_back_the_others(tok):
     # lockstep: every turn of a fast episode taken while the slow one lived waited for its step
     assert all(s >= 0.6 for e in lockstep[:3] for s in e.turn_seconds[: slow.traj.turns])
     # streamed: a fast episode played all its turns in less than one slow step
-    assert all(sum(e.turn_seconds) < 0.3 for e in fast), [e.turn_seconds for e in fast]
+    assert all(sum(e.turn_seconds) < 0.45 for e in fast), [e.turn_seconds for e in fast]
     assert wall < 0.6 * slow.traj.turns + 0.5  # the slow episode's own steps, little else
     assert [_fields(e) for e in streamed] == [_fields(e) for e in lockstep]
 
