@@ -152,7 +152,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for latency in args.latency:
         envs = _envs(latency, args)
-        envs.reset([(0, 0)])  # the workers are up before the clock starts
+        warm = [(seed, seed) for seed in range(args.workers)]  # every worker up and called before the clock
+        stream_episodes(
+            engine.generate,
+            envs,
+            TrajectoryBuilder(engine.tokenizer),
+            warm,
+            SamplingParams(),
+            max_turns=1,
+            max_tokens=1024,
+        )
         played = {}
         for mode in ("lockstep", "streaming"):
             r, played[mode] = _row(mode, engine, envs, args)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import queue
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,8 +59,16 @@ class EnvWorker:
         return _as_reset(env.reset(seed=seed))
 
     def step(self, actions: list[tuple[int, str]]) -> list[StepResult]:
-        calls = [(ep, lambda env=self.envs[ep], a=action: _as_step(env.step(a))) for ep, action in actions]
-        return self._run(calls)
+        return self._run(self._step_calls(actions))
+
+    def step_each(self, actions: list[tuple[int, str]]) -> Iterator[list[StepResult]]:
+        """``step``, each episode's result yielded as soon as its environment answered, with those
+        finished at the same time (streamed episodes call it as a Ray streaming generator: a slow step
+        does not hold back the others)."""
+        yield from self._each(self._step_calls(actions))
+
+    def _step_calls(self, actions: list[tuple[int, str]]) -> list[tuple[int, Callable[[], StepResult]]]:
+        return [(ep, lambda env=self.envs[ep], a=action: _as_step(env.step(a))) for ep, action in actions]
 
     def play_agents(self, jobs: list[tuple[int, str, dict[str, Any]]]) -> list[StepResult]:
         """``agent:`` environments: the agent function on each ``(episode, base_url, task)``, each in its
@@ -82,25 +91,45 @@ class EnvWorker:
 
     def _run(self, calls: list[tuple[int, Callable[[], StepResult]]]) -> list[StepResult]:
         """Every call in its own thread, all under one deadline; late or raising calls become errors."""
+        found = {r.episode: r for part in self._each(calls) for r in part}
+        return [found[ep] for ep, _ in calls]
+
+    def _each(self, calls: list[tuple[int, Callable[[], StepResult]]]) -> Iterator[list[StepResult]]:
+        """``_run``'s results as they finish (those finished together in one list); the late ones,
+        as errors, at the deadline."""
         out: dict[int, StepResult] = {}
-        threads = []
+        finished: queue.SimpleQueue[int] = queue.SimpleQueue()
         for ep, fn in calls:
-            t = threading.Thread(target=_into, args=(out, ep, fn), daemon=True, name=f"env-{ep}")
-            t.start()
-            threads.append((ep, t))
+            threading.Thread(
+                target=_into, args=(out, ep, fn, finished), daemon=True, name=f"env-{ep}"
+            ).start()
         deadline = time.monotonic() + self.timeout_s
-        results, key = [], "step_timeout_s" if self.agent is None else "agent_timeout_s"
-        for ep, t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-            if ep not in out:  # still running: abandon it (a thread cannot be killed) and its env
-                self.envs.pop(ep, None)
-                out[ep] = StepResult(ep, error=f"no answer within {self.timeout_s:g} s (agentic.{key})")
-            results.append(out[ep])
-            results[-1].episode = ep
-        return results
+        waiting = {ep for ep, _ in calls}
+        while waiting:
+            try:
+                done = [finished.get(timeout=max(0.0, deadline - time.monotonic()))]
+            except queue.Empty:
+                break
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    done.append(finished.get_nowait())
+            waiting -= set(done)
+            for ep in done:
+                out[ep].episode = ep
+            yield [out[ep] for ep in done]
+        key = "step_timeout_s" if self.agent is None else "agent_timeout_s"
+        late = [ep for ep, _ in calls if ep in waiting]
+        for ep in late:  # still running: abandon it (a thread cannot be killed) and its env
+            self.envs.pop(ep, None)
+        if late:
+            yield [
+                StepResult(ep, error=f"no answer within {self.timeout_s:g} s (agentic.{key})") for ep in late
+            ]
 
 
-def _into(out: dict[int, StepResult], ep: int, fn: Callable[[], StepResult]) -> None:
+def _into(
+    out: dict[int, StepResult], ep: int, fn: Callable[[], StepResult], finished: queue.SimpleQueue[int]
+) -> None:
     start = time.perf_counter()
     try:
         result = fn()
@@ -108,6 +137,7 @@ def _into(out: dict[int, StepResult], ep: int, fn: Callable[[], StepResult]) -> 
         result = StepResult(ep, error=f"{type(e).__name__}: {e}")
     result.seconds = time.perf_counter() - start
     out[ep] = result
+    finished.put(ep)
 
 
 def _as_reset(out: Any) -> StepResult:
@@ -135,7 +165,7 @@ def _plain(info: Any) -> dict[str, Any]:
 
 class EnvGroup(WorkerGroup):
     """All env workers; episode ``i`` lives on worker ``i % world_size``. With ``agentic.streaming``
-    a worker runs one call per episode it hosts at once (each episode's steps are its own calls)."""
+    a worker runs up to one call per episode it hosts at once (``step_each`` calls overlap)."""
 
     def __init__(self, cfg: RunConfig) -> None:
         a = cfg.agentic
@@ -166,6 +196,11 @@ class EnvGroup(WorkerGroup):
 
     def step(self, actions: Sequence[tuple[int, str]]) -> list[StepResult]:
         return self._by_rank(actions, "step", "env_step")
+
+    def step_each(self, rank: int, actions: Sequence[tuple[int, str]]) -> Iterator[list[StepResult]]:
+        """Steps of episodes on worker ``rank`` in one call, each result as soon as its environment answered."""
+        call = self.handles[rank].step_each.options(num_returns="streaming").remote(list(actions))
+        yield from self._stream(rank, call, "env_step")
 
     def play_agents(self, jobs: Sequence[tuple[int, str, dict[str, Any]]]) -> list[StepResult]:
         """Each ``(episode, base_url, task)`` played by the agent function (``agent:`` environments)."""
@@ -254,7 +289,9 @@ def stream_episodes(
     wait_s: float = 0.05,
 ) -> list[Episode]:
     """``run_episodes`` without lockstep turns: each episode plays in its own thread, its prompts batched
-    with those of the episodes that wait at the same time (up to ``wait_s``, ``reroll.roles.batcher``).
+    with those of the episodes that wait at the same time (up to ``wait_s``, ``reroll.roles.batcher``),
+    its environment steps sent with those asked for at the same moment, one call per worker that
+    returns each result as soon as it is there (``_EnvSteps``).
 
     An episode's tokens, rewards and ending are those ``run_episodes`` gives it, for an engine whose
     answer to a prompt does not depend on the other prompts of its call (greedy decoding). A failing
@@ -262,7 +299,8 @@ def stream_episodes(
     """
     episodes = [Episode(seed, group) for seed, group in starts]
     batcher = Batcher(generate, wait_s=wait_s, expect=len(episodes))
-    turns = _Turns(envs, builder, batcher, params, max_turns, max_tokens, system_prompt)
+    steps = _EnvSteps(envs)
+    turns = _Turns(envs, steps, builder, batcher, params, max_turns, max_tokens, system_prompt)
 
     def play(i: int) -> None:
         try:
@@ -280,10 +318,64 @@ def stream_episodes(
                 failure = failure or done.exception()
     finally:
         batcher.close()
+        steps.close()
     if failure is not None:
         raise failure
     envs.close(list(range(len(episodes))))
     return episodes
+
+
+class _EnvSteps:
+    """The environment steps of streamed episodes: the steps asked for at one moment (the episodes of
+    one engine call) go to each worker in one call, whose results come back one at a time as each
+    environment answers. A failed call (a dead worker) fails the steps it carried."""
+
+    def __init__(self, envs: EnvGroup) -> None:
+        self.envs = envs
+        self._pending: list[tuple[int, str, Future]] = []
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="env-steps", daemon=True)
+        self._thread.start()
+
+    def step(self, episode: int, action: str) -> StepResult:
+        done: Future = Future()
+        with self._cond:
+            self._pending.append((episode, action, done))
+            self._cond.notify_all()
+        return done.result()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                asked, self._pending = self._pending, []
+            by_rank: dict[int, list[tuple[int, str, Future]]] = {}
+            for item in asked:
+                by_rank.setdefault(item[0] % self.envs.world_size, []).append(item)
+            for rank, part in by_rank.items():
+                threading.Thread(target=self._collect, args=(rank, part), daemon=True).start()
+
+    def _collect(self, rank: int, part: list[tuple[int, str, Future]]) -> None:
+        waiting = {ep: done for ep, _, done in part}
+        try:
+            for results in self.envs.step_each(rank, [(ep, action) for ep, action, _ in part]):
+                for r in results:
+                    waiting.pop(r.episode).set_result(r)
+            if waiting:
+                raise RuntimeError(f"env worker {rank} answered no step for episodes {sorted(waiting)}")
+        except BaseException as e:
+            for done in waiting.values():
+                done.set_exception(e)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
 
 
 @dataclass
@@ -291,6 +383,7 @@ class _Turns:
     """What every episode thread of ``stream_episodes`` shares; ``stop`` ends them all after their turn."""
 
     envs: EnvGroup
+    steps: _EnvSteps
     builder: TrajectoryBuilder
     batcher: Batcher
     params: SamplingParams
@@ -315,7 +408,7 @@ class _Turns:
             start = time.perf_counter()
             c = self.batcher.submit(list(ep.traj.ids), self.params)[0]
             self.builder.add_response(ep.traj, c.response_ids, c.logprobs, c.text)
-            [r] = self.envs.step([(i, c.text)])
+            r = self.steps.step(i, c.text)
             ep.turn_seconds.append(time.perf_counter() - start)
             ep.rewards.append(r.reward)
             if _ended(ep, r):

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -256,6 +256,28 @@ class WorkerGroup:
 
     def _wait(self, refs: Sequence[Any], phase: str) -> list[Any]:
         return gather(refs, role=self.role, phase=phase, timeout_s=self.timeout_s, detail=self.detail)
+
+    def _stream(self, rank: int, call: Any, phase: str) -> Iterator[Any]:
+        """The items of a generator method's call on ``rank``, as the worker yields them:
+        ``handle.method.options(num_returns="streaming").remote(...)`` (or a local call). Each waits
+        at most ``timeout_s``; a failure or a dead worker is a ``RoleError`` as in ``gather``."""
+        fail = functools.partial(RoleError, self.role, detail=self.detail)
+        if isinstance(call, _Ready):
+            if call.error is not None:
+                raise fail(rank, phase, f"{type(call.error).__name__}: {call.error}") from call.error
+            yield from call.value
+            return
+        import ray
+
+        while True:
+            ready, _ = ray.wait([call], timeout=self.timeout_s)
+            if not ready:
+                raise fail(rank, phase, f"no answer within {self.timeout_s:.0f} s (runtime.call_timeout_s)")
+            try:
+                ref = next(call)
+            except StopIteration:
+                return
+            yield _get(ref, rank, fail, phase)
 
     def _deal(self, items: Sequence[T]) -> list[list[T]]:
         """``items`` cut into one contiguous, near-equal block per rank (results concatenate in order)."""

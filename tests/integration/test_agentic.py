@@ -180,7 +180,8 @@ def test_streamed_episodes_on_ray_env_workers_do_not_wait_for_a_slow_one():
     params, limits = SamplingParams(max_new_tokens=2), {"max_turns": 3, "max_tokens": 500}
     builder = TrajectoryBuilder(tok)
     envs = _envs("ray", streaming=True, **env)  # the lockstep runner plays on them as on any workers
-    try:
+    try:  # both workers started and called once (a first call pays the worker's start)
+        stream_episodes(ByPrompt(tok), envs, builder, starts[:2], params, **limits)
         t0 = time.monotonic()
         streamed = stream_episodes(ByPrompt(tok), envs, builder, starts, params, **limits)
         t1 = time.monotonic()

@@ -232,20 +232,20 @@ def _kill_at_first_env_step(monkeypatch, pipeline_cls, at: int) -> None:
 
     from reroll.roles.env import EnvGroup
 
-    real_step, real_env_step = pipeline_cls.step, EnvGroup.step
+    real_step, real_step_each = pipeline_cls.step, EnvGroup.step_each
     state, lock = {"step": 0, "armed": True}, threading.Lock()
 
     def step(self, roles, step):
         state["step"] = step
         return real_step(self, roles, step)
 
-    def env_step(self, actions):
+    def step_each(self, rank, actions):
         with lock:
             if state["step"] == at and state["armed"]:
                 state["armed"] = False
                 for handle in self._handles:
                     ray.kill(handle, no_restart=True)
-        return real_env_step(self, actions)
+        yield from real_step_each(self, rank, actions)
 
     monkeypatch.setattr(pipeline_cls, "step", step)
-    monkeypatch.setattr(EnvGroup, "step", env_step)
+    monkeypatch.setattr(EnvGroup, "step_each", step_each)
