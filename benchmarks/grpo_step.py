@@ -245,7 +245,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument(
+        "--micro-batch", type=int, default=64, help="training rows per micro-batch, both libraries"
+    )
     ap.add_argument(
         "--logprob-micro-batch",
         type=int,
