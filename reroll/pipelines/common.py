@@ -22,6 +22,7 @@ from reroll.errors import UserError
 from reroll.pipelines.run import Roles
 from reroll.rewards import routing
 from reroll.roles.strategy_worker import mean_metrics
+from reroll.runtime import checkpoint as checkpoints
 from reroll.runtime import console
 
 log = logging.getLogger(__name__)
@@ -270,3 +271,12 @@ def batch_stats(batch: TrainBatch) -> str:
             bad = int((~torch.isfinite(t)).sum())
             parts.append(f"{name} mean {float(t.mean()):.4g}, max abs {top}, non-finite {bad}")
     return "; ".join(parts)
+
+
+def with_checkpoint(cfg: RunConfig, checkpoint: Path | None) -> RunConfig:
+    """``cfg`` with ``model.path`` at ``checkpoint``'s model (a checkpoint, or a run directory: its newest),
+    as ``reroll generate`` and ``reroll serve`` take ``--checkpoint``; ``cfg`` itself without one."""
+    if checkpoint is None:
+        return cfg
+    model = cfg.model.model_copy(update={"path": str(checkpoints.model_dir(checkpoint)), "build_tiny": None})
+    return cfg.model_copy(update={"model": model})
