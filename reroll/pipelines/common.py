@@ -17,7 +17,14 @@ from reroll.algorithms.aggregation import count_tokens_and_seqs
 from reroll.config.schema import RunConfig
 from reroll.data.chat import ChatTemplateError, PromptFormat
 from reroll.data.datasets import DomainSampler, PromptSampler, load_samples
-from reroll.data.types import Completion, RewardItem, Sample, SamplingParams, TrainBatch
+from reroll.data.types import (
+    Completion,
+    RewardItem,
+    Sample,
+    SamplingParams,
+    TrainBatch,
+    prompt_response_batch,
+)
 from reroll.errors import UserError
 from reroll.pipelines.run import Roles
 from reroll.rewards import routing
@@ -145,22 +152,7 @@ def sft_batch(samples: Sequence[Sample], fmt: PromptFormat | Any, target_templat
         prompt = tokenizer.encode(s.prompt, add_special_tokens=False)
         target = tokenizer.encode(target_template.format(**s.row), add_special_tokens=False)
         rows.append((prompt, [*target, *fmt.end_of_response]))
-    width = max(len(p) + len(t) for p, t in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.bool)
-    resp = torch.zeros_like(attn)
-    for i, (p, t) in enumerate(rows):
-        ids[i, : len(p) + len(t)] = torch.tensor(p + t)
-        attn[i, : len(p) + len(t)] = True
-        resp[i, len(p) : len(p) + len(t)] = True
-    return TrainBatch(
-        input_ids=ids,
-        attention_mask=attn,
-        response_mask=resp,
-        group_ids=torch.arange(len(rows)),
-        num_tokens=float(resp.sum()),
-        num_seqs=float(len(rows)),
-    )
+    return prompt_response_batch(rows, tokenizer.pad_token_id)
 
 
 def sft_warm_start(cfg: RunConfig, roles: Roles, next_batch: Callable[[int], TrainBatch], what: str) -> None:
