@@ -51,18 +51,25 @@ def write_synthetic_files(
     writer: Callable[..., dict[str, Path]], syn: Any, targets: list[Path], what: str
 ) -> None:
     """``writer``'s train/test files for the synthetic section ``syn`` (n_train, n_test, max_operand,
-    ops, seed), copied to ``targets`` (train, then test if any) where they do not all exist yet."""
+    ops, seed) of config section ``what``, copied to ``targets`` (train, then test if any) where they
+    do not all exist yet. Settings the task cannot meet (more rows than distinct problems) are a
+    ``UserError`` naming the section."""
     if all(p.exists() for p in targets):
         return
     with tempfile.TemporaryDirectory() as tmp:
-        made = writer(
-            tmp,
-            n_train=syn.n_train,
-            n_test=syn.n_test,
-            max_operand=syn.max_operand,
-            ops=syn.ops,
-            seed=syn.seed,
-        )
+        try:
+            made = writer(
+                tmp,
+                n_train=syn.n_train,
+                n_test=syn.n_test,
+                max_operand=syn.max_operand,
+                ops=syn.ops,
+                seed=syn.seed,
+            )
+        except ValueError as e:
+            raise UserError(
+                f"{what}.synthetic: {e} (set in {what}.synthetic.n_train / n_test / max_operand / ops)"
+            ) from e
         for src, dst in zip([made["train"], made["test"]], targets):
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
