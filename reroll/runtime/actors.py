@@ -38,6 +38,14 @@ class _Ready:
     error: BaseException | None = None
 
 
+def _value(arg: Any) -> Any:
+    if isinstance(arg, _Ready):
+        if arg.error is not None:
+            raise arg.error
+        return arg.value
+    return arg
+
+
 class _LocalMethod:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self._fn = fn
@@ -47,7 +55,11 @@ class _LocalMethod:
         return self
 
     def remote(self, *args: Any, **kwargs: Any) -> _Ready:
+        """Runs now; a result of an earlier call passed as an argument is its value (as Ray passes
+        an object reference's), and its failure is this call's."""
         try:
+            args = tuple(_value(a) for a in args)
+            kwargs = {k: _value(v) for k, v in kwargs.items()}
             return _Ready(self._fn(*args, **kwargs))
         except Exception as e:  # re-raised by gather with the role and rank
             return _Ready(error=e)
