@@ -67,6 +67,7 @@ def _mean(rows: list[dict[str, float]], key: str) -> float:
 def main_(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--only", choices=["oversample", "partial"], help="one of the two tables")
     args = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="reroll-streaming-"))
     model = build_tiny_model(
@@ -82,7 +83,7 @@ def main_(argv: list[str] | None = None) -> None:
         "| engine | rollout.oversample | dropped groups | kept len | dropped len | dropped unfinished | generate s |"
     )
     print("|---|---|---|---|---|---|---|")
-    for engine in engines:
+    for engine in engines if args.only != "partial" else []:
         for over in (None, 1.0, 1.25, 2.0):
             name = f"{engine}-{over}"
             extra = [] if over is None else [f"rollout.oversample={over}"]
@@ -106,9 +107,11 @@ def main_(argv: list[str] | None = None) -> None:
                 f"{_mean(rows, 'rollout/oversample_dropped_unfinished'):.2f} | {_mean(rows, 'timing/generate'):.2f} |"
             )
     print()
-    print("| async_steps 1, hf | staleness/mean | staleness/mixed_samples | staleness/off_policy_tokens |")
-    print("|---|---|---|---|")
-    for partial in (False, True):
+    print(
+        "| async_steps 1, hf | staleness/mean | staleness/mixed_samples | staleness/off_policy_tokens | step s | generate s |"
+    )
+    print("|---|---|---|---|---|---|")
+    for partial in (False, True) if args.only != "oversample" else ():
         name = f"async-{partial}"
         run = [
             "train",
@@ -122,7 +125,8 @@ def main_(argv: list[str] | None = None) -> None:
         rows = [m for m in read_metrics(root / "runs" / name) if m["step"] > 1]
         print(
             f"| partial_rollouts {str(partial).lower()} | {_mean(rows, 'staleness/mean'):.3f} | "
-            f"{_mean(rows, 'staleness/mixed_samples'):.3f} | {_mean(rows, 'staleness/off_policy_tokens'):.3f} |"
+            f"{_mean(rows, 'staleness/mixed_samples'):.3f} | {_mean(rows, 'staleness/off_policy_tokens'):.3f} | "
+            f"{_mean(rows, 'timing/step'):.2f} | {_mean(rows, 'timing/generate'):.2f} |"
         )
 
 
