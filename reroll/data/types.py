@@ -60,7 +60,17 @@ class Completion:
     response_ids: list[int]
     text: str
     logprobs: list[float]
-    finish_reason: str  # "stop" (eos or a stop string) or "length"
+    finish_reason: str  # "stop" (eos or a stop string), "length", or "abort" (interrupted: to continue)
+
+    def continued(self, more: Completion) -> Completion:
+        """This response followed by ``more``, generated from this one's prompt + response tokens."""
+        return Completion(
+            self.prompt_ids,
+            self.response_ids + more.response_ids,
+            self.text + more.text,
+            self.logprobs + more.logprobs,
+            more.finish_reason,
+        )
 
 
 @dataclass
