@@ -77,7 +77,19 @@ def _vllm_env(cfg: VLLMConfig, device: str) -> dict[str, str]:
 class VLLMEngine:
     """``vllm.LLM`` behind the ``Engine`` interface: n samples per prompt with exact ids and log-probs."""
 
-    def __init__(self, model_path: str, cfg: VLLMConfig, *, dtype: str = "float32", device: str = "cpu"):
+    def __init__(
+        self,
+        model_path: str,
+        cfg: VLLMConfig,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        keep_cut: bool = False,
+    ):
+        """``keep_cut``: responses an ``interrupt`` cuts keep the tokens they had (partial rollouts and
+        over-sampling need them): vLLM then returns every request's new tokens at every step. Without
+        it vLLM returns a response once, when it finishes (no per-step output objects for the whole
+        batch: less Python per decoding step), and a cut response comes back empty."""
         if cfg.enable_sleep_mode and device == "cpu":
             raise UserError(VLLM_SLEEP_NEEDS_CUDA)
         os.environ.update(_vllm_env(cfg, device))
@@ -86,6 +98,9 @@ class VLLMEngine:
         self._vllm = vllm
         self.cfg = cfg
         self.device = device
+        from vllm.sampling_params import RequestOutputKind
+
+        self._output_kind = RequestOutputKind.DELTA if keep_cut else RequestOutputKind.FINAL_ONLY
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
@@ -113,7 +128,8 @@ class VLLMEngine:
         _hook_step_loop(self.llm.llm_engine, self._abort, self._stats)
 
     def _sampling_params(self, params: SamplingParams, seed: int | None, max_tokens: int) -> Any:
-        """One request's (one sample: n = 1), its tokens and log-probs returned as deltas each step."""
+        """One request's (one sample: n = 1): its tokens and log-probs returned as deltas each step
+        (``keep_cut``) or once, when it finishes."""
         greedy = params.temperature == 0
         # without stop strings nothing needs vLLM's incremental detokenizer: the texts are decoded
         # once, in a batch, after the call (stop strings are matched on text, so they keep it)
@@ -130,7 +146,7 @@ class VLLMEngine:
             logprobs=0,  # the sampled token's log-prob only
             skip_special_tokens=True,
             detokenize=detokenize,
-            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
+            output_kind=self._output_kind,
         )
 
     @engine_call

@@ -44,9 +44,12 @@ def groups(tmp_path_factory, assets):
     start_ray(None)
     cfg = load_config(write_config(path, assets), RunConfig, [])
     local = load_config(write_config(path, assets), RunConfig, ["runtime.backend=local"])
-    # 0.05 MiB buckets: the tiny model's weights reach vLLM in several partial reloads
+    # 0.05 MiB buckets: the tiny model's weights reach vLLM in several partial reloads; over-sampling
+    # makes the engine keep what an interrupt cuts (its per-step outputs), which the stream test reads
     vllm_cfg = load_config(
-        write_config(path, assets), RunConfig, ["rollout.engine=vllm", "rollout.weight_sync_bucket_mb=0.05"]
+        write_config(path, assets),
+        RunConfig,
+        ["rollout.engine=vllm", "rollout.weight_sync_bucket_mb=0.05", "rollout.oversample=1.0"],
     )
     made = [TrainerGroup("actor_train", cfg, trainable=True), RolloutGroup(local), RolloutGroup(vllm_cfg)]
     yield made
