@@ -59,6 +59,7 @@ def make_engine(
             rollout.vllm,
             dtype=dtype,
             device=device,
+            keep_cut=rollout.partial_rollouts or rollout.oversample is not None,
         )
     from reroll.engines.sglang import SGLangEngine
 

@@ -28,7 +28,7 @@ def write_synthetic_pairs(cfg: RunConfig) -> None:
         return
     from reroll.data.preferences import write_arithmetic_preferences
 
-    write_synthetic_files(write_arithmetic_preferences, syn, targets, "preferences")
+    write_synthetic_files(write_arithmetic_preferences, syn, targets, "preference")
 
 
 def load_preference_data(cfg: RunConfig, tokenizer: Any) -> tuple[list[PreferencePair], list[PreferencePair]]:
