@@ -45,6 +45,7 @@ def missing() -> list[str]:
         # a local build tag (2.13.0+cpu) satisfies the pin of its release
         if req.specifier and not req.specifier.contains(version.split("+")[0], prereleases=True):
             problems.append(f"{req.name} {version} does not satisfy {req}")
+        problems += [f"{name} ({req}) is not installed" for name in _extras_missing(req)]
     root = Path(__file__).resolve().parents[1]
     spec = importlib.util.find_spec("reroll")  # sys.path[0] is .ci/: this finds the installed reroll
     if spec is not None and spec.origin and Path(spec.origin).resolve().parents[1] != root:
@@ -55,6 +56,22 @@ def missing() -> list[str]:
         with contextlib.suppress(metadata.PackageNotFoundError):
             problems.append(f"{name} {metadata.version(name)} is installed (the install removes it)")
     return problems
+
+
+def _extras_missing(req: Requirement) -> list[str]:
+    """What ``req``'s extras (``ray[default]``) add that is not installed."""
+    out = []
+    for line in metadata.requires(req.name) or []:
+        need = Requirement(line)
+        if need.marker is None or not any(need.marker.evaluate({"extra": e}) for e in req.extras):
+            continue
+        if need.marker.evaluate({"extra": ""}):  # a requirement of every install, not of the extra
+            continue
+        try:
+            metadata.version(need.name)
+        except metadata.PackageNotFoundError:
+            out.append(need.name)
+    return out
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ FROZEN_ROLES = ("reference", "teacher", "reward_model")
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# fp32 chunks that per-token log-probs use at once (about 4 of CHUNK_ELEMENTS in reroll.algorithms.logprobs,
-# not imported here: the plan needs no torch)
-LOGPROB_WORKSPACE = 4 * 2**24 * 4
+# fp32 chunks that per-token log-probs use at once on a GPU (about 4 of CHUNK_ELEMENTS_CUDA in
+# reroll.algorithms.logprobs, not imported here: the plan needs no torch)
+LOGPROB_WORKSPACE = 4 * 2**26 * 4
 
 
 @dataclass(frozen=True)

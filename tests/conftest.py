@@ -112,3 +112,49 @@ def assert_kill_mid_generation_is_reported(rollout) -> None:
     assert f"actor_infer[0] ({rollout.detail}) failed during generate" in str(e.value)  # names the engine
     assert rollout.detail.endswith(" engine")
     assert "died" in str(e.value)
+
+
+def assert_stream_yields_groups_then_interrupt_cuts_the_rest(rollout, *, prompts: int) -> list[int]:
+    """``rollout.stream``: every prompt's group once, each of n completions; an ``interrupt`` after the
+    first group makes the rest come back as they stand (some ``abort``). Returns the arrival order."""
+    from reroll.data.types import SamplingParams
+
+    order, cut = [], 0
+    for i, group in rollout.stream(["1+2="] * prompts, SamplingParams(n=2, max_new_tokens=48, seed=5)):
+        if not order:
+            rollout.interrupt()
+        order.append(i)
+        assert len(group) == 2
+        cut += sum(c.finish_reason == "abort" for c in group)
+    assert sorted(order) == list(range(prompts))
+    assert cut > 0
+    return order
+
+
+def assert_interrupted_responses_resume(rollout, *, prompts: int, after_s: float) -> None:
+    """``interrupt`` ``after_s`` into a generation: the responses it cut (``abort``, their tokens kept)
+    are continued by ``submit_resume`` from those tokens up to ``max_new_tokens`` in all; the finished
+    ones are left as they were."""
+    import threading
+
+    from reroll.data.types import SamplingParams
+
+    params = SamplingParams(n=2, max_new_tokens=48, seed=7)
+    timer = threading.Timer(after_s, rollout.interrupt)
+    timer.start()
+    refs = rollout.submit(["1+1="] * prompts, params)
+    first = rollout.collect(refs)
+    timer.join()
+    done = rollout.collect(rollout.submit_resume(refs, params))
+    pairs = [(a, b) for ga, gb in zip(first, done) for a, b in zip(ga, gb)]
+    cut = [(a, b) for a, b in pairs if a.finish_reason == "abort"]
+    assert cut, "the interrupt landed after the generation ended: raise prompts"
+    assert any(a.response_ids for a, _ in cut)  # cut in the middle of a response, not only unstarted
+    for a, b in pairs:
+        if a.finish_reason != "abort":
+            assert b == a
+            continue
+        assert b.response_ids[: len(a.response_ids)] == a.response_ids
+        assert b.logprobs[: len(a.logprobs)] == a.logprobs and len(b.logprobs) == len(b.response_ids)
+        assert b.prompt_ids == a.prompt_ids and len(b.response_ids) <= 48
+        assert b.finish_reason == "stop" or (b.finish_reason == "length" and len(b.response_ids) == 48)

@@ -328,7 +328,7 @@ def async_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     """What ``rollout.async_steps`` cannot run with, as ``(dotted path, message)``: generation overlaps
     training only where actor_infer has devices of its own."""
     r = cfg.rollout
-    problems = tail_problems(cfg)
+    problems = tail_problems(cfg) + streaming_problems(cfg)
     if not r.async_steps:
         if r.max_staleness is not None:
             return [("rollout.max_staleness", "bounds the staleness of async samples, but rollout.async_steps "
@@ -414,4 +414,44 @@ def tail_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     for what, on in others.items():
         if on:
             problems.append((path, f"tail batching does not run with {what} yet: turn one of them off"))
+    return problems
+
+
+def streaming_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """What ``rollout.partial_rollouts`` and ``rollout.oversample`` cannot run with."""
+    r, problems = cfg.rollout, []
+    if r.partial_rollouts:
+        path = "rollout.partial_rollouts"
+        if not r.async_steps:
+            problems.append((path, "continues the generations in flight at a weight update, but with "
+                             "rollout.async_steps 0 none is in flight then: set async_steps >= 1, or remove "
+                             "partial_rollouts"))  # fmt: skip
+        if cfg.runtime.backend == "local":
+            problems.append((path, "runtime.backend 'local' runs each generation to its end when it is "
+                             "submitted, so nothing is ever in flight to interrupt: use runtime.backend=ray"))  # fmt: skip
+        lora = cfg.strategy.lora
+        if lora is not None and lora.sync == "adapters":
+            problems.append((path, "adapter weight sync waits for the generations in flight: set "
+                             "strategy.lora.sync=merged, or remove partial_rollouts"))  # fmt: skip
+        if r.weight_sync_transport not in ("auto", "object_store"):
+            problems.append((path, f"weight_sync_transport {r.weight_sync_transport!r} waits for the "
+                             "generations in flight: use 'auto' or 'object_store'"))  # fmt: skip
+    if r.oversample is not None:
+        path = "rollout.oversample"
+        others = {
+            "rollout.async_steps": r.async_steps > 0,
+            "rollout.tail_threshold": r.tail_threshold is not None,
+            f"pipeline {cfg.pipeline!r}": cfg.pipeline != "rlvr",
+        }
+        for what, on in others.items():
+            if on:
+                problems.append((path, f"streaming with over-sampling does not run with {what} yet: "
+                                 "turn one of them off"))  # fmt: skip
+    for key, on in (
+        ("rollout.partial_rollouts", r.partial_rollouts),
+        ("rollout.oversample", r.oversample is not None),
+    ):
+        if on and r.engine not in ("hf", "vllm"):
+            problems.append((key, f"needs an engine that streams and can be interrupted (hf, vllm), not "
+                             f"{r.engine!r}: set rollout.engine=vllm or hf"))  # fmt: skip
     return problems

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from reroll.config.base import StrictModel
+from reroll.config.tags import tag_problems
 
 Isolation = Literal["auto", "thread", "process"]
 ISOLATION_DOC = (
@@ -198,22 +199,8 @@ def check_reward(cfg: RewardConfig) -> list[tuple[str, str]]:
             problems.append(
                 ("reward.domains", f"the shares {shares} add up to {sum(shares.values()):g}, not 1")
             )
-    seen: dict[str, str] = {}
-    for name, d in cfg.domains.items():
-        for tag in d.tags or [name]:
-            if tag in seen:
-                problems.append(
-                    (f"reward.domains.{name}.tags", f"tag {tag!r} is also routed to {seen[tag]!r}")
-                )
-            seen[tag] = name
-    if cfg.default_domain is not None and cfg.default_domain not in cfg.domains:
-        problems.append(
-            (
-                "reward.default_domain",
-                f"{cfg.default_domain!r} is not one of the domains {sorted(cfg.domains)}",
-            )
-        )
-    return problems
+    tags = {name: d.tags for name, d in cfg.domains.items()}
+    return problems + tag_problems(tags, cfg.default_domain, "reward.domains", "reward.default_domain")
 
 
 def _check_judge(cfg: RewardConfig) -> list[tuple[str, str]]:

@@ -223,6 +223,23 @@ class RolloutConfig(StrictModel):
         "than actor_train's are regenerated with the engine's current weights "
         "(staleness/regenerated_groups). At least async_steps; None: async_steps.",
     )
+    partial_rollouts: bool = Field(
+        False,
+        description="With async_steps: at each weight update the generations in flight are interrupted "
+        "and continued with the new weights from the tokens already produced (prompt + partial response), "
+        "so no generation waits for a whole batch on old weights; every response token keeps the policy "
+        "version that produced it (staleness/mixed_samples). Needs runtime.backend=ray and the hf or vllm "
+        "engine. See docs/async.md.",
+    )
+    oversample: float | None = Field(
+        None,
+        ge=1.0,
+        description="Streaming with over-sampling (rlvr, synchronous): generate ceil(oversample * "
+        "batch_size / group_size) prompts, score each group as soon as its samples finish, keep the first "
+        "batch_size / group_size groups that finish and interrupt the rest (rollout/oversample_*: dropped "
+        "groups and the lengths of kept vs dropped samples, the bias toward short responses). 1.0: streamed "
+        "rewards, no extra prompts. None: off. hf or vllm engine. See docs/async.md.",
+    )
     tail_threshold: int | None = Field(
         None,
         ge=1,

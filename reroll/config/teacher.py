@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import Field
 
 from reroll.config.base import StrictModel
+from reroll.config.tags import entry_tags, route_tag, tag_problems
 
 
 class TeacherConfig(StrictModel):
@@ -77,12 +78,11 @@ def teacher_for(cfg: DistillConfig, tag: str) -> str:
     """The teacher a row tagged ``tag`` is routed to (one teacher takes every row)."""
     if len(cfg.teachers) == 1:
         return next(iter(cfg.teachers))
-    for name, t in cfg.teachers.items():
-        if tag in (t.tags or [name]):
-            return name
-    if cfg.default_teacher is not None:
-        return cfg.default_teacher
-    known = {tg: n for n, t in cfg.teachers.items() for tg in (t.tags or [n])}
+    tags = {name: t.tags for name, t in cfg.teachers.items()}
+    owner = route_tag(tags, tag, cfg.default_teacher)
+    if owner is not None:
+        return owner
+    known = {tg: n for n, ts in entry_tags(tags).items() for tg in ts}
     raise ValueError(
         f"a row is tagged domain {tag!r}, which no teacher lists (tags: {known}): add it to a teacher's "
         f"tags, or set distill.default_teacher"
@@ -101,19 +101,5 @@ def check_distill(cfg: DistillConfig) -> list[tuple[str, str]]:
         ]
     if cfg.mode == "offline" and "on_policy_loss" in cfg.model_fields_set:
         problems.append(("distill.on_policy_loss", "is used by mode 'on_policy' only: remove it"))
-    seen: dict[str, str] = {}
-    for name, t in cfg.teachers.items():
-        for tag in t.tags or [name]:
-            if tag in seen:
-                problems.append(
-                    (f"distill.teachers.{name}.tags", f"tag {tag!r} is also routed to {seen[tag]!r}")
-                )
-            seen[tag] = name
-    if cfg.default_teacher is not None and cfg.default_teacher not in cfg.teachers:
-        problems.append(
-            (
-                "distill.default_teacher",
-                f"{cfg.default_teacher!r} is not one of the teachers {sorted(cfg.teachers)}",
-            )
-        )
-    return problems
+    tags = {name: t.tags for name, t in cfg.teachers.items()}
+    return problems + tag_problems(tags, cfg.default_teacher, "distill.teachers", "distill.default_teacher")

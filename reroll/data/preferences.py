@@ -25,7 +25,7 @@ import torch
 from reroll.data.arithmetic import make_arithmetic_rows
 from reroll.data.chat import PromptFormat, chat_messages
 from reroll.data.datasets import DatasetError, read_rows
-from reroll.data.types import TrainBatch
+from reroll.data.types import TrainBatch, prompt_response_batch
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -207,15 +207,7 @@ def pair_batch(pairs: Sequence[PreferencePair], tokenizer: Any) -> PairBatch:
             p = tokenizer.encode(prompt, add_special_tokens=False)
             r = tokenizer.encode(response, add_special_tokens=False)
             rows.append((p, [*r, tokenizer.eos_token_id]))
-        width = max(len(p) + len(r) for p, r in rows)
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.bool)
-        resp = torch.zeros_like(attn)
-        for i, (p, r) in enumerate(rows):
-            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-            attn[i, : len(p) + len(r)] = True
-            resp[i, len(p) : len(p) + len(r)] = True
-        return TrainBatch(ids, attn, resp, group_ids=torch.arange(len(rows)))
+        return prompt_response_batch(rows, tokenizer.pad_token_id)
 
     batch = PairBatch(
         chosen=side([(p.prompt, p.chosen) for p in pairs]),

@@ -60,7 +60,17 @@ class Completion:
     response_ids: list[int]
     text: str
     logprobs: list[float]
-    finish_reason: str  # "stop" (eos or a stop string) or "length"
+    finish_reason: str  # "stop" (eos or a stop string), "length", or "abort" (interrupted: to continue)
+
+    def continued(self, more: Completion) -> Completion:
+        """This response followed by ``more``, generated from this one's prompt + response tokens."""
+        return Completion(
+            self.prompt_ids,
+            self.response_ids + more.response_ids,
+            self.text + more.text,
+            self.logprobs + more.logprobs,
+            more.finish_reason,
+        )
 
 
 @dataclass
@@ -167,30 +177,40 @@ class RewardItem:
         return cls(sample.text, completion.text, sample.row, sample.domain)
 
 
+def prompt_response_batch(
+    rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+    pad_token_id: int,
+    group_ids: Sequence[int] | None = None,
+) -> TrainBatch:
+    """Right-padded ``(B, T)`` tensors of ``(prompt ids, response ids)`` rows, the response masked for the
+    loss; ``group_ids`` default to one group per row."""
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.bool)
+    resp = torch.zeros_like(attn)
+    for i, (p, r) in enumerate(rows):
+        ids[i, : len(p) + len(r)] = torch.tensor([*p, *r], dtype=torch.long)
+        attn[i, : len(p) + len(r)] = True
+        resp[i, len(p) : len(p) + len(r)] = True
+    groups = torch.arange(len(rows)) if group_ids is None else torch.tensor(list(group_ids), dtype=torch.long)
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        response_mask=resp,
+        group_ids=groups,
+        num_tokens=float(resp.sum()),
+        num_seqs=float(resp.any(-1).sum()),
+    )
+
+
 def build_train_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBatch:
     """Right-padded ``(B, T)`` tensors from rollouts; ``rollout_logprobs`` sit on the response tokens."""
-    lengths = [len(r.completion.prompt_ids) + len(r.completion.response_ids) for r in rollouts]
-    width = max(lengths)
-    b = len(rollouts)
-    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, width), dtype=torch.bool)
-    response_mask = torch.zeros((b, width), dtype=torch.bool)
-    rollout_logprobs = torch.zeros((b, width), dtype=torch.float32)
-    for i, r in enumerate(rollouts):
-        c = r.completion
-        p, n = len(c.prompt_ids), len(c.response_ids)
-        input_ids[i, : p + n] = torch.tensor(c.prompt_ids + c.response_ids, dtype=torch.long)
-        attention_mask[i, : p + n] = True
-        response_mask[i, p : p + n] = True
-        if c.logprobs:
-            rollout_logprobs[i, p : p + n] = torch.tensor(c.logprobs, dtype=torch.float32)
-    group_ids = torch.tensor([r.group for r in rollouts], dtype=torch.long)
-    return TrainBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        response_mask=response_mask,
-        group_ids=group_ids,
-        rollout_logprobs=rollout_logprobs,
-        num_tokens=float(response_mask.sum()),
-        num_seqs=float(response_mask.any(-1).sum()),
-    )
+    rows = [(r.completion.prompt_ids, r.completion.response_ids) for r in rollouts]
+    batch = prompt_response_batch(rows, pad_token_id, [r.group for r in rollouts])
+    batch.rollout_logprobs = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    for i, (p, r) in enumerate(rows):
+        if rollouts[i].completion.logprobs:
+            batch.rollout_logprobs[i, len(p) : len(p) + len(r)] = torch.tensor(
+                rollouts[i].completion.logprobs, dtype=torch.float32
+            )
+    return batch

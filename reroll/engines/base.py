@@ -1,15 +1,22 @@
 """The generation engine interface of actor_infer: every engine (hf, vllm, sglang) has these methods.
 
 Also what the engines share: ``EngineAborted`` (raised by a ``generate`` that ``abort()`` stopped),
-the ``engine_call`` decorator that guards ``generate``/``score`` (clears the abort flag, refuses to run
-while asleep or without weights), and ``EngineStats`` (the counters behind ``metrics()``).
+the ``engine_call`` decorator that guards ``generate``/``stream``/``score`` (clears the abort and
+interrupt flags, refuses to run while asleep or without weights), ``in_prompt_order`` (a stream's
+groups as ``generate`` returns them) and ``EngineStats`` (the counters behind ``metrics()``).
+
+Two ways to stop a call from another thread: ``abort()`` cancels it (it raises ``EngineAborted``, its
+completions are lost); ``interrupt()`` ends it early and keeps what it made: every response not yet
+finished comes back with ``finish_reason == "abort"`` and the tokens generated so far, to be continued
+later from prompt + response (partial rollouts) or dropped (over-sampling). The hf and vllm engines
+stream (``stream``: each prompt's group as soon as all its samples finish); sglang does not.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -35,6 +42,23 @@ class Engine(Protocol):
         self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
     ) -> list[list[Completion]]:
         """``params.n`` completions for each prompt, in prompt order; a prompt is text or token ids."""
+        ...
+
+    def stream(
+        self,
+        prompts: Sequence[str] | Sequence[list[int]],
+        params: SamplingParams,
+        budgets: Sequence[int] | None = None,
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        """``(prompt index, its params.n completions)`` as each prompt's samples have all finished, in
+        the order they finish. ``budgets``: each prompt's own ``max_new_tokens`` (default: the params').
+        After ``interrupt()`` the remaining groups are yielded as they stand (unfinished responses with
+        ``finish_reason == "abort"``). Closing the iterator early drops the requests still running."""
+        ...
+
+    def interrupt(self) -> None:
+        """End the call in flight (``generate`` or ``stream``) at its next decoding step, keeping what
+        it generated (see the module docstring); a call that starts later runs in full."""
         ...
 
     def load_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -74,6 +98,8 @@ def engine_call(method: F) -> F:
     @functools.wraps(method)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         self._abort.clear()
+        if hasattr(self, "_interrupt"):
+            self._interrupt.clear()
         problem = None
         if self._asleep is not None:
             problem = f"the engine is asleep (level {self._asleep}); call wake_up() first"
@@ -84,6 +110,17 @@ def engine_call(method: F) -> F:
         return method(self, *args, **kwargs)
 
     return guarded  # type: ignore[return-value]
+
+
+def in_prompt_order(groups: Iterable[tuple[int, list[Completion]]], n_prompts: int) -> list[list[Completion]]:
+    """A stream's groups back in prompt order (what ``generate`` returns)."""
+    out: list[list[Completion] | None] = [None] * n_prompts
+    for i, group in groups:
+        out[i] = group
+    missing = [i for i, g in enumerate(out) if g is None]
+    if missing:
+        raise RuntimeError(f"the engine's stream ended without the groups of prompts {missing[:8]}")
+    return out  # type: ignore[return-value]
 
 
 class EngineStats:

@@ -4,28 +4,30 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from reroll.data.types import Completion, SamplingParams
-from reroll.engines.base import EngineAborted, EngineStats, engine_call
+from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prompt_order
 from reroll.engines.lora import lora_pairs, lora_scale, merge_lora
 from reroll.models.loading import load_causal_lm, load_tokenizer
 
 
 class _AbortCriterion(StoppingCriteria):
-    """Checked after every decoding step: raises ``EngineAborted`` once ``abort()`` set the flag."""
+    """Checked after every decoding step: raises ``EngineAborted`` once ``abort()`` set the flag; stops
+    every row (``fired``) once ``interrupt()`` set its flag."""
 
-    def __init__(self, flag: threading.Event) -> None:
-        self.flag = flag
+    def __init__(self, flag: threading.Event, interrupt: threading.Event) -> None:
+        self.flag, self.interrupt, self.fired = flag, interrupt, False
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         if self.flag.is_set():
             raise EngineAborted("generate was aborted (abort() called while it ran)")
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        self.fired = self.interrupt.is_set()
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
 
 
 class HFEngine:
@@ -49,6 +51,7 @@ class HFEngine:
         self.static_cache = static_cache
         self._tokens, self._seconds = 0, 0.0
         self._abort = threading.Event()
+        self._interrupt = threading.Event()
         self._stats = EngineStats()
         self._asleep: int | None = None  # the level of the last sleep(), until wake_up()
         self._dropped: dict[str, torch.Size] = {}  # sleep(2): shapes of the parameters dropped
@@ -60,23 +63,47 @@ class HFEngine:
         self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
     ) -> list[list[Completion]]:
         """``params.n`` completions per prompt; rows are generated ``batch_size`` at a time."""
+        return in_prompt_order(self.stream(prompts, params), len(prompts))
+
+    @engine_call
+    def stream(
+        self,
+        prompts: Sequence[str] | Sequence[list[int]],
+        params: SamplingParams,
+        budgets: Sequence[int] | None = None,
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        """Each prompt's group once its rows are done. Rows are decoded ``batch_size`` at a time, in
+        lockstep, so groups finish in prompt order, a micro-batch at a time. After ``interrupt()`` the
+        micro-batch in flight stops at its next token and the rows not started come back empty."""
         if params.seed is not None:
             torch.manual_seed(params.seed)
         # a prompt is text (encoded without special tokens) or token ids, used exactly as given
         encoded = [
             p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in prompts
         ]
-        flat = [ids for ids in encoded for _ in range(params.n)]
-        out: list[Completion] = []
-        start = time.perf_counter()
-        for i in range(0, len(flat), self.batch_size):
-            out.extend(self._generate_batch(flat[i : i + self.batch_size], params))
-        self._seconds += time.perf_counter() - start
-        self._tokens += sum(len(c.response_ids) for c in out)
-        return [out[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+        limits = list(budgets) if budgets is not None else [params.max_new_tokens] * len(prompts)
+        rows = [(i, ids, limits[i]) for i, ids in enumerate(encoded) for _ in range(params.n)]
+        done: dict[int, list[Completion]] = {}
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start : start + self.batch_size]
+            if self._interrupt.is_set():  # not started: nothing generated yet
+                made = [Completion(ids, [], "", [], "abort") for _, ids, _ in chunk]
+            else:
+                began = time.perf_counter()
+                made = self._generate_batch([ids for _, ids, _ in chunk], [b for *_, b in chunk], params)
+                self._seconds += time.perf_counter() - began
+                self._tokens += sum(len(c.response_ids) for c in made)
+            for (i, _, _), c in zip(chunk, made):
+                done.setdefault(i, []).append(c)
+            for i in sorted({i for i, _, _ in chunk}):
+                if len(done[i]) == params.n:
+                    yield i, done.pop(i)
 
     @torch.no_grad()
-    def _generate_batch(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def _generate_batch(
+        self, rows: list[list[int]], budgets: list[int], params: SamplingParams
+    ) -> list[Completion]:
+        """One micro-batch, decoded to its largest budget; each row is cut at its own."""
         self._stats.observe(running=len(rows))
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(len(r) for r in rows)
@@ -85,6 +112,7 @@ class HFEngine:
             [[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device
         )
         greedy = params.temperature == 0
+        criterion = _AbortCriterion(self._abort, self._interrupt)
         extra = {"stop_strings": list(params.stop), "tokenizer": self.tokenizer} if params.stop else {}
         if self.static_cache:
             extra["cache_implementation"] = "static"
@@ -95,12 +123,12 @@ class HFEngine:
             temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p,
             top_k=None if greedy or params.top_k == 0 else params.top_k,
-            max_new_tokens=params.max_new_tokens,
+            max_new_tokens=max(budgets),
             eos_token_id=eos,
             pad_token_id=pad,
             output_logits=True,
             return_dict_in_generate=True,
-            stopping_criteria=StoppingCriteriaList([_AbortCriterion(self._abort)]),
+            stopping_criteria=StoppingCriteriaList([criterion]),
             **extra,
         )
         new = out.sequences[:, width:]
@@ -111,14 +139,23 @@ class HFEngine:
             for t, step in enumerate(out.logits)
         ]
         logprobs = torch.stack(steps, dim=1)  # (N, new), from the logits before any processing
-        return [self._completion(rows[i], new[i], logprobs[i], params) for i in range(len(rows))]
+        return [
+            self._completion(rows[i], new[i, : budgets[i]], logprobs[i], params, budgets[i], criterion.fired)
+            for i in range(len(rows))
+        ]
 
     def _completion(
-        self, prompt: list[int], new: torch.Tensor, logprobs: torch.Tensor, params: SamplingParams
+        self,
+        prompt: list[int],
+        new: torch.Tensor,
+        logprobs: torch.Tensor,
+        params: SamplingParams,
+        budget: int,
+        interrupted: bool,
     ) -> Completion:
         eos = self.tokenizer.eos_token_id
         ids = new.tolist()
-        length, reason = len(ids), "length"
+        length, reason = len(ids), "length" if len(ids) >= budget or not interrupted else "abort"
         if eos in ids:
             length, reason = ids.index(eos) + 1, "stop"
         elif params.stop:  # the shortest prefix whose text holds a stop string (the rest is padding)
@@ -198,6 +235,10 @@ class HFEngine:
     def abort(self) -> None:
         """Stop an in-flight ``generate`` at its next decoding step; it raises ``EngineAborted``."""
         self._abort.set()
+
+    def interrupt(self) -> None:
+        """End an in-flight ``generate``/``stream`` at its next decoding step, keeping its tokens."""
+        self._interrupt.set()
 
     @engine_call
     @torch.no_grad()

@@ -21,6 +21,12 @@ kernels' weight repacking for the layers in the bucket. ``finish_weight_update``
 prefix cache so no KV computed with the old weights is reused. Nothing is written to disk. LoRA adapters are merged into
 the base weights (``reroll.engines.lora``; the base is read from the checkpoint) and loaded the same way.
 
+Streaming. ``stream`` runs vLLM's step loop itself (as ``LLM.generate`` does inside): each sample is
+a request of its own (``n`` = 1, what vLLM's parallel sampling fans out to anyway) whose tokens and
+log-probs come back as deltas every step, so a prompt's group is yielded the step its last sample
+finishes, and after ``interrupt()`` the unfinished requests are aborted and yielded with the tokens
+they have. ``generate`` is ``stream`` put back in prompt order.
+
 Abort and metrics hook into vLLM's step loop: ``LLMEngine.step`` is wrapped so that once ``abort()``
 is called, the next step aborts every unfinished request and raises ``EngineAborted``; a stat logger
 added to vLLM's logger manager keeps the peak running/waiting requests and KV-cache usage per step.
@@ -32,11 +38,12 @@ memory; the KV cache size is ``rollout.vllm.cpu_kvcache_space_gb``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +51,7 @@ import torch
 from reroll.config.schema import VLLMConfig
 from reroll.config.startable import VLLM_SLEEP_NEEDS_CUDA
 from reroll.data.types import Completion, SamplingParams
-from reroll.engines.base import EngineAborted, EngineStats, engine_call
+from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prompt_order
 from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merge_lora
 from reroll.errors import UserError
 from reroll.runtime import quiet
@@ -99,38 +106,52 @@ class VLLMEngine:
         self._asleep: int | None = None
         self._missing_weights = False
         self._abort = threading.Event()
+        self._interrupt = threading.Event()
+        self._calls = itertools.count()
         self._stats = EngineStats(scheduler=True)
         self._lora_base: dict[str, torch.Tensor] = {}
         _hook_step_loop(self.llm.llm_engine, self._abort, self._stats)
 
-    def _sampling_params(self, params: SamplingParams, seed: int | None) -> Any:
+    def _sampling_params(self, params: SamplingParams, seed: int | None, max_tokens: int) -> Any:
+        """One request's (one sample: n = 1), its tokens and log-probs returned as deltas each step."""
         greedy = params.temperature == 0
         # without stop strings nothing needs vLLM's incremental detokenizer: the texts are decoded
         # once, in a batch, after the call (stop strings are matched on text, so they keep it)
         detokenize = bool(params.stop)
         return self._vllm.SamplingParams(
-            n=params.n,
+            n=1,
             temperature=params.temperature,
             top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy else params.top_k,
-            max_tokens=params.max_new_tokens,
+            max_tokens=max_tokens,
             stop=list(params.stop) or None,
             include_stop_str_in_output=True,  # the text matches the token ids (as with the hf engine)
             seed=seed,
             logprobs=0,  # the sampled token's log-prob only
             skip_special_tokens=True,
             detokenize=detokenize,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
         )
 
     @engine_call
     def generate(
         self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
     ) -> list[list[Completion]]:
-        """``params.n`` completions per prompt. A seed makes the call reproducible. With the engine in
-        this process (``rollout.vllm.in_process``) the seed seeds the whole batch (torch's generators,
-        which vLLM samples unseeded requests from): vLLM samples per-request-seeded requests one by
-        one, a cost that grows with the batch. Otherwise prompt ``i`` gets seed ``seed + i * n`` and
-        vLLM gives its ``n`` samples ``+0 .. +n-1``."""
+        """``params.n`` completions per prompt (``stream`` in prompt order)."""
+        return in_prompt_order(self.stream(prompts, params), len(prompts))
+
+    @engine_call
+    def stream(
+        self,
+        prompts: Sequence[str] | Sequence[list[int]],
+        params: SamplingParams,
+        budgets: Sequence[int] | None = None,
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        """Each prompt's group the engine step its last sample finishes. A seed makes the call
+        reproducible. With the engine in this process (``rollout.vllm.in_process``) the seed seeds the
+        whole batch (torch's generators, which vLLM samples unseeded requests from): vLLM samples
+        per-request-seeded requests one by one, a cost that grows with the batch. Otherwise sample
+        ``j`` of prompt ``i`` gets seed ``seed + i * n + j``."""
         # a prompt is text (encoded without special tokens) or token ids, used exactly as given
         encoded = [
             p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in prompts
@@ -138,33 +159,67 @@ class VLLMEngine:
         per_request = params.seed is not None and not self.cfg.in_process
         if params.seed is not None and not per_request:
             torch.manual_seed(params.seed)
-        sampling = [
-            self._sampling_params(params, params.seed + i * params.n if per_request else None)
-            for i in range(len(prompts))
-        ]
+        limits = list(budgets) if budgets is not None else [params.max_new_tokens] * len(prompts)
+        engine, call = self.llm.llm_engine, next(self._calls)
+        rows: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
+        parts: dict[str, list[Any]] = {}  # request id -> [token ids, log-probs, text, finish reason]
+        for i, ids in enumerate(encoded):
+            for j in range(params.n):
+                rid = f"reroll-{call}-{i}-{j}"
+                seed = params.seed + i * params.n + j if per_request else None
+                engine.add_request(
+                    rid, {"prompt_token_ids": ids}, self._sampling_params(params, seed, limits[i])
+                )
+                rows[rid], parts[rid] = (i, j), [[], [], "", None]
+        left = dict.fromkeys(range(len(prompts)), params.n)  # unfinished samples per prompt
         start = time.perf_counter()
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=False)
-        self._seconds += time.perf_counter() - start
-        flat = [o for out in outputs for o in sorted(out.outputs, key=lambda o: o.index)]
-        texts = [o.text for o in flat] if params.stop else self._decode([o.token_ids for o in flat])
-        done = iter(zip(flat, texts))
-        groups = [
-            [self._completion(ids, *next(done)) for _ in out.outputs] for ids, out in zip(encoded, outputs)
-        ]
-        self._tokens += sum(len(c.response_ids) for g in groups for c in g)
-        self._requests += len(prompts) * params.n
-        return groups
+        try:
+            while any(left.values()):
+                if self._interrupt.is_set():
+                    unfinished = [rid for rid, p in parts.items() if p[3] is None]
+                    engine.abort_request(unfinished)
+                    for rid in unfinished:
+                        parts[rid][3] = "abort"
+                    left = dict.fromkeys(left, 0)
+                    finished = sorted({rows[rid][0] for rid in unfinished})
+                else:
+                    finished = []
+                    for out in engine.step():
+                        if out.request_id not in parts:
+                            continue
+                        part, o = parts[out.request_id], out.outputs[0]
+                        part[0] += o.token_ids
+                        part[1] += [float(step[tok].logprob) for tok, step in zip(o.token_ids, o.logprobs)]
+                        part[2] += o.text
+                        if out.finished:
+                            part[3] = "length" if o.finish_reason == "length" else "stop"
+                            i = rows[out.request_id][0]
+                            left[i] -= 1
+                            finished += [i] if not left[i] else []
+                for i in finished:
+                    yield (
+                        i,
+                        self._group(
+                            encoded[i], [parts[f"reroll-{call}-{i}-{j}"] for j in range(params.n)], params
+                        ),
+                    )
+        finally:
+            running = [rid for rid, p in parts.items() if p[3] is None]
+            if running:  # the caller stopped early (closed the stream) or a step failed
+                engine.abort_request(running)
+            self._seconds += time.perf_counter() - start
+            self._tokens += sum(len(p[0]) for p in parts.values())
+            self._requests += len(parts)
+
+    def _group(
+        self, prompt_ids: list[int], parts: list[list[Any]], params: SamplingParams
+    ) -> list[Completion]:
+        texts = [p[2] for p in parts] if params.stop else self._decode([p[0] for p in parts])
+        return [Completion(list(prompt_ids), p[0], t, p[1], p[3]) for p, t in zip(parts, texts)]
 
     def _decode(self, rows: list[Sequence[int]]) -> list[str]:
         """The responses' texts in one batched call (what vLLM's detokenizer would give, eos dropped)."""
         return self.tokenizer.batch_decode([list(r) for r in rows], skip_special_tokens=True)
-
-    @staticmethod
-    def _completion(prompt_ids: list[int], out: Any, text: str) -> Completion:
-        ids = list(out.token_ids)
-        logprobs = [float(step[tok].logprob) for tok, step in zip(ids, out.logprobs)]
-        reason = "length" if out.finish_reason == "length" else "stop"
-        return Completion(list(prompt_ids), ids, text, logprobs, reason)
 
     def load_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket (whole layers) on every vLLM worker; layers not in it keep their values.
@@ -258,6 +313,10 @@ class VLLMEngine:
     def abort(self) -> None:
         """Stop an in-flight ``generate`` at its next engine step; it raises ``EngineAborted``."""
         self._abort.set()
+
+    def interrupt(self) -> None:
+        """End an in-flight ``generate``/``stream`` before its next engine step, keeping its tokens."""
+        self._interrupt.set()
 
     def metrics(self) -> dict[str, float]:
         """Tokens/s, requests and peak running/waiting requests and KV-cache usage since the last call."""

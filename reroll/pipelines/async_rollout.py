@@ -19,11 +19,22 @@ here so that the pipeline's step stays one screen:
   ``rollout.max_staleness`` are generated again. The queue is part of the pipeline's state: a
   checkpoint (or a step's snapshot, which a restarted worker rewinds to) waits for the generations in
   flight and keeps their completions, so a resumed run trains on exactly the samples it would have.
+* **Partial rollouts** (``rollout.partial_rollouts``, with async). At a weight update the generation in
+  flight is interrupted (its unfinished responses come back with their tokens), the new weights load,
+  and a continuation queued behind them finishes those responses with the new weights. The
+  continuation takes the interrupted call's Ray reference as its argument, so the controller never
+  waits for it; each continuation is a segment whose new tokens carry the version of the weights it
+  ran with.
+* **Streaming with over-sampling** (``rollout.oversample``, synchronous). A round draws
+  ``ceil(oversample * prompts_per_step)`` prompts; each group is sent to the reward workers the moment
+  the engine yields it; once ``prompts_per_step`` groups are in, the engine is interrupted and the rest
+  is dropped (``rollout/oversample_*`` say how many and how long the kept and dropped responses were).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -113,6 +124,19 @@ class _Queued:
     refs: list[Any] = field(default_factory=list)
     loads_before: list[Any] = field(default_factory=list)
     groups: list[list[Completion]] | None = None
+    # partial rollouts: the continuations queued after interrupts, (version of their tokens, refs)
+    resumed: list[tuple[int, list[Any]]] = field(default_factory=list)
+    versions: list[list[list[int]]] | None = None  # per group, per sample, per token (once collected)
+
+    def last_refs(self) -> list[Any]:
+        return self.resumed[-1][1] if self.resumed else self.refs
+
+    def parts(self) -> list[Partial]:
+        """The collected groups with the policy version of every token."""
+        assert self.groups is not None
+        if self.versions is None:
+            return partials(self.prompts, self.groups, self.version)
+        return [Partial(s, g, v) for s, g, v in zip(self.prompts, self.groups, self.versions)]
 
 
 QUEUE_FILE = "rollout_queue.pt"
@@ -136,6 +160,7 @@ class RolloutSource:
         self._roles: Roles | None = None  # the roles the queue's calls went to (to drain it)
         self.tail = TailBatcher(cfg)
         self.tail_metrics: dict[str, float] = {}
+        self.streamed: tuple[list[Scored], list[Completion]] = ([], [])  # over-sampling: kept, dropped
 
     def next(self, roles: Roles, step: int) -> tuple[Scored, dict[str, float]]:
         """The scored groups ``step`` trains on and the metrics of making them."""
@@ -153,6 +178,9 @@ class RolloutSource:
             scored, metrics = first, self._generated_metrics([first])
         if k:
             metrics["staleness/regenerated_groups"] = float(regenerated)
+        if self.cfg.rollout.oversample is not None:
+            metrics |= oversample_metrics(*self.streamed, group_size=self.cfg.rollout.group_size)
+            self.streamed = ([], [])
         metrics |= self.tail_metrics | length_metrics(scored)
         return scored, metrics | staleness_metrics(scored, trainer_version=step - 1)
 
@@ -164,6 +192,8 @@ class RolloutSource:
     def _round(self, roles: Roles, step: int, round_: int) -> Scored:
         """One generation round: a batch of prompts from the sampler, generated and scored now (groups
         with a response past the tail threshold set aside)."""
+        if self.cfg.rollout.oversample is not None:
+            return self._streamed_round(roles, step, round_)
         prompts = self.sampler.next_batch()
         with roles.phase("generate", "actor_infer"):
             groups = roles.rollout.generate([s.prompt for s in prompts], self._params(step, round_))
@@ -174,21 +204,70 @@ class RolloutSource:
             parts, self.tail_metrics = self.tail.defer(roles, step, parts)
         return self._score(roles, parts)
 
+    def _streamed_round(self, roles: Roles, step: int, round_: int) -> Scored:
+        """A round with ``rollout.oversample``: each group scored as it finishes, the first
+        ``prompts_per_step`` kept, the rest interrupted and dropped."""
+        want = self.cfg.prompts_per_step
+        prompts = self._draw(math.ceil(want * (self.cfg.rollout.oversample or 1.0) - 1e-9))
+        assert roles.reward is not None
+        kept: list[Partial] = []
+        pending, dropped = [], []
+        with roles.phase("generate", "actor_infer"):
+            stream = roles.rollout.stream([s.prompt for s in prompts], self._params(step, round_))
+            for i, group in stream:
+                if len(kept) == want or any(c.finish_reason == "abort" for c in group):
+                    dropped += group
+                    continue
+                [part] = partials([prompts[i]], [group], self.engine_version)
+                kept.append(part)
+                pending.append(roles.reward.submit([RewardItem.answering(part.sample, c) for c in group]))
+                if len(kept) == want and len(prompts) > want:
+                    roles.rollout.interrupt()
+            self.engine_metrics = roles.rollout.metrics()
+        rollouts = [Rollout(p.sample, g, c) for g, p in enumerate(kept) for c in p.completions]
+        with roles.phase("reward", *self._reward_roles(roles)):
+            results = roles.reward.collect(pending)
+            scored = self._with_model_scores(
+                roles, Scored(rollouts, results, [v for p in kept for v in p.versions])
+            )
+        self.streamed[0].append(scored)
+        self.streamed[1].extend(dropped)
+        return scored
+
+    def _draw(self, n: int) -> list[Sample]:
+        """``n`` prompts from the sampler (its batch size set to ``n`` for the draw)."""
+        size, self.sampler.batch_size = self.sampler.batch_size, n
+        try:
+            return self.sampler.next_batch()
+        finally:
+            self.sampler.batch_size = size
+
     def _score(self, roles: Roles, parts: list[Partial]) -> Scored:
         """The samples scored by reward.fn and, with ``reward.model`` (RLHF), by the served reward model
         too: what DAPO's refills and the advantages see is the training reward, not the rule's alone."""
         rollouts = [Rollout(p.sample, g, c) for g, p in enumerate(parts) for c in p.completions]
         assert roles.reward is not None
-        learned = roles.reward_model if self.cfg.reward.model is not None else None
-        with roles.phase("reward", *(["reward_model"] if learned is not None else [])):
+        with roles.phase("reward", *self._reward_roles(roles)):
             results = roles.reward.score([RewardItem.answering(r.sample, r.completion) for r in rollouts])
-            scored = Scored(rollouts, results, [v for p in parts for v in p.versions])
-            if learned is not None and rollouts:
-                scores, truncated = learned.score(
-                    [r.sample.prompt for r in rollouts], [r.completion.text for r in rollouts]
-                )
-                scored.model_scores = [float(x) for x in scores]
-                scored.model_truncated = [bool(x) for x in truncated]
+            return self._with_model_scores(
+                roles, Scored(rollouts, results, [v for p in parts for v in p.versions])
+            )
+
+    def _reward_roles(self, roles: Roles) -> list[str]:
+        """The roles the reward phase holds besides the reward workers: the reward model's, in RLHF."""
+        return (
+            ["reward_model"] if self.cfg.reward.model is not None and roles.reward_model is not None else []
+        )
+
+    def _with_model_scores(self, roles: Roles, scored: Scored) -> Scored:
+        """``scored`` with the served reward model's score of every sample (RLHF; as is without one)."""
+        if self.cfg.reward.model is None or roles.reward_model is None or not scored.rollouts:
+            return scored
+        scores, truncated = roles.reward_model.score(
+            [r.sample.prompt for r in scored.rollouts], [r.completion.text for r in scored.rollouts]
+        )
+        scored.model_scores = [float(x) for x in scores]
+        scored.model_truncated = [bool(x) for x in truncated]
         return scored
 
     def _refilled(self, roles: Roles, step: int, first: Scored) -> tuple[Scored, dict[str, float]]:
@@ -240,9 +319,9 @@ class RolloutSource:
                 self.queue[s] = self._submit(roles, s)
         queued = self.queue.pop(step)
         with roles.phase("generate", "actor_infer"):
-            groups = self._collect(roles, queued)
+            self._collect(roles, queued)
             self.engine_metrics = roles.rollout.metrics(now=True)
-        return self._score(roles, partials(queued.prompts, groups, queued.version))
+        return self._score(roles, queued.parts())
 
     def _submit(self, roles: Roles, step: int) -> _Queued:
         prompts = self.sampler.next_batch()
@@ -255,7 +334,14 @@ class RolloutSource:
         if queued.groups is None:
             roles.rollout.wait_loaded(queued.loads_before)
             queued.groups = roles.rollout.collect(queued.refs)
-            queued.refs, queued.loads_before = [], []
+            if queued.resumed:  # partial rollouts: each segment's new tokens carry its weights' version
+                queued.versions = [[[queued.version] * len(c.response_ids) for c in g] for g in queued.groups]
+                for version, refs in queued.resumed:
+                    before, queued.groups = queued.groups, roles.rollout.collect(refs)
+                    for vg, old, new in zip(queued.versions, before, queued.groups):
+                        for v, a, b in zip(vg, old, new):
+                            v += [version] * (len(b.response_ids) - len(a.response_ids))
+            queued.refs, queued.loads_before, queued.resumed = [], [], []
         return queued.groups
 
     def _bound_staleness(self, roles: Roles, step: int, scored: Scored) -> tuple[Scored, int]:
@@ -288,10 +374,18 @@ class RolloutSource:
         if not queued or (lora is not None and lora.sync == "adapters") or transport != "object_store":
             self._drain(roles)
             return roles.sync_weights()
+        partial = self.cfg.rollout.partial_rollouts
         with roles.phase("weight_sync", "actor_train"):
+            if partial:  # the generation in flight stops now and is continued after the load
+                roles.rollout.interrupt()
             buckets = roles.actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, transport)
             self.loads += roles.rollout.submit_weight_buckets(buckets)
             sent = roles.actor.sync_bytes()
+            for q in self.queue.values() if partial else []:
+                if q.groups is None:
+                    seed = round_seed(self.cfg, q.step, 0) + 100_003 * (len(q.resumed) + 1)
+                    params = replace(self._params(q.step, 0), seed=seed)
+                    q.resumed.append((step, roles.rollout.submit_resume(q.last_refs(), params)))
         roles.rollout.weights_version = roles.actor.weights_version
         return float(sent)
 
@@ -326,6 +420,7 @@ class RolloutSource:
                     "version": q.version,
                     "prompts": [asdict(s) for s in q.prompts],
                     "groups": [[asdict(c) for c in g] for g in q.groups or []],
+                    "versions": q.versions,
                 }
                 for q in self.queue.values()
             ],
@@ -344,7 +439,9 @@ class RolloutSource:
             for q in saved["queued"]:
                 prompts = [Sample(**s) for s in q["prompts"]]
                 groups = [[Completion(**c) for c in g] for g in q["groups"]]
-                self.queue[q["step"]] = _Queued(q["step"], prompts, q["version"], groups=groups)
+                self.queue[q["step"]] = _Queued(
+                    q["step"], prompts, q["version"], groups=groups, versions=q.get("versions")
+                )
 
 
 def staleness_metrics(scored: Scored, *, trainer_version: int) -> dict[str, float]:
@@ -357,6 +454,24 @@ def staleness_metrics(scored: Scored, *, trainer_version: int) -> dict[str, floa
         "staleness/mean": sum(stale) / n,
         "staleness/max": float(max(stale, default=0)),
         "staleness/off_policy_tokens": sum(s > 0 for s in stale) / n,
+        "staleness/mixed_samples": sum(len(set(v)) > 1 for v in scored.versions)
+        / max(1, len(scored.versions)),
+    }
+
+
+def oversample_metrics(kept: list[Scored], dropped: list[Completion], *, group_size: int) -> dict[str, float]:
+    """What over-sampling dropped in a step's rounds and the bias of keeping the first groups to
+    finish: the mean response length (tokens) of the kept samples and of the dropped ones (those
+    interrupted count the tokens they had, a lower bound), and the share of dropped samples that had
+    not finished."""
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return {
+        "rollout/oversample_dropped_groups": len(dropped) / group_size,
+        "rollout/oversample_kept_length": mean(
+            [len(r.completion.response_ids) for part in kept for r in part.rollouts]
+        ),
+        "rollout/oversample_dropped_length": mean([len(c.response_ids) for c in dropped]),
+        "rollout/oversample_dropped_unfinished": mean([c.finish_reason == "abort" for c in dropped]),
     }
 
 

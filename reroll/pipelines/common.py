@@ -17,11 +17,19 @@ from reroll.algorithms.aggregation import count_tokens_and_seqs
 from reroll.config.schema import RunConfig
 from reroll.data.chat import ChatTemplateError, PromptFormat
 from reroll.data.datasets import DomainSampler, PromptSampler, load_samples
-from reroll.data.types import Completion, RewardItem, Sample, SamplingParams, TrainBatch
+from reroll.data.types import (
+    Completion,
+    RewardItem,
+    Sample,
+    SamplingParams,
+    TrainBatch,
+    prompt_response_batch,
+)
 from reroll.errors import UserError
 from reroll.pipelines.run import Roles
 from reroll.rewards import routing
 from reroll.roles.strategy_worker import mean_metrics
+from reroll.runtime import checkpoint as checkpoints
 from reroll.runtime import console
 
 log = logging.getLogger(__name__)
@@ -43,18 +51,25 @@ def write_synthetic_files(
     writer: Callable[..., dict[str, Path]], syn: Any, targets: list[Path], what: str
 ) -> None:
     """``writer``'s train/test files for the synthetic section ``syn`` (n_train, n_test, max_operand,
-    ops, seed), copied to ``targets`` (train, then test if any) where they do not all exist yet."""
+    ops, seed) of config section ``what``, copied to ``targets`` (train, then test if any) where they
+    do not all exist yet. Settings the task cannot meet (more rows than distinct problems) are a
+    ``UserError`` naming the section."""
     if all(p.exists() for p in targets):
         return
     with tempfile.TemporaryDirectory() as tmp:
-        made = writer(
-            tmp,
-            n_train=syn.n_train,
-            n_test=syn.n_test,
-            max_operand=syn.max_operand,
-            ops=syn.ops,
-            seed=syn.seed,
-        )
+        try:
+            made = writer(
+                tmp,
+                n_train=syn.n_train,
+                n_test=syn.n_test,
+                max_operand=syn.max_operand,
+                ops=syn.ops,
+                seed=syn.seed,
+            )
+        except ValueError as e:
+            raise UserError(
+                f"{what}.synthetic: {e} (set in {what}.synthetic.n_train / n_test / max_operand / ops)"
+            ) from e
         for src, dst in zip([made["train"], made["test"]], targets):
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
@@ -144,22 +159,7 @@ def sft_batch(samples: Sequence[Sample], fmt: PromptFormat | Any, target_templat
         prompt = tokenizer.encode(s.prompt, add_special_tokens=False)
         target = tokenizer.encode(target_template.format(**s.row), add_special_tokens=False)
         rows.append((prompt, [*target, *fmt.end_of_response]))
-    width = max(len(p) + len(t) for p, t in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.bool)
-    resp = torch.zeros_like(attn)
-    for i, (p, t) in enumerate(rows):
-        ids[i, : len(p) + len(t)] = torch.tensor(p + t)
-        attn[i, : len(p) + len(t)] = True
-        resp[i, len(p) : len(p) + len(t)] = True
-    return TrainBatch(
-        input_ids=ids,
-        attention_mask=attn,
-        response_mask=resp,
-        group_ids=torch.arange(len(rows)),
-        num_tokens=float(resp.sum()),
-        num_seqs=float(len(rows)),
-    )
+    return prompt_response_batch(rows, tokenizer.pad_token_id)
 
 
 def sft_warm_start(cfg: RunConfig, roles: Roles, next_batch: Callable[[int], TrainBatch], what: str) -> None:
@@ -270,3 +270,12 @@ def batch_stats(batch: TrainBatch) -> str:
             bad = int((~torch.isfinite(t)).sum())
             parts.append(f"{name} mean {float(t.mean()):.4g}, max abs {top}, non-finite {bad}")
     return "; ".join(parts)
+
+
+def with_checkpoint(cfg: RunConfig, checkpoint: Path | None) -> RunConfig:
+    """``cfg`` with ``model.path`` at ``checkpoint``'s model (a checkpoint, or a run directory: its newest),
+    as ``reroll generate`` and ``reroll serve`` take ``--checkpoint``; ``cfg`` itself without one."""
+    if checkpoint is None:
+        return cfg
+    model = cfg.model.model_copy(update={"path": str(checkpoints.model_dir(checkpoint)), "build_tiny": None})
+    return cfg.model_copy(update={"model": model})

@@ -26,7 +26,14 @@ from reroll.data.types import RewardItem, Sample
 from reroll.errors import UserError
 from reroll.models.loading import load_tokenizer
 from reroll.models.tiny import ensure_tiny_model
-from reroll.pipelines.common import load_data, prompt_format, sampling, step_seed, write_synthetic_data
+from reroll.pipelines.common import (
+    load_data,
+    prompt_format,
+    sampling,
+    step_seed,
+    with_checkpoint,
+    write_synthetic_data,
+)
 from reroll.pipelines.preflight import preflight
 from reroll.pipelines.run import Roles, RoleSet
 from reroll.rewards import routing
@@ -107,11 +114,7 @@ def generate(
             f"generate reads prompts from the data section (pipelines rlvr and sft); this config's pipeline "
             f"is {cfg.pipeline!r}{'' if cfg.data else ' with no data section'}"
         )
-    if checkpoint is not None:
-        model = cfg.model.model_copy(
-            update={"path": str(checkpoints.model_dir(checkpoint)), "build_tiny": None}
-        )
-        cfg = cfg.model_copy(update={"model": model})
+    cfg = with_checkpoint(cfg, checkpoint)
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be at least 1, got {limit}")
     if split == "eval" and not cfg.data.eval_files:

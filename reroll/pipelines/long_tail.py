@@ -140,14 +140,8 @@ class TailBatcher:
             more = [c[0] for c in roles.rollout.generate(rows, params)] if rows else []
         out = {id(g): Partial(g.sample, list(g.completions), [list(v) for v in g.versions]) for g in groups}
         for (g, i), extra in zip(cuts, more):
-            part, first = out[id(g)], g.completions[i]
-            part.completions[i] = Completion(
-                first.prompt_ids,
-                first.response_ids + extra.response_ids,
-                first.text + extra.text,
-                first.logprobs + extra.logprobs,
-                extra.finish_reason,
-            )
+            part = out[id(g)]
+            part.completions[i] = g.completions[i].continued(extra)
             part.versions[i] = part.versions[i] + [self.engine_version] * len(extra.response_ids)
         return [out[id(g)] for g in groups]
 

@@ -31,7 +31,7 @@ def write_synthetic_pairs(cfg: RunConfig) -> None:
     from reroll.data.preferences import write_arithmetic_preferences
 
     writer = partial(write_arithmetic_preferences, negatives=syn.negatives)
-    write_synthetic_files(writer, syn, targets, "preferences")
+    write_synthetic_files(writer, syn, targets, "preference")
 
 
 def load_preference_data(cfg: RunConfig, tokenizer: Any) -> tuple[list[PreferencePair], list[PreferencePair]]:

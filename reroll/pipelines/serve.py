@@ -17,10 +17,9 @@ from reroll.config.schema import RunConfig
 from reroll.errors import UserError
 from reroll.models.loading import load_tokenizer
 from reroll.models.tiny import ensure_tiny_model
-from reroll.pipelines.common import sampling
+from reroll.pipelines.common import sampling, with_checkpoint
 from reroll.roles.chat_server import ChatServer
 from reroll.roles.rollout import RolloutGroup
-from reroll.runtime import checkpoint as checkpoints
 from reroll.runtime.actors import start_ray
 from reroll.runtime.placement import ResourceManager
 
@@ -37,11 +36,7 @@ def serve(
     stop: threading.Event | None = None,
 ) -> None:
     """Serve until ``stop`` is set (or the process is interrupted); ``ready(server)`` once it listens."""
-    if checkpoint is not None:
-        model = cfg.model.model_copy(
-            update={"path": str(checkpoints.model_dir(checkpoint)), "build_tiny": None}
-        )
-        cfg = cfg.model_copy(update={"model": model})
+    cfg = with_checkpoint(cfg, checkpoint)
     ensure_tiny_model(cfg.model)
     tokenizer = load_tokenizer(cfg.model.path)
     if not getattr(tokenizer, "chat_template", None):

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from reroll.algorithms.shaping import batch_normalize
 from reroll.config.reward import RewardConfig, RewardTermConfig
+from reroll.config.tags import entry_tags, route_tag
 from reroll.errors import RewardFailure, RoleError, UserError
 from reroll.rewards import REGISTRY, required_fields, resolve_reward
 from reroll.rewards.base import RewardResult, as_result
@@ -41,12 +42,11 @@ def route(cfg: RewardConfig, tag: str) -> str:
     """The domain a row tagged ``tag`` belongs to."""
     if not cfg.domains:
         return DEFAULT_DOMAIN
-    for name, d in cfg.domains.items():
-        if tag in (d.tags or [name]):
-            return name
-    if cfg.default_domain is not None:
-        return cfg.default_domain
-    known = {t: n for n, d in cfg.domains.items() for t in (d.tags or [n])}
+    tags = {name: d.tags for name, d in cfg.domains.items()}
+    domain = route_tag(tags, tag, cfg.default_domain)
+    if domain is not None:
+        return domain
+    known = {t: n for n, ts in entry_tags(tags).items() for t in ts}
     raise UserError(
         f"a row is tagged domain {tag!r}, which no reward domain lists (tags: {known}): add it to a "
         f"domain's tags, or set reward.default_domain"

@@ -24,6 +24,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from reroll.config.reward import RewardConfig
 from reroll.config.schema import RunConfig
@@ -154,6 +156,15 @@ class RewardWorker:
             self._add_thread()
 
 
+@dataclass
+class PendingScores:
+    """A ``RewardGroup.submit`` in flight: per-rank references, and the rounds of ``reward.threads``
+    calls its largest part takes (what its wait is bounded by)."""
+
+    refs: list[Any]
+    rounds: int
+
+
 class RewardGroup(WorkerGroup):
     """All reward ranks; items are dealt in contiguous blocks; each rank's call is bounded (see timeout_s)."""
 
@@ -174,15 +185,24 @@ class RewardGroup(WorkerGroup):
 
     def score(self, items: Sequence[RewardItem], phase: str = "reward") -> list[RewardResult]:
         """Results for ``items``, in order; ``RewardFailure`` (the run stops) when too many calls failed."""
+        return self.collect([self.submit(items)], phase)
+
+    def submit(self, items: Sequence[RewardItem]) -> PendingScores:
+        """Start scoring ``items`` on every rank and return at once (for ``collect``)."""
         parts = self._deal(items)
+        rounds = math.ceil(max(map(len, parts), default=0) / self.reward_cfg.threads)
+        return PendingScores([h.score.remote(part) for h, part in zip(self.handles, parts)], rounds)
+
+    def collect(self, pending: Sequence[PendingScores], phase: str = "reward") -> list[RewardResult]:
+        """The results of ``submit`` calls, in order, checked together as ``score`` checks them."""
         rc = self.reward_cfg
-        rounds = math.ceil(max(map(len, parts), default=0) / rc.threads)
-        self.timeout_s = rc.timeout_s + rounds * rc.sample_timeout_s
-        refs = [h.score.remote(part) for h, part in zip(self.handles, parts)]
-        try:
-            results = [r for part in self._wait(refs, phase) for r in part]
-        except RoleError as e:
-            raise _other_role_error(e) or e from e
+        results = []
+        for p in pending:
+            self.timeout_s = rc.timeout_s + p.rounds * rc.sample_timeout_s
+            try:
+                results += [r for part in self._wait(p.refs, phase) for r in part]
+            except RoleError as e:
+                raise _other_role_error(e) or e from e
         check_failures(results, rc, phase)
         return results
 

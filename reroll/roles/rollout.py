@@ -1,12 +1,15 @@
 """actor_infer: workers that hold a generation engine, and their group (prompts split across ranks).
 
 Errors from these workers name the engine (``actor_infer[0] (vllm engine) failed during generate``).
-Each worker has a second Ray thread ("control") so ``abort`` reaches an engine in the middle of a call.
+Each worker has a second Ray thread ("control") so ``abort`` and ``interrupt`` reach an engine in the
+middle of a call. ``RolloutGroup.stream`` yields each prompt's group as it finishes (over-sampling);
+``submit_resume`` continues, after a weight update, the responses an ``interrupt`` cut (partial rollouts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,7 +20,7 @@ from reroll.data.types import Completion, SamplingParams
 from reroll.engines import make_engine
 from reroll.errors import RoleError
 from reroll.roles.trainer import TrainerGroup, WeightBuckets
-from reroll.runtime.actors import WorkerGroup
+from reroll.runtime.actors import WorkerGroup, stream_items
 from reroll.runtime.placement import worker_device
 from reroll.runtime.weight_sync import (
     BroadcastGroup,
@@ -57,6 +60,32 @@ class RolloutWorker:
     ) -> list[list[Completion]]:
         return self.engine.generate(prompts, params)
 
+    def stream(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        yield from self.engine.stream(prompts, params)
+
+    def resume(self, groups: list[list[Completion]], params: SamplingParams) -> list[list[Completion]]:
+        """``groups`` with every response an interrupt cut (``finish_reason == "abort"``) continued
+        from its tokens with the engine's current weights, up to ``params.max_new_tokens`` in all."""
+        cut = [
+            (g, i)
+            for g, group in enumerate(groups)
+            for i, c in enumerate(group)
+            if c.finish_reason == "abort"
+        ]
+        if not cut:
+            return groups
+        firsts = [groups[g][i] for g, i in cut]
+        rows = [c.prompt_ids + c.response_ids for c in firsts]
+        budgets = [params.max_new_tokens - len(c.response_ids) for c in firsts]
+        more = self.engine.stream(rows, replace(params, n=1), budgets)
+        out = [list(group) for group in groups]
+        for k, extra in more:
+            g, i = cut[k]
+            out[g][i] = firsts[k].continued(extra[0])
+        return out
+
     def join_weight_group(self, address: str, rank: int, world_size: int, backend: str) -> None:
         """Join the weight-sync group that actor_train rank 0 hosts at ``address`` (``collective``)."""
         if self._weight_group is not None:
@@ -94,6 +123,9 @@ class RolloutWorker:
 
     def abort(self) -> None:
         self.engine.abort()
+
+    def interrupt(self) -> None:
+        self.engine.interrupt()
 
     def score(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
@@ -134,6 +166,34 @@ class RolloutGroup(WorkerGroup):
     def collect(self, refs: Sequence[Any], phase: str = "generate") -> list[list[Completion]]:
         """The completions of a ``submit``, in prompt order (waits for them)."""
         return [group for part in self._wait(refs, phase) for group in part]
+
+    def stream(
+        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams, phase: str = "generate"
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        """``(prompt index, group)`` as each prompt's ``params.n`` completions finish, from every rank,
+        in the order they arrive. ``interrupt()`` makes the ranks yield the rest as they stand."""
+        parts = self._deal(prompts)
+        offsets = [sum(map(len, parts[:r])) for r in range(len(parts))]
+        calls = [
+            h.stream.options(num_returns="streaming").remote(p, params) for h, p in zip(self.handles, parts)
+        ]
+        for rank, (i, group) in stream_items(
+            calls, role=self.role, phase=phase, timeout_s=self.timeout_s, detail=self.detail
+        ):
+            yield offsets[rank] + i, group
+
+    def submit_resume(self, refs: Sequence[Any], params: SamplingParams) -> list[Any]:
+        """Queue, on every rank, the continuation of what ``refs`` (a ``submit`` or ``submit_resume``,
+        one reference per rank, maybe cut by ``interrupt``) generated: the responses cut are continued
+        with the weights the engine holds when the call runs (``RolloutWorker.resume``)."""
+        return [h.resume.remote(ref, params) for h, ref in zip(self.handles, refs)]
+
+    def interrupt(self) -> None:
+        """End every rank's ``generate``/``stream`` in flight at its next decoding step, keeping what
+        it generated (responses not finished come back with ``finish_reason == "abort"``)."""
+        self._wait(
+            [h.interrupt.options(concurrency_group="control").remote() for h in self.handles], "interrupt"
+        )
 
     def submit_weight_buckets(self, buckets: WeightBuckets | Iterable[WeightBucket]) -> list[Any]:
         """Queue ``load_weight_buckets``' calls on every rank without waiting for them (behind any

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -38,6 +38,14 @@ class _Ready:
     error: BaseException | None = None
 
 
+def _value(arg: Any) -> Any:
+    if isinstance(arg, _Ready):
+        if arg.error is not None:
+            raise arg.error
+        return arg.value
+    return arg
+
+
 class _LocalMethod:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self._fn = fn
@@ -47,7 +55,11 @@ class _LocalMethod:
         return self
 
     def remote(self, *args: Any, **kwargs: Any) -> _Ready:
+        """Runs now; a result of an earlier call passed as an argument is its value (as Ray passes
+        an object reference's), and its failure is this call's."""
         try:
+            args = tuple(_value(a) for a in args)
+            kwargs = {k: _value(v) for k, v in kwargs.items()}
             return _Ready(self._fn(*args, **kwargs))
         except Exception as e:  # re-raised by gather with the role and rank
             return _Ready(error=e)
@@ -148,6 +160,42 @@ def gather(
         for ref in ready:
             out[ref] = _get(ref, refs.index(ref), fail, phase)
     return [out[r] for r in refs]
+
+
+def stream_items(
+    calls: Sequence[Any], *, role: str, phase: str, timeout_s: float, detail: str | None = None
+) -> Iterator[tuple[int, Any]]:
+    """``(rank, item)`` from per-rank streaming calls (``method.options(num_returns="streaming")``; in
+    this process, the generators themselves) as each item is ready. A failure, or no item within
+    ``timeout_s``, raises ``RoleError`` as ``gather`` does."""
+    fail = functools.partial(RoleError, role, detail=detail)
+    if all(isinstance(c, _Ready) for c in calls):
+        for rank, c in enumerate(calls):
+            try:
+                if c.error is not None:
+                    raise c.error
+                for item in c.value:
+                    yield rank, item
+            except Exception as e:
+                raise fail(rank, phase, f"{type(e).__name__}: {e}") from e
+        return
+    import ray
+
+    pending = {id(c): (rank, c) for rank, c in enumerate(calls)}
+    while pending:
+        gens = [c for _, c in pending.values()]
+        ready, _ = ray.wait(gens, num_returns=1, timeout=timeout_s)
+        if not ready:
+            rank = min(r for r, _ in pending.values())
+            raise fail(rank, phase, f"no answer within {timeout_s:.0f} s (runtime.call_timeout_s)")
+        for gen in ready:
+            rank = pending[id(gen)][0]
+            try:
+                ref = next(gen)
+            except StopIteration:
+                del pending[id(gen)]
+                continue
+            yield rank, _get(ref, rank, fail, phase)
 
 
 def _get(ref: Any, rank: int, fail: Callable[..., RoleError], phase: str) -> Any:

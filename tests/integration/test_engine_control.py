@@ -22,7 +22,11 @@ from reroll.pipelines.common import sft_batch
 from reroll.roles.rollout import RolloutGroup
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime.actors import start_ray
-from tests.conftest import write_config
+from tests.conftest import (
+    assert_interrupted_responses_resume,
+    assert_stream_yields_groups_then_interrupt_cuts_the_rest,
+    write_config,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -168,3 +172,12 @@ def test_group_abort_reaches_the_driver_naming_the_engine(ray_groups):
     assert "actor_infer[0] (hf engine) failed during generate: EngineAborted" in str(e.value)
     out = rollout.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=3))
     assert len(out) == 3  # the engine is usable after an abort
+
+
+def test_hf_stream_and_interrupt_through_ray(ray_groups):
+    """hf decodes a micro-batch (256 rows) in lockstep: groups arrive in prompt order; 300 prompts x 2
+    samples are 3 micro-batches, so an interrupt after the first group leaves the rest unstarted."""
+    _, rollout = ray_groups
+    order = assert_stream_yields_groups_then_interrupt_cuts_the_rest(rollout, prompts=300)
+    assert order == sorted(order)
+    assert_interrupted_responses_resume(rollout, prompts=600, after_s=1.0)

@@ -22,7 +22,12 @@ from reroll.roles.rollout import RolloutGroup, form_weight_group
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime.actors import start_ray
 from reroll.runtime.weight_sync import split_into_buckets
-from tests.conftest import assert_kill_mid_generation_is_reported, write_config
+from tests.conftest import (
+    assert_interrupted_responses_resume,
+    assert_kill_mid_generation_is_reported,
+    assert_stream_yields_groups_then_interrupt_cuts_the_rest,
+    write_config,
+)
 
 pytestmark = [
     pytest.mark.integration,
@@ -156,6 +161,15 @@ def test_vllm_abort_reaches_the_driver_naming_the_engine(groups):
     out = engine.generate(["1+1=", "2+2="], SamplingParams(n=2, max_new_tokens=3, seed=0))
     assert [len(g) for g in out] == [2, 2]
     assert engine.metrics()["engine/requests"] > 0
+
+
+def test_vllm_streams_groups_as_they_finish_and_resumes_interrupted_ones(groups):
+    """vLLM finishes requests at different steps: groups arrive out of prompt order; an interrupt
+    keeps the tokens of the requests in flight and a resume continues them."""
+    engine = groups[2]
+    order = assert_stream_yields_groups_then_interrupt_cuts_the_rest(engine, prompts=24)
+    assert order != sorted(order)
+    assert_interrupted_responses_resume(engine, prompts=400, after_s=1.0)
 
 
 def test_vllm_lora_update_equals_peft_model(assets, groups):

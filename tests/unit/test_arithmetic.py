@@ -71,3 +71,19 @@ def test_written_splits_are_disjoint_and_deterministic(tmp_path):
     assert set(splits["train"][0]) == {"id", "question", "answer", "domain"}
     for name in paths:
         assert paths[name].read_text() == again[name].read_text()
+
+
+def test_synthetic_settings_past_the_problem_space_name_the_section(tmp_path):
+    from types import SimpleNamespace
+
+    from reroll.data.arithmetic import write_arithmetic_dataset
+    from reroll.errors import UserError
+    from reroll.pipelines.common import write_synthetic_files
+
+    syn = SimpleNamespace(n_train=500, n_test=10, max_operand=9, ops="+", seed=0, task="arithmetic")
+    targets = [tmp_path / "train.jsonl", tmp_path / "test.jsonl"]
+    with pytest.raises(
+        UserError, match=r"data\.synthetic: asked for 510 distinct problems but only 100 exist"
+    ):
+        write_synthetic_files(write_arithmetic_dataset, syn, targets, "data")
+    assert not any(p.exists() for p in targets)  # nothing half-written

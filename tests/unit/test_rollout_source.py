@@ -1,4 +1,5 @@
-"""RolloutSource with fake roles: DAPO refills (rounds, filtered groups, data position)."""
+"""RolloutSource with fake roles: DAPO refills (rounds, filtered groups, data position), async queue,
+over-sampling (groups kept in finishing order) and partial-rollout segments (versions per token)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
 from reroll.data.types import Completion, Rollout, Sample
-from reroll.pipelines.async_rollout import RolloutSource, Scored, round_seed, staleness_metrics
+from reroll.pipelines.async_rollout import RolloutSource, Scored, _Queued, round_seed, staleness_metrics
 from reroll.rewards.base import RewardResult
 
 
@@ -202,4 +203,93 @@ def test_staleness_is_measured_per_token():
     scored = Scored([rollout(1), rollout(3)], [RewardResult(0.0)] * 2, versions=[[4], [2, 2, 2]])
     m = staleness_metrics(scored, trainer_version=4)
     # tokens: 1 at staleness 0, 3 at staleness 2 -> mean (0 + 6) / 4, off-policy 3 / 4
-    assert m == {"staleness/mean": 1.5, "staleness/max": 2.0, "staleness/off_policy_tokens": 0.75}
+    assert m == {
+        "staleness/mean": 1.5,
+        "staleness/max": 2.0,
+        "staleness/off_policy_tokens": 0.75,
+        "staleness/mixed_samples": 0.0,
+    }
+    # a partial rollout: the first token from policy 3, the second from policy 4 (the trainer's)
+    mixed = staleness_metrics(Scored([rollout(2)], [RewardResult(0.0)], [[3, 4]]), trainer_version=4)
+    assert mixed == {
+        "staleness/mean": 0.5,
+        "staleness/max": 1.0,
+        "staleness/off_policy_tokens": 0.5,
+        "staleness/mixed_samples": 1.0,
+    }
+
+
+class StreamingRollout(FakeRollout):
+    """Groups finish last prompt first, a response of ``i + 1`` tokens for prompt ``i``; after
+    ``interrupt`` the rest come back cut (``abort``, no tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupted = False
+
+    def stream(self, prompts, params):
+        for i in reversed(range(len(prompts))):
+            reason = "abort" if self.interrupted else "stop"
+            n = 0 if self.interrupted else i + 1
+            yield i, [Completion([1], [2] * n, s, [0.0] * n, reason) for s in prompts[i].split(",")]
+
+    def interrupt(self):
+        self.interrupted = True
+
+
+class StreamingReward(FakeReward):
+    def __init__(self) -> None:
+        self.submitted = 0
+
+    def submit(self, items):
+        self.submitted += 1
+        return self.score(items)
+
+    def collect(self, pending, phase="reward"):
+        return [r for p in pending for r in p]
+
+
+def test_oversampling_keeps_the_first_groups_to_finish_and_scores_each_as_it_comes():
+    cfg = make_cfg({"oversample": 1.5})  # 4 groups a step: 6 prompts drawn
+    roles, source = FakeRoles(), RolloutSource(cfg, sampler([f"{i},0" for i in range(12)], 4))
+    roles.rollout, roles.reward = StreamingRollout(), StreamingReward()
+    scored, metrics = source.next(roles, step=1)
+    assert [r.sample.prompt for r in scored.rollouts[::2]] == ["5,0", "4,0", "3,0", "2,0"]  # finish order
+    assert [r.score for r in scored.results[::2]] == [5.0, 4.0, 3.0, 2.0]
+    assert roles.reward.submitted == 4  # one call per group, as it finished
+    assert roles.rollout.interrupted
+    assert metrics["rollout/oversample_dropped_groups"] == 2
+    assert metrics["rollout/oversample_dropped_unfinished"] == 1.0
+    assert metrics["rollout/oversample_kept_length"] == (6 + 5 + 4 + 3) / 4
+    assert metrics["rollout/oversample_dropped_length"] == 0
+    assert source.sampler.index == 6 and source.sampler.batch_size == 4  # the draw consumed 6 prompts
+
+
+def test_oversampled_rlhf_rounds_carry_the_reward_models_scores():
+    cfg = make_cfg({"oversample": 1.5}, reward={"fn": "exact_match", "model": {"path": "rm"}})
+    roles, source = FakeRoles(), RolloutSource(cfg, sampler([f"{i},0" for i in range(12)], 4))
+    roles.rollout, roles.reward, roles.reward_model = StreamingRollout(), StreamingReward(), FakeRewardModel()
+    scored, _ = source.next(roles, step=1)
+    assert scored.model_scores == [10.0, 0.0, 8.0, 0.0, 6.0, 0.0, 4.0, 0.0]  # the kept groups, in order
+    assert scored.training_rewards(cfg).tolist() == scored.model_scores  # weight 1, rule_weight 0
+    assert roles.reward_model.calls == 1
+
+
+class SegmentRollout(FakeRollout):
+    def collect(self, refs, phase="generate"):
+        return refs  # a segment's "references" are its groups here
+
+
+def test_partial_rollout_segments_stamp_each_token_with_its_weights_version():
+    """A response cut after 2 tokens of policy 1 and continued by policy 2 then 3; a finished one
+    keeps policy 1 throughout."""
+    roles, source = FakeRoles(), RolloutSource(make_cfg({"async_steps": 1}), sampler(["1,0"], 1))
+    roles.rollout = SegmentRollout()
+    c = lambda n, reason: Completion([1], list(range(n)), "", [0.0] * n, reason)  # noqa: E731
+    first = [[c(2, "abort"), c(3, "stop")]]
+    q = _Queued(3, [Sample("u", "p", {})], version=1, refs=first)
+    q.resumed = [(2, [[c(4, "abort"), c(3, "stop")]]), (3, [[c(7, "stop"), c(3, "stop")]])]
+    source._collect(roles, q)
+    assert q.versions == [[[1, 1, 2, 2, 3, 3, 3], [1, 1, 1]]]
+    [part] = q.parts()
+    assert part.versions == q.versions[0] and part.completions[0].finish_reason == "stop"

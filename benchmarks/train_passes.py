@@ -1,0 +1,138 @@
+"""Where a GRPO step's trainer seconds go: the reference (forward-only) and training passes over one batch.
+
+    python benchmarks/train_passes.py                    # Qwen2.5-0.5B shape, bf16, GPU
+    python benchmarks/train_passes.py --tiny --device cpu  # a smoke run
+
+One batch as `benchmarks/grpo_step.py` makes it (256 rows of 128 prompt + 256 response tokens, a quarter of
+the rows padded at the end), random token ids, a Qwen2.5-0.5B-shaped model with random init (nothing
+downloaded). Timed, per batch: the reference pass (forward + ``token_logprobs``, no grad) and the training
+pass (forward + ``token_logprobs_and_entropy`` + backward) at several rows per pass (``--micro-batches``,
+what ``optim.logprob_micro_batch_size`` and ``optim.micro_batch_size`` set), then at 64 rows with several
+log-prob chunk sizes (tokens upcast to fp32 at a time), then the training pass through ``torch.compile``.
+The optimizer step is left out (the same in every row). Mean of ``--repeat`` runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.grpo_step import QWEN25_05B, TINY, device_name  # noqa: E402
+from reroll.algorithms.logprobs import chunk_rows, token_logprobs, token_logprobs_and_entropy  # noqa: E402
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = TINY if args.tiny else QWEN25_05B
+    cfg = Qwen2Config(
+        vocab_size=args.vocab,
+        hidden_size=shape["hidden_size"],
+        num_hidden_layers=shape["num_layers"],
+        num_attention_heads=shape["num_heads"],
+        num_key_value_heads=shape["num_kv_heads"],
+        intermediate_size=shape["intermediate_size"],
+        max_position_embeddings=args.seq + 8,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        return Qwen2ForCausalLM(cfg).to(getattr(torch, args.dtype))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=384)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[110, 440, 1760], help="log-prob chunk tokens")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (and --vocab 1000) for a smoke run")
+    args = ap.parse_args()
+    if args.tiny:
+        args.vocab, args.rows, args.seq = 1000, 32, 48
+        args.micro_batches, args.chunks = [8, 16], [16, 64]
+
+    model = build_model(args)
+    dev, b, t = args.device, args.rows, args.seq
+    ids = torch.randint(0, args.vocab, (b, t), device=dev)
+    mask = torch.ones(b, t, dtype=torch.long, device=dev)
+    mask[::4, -20:] = 0  # right padding on a quarter of the rows
+    pos = (torch.ones_like(mask).cumsum(-1) - 1).clamp(min=0)
+
+    def sync() -> None:
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn: Callable[[], None]) -> float:
+        fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.repeat):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / args.repeat
+
+    def reference(mb: int, chunk: int | None = None) -> Callable[[], None]:
+        @torch.no_grad()
+        def run() -> None:
+            for a in range(0, b, mb):
+                s = slice(a, a + mb)
+                logits = model(input_ids=ids[s], attention_mask=mask[s], position_ids=pos[s]).logits
+                token_logprobs(logits, ids[s], 1.0, chunk_tokens=chunk)
+
+        return run
+
+    def train(mb: int, chunk: int | None = None, net: torch.nn.Module = model) -> Callable[[], None]:
+        def run() -> None:
+            for a in range(0, b, mb):
+                s = slice(a, a + mb)
+                logits = net(input_ids=ids[s], attention_mask=mask[s], position_ids=pos[s]).logits
+                logp, entropy = token_logprobs_and_entropy(logits, ids[s], 1.0, chunk_tokens=chunk)
+                (logp.mean() * 1e-3).backward()
+                float(entropy.detach().mean())  # the metric's sync, as the trainer has it
+
+        return run
+
+    default_chunk = chunk_rows(torch.empty(1, args.vocab, device=dev))
+    rows: list[tuple[str, float, float | None]] = []
+    for mb in args.micro_batches:
+        rows.append(
+            (f"{mb} rows a pass, chunk {default_chunk} (default)", timed(reference(mb)), timed(train(mb)))
+        )
+    mb = max(args.micro_batches)
+    for chunk in args.chunks:
+        rows.append(
+            (f"{mb} rows a pass, chunk {chunk}", timed(reference(mb, chunk)), timed(train(mb, chunk)))
+        )
+    if not args.no_compile:
+        compiled = torch.compile(model)
+        rows.append(
+            (f"{mb} rows a pass, torch.compile(model)", float("nan"), timed(train(mb, None, compiled)))
+        )
+
+    print(
+        f"\nTrainer passes over {b} rows x {t} tokens, {'tiny' if args.tiny else 'Qwen2.5-0.5B'}-shaped model, "
+        f"vocabulary {args.vocab}, {args.dtype}, on {device_name(dev)}; seconds per batch, mean of {args.repeat}"
+    )
+    print(f"{'setting':<44}{'reference':>12}{'train':>10}")
+    for name, ref, step in rows:
+        print(f"{name:<44}{ref:>12.3f}{step:>10.3f}")
+    if dev == "cuda":
+        print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()
