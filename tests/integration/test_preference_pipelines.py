@@ -164,11 +164,19 @@ def test_bad_pair_fails_validate_naming_file_and_row(tmp_path, assets, prefs):
 
 
 @pytest.mark.parametrize(
-    "pipeline", [pytest.param("reward_model", marks=pytest.mark.long), "dpo"]
+    "pipeline",
+    [
+        pytest.param("reward_model", marks=pytest.mark.long),
+        pytest.param("reward_model-lora", marks=pytest.mark.long),
+        "dpo",
+    ],
 )  # the reward model's resume is the same code path as dpo's, 22 s each on 2 cores
 def test_resumed_preference_run_repeats_the_straight_one(tmp_path, assets, prefs, pipeline):
-    """The sampler's position and DPO's cached reference log-probs come back from the checkpoint."""
-    sections = {"checkpoint": {"every": 1, "keep_last": 3}}
+    """The sampler's position and DPO's cached reference log-probs come back from the checkpoint; with
+    LoRA, the reward model's adapters and its head (adapter/)."""
+    sections: dict = {"checkpoint": {"every": 1, "keep_last": 3}}
+    if pipeline == "reward_model-lora":
+        pipeline, sections["strategy"] = "reward_model", {"lora": {"rank": 8, "alpha": 16}}
     if pipeline == "dpo":
         sections |= {"sft": {"steps": 5, "batch_size": 16, "lr": 1e-3}, "data": {"eval_limit": 8}}
     cfg = pref_config(tmp_path, assets, prefs, pipeline, **sections)
