@@ -92,7 +92,6 @@ def check_preference(
     reward_model: RewardModelConfig | None,
     dpo: DPOConfig | None,
     *,
-    packing: bool,
     has_data: bool,
 ) -> list[tuple[str, str]]:
     """``(dotted path, message)`` for every problem of the preference sections against the pipeline."""
@@ -111,14 +110,6 @@ def check_preference(
             problems.append(
                 (name, f"`{name}:` is read by pipeline {name!r} only, not {pipeline!r}: remove it")
             )
-    if pipeline == "reward_model" and packing:
-        problems.append(
-            (
-                "optim.packing",
-                "pipeline 'reward_model' reads its score at each row's last token, which packed rows do not "
-                "keep: set optim.packing=false",
-            )
-        )
     if pipeline == "reward_model" and has_data:
         problems.append(("data", "pipeline 'reward_model' trains on preference pairs only: remove `data:`"))
     if dpo is not None and dpo.label_smoothing and dpo.loss not in ("sigmoid", "robust"):

@@ -740,7 +740,6 @@ class RunConfig(StrictModel):
                 self.preference,
                 self.reward_model,
                 self.dpo,
-                packing=self.optim.packing,
                 has_data=self.data is not None,
             )
         ]

@@ -134,14 +134,21 @@ def test_reward_model_with_lora_trains_adapters_and_the_head(tmp_path, assets, p
     assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed
 
 
-@pytest.mark.long  # 36 s on 2 cores; the torch strategy runs in CI
-@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param("fsdp2", marks=pytest.mark.long),  # 36 s on 2 cores
+        pytest.param("deepspeed", marks=pytest.mark.long),
+        "packed",  # torch, each micro-batch's rows packed into one sequence
+    ],
+)
 def test_reward_model_strategies_take_the_torch_step(tmp_path, assets, prefs, strategy):
-    if not strategy_available(strategy):
+    if strategy != "packed" and not strategy_available(strategy):
         pytest.skip(f"{strategy} is not installed")
     cfg = pref_config(tmp_path, assets, prefs, "reward_model", total_steps=2)
     for name in ("torch", strategy):
-        out = reroll_cli("train", cfg, f"name={name}", f"strategy.name={name}", "runtime.backend=local")
+        how = ["strategy.name=torch", "optim.packing=true"] if name == "packed" else [f"strategy.name={name}"]
+        out = reroll_cli("train", cfg, f"name={name}", *how, "runtime.backend=local")
         assert out.returncode == 0, out.stderr[-3000:]
     for step in (1, 2):
         want, got = (step_metrics(tmp_path / "runs" / n, step) for n in ("torch", strategy))
@@ -159,8 +166,9 @@ def test_bad_pair_fails_validate_naming_file_and_row(tmp_path, assets, prefs):
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"{bad}: row 2: 'chosen' and 'rejected' are the same" in out.stderr
     assert "preference.train_files[0]" in out.stderr and "Traceback" not in out.stderr
-    out = reroll_cli("validate", cfg, "pipeline=reward_model", "data=null", "optim.packing=true")
-    assert out.returncode == 2 and "optim.packing" in out.stderr
+    packed = ["pipeline=reward_model", "data=null", "optim.packing=true", "strategy.name=fsdp2"]
+    out = reroll_cli("validate", cfg, *packed)  # a reward model packs on the torch strategy only
+    assert out.returncode == 2 and "optim.packing" in out.stderr and "strategy.name=torch" in out.stderr
 
 
 @pytest.mark.parametrize(
