@@ -21,6 +21,12 @@ class SyntheticPreferenceConfig(StrictModel):
     max_operand: int = Field(99, ge=1, description="Largest operand.")
     ops: str = Field("+", min_length=1, description="Operators to draw from, e.g. '+-'.")
     seed: int = Field(0, description="Seed of the generator.")
+    negatives: int = Field(
+        1,
+        ge=1,
+        description="Pairs per training question, each with a different near miss (held-out questions keep "
+        "one: the same pairs for any value).",
+    )
 
 
 class PreferenceConfig(StrictModel):
@@ -86,9 +92,7 @@ def check_preference(
     reward_model: RewardModelConfig | None,
     dpo: DPOConfig | None,
     *,
-    packing: bool,
     has_data: bool,
-    lora: bool,
 ) -> list[tuple[str, str]]:
     """``(dotted path, message)`` for every problem of the preference sections against the pipeline."""
     problems = []
@@ -106,22 +110,6 @@ def check_preference(
             problems.append(
                 (name, f"`{name}:` is read by pipeline {name!r} only, not {pipeline!r}: remove it")
             )
-    if pipeline == "reward_model" and packing:
-        problems.append(
-            (
-                "optim.packing",
-                "pipeline 'reward_model' reads its score at each row's last token, which packed rows do not "
-                "keep: set optim.packing=false",
-            )
-        )
-    if pipeline == "reward_model" and lora:
-        problems.append(
-            (
-                "strategy.lora",
-                "pipeline 'reward_model' trains every weight (LoRA adapters cover causal LMs only): remove "
-                "strategy.lora",
-            )
-        )
     if pipeline == "reward_model" and has_data:
         problems.append(("data", "pipeline 'reward_model' trains on preference pairs only: remove `data:`"))
     if dpo is not None and dpo.label_smoothing and dpo.loss not in ("sigmoid", "robust"):

@@ -392,7 +392,10 @@ class StrategyConfig(StrictModel):
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed settings.")
     megatron: MegatronConfig = Field(default_factory=MegatronConfig, description="Megatron-Core settings.")
     lora: LoRAConfig | None = Field(
-        None, description="Train low-rank adapters instead of all weights (fsdp2 and torch strategies)."
+        None,
+        description="Train low-rank adapters instead of all weights (fsdp2 and torch strategies); a reward "
+        "model (pipeline reward_model) trains its score head in full beside them and saves the adapters "
+        "merged into model/.",
     )
 
 
@@ -748,9 +751,7 @@ class RunConfig(StrictModel):
                 self.preference,
                 self.reward_model,
                 self.dpo,
-                packing=self.optim.packing,
                 has_data=self.data is not None,
-                lora=self.strategy.lora is not None,
             )
         ]
         problems += [ConfigProblem(path, m) for path, m in check_reward(self.reward)]

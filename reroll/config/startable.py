@@ -241,6 +241,16 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
         problems += [("model.path", m) for m in megatron_model_problems(_model_config(cfg.model.path))]
     if any(s == "deepspeed" for s in strategies.values()):
         problems += deepspeed_problems(cfg)
+    trainer = strategies.get("actor_train")
+    if cfg.pipeline == "reward_model" and cfg.optim.packing and trainer not in (None, "torch", "auto"):
+        problems.append(
+            (
+                "optim.packing",
+                f"pipeline 'reward_model' packs rows on the torch strategy only (its score head's per-token "
+                f"output is read inside the forward, which {trainer}'s sharded backward does not see): set "
+                "strategy.name=torch or optim.packing=false",
+            )
+        )
     infer = role_device(cfg, "actor_infer", device_type) if device_type else None
     if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.enable_sleep_mode and infer == "cpu":
         problems.append(("rollout.vllm.enable_sleep_mode", VLLM_SLEEP_NEEDS_CUDA))

@@ -234,16 +234,36 @@ def near_miss(answer: int, rng: random.Random) -> int:
 
 
 def make_arithmetic_preferences(
-    n: int, *, max_operand: int = 99, ops: Sequence[str] = ("+",), seed: int = 0
+    n: int, *, max_operand: int = 99, ops: Sequence[str] = ("+",), seed: int = 0, negatives: int = 1
 ) -> list[dict[str, Any]]:
-    """``n`` pairs over the problems ``make_arithmetic_rows(n, ...)`` draws (the same seed: the same
-    problems, in the same order): prompt ``"12+34="``, chosen the answer, rejected a ``near_miss``. Rows
-    keep ``question`` and ``answer``, so exact match can score generations against them."""
-    rng = random.Random(seed * 7_919 + 1)
+    """Pairs over the ``n`` problems ``make_arithmetic_rows(n, ...)`` draws (the same seed: the same
+    problems, in the same order): prompt ``"12+34="``, chosen the answer, rejected a ``near_miss``.
+    Rows keep ``question`` and ``answer``, so exact match can score generations against them."""
+    return [p for pairs in _pairs_by_problem(n, max_operand, ops, seed, negatives) for p in pairs]
+
+
+def _pairs_by_problem(
+    n: int, max_operand: int, ops: Sequence[str], seed: int, negatives: int
+) -> list[list[dict[str, Any]]]:
+    """Each problem's ``negatives`` pairs, each with a different near miss. The first is the one a
+    single negative draws (the others come from a second generator), so adding negatives leaves it."""
+    rng, extra = random.Random(seed * 7_919 + 1), random.Random(seed * 7_919 + 2)
     out = []
     for row in make_arithmetic_rows(n, max_operand=max_operand, ops=ops, seed=seed):
-        wrong = near_miss(int(row["answer"]), rng)
-        out.append({**row, "prompt": f"{row['question']}=", "chosen": row["answer"], "rejected": str(wrong)})
+        answer = int(row["answer"])
+        wrong = [near_miss(answer, rng)]
+        for _ in range(50 * negatives):  # distinct near misses (any answer has at least 9)
+            if len(wrong) >= negatives:
+                break
+            if (w := near_miss(answer, extra)) not in wrong:
+                wrong.append(w)
+        pair = {**row, "prompt": f"{row['question']}=", "chosen": row["answer"]}
+        out.append(
+            [
+                {**pair, "id": row["id"] if k == 0 else f"{row['id']}-{k}", "rejected": str(w)}
+                for k, w in enumerate(wrong)
+            ]
+        )
     return out
 
 
@@ -255,14 +275,21 @@ def write_arithmetic_preferences(
     max_operand: int = 99,
     ops: Sequence[str] = ("+",),
     seed: int = 0,
+    negatives: int = 1,
 ) -> dict[str, Path]:
     """``train.jsonl`` and ``test.jsonl`` of arithmetic preferences; the split is the one
-    ``write_arithmetic_dataset`` makes with the same arguments, so its held-out questions stay unseen."""
-    rows = make_arithmetic_preferences(n_train + n_test, max_operand=max_operand, ops=ops, seed=seed)
+    ``write_arithmetic_dataset`` makes with the same arguments, so its held-out questions stay unseen.
+    Training problems get ``negatives`` pairs each, held-out ones their first (the same for any
+    ``negatives``, so held-out pairwise accuracies compare)."""
+    problems = _pairs_by_problem(n_train + n_test, max_operand, ops, seed, negatives)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"train": out / "train.jsonl", "test": out / "test.jsonl"}
-    for split, split_rows in (("train", rows[:n_train]), ("test", rows[n_train:])):
+    splits = {
+        "train": [p for pairs in problems[:n_train] for p in pairs],
+        "test": [pairs[0] for pairs in problems[n_train:]],
+    }
+    for split, split_rows in splits.items():
         with paths[split].open("w") as f:
             for row in split_rows:
                 f.write(json.dumps({**row, "id": f"{split}-{row['id']}"}) + "\n")

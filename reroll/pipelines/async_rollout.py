@@ -63,6 +63,9 @@ class Scored:
     rollouts: list[Rollout] = field(default_factory=list)
     results: list[RewardResult] = field(default_factory=list)
     versions: list[list[int]] = field(default_factory=list)  # per sample, per response token
+    # with reward.model (RLHF): per sample, the served reward model's score and whether its text was cut
+    model_scores: list[float] = field(default_factory=list)
+    model_truncated: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rollouts)
@@ -78,11 +81,14 @@ class Scored:
     def groups(self) -> list[Scored]:
         """Each group on its own (in order)."""
         out: dict[int, Scored] = {}
-        for r, res, v in zip(self.rollouts, self.results, self.versions):
+        for i, (r, res, v) in enumerate(zip(self.rollouts, self.results, self.versions)):
             part = out.setdefault(r.group, Scored())
             part.rollouts.append(r)
             part.results.append(res)
             part.versions.append(v)
+            if self.model_scores:
+                part.model_scores.append(self.model_scores[i])
+                part.model_truncated.append(self.model_truncated[i])
         return [out[g] for g in sorted(out)]
 
     @staticmethod
@@ -93,7 +99,18 @@ class Scored:
             out.rollouts += [Rollout(r.sample, g, r.completion) for r in part.rollouts]
             out.results += part.results
             out.versions += part.versions
+            out.model_scores += part.model_scores
+            out.model_truncated += part.model_truncated
         return out
+
+    def training_rewards(self, cfg: RunConfig) -> torch.Tensor:
+        """Each sample's raw training reward ``(n,)``: reward.fn's score, or with ``reward.model`` (RLHF)
+        weight x the reward model's score + rule_weight x reward.fn's (before any normalisation)."""
+        rule = torch.tensor([r.score for r in self.results], dtype=torch.float32)
+        rm = cfg.reward.model
+        if rm is None or not self.model_scores:
+            return rule
+        return rm.weight * torch.tensor(self.model_scores, dtype=torch.float32) + rm.rule_weight * rule
 
 
 @dataclass
@@ -207,10 +224,12 @@ class RolloutSource:
                 if len(kept) == want and len(prompts) > want:
                     roles.rollout.interrupt()
             self.engine_metrics = roles.rollout.metrics()
-        with roles.phase("reward"):
-            results = roles.reward.collect(pending)
         rollouts = [Rollout(p.sample, g, c) for g, p in enumerate(kept) for c in p.completions]
-        scored = Scored(rollouts, results, [v for p in kept for v in p.versions])
+        with roles.phase("reward", *self._reward_roles(roles)):
+            results = roles.reward.collect(pending)
+            scored = self._with_model_scores(
+                roles, Scored(rollouts, results, [v for p in kept for v in p.versions])
+            )
         self.streamed[0].append(scored)
         self.streamed[1].extend(dropped)
         return scored
@@ -224,18 +243,39 @@ class RolloutSource:
             self.sampler.batch_size = size
 
     def _score(self, roles: Roles, parts: list[Partial]) -> Scored:
+        """The samples scored by reward.fn and, with ``reward.model`` (RLHF), by the served reward model
+        too: what DAPO's refills and the advantages see is the training reward, not the rule's alone."""
         rollouts = [Rollout(p.sample, g, c) for g, p in enumerate(parts) for c in p.completions]
         assert roles.reward is not None
-        with roles.phase("reward"):
+        with roles.phase("reward", *self._reward_roles(roles)):
             results = roles.reward.score([RewardItem.answering(r.sample, r.completion) for r in rollouts])
-        return Scored(rollouts, results, [v for p in parts for v in p.versions])
+            return self._with_model_scores(
+                roles, Scored(rollouts, results, [v for p in parts for v in p.versions])
+            )
+
+    def _reward_roles(self, roles: Roles) -> list[str]:
+        """The roles the reward phase holds besides the reward workers: the reward model's, in RLHF."""
+        return (
+            ["reward_model"] if self.cfg.reward.model is not None and roles.reward_model is not None else []
+        )
+
+    def _with_model_scores(self, roles: Roles, scored: Scored) -> Scored:
+        """``scored`` with the served reward model's score of every sample (RLHF; as is without one)."""
+        if self.cfg.reward.model is None or roles.reward_model is None or not scored.rollouts:
+            return scored
+        scores, truncated = roles.reward_model.score(
+            [r.sample.prompt for r in scored.rollouts], [r.completion.text for r in scored.rollouts]
+        )
+        scored.model_scores = [float(x) for x in scores]
+        scored.model_truncated = [bool(x) for x in truncated]
+        return scored
 
     def _refilled(self, roles: Roles, step: int, first: Scored) -> tuple[Scored, dict[str, float]]:
         """DAPO dynamic sampling: groups with a reward spread, refilled by extra rounds up to the batch."""
         want, max_rounds = self.cfg.prompts_per_step, self.cfg.algorithm.dynamic_sampling_max_rounds
         rounds, kept, flat = [first], [], []
         while True:
-            spread, equal = _split_by_spread(rounds[-1])
+            spread, equal = _split_by_spread(rounds[-1], self.cfg)
             kept, flat = kept + spread, flat + equal
             if len(kept) >= want or len(rounds) > max_rounds:
                 break
@@ -262,9 +302,10 @@ class RolloutSource:
             return dict(self.engine_metrics)
         results = [r for part in rounds for r in part.results]
         n = max(1, len(results))
+        rewards = torch.cat([part.training_rewards(self.cfg) for part in rounds])
         return self.engine_metrics | {
             "dapo/generated_accuracy": sum(routing.is_correct(r) for r in results) / n,
-            "dapo/generated_reward_mean": sum(r.score for r in results) / n,
+            "dapo/generated_reward_mean": float(rewards.sum()) / n,
         }
 
     def _take(self, roles: Roles, step: int) -> Scored:
@@ -441,11 +482,12 @@ def length_metrics(scored: Scored) -> dict[str, float]:
     return {"rollout/length_p50": at(0.5), "rollout/length_p95": at(0.95), "rollout/length_max": at(1.0)}
 
 
-def _split_by_spread(scored: Scored) -> tuple[list[Scored], list[Scored]]:
-    """The groups whose raw rewards are not all equal (DAPO keeps these), and the others, in order."""
+def _split_by_spread(scored: Scored, cfg: RunConfig) -> tuple[list[Scored], list[Scored]]:
+    """The groups whose raw training rewards (the reward model's with reward.model) are not all equal
+    (DAPO keeps these), and the others, in order."""
     if not scored.rollouts:
         return [], []
-    rewards = torch.tensor([r.score for r in scored.results], dtype=torch.float32)
+    rewards = scored.training_rewards(cfg)
     ids = torch.tensor([r.group for r in scored.rollouts], dtype=torch.long)
     spread = {int(g) for g in ids[equal_reward_mask(rewards, ids)].unique()}
     ordered = sorted({r.group for r in scored.rollouts})

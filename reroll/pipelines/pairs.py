@@ -26,9 +26,12 @@ def write_synthetic_pairs(cfg: RunConfig) -> None:
     targets = [Path(prefs.train_files[0]), *(Path(f) for f in prefs.eval_files[:1])]
     if syn is None:
         return
+    from functools import partial
+
     from reroll.data.preferences import write_arithmetic_preferences
 
-    write_synthetic_files(write_arithmetic_preferences, syn, targets, "preference")
+    writer = partial(write_arithmetic_preferences, negatives=syn.negatives)
+    write_synthetic_files(writer, syn, targets, "preference")
 
 
 def load_preference_data(cfg: RunConfig, tokenizer: Any) -> tuple[list[PreferencePair], list[PreferencePair]]:

@@ -22,7 +22,7 @@ from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
 from reroll.data.types import RewardItem, Rollout, Sample, TrainBatch, build_train_batch
 from reroll.models.loading import load_tokenizer
-from reroll.pipelines.async_rollout import QUEUE_FILE, RolloutSource
+from reroll.pipelines.async_rollout import QUEUE_FILE, RolloutSource, Scored
 from reroll.pipelines.common import (
     evaluate,
     load_data,
@@ -97,9 +97,9 @@ class RLVR(Pipeline):
         cfg = self.cfg
         scored, source_metrics = self.source.next(roles, step)  # the generate and reward phases
         rollouts, results = scored.rollouts, scored.results
-        with roles.phase("reward", *(["reward_model"] if roles.reward_model is not None else [])):
+        with roles.phase("reward"):
             batch, domains = self._scored_batch(rollouts, results)
-            learned = self._learned_reward(roles, rollouts, batch, results)
+            learned = self._learned_reward(scored, batch)
         if cfg.needs_reference:
             ref = roles.reference or roles.actor  # a LoRA run's reference: its base model
             with roles.phase("reference", ref.role):
@@ -141,24 +141,23 @@ class RLVR(Pipeline):
         batch.rewards = routing.normalize_by_domain(raw, domains, self.cfg.reward)
         return batch, domains
 
-    def _learned_reward(
-        self, roles: Roles, rollouts: list[Rollout], batch: TrainBatch, results: list[RewardResult]
-    ) -> dict[str, float]:
-        """With ``reward.model``: the batch's rewards become weight x the reward model's score plus
-        rule_weight x reward.fn's (RLHF). Returns the reward model's metrics (nothing without one)."""
+    def _learned_reward(self, scored: Scored, batch: TrainBatch) -> dict[str, float]:
+        """With ``reward.model``: the batch's rewards become weight x the reward model's score (the
+        rollout source scored the samples with it) plus rule_weight x reward.fn's (RLHF). Returns the
+        reward model's metrics (nothing without one)."""
         rm = self.cfg.reward.model
-        if rm is None or roles.reward_model is None:
+        if rm is None or not scored.model_scores:
             return {}
-        scores, truncated = roles.reward_model.score(
-            [r.sample.prompt for r in rollouts], [r.completion.text for r in rollouts]
-        )
+        results = scored.results
+        scores = torch.tensor(scored.model_scores, dtype=torch.float32)
+        truncated = torch.tensor(scored.model_truncated, dtype=torch.float32)
         batch.rewards = rm.weight * scores + rm.rule_weight * batch.rewards
         return {
             "rollout/reward_mean": float(batch.rewards.mean()),  # the training reward, as without one
             "rollout/reward_model_score": float(scores.mean()),
             "rollout/reward_model_score_std": float(scores.std()) if len(scores) > 1 else 0.0,
             "rollout/rule_reward_mean": sum(r.score for r in results) / len(results),
-            "reward_model/truncated": float(truncated.float().mean()),
+            "reward_model/truncated": float(truncated.mean()),
         }
 
     def _advantages(self, batch: TrainBatch, rollouts: list[Rollout]) -> AdvantageResult:

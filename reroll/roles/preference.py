@@ -43,6 +43,9 @@ class PairWorkerMixin:
         rows = mb.stacked()
         out = self._forward(rows)  # type: ignore[attr-defined]
         if self.cfg.policy_head == "reward":  # type: ignore[attr-defined]
+            if out.dim() == 3:  # packed: the head's per-token output, read at each row's last token
+                last = rows.attention_mask.sum(-1).to(out.device) - 1
+                out = out[torch.arange(len(last), device=out.device), last]
             return out.squeeze(-1).float(), rows, None
         logprobs = token_logprobs(out, rows.input_ids.to(out.device), 1.0)
         mask = rows.response_mask.to(logprobs.device)

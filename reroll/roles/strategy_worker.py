@@ -14,9 +14,10 @@ and its step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,21 @@ def mean_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(p[k] for p in parts if k in p) / sum(1 for p in parts if k in p) for k in sorted(keys)}
 
 
+@contextlib.contextmanager
+def per_token_head(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Collects the output of ``model``'s ``score`` head (a sequence classifier's, at every position,
+    before pooling) during the forward passes inside the block."""
+    heads = [m for name, m in model.named_modules() if name.split(".")[-1] == "score"]
+    if len(heads) != 1:
+        raise RuntimeError(f"expected one 'score' head in {type(model).__name__}, found {len(heads)}")
+    out: list[torch.Tensor] = []
+    handle = heads[0].register_forward_hook(lambda _m, _i, o: out.append(o))
+    try:
+        yield out
+    finally:
+        handle.remove()
+
+
 class StrategyWorker:
     """One rank of a role that holds a model in a training strategy (``roles.<role>`` places it)."""
 
@@ -50,7 +66,7 @@ class StrategyWorker:
         role_cfg = getattr(cfg.roles, role)
         torch.set_num_threads(role_cfg.torch_threads or torch.get_num_threads())
         torch.manual_seed(cfg.seed + rank)
-        self.role, self.rank, self.cfg = role, rank, cfg
+        self.role, self.rank, self.cfg, self.head = role, rank, cfg, head
         if cfg.strategy.name == "deepspeed":
             quiet.allow_deepspeed_notice()  # what DeepSpeed detects concerns a DeepSpeed run
         self.nonfinite_in_row = 0  # optimizer steps skipped in a row (a finite one resets it)
@@ -138,8 +154,14 @@ class StrategyWorker:
         if not self.cfg.optim.packing:
             return self.strategy.logits(mb.input_ids, mb.attention_mask)
         packed = pack(mb)
-        out = self.strategy.logits(packed.input_ids, None, packed.position_ids)
-        return unpack(out, packed, mb.input_ids.shape[1])
+        if self.head != "reward":
+            out = self.strategy.logits(packed.input_ids, None, packed.position_ids)
+            return unpack(out, packed, mb.input_ids.shape[1])
+        # a sequence classifier pools its one packed row to one score: take the head's per-token
+        # output instead (inside the forward, where a sharded head is gathered), (b, t, 1) unpacked
+        with per_token_head(self.strategy.model) as scores:
+            self.strategy.logits(packed.input_ids, None, packed.position_ids)
+        return unpack(scores[0], packed, mb.input_ids.shape[1])
 
     @torch.no_grad()
     def _score(

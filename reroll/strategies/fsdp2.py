@@ -32,7 +32,9 @@ from reroll.strategies.lora import (
     AdapterUpdate,
     adapter_names_to_saved,
     apply_lora,
+    full_modules,
     is_adapter_key,
+    is_full_key,
     load_adapter,
     lora_config_dict,
     merge_lora,
@@ -58,7 +60,7 @@ class FSDP2Strategy:
     """The model sharded with FSDP2, its optimizer and schedule; the role decides the loss.
 
     ``head``: ``"causal_lm"`` (the policy, ``(B, T, V)`` logits) or ``"value"`` (a critic, ``(B, T, 1)``).
-    LoRA (``strategy.lora``) applies to the policy only.
+    LoRA (``strategy.lora``) applies to the policy and to a reward model (its ``score`` head trains in full).
     """
 
     def __init__(
@@ -75,7 +77,8 @@ class FSDP2Strategy:
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
         self.settings = cfg.strategy.fsdp2
-        self.lora = cfg.strategy.lora if head == "causal_lm" else None
+        self.lora = cfg.strategy.lora if head in ("causal_lm", "reward") else None
+        self.full = full_modules(head)  # trained in full beside the adapters
         self._load = _LOADERS[head]
         model = self._load(model_path, cfg.model.dtype, "cpu")  # fully_shard moves each shard to the device
         model.train(trainable)
@@ -86,7 +89,7 @@ class FSDP2Strategy:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.hf_model = model  # the Hugging Face model inside any peft wrapper
         self.model: torch.nn.Module = (
-            apply_lora(model, self.lora, trainable=trainable) if self.lora else model
+            apply_lora(model, self.lora, trainable=trainable, full=self.full) if self.lora else model
         )
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -200,7 +203,9 @@ class FSDP2Strategy:
         ``full_state_dict`` (the tensors on rank 0 only)."""
         if self.lora is None:
             raise RuntimeError("adapter_update needs strategy.lora")
-        state = {k: v for k, v in self.model.state_dict().items() if is_adapter_key(k)}
+        state = {
+            k: v for k, v in self.model.state_dict().items() if is_adapter_key(k) or is_full_key(k, self.full)
+        }
         adapters = adapter_names_to_saved(_gather(state, keep=self.rank == 0))
         return AdapterUpdate(adapters, lora_config_dict(self.lora))
 

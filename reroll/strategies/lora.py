@@ -11,7 +11,7 @@ names and the ``LoraConfig`` as a dict.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,8 +66,11 @@ def lora_config_dict(lora: LoRAConfig) -> dict[str, Any]:
     }
 
 
-def apply_lora(model: PreTrainedModel, lora: LoRAConfig, *, trainable: bool) -> PeftModel:
-    """``model`` wrapped with fresh adapters (B = 0, so it computes what ``model`` did); only they train.
+def apply_lora(
+    model: PreTrainedModel, lora: LoRAConfig, *, trainable: bool, full: Sequence[str] = ()
+) -> PeftModel:
+    """``model`` wrapped with fresh adapters (B = 0, so it computes what ``model`` did); only they
+    train, and the modules named in ``full`` (e.g. a reward model's new ``score`` head), every weight.
 
     An unknown module name in ``target_modules`` is a ``ValueError`` naming the linear layers there are.
     """
@@ -85,12 +88,24 @@ def apply_lora(model: PreTrainedModel, lora: LoRAConfig, *, trainable: bool) -> 
     wrapped = get_peft_model(model, peft_config(lora), autocast_adapter_dtype=False)
     wrapped.train(trainable)
     for name, p in wrapped.named_parameters():
-        p.requires_grad_(trainable and ".lora_" in name)
+        p.requires_grad_(trainable and (".lora_" in name or is_full_key(name, full)))
     return wrapped
 
 
 def is_adapter_key(name: str) -> bool:
     return _LORA_KEY.match(name) is not None
+
+
+def is_full_key(name: str, full: Sequence[str]) -> bool:
+    """Whether ``name`` (peft's or the model's) is a weight of a module in ``full``, trained in full."""
+    name = name.removeprefix(PREFIX)
+    return any(name.startswith(f"{m}.") for m in full)
+
+
+def full_modules(head: str) -> tuple[str, ...]:
+    """The modules trained in full beside the adapters: a reward model's ``score`` head (new at zero, it
+    must learn everything), none for a causal LM."""
+    return ("score",) if head == "reward" else ()
 
 
 def merge_lora(state: Mapping[str, torch.Tensor], *, scale: float) -> dict[str, torch.Tensor]:

@@ -21,7 +21,9 @@ from reroll.strategies.lora import (
     AdapterUpdate,
     adapter_names_to_saved,
     apply_lora,
+    full_modules,
     is_adapter_key,
+    is_full_key,
     load_adapter,
     lora_config_dict,
     merge_lora,
@@ -72,10 +74,11 @@ class TorchStrategy:
             self.model.gradient_checkpointing_enable()
         if self.model.config.use_cache is not None:
             self.model.config.use_cache = False
-        self.lora = cfg.strategy.lora if head == "causal_lm" else None
+        self.lora = cfg.strategy.lora if head in ("causal_lm", "reward") else None
+        self.full = full_modules(head)  # trained in full beside the adapters
         self.hf_model = self.model  # the Hugging Face model inside any peft wrapper
         if self.lora is not None:
-            self.model = apply_lora(self.hf_model, self.lora, trainable=trainable)
+            self.model = apply_lora(self.hf_model, self.lora, trainable=trainable, full=self.full)
 
     def init_distributed(self, address: str) -> None:
         """Join the process group of this role's ranks at ``tcp://address``."""
@@ -142,7 +145,9 @@ class TorchStrategy:
         if self.lora is None:
             raise RuntimeError("adapter_update needs strategy.lora")
         state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        adapters = adapter_names_to_saved({k: v for k, v in state.items() if is_adapter_key(k)})
+        adapters = adapter_names_to_saved(
+            {k: v for k, v in state.items() if is_adapter_key(k) or is_full_key(k, self.full)}
+        )
         return AdapterUpdate(adapters, lora_config_dict(self.lora))
 
     def offload(self) -> None:

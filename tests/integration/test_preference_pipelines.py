@@ -67,8 +67,6 @@ def pref_config(tmp_path: Path, assets, prefs, pipeline: str, **sections) -> Pat
 
 
 def test_reward_model_learns_and_loads_as_a_sequence_classifier(tmp_path, assets, prefs):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     cfg = pref_config(tmp_path, assets, prefs, "reward_model", total_steps=40, eval={"every": 20})
     out = reroll_cli("train", cfg, "runtime.backend=local")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -79,15 +77,9 @@ def test_reward_model_learns_and_loads_as_a_sequence_classifier(tmp_path, assets
     # measured on the 2-core dev machine: 0.0 -> 0.5625 (step 20) -> 0.578 (step 40) on 64 held-out pairs
     assert rows[-1]["eval/accuracy"] > 0.5, rows[-1]
 
-    model_dir = tmp_path / "runs" / "reward_model" / "checkpoints" / "step_000040" / "model"
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pairs = [json.loads(line) for line in Path(prefs["test"]).read_text().splitlines()]
-    texts = [p["prompt"] + p[side] + tokenizer.eos_token for side in ("chosen", "rejected") for p in pairs]
-    batch = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        scores = model(**batch).logits[:, 0]
-    chosen, rejected = scores[: len(pairs)], scores[len(pairs) :]
+    chosen, rejected = hf_pair_scores(
+        tmp_path / "runs" / "reward_model" / "checkpoints" / "step_000040", prefs
+    )
     # what the run measured is what a user of the checkpoint measures
     assert float((chosen > rejected).float().mean()) == pytest.approx(rows[-1]["eval/accuracy"])
     assert float(torch.cat([chosen, rejected]).mean()) == pytest.approx(
@@ -95,14 +87,68 @@ def test_reward_model_learns_and_loads_as_a_sequence_classifier(tmp_path, assets
     )
 
 
-@pytest.mark.long  # 36 s on 2 cores; the torch strategy runs in CI
-@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
+def hf_pair_scores(checkpoint: Path, prefs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The held-out pairs scored by ``checkpoint/model`` loaded as a user would, with Hugging Face alone."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(checkpoint / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint / "model")
+    pairs = [json.loads(line) for line in Path(prefs["test"]).read_text().splitlines()]
+    texts = [p["prompt"] + p[side] + tokenizer.eos_token for side in ("chosen", "rejected") for p in pairs]
+    batch = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        scores = model(**batch).logits[:, 0]
+    return scores[: len(pairs)], scores[len(pairs) :]
+
+
+@pytest.mark.parametrize("strategy", ["torch", pytest.param("fsdp2", marks=pytest.mark.long)])
+def test_reward_model_with_lora_trains_adapters_and_the_head(tmp_path, assets, prefs, strategy):
+    """LoRA on the body, the new score head trained in full; the checkpoint's model/ has the adapters
+    merged, so Hugging Face alone loads it and scores as the run did; adapter/ holds adapters and head."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    lora = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "sync": "merged"}
+    cfg = pref_config(
+        tmp_path, assets, prefs, "reward_model", total_steps=20, eval={"every": 20},
+        strategy={"name": strategy, "lora": lora}, optim={"lr": 3e-3, "micro_batch_size": 16},
+    )  # fmt: skip
+    out = reroll_cli("train", cfg, "runtime.backend=local")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path / "runs" / "reward_model")
+    losses = [r["rm/loss"] for r in rows if "rm/loss" in r]
+    assert sum(losses[-5:]) < sum(losses[:5]), losses  # it learns
+    assert rows[-1]["eval/accuracy"] > 0.5, rows[-1]
+
+    ckpt = tmp_path / "runs" / "reward_model" / "checkpoints" / "step_000020"
+    chosen, rejected = hf_pair_scores(ckpt, prefs)
+    assert float((chosen > rejected).float().mean()) == pytest.approx(rows[-1]["eval/accuracy"])
+    adapter = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+    assert any(".lora_A." in k for k in adapter) and "base_model.model.score.weight" in adapter
+    assert adapter["base_model.model.score.weight"].abs().sum() > 0  # the head (zero at the start) learned
+    # the merged model differs from the start in the adapted projections only
+    start = AutoModelForCausalLM.from_pretrained(assets["model"]).model.state_dict()
+
+    merged = AutoModelForSequenceClassification.from_pretrained(ckpt / "model").model.state_dict()
+    changed = {k for k, v in start.items() if not torch.equal(v, merged[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param("fsdp2", marks=pytest.mark.long),  # 36 s on 2 cores
+        pytest.param("deepspeed", marks=pytest.mark.long),
+        "packed",  # torch, each micro-batch's rows packed into one sequence
+    ],
+)
 def test_reward_model_strategies_take_the_torch_step(tmp_path, assets, prefs, strategy):
-    if not strategy_available(strategy):
+    if strategy != "packed" and not strategy_available(strategy):
         pytest.skip(f"{strategy} is not installed")
     cfg = pref_config(tmp_path, assets, prefs, "reward_model", total_steps=2)
     for name in ("torch", strategy):
-        out = reroll_cli("train", cfg, f"name={name}", f"strategy.name={name}", "runtime.backend=local")
+        how = ["strategy.name=torch", "optim.packing=true"] if name == "packed" else [f"strategy.name={name}"]
+        out = reroll_cli("train", cfg, f"name={name}", *how, "runtime.backend=local")
         assert out.returncode == 0, out.stderr[-3000:]
     for step in (1, 2):
         want, got = (step_metrics(tmp_path / "runs" / n, step) for n in ("torch", strategy))
@@ -120,16 +166,25 @@ def test_bad_pair_fails_validate_naming_file_and_row(tmp_path, assets, prefs):
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"{bad}: row 2: 'chosen' and 'rejected' are the same" in out.stderr
     assert "preference.train_files[0]" in out.stderr and "Traceback" not in out.stderr
-    out = reroll_cli("validate", cfg, "pipeline=reward_model", "data=null", "optim.packing=true")
-    assert out.returncode == 2 and "optim.packing" in out.stderr
+    packed = ["pipeline=reward_model", "data=null", "optim.packing=true", "strategy.name=fsdp2"]
+    out = reroll_cli("validate", cfg, *packed)  # a reward model packs on the torch strategy only
+    assert out.returncode == 2 and "optim.packing" in out.stderr and "strategy.name=torch" in out.stderr
 
 
 @pytest.mark.parametrize(
-    "pipeline", [pytest.param("reward_model", marks=pytest.mark.long), "dpo"]
+    "pipeline",
+    [
+        pytest.param("reward_model", marks=pytest.mark.long),
+        pytest.param("reward_model-lora", marks=pytest.mark.long),
+        "dpo",
+    ],
 )  # the reward model's resume is the same code path as dpo's, 22 s each on 2 cores
 def test_resumed_preference_run_repeats_the_straight_one(tmp_path, assets, prefs, pipeline):
-    """The sampler's position and DPO's cached reference log-probs come back from the checkpoint."""
-    sections = {"checkpoint": {"every": 1, "keep_last": 3}}
+    """The sampler's position and DPO's cached reference log-probs come back from the checkpoint; with
+    LoRA, the reward model's adapters and its head (adapter/)."""
+    sections: dict = {"checkpoint": {"every": 1, "keep_last": 3}}
+    if pipeline == "reward_model-lora":
+        pipeline, sections["strategy"] = "reward_model", {"lora": {"rank": 8, "alpha": 16}}
     if pipeline == "dpo":
         sections |= {"sft": {"steps": 5, "batch_size": 16, "lr": 1e-3}, "data": {"eval_limit": 8}}
     cfg = pref_config(tmp_path, assets, prefs, pipeline, **sections)

@@ -19,6 +19,7 @@ from reroll.data.preferences import (
     near_miss,
     pair_batch,
     render_pair,
+    write_arithmetic_preferences,
 )
 
 
@@ -86,6 +87,21 @@ def test_arithmetic_preferences_follow_the_arithmetic_split():
         a, b = map(int, p["question"].split("+"))
         assert p["prompt"] == f"{p['question']}=" and p["chosen"] == str(a + b) != p["rejected"]
         check_preference_row("x", 0, p)
+
+
+def test_several_negatives_per_training_question_leave_the_held_out_pairs(tmp_path):
+    one = write_arithmetic_preferences(tmp_path / "one", n_train=30, n_test=10, max_operand=30, seed=3)
+    four = write_arithmetic_preferences(
+        tmp_path / "four", n_train=30, n_test=10, max_operand=30, seed=3, negatives=4
+    )
+    read = lambda p: [json.loads(line) for line in p.read_text().splitlines()]  # noqa: E731
+    assert four["test"].read_text() == one["test"].read_text()  # the same held-out pairs
+    train_one, train_four = read(one["train"]), read(four["train"])
+    assert len(train_four) == 4 * len(train_one) and train_four[::4] == train_one  # the first is the same
+    for i in range(0, len(train_four), 4):
+        rows = train_four[i : i + 4]
+        assert len({r["question"] for r in rows}) == 1 and len({r["id"] for r in rows}) == 4
+        assert len({r["rejected"] for r in rows}) == 4 and all(r["rejected"] != r["chosen"] for r in rows)
 
 
 def test_pair_batch_layout_and_pair_preserving_micro_batches(tiny_tokenizer):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
@@ -43,9 +44,23 @@ class FakeReward:
         return [RewardResult(float(it.response)) for it in items]
 
 
+class FakeRewardModel:
+    """The served reward model (RLHF): each response's number, twice, as its score; nothing truncated."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def score(self, prompts, responses, phase="reward"):
+        self.calls += 1
+        return torch.tensor([2.0 * float(r) for r in responses]), torch.zeros(
+            len(responses), dtype=torch.bool
+        )
+
+
 class FakeRoles:
     def __init__(self) -> None:
         self.rollout, self.reward, self.phases = FakeRollout(), FakeReward(), []
+        self.reward_model: FakeRewardModel | None = None
 
     @contextmanager
     def phase(self, name, *uses):
@@ -53,7 +68,7 @@ class FakeRoles:
         yield
 
 
-def make_cfg(rollout=None, **algorithm) -> RunConfig:
+def make_cfg(rollout=None, reward=None, **algorithm) -> RunConfig:
     return RunConfig.model_validate(
         {
             "pipeline": "rlvr",
@@ -61,6 +76,7 @@ def make_cfg(rollout=None, **algorithm) -> RunConfig:
             "data": {"train_files": ["x.jsonl"]},
             "rollout": {"batch_size": 8, "group_size": 2, **(rollout or {})},
             "algorithm": algorithm,
+            **({"reward": reward} if reward else {}),
         }
     )
 
@@ -102,6 +118,44 @@ def test_refill_stops_after_max_rounds_and_trains_on_what_it_has():
     # made up to the batch with the first equal-reward groups, which the loss's filter drops
     assert [r.sample.prompt for r in scored.rollouts[::2]] == ["1,0", "1,0", "0,0", "0,0"]
     assert len(scored) == 8
+
+
+class OnesReward:
+    """A rule reward that scores every response 1: no group has a spread by the rule."""
+
+    def score(self, items, phase="reward"):
+        return [RewardResult(1.0) for _ in items]
+
+
+def test_rlhf_refills_on_the_reward_models_score_not_the_rule():
+    # the rule gives every sample 1; the reward model scores each response's number: '3,3' and '5,5' have
+    # no spread by it, '1,0' and '2,4' do. DAPO must keep the groups the reward model separates.
+    prompts = ["3,3", "1,0", "5,5", "2,4"] * 2
+    cfg = make_cfg(
+        reward={"fn": "exact_match", "model": {"path": "rm", "rule_weight": 0.5}},
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=1,
+    )
+    roles = FakeRoles()
+    roles.reward, roles.reward_model = OnesReward(), FakeRewardModel()
+    scored, metrics = RolloutSource(cfg, sampler(prompts, 4)).next(roles, step=1)
+    assert metrics["dapo/rounds"] == 2 and metrics["dapo/kept_groups"] == 4
+    assert [r.sample.prompt for r in scored.rollouts[::2]] == ["1,0", "2,4", "1,0", "2,4"]
+    assert scored.model_scores == [2.0, 0.0, 4.0, 8.0] * 2  # carried with their groups
+    assert scored.training_rewards(cfg).tolist() == [2.5, 0.5, 4.5, 8.5] * 2  # weight 1, rule_weight 0.5
+    assert roles.reward_model.calls == 2  # once per generation round, in the reward phase
+    assert roles.phases == ["generate", "reward"] * 2
+    # the same rounds without a reward model: every group has equal rule rewards, none is kept
+    _, rule_only = RolloutSource(
+        make_cfg(dynamic_sampling=True, dynamic_sampling_max_rounds=1), sampler(prompts, 4)
+    ).next(roles_with(OnesReward()), step=1)
+    assert rule_only["dapo/kept_groups"] == 0
+
+
+def roles_with(reward) -> FakeRoles:
+    roles = FakeRoles()
+    roles.reward = reward
+    return roles
 
 
 def test_no_refill_without_dynamic_sampling():
@@ -209,6 +263,16 @@ def test_oversampling_keeps_the_first_groups_to_finish_and_scores_each_as_it_com
     assert metrics["rollout/oversample_kept_length"] == (6 + 5 + 4 + 3) / 4
     assert metrics["rollout/oversample_dropped_length"] == 0
     assert source.sampler.index == 6 and source.sampler.batch_size == 4  # the draw consumed 6 prompts
+
+
+def test_oversampled_rlhf_rounds_carry_the_reward_models_scores():
+    cfg = make_cfg({"oversample": 1.5}, reward={"fn": "exact_match", "model": {"path": "rm"}})
+    roles, source = FakeRoles(), RolloutSource(cfg, sampler([f"{i},0" for i in range(12)], 4))
+    roles.rollout, roles.reward, roles.reward_model = StreamingRollout(), StreamingReward(), FakeRewardModel()
+    scored, _ = source.next(roles, step=1)
+    assert scored.model_scores == [10.0, 0.0, 8.0, 0.0, 6.0, 0.0, 4.0, 0.0]  # the kept groups, in order
+    assert scored.training_rewards(cfg).tolist() == scored.model_scores  # weight 1, rule_weight 0
+    assert roles.reward_model.calls == 1
 
 
 class SegmentRollout(FakeRollout):
