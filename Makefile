@@ -11,7 +11,7 @@ quickstart: deps
 	reroll train examples/quickstart/arithmetic_grpo.yaml
 
 test: deps
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=25
 
 # Install everything unconditionally (what `deps` does when something is missing).
 install: bwrap
