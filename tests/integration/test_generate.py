@@ -42,7 +42,7 @@ def test_generate_from_a_run_checkpoint_scores_and_resumes(tmp_path, assets):
         data={"eval_limit": 6},
         logging={"tensorboard": False, "sample_every": 0},
     )
-    train = reroll_cli("train", cfg)
+    train = reroll_cli("train", cfg, "runtime.backend=local")  # the checkpoint, quickly: generate runs on Ray
     assert train.returncode == 0, train.stderr
     run_dir = tmp_path / "runs" / "t"
     assert (run_dir / "checkpoints" / "step_000001" / "model" / "config.json").exists()

@@ -15,6 +15,7 @@ def _train(path, *overrides):
     return reroll_cli("train", path, *overrides)
 
 
+@pytest.mark.long  # 57 s in CI; test_phases keeps colocation there
 def test_colocated_and_separate_placement_train_the_same(tmp_path, assets):
     path = write_config(tmp_path / "run.yaml", assets, total_steps=3, algorithm={"kl_coef": 0.0})
     colocated = _train(

@@ -44,6 +44,7 @@ def _ppo_config(tmp_path, assets, **sections):
     return write_config(tmp_path / "c.yaml", assets, **{**defaults, **sections})
 
 
+@pytest.mark.long  # 45 s in CI; the critic as a Ray actor and test_phases' PPO stay there
 def test_ppo_runs_and_resumes_with_the_critic(tmp_path, assets):
     cfg = _ppo_config(tmp_path, assets, checkpoint={"every": 1, "keep_last": 3})
     local = "runtime.backend=local"

@@ -196,6 +196,7 @@ print(json.dumps({a["Name"]: custom.get(a["Address"]["NodeID"]) for a in actors(
 """
 
 
+@pytest.mark.long  # 60 s in CI with the two nodes' start
 def test_train_joins_a_two_node_cluster_with_roles_on_different_nodes(tmp_path, two_nodes):
     address, cluster_cwd, _ = two_nodes
     driver = tmp_path / "driver"

@@ -79,6 +79,7 @@ def _run(cfg_path, name, monkeypatch, kills):
     return completed, read_metrics(cfg.run_dir)
 
 
+@pytest.mark.long  # 109 s in CI; the restart bound, env worker and judge kills stay there
 def test_killed_roles_are_restarted_and_the_run_matches_an_uninterrupted_one(tmp_path, assets, monkeypatch):
     cfg = _recovery_config(tmp_path, assets)
     straight, straight_metrics = _run(cfg, "straight", monkeypatch, {})

@@ -24,6 +24,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.long  # 39 s in CI
 def test_vllm_tp2_matches_the_hf_engine_before_and_after_a_weight_update(assets):
     from reroll.engines.vllm import VLLMEngine
 

@@ -126,7 +126,10 @@ def test_start_refuses_what_validate_refuses(tmp_path):
     from reroll.runtime.placement import ResourceManager
 
     path = ROOT / "examples" / "qwen2.5-0.5b-rlvr_fsdp2" / "config.yaml"
-    cfg = load_config(path, RunConfig, ["runtime.backend=local", "placement.device_type=cpu"])
+    rows = tmp_path / "rows.jsonl"  # not the hub dataset the example names: nothing to look up
+    rows.write_text('{"question": "1+1?", "answer": "2"}\n')
+    data = [f"data.train_files=[{rows}]", f"data.eval_files=[{rows}]", f"output_dir={tmp_path}/run"]
+    cfg = load_config(path, RunConfig, ["runtime.backend=local", "placement.device_type=cpu", *data])
     problems = [f"{p.path}: {p.message}" for p in check_inputs(cfg) if p.path.startswith("rollout")]
     assert problems and "enable_sleep_mode needs CUDA" in problems[0]
     with pytest.raises(UserError) as e:
