@@ -3,11 +3,14 @@
     python benchmarks/async_rl.py                           # all cores of this machine, CPU roles
     python benchmarks/async_rl.py --steps 4 --sft-steps 20  # a smoke run of the script
 
-The quickstart model (tiny Qwen2, hidden 128) learns 2-digit addition. One SFT run gives every row the
-same starting point (partly right, so rewards vary); then each row runs ``--steps`` GRPO steps of
-``--batch`` samples from that checkpoint. Responses may run to ``--max-new-tokens`` (48): a policy
-that has not learned to stop keeps writing, which gives the long tail of response lengths that makes
-a synchronous step wait for its slowest sample.
+The quickstart model (tiny Qwen2, hidden 128) learns 2-digit addition with a worked part of long-tailed
+length before the answer: the SFT targets are ``<work><answer>`` where the work is a run of ``=`` of
+0-2 characters for most rows and 8-36 for ``--tail-share`` of them (0.2), and the reward reads the last
+number of the response (``numeric_match``), so a long response is not wrong, only slow. One SFT run
+gives every row the same starting point (partly right, so rewards vary, and sampling reproduces the
+length spread); then each row runs ``--steps`` GRPO steps of ``--batch`` samples from that checkpoint
+(``--max-new-tokens`` 48). The long responses are what make a synchronous step wait for its slowest
+sample.
 
 Rows:
 
@@ -57,13 +60,6 @@ def base_config(work: Path, args: argparse.Namespace) -> dict:
             "eval_files": [str(work / "assets" / "test.jsonl")],
             "prompt_template": "{question}=",
             "eval_limit": args.eval_limit,
-            "synthetic": {
-                "task": "arithmetic",
-                "n_train": 5000,
-                "n_test": 500,
-                "max_operand": 99,
-                "ops": "+",
-            },
         },
         "rollout": {
             "engine": "hf",
@@ -72,7 +68,7 @@ def base_config(work: Path, args: argparse.Namespace) -> dict:
             "max_new_tokens": args.max_new_tokens,
             "temperature": 1.0,
         },
-        "reward": {"fn": "exact_match"},
+        "reward": {"fn": "numeric_match"},
         "algorithm": {"preset": "grpo", "kl_coef": 0.0, "loss_agg_mode": "token-mean"},
         "optim": {"lr": 3e-4, "micro_batch_size": args.batch},
         "eval": {"every": 0},
@@ -91,12 +87,34 @@ def run(cfg: dict, path: Path) -> None:
         raise SystemExit(f"{path.name} failed:\n{out.stderr[-3000:]}")
 
 
+def write_long_tailed_task(work: Path, args: argparse.Namespace) -> None:
+    """2-digit additions with a ``work`` field of long-tailed length (see the module docstring)."""
+    import random
+
+    from reroll.data.arithmetic import make_arithmetic_rows
+
+    rng = random.Random(0)
+    rows = make_arithmetic_rows(5500, max_operand=99, ops="+", seed=0)
+    for row in rows:
+        row["work"] = "=" * (rng.randint(8, 36) if rng.random() < args.tail_share else rng.randint(0, 2))
+    (work / "assets").mkdir(parents=True, exist_ok=True)
+    for name, part in (("train", rows[:5000]), ("test", rows[5000:])):
+        (work / "assets" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+
+
 def warm_start(work: Path, args: argparse.Namespace) -> Path:
-    """The quickstart's SFT warm start as an SFT run: its final checkpoint is every row's start."""
+    """The SFT warm start as an SFT run on ``<work><answer>``: its final checkpoint is every row's start."""
+    write_long_tailed_task(work, args)
     cfg = base_config(work, args) | {"name": "sft", "pipeline": "sft"}
-    for key in ("rollout", "reward", "algorithm", "optim"):
+    for key in ("rollout", "algorithm", "optim"):
         cfg.pop(key)
-    cfg["sft"] = {"steps": args.sft_steps, "batch_size": 64, "lr": 1e-3, "warmup_steps": 10}
+    cfg["sft"] = {
+        "steps": args.sft_steps,
+        "batch_size": 64,
+        "lr": 1e-3,
+        "warmup_steps": 10,
+        "target_template": "{work}{answer}",
+    }
     threads = {"torch_threads": args.cores}
     cfg["roles"] = {"actor_train": threads, "actor_infer": threads}
     if not (work / "sft" / "checkpoints").exists():  # kept from an earlier run in --work
@@ -157,6 +175,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--tail-threshold", type=int, default=8)
+    p.add_argument("--tail-share", type=float, default=0.2, help="rows whose worked part is 8-36 characters")
     p.add_argument("--eval-limit", type=int, default=500)
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2)
     p.add_argument("--work", type=Path, default=None, help="keep the runs here (default: a temp dir)")
