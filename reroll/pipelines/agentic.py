@@ -17,6 +17,7 @@ actor_infer (``reroll.roles.agent_proxy``), and assembled into the same token se
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -117,27 +118,14 @@ class Agentic(Pipeline):
                 host=_proxy_host(self.cfg),
             ) as server:
                 return run_agent_episodes(server, roles.env, starts, tasks, params, **limits), sizes
-        if self.a.streaming:
-            episodes = stream_episodes(
-                generate,
-                roles.env,
-                self.builder,
-                starts,
-                params,
-                **limits,
-                system_prompt=self.a.system_prompt,
-                wait_s=self.a.batch_wait_s,
-            )
-        else:
-            episodes = run_episodes(
-                generate,
-                roles.env,
-                self.builder,
-                starts,
-                params,
-                **limits,
-                system_prompt=self.a.system_prompt,
-            )
+        play = (
+            functools.partial(stream_episodes, wait_s=self.a.batch_wait_s)
+            if self.a.streaming
+            else run_episodes
+        )
+        episodes = play(
+            generate, roles.env, self.builder, starts, params, **limits, system_prompt=self.a.system_prompt
+        )
         return episodes, sizes
 
     def step(self, roles: Roles, step: int) -> dict[str, float]:
