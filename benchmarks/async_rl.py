@@ -91,15 +91,13 @@ def write_long_tailed_task(work: Path, args: argparse.Namespace) -> None:
     """2-digit additions with a ``work`` field of long-tailed length (see the module docstring)."""
     import random
 
-    from reroll.data.arithmetic import make_arithmetic_rows
+    from reroll.data.arithmetic import make_arithmetic_rows, write_splits
 
     rng = random.Random(0)
     rows = make_arithmetic_rows(5500, max_operand=99, ops="+", seed=0)
     for row in rows:
         row["work"] = "=" * (rng.randint(8, 36) if rng.random() < args.tail_share else rng.randint(0, 2))
-    (work / "assets").mkdir(parents=True, exist_ok=True)
-    for name, part in (("train", rows[:5000]), ("test", rows[5000:])):
-        (work / "assets" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    write_splits(work / "assets", {"train": rows[:5000], "test": rows[5000:]})
 
 
 def warm_start(work: Path, args: argparse.Namespace) -> Path:

@@ -15,6 +15,11 @@ def entry_tags(entries: Mapping[str, Sequence[str] | None]) -> dict[str, list[st
     return {name: list(tags or [name]) for name, tags in entries.items()}
 
 
+def tag_owners(entries: Mapping[str, Sequence[str] | None]) -> dict[str, str]:
+    """``{tag: entry}`` over every entry's tags (a tag two entries take: the later one)."""
+    return {tag: name for name, tags in entry_tags(entries).items() for tag in tags}
+
+
 def route_tag(entries: Mapping[str, Sequence[str] | None], tag: str, default: str | None) -> str | None:
     """The entry a row tagged ``tag`` goes to; ``default`` where none takes it (None: nowhere)."""
     for name, tags in entry_tags(entries).items():

@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import Field
 
 from reroll.config.base import StrictModel
-from reroll.config.tags import entry_tags, route_tag, tag_problems
+from reroll.config.tags import route_tag, tag_owners, tag_problems
 
 
 class TeacherConfig(StrictModel):
@@ -82,7 +82,7 @@ def teacher_for(cfg: DistillConfig, tag: str) -> str:
     owner = route_tag(tags, tag, cfg.default_teacher)
     if owner is not None:
         return owner
-    known = {tg: n for n, ts in entry_tags(tags).items() for tg in ts}
+    known = tag_owners(tags)
     raise ValueError(
         f"a row is tagged domain {tag!r}, which no teacher lists (tags: {known}): add it to a teacher's "
         f"tags, or set distill.default_teacher"

@@ -81,10 +81,16 @@ def write_arithmetic_dataset(
     rows = make_arithmetic_rows(
         n_train + n_test, max_operand=max_operand, ops=ops, seed=seed, min_operand=min_operand
     )
+    return write_splits(out_dir, {"train": rows[:n_train], "test": rows[n_train:]})
+
+
+def write_splits(out_dir: str | Path, splits: dict[str, Sequence[dict]]) -> dict[str, Path]:
+    """``<split>.jsonl`` in ``out_dir`` for each split, each row's id prefixed with its split's name;
+    returns ``{split: path}``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out / "train.jsonl", "test": out / "test.jsonl"}
-    for split, split_rows in (("train", rows[:n_train]), ("test", rows[n_train:])):
+    paths = {split: out / f"{split}.jsonl" for split in splits}
+    for split, split_rows in splits.items():
         with paths[split].open("w") as f:
             for row in split_rows:
                 f.write(json.dumps({**row, "id": f"{split}-{row['id']}"}) + "\n")

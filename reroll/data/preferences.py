@@ -13,7 +13,6 @@ preferred to a near miss (one digit or the carry wrong, as a partly trained mode
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -22,7 +21,7 @@ from typing import Any
 
 import torch
 
-from reroll.data.arithmetic import make_arithmetic_rows
+from reroll.data.arithmetic import make_arithmetic_rows, write_splits
 from reroll.data.chat import PromptFormat, chat_messages
 from reroll.data.datasets import DatasetError, read_rows
 from reroll.data.types import TrainBatch, prompt_response_batch
@@ -282,15 +281,8 @@ def write_arithmetic_preferences(
     Training problems get ``negatives`` pairs each, held-out ones their first (the same for any
     ``negatives``, so held-out pairwise accuracies compare)."""
     problems = _pairs_by_problem(n_train + n_test, max_operand, ops, seed, negatives)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out / "train.jsonl", "test": out / "test.jsonl"}
     splits = {
         "train": [p for pairs in problems[:n_train] for p in pairs],
         "test": [pairs[0] for pairs in problems[n_train:]],
     }
-    for split, split_rows in splits.items():
-        with paths[split].open("w") as f:
-            for row in split_rows:
-                f.write(json.dumps({**row, "id": f"{split}-{row['id']}"}) + "\n")
-    return paths
+    return write_splits(out_dir, splits)

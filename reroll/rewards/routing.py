@@ -16,7 +16,7 @@ from torch import Tensor
 
 from reroll.algorithms.shaping import batch_normalize
 from reroll.config.reward import RewardConfig, RewardTermConfig
-from reroll.config.tags import entry_tags, route_tag
+from reroll.config.tags import route_tag, tag_owners
 from reroll.errors import RewardFailure, RoleError, UserError
 from reroll.rewards import REGISTRY, required_fields, resolve_reward
 from reroll.rewards.base import RewardResult, as_result
@@ -46,7 +46,7 @@ def route(cfg: RewardConfig, tag: str) -> str:
     domain = route_tag(tags, tag, cfg.default_domain)
     if domain is not None:
         return domain
-    known = {t: n for n, ts in entry_tags(tags).items() for t in ts}
+    known = tag_owners(tags)
     raise UserError(
         f"a row is tagged domain {tag!r}, which no reward domain lists (tags: {known}): add it to a "
         f"domain's tags, or set reward.default_domain"
