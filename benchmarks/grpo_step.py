@@ -11,7 +11,8 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
 
 - ``reroll ray``: the product path. RLVR on Ray with actor_train, actor_infer and reference
   colocated on one GPU (``placement.devices: 1``), ``strategy.name: auto`` (torch at one rank) and
-  the vLLM engine (CUDA graphs, sleep mode, weights over CUDA IPC), ``placement.offload: auto``.
+  the vLLM engine (CUDA graphs, sleep mode, weights over CUDA IPC), ``placement.offload: auto``;
+  on a GPU ``model.compile: true`` (``--no-compile`` turns it off).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 - ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
@@ -122,6 +123,7 @@ def run_reroll(
             "path": str(model),
             "dtype": args.dtype,
             "gradient_checkpointing": args.gradient_checkpointing or "3b" in model.name,
+            "compile": args.compile,
         },
         "data": {"train_files": [str(rows)], "prompt_template": "{question}", "eval_limit": 1},
         "rollout": {
@@ -260,6 +262,12 @@ def main() -> None:
         help="activation checkpointing in reroll's trainer (always on for the 3B row: 64 rows of 384 tokens "
         "through a 3B model do not fit beside the engine without it)",
     )
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="model.compile in reroll's trainers (default: on with --device cuda)",
+    )
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument(
@@ -268,13 +276,18 @@ def main() -> None:
     ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="the Ray row's engine")
     ap.add_argument("--vllm-memory", type=float, default=0.35, help="the engine's share of the GPU")
     ap.add_argument("--model-size", default="0.5b", choices=["0.5b", "3b"], help="3b: adds a 3B-shaped row")
+    ap.add_argument(
+        "--sizes", default=None, help="model shapes to run, e.g. '3b' alone (default: 0.5b and --model-size)"
+    )
     ap.add_argument("--rows", default="ray,local", help="reroll rows to run: ray, local")
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of Qwen2.5's shape")
     ap.add_argument("--skip-trl", action="store_true")
     args = ap.parse_args()
+    if args.compile is None:
+        args.compile = args.device == "cuda"
 
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
-    sizes = ["0.5b"] + (["3b"] if args.model_size == "3b" else [])
+    sizes = args.sizes.split(",") if args.sizes else ["0.5b"] + (["3b"] if args.model_size == "3b" else [])
     results: dict[str, list[dict]] = {}
     for size in sizes:
         model, prompts = build_inputs(root, args, size)
@@ -290,7 +303,8 @@ def main() -> None:
     print(
         f"\nGRPO step, {shape} random init, {args.dtype}, {args.prompts} prompts x {args.group} samples, "
         f"{args.prompt_len} prompt + up to {args.new_tokens} new tokens, on {device_name(args.device)}; "
-        f"mean of steps {args.warmup + 1}..{args.steps} (seconds)"
+        f"mean of steps {args.warmup + 1}..{args.steps} (seconds); reroll: model.compile={args.compile}, "
+        f"{args.micro_batch} rows per training micro-batch"
     )
     reroll_rows = [k for k in results if k.startswith("reroll")]
     print(f"{'phase':<14}" + "".join(f"{k:>20}" for k in reroll_rows))

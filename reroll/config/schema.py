@@ -55,6 +55,13 @@ class ModelConfig(StrictModel):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory."
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer of the trained and reference models (dynamic "
+        "shapes: one compilation serves every sequence length). Worth it on GPUs, where a small model "
+        "is bound by per-kernel launch cost (H200, 0.5B shape: training pass -21 %); the first step "
+        "pays the compilation (seconds to a minute). torch, fsdp2 and deepspeed strategies.",
+    )
 
 
 class SyntheticDataConfig(StrictModel):

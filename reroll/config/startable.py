@@ -167,6 +167,14 @@ def megatron_option_problems(cfg: RunConfig, head: str = "causal_lm") -> list[tu
         problems.append(
             ("model.dtype", "strategy.name=megatron trains in bfloat16 or float32: set model.dtype=bfloat16")
         )
+    if cfg.model.compile:
+        problems.append(
+            (
+                "model.compile",
+                "model.compile compiles Hugging Face decoder layers (torch, fsdp2, deepspeed strategies); "
+                "the megatron strategy builds its own model: set model.compile=false",
+            )
+        )
     return problems
 
 

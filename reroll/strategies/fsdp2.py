@@ -43,6 +43,8 @@ from reroll.strategies.lora import (
 from reroll.strategies.training import (
     adamw_with_warmup,
     adapters_disabled,
+    compile_layers,
+    decoder_layers,
     forward_logits,
     move_optimizer_state,
     optimizer_step,
@@ -87,6 +89,8 @@ class FSDP2Strategy:
             model.config.use_cache = False
         if cfg.model.gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.model.compile:  # before sharding: FSDP2's hooks stay outside the compiled layers
+            compile_layers(model)
         self.hf_model = model  # the Hugging Face model inside any peft wrapper
         self.model: torch.nn.Module = (
             apply_lora(model, self.lora, trainable=trainable, full=self.full) if self.lora else model
@@ -258,12 +262,6 @@ class FSDP2Strategy:
                 )
             self.optimizer.load_state_dict(_sharded_optimizer_state(self.optimizer, saved["optimizer"]))
             self.scheduler.load_state_dict(saved["scheduler"])
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a Hugging Face model (its ``_no_split_modules`` classes), in order."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def _gather(state: dict[str, torch.Tensor], *, keep: bool) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from reroll.strategies.lora import (
 from reroll.strategies.training import (
     adamw_with_warmup,
     adapters_disabled,
+    compile_layers,
     forward_logits,
     move_optimizer_state,
     optimizer_step,
@@ -74,6 +75,8 @@ class TorchStrategy:
             self.model.gradient_checkpointing_enable()
         if self.model.config.use_cache is not None:
             self.model.config.use_cache = False
+        if cfg.model.compile:
+            compile_layers(self.model)
         self.lora = cfg.strategy.lora if head in ("causal_lm", "reward") else None
         self.full = full_modules(head)  # trained in full beside the adapters
         self.hf_model = self.model  # the Hugging Face model inside any peft wrapper

@@ -15,6 +15,23 @@ from reroll.models.loading import position_ids_from
 from reroll.strategies.memory import peak_memory_gb
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face model (its ``_no_split_modules`` classes), in order."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (``model.compile``): parameter names and the
+    state dict stay as they are, gradient checkpointing and FSDP2 units wrap the layers as before, and
+    identical layers share one compiled graph. Dynamic shapes, so sequence lengths do not recompile."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"model.compile: no decoder layers found in {type(model).__name__}")
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
 def warmup_factor(step: int, warmup_steps: int) -> float:
     """The lr multiplier at optimizer step ``step`` (0-based): linear warm-up over ``warmup_steps``, then 1."""
     warm = max(warmup_steps, 0)
