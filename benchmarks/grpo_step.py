@@ -239,6 +239,12 @@ def mean_after(rows: list[dict], key: str, warmup: int) -> float:
     return statistics.mean(r.get(key, 0.0) for r in kept)
 
 
+def print_row(name: str, rows: list[dict], warmup: int) -> None:
+    """A row's result as soon as it is measured (a run cut short keeps what it printed)."""
+    steps = [round(r["step"], 2) for r in rows]
+    print(f"[{name}] s/step {mean_after(rows, 'step', warmup):.2f} (steps {steps})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -294,10 +300,16 @@ def main() -> None:
         for mode in args.rows.split(","):
             label = "tiny" if args.tiny else size
             results[f"reroll {mode} {label}"] = run_reroll(root, model, prompts, args, mode)
+            print_row(f"reroll {mode} {label}", results[f"reroll {mode} {label}"], args.warmup)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
         if not args.skip_trl and size == "0.5b":
             results[f"trl {'tiny' if args.tiny else size}"] = run_trl(root, model, prompts, args)
+            print_row(
+                f"trl {'tiny' if args.tiny else size}",
+                results[f"trl {'tiny' if args.tiny else size}"],
+                args.warmup,
+            )
 
     shape = "tiny" if args.tiny else "Qwen2.5-shaped"
     print(
