@@ -8,8 +8,8 @@ the rows padded at the end), random token ids, a Qwen2.5-0.5B-shaped model with 
 downloaded). Timed, per batch: the reference pass (forward + ``token_logprobs``, no grad) and the training
 pass (forward + ``token_logprobs_and_entropy`` + backward) at several rows per pass (``--micro-batches``,
 what ``optim.logprob_micro_batch_size`` and ``optim.micro_batch_size`` set), then at 64 rows with several
-log-prob chunk sizes (tokens upcast to fp32 at a time), then both passes with ``model.compile`` (each decoder
-layer through ``torch.compile``).
+log-prob chunk sizes (tokens upcast to fp32 at a time), then both passes with ``model.compile`` (the model
+through ``torch.compile``, dynamic shapes).
 The optimizer step is left out (the same in every row). Mean of ``--repeat`` runs after one warm-up.
 """
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.grpo_step import QWEN25_05B, TINY, device_name  # noqa: E402
 from reroll.algorithms.logprobs import chunk_rows, token_logprobs, token_logprobs_and_entropy  # noqa: E402
-from reroll.strategies.training import compile_layers  # noqa: E402
+from reroll.strategies.training import compile_model  # noqa: E402
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -119,8 +119,8 @@ def main() -> None:
         rows.append(
             (f"{mb} rows a pass, chunk {chunk}", timed(reference(mb, chunk)), timed(train(mb, chunk)))
         )
-    if not args.no_compile:  # what model.compile does: each decoder layer compiled in place
-        compile_layers(model)
+    if not args.no_compile:  # what model.compile does: the model compiled in place, dynamic shapes
+        compile_model(model)
         rows.append(
             (
                 f"{mb} rows a pass, chunk {default_chunk}, model.compile",

@@ -57,10 +57,10 @@ class ModelConfig(StrictModel):
     )
     compile: bool = Field(
         False,
-        description="torch.compile each decoder layer of the trained and reference models (dynamic "
-        "shapes: one compilation serves every sequence length). Worth it on GPUs, where a small model "
-        "is bound by per-kernel launch cost (H200, 0.5B shape: training pass -21 %); the first step "
-        "pays the compilation (seconds to a minute). torch, fsdp2 and deepspeed strategies.",
+        description="torch.compile the trained and reference models (the torch strategy; dynamic shapes, "
+        "so sequence lengths do not recompile). For GPUs, where a small model is bound by per-kernel "
+        "launch cost; the first step pays the compilation (a minute or more). Not measured end to end "
+        "yet: docs/benchmarks.md.",
     )
 
 

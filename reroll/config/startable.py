@@ -167,14 +167,6 @@ def megatron_option_problems(cfg: RunConfig, head: str = "causal_lm") -> list[tu
         problems.append(
             ("model.dtype", "strategy.name=megatron trains in bfloat16 or float32: set model.dtype=bfloat16")
         )
-    if cfg.model.compile:
-        problems.append(
-            (
-                "model.compile",
-                "model.compile compiles Hugging Face decoder layers (torch, fsdp2, deepspeed strategies); "
-                "the megatron strategy builds its own model: set model.compile=false",
-            )
-        )
     return problems
 
 
@@ -249,6 +241,15 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
         problems += [("model.path", m) for m in megatron_model_problems(_model_config(cfg.model.path))]
     if any(s == "deepspeed" for s in strategies.values()):
         problems += deepspeed_problems(cfg)
+    compiled_elsewhere = sorted({s for s in strategies.values() if s not in ("torch", "auto")})
+    if cfg.model.compile and compiled_elsewhere:
+        problems.append(
+            (
+                "model.compile",
+                f"model.compile is built for the torch strategy only, not {', '.join(compiled_elsewhere)}: "
+                "set model.compile=false (or strategy.name=torch where the role has one rank)",
+            )
+        )
     trainer = strategies.get("actor_train")
     if cfg.pipeline == "reward_model" and cfg.optim.packing and trainer not in (None, "torch", "auto"):
         problems.append(

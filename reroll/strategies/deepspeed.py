@@ -40,7 +40,7 @@ from reroll.errors import UserError
 from reroll.models.loading import load_causal_lm, load_reward_model, load_value_model
 from reroll.strategies import Head
 from reroll.strategies.memory import peak_memory_gb
-from reroll.strategies.training import compile_layers, forward_logits, warmup_schedule
+from reroll.strategies.training import forward_logits, warmup_schedule
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -138,8 +138,6 @@ class DeepSpeedStrategy:
         model.requires_grad_(self.trainable)
         if self.cfg.model.gradient_checkpointing and self.trainable:
             model.gradient_checkpointing_enable()
-        if self.cfg.model.compile:
-            compile_layers(model)
         if model.config.use_cache is not None:
             model.config.use_cache = False
         self.model = model

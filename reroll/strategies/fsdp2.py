@@ -43,7 +43,6 @@ from reroll.strategies.lora import (
 from reroll.strategies.training import (
     adamw_with_warmup,
     adapters_disabled,
-    compile_layers,
     decoder_layers,
     forward_logits,
     move_optimizer_state,
@@ -89,8 +88,6 @@ class FSDP2Strategy:
             model.config.use_cache = False
         if cfg.model.gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.model.compile:  # before sharding: FSDP2's hooks stay outside the compiled layers
-            compile_layers(model)
         self.hf_model = model  # the Hugging Face model inside any peft wrapper
         self.model: torch.nn.Module = (
             apply_lora(model, self.lora, trainable=trainable, full=self.full) if self.lora else model

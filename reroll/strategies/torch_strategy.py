@@ -32,7 +32,7 @@ from reroll.strategies.lora import (
 from reroll.strategies.training import (
     adamw_with_warmup,
     adapters_disabled,
-    compile_layers,
+    compile_model,
     forward_logits,
     move_optimizer_state,
     optimizer_step,
@@ -75,13 +75,13 @@ class TorchStrategy:
             self.model.gradient_checkpointing_enable()
         if self.model.config.use_cache is not None:
             self.model.config.use_cache = False
-        if cfg.model.compile:
-            compile_layers(self.model)
         self.lora = cfg.strategy.lora if head in ("causal_lm", "reward") else None
         self.full = full_modules(head)  # trained in full beside the adapters
         self.hf_model = self.model  # the Hugging Face model inside any peft wrapper
         if self.lora is not None:
             self.model = apply_lora(self.hf_model, self.lora, trainable=trainable, full=self.full)
+        if cfg.model.compile:  # the outer module: peft's wrapper calls the inner model's forward directly
+            compile_model(self.model)
 
     def init_distributed(self, address: str) -> None:
         """Join the process group of this role's ranks at ``tcp://address``."""

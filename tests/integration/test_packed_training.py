@@ -195,9 +195,8 @@ def test_sharded_ranks_run_equally_many_micro_batches(tmp_path, assets, batch, i
     _assert_same_step(w_a, w_b, initial)
 
 
-def test_compiled_layers_give_the_same_step(tmp_path, assets, batch, initial):
-    """model.compile (each decoder layer through torch.compile, dynamic shapes) changes nothing but the
-    kernels: log-probs, loss, gradient norm and the step equal the eager model's, padded and packed, and
+def test_compiled_model_gives_the_same_step(tmp_path, assets, batch, initial):
+    """model.compile (the model through torch.compile, dynamic shapes) changes nothing but the kernels: log-probs, loss, gradient norm and the step equal the eager model's, padded and packed, and
     the state dict keeps the Hugging Face names (weight sync and checkpoints read them)."""
     lp_a, m_a, w_a = _actor_step(_cfg(tmp_path, assets, BASELINE), batch)
     for overrides in (BASELINE, VARIANTS["token_budget_packed"]):

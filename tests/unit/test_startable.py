@@ -101,6 +101,13 @@ def test_deepspeed_options_it_does_not_take(tmp_path):
     assert _paths(start_problems(cfg)) == ["strategy.deepspeed.offload_params"]
 
 
+def test_model_compile_is_for_the_torch_strategy(tmp_path):
+    assert start_problems(_cfg(tmp_path, "model.compile=true", "strategy.name=torch")) == []
+    for name in ("fsdp2", "deepspeed"):
+        [(path, message)] = start_problems(_cfg(tmp_path, "model.compile=true", f"strategy.name={name}"))
+        assert path == "model.compile" and name in message and "model.compile=false" in message
+
+
 def test_model_type_from_a_local_config_or_the_known_families(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
     assert model_type(str(tmp_path)) == "mixtral"
