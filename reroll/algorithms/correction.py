@@ -70,9 +70,10 @@ def mismatch_metrics(trainer: Tensor, engine: Tensor, mask: Tensor) -> dict[str,
     diff = (trainer.detach().float() - engine.float())[mask]
     if not diff.numel():
         return {}
-    # k3 estimate of KL(engine || trainer) over the sampled tokens
-    log_ratio = -diff
-    kl = (log_ratio.exp() - 1 - log_ratio).mean()
+    # k3 estimate of KL(engine || trainer) from tokens the engine sampled: r - 1 - log r with
+    # r = p_trainer / p_engine (Schulman's estimator with the sampling distribution in the denominator).
+    # The other way round, e^(engine - trainer) explodes on a token the trainer now finds unlikely.
+    kl = (diff.exp() - 1 - diff).mean()
     return {
         "mismatch/logprob_abs_mean": float(diff.abs().mean()),
         "mismatch/logprob_abs_max": float(diff.abs().max()),

@@ -12,6 +12,7 @@ from reroll.algorithms import (
     actor_loss,
     cispo_loss,
     gspo_loss,
+    mismatch_metrics,
     pg_loss,
     ppo_clip_loss,
     rollout_is_weights,
@@ -178,6 +179,17 @@ def test_rollout_is_truncate_and_mask():
 
 
 # ---------------------------------------------------------------- actor_loss glue
+
+
+def test_mismatch_kl_estimates_kl_of_the_engine_from_the_trainer():
+    """mismatch/kl: KL(engine || trainer) from tokens the engine sampled, against the exact value."""
+    g = torch.Generator().manual_seed(0)
+    engine = torch.log_softmax(torch.randn(50, generator=g), -1)
+    trainer = torch.log_softmax(engine + 0.5 * torch.randn(50, generator=g), -1)
+    exact = float((engine.exp() * (engine - trainer)).sum())
+    tokens = torch.multinomial(engine.exp(), 200_000, replacement=True, generator=g)[None]
+    m = mismatch_metrics(trainer[tokens], engine[tokens], torch.ones_like(tokens, dtype=torch.bool))
+    assert m["mismatch/kl"] == pytest.approx(exact, rel=0.05)
 
 
 def test_actor_loss_sums_its_terms():
