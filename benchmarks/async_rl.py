@@ -3,10 +3,12 @@
     python benchmarks/async_rl.py                           # all cores of this machine, CPU roles
     python benchmarks/async_rl.py --steps 4 --sft-steps 20  # a smoke run of the script
 
-The quickstart model (tiny Qwen2, hidden 128) learns 2-digit addition with a worked part of long-tailed
-length before the answer: the SFT targets are ``<work><answer>`` where the work is a run of ``=`` of
-0-2 characters for most rows and 8-36 for ``--tail-share`` of them (0.2), and the reward reads the last
-number of the response (``numeric_match``), so a long response is not wrong, only slow. One SFT run
+The quickstart model (tiny Qwen2, hidden 128) learns 2-digit addition followed by a worked part of
+long-tailed length: the SFT targets are ``<answer><work>`` where the work is a run of ``=`` of 0-2
+characters for most rows and 8-36 for ``--tail-share`` of them (0.2), and the reward reads the last
+number of the response (``numeric_match``), so a long response is not wrong, only slow. (The work
+comes after the answer: before it, the tiny model had to find the operands across a gap of random
+length and reached 2 % after SFT, too little for accuracies to say anything.) One SFT run
 gives every row the same starting point (partly right, so rewards vary, and sampling reproduces the
 length spread); then each row runs ``--steps`` GRPO steps of ``--batch`` samples from that checkpoint
 (``--max-new-tokens`` 48). The long responses are what make a synchronous step wait for its slowest
@@ -15,15 +17,16 @@ sample.
 Rows:
 
 - ``sync``: ``rollout.async_steps: 0``; actor_train and actor_infer take turns, each using all cores.
-- ``sync half``: the same, each role with half the cores, as in the async row (on a loaded machine
-  fewer threads can be faster: this row separates the thread count from the overlap).
-- ``async k=1``: ``rollout.async_steps: 1``; a CPU pool of two slots, actor_infer on its own, each
-  role with half the cores; importance-sampling correction on (the default).
+- ``async k=1``: ``rollout.async_steps: 1``; a CPU pool of two slots, actor_infer on its own with
+  half the cores, actor_train with all of them (training is the heavier phase here; the engine's
+  decoding of a tiny model is bound by per-step overhead more than by cores); importance-sampling
+  correction on (the default).
 - ``tail``: synchronous with tail batching (``rollout.tail_threshold: --tail-threshold``,
   ``tail_share: 0.25``): ordinary steps stop at the threshold, long groups are finished in tail steps.
 
-Per row: samples/s (trained samples over the summed ``timing/step`` of the GRPO steps), median and
-p95 step time, mean response length and the median of each step's longest, mean staleness, and
+Per row: samples/s (trained samples over the summed ``timing/step`` of the steady GRPO steps: the
+first, which loads models and fills the async queue, and the last, which evaluates and checkpoints,
+are left out), median and p95 step time, mean response length and the median of each step's longest, mean staleness, and
 held-out accuracy
 (greedy, ``--eval-limit`` rows) before and after. The last line is ``speedup <async / sync samples/s>``.
 """
@@ -101,7 +104,7 @@ def write_long_tailed_task(work: Path, args: argparse.Namespace) -> None:
 
 
 def warm_start(work: Path, args: argparse.Namespace) -> Path:
-    """The SFT warm start as an SFT run on ``<work><answer>``: its final checkpoint is every row's start."""
+    """The SFT warm start as an SFT run on ``<answer><work>``: its final checkpoint is every row's start."""
     write_long_tailed_task(work, args)
     cfg = base_config(work, args) | {"name": "sft", "pipeline": "sft"}
     for key in ("rollout", "algorithm", "optim"):
@@ -111,7 +114,7 @@ def warm_start(work: Path, args: argparse.Namespace) -> Path:
         "batch_size": 64,
         "lr": 1e-3,
         "warmup_steps": 10,
-        "target_template": "{work}{answer}",
+        "target_template": "{answer}{work}",
     }
     threads = {"torch_threads": args.cores}
     cfg["roles"] = {"actor_train": threads, "actor_infer": threads}
@@ -126,18 +129,15 @@ def row_config(work: Path, args: argparse.Namespace, start: Path, name: str, k: 
     cfg["model"] = {"path": str(start)}
     cfg["rollout"]["async_steps"] = k
     half = max(1, args.cores // 2)
-    if name == "sync_half":
-        cfg["roles"] = {"actor_train": {"torch_threads": half}, "actor_infer": {"torch_threads": half}}
-        return cfg
     if tail:
         cfg["rollout"] |= {"tail_threshold": args.tail_threshold, "tail_share": 0.25}
     if k == 0:  # roles take turns: each may use every core
         threads = {"torch_threads": args.cores}
         cfg["roles"] = {"actor_train": threads, "actor_infer": threads}
-    else:  # two CPU slots, actor_infer on its own
+    else:  # two CPU slots, actor_infer on its own; training is the heavier phase: it keeps every core
         cfg["placement"] = {"devices": 2, "cpus_per_device": max(0.5, args.cores / 2 - 0.5)}
         cfg["roles"] = {
-            "actor_train": {"torch_threads": half, "devices": [0]},
+            "actor_train": {"torch_threads": args.cores, "devices": [0]},
             "actor_infer": {"torch_threads": half, "devices": [1]},
         }
     return cfg
@@ -149,8 +149,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarise(run_dir: Path, batch: int) -> dict[str, float]:
+    """Times over the steady steps: the first step (models loading, the async queue filling) and the
+    last (held-out evaluation and the checkpoint) are left out."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["step"] > 0]
+    steps = [r for r in rows if 1 < r["step"] < rows[-1]["step"]]
     times = [r["timing/step"] for r in steps]
     lengths = [r["rollout/response_length"] for r in steps]
     longest = [r["rollout/length_max"] for r in steps]
@@ -169,7 +171,7 @@ def summarise(run_dir: Path, batch: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--sft-steps", type=int, default=250)
+    p.add_argument("--sft-steps", type=int, default=1000)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--tail-threshold", type=int, default=8)
@@ -184,7 +186,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         start = warm_start(work, args)
         results = {}
-        rows = (("sync", 0, False), ("sync half", 0, False), ("async k=1", 1, False), ("tail", 0, True))
+        rows = (("sync", 0, False), ("async k=1", 1, False), ("tail", 0, True))
         for name, k, tail in rows:
             slug = name.replace(" ", "_").replace("=", "")
             if not (work / slug / "metrics.jsonl").exists():  # a row kept from an earlier run in --work
@@ -203,8 +205,6 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(f"{r[k]:.3f}" for k in keys) + " |")
     change = results["tail"]["step p95 s"] / results["sync"]["step p95 s"] - 1
     print(f"tail batching: p95 step time {100 * change:+.0f}% against sync")
-    half = results["async k=1"]["samples/s"] / results["sync half"]["samples/s"]
-    print(f"async over sync with the same threads per role: {half:.2f}x")
     print(f"speedup {results['async k=1']['samples/s'] / results['sync']['samples/s']:.2f}")
 
 
