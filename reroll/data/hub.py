@@ -4,16 +4,23 @@
 ``data.train_files`` loads with ``datasets.load_dataset("org/name", "main", split="train")``. With
 ``HF_DATASETS_OFFLINE=1`` (or ``HF_HUB_OFFLINE=1``) that reads the local cache only
 (``HF_DATASETS_CACHE``, default ``~/.cache/huggingface/datasets``); a dataset that is not there is
-an error that says so and gives the command that fetches it. Needs ``pip install 'reroll[data]'``.
+an error that says so and gives the command that fetches it. Without those variables a machine that
+cannot reach the Hub (no network, a firewall) is found out by one TCP connection with a 3 s timeout,
+and the cache is read as if offline: datasets' own retries would take most of a minute per entry.
+Needs ``pip install 'reroll[data]'``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from reroll.config.schema import HubDatasetConfig
 from reroll.errors import UserError
@@ -83,25 +90,60 @@ def read_hub_rows(source: HubDatasetConfig, limit: int | None = None) -> list[di
 
 @contextlib.contextmanager
 def _quiet_datasets() -> Iterator[None]:
-    """datasets' log lines ("Using the latest cached version ... offline mode is enabled") say what
-    the config asked for; failures come back as errors."""
-    logger = logging.getLogger("datasets")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """datasets' and huggingface_hub's log lines ("Using the latest cached version ...", "... thrown
+    while requesting HEAD ...") say what the config asked for; failures come back as errors."""
+    loggers = [logging.getLogger(name) for name in ("datasets", "huggingface_hub")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def hub_endpoint() -> tuple[str, int]:
+    """The Hub's host and port (``HF_ENDPOINT``, default https://huggingface.co)."""
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    return url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+
+
+@functools.cache
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether one TCP connection to the Hub opens within ``timeout_s`` (asked once per process). With a
+    proxy configured the answer is left to the proxy: True."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    try:
+        with socket.create_connection(hub_endpoint(), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _offline(datasets: Any) -> Iterator[None]:
+    """datasets and huggingface_hub in offline mode for one call (what HF_DATASETS_OFFLINE=1 does)."""
+    import huggingface_hub.constants as hub
+
+    before = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = before
 
 
 def _load_hub(source: HubDatasetConfig, limit: int | None) -> list[dict[str, Any]]:
     datasets = _datasets()
     offline = bool(datasets.config.HF_HUB_OFFLINE)
+    unreachable = not offline and not hub_reachable()
     try:
-        with _quiet_datasets():
+        with _quiet_datasets(), _offline(datasets) if unreachable else contextlib.nullcontext():
             found = datasets.load_dataset(source.dataset, source.subset, split=source.split)
     except (ConnectionError, FileNotFoundError) as e:
-        raise HubDatasetError(_not_cached(source, offline, e)) from e
+        raise HubDatasetError(_not_cached(source, offline, e, unreachable)) from e
     except ValueError as e:  # no such split, or no such subset (in the cache: "Couldn't find cache ...")
         text = " ".join(str(e).split()).rstrip(".")
         if "split" in text.lower():
@@ -113,14 +155,22 @@ def _load_hub(source: HubDatasetConfig, limit: int | None) -> list[dict[str, Any
         raise HubDatasetError(f"dataset {source.label!r}: {text}: {fix}") from e
     except Exception as e:  # datasets' own errors (DatasetNotFoundError, a gated repo, ...)
         if type(e).__name__ in ("DatasetNotFoundError", "DataFilesNotFoundError", "EmptyDatasetError"):
-            raise HubDatasetError(_not_cached(source, offline, e)) from e
+            raise HubDatasetError(_not_cached(source, offline, e, unreachable)) from e
         raise
     return _rows(found, limit)
 
 
-def _not_cached(source: HubDatasetConfig, offline: bool, error: Exception) -> str:
+def _not_cached(source: HubDatasetConfig, offline: bool, error: Exception, unreachable: bool = False) -> str:
     datasets = _datasets()
     where = f"the local cache ({datasets.config.HF_DATASETS_CACHE})"
+    if unreachable:
+        host, port = hub_endpoint()
+        return (
+            f"dataset {source.label!r} is not in {where}, and the Hub ({host}:{port}) cannot be reached "
+            f"from this machine: fetch it once where the Hub can be reached, with the same HF_HOME / "
+            f"HF_DATASETS_CACHE: {fetch_command(source)}; or copy that cache here, or give the rows as a "
+            f"local JSONL/Parquet file"
+        )
     if offline:
         return (
             f"dataset {source.label!r} is not in {where}, and HF_DATASETS_OFFLINE / HF_HUB_OFFLINE is set "

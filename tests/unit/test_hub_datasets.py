@@ -87,6 +87,37 @@ def test_a_dataset_not_in_the_cache_says_so_and_how_to_fetch_it(tmp_path, assets
     assert "Traceback" not in err
 
 
+def test_an_unreachable_hub_reads_the_cache_without_offline_variables(tmp_path, assets, offline_cache, monkeypatch):
+    """No HF_*_OFFLINE set, and the Hub does not answer: the cache is read as if offline (datasets'
+    retries would take most of a minute), and a dataset not there says the Hub cannot be reached."""
+    import reroll.data.hub as hub
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    train, _ = load_data(_config(tmp_path, assets, [_hub("train")]))
+    assert len(train) == 6
+    assert datasets.config.HF_HUB_OFFLINE is False  # offline for the one call only
+    [problem] = check_inputs(_config(tmp_path, assets, [{"dataset": "someone/elsewhere", "split": "train"}]))
+    assert "the Hub (huggingface.co:443) cannot be reached" in problem.message
+    assert "datasets.load_dataset('someone/elsewhere', split='train')" in problem.message
+
+
+def test_hub_reachable_is_one_bounded_connection(monkeypatch):
+    import socket
+
+    from reroll.data.hub import hub_reachable
+
+    for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(v, raising=False)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    assert hub_reachable.__wrapped__(timeout_s=1.0)
+    server.close()  # nothing listens there now: refused at once
+    assert not hub_reachable.__wrapped__(timeout_s=1.0)
+
+
 def test_a_wrong_split_subset_or_rename_is_named(tmp_path, assets, offline_cache):
     found = {
         p.path: p.message
