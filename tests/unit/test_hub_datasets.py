@@ -87,7 +87,9 @@ def test_a_dataset_not_in_the_cache_says_so_and_how_to_fetch_it(tmp_path, assets
     assert "Traceback" not in err
 
 
-def test_an_unreachable_hub_reads_the_cache_without_offline_variables(tmp_path, assets, offline_cache, monkeypatch):
+def test_an_unreachable_hub_reads_the_cache_without_offline_variables(
+    tmp_path, assets, offline_cache, monkeypatch
+):
     """No HF_*_OFFLINE set, and the Hub does not answer: the cache is read as if offline (datasets'
     retries would take most of a minute), and a dataset not there says the Hub cannot be reached."""
     import reroll.data.hub as hub
