@@ -195,15 +195,23 @@ def test_sharded_ranks_run_equally_many_micro_batches(tmp_path, assets, batch, i
     _assert_same_step(w_a, w_b, initial)
 
 
-def test_compiled_model_gives_the_same_step(tmp_path, assets, batch, initial):
-    """model.compile (the model through torch.compile, dynamic shapes) changes nothing but the kernels: log-probs, loss, gradient norm and the step equal the eager model's, padded and packed, and
-    the state dict keeps the Hugging Face names (weight sync and checkpoints read them)."""
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(BASELINE, id="padded"),
+        pytest.param(VARIANTS["token_budget_packed"], marks=pytest.mark.long, id="packed"),
+    ],
+)
+def test_compiled_model_gives_the_same_step(tmp_path, assets, batch, initial, overrides):
+    """model.compile (the model through torch.compile, dynamic shapes) changes nothing but the kernels:
+    log-probs, loss, gradient norm and the step equal the eager model's, padded and packed (``long``:
+    each variant compiles its own graphs, ~30 s on 2 cores), and the state dict keeps the Hugging Face
+    names (weight sync and checkpoints read them)."""
     lp_a, m_a, w_a = _actor_step(_cfg(tmp_path, assets, BASELINE), batch)
-    for overrides in (BASELINE, VARIANTS["token_budget_packed"]):
-        lp_b, m_b, w_b = _actor_step(_cfg(tmp_path, assets, (*overrides, "model.compile=true")), batch)
-        assert w_b.keys() == w_a.keys()
-        mask = batch.attention_mask
-        torch.testing.assert_close(lp_b[mask], lp_a[mask], atol=1e-5, rtol=0, msg=str(overrides))
-        assert m_b["actor/loss"] == pytest.approx(m_a["actor/loss"], rel=1e-5)
-        assert m_b["actor/grad_norm"] == pytest.approx(m_a["actor/grad_norm"], rel=1e-5)
-        _assert_same_step(w_a, w_b, initial)
+    lp_b, m_b, w_b = _actor_step(_cfg(tmp_path, assets, (*overrides, "model.compile=true")), batch)
+    assert w_b.keys() == w_a.keys()
+    mask = batch.attention_mask
+    torch.testing.assert_close(lp_b[mask], lp_a[mask], atol=1e-5, rtol=0, msg=str(overrides))
+    assert m_b["actor/loss"] == pytest.approx(m_a["actor/loss"], rel=1e-5)
+    assert m_b["actor/grad_norm"] == pytest.approx(m_a["actor/grad_norm"], rel=1e-5)
+    _assert_same_step(w_a, w_b, initial)
