@@ -177,19 +177,12 @@ class VLLMEngine:
         try:
             outs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], requests, use_tqdm=False)
         finally:
-            self._count(time.perf_counter() - start, sum(len(o.token_ids) for r in outs for o in r.outputs))
-            self._requests += len(encoded) * params.n
+            tokens = sum(len(o.token_ids) for r in outs for o in r.outputs)
+            self._count(time.perf_counter() - start, tokens, len(encoded) * params.n)
         groups = []
         for ids, out in zip(encoded, outs):
-            parts = [
-                [
-                    list(o.token_ids),
-                    [float(step[tok].logprob) for tok, step in zip(o.token_ids, o.logprobs)],
-                    o.text,
-                    "length" if o.finish_reason == "length" else "stop",
-                ]
-                for o in sorted(out.outputs, key=lambda o: o.index)
-            ]
+            samples = sorted(out.outputs, key=lambda o: o.index)
+            parts = [[list(o.token_ids), _logprobs(o), o.text, _finish_reason(o)] for o in samples]
             groups.append(self._group(ids, parts, params))
         return groups
 
@@ -207,9 +200,10 @@ class VLLMEngine:
             torch.manual_seed(params.seed)
         return per_request
 
-    def _count(self, seconds: float, tokens: int) -> None:
+    def _count(self, seconds: float, tokens: int, requests: int) -> None:
         self._seconds += seconds
         self._tokens += tokens
+        self._requests += requests
 
     @engine_call
     def stream(
@@ -255,10 +249,10 @@ class VLLMEngine:
                             continue
                         part, o = parts[out.request_id], out.outputs[0]
                         part[0] += o.token_ids
-                        part[1] += [float(step[tok].logprob) for tok, step in zip(o.token_ids, o.logprobs)]
+                        part[1] += _logprobs(o)
                         part[2] += o.text
                         if out.finished:
-                            part[3] = "length" if o.finish_reason == "length" else "stop"
+                            part[3] = _finish_reason(o)
                             i = rows[out.request_id][0]
                             left[i] -= 1
                             finished += [i] if not left[i] else []
@@ -273,8 +267,7 @@ class VLLMEngine:
             running = [rid for rid, p in parts.items() if p[3] is None]
             if running:  # the caller stopped early (closed the stream) or a step failed
                 engine.abort_request(running)
-            self._count(time.perf_counter() - start, sum(len(p[0]) for p in parts.values()))
-            self._requests += len(parts)
+            self._count(time.perf_counter() - start, sum(len(p[0]) for p in parts.values()), len(parts))
 
     def _group(
         self, prompt_ids: list[int], parts: list[list[Any]], params: SamplingParams
@@ -389,6 +382,16 @@ class VLLMEngine:
         out = self._stats.take(self._tokens, self._seconds) | {"engine/requests": float(self._requests)}
         self._tokens, self._seconds, self._requests = 0, 0.0, 0
         return out
+
+
+def _logprobs(output: Any) -> list[float]:
+    """The sampled tokens' log-probs of a vLLM ``CompletionOutput`` (``logprobs=0``: one per token)."""
+    return [float(step[tok].logprob) for tok, step in zip(output.token_ids, output.logprobs)]
+
+
+def _finish_reason(output: Any) -> str:
+    """vLLM's finish reason as a ``Completion`` has it: ``length`` at max_tokens, else ``stop``."""
+    return "length" if output.finish_reason == "length" else "stop"
 
 
 def _hook_step_loop(engine: Any, abort: threading.Event, stats: EngineStats) -> None:
