@@ -43,7 +43,6 @@ from reroll.strategies.lora import (
 from reroll.strategies.training import (
     adamw_with_warmup,
     adapters_disabled,
-    decoder_layers,
     forward_logits,
     move_optimizer_state,
     optimizer_step,
@@ -259,6 +258,12 @@ class FSDP2Strategy:
                 )
             self.optimizer.load_state_dict(_sharded_optimizer_state(self.optimizer, saved["optimizer"]))
             self.scheduler.load_state_dict(saved["scheduler"])
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face model (its ``_no_split_modules`` classes), in order."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def _gather(state: dict[str, torch.Tensor], *, keep: bool) -> dict[str, torch.Tensor]:

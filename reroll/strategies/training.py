@@ -15,12 +15,6 @@ from reroll.models.loading import position_ids_from
 from reroll.strategies.memory import peak_memory_gb
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a Hugging Face model (its ``_no_split_modules`` classes), in order."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
-
-
 def compile_model(model: torch.nn.Module) -> None:
     """``torch.compile`` the whole model in place (``model.compile``), with dynamic shapes: one graph
     for training and one for no-grad passes serve every sequence length, and parameter names and the
