@@ -15,6 +15,7 @@ import importlib.util
 import pytest
 import torch
 
+from benchmarks.grpo_step import QWEN25_05B
 from tests.conftest import ROOT, reroll_cli
 
 pytestmark = [
@@ -25,7 +26,6 @@ pytestmark = [
 ]
 
 EXAMPLE = ROOT / "examples" / "qwen2.5-0.5b-rlvr_fsdp2" / "config.yaml"
-QWEN25_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
 
 
 def test_the_one_gpu_example_starts_trains_and_checkpoints(tmp_path):
