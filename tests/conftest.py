@@ -134,17 +134,32 @@ def assert_stream_yields_groups_then_interrupt_cuts_the_rest(rollout, *, prompts
 def assert_interrupted_responses_resume(rollout, *, prompts: int, after_s: float) -> None:
     """``interrupt`` ``after_s`` into a generation: the responses it cut (``abort``, their tokens kept)
     are continued by ``submit_resume`` from those tokens up to ``max_new_tokens`` in all; the finished
-    ones are left as they were."""
+    ones are left as they were.
+
+    The interrupt is sent again every 0.2 s until the generation returns: an engine call clears an
+    interrupt that reached it before the call began (one between calls cancels nothing), and on a
+    loaded machine the call can start after a single timer fired, which once left CI's run uncut."""
     import threading
 
     from reroll.data.types import SamplingParams
 
     params = SamplingParams(n=2, max_new_tokens=48, seed=7)
-    timer = threading.Timer(after_s, rollout.interrupt)
-    timer.start()
+    returned = threading.Event()
+
+    def keep_interrupting() -> None:
+        if not returned.wait(after_s):
+            rollout.interrupt()
+            while not returned.wait(0.2):
+                rollout.interrupt()
+
+    sender = threading.Thread(target=keep_interrupting)
+    sender.start()
     refs = rollout.submit(["1+1="] * prompts, params)
-    first = rollout.collect(refs)
-    timer.join()
+    try:
+        first = rollout.collect(refs)
+    finally:
+        returned.set()
+        sender.join()
     done = rollout.collect(rollout.submit_resume(refs, params))
     pairs = [(a, b) for ga, gb in zip(first, done) for a, b in zip(ga, gb)]
     cut = [(a, b) for a, b in pairs if a.finish_reason == "abort"]
