@@ -101,6 +101,21 @@ def actor_options(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:
     """Ray actor options for ``role``'s rank ``rank``: its share of its pool device, or its role's
     ``num_cpus/num_gpus_per_worker`` when it is not on the pool."""
     rc = getattr(cfg.roles, role)
+    return _resources(cfg, role, rank) | _threads(rc.torch_threads)
+
+
+def _threads(torch_threads: int | None) -> dict[str, Any]:
+    """``roles.<role>.torch_threads`` as the worker process's ``OMP_NUM_THREADS`` too. Ray sets that
+    variable to the actor's CPU share (1 for a fraction), and every thread of the process other than
+    the one that called ``torch.set_num_threads`` starts from it: vLLM's CPU attention planned a step
+    for 1 thread and ran it on 2 ("Check failed: ... thread_num (1 vs. 2)")."""
+    if torch_threads is None:
+        return {}
+    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(torch_threads)}}}
+
+
+def _resources(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:
+    rc = getattr(cfg.roles, role)
     if not cfg.placement.devices or role not in placed_roles(cfg, [role]):
         return {
             "num_cpus": rc.num_cpus_per_worker,

@@ -45,11 +45,17 @@ def groups(tmp_path_factory, assets):
     cfg = load_config(write_config(path, assets), RunConfig, [])
     local = load_config(write_config(path, assets), RunConfig, ["runtime.backend=local"])
     # 0.05 MiB buckets: the tiny model's weights reach vLLM in several partial reloads; over-sampling
-    # makes the engine keep what an interrupt cuts (its per-step outputs), which the stream test reads
+    # makes the engine keep what an interrupt cuts (its per-step outputs), which the stream test reads;
+    # 2 threads in an actor Ray gives 1 CPU (vLLM's CPU attention once planned for 1 and ran on 2)
     vllm_cfg = load_config(
         write_config(path, assets),
         RunConfig,
-        ["rollout.engine=vllm", "rollout.weight_sync_bucket_mb=0.05", "rollout.oversample=1.0"],
+        [
+            "rollout.engine=vllm",
+            "rollout.weight_sync_bucket_mb=0.05",
+            "rollout.oversample=1.0",
+            "roles.actor_infer.torch_threads=2",
+        ],
     )
     made = [TrainerGroup("actor_train", cfg, trainable=True), RolloutGroup(local), RolloutGroup(vllm_cfg)]
     yield made
