@@ -303,6 +303,13 @@ class OptimConfig(StrictModel):
         description="Pack a micro-batch's rows into one sequence without padding; attention stays within "
         "each row.",
     )
+    group_by_length: bool = Field(
+        True,
+        description="Cut micro-batches from a step's rows sorted by length (longest first), so rows of "
+        "similar length share one and little padding is computed (a long-tailed RL batch: about half the "
+        "tokens). Losses, gradients and per-row outputs equal those of row order up to float rounding. "
+        "Rows that fit in one micro-batch, and preference pairs, keep their order.",
+    )
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch (PPO mini-batches).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over the rollout batch.")
     max_nonfinite_steps: int = Field(

@@ -55,6 +55,16 @@ def micro_batches(
     return [batch.select(slice(a, b)).trim() for a, b in itertools.pairwise(bounds)]
 
 
+def length_order(batch: TrainBatch) -> torch.Tensor:
+    """Row indices by real length (``attention_mask`` count), longest first, ties in row order.
+
+    Micro-batches cut from the rows in this order hold rows of similar length, so a micro-batch trimmed
+    to its longest row computes little padding (on a long-tailed RL batch, about half the tokens of
+    micro-batches cut in row order); the first micro-batch is the largest, so one that does not fit in
+    memory fails at once."""
+    return torch.argsort(batch.attention_mask.sum(-1), descending=True, stable=True)
+
+
 def to_count(bounds: list[int], lengths: list[int], count: int) -> list[int]:
     """Micro-batch boundaries (row indices, 0 ... B) moved to give exactly ``count`` micro-batches.
 

@@ -30,7 +30,9 @@ class PairWorkerMixin:
     ``_backward``, ``_step``, ``strategy`` and ``cfg``)."""
 
     def _pair_micro_batches(self, batch: PairBatch, *, forward_only: bool = False) -> Iterator[PairBatch]:
-        for proxy in self._micro_batches(batch.proxy(), forward_only=forward_only):  # type: ignore[attr-defined]
+        # pairs stay whole: a proxy's rows are pairs in order (by_length=False), each cut at pair bounds
+        proxies = self._micro_batches(batch.proxy(), forward_only=forward_only, by_length=False)  # type: ignore[attr-defined]
+        for proxy in proxies:
             first, last = int(proxy.group_ids[0]), int(proxy.group_ids[-1])
             yield batch.select(slice(first, last + 1))
 

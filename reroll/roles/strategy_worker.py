@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from reroll.config.placement import colocated_trainer_roles
 from reroll.config.schema import RunConfig
-from reroll.data.packing import micro_batches, pack, unpack
+from reroll.data.packing import length_order, micro_batches, pack, unpack
 from reroll.data.types import TrainBatch
 from reroll.runtime import quiet
 from reroll.runtime.actors import WorkerGroup, free_address
@@ -129,16 +129,18 @@ class StrategyWorker:
         need = torch.cuda.memory_reserved() * trainers + cfg.rollout.vllm.gpu_memory_utilization * total
         return need <= 0.9 * total
 
-    def _micro_batches(self, batch: TrainBatch, *, forward_only: bool = False) -> list[TrainBatch]:
-        """This rank's micro-batches, in row order: up to ``optim.max_tokens_per_micro_batch`` real tokens
-        each when set, else ``optim.micro_batch_size`` rows; ``forward_only`` (no backward follows): the
-        ``optim.logprob_*`` limits when either is set. With several ranks, every rank gets as many
-        as the rank with the most (a sharded strategy's forward is a collective), as far as its rows allow."""
-        o = self.cfg.optim
-        rows, budget = o.micro_batch_size, o.max_tokens_per_micro_batch
-        if forward_only and (o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch):
-            rows, budget = o.logprob_micro_batch_size, o.logprob_max_tokens_per_micro_batch
-        limits = {"max_rows": None if budget else rows, "max_tokens": budget}
+    def _micro_batches(
+        self, batch: TrainBatch, *, forward_only: bool = False, by_length: bool = True
+    ) -> list[TrainBatch]:
+        """This rank's micro-batches: up to ``optim.max_tokens_per_micro_batch`` real tokens each when
+        set, else ``optim.micro_batch_size`` rows; ``forward_only`` (no backward follows): the
+        ``optim.logprob_*`` limits when either is set. The rows are cut in ``_row_order`` (longest first
+        with ``optim.group_by_length``), in the batch's order with ``by_length=False``. With several
+        ranks, every rank gets as many as the rank with the most (a sharded strategy's forward is a
+        collective), as far as its rows allow."""
+        if by_length:
+            batch = batch.select(self._row_order(batch, forward_only=forward_only))
+        limits = self._limits(forward_only)
         parts = micro_batches(batch, **limits)
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return parts
@@ -163,14 +165,34 @@ class StrategyWorker:
             self.strategy.logits(packed.input_ids, None, packed.position_ids)
         return unpack(scores[0], packed, mb.input_ids.shape[1])
 
+    def _limits(self, forward_only: bool) -> dict[str, int | None]:
+        """``micro_batches``' limits: ``optim.max_tokens_per_micro_batch`` real tokens when set, else
+        ``optim.micro_batch_size`` rows; for a forward-only pass the ``optim.logprob_*`` ones when set."""
+        o = self.cfg.optim
+        rows, budget = o.micro_batch_size, o.max_tokens_per_micro_batch
+        if forward_only and (o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch):
+            rows, budget = o.logprob_micro_batch_size, o.logprob_max_tokens_per_micro_batch
+        return {"max_rows": None if budget else rows, "max_tokens": budget}
+
+    def _row_order(self, batch: TrainBatch, *, forward_only: bool = False) -> torch.Tensor:
+        """The order micro-batches take the rows in: longest first with ``optim.group_by_length`` (rows of
+        similar length share a micro-batch, so little padding is computed); as given without it, or where
+        the rows fit in one micro-batch (reordering them would change only the float summation order)."""
+        limits, order = self._limits(forward_only), torch.arange(len(batch))
+        rows, budget = limits["max_rows"], limits["max_tokens"]
+        one = len(batch) <= rows if budget is None else int(batch.attention_mask.sum()) <= budget
+        return order if one or not self.cfg.optim.group_by_length else length_order(batch)
+
     @torch.no_grad()
     def _score(
         self, batch: TrainBatch, per_token: Callable[[torch.Tensor, TrainBatch], torch.Tensor]
     ) -> torch.Tensor:
-        """``per_token(model output, micro-batch)`` (b, t) over this rank's micro-batches: (B, T)."""
-        mbs = self._micro_batches(batch, forward_only=True)
+        """``per_token(model output, micro-batch)`` (b, t) over this rank's micro-batches: (B, T), in the
+        batch's row order."""
+        order = self._row_order(batch, forward_only=True)
+        mbs = self._micro_batches(batch.select(order), forward_only=True, by_length=False)
         parts = [per_token(self._forward(mb), mb).cpu() for mb in mbs]
-        return TrainBatch.concat(parts, width=batch.input_ids.shape[1])
+        return TrainBatch.concat(parts, width=batch.input_ids.shape[1])[order.argsort()]
 
     def _backward(self, loss: torch.Tensor, mb: TrainBatch, stats: str) -> None:
         """Backward of a micro-batch's loss. A non-finite loss is noted with the micro-batch's size and

@@ -39,11 +39,13 @@ class TeacherWorker(StrategyWorker):
     def compute_topk(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` most likely next tokens at each position: log-probs ``(B, T, k)`` and ids ``(B, T, k)``."""
         width, values, ids = batch.input_ids.shape[1], [], []
-        for mb in self._micro_batches(batch, forward_only=True):
+        order = self._row_order(batch, forward_only=True)
+        for mb in self._micro_batches(batch.select(order), forward_only=True, by_length=False):
             v, i = token_topk(self._forward(mb), k)
             values.append(_pad_time(v.cpu(), width))
             ids.append(_pad_time(i.cpu(), width))
-        return torch.cat(values), torch.cat(ids)
+        back = order.argsort()  # the batch's row order
+        return torch.cat(values)[back], torch.cat(ids)[back]
 
 
 def _pad_time(x: torch.Tensor, width: int) -> torch.Tensor:
