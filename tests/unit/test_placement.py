@@ -230,3 +230,28 @@ def test_explicit_collective_is_checked(tmp_path):
         },
     )
     assert check_weight_sync(apart, "cuda") == []
+
+
+def test_worker_threads_default_to_the_cores_a_worker_has_to_itself(tmp_path, monkeypatch):
+    """Ray gives a worker of num_cpus 0.25 one OMP thread; on CPU, roles that take turns get the
+    machine's cores (over a role's ranks), roles on a CPU pool their device's cpus_per_device."""
+    from reroll.runtime.placement import with_threads, worker_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    cpu = {"placement.device_type": "cpu"}
+    cfg = _cfg(tmp_path, **cpu, **{"roles.actor_train.world_size": 2})
+    assert worker_threads(cfg, "actor_infer") == 8  # roles take turns: all cores
+    assert worker_threads(cfg, "actor_train") == 4  # two ranks run together
+    assert worker_threads(cfg, "reward") is None  # not a model role: Ray's default
+    pool = _cfg(tmp_path, **cpu, **{"placement.devices": 2, "placement.cpus_per_device": 3.5})
+    assert worker_threads(pool, "actor_train") == 3
+    assert worker_threads(_cfg(tmp_path, **cpu, **{"placement.devices": 2}), "actor_train") == 1
+    assert worker_threads(_cfg(tmp_path, **cpu, **{"roles.actor_infer.torch_threads": 5}), "actor_infer") == 5
+    gpu = {"placement.device_type": "cuda", "roles.actor_train.num_gpus_per_worker": 1}
+    assert worker_threads(_cfg(tmp_path, **gpu), "actor_train") is None
+    gpu_pool = {"placement.device_type": "cuda", "placement.devices": 1}
+    assert worker_threads(_cfg(tmp_path, **gpu_pool), "actor_train") is None
+    assert worker_threads(_cfg(tmp_path, **cpu, **{"runtime.backend": "local"}), "actor_train") is None
+    resolved = with_threads(cfg)  # what config.yaml records
+    assert (resolved.roles.actor_train.torch_threads, resolved.roles.reference.torch_threads) == (4, 8)
+    assert resolved.roles.reward.torch_threads is None
