@@ -188,10 +188,15 @@ class StrategyWorker:
     ) -> torch.Tensor:
         """``per_token(model output, micro-batch)`` (b, t) over this rank's micro-batches: (B, T), in the
         batch's row order."""
-        order = self._row_order(batch, forward_only=True)
-        mbs = self._micro_batches(batch.select(order), forward_only=True, by_length=False)
+        mbs, back = self._forward_only_micro_batches(batch)
         parts = [per_token(self._forward(mb), mb).cpu() for mb in mbs]
-        return TrainBatch.concat(parts, width=batch.input_ids.shape[1])[order.argsort()]
+        return TrainBatch.concat(parts, width=batch.input_ids.shape[1])[back]
+
+    def _forward_only_micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], torch.Tensor]:
+        """A forward-only pass's micro-batches (rows in ``_row_order``) and the indices that put the rows
+        of their concatenated outputs back in the batch's order."""
+        order = self._row_order(batch, forward_only=True)
+        return self._micro_batches(batch.select(order), forward_only=True, by_length=False), order.argsort()
 
     def _backward(self, loss: torch.Tensor, mb: TrainBatch, stats: str) -> None:
         """Backward of a micro-batch's loss. A non-finite loss is noted with the micro-batch's size and

@@ -39,12 +39,11 @@ class TeacherWorker(StrategyWorker):
     def compute_topk(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` most likely next tokens at each position: log-probs ``(B, T, k)`` and ids ``(B, T, k)``."""
         width, values, ids = batch.input_ids.shape[1], [], []
-        order = self._row_order(batch, forward_only=True)
-        for mb in self._micro_batches(batch.select(order), forward_only=True, by_length=False):
+        mbs, back = self._forward_only_micro_batches(batch)
+        for mb in mbs:
             v, i = token_topk(self._forward(mb), k)
             values.append(_pad_time(v.cpu(), width))
             ids.append(_pad_time(i.cpu(), width))
-        back = order.argsort()  # the batch's row order
         return torch.cat(values)[back], torch.cat(ids)[back]
 
 
