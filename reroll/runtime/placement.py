@@ -102,9 +102,9 @@ class ResourceManager:
 
 def actor_options(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:
     """Ray actor options for ``role``'s rank ``rank``: its share of its pool device, or its role's
-    ``num_cpus/num_gpus_per_worker`` when it is not on the pool."""
-    threads = worker_threads(cfg, role)
-    return _resources(cfg, role, rank) | _threads(threads)
+    ``num_cpus/num_gpus_per_worker`` when it is not on the pool; and its ``worker_threads`` as the
+    process's ``OMP_NUM_THREADS``."""
+    return _resources(cfg, role, rank) | _threads(worker_threads(cfg, role))
 
 
 def worker_threads(cfg: RunConfig, role: str) -> int | None:
