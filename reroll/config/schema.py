@@ -584,6 +584,14 @@ class LoggingConfig(StrictModel):
         "MLFLOW_TRACKING_URI, else MLflow's own default).",
     )
     sample_every: int = Field(10, ge=0, description="Log one sample completion every N steps (0: never).")
+    profile_steps: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list,
+        description="Steps whose work in the model-holding trainer roles (actor_train, reference, critic: "
+        "forward, backward, optimizer step, log-probs) torch.profiler records. Each rank writes "
+        "profile/<role>-<rank>-step<N>.json.gz (a trace for Perfetto or chrome://tracing) and "
+        "profile/<role>-<rank>-step<N>.txt (operators by self device time and by self host time) in the "
+        "run's directory. Those steps run slower.",
+    )
 
 
 class PlacementConfig(StrictModel):

@@ -307,6 +307,22 @@ class Roles:
             with self.phase("recover", "reference"):
                 self.reference.load(self.cfg.run_dir / "reference")
 
+    @contextmanager
+    def profiled(self, step: int) -> Iterator[None]:
+        """With ``step`` in ``logging.profile_steps``: torch.profiler in every trainer rank for the
+        step's work, written under ``<run dir>/profile`` when the step ends (a step that fails writes
+        nothing)."""
+        groups = [g for g in (self.actor, self.reference, self.critic) if g is not None]
+        if step not in self.cfg.logging.profile_steps or not groups:
+            yield
+            return
+        for group in groups:
+            group.profile_start(step)
+        yield
+        directory = self.cfg.run_dir / "profile"
+        written = [path for group in groups for path in group.profile_stop(directory)]
+        tqdm.write(f"profile of step {step}: {len(written)} files in {_shown(directory)}")
+
     def pop_timings(self) -> dict[str, float]:
         """``timing/<phase>`` since the last call, with the colocation moves, and the last weight
         sync's ``sync/gb_per_s`` (and ``sync/bytes_collective``) if one ran since."""
@@ -423,7 +439,8 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
         while step <= total:
             began, before, version = time.perf_counter(), pipeline.snapshot(), roles.actor.weights_version
             try:
-                metrics, ckpt = _step(pipeline, roles, step, ckpt)
+                with roles.profiled(step):
+                    metrics, ckpt = _step(pipeline, roles, step, ckpt)
             except RoleError as e:  # a dead worker: restarted and the step retried, or raised
                 trained = roles.actor.weights_version != version
                 step = _recover(e, step, pipeline, roles, (before, initial), trained=trained) + 1

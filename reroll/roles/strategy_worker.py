@@ -28,7 +28,7 @@ from reroll.config.placement import colocated_trainer_roles
 from reroll.config.schema import RunConfig
 from reroll.data.packing import length_order, micro_batches, pack, unpack
 from reroll.data.types import TrainBatch
-from reroll.runtime import quiet
+from reroll.runtime import profiling, quiet
 from reroll.runtime.actors import WorkerGroup, free_address
 from reroll.runtime.placement import worker_device, worker_threads
 from reroll.strategies import Head, make_strategy
@@ -97,6 +97,14 @@ class StrategyWorker:
 
     def load(self, directory: str) -> None:
         self.strategy.load(Path(directory))
+
+    def profile_start(self, step: int) -> None:
+        """Record this rank's work in ``step`` until ``profile_stop`` (``logging.profile_steps``)."""
+        profiling.start(f"{self.role}-{self.rank}", step)
+
+    def profile_stop(self, directory: str) -> list[str]:
+        """Write what was recorded since ``profile_start``: the paths of the trace and the table."""
+        return profiling.stop(Path(directory), f"{self.role}-{self.rank}")
 
     def offload(self) -> None:
         """Give the device to a colocated role: move the state to host memory, or, where
@@ -272,6 +280,14 @@ class StrategyGroup(WorkerGroup):
 
     def load(self, directory: Path) -> None:
         self._wait([h.load.remote(str(directory)) for h in self.handles], "load")
+
+    def profile_start(self, step: int) -> None:
+        self._wait([h.profile_start.remote(step) for h in self._handles], "profile_start")
+
+    def profile_stop(self, directory: Path) -> list[str]:
+        """Every rank's trace and table of the work recorded since ``profile_start``."""
+        written = self._wait([h.profile_stop.remote(str(directory)) for h in self._handles], "profile_stop")
+        return [path for paths in written for path in paths]
 
     def offload(self) -> None:
         """Parameters, gradients and optimizer state off the device (another role needs it)."""
