@@ -1,4 +1,5 @@
-"""The peak memory a training step reached, for ``<role>/peak_memory_gb``."""
+"""The peak memory a training step reached, for ``<role>/peak_memory_gb``, and on a GPU how often the
+allocator ran short (``<role>/alloc_retries``)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,19 @@ def peak_memory_gb(device: torch.device) -> float:
         return peak / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def alloc_retries(device: torch.device) -> dict[str, float]:
+    """On a GPU, ``{"alloc_retries": n}``: how many times since the last call the caching allocator found
+    no free block, freed its whole cache and asked CUDA again (each one synchronises the device: a step
+    that slows down with retries > 0 is short of memory; lower the micro-batch or the engine's share).
+    Nothing on a CPU."""
+    if device.type != "cuda":
+        return {}
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    seen = _RETRIES_SEEN.get(device.index, 0)
+    _RETRIES_SEEN[device.index] = retries
+    return {"alloc_retries": float(retries - seen)}
+
+
+_RETRIES_SEEN: dict[int | None, int] = {}

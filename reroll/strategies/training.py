@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from reroll.models.loading import position_ids_from
-from reroll.strategies.memory import peak_memory_gb
+from reroll.strategies.memory import alloc_retries, peak_memory_gb
 
 
 def compile_model(model: torch.nn.Module) -> None:
@@ -74,7 +74,7 @@ def optimizer_step(
     """Step with already clipped gradients, unless their pre-clip ``grad_norm`` is not finite: then the
     gradients are dropped, nothing changes (weights, optimizer state, schedule) and ``skipped`` is 1.
 
-    Returns ``grad_norm``, the ``lr`` used, ``skipped`` and ``peak_memory_gb``."""
+    Returns ``grad_norm``, the ``lr`` used, ``skipped``, ``peak_memory_gb`` and on a GPU ``alloc_retries``."""
     lr = scheduler.get_last_lr()[0]
     skipped = not bool(torch.isfinite(grad_norm))
     if not skipped:
@@ -86,7 +86,7 @@ def optimizer_step(
         "lr": float(lr),
         "skipped": float(skipped),
         "peak_memory_gb": peak_memory_gb(device),
-    }
+    } | alloc_retries(device)
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
