@@ -37,16 +37,23 @@ def chunk_rows(logits: Tensor) -> int:
 
 
 def token_logprobs(
-    logits: Tensor, input_ids: Tensor, temperature: float = 1.0, *, chunk_tokens: int | None = None
+    logits: Tensor,
+    input_ids: Tensor,
+    temperature: float = 1.0,
+    *,
+    chunk_tokens: int | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """log p(x_t | x_<t) for every position: ``(B, T, V)`` logits, ``(B, T)`` ids -> ``(B, T)`` fp32;
     column 0 is 0.
 
     Logits are divided by ``temperature`` first (as the engine samples), so the ratio the policy loss
     sees is the one of the sampling distribution. ``chunk_tokens``: rows upcast at a time (default:
-    ``chunk_rows``: about 2**24 fp32 elements, 2**26 on a GPU).
+    ``chunk_rows``: about 2**24 fp32 elements, 2**26 on a GPU). ``mask`` ``(B, T)``: score only the
+    columns it marks (a batch's response tokens); the others are 0 and cost nothing past the model's
+    forward (the vocabulary-wide work of prompt and padding positions is skipped).
     """
-    logp, _ = _next_token_stats(logits, input_ids, temperature, chunk_tokens, entropy=False)
+    logp, _ = _next_token_stats(logits, input_ids, temperature, chunk_tokens, entropy=False, mask=mask)
     return logp
 
 
@@ -62,20 +69,29 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     *,
     chunk_tokens: int | None = None,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(token_logprobs, token_entropy)`` in one pass over the logits, both ``(B, T)`` fp32.
+    """``(token_logprobs, token_entropy)`` in one pass over the logits, both ``(B, T)`` fp32; ``mask``:
+    only the columns it marks, as for ``token_logprobs``.
 
     Backward through the entropy is computed only when its gradient is used: detach it (or leave it out
     of the loss) and backward costs the same as for the log-probs alone."""
-    return _next_token_stats(logits, input_ids, temperature, chunk_tokens, entropy=True)
+    return _next_token_stats(logits, input_ids, temperature, chunk_tokens, entropy=True, mask=mask)
 
 
 def _next_token_stats(
-    logits: Tensor, input_ids: Tensor | None, temperature: float, chunk_tokens: int | None, *, entropy: bool
+    logits: Tensor,
+    input_ids: Tensor | None,
+    temperature: float,
+    chunk_tokens: int | None,
+    *,
+    entropy: bool,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Shifted, padded ``(B, T)`` log-probs (zeros without ``input_ids``) and entropy (zeros unless
-    ``entropy``). Every position is scored, the last one of a row too (it has no next token; 1/T extra
-    work), so that the logits are read as the contiguous ``(B*T, V)`` view without a copy."""
+    ``entropy``). Without ``mask`` every position is scored, the last one of a row too (it has no next
+    token; 1/T extra work), so that the logits are read as the contiguous ``(B*T, V)`` view without a
+    copy; with it, the positions before the marked columns, gathered a chunk at a time."""
     b, t, v = logits.shape
     scale = temperature if temperature > 0 else 1.0
     rows = chunk_tokens or chunk_rows(logits)
@@ -83,7 +99,11 @@ def _next_token_stats(
     targets = None
     if input_ids is not None:  # the next token of each position; the last position's is a dummy 0
         targets = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=0).reshape(b * t).to(logits.device)
-    logp, ent = _ChunkedNextToken.apply(flat, targets, scale, entropy, rows)
+    scored = None
+    if mask is not None:  # position t-1 scores column t
+        before = torch.nn.functional.pad(mask[:, 1:].bool(), (0, 1), value=False).reshape(b * t)
+        scored = before.to(logits.device).nonzero().squeeze(-1)
+    logp, ent = _ChunkedNextToken.apply(flat, targets, scale, entropy, rows, scored)
 
     def align(x: Tensor) -> Tensor:  # position t-1 scores token t; column 0 is 0
         return torch.nn.functional.pad(x.view(b, t)[:, :-1], (1, 0), value=0.0)
@@ -91,22 +111,35 @@ def _next_token_stats(
     return align(logp), align(ent)
 
 
+def _chunks(n: int, rows: int, scored: Tensor | None) -> list[slice | Tensor]:
+    """The row selections of a chunked pass: slices of all ``n`` rows, or pieces of ``scored``'s indices."""
+    if scored is None:
+        return [slice(a, a + rows) for a in range(0, n, rows)]
+    return list(scored.split(rows))
+
+
 class _ChunkedNextToken(torch.autograd.Function):
-    """``(N, V)`` logits -> per-row fp32 log p(target) and entropy, chunk by chunk (see the module doc).
+    """``(N, V)`` logits -> per-row fp32 log p(target) and entropy, chunk by chunk (see the module doc);
+    with ``scored`` (row indices) only those rows, the others 0 with no gradient.
 
     Each chunk is one fp32 copy of its logits worked on in place, plus one more buffer where the
     entropy needs p and log p at once."""
 
     @staticmethod
     def forward(
-        ctx, logits: Tensor, targets: Tensor | None, scale: float, entropy: bool, rows: int
+        ctx,
+        logits: Tensor,
+        targets: Tensor | None,
+        scale: float,
+        entropy: bool,
+        rows: int,
+        scored: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         n = logits.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.zeros(n, dtype=torch.float32, device=logits.device)
         logp = torch.zeros(n, dtype=torch.float32, device=logits.device)
         ent = torch.zeros(n, dtype=torch.float32, device=logits.device)
-        for a in range(0, n, rows):
-            s = slice(a, a + rows)
+        for s in _chunks(n, rows, scored):
             x = _scaled(logits[s], scale)
             lse[s] = torch.logsumexp(x, dim=-1)
             if targets is not None:
@@ -114,7 +147,7 @@ class _ChunkedNextToken(torch.autograd.Function):
             if entropy:
                 logq = x.sub_(lse[s, None])
                 ent[s] = -logq.exp().mul_(logq).sum(-1)
-        ctx.save_for_backward(logits, targets, lse, ent)
+        ctx.save_for_backward(logits, targets, lse, ent, scored)
         ctx.scale, ctx.rows = scale, rows
         ctx.set_materialize_grads(False)
         if targets is None:
@@ -126,14 +159,13 @@ class _ChunkedNextToken(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp: Tensor | None, grad_ent: Tensor | None):
-        logits, targets, lse, ent = ctx.saved_tensors
+        logits, targets, lse, ent, scored = ctx.saved_tensors
         if targets is None:
             grad_logp = None
         if grad_logp is None and grad_ent is None:
-            return None, None, None, None, None
-        grad = torch.empty_like(logits)
-        for a in range(0, logits.shape[0], ctx.rows):
-            s = slice(a, a + ctx.rows)
+            return None, None, None, None, None, None
+        grad = torch.empty_like(logits) if scored is None else torch.zeros_like(logits)
+        for s in _chunks(logits.shape[0], ctx.rows, scored):
             logq = _scaled(logits[s], ctx.scale).sub_(lse[s, None])
             if grad_ent is None:  # d log p_y / dx = onehot(y) - p
                 g = logq.exp_().mul_(-grad_logp[s, None])
@@ -146,8 +178,8 @@ class _ChunkedNextToken(torch.autograd.Function):
                 del p
             if grad_logp is not None:
                 g.scatter_add_(-1, targets[s, None], grad_logp[s, None])
-            grad[s] = g if ctx.scale == 1.0 else g.div_(ctx.scale)
-        return grad, None, None, None, None
+            grad[s] = (g if ctx.scale == 1.0 else g.div_(ctx.scale)).to(grad.dtype)
+        return grad, None, None, None, None, None
 
 
 def _scaled(chunk: Tensor, scale: float) -> Tensor:

@@ -57,12 +57,15 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         self._collective_bytes = 0  # bytes the last sync broadcast through that group
 
     def compute_logprobs(self, batch: TrainBatch, base_model: bool = False) -> torch.Tensor:
-        """``(B, T)`` log-probs of ``batch.input_ids`` at the sampling temperature; ``base_model``: with the
-        LoRA adapters disabled (the reference policy of a LoRA run)."""
+        """``(B, T)`` log-probs of ``batch.input_ids`` at the sampling temperature on the response tokens
+        (0 elsewhere: only those enter a loss); ``base_model``: with the LoRA adapters disabled (the
+        reference policy of a LoRA run)."""
         with self.strategy.adapters_disabled() if base_model else contextlib.nullcontext():
             return self._score(
                 batch,
-                lambda logits, mb: token_logprobs(logits, mb.input_ids.to(logits.device), self.temperature),
+                lambda logits, mb: token_logprobs(
+                    logits, mb.input_ids.to(logits.device), self.temperature, mask=mb.response_mask
+                ),
             )
 
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
@@ -76,7 +79,10 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         for mb in self._micro_batches(batch):
             logits = self._forward(mb)
             ids = mb.input_ids.to(logits.device)
-            logprobs, entropy = token_logprobs_and_entropy(logits, ids, self.temperature)
+            # response tokens alone: the vocabulary-wide work of prompt and padding positions is skipped
+            logprobs, entropy = token_logprobs_and_entropy(
+                logits, ids, self.temperature, mask=mb.response_mask
+            )
             if alg.entropy_coef == 0:  # a metric only: backward skips the entropy's gradient
                 entropy = entropy.detach()
             dev = logprobs.device

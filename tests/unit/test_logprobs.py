@@ -97,3 +97,26 @@ def test_non_contiguous_logits():
     sliced = logits[..., :50]  # e.g. a padded vocabulary cut to the tokenizer's size
     assert not sliced.is_contiguous()
     assert_close(token_logprobs(sliced, ids % 50), plain_logprobs(sliced, ids % 50, 1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_a_mask_scores_its_columns_alone_with_the_same_values_and_gradients(dtype, chunk):
+    """Response-only scoring: the marked columns as without the mask, the rest 0 with no gradient."""
+    logits, ids, w = _inputs(dtype, b=4, t=9)
+    mask = torch.zeros(4, 9, dtype=torch.bool)
+    mask[0, 3:7], mask[1, 1:], mask[3, 8] = True, True, True  # row 2: nothing to score
+    for use_lp, use_ent in [(1.0, 0.0), (0.0, 1.0), (1.0, -0.3)]:
+        full = logits.detach().requires_grad_()
+        lp, ent = token_logprobs_and_entropy(full, ids, 0.7, chunk_tokens=chunk)
+        ((use_lp * lp + use_ent * ent) * w * mask).sum().backward()
+        x = logits.detach().requires_grad_()
+        m_lp, m_ent = token_logprobs_and_entropy(x, ids, 0.7, chunk_tokens=chunk, mask=mask)
+        ((use_lp * m_lp + use_ent * m_ent) * w * mask).sum().backward()
+        assert_close(m_lp, lp.detach() * mask)
+        assert_close(m_ent, ent.detach() * mask)
+        assert_close(x.grad, full.grad)
+    assert_close(token_logprobs(logits, ids, 0.7, chunk_tokens=chunk, mask=mask), m_lp.detach())
+    # the positions before unmarked columns got no gradient at all, not merely a small one
+    before = torch.nn.functional.pad(mask[:, 1:], (0, 1), value=False)
+    assert (x.grad[~before] == 0).all()
