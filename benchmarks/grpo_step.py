@@ -12,7 +12,7 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
 - ``reroll ray``: the product path. RLVR on Ray with actor_train, actor_infer and reference
   colocated on one GPU (``placement.devices: 1``), ``strategy.name: auto`` (torch at one rank) and
   the vLLM engine (CUDA graphs, sleep mode, weights over CUDA IPC), ``placement.offload: auto``
-  (``--compile`` adds ``model.compile: true``).
+  (``--compile`` adds ``model.compile: true``; the row ``ray-compile`` turns it on for that row alone).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 - ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
@@ -20,6 +20,7 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
 Per reroll row it prints each phase's seconds (offload/reload included), the step's wall time
 (``timing/step``: the whole step, not a sum of phases), new tokens per second and the ratio to TRL.
 The first ``--warmup`` steps (compilation, allocator growth) are left out of the means.
+``--json PATH`` also writes every step's metrics of every row (to see which phase moved in a slow step).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def length_reward(text: str) -> float:
 def run_reroll(
     root: Path, model: Path, prompts: list[str], args: argparse.Namespace, mode: str
 ) -> list[dict]:
-    """RLVR steps as ``mode`` says ('ray': colocated Ray roles and vllm; 'local': one process)."""
+    """RLVR steps as ``mode`` says ('ray': colocated Ray roles and vllm; 'ray-compile': the same with
+    ``model.compile``; 'local': one process). Returns each step's phases and the metrics it logged."""
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
     from reroll.pipelines.rlvr import RLVR
@@ -108,10 +110,13 @@ def run_reroll(
         "    return RewardResult(sum(c.isdigit() for c in response) / max(len(response), 1))\n"
     )
     sys.path.insert(0, str(root))
-    # Ray's workers start from this environment: they find the reward module there too
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    # Ray's workers start from this environment: they find the reward module (and reroll, where it is
+    # run from a checkout without an install) there too
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(root), str(ROOT), os.environ.get("PYTHONPATH")])
+    )
     gpu = args.device == "cuda"
-    ray = mode == "ray"
+    ray = mode.startswith("ray")
     engine = args.engine if ray else "hf"
     name = f"reroll-{mode}-{model.name}"
     cfg = {
@@ -123,7 +128,7 @@ def run_reroll(
             "path": str(model),
             "dtype": args.dtype,
             "gradient_checkpointing": args.gradient_checkpointing or "3b" in model.name,
-            "compile": args.compile,
+            "compile": args.compile or mode == "ray-compile",
         },
         "data": {"train_files": [str(rows)], "prompt_template": "{question}", "eval_limit": 1},
         "rollout": {
@@ -150,7 +155,7 @@ def run_reroll(
         },
         "eval": {"every": 0},
         "checkpoint": {"every": 0, "keep_last": 1},
-        "logging": {"tensorboard": False, "sample_every": 0},
+        "logging": {"tensorboard": False, "sample_every": 0, "profile_steps": args.profile_steps},
         "runtime": {"backend": "ray" if ray else "local"},
     }
     if ray:  # every role on the one GPU, taking turns as the phases say
@@ -167,7 +172,8 @@ def run_reroll(
     for row in read_metrics(root / name)[1:-1]:
         phases = {p: row.get(f"timing/{p}", 0.0) for p in PHASES}
         tokens = row["rollout/response_length"] * args.prompts * args.group
-        out.append({**phases, "step": row["timing/step"], "new_tokens": tokens})  # the step's wall time
+        # the step's wall time; "metrics": all the step logged, for --json
+        out.append({**phases, "step": row["timing/step"], "new_tokens": tokens, "metrics": row})
     return out
 
 
@@ -243,6 +249,9 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
     """A row's result as soon as it is measured (a run cut short keeps what it printed)."""
     steps = [round(r["step"], 2) for r in rows]
     print(f"[{name}] s/step {mean_after(rows, 'step', warmup):.2f} (steps {steps})", flush=True)
+    for p in PHASES:  # each step's phases: a slow step shows which phase moved
+        if any(r.get(p) for r in rows):
+            print(f"[{name}]   {p:<12} {[round(r[p], 2) for r in rows]}", flush=True)
 
 
 def main() -> None:
@@ -285,7 +294,14 @@ def main() -> None:
     ap.add_argument(
         "--sizes", default=None, help="model shapes to run, e.g. '3b' alone (default: 0.5b and --model-size)"
     )
-    ap.add_argument("--rows", default="ray,local", help="reroll rows to run: ray, local")
+    ap.add_argument("--rows", default="ray,local", help="reroll rows to run: ray, ray-compile, local")
+    ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
+    ap.add_argument(
+        "--profile-steps",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        help="reroll rows: logging.profile_steps, e.g. '3,4' (tables and traces under each run's profile/)",
+    )
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of Qwen2.5's shape")
     ap.add_argument("--skip-trl", action="store_true")
     args = ap.parse_args()
@@ -299,6 +315,7 @@ def main() -> None:
             label = "tiny" if args.tiny else size
             results[f"reroll {mode} {label}"] = run_reroll(root, model, prompts, args, mode)
             print_row(f"reroll {mode} {label}", results[f"reroll {mode} {label}"], args.warmup)
+            save_json(args, results)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
         if not args.skip_trl and size == "0.5b":
@@ -308,6 +325,7 @@ def main() -> None:
                 results[f"trl {'tiny' if args.tiny else size}"],
                 args.warmup,
             )
+            save_json(args, results)
 
     shape = "tiny" if args.tiny else "Qwen2.5-shaped"
     print(
@@ -317,17 +335,29 @@ def main() -> None:
         f"{args.micro_batch} rows per training micro-batch"
     )
     reroll_rows = [k for k in results if k.startswith("reroll")]
-    print(f"{'phase':<14}" + "".join(f"{k:>20}" for k in reroll_rows))
+    width = max([20, *(len(k) + 2 for k in reroll_rows)])
+    print(f"{'phase':<14}" + "".join(f"{k:>{width}}" for k in reroll_rows))
     for p in (*PHASES, "step"):
-        print(f"{p:<14}" + "".join(f"{mean_after(results[k], p, args.warmup):>20.2f}" for k in reroll_rows))
+        print(
+            f"{p:<14}" + "".join(f"{mean_after(results[k], p, args.warmup):>{width}.2f}" for k in reroll_rows)
+        )
     trl_row = next((k for k in results if k.startswith("trl")), None)
     trl = mean_after(results[trl_row], "step", args.warmup) if trl_row else None
-    print(f"\n{'row':<20}{'s/step':>10}{'new tokens':>12}{'tokens/s':>10}{'/ TRL':>8}")
+    print(f"\n{'row':<{width}}{'s/step':>10}{'new tokens':>12}{'tokens/s':>10}{'/ TRL':>8}")
     for name, rows in results.items():
         step, toks = mean_after(rows, "step", args.warmup), mean_after(rows, "new_tokens", args.warmup)
         same_model = trl_row is not None and name.split()[-1] == trl_row.split()[-1]
         ratio = f"{step / trl:>8.2f}" if trl and same_model else f"{'':>8}"
-        print(f"{name:<20}{step:>10.2f}{toks:>12.0f}{toks / step:>10.0f}{ratio}")
+        print(f"{name:<{width}}{step:>10.2f}{toks:>12.0f}{toks / step:>10.0f}{ratio}")
+    save_json(args, results)
+
+
+def save_json(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
+    """``--json``: the rows measured so far (written after each, so a run cut short keeps them)."""
+    if args.json:
+        args.json.write_text(
+            json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":
