@@ -58,9 +58,9 @@ class ModelConfig(StrictModel):
     compile: bool = Field(
         False,
         description="torch.compile the trained and reference models (the torch strategy; dynamic shapes, "
-        "so sequence lengths do not recompile). For GPUs, where a small model is bound by per-kernel "
-        "launch cost; the first step pays the compilation (a minute or more). Not measured end to end "
-        "yet: docs/benchmarks.md.",
+        "so sequence lengths do not recompile). Experimental: on an H200 with Ray roles (0.5B shape) the "
+        "first step had not finished after 5 minutes of compiling, and the profile shows that model's "
+        "training pass GPU-bound, not launch-bound; docs/benchmarks.md.",
     )
 
 

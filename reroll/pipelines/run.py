@@ -420,6 +420,12 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
     ensure_tiny_model(cfg.model)
     cfg = cfg.absolute_paths()  # workers on other nodes (or started elsewhere) read the driver's paths
     pipeline = pipeline_cls(cfg)
+    late = [s for s in cfg.logging.profile_steps if s > pipeline.total_steps]
+    if late:
+        raise UserError(
+            f"logging.profile_steps: {late} past the run's last step ({pipeline.total_steps}); "
+            f"name steps from 1 to {pipeline.total_steps} (a warm one, not the first)"
+        )
     warn_unrepresentable(cfg, pipeline.texts())
     resume_from, run_dir = open_run_dir(cfg, resume=resume)
     roles = Roles.start(cfg, pipeline.roles_needed())

@@ -35,3 +35,12 @@ def test_profiled_step_writes_a_trace_and_a_table_per_trainer_rank(tmp_path, ass
     assert any("backward" in op.lower() for op in ops), sorted(ops)[:20]
     assert any(op.startswith("Optimizer.step") for op in ops), sorted(ops)[:20]
     assert "profile of step 2: 2 files" in capsys.readouterr().out
+
+
+def test_a_profile_step_past_the_end_is_refused_before_anything_runs(tmp_path, assets, capsys):
+    cfg = write_config(tmp_path / "c.yaml", assets, total_steps=2, logging={"profile_steps": [3]})
+    assert main(["train", str(cfg), "runtime.backend=local"]) == 2
+    err = capsys.readouterr().err
+    assert "logging.profile_steps: [3] past the run's last step (2)" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "runs" / "t").exists()
