@@ -4,6 +4,7 @@ LoRA adapters; a killed engine reported, naming the engine, not hung on."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -74,6 +75,14 @@ def _batch(assets, completions):
     return build_train_batch(rollouts, load_tokenizer(str(assets["model"])).pad_token_id)
 
 
+def _every_token(batch):
+    """The batch with every real token marked as a response: the trainer scores only response tokens,
+    and the weight-sync checks compare the prompts' log-probs too."""
+    whole = copy.copy(batch)
+    whole.response_mask = batch.attention_mask.bool()
+    return whole
+
+
 def test_vllm_logprobs_equal_trainer_after_sync(assets, groups):
     actor, hf, engine = groups
     samples = load_samples([str(assets["train"])], template="{question}=")[:8]
@@ -87,7 +96,7 @@ def test_vllm_logprobs_equal_trainer_after_sync(assets, groups):
 
     actor.configure_optimizer(1e-2, 0)
     actor.train_sft(sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}"))
-    after = actor.compute_logprobs(batch)
+    after = actor.compute_logprobs(_every_token(batch))
     stale = engine.score(batch.input_ids, batch.attention_mask, 1.0)
     assert (stale[mask] - after[mask]).abs().max() > 1e-3  # the update moved the policy
 
@@ -221,7 +230,7 @@ def test_vllm_weights_over_collective(assets, groups):
     )
     actor.configure_optimizer(1e-2, 0)
     actor.train_sft(sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}"))
-    after = actor.compute_logprobs(batch)
+    after = actor.compute_logprobs(_every_token(batch))
     scored = batch.attention_mask.clone()
     scored[:, 0] = False
     assert (
