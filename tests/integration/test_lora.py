@@ -112,14 +112,15 @@ def test_lora_grpo_quickstart_learns_and_syncs_only_adapters(tmp_path):
         "name=lora",
         f"model.path={base}",
         "sft=null",
-        "total_steps=20",
+        "total_steps=30",
         "strategy.name=fsdp2",
         "strategy.lora.rank=16",
         "optim.lr=3.0e-3",
     )
     rows = read_metrics(tmp_path / "lora")
     before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
-    # measured on the 2-core dev machine: 0.240 -> 0.492 after 20 steps (0.386 after 10)
+    # measured on the 2-core dev machine: 0.240 -> 0.492 after 20 steps (2026-12-02); with the SFT base
+    # of today's packages (0.286, as the quickstart's) 0.286 -> 0.370 after 20, 0.398 after 30 (2026-12-04)
     assert after - before >= 0.1, (before, after)
     # 2 layers x 7 linear layers, r = 16, fp32: q,o (128+128), k,v (128+128), gate,up,down (128+512)
     adapter_bytes = 2 * 16 * (4 * (128 + 128) + 3 * (128 + 512)) * 4

@@ -148,10 +148,12 @@ def test_oversampling_with_vllm_keeps_the_groups_that_finish_first(tmp_path, ass
 @needs_vllm
 def test_partial_rollouts_with_vllm(tmp_path, assets):
     """vLLM on its own slot, 64 samples of up to 64 tokens a step: the update interrupts the next
-    step's generation, whose samples then carry two policy versions."""
+    step's generation, whose samples then carry two policy versions. Whether an update lands while a
+    generation still runs is a race (vLLM may finish first): one of steps 2-4 must show it (with
+    steps 2-3 alone, 1 run in 5 saw none)."""
     rollout = {**PARTIAL, "engine": "vllm", "batch_size": 64}
-    cfg = write_config(tmp_path / "c.yaml", assets, total_steps=3, eval={"every": 0}, rollout=rollout)
+    cfg = write_config(tmp_path / "c.yaml", assets, total_steps=4, eval={"every": 0}, rollout=rollout)
     assert main(["train", str(cfg), *ASYNC_POOL, "checkpoint.every=0", "optim.micro_batch_size=64"]) == 0
     rows = _rows(tmp_path / "runs" / "t")
     assert all(math.isfinite(m["actor/loss"]) for m in rows.values())
-    assert max(rows[s]["staleness/mixed_samples"] for s in (2, 3)) > 0, rows
+    assert max(rows[s]["staleness/mixed_samples"] for s in (2, 3, 4)) > 0, rows
