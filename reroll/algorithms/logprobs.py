@@ -178,7 +178,8 @@ class _ChunkedNextToken(torch.autograd.Function):
                 del p
             if grad_logp is not None:
                 g.scatter_add_(-1, targets[s, None], grad_logp[s, None])
-            grad[s] = (g if ctx.scale == 1.0 else g.div_(ctx.scale)).to(grad.dtype)
+            g = g if ctx.scale == 1.0 else g.div_(ctx.scale)
+            grad[s] = g if isinstance(s, slice) else g.to(grad.dtype)  # index_put wants the dtype
         return grad, None, None, None, None, None
 
 
