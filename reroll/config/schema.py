@@ -590,7 +590,8 @@ class LoggingConfig(StrictModel):
         "forward, backward, optimizer step, log-probs) torch.profiler records. Each rank writes "
         "profile/<role>-<rank>-step<N>.json.gz (a trace for Perfetto or chrome://tracing) and "
         "profile/<role>-<rank>-step<N>.txt (operators by self device time and by self host time) in the "
-        "run's directory. Those steps run slower.",
+        "run's directory (ranks sharing one process, runtime.backend local, share one recording, named "
+        "after all of them: actor_train-0+reference-0-step<N>). Those steps run slower.",
     )
 
 
