@@ -58,7 +58,13 @@ def _peak_bytes(device: str) -> int:
 
 
 def one_case(
-    impl: str, mode: str, shape: list[int], dtype: str, device: str, chunk_tokens: int | None
+    impl: str,
+    mode: str,
+    shape: list[int],
+    dtype: str,
+    device: str,
+    chunk_tokens: int | None,
+    temperature: float,
 ) -> dict[str, float]:
     """Run one case in this process; returns peak bytes above the inputs and seconds."""
     torch.manual_seed(0)
@@ -71,10 +77,10 @@ def one_case(
         fn = plain if impl == "plain" else lambda *a: chunked(*a, chunk_tokens=chunk_tokens)
         if mode == "forward":
             with torch.no_grad():
-                fn(logits, ids, 0.7)
+                fn(logits, ids, temperature)
         else:
             x = logits.detach().requires_grad_()
-            logp, ent = fn(x, ids, 0.7)
+            logp, ent = fn(x, ids, temperature)
             ((logp - 0.01 * ent) * weights).sum().backward()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -96,16 +102,21 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--chunk-tokens", type=int, help="rows per chunk (default: the module's)")
     ap.add_argument("--impls", nargs="+", default=["plain", "chunked"])
+    ap.add_argument("--temperature", type=float, default=0.7, help="1.0 takes the upcast-free kernels")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case, JSON out
     args = ap.parse_args()
     if args.case:
         impl, mode, dtype = args.case.split(",")
-        print(json.dumps(one_case(impl, mode, args.shape, dtype, args.device, args.chunk_tokens)))
+        print(
+            json.dumps(
+                one_case(impl, mode, args.shape, dtype, args.device, args.chunk_tokens, args.temperature)
+            )
+        )
         return
     hw = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or 'cpu'}"
     b, t, v = args.shape
     chunk = args.chunk_tokens or "default"
-    print(f"logits ({b}, {t}, {v}) on {args.device} ({hw}, torch {torch.__version__}); temperature 0.7; "
+    print(f"logits ({b}, {t}, {v}) on {args.device} ({hw}, torch {torch.__version__}); temperature {args.temperature}; "
           f"chunk_tokens {chunk}")  # fmt: skip
     print(f"{'dtype':<9} {'pass':<8}" + "".join(f" {i + ' GiB':>12} {i + ' s':>10}" for i in args.impls))
     for dtype in args.dtypes:
@@ -113,6 +124,7 @@ def main() -> None:
             line = f"{dtype:<9} {mode:<8}"
             for impl in args.impls:
                 cmd = [sys.executable, __file__, "--shape", *map(str, args.shape), "--device", args.device]
+                cmd += ["--temperature", str(args.temperature)]
                 if args.chunk_tokens:
                     cmd += ["--chunk-tokens", str(args.chunk_tokens)]
                 out = subprocess.run(

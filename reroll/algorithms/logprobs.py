@@ -10,11 +10,20 @@ backward). Instead the logits (any dtype, as the model returns them) are read ``
 time, upcast to fp32 only inside a chunk, and reduced to per-token numbers at once. A chunked loop under
 plain autograd would still keep every chunk's fp32 intermediates until backward, so the work is a
 custom ``autograd.Function``: forward keeps only the logits (which autograd holds anyway, being the
-model's output) and one fp32 log-normaliser per token; backward recomputes each chunk's softmax and
+model's output) and the entropy when it was computed; backward recomputes each chunk's softmax and
 writes that chunk of the gradient, ``(onehot - p) / temperature`` for the log-prob and
 ``-p (log p + H) / temperature`` for the entropy, in the logits' dtype. Peak extra memory, forward and
 backward alike, is a few fp32 chunks (about ``chunk_tokens x vocab x 4`` bytes each) plus the gradient
 of the logits that backward must return.
+
+Passes over a chunk: torch's ``log_softmax`` and ``softmax`` with ``dtype=float32`` read the chunk in
+its own dtype and upcast as they go, so at temperature 1 the log-probs cost one read of the chunk and one
+fp32 write (an upcast copy followed by ``logsumexp`` made five passes), and their backward one softmax,
+one scaling and the cast into the gradient. On an H200 these chunks' elementwise kernels were about a
+third of the training pass (``logging.profile_steps``). On CPU (``benchmarks/logprob_memory.py
+--temperature 1.0``, 8 x 512 x 32000 logits, log-probs and entropy) fp32 forward 0.69 -> 0.41 s and
+forward + backward 1.32 -> 1.05 s; bf16 forward 0.73 -> 0.65 s, forward + backward 1.33 -> 1.39 s
+(the CPU's bf16-to-fp32 softmax is the slower kernel there).
 """
 
 from __future__ import annotations
@@ -136,18 +145,15 @@ class _ChunkedNextToken(torch.autograd.Function):
         scored: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         n = logits.shape[0]
-        lse = torch.zeros(n, dtype=torch.float32, device=logits.device)
         logp = torch.zeros(n, dtype=torch.float32, device=logits.device)
         ent = torch.zeros(n, dtype=torch.float32, device=logits.device)
         for s in _chunks(n, rows, scored):
-            x = _scaled(logits[s], scale)
-            lse[s] = torch.logsumexp(x, dim=-1)
+            logq = _log_softmax(logits[s], scale)
             if targets is not None:
-                logp[s] = x.gather(-1, targets[s, None]).squeeze(-1) - lse[s]
+                logp[s] = logq.gather(-1, targets[s, None]).squeeze(-1)
             if entropy:
-                logq = x.sub_(lse[s, None])
                 ent[s] = -logq.exp().mul_(logq).sum(-1)
-        ctx.save_for_backward(logits, targets, lse, ent, scored)
+        ctx.save_for_backward(logits, targets, ent, scored)
         ctx.scale, ctx.rows = scale, rows
         ctx.set_materialize_grads(False)
         if targets is None:
@@ -159,17 +165,17 @@ class _ChunkedNextToken(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp: Tensor | None, grad_ent: Tensor | None):
-        logits, targets, lse, ent, scored = ctx.saved_tensors
+        logits, targets, ent, scored = ctx.saved_tensors
         if targets is None:
             grad_logp = None
         if grad_logp is None and grad_ent is None:
             return None, None, None, None, None, None
         grad = torch.empty_like(logits) if scored is None else torch.zeros_like(logits)
         for s in _chunks(logits.shape[0], ctx.rows, scored):
-            logq = _scaled(logits[s], ctx.scale).sub_(lse[s, None])
             if grad_ent is None:  # d log p_y / dx = onehot(y) - p
-                g = logq.exp_().mul_(-grad_logp[s, None])
+                g = _softmax(logits[s], ctx.scale).mul_(-grad_logp[s, None])
             else:  # dH/dx = -p (log p + H); with the log-prob's: -p ((log p + H) g_H + g_y) + onehot(y) g_y
+                logq = _log_softmax(logits[s], ctx.scale)
                 p = logq.exp()
                 g = logq.add_(ent[s, None]).mul_(grad_ent[s, None])
                 if grad_logp is not None:
@@ -183,10 +189,20 @@ class _ChunkedNextToken(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def _scaled(chunk: Tensor, scale: float) -> Tensor:
-    """An fp32 copy of ``chunk`` divided by ``scale`` (a copy even when the logits are fp32)."""
-    x = chunk.to(torch.float32, copy=True)
-    return x if scale == 1.0 else x.div_(scale)
+def _log_softmax(chunk: Tensor, scale: float) -> Tensor:
+    """fp32 ``log_softmax(chunk / scale)``: at ``scale`` 1 one kernel that upcasts as it reads (the
+    chunk is read once, the fp32 result written once), else an fp32 copy divided first (a copy even
+    when the chunk is fp32: the logits are never written to)."""
+    if scale == 1.0:
+        return torch.log_softmax(chunk, dim=-1, dtype=torch.float32)
+    return torch.log_softmax(chunk.to(torch.float32, copy=True).div_(scale), dim=-1)
+
+
+def _softmax(chunk: Tensor, scale: float) -> Tensor:
+    """fp32 ``softmax(chunk / scale)``, as ``_log_softmax``."""
+    if scale == 1.0:
+        return torch.softmax(chunk, dim=-1, dtype=torch.float32)
+    return torch.softmax(chunk.to(torch.float32, copy=True).div_(scale), dim=-1)
 
 
 def token_logprobs_at(logits: Tensor, ids: Tensor, *, chunk_tokens: int | None = None) -> Tensor:
@@ -221,7 +237,7 @@ def token_topk(logits: Tensor, k: int, *, chunk_tokens: int | None = None) -> tu
     ids = torch.empty(b * t, k, dtype=torch.long, device=logits.device)
     for a in range(0, b * t, rows):
         s = slice(a, a + rows)
-        top = torch.log_softmax(flat[s].float(), dim=-1).topk(k, dim=-1)
+        top = _log_softmax(flat[s], 1.0).topk(k, dim=-1)
         values[s], ids[s] = top.values, top.indices
 
     def align(x: Tensor) -> Tensor:
@@ -236,27 +252,22 @@ class _ChunkedGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, rows: int) -> Tensor:
-        n = logits.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
-        for a in range(0, n, rows):
+        for a in range(0, logits.shape[0], rows):
             s = slice(a, a + rows)
-            x = logits[s].to(torch.float32)
-            lse[s] = torch.logsumexp(x, dim=-1)
-            out[s] = x.gather(-1, targets[s]) - lse[s, None]
-        ctx.save_for_backward(logits, targets, lse)
+            out[s] = _log_softmax(logits[s], 1.0).gather(-1, targets[s])
+        ctx.save_for_backward(logits, targets)
         ctx.rows = rows
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
-        logits, targets, lse = ctx.saved_tensors
+        logits, targets = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for a in range(0, logits.shape[0], ctx.rows):
             s = slice(a, a + ctx.rows)
-            p = logits[s].to(torch.float32).sub_(lse[s, None]).exp_()
-            g = p.mul_(-grad_out[s].sum(-1, keepdim=True))
+            g = _softmax(logits[s], 1.0).mul_(-grad_out[s].sum(-1, keepdim=True))
             g.scatter_add_(-1, targets[s], grad_out[s])
             grad[s] = g
         return grad, None, None
