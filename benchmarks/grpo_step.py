@@ -12,7 +12,8 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
 - ``reroll ray``: the product path. RLVR on Ray with actor_train, actor_infer and reference
   colocated on one GPU (``placement.devices: 1``), ``strategy.name: auto`` (torch at one rank) and
   the vLLM engine (CUDA graphs, sleep mode, weights over CUDA IPC), ``placement.offload: auto``
-  (``--compile`` adds ``model.compile: true``; the row ``ray-compile`` turns it on for that row alone).
+  (``--compile`` adds ``model.compile: true``; the row ``ray-compile`` turns it on for that row alone;
+  the row ``ray-cudnn`` lets the trainers' attention use cuDNN, ``model.cudnn_attention: true``).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 - ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
@@ -93,8 +94,8 @@ def length_reward(text: str) -> float:
 def run_reroll(
     root: Path, model: Path, prompts: list[str], args: argparse.Namespace, mode: str
 ) -> list[dict]:
-    """RLVR steps as ``mode`` says ('ray': colocated Ray roles and vllm; 'ray-compile': the same with
-    ``model.compile``; 'local': one process). Returns each step's phases and the metrics it logged."""
+    """RLVR steps as ``mode`` says ('ray': colocated Ray roles and vllm; 'ray-compile', 'ray-cudnn': the
+    same with ``model.compile``, ``model.cudnn_attention``; 'local': one process). Returns each step's phases and the metrics it logged."""
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
     from reroll.pipelines.rlvr import RLVR
@@ -129,6 +130,7 @@ def run_reroll(
             "dtype": args.dtype,
             "gradient_checkpointing": args.gradient_checkpointing or "3b" in model.name,
             "compile": args.compile or mode == "ray-compile",
+            "cudnn_attention": mode == "ray-cudnn",
         },
         "data": {"train_files": [str(rows)], "prompt_template": "{question}", "eval_limit": 1},
         "rollout": {
@@ -294,7 +296,9 @@ def main() -> None:
     ap.add_argument(
         "--sizes", default=None, help="model shapes to run, e.g. '3b' alone (default: 0.5b and --model-size)"
     )
-    ap.add_argument("--rows", default="ray,local", help="reroll rows to run: ray, ray-compile, local")
+    ap.add_argument(
+        "--rows", default="ray,local", help="reroll rows to run: ray, ray-compile, ray-cudnn, local"
+    )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(
         "--profile-steps",

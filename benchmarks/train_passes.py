@@ -9,7 +9,11 @@ downloaded). Timed, per batch: the reference pass (forward + ``token_logprobs``,
 pass (forward + ``token_logprobs_and_entropy`` + backward) at several rows per pass (``--micro-batches``,
 what ``optim.logprob_micro_batch_size`` and ``optim.micro_batch_size`` set), then at 64 rows with several
 log-prob chunk sizes (tokens upcast to fp32 at a time), then both passes with ``model.compile`` (the model
-through ``torch.compile``, dynamic shapes).
+through ``torch.compile``, dynamic shapes). Those batches have one shape; an RL step's micro-batches have
+new lengths every step, so on a GPU the last rows run ``--new-shapes`` batches whose rows have random
+response lengths (sorted longest first and cut into micro-batches trimmed to their longest row, as the
+trainer does), each batch's shapes new, with cuDNN's attention allowed (what torch picks first on Hopper:
+a plan built per new shape) and not (``model.cudnn_attention: false``, reroll's default).
 The optimizer step is left out (the same in every row). Mean of ``--repeat`` runs after one warm-up.
 """
 
@@ -50,6 +54,47 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         return Qwen2ForCausalLM(cfg).to(getattr(torch, args.dtype))
 
 
+def new_shapes(model: torch.nn.Module, args: argparse.Namespace, mb: int) -> tuple[float, float]:
+    """Seconds per batch of the reference and training passes over ``args.new_shapes`` batches whose
+    rows have ``seq / 3`` prompt tokens (128 of 384) and from 16 to the rest in response tokens, drawn
+    afresh per batch: rows sorted longest first, micro-batches of ``mb`` rows trimmed to their longest
+    row. Seeded: every call meets the same shapes."""
+    gen = torch.Generator().manual_seed(1)
+    dev, prompt = args.device, args.seq // 3
+    seconds = {"reference": 0.0, "train": 0.0}
+    for _ in range(args.new_shapes):
+        lengths = (prompt + torch.randint(16, args.seq - prompt + 1, (args.rows,), generator=gen)).sort(
+            descending=True
+        )
+        ids = torch.randint(0, args.vocab, (args.rows, args.seq), generator=gen).to(dev)
+        mask = (torch.arange(args.seq)[None] < lengths.values[:, None]).long().to(dev)
+        parts = [
+            (ids[a : a + mb, : int(n)], mask[a : a + mb, : int(n)])
+            for a, n in zip(range(0, args.rows, mb), lengths.values[::mb])
+        ]
+        for name in seconds:
+            _sync(dev)
+            start = time.perf_counter()
+            for x, m in parts:
+                pos = (m.cumsum(-1) - 1).clamp(min=0)
+                with torch.set_grad_enabled(name == "train"):
+                    logits = model(input_ids=x, attention_mask=m, position_ids=pos).logits
+                    if name == "reference":
+                        token_logprobs(logits, x, 1.0, mask=m)
+                        continue
+                    logp, entropy = token_logprobs_and_entropy(logits, x, 1.0, mask=m)
+                    (logp.mean() * 1e-3).backward()
+                    float(entropy.detach().mean())
+            _sync(dev)
+            seconds[name] += time.perf_counter() - start
+    return seconds["reference"] / args.new_shapes, seconds["train"] / args.new_shapes
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -61,6 +106,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="+", default=[110, 440, 1760], help="log-prob chunk tokens")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--new-shapes", type=int, help="batches of new lengths (default: 4 on a GPU, 0 on CPU)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (and --vocab 1000) for a smoke run")
     args = ap.parse_args()
     if args.tiny:
@@ -74,17 +120,13 @@ def main() -> None:
     mask[::4, -20:] = 0  # right padding on a quarter of the rows
     pos = (torch.ones_like(mask).cumsum(-1) - 1).clamp(min=0)
 
-    def sync() -> None:
-        if dev == "cuda":
-            torch.cuda.synchronize()
-
     def timed(fn: Callable[[], None]) -> float:
         fn()
-        sync()
+        _sync(dev)
         start = time.perf_counter()
         for _ in range(args.repeat):
             fn()
-        sync()
+        _sync(dev)
         return (time.perf_counter() - start) / args.repeat
 
     def reference(mb: int, chunk: int | None = None) -> Callable[[], None]:
@@ -119,6 +161,15 @@ def main() -> None:
         rows.append(
             (f"{mb} rows a pass, chunk {chunk}", timed(reference(mb, chunk)), timed(train(mb, chunk)))
         )
+    if args.new_shapes is None:
+        args.new_shapes = 4 if dev == "cuda" else 0
+    if args.new_shapes:
+        mb = min(args.micro_batches)
+        for cudnn in (True, False):  # a flag only on CPU: both rows run the same kernels
+            torch.backends.cuda.enable_cudnn_sdp(cudnn)
+            ref_s, train_s = new_shapes(model, args, mb)
+            rows.append((f"{mb} rows a pass, new shapes, cuDNN {'on' if cudnn else 'off'}", ref_s, train_s))
+        torch.backends.cuda.enable_cudnn_sdp(True)
     if not args.no_compile:  # what model.compile does: the model compiled in place, dynamic shapes
         compile_model(model)
         rows.append(
@@ -131,7 +182,8 @@ def main() -> None:
 
     print(
         f"\nTrainer passes over {b} rows x {t} tokens, {'tiny' if args.tiny else 'Qwen2.5-0.5B'}-shaped model, "
-        f"vocabulary {args.vocab}, {args.dtype}, on {device_name(dev)}; seconds per batch, mean of {args.repeat}"
+        f"vocabulary {args.vocab}, {args.dtype}, on {device_name(dev)}; seconds per batch, mean of "
+        f"{args.repeat} (new shapes: of {args.new_shapes} batches)"
     )
     print(f"{'setting':<44}{'reference':>12}{'train':>10}")
     for name, ref, step in rows:

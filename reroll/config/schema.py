@@ -62,6 +62,14 @@ class ModelConfig(StrictModel):
         "first step had not finished after 5 minutes of compiling, and the profile shows that model's "
         "training pass GPU-bound, not launch-bound; docs/benchmarks.md.",
     )
+    cudnn_attention: bool = Field(
+        False,
+        description="Let torch's attention (SDPA, in the trainers and the hf engine) use cuDNN's kernels, "
+        "which torch picks first on Hopper and newer GPUs. cuDNN builds a plan for every new attention "
+        "shape (rows, length, padded or not: hundreds of ms each, once per process), and RL micro-batches "
+        "bring new lengths every step; off, torch runs flash attention (no padding) or its memory-efficient "
+        "kernel (padding), which need no build. vLLM's attention is its own. Ignored on CPU.",
+    )
 
 
 class SyntheticDataConfig(StrictModel):

@@ -21,7 +21,7 @@ from reroll.engines import make_engine
 from reroll.errors import RoleError
 from reroll.roles.trainer import TrainerGroup, WeightBuckets
 from reroll.runtime.actors import WorkerGroup, stream_items
-from reroll.runtime.placement import worker_device, worker_threads
+from reroll.runtime.placement import configure_process, worker_device
 from reroll.runtime.weight_sync import (
     BroadcastGroup,
     BucketLayout,
@@ -36,7 +36,7 @@ class RolloutWorker:
     """One rank of actor_infer."""
 
     def __init__(self, rank: int, cfg: RunConfig) -> None:
-        torch.set_num_threads(worker_threads(cfg, "actor_infer") or torch.get_num_threads())
+        configure_process(cfg, "actor_infer")
         self.rank = rank
         device = worker_device(cfg, "actor_infer")
         rollout = cfg.rollout

@@ -30,7 +30,7 @@ from reroll.data.packing import length_order, micro_batches, pack, unpack
 from reroll.data.types import TrainBatch
 from reroll.runtime import profiling, quiet
 from reroll.runtime.actors import WorkerGroup, free_address
-from reroll.runtime.placement import worker_device, worker_threads
+from reroll.runtime.placement import configure_process, worker_device
 from reroll.strategies import Head, make_strategy
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class StrategyWorker:
     def __init__(
         self, role: str, rank: int, cfg: RunConfig, *, model_path: str, trainable: bool, head: Head
     ) -> None:
-        torch.set_num_threads(worker_threads(cfg, role) or torch.get_num_threads())
+        configure_process(cfg, role)
         torch.manual_seed(cfg.seed + rank)
         self.role, self.rank, self.cfg, self.head = role, rank, cfg, head
         if cfg.strategy.name == "deepspeed":

@@ -123,6 +123,15 @@ def worker_threads(cfg: RunConfig, role: str) -> int | None:
     return max(1, (os.cpu_count() or 1) // rc.world_size)
 
 
+def configure_process(cfg: RunConfig, role: str) -> None:
+    """Process-wide torch settings of a worker of ``role``: its CPU threads (``worker_threads``) and
+    whether attention may use cuDNN (``model.cudnn_attention``; a flag torch reads at each call)."""
+    import torch
+
+    torch.set_num_threads(worker_threads(cfg, role) or torch.get_num_threads())
+    torch.backends.cuda.enable_cudnn_sdp(cfg.model.cudnn_attention)
+
+
 def with_threads(cfg: RunConfig) -> RunConfig:
     """``cfg`` with the ``worker_threads`` of the run's model roles in ``roles.<role>.torch_threads``, so
     that the run's config.yaml records them."""

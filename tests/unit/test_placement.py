@@ -255,3 +255,24 @@ def test_worker_threads_default_to_the_cores_a_worker_has_to_itself(tmp_path, mo
     resolved = with_threads(cfg)  # what config.yaml records
     assert (resolved.roles.actor_train.torch_threads, resolved.roles.reference.torch_threads) == (4, 8)
     assert resolved.roles.reward.torch_threads is None
+
+
+def test_a_worker_process_lets_attention_use_cudnn_only_when_the_config_says_so(tmp_path, monkeypatch):
+    """torch picks cuDNN's attention first on Hopper GPUs, and cuDNN builds a plan per new shape;
+    model.cudnn_attention (default off) sets the process-wide flag, torch threads as before."""
+    import torch
+
+    from reroll.runtime.placement import configure_process
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    was = torch.backends.cuda.cudnn_sdp_enabled(), torch.get_num_threads()
+    try:
+        cpu = {"placement.device_type": "cpu", "roles.actor_infer.torch_threads": 3}
+        configure_process(_cfg(tmp_path, **cpu), "actor_infer")
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.get_num_threads() == 3
+        configure_process(_cfg(tmp_path, **cpu, **{"model.cudnn_attention": True}), "actor_infer")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was[0])
+        torch.set_num_threads(was[1])
