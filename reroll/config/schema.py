@@ -309,7 +309,10 @@ class OptimConfig(StrictModel):
     packing: bool = Field(
         False,
         description="Pack a micro-batch's rows into one sequence without padding; attention stays within "
-        "each row.",
+        "each row. The layers outside attention skip the padding, but attention (transformers' sdpa) runs "
+        "over the whole packed sequence under a block-diagonal mask, so its work grows with the square of "
+        "the packed length: 16 rows of 384 tokens cost 16 times the attention of the padded rows. Off by "
+        "default for that reason, GPU included.",
     )
     group_by_length: bool = Field(
         True,
