@@ -54,6 +54,28 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         return Qwen2ForCausalLM(cfg).to(getattr(torch, args.dtype))
 
 
+def reference_pass(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, chunk: int | None = None, *, scored=None
+) -> None:
+    """One forward-only pass over a micro-batch: the logits, then the log-probs (``scored``: of those
+    columns alone, as ``token_logprobs``'s ``mask``)."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        token_logprobs(logits, ids, 1.0, chunk_tokens=chunk, mask=scored)
+
+
+def train_pass(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, chunk: int | None = None, *, scored=None
+) -> None:
+    """One training pass over a micro-batch: logits, log-probs and entropy, backward."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    logp, entropy = token_logprobs_and_entropy(logits, ids, 1.0, chunk_tokens=chunk, mask=scored)
+    (logp.mean() * 1e-3).backward()
+    float(entropy.detach().mean())  # the metric's sync, as the trainer has it
+
+
 def new_shapes(model: torch.nn.Module, args: argparse.Namespace, mb: int) -> tuple[float, float]:
     """Seconds per batch of the reference and training passes over ``args.new_shapes`` batches whose
     rows have ``seq / 3`` prompt tokens (128 of 384) and from 16 to the rest in response tokens, drawn
@@ -72,19 +94,11 @@ def new_shapes(model: torch.nn.Module, args: argparse.Namespace, mb: int) -> tup
             (ids[a : a + mb, : int(n)], mask[a : a + mb, : int(n)])
             for a, n in zip(range(0, args.rows, mb), lengths.values[::mb])
         ]
-        for name in seconds:
+        for name, one_pass in (("reference", reference_pass), ("train", train_pass)):
             _sync(dev)
             start = time.perf_counter()
             for x, m in parts:
-                pos = (m.cumsum(-1) - 1).clamp(min=0)
-                with torch.set_grad_enabled(name == "train"):
-                    logits = model(input_ids=x, attention_mask=m, position_ids=pos).logits
-                    if name == "reference":
-                        token_logprobs(logits, x, 1.0, mask=m)
-                        continue
-                    logp, entropy = token_logprobs_and_entropy(logits, x, 1.0, mask=m)
-                    (logp.mean() * 1e-3).backward()
-                    float(entropy.detach().mean())
+                one_pass(model, x, m, scored=m)
             _sync(dev)
             seconds[name] += time.perf_counter() - start
     return seconds["reference"] / args.new_shapes, seconds["train"] / args.new_shapes
@@ -118,7 +132,6 @@ def main() -> None:
     ids = torch.randint(0, args.vocab, (b, t), device=dev)
     mask = torch.ones(b, t, dtype=torch.long, device=dev)
     mask[::4, -20:] = 0  # right padding on a quarter of the rows
-    pos = (torch.ones_like(mask).cumsum(-1) - 1).clamp(min=0)
 
     def timed(fn: Callable[[], None]) -> float:
         fn()
@@ -129,26 +142,18 @@ def main() -> None:
         _sync(dev)
         return (time.perf_counter() - start) / args.repeat
 
-    def reference(mb: int, chunk: int | None = None) -> Callable[[], None]:
-        @torch.no_grad()
+    def passes(one_pass: Callable[..., None], mb: int, chunk: int | None) -> Callable[[], None]:
         def run() -> None:
             for a in range(0, b, mb):
-                s = slice(a, a + mb)
-                logits = model(input_ids=ids[s], attention_mask=mask[s], position_ids=pos[s]).logits
-                token_logprobs(logits, ids[s], 1.0, chunk_tokens=chunk)
+                one_pass(model, ids[a : a + mb], mask[a : a + mb], chunk)
 
         return run
+
+    def reference(mb: int, chunk: int | None = None) -> Callable[[], None]:
+        return passes(reference_pass, mb, chunk)
 
     def train(mb: int, chunk: int | None = None) -> Callable[[], None]:
-        def run() -> None:
-            for a in range(0, b, mb):
-                s = slice(a, a + mb)
-                logits = model(input_ids=ids[s], attention_mask=mask[s], position_ids=pos[s]).logits
-                logp, entropy = token_logprobs_and_entropy(logits, ids[s], 1.0, chunk_tokens=chunk)
-                (logp.mean() * 1e-3).backward()
-                float(entropy.detach().mean())  # the metric's sync, as the trainer has it
-
-        return run
+        return passes(train_pass, mb, chunk)
 
     default_chunk = chunk_rows(torch.empty(1, args.vocab, device=dev))
     rows: list[tuple[str, float, float | None]] = []
@@ -165,7 +170,7 @@ def main() -> None:
         args.new_shapes = 4 if dev == "cuda" else 0
     if args.new_shapes:
         mb = min(args.micro_batches)
-        for cudnn in (True, False):  # a flag only on CPU: both rows run the same kernels
+        for cudnn in (True, False):  # on CPU the flag changes nothing: both rows run the same kernels
             torch.backends.cuda.enable_cudnn_sdp(cudnn)
             ref_s, train_s = new_shapes(model, args, mb)
             rows.append((f"{mb} rows a pass, new shapes, cuDNN {'on' if cudnn else 'off'}", ref_s, train_s))
