@@ -18,7 +18,7 @@ from reroll.data.types import SamplingParams
 from reroll.engines import make_engine
 from reroll.errors import RoleError
 from reroll.runtime.actors import WorkerGroup, gather
-from reroll.runtime.placement import worker_device
+from reroll.runtime.placement import configure_process, worker_device
 
 
 class JudgeWorker:
@@ -32,10 +32,7 @@ class JudgeWorker:
         if j is None:
             raise ValueError("JudgeWorker needs reward.judge")
         self.rank, self.cfg = rank, j
-        if cfg.roles.judge.torch_threads is not None:
-            import torch
-
-            torch.set_num_threads(cfg.roles.judge.torch_threads)
+        configure_process(cfg, "judge")  # its torch threads and model.cudnn_attention, as the other roles
         rollout = RolloutConfig(engine=j.engine, generate_batch_size=j.batch_size, vllm=cfg.rollout.vllm)
         device = worker_device(cfg, "judge")
         self.engine = engine or make_engine(j.engine, j.model_path, rollout, dtype=j.dtype, device=device)
