@@ -20,7 +20,6 @@ Prints mean seconds per call and new tokens/s of each. Random init, built locall
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import tempfile
@@ -30,26 +29,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.grpo_step import ALPHABET, QWEN25_05B, TINY, device_name  # noqa: E402
+from benchmarks.grpo_step import build_inputs, device_name  # noqa: E402
 
 VARIANTS = ("flat", "dict", "none")
 
 
-def build_engine(args: argparse.Namespace):
+def build_engine(args: argparse.Namespace, model: Path):
     from reroll.config.schema import RolloutConfig, VLLMConfig
     from reroll.engines import make_engine
-    from reroll.models.tiny import build_tiny_model
 
     gpu = args.device == "cuda"
-    model = build_tiny_model(
-        Path(tempfile.mkdtemp(prefix="reroll-bench-")) / "model",
-        alphabet=ALPHABET,
-        vocab_size=None if args.tiny else 151936,
-        max_position_embeddings=args.prompt_len + args.new_tokens + 8,
-        dtype=args.dtype,
-        for_cpu_engine=not gpu,
-        **(TINY if args.tiny else QWEN25_05B),
-    )
     vllm_cfg = VLLMConfig(enforce_eager=not gpu, gpu_memory_utilization=args.vllm_memory if gpu else 0.1)
     rollout = RolloutConfig(engine="vllm", generate_batch_size=args.prompts * args.n, vllm=vllm_cfg)
     return make_engine("vllm", str(model), rollout, dtype=args.dtype, device=args.device)
@@ -62,7 +51,7 @@ def set_variant(engine, variant: str, shipped) -> None:
         sp = shipped(*a, **kw)
         if variant == "none":
             sp.logprobs = None
-        elif variant == "dict":
+        elif variant == "dict" and engine._flat_logprobs:
             sp.flat_logprobs = False
         return sp
 
@@ -84,12 +73,12 @@ def main() -> None:
 
     from reroll.data.types import SamplingParams
 
-    engine = build_engine(args)
+    args.steps = 0  # build_inputs makes the prompts of steps + 1 batches
+    model, prompts = build_inputs(Path(tempfile.mkdtemp(prefix="reroll-bench-")), args, "0.5b")
+    engine = build_engine(args, model)
     if not engine._flat_logprobs:
         print("this vLLM has no flat_logprobs: 'flat' measures the dict container", flush=True)
     shipped = engine._sampling_params
-    rng = random.Random(0)
-    prompts = ["".join(rng.choice(ALPHABET) for _ in range(args.prompt_len)) for _ in range(args.prompts)]
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
     engine.generate(prompts, params)  # warm-up
     seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
