@@ -272,6 +272,15 @@ class RolloutConfig(StrictModel):
         description="Tail batching: the most of an ordinary step's groups set aside; past it, the step "
         "finishes its other cut responses itself (its batch keeps at least 1 - tail_share of batch_size).",
     )
+    logprobs: bool | Literal["auto"] = Field(
+        "auto",
+        description="Return the engine's log-prob of each sampled token (rollout_logprobs). They cost host "
+        "time per token in the engine (vLLM: about a fifth of a host-bound generate call). Read by "
+        "algorithm.rollout_is (off-policy correction: async_steps, partial_rollouts), by the agentic and "
+        "distill pipelines, and by the mismatch/* metrics (the engine's vs the trainer's log-probs). "
+        "'auto': on where something other than the metrics reads them (off in rlvr with rollout_is "
+        "'none'); true: also for mismatch/*; false: never (an error where rollout_is needs them).",
+    )
     weight_sync_bucket_mb: float = Field(
         512.0,
         gt=0,
@@ -753,6 +762,14 @@ class RunConfig(StrictModel):
         return (self.critic and self.critic.model_path) or self.model.path
 
     @property
+    def engine_logprobs(self) -> bool:
+        """Whether actor_infer returns the sampled tokens' log-probs when it samples for training
+        (``rollout.logprobs``; 'auto': where more than the mismatch/* metrics read them)."""
+        if self.rollout.logprobs != "auto":
+            return self.rollout.logprobs
+        return self.pipeline != "rlvr" or self.algorithm.rollout_is != "none"
+
+    @property
     def needs_reference(self) -> bool:
         if self.pipeline == "dpo":
             return (self.dpo or DPOConfig()).loss != "simpo"
@@ -784,6 +801,14 @@ class RunConfig(StrictModel):
                 )
             )
         problems += self._pipeline_sections()
+        if self.rollout.logprobs is False and self.algorithm.rollout_is != "none":
+            problems.append(
+                ConfigProblem(
+                    "rollout.logprobs",
+                    f"is false, but algorithm.rollout_is {self.algorithm.rollout_is!r} weighs each token by "
+                    "the engine's log-prob: set rollout.logprobs to 'auto', or algorithm.rollout_is to 'none'",
+                )
+            )
         problems += [
             ConfigProblem(path, m)
             for path, m in check_preference(

@@ -41,7 +41,8 @@ class Sample:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How actor_infer samples. ``temperature=0`` means greedy."""
+    """How actor_infer samples. ``temperature=0`` means greedy. ``logprobs``: return each sampled
+    token's log-prob (``Completion.logprobs``); where False the hf and vllm engines return none."""
 
     n: int = 1
     temperature: float = 1.0
@@ -50,11 +51,13 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    logprobs: bool = True
 
 
 @dataclass
 class Completion:
-    """One response as the engine produced it: exact token ids and the sampled tokens' log-probs."""
+    """One response as the engine produced it: exact token ids and the sampled tokens' log-probs (one
+    per response token, or none where ``SamplingParams.logprobs`` was False)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -204,9 +207,12 @@ def prompt_response_batch(
 
 
 def build_train_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBatch:
-    """Right-padded ``(B, T)`` tensors from rollouts; ``rollout_logprobs`` sit on the response tokens."""
+    """Right-padded ``(B, T)`` tensors from rollouts; ``rollout_logprobs`` sit on the response tokens
+    (None where the engine returned no log-probs: ``SamplingParams.logprobs`` False)."""
     rows = [(r.completion.prompt_ids, r.completion.response_ids) for r in rollouts]
     batch = prompt_response_batch(rows, pad_token_id, [r.group for r in rollouts])
+    if not any(r.completion.logprobs for r in rollouts):
+        return batch
     batch.rollout_logprobs = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     for i, (p, r) in enumerate(rows):
         if rollouts[i].completion.logprobs:

@@ -126,7 +126,7 @@ class HFEngine:
             max_new_tokens=max(budgets),
             eos_token_id=eos,
             pad_token_id=pad,
-            output_logits=True,
+            output_logits=params.logprobs,  # (N, V) per step, kept to the end of the call
             return_dict_in_generate=True,
             stopping_criteria=StoppingCriteriaList([criterion]),
             **extra,
@@ -136,9 +136,10 @@ class HFEngine:
         # one decoding step at a time: stacking (N, new, V) fp32 logits takes tens of GB at a real vocabulary
         steps = [
             torch.log_softmax(step.float() / temp, dim=-1).gather(-1, new[:, t, None]).squeeze(-1)
-            for t, step in enumerate(out.logits)
+            for t, step in enumerate(out.logits or ())
         ]
-        logprobs = torch.stack(steps, dim=1)  # (N, new), from the logits before any processing
+        # (N, new), from the logits before any processing; (N, 0) where not asked for
+        logprobs = torch.stack(steps, dim=1) if steps else new.new_zeros((len(rows), 0), dtype=torch.float)
         return [
             self._completion(rows[i], new[i, : budgets[i]], logprobs[i], params, budgets[i], criterion.fired)
             for i in range(len(rows))

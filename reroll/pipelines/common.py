@@ -177,7 +177,8 @@ def sft_warm_start(cfg: RunConfig, roles: Roles, next_batch: Callable[[int], Tra
 
 
 def sampling(cfg: RunConfig, *, n: int, seed: int | None = None, greedy: bool = False) -> SamplingParams:
-    """The rollout section's sampling settings, ``n`` responses per prompt (greedy: temperature 0)."""
+    """The rollout section's sampling settings, ``n`` responses per prompt (greedy: temperature 0, for
+    evaluation and baselines, which read no log-probs)."""
     r = cfg.rollout
     return SamplingParams(
         n=n,
@@ -187,6 +188,7 @@ def sampling(cfg: RunConfig, *, n: int, seed: int | None = None, greedy: bool = 
         max_new_tokens=r.max_new_tokens,
         stop=tuple(r.stop),
         seed=seed,
+        logprobs=cfg.engine_logprobs and not greedy,
     )
 
 

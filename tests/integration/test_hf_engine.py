@@ -19,3 +19,14 @@ def test_hf_static_cache_gives_the_same_greedy_tokens_and_logprobs(assets):
         for x, y in zip(a, b):
             assert x.response_ids == y.response_ids
             assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
+def test_hf_engine_leaves_log_probs_out_when_not_asked(assets):
+    engine = HFEngine(str(assets["model"]))
+    prompts = ["1+2=", "13+4="]
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=5)
+    with_lp = engine.generate(prompts, params)
+    without = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=5, logprobs=False))
+    for [a], [b] in zip(with_lp, without):
+        assert a.response_ids == b.response_ids and a.text == b.text
+        assert len(a.logprobs) == len(a.response_ids) and b.logprobs == []

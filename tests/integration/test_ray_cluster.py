@@ -161,6 +161,7 @@ def _config(driver: Path, name: str, *, absolute: bool = False) -> Path:
     cfg["data"].update(eval_limit=32)
     cfg["data"]["synthetic"].update(n_train=600, n_test=32)
     cfg["rollout"]["batch_size"] = cfg["optim"]["micro_batch_size"] = 64
+    cfg["rollout"]["logprobs"] = True  # for mismatch/*: the weights that crossed nodes
     cfg["eval"]["every"], cfg["checkpoint"]["every"] = 2, 1
     cfg["logging"] = {"tensorboard": False, "sample_every": 0}
     cfg["roles"] = {

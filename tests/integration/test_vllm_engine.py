@@ -5,6 +5,7 @@ LoRA adapters; a killed engine reported, naming the engine, not hung on."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import time
 
@@ -142,6 +143,10 @@ def test_vllm_matches_hf_engine(assets, groups):
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=5, seed=3)
     first, again = engine.generate(prompts, params), engine.generate(prompts, params)
     assert [c.response_ids for g in first for c in g] == [c.response_ids for g in again for c in g]
+    # without log-probs (rollout.logprobs): the same samples, none returned
+    bare = engine.generate(prompts, dataclasses.replace(params, logprobs=False))
+    assert [c.response_ids for g in bare for c in g] == [c.response_ids for g in first for c in g]
+    assert all(c.logprobs == [] for g in bare for c in g)
     eos = load_tokenizer(str(assets["model"])).eos_token_id
     for group, ref in zip(first, by_hf):
         assert len(group) == 4

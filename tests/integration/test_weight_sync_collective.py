@@ -177,6 +177,7 @@ def test_rlvr_with_collective_matches_object_store(tmp_path, assets):
                 "group_size": 4,
                 "max_new_tokens": 4,
                 "weight_sync_transport": transport,
+                "logprobs": True,  # for mismatch/*
             },
         )
         out = reroll_cli("train", str(path), "runtime.backend=ray", "eval.every=0", "checkpoint.every=0")
