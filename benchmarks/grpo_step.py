@@ -14,7 +14,10 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   the vLLM engine (CUDA graphs, sleep mode, weights over CUDA IPC), ``placement.offload: auto``
   (``--compile`` adds ``model.compile: true``; the row ``ray-compile`` turns it on for that row alone;
   the row ``ray-cudnn`` lets the trainers' attention use cuDNN, ``model.cudnn_attention: true``; the row
-  ``ray-mp`` runs vLLM's engine core in a process of its own, ``rollout.vllm.in_process: false``).
+  ``ray-mp`` runs vLLM's engine core in a process of its own, ``rollout.vllm.in_process: false``; the
+  row ``ray-logprobs`` has the engine return its sampled log-probs, ``rollout.logprobs: true``, which
+  ``auto`` leaves out here; the row ``ray-dp2`` runs two engines on the GPU, ``roles.actor_infer.world_size:
+  2``, each with half the prompts and half of ``--vllm-memory``).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 - ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
@@ -28,6 +31,7 @@ The first ``--warmup`` steps (compilation, allocator growth) are left out of the
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -163,8 +167,13 @@ def run_reroll(
         "logging": {"tensorboard": False, "sample_every": 0, "profile_steps": args.profile_steps},
         "runtime": {"backend": "ray" if ray else "local"},
     }
+    if mode == "ray-logprobs":  # the engine returns its log-probs (for mismatch/*) though nothing needs them
+        cfg["rollout"]["logprobs"] = True
     if ray:  # every role on the one GPU, taking turns as the phases say
         cfg["placement"] = {"devices": 1, "device_type": "cuda" if gpu else "cpu", "offload": "auto"}
+    if mode == "ray-dp2":  # two engines on the one GPU, half the prompts each: two host threads stepping
+        cfg["roles"] = {"actor_infer": {"world_size": 2}}
+        cfg["rollout"]["vllm"]["gpu_memory_utilization"] = args.vllm_memory / 2
     else:
         cfg["roles"] = {
             r: {"num_gpus_per_worker": 1.0 if gpu else 0.0}
@@ -300,7 +309,9 @@ def main() -> None:
         "--sizes", default=None, help="model shapes to run, e.g. '3b' alone (default: 0.5b and --model-size)"
     )
     ap.add_argument(
-        "--rows", default="ray,local", help="reroll rows to run: ray, ray-compile, ray-cudnn, local"
+        "--rows",
+        default="ray,local",
+        help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(
@@ -318,21 +329,21 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for size in sizes:
         model, prompts = build_inputs(root, args, size)
+        label = "tiny" if args.tiny else size
+        # TRL first: once a reroll row has started Ray, its processes stay up beside the next rows
+        if not args.skip_trl and size == "0.5b":
+            results[f"trl {label}"] = run_trl(root, model, prompts, args)
+            print_row(f"trl {label}", results[f"trl {label}"], args.warmup)
+            save_json(args, results)
+            gc.collect()  # the trainer's model and optimizer: their GPU memory back before Ray's roles start
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
         for mode in args.rows.split(","):
-            label = "tiny" if args.tiny else size
             results[f"reroll {mode} {label}"] = run_reroll(root, model, prompts, args, mode)
             print_row(f"reroll {mode} {label}", results[f"reroll {mode} {label}"], args.warmup)
             save_json(args, results)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-        if not args.skip_trl and size == "0.5b":
-            results[f"trl {'tiny' if args.tiny else size}"] = run_trl(root, model, prompts, args)
-            print_row(
-                f"trl {'tiny' if args.tiny else size}",
-                results[f"trl {'tiny' if args.tiny else size}"],
-                args.warmup,
-            )
-            save_json(args, results)
 
     shape = "tiny" if args.tiny else "Qwen2.5-shaped"
     print(

@@ -104,6 +104,21 @@ def new_shapes(model: torch.nn.Module, args: argparse.Namespace, mb: int) -> tup
     return seconds["reference"] / args.new_shapes, seconds["train"] / args.new_shapes
 
 
+def profile(run: Callable[[], None], device: str, top: int) -> None:
+    """The ``top`` kernels (operators on CPU) of one training pass over the batch, by device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    run()  # warm-up
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        run()
+        _sync(device)
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60), flush=True)
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -120,6 +135,9 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="+", default=[110, 440, 1760], help="log-prob chunk tokens")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument(
+        "--profile", type=int, default=0, help="print this many top kernels of one training pass (0: none)"
+    )
     ap.add_argument("--new-shapes", type=int, help="batches of new lengths (default: 4 on a GPU, 0 on CPU)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (and --vocab 1000) for a smoke run")
     args = ap.parse_args()
@@ -127,6 +145,8 @@ def main() -> None:
         args.vocab, args.rows, args.seq = 1000, 32, 48
         args.micro_batches, args.chunks = [8, 16], [16, 64]
 
+    if args.new_shapes is None:
+        args.new_shapes = 4 if args.device == "cuda" else 0
     model = build_model(args)
     dev, b, t = args.device, args.rows, args.seq
     ids = torch.randint(0, args.vocab, (b, t), device=dev)
@@ -155,44 +175,36 @@ def main() -> None:
     def train(mb: int, chunk: int | None = None) -> Callable[[], None]:
         return passes(train_pass, mb, chunk)
 
+    print(
+        f"Trainer passes over {b} rows x {t} tokens, {'tiny' if args.tiny else 'Qwen2.5-0.5B'}-shaped model, "
+        f"vocabulary {args.vocab}, {args.dtype}, on {device_name(dev)}; seconds per batch, mean of "
+        f"{args.repeat} (new shapes: of {args.new_shapes} batches)"
+    )
+    print(f"{'setting':<44}{'reference':>12}{'train':>10}", flush=True)
+    rows: list[tuple[str, float, float]] = []
+
+    def add(name: str, ref: float, step: float) -> None:  # printed as measured: a run cut short keeps them
+        rows.append((name, ref, step))
+        print(f"{name:<44}{ref:>12.3f}{step:>10.3f}", flush=True)
+
     default_chunk = chunk_rows(torch.empty(1, args.vocab, device=dev))
-    rows: list[tuple[str, float, float | None]] = []
     for mb in args.micro_batches:
-        rows.append(
-            (f"{mb} rows a pass, chunk {default_chunk} (default)", timed(reference(mb)), timed(train(mb)))
-        )
+        add(f"{mb} rows a pass, chunk {default_chunk} (default)", timed(reference(mb)), timed(train(mb)))
     mb = max(args.micro_batches)
+    if args.profile:
+        profile(train(mb), dev, args.profile)
     for chunk in args.chunks:
-        rows.append(
-            (f"{mb} rows a pass, chunk {chunk}", timed(reference(mb, chunk)), timed(train(mb, chunk)))
-        )
-    if args.new_shapes is None:
-        args.new_shapes = 4 if dev == "cuda" else 0
+        add(f"{mb} rows a pass, chunk {chunk}", timed(reference(mb, chunk)), timed(train(mb, chunk)))
     if args.new_shapes:
         mb = min(args.micro_batches)
         for cudnn in (True, False):  # on CPU the flag changes nothing: both rows run the same kernels
             torch.backends.cuda.enable_cudnn_sdp(cudnn)
             ref_s, train_s = new_shapes(model, args, mb)
-            rows.append((f"{mb} rows a pass, new shapes, cuDNN {'on' if cudnn else 'off'}", ref_s, train_s))
+            add(f"{mb} rows a pass, new shapes, cuDNN {'on' if cudnn else 'off'}", ref_s, train_s)
         torch.backends.cuda.enable_cudnn_sdp(True)
     if not args.no_compile:  # what model.compile does: the model compiled in place, dynamic shapes
         compile_model(model)
-        rows.append(
-            (
-                f"{mb} rows a pass, chunk {default_chunk}, model.compile",
-                timed(reference(mb)),
-                timed(train(mb)),
-            )
-        )
-
-    print(
-        f"\nTrainer passes over {b} rows x {t} tokens, {'tiny' if args.tiny else 'Qwen2.5-0.5B'}-shaped model, "
-        f"vocabulary {args.vocab}, {args.dtype}, on {device_name(dev)}; seconds per batch, mean of "
-        f"{args.repeat} (new shapes: of {args.new_shapes} batches)"
-    )
-    print(f"{'setting':<44}{'reference':>12}{'train':>10}")
-    for name, ref, step in rows:
-        print(f"{name:<44}{ref:>12.3f}{step:>10.3f}")
+        add(f"{mb} rows a pass, chunk {default_chunk}, model.compile", timed(reference(mb)), timed(train(mb)))
     if dev == "cuda":
         print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 

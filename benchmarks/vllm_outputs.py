@@ -12,7 +12,7 @@ rotating order, ``--rounds`` times each after a warm-up call:
 - ``flat``: the sampled tokens' log-probs in vLLM's flat lists (``flat_logprobs``, what reroll asks
   for where vLLM has it);
 - ``dict``: the same log-probs in vLLM's default container, a dict and a ``Logprob`` per token;
-- ``none``: no log-probs (the floor: what log-probs cost at all).
+- ``none``: no log-probs (``rollout.logprobs`` 'auto' where nothing reads them: the floor).
 
 Prints mean seconds per call and new tokens/s of each. Random init, built locally (nothing downloaded).
 """
@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,9 +50,7 @@ def set_variant(engine, variant: str, shipped) -> None:
 
     def build(*a, **kw):
         sp = shipped(*a, **kw)
-        if variant == "none":
-            sp.logprobs = None
-        elif variant == "dict" and engine._flat_logprobs:
+        if variant == "dict" and engine._flat_logprobs and sp.logprobs is not None:
             sp.flat_logprobs = False
         return sp
 
@@ -87,7 +86,7 @@ def main() -> None:
         for variant in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:  # rotate, so no variant always goes first
             set_variant(engine, variant, shipped)
             start = time.perf_counter()
-            groups = engine.generate(prompts, params)
+            groups = engine.generate(prompts, replace(params, logprobs=variant != "none"))
             seconds[variant].append(time.perf_counter() - start)
             tokens[variant].append(sum(len(c.response_ids) for g in groups for c in g))
             if variant != "none":
