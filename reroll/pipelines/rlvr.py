@@ -222,6 +222,7 @@ def _rollout_metrics(
         "rollout/response_length": float(lengths.mean()),
         "rollout/truncated": sum(r.completion.finish_reason == "length" for r in rollouts) / n,
     }
-    if batch.old_logprobs is not None:  # else the trainer measures it in its first forward pass
+    # with the engine's log-probs (rollout.logprobs); without old log-probs the trainer measures it
+    if batch.old_logprobs is not None and batch.rollout_logprobs is not None:
         out |= mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask)
     return out
