@@ -17,7 +17,8 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   ``ray-mp`` runs vLLM's engine core in a process of its own, ``rollout.vllm.in_process: false``; the
   row ``ray-logprobs`` has the engine return its sampled log-probs, ``rollout.logprobs: true``, which
   ``auto`` leaves out here; the row ``ray-dp2`` runs two engines on the GPU, ``roles.actor_infer.world_size:
-  2``, each with half the prompts and half of ``--vllm-memory``).
+  2``, each with half the prompts and half of ``--vllm-memory``; the row ``ray-resident`` moves nothing
+  between phases, ``placement.offload: never``: the engine stays awake beside the trainers).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 - ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
@@ -171,6 +172,8 @@ def run_reroll(
         cfg["rollout"]["logprobs"] = True
     if ray:  # every role on the one GPU, taking turns as the phases say
         cfg["placement"] = {"devices": 1, "device_type": "cuda" if gpu else "cpu", "offload": "auto"}
+    if mode == "ray-resident":  # nothing moves between phases: the engine awake beside the trainers
+        cfg["placement"]["offload"] = "never"
     if mode == "ray-dp2":  # two engines on the one GPU, half the prompts each: two host threads stepping
         cfg["roles"] = {"actor_infer": {"world_size": 2}}
         cfg["rollout"]["vllm"]["gpu_memory_utilization"] = args.vllm_memory / 2
@@ -311,7 +314,7 @@ def main() -> None:
     ap.add_argument(
         "--rows",
         default="ray,local",
-        help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2, local",
+        help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2, ray-resident, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(
