@@ -336,6 +336,8 @@ def _params(body: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
             max_new_tokens=int(max_new),
             stop=stop,
             seed=int(body["seed"]) if body.get("seed") is not None else defaults.seed,
+            # the recorded trajectories carry them, and a request may ask for them (`logprobs`)
+            logprobs=True,
         )
     except (TypeError, ValueError) as e:
         raise RequestError(f"a sampling setting is not a number: {e}") from e

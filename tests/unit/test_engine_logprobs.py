@@ -8,10 +8,11 @@ import pytest
 
 from reroll.config.loader import ConfigError, load_config
 from reroll.config.schema import RunConfig
-from reroll.data.types import Completion, Rollout, Sample, build_train_batch
+from reroll.data.types import Completion, Rollout, Sample, SamplingParams, build_train_batch
 from reroll.envs.trajectory import TrajectoryBuilder
 from reroll.models.tiny import GAME_ALPHABET, char_tokenizer
 from reroll.pipelines.common import sampling
+from reroll.roles.chat_server import _params
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 QUICKSTART = EXAMPLES / "quickstart" / "arithmetic_grpo.yaml"
@@ -68,3 +69,9 @@ def test_a_trajectory_takes_a_response_without_log_probs():
     assert traj.policy_tokens == len(ids) and len(traj.logprobs) == len(traj.ids)
     with pytest.raises(ValueError, match="2 response ids but 1 log-probs"):
         builder.add_response(traj, ids, [-0.1], "ba")
+
+
+def test_the_chat_endpoint_asks_for_them_whatever_its_defaults():
+    """``reroll serve`` takes its defaults from the rollout section, where 'auto' may have left them
+    out; its replies and recorded trajectories carry them."""
+    assert _params({"max_tokens": 4}, SamplingParams(logprobs=False)).logprobs is True
