@@ -809,6 +809,15 @@ class RunConfig(StrictModel):
                     "the engine's log-prob: set rollout.logprobs to 'auto', or algorithm.rollout_is to 'none'",
                 )
             )
+        kl_reward = self.algorithm.kl_in == "reward" and self.algorithm.kl_coef > 0
+        if self.rollout.logprobs is False and self.pipeline == "agentic" and kl_reward:
+            problems.append(
+                ConfigProblem(
+                    "rollout.logprobs",
+                    "is false, but the agentic pipeline's KL penalty in the reward (algorithm.kl_in 'reward') "
+                    "reads the engine's log-probs: set rollout.logprobs to 'auto', or algorithm.kl_in to 'loss'",
+                )
+            )
         problems += [
             ConfigProblem(path, m)
             for path, m in check_preference(

@@ -142,6 +142,8 @@ class Agentic(Pipeline):
         if not trainable:
             return metrics | {"train/skipped": 1.0}
         batch = episode_batch(trainable, self.builder.tokenizer.pad_token_id)
+        if not cfg.engine_logprobs:  # rollout.logprobs false: the trajectories hold zeros, not log-probs
+            batch.rollout_logprobs = None
         if roles.reference is not None:
             with roles.phase("reference", "reference"):
                 batch.ref_logprobs = roles.reference.compute_logprobs(batch)

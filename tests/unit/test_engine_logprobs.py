@@ -75,3 +75,13 @@ def test_the_chat_endpoint_asks_for_them_whatever_its_defaults():
     """``reroll serve`` takes its defaults from the rollout section, where 'auto' may have left them
     out; its replies and recorded trajectories carry them."""
     assert _params({"max_tokens": 4}, SamplingParams(logprobs=False)).logprobs is True
+
+
+def test_an_agentic_kl_in_the_reward_needs_them():
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            EXAMPLES / "agentic" / "nim.yaml",
+            RunConfig,
+            ["rollout.logprobs=false", "algorithm.kl_in=reward", "algorithm.kl_coef=0.05"],
+        )
+    assert "rollout.logprobs" in str(info.value) and "algorithm.kl_in to 'loss'" in str(info.value)
