@@ -132,13 +132,14 @@ def assert_stream_yields_groups_then_interrupt_cuts_the_rest(rollout, *, prompts
 
 
 def assert_interrupted_responses_resume(rollout, *, prompts: int, after_s: float) -> None:
-    """``interrupt`` ``after_s`` into a generation: the responses it cut (``abort``, their tokens kept)
-    are continued by ``submit_resume`` from those tokens up to ``max_new_tokens`` in all; the finished
-    ones are left as they were.
+    """``interrupt`` ``after_s`` after the engine starts decoding: the responses it cut (``abort``,
+    their tokens kept) are continued by ``submit_resume`` from those tokens up to ``max_new_tokens`` in
+    all; the finished ones are left as they were.
 
-    The interrupt is sent again every 0.2 s until the generation returns: an engine call clears an
-    interrupt that reached it before the call began (one between calls cancels nothing), and on a
-    loaded machine the call can start after a single timer fired, which once left CI's run uncut."""
+    The start is read off the engine's ``engine/num_running`` (polled on its control thread), not timed
+    from the submit: on a loaded machine an interrupt timed from the submit once landed before any
+    response had a token (only unstarted ones cut). The interrupt is sent again every 0.2 s until the
+    generation returns: an engine call clears an interrupt that reached it before the call began."""
     import threading
 
     from reroll.data.types import SamplingParams
@@ -147,6 +148,10 @@ def assert_interrupted_responses_resume(rollout, *, prompts: int, after_s: float
     returned = threading.Event()
 
     def keep_interrupting() -> None:
+        rollout.metrics(now=True)  # start over: the peaks since the last look
+        while rollout.metrics(now=True)["engine/num_running"] == 0:
+            if returned.wait(0.05):
+                return
         if not returned.wait(after_s):
             rollout.interrupt()
             while not returned.wait(0.2):
