@@ -172,16 +172,16 @@ def run_reroll(
         cfg["rollout"]["logprobs"] = True
     if ray:  # every role on the one GPU, taking turns as the phases say
         cfg["placement"] = {"devices": 1, "device_type": "cuda" if gpu else "cpu", "offload": "auto"}
-    if mode == "ray-resident":  # nothing moves between phases: the engine awake beside the trainers
-        cfg["placement"]["offload"] = "never"
-    if mode == "ray-dp2":  # two engines on the one GPU, half the prompts each: two host threads stepping
-        cfg["roles"] = {"actor_infer": {"world_size": 2}}
-        cfg["rollout"]["vllm"]["gpu_memory_utilization"] = args.vllm_memory / 2
     else:
         cfg["roles"] = {
             r: {"num_gpus_per_worker": 1.0 if gpu else 0.0}
             for r in ("actor_train", "actor_infer", "reference")
         }
+    if mode == "ray-resident":  # nothing moves between phases: the engine awake beside the trainers
+        cfg["placement"]["offload"] = "never"
+    if mode == "ray-dp2":  # two engines on the one GPU, half the prompts each: two host threads stepping
+        cfg["roles"] = {"actor_infer": {"world_size": 2}}
+        cfg["rollout"]["vllm"]["gpu_memory_utilization"] = args.vllm_memory / 2
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run(RLVR, load_config(path, RunConfig))
