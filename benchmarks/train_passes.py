@@ -181,10 +181,8 @@ def main() -> None:
         f"{args.repeat} (new shapes: of {args.new_shapes} batches)"
     )
     print(f"{'setting':<44}{'reference':>12}{'train':>10}", flush=True)
-    rows: list[tuple[str, float, float]] = []
 
     def add(name: str, ref: float, step: float) -> None:  # printed as measured: a run cut short keeps them
-        rows.append((name, ref, step))
         print(f"{name:<44}{ref:>12.3f}{step:>10.3f}", flush=True)
 
     default_chunk = chunk_rows(torch.empty(1, args.vocab, device=dev))
