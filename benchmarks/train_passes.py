@@ -5,10 +5,12 @@
 
 One batch as `benchmarks/grpo_step.py` makes it (256 rows of 128 prompt + 256 response tokens, a quarter of
 the rows padded at the end), random token ids, a Qwen2.5-0.5B-shaped model with random init (nothing
-downloaded). Timed, per batch: the reference pass (forward + ``token_logprobs``, no grad) and the training
-pass (forward + ``token_logprobs_and_entropy`` + backward) at several rows per pass (``--micro-batches``,
-what ``optim.logprob_micro_batch_size`` and ``optim.micro_batch_size`` set), then at 64 rows with several
-log-prob chunk sizes (tokens upcast to fp32 at a time), then both passes with ``model.compile`` (the model
+downloaded). Timed, per batch: the reference pass (forward + the response tokens' log-probs, no grad) and
+the training pass (forward + their log-probs and entropy + backward), as the trainer runs them (the head
+at the positions before the response tokens alone), at several rows per pass (``--micro-batches``, what
+``optim.logprob_micro_batch_size`` and ``optim.micro_batch_size`` set); then at 64 rows with the head at
+every position (the trainer before 2026-12-05) and with several log-prob chunk sizes (tokens upcast to
+fp32 at a time), then both passes with ``model.compile`` (the model
 through ``torch.compile``, dynamic shapes). Those batches have one shape; an RL step's micro-batches have
 new lengths every step, so on a GPU the last rows run ``--new-shapes`` batches whose rows have random
 response lengths (sorted longest first and cut into micro-batches trimmed to their longest row, as the
@@ -31,14 +33,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.grpo_step import QWEN25_05B, TINY, device_name  # noqa: E402
-from reroll.algorithms.logprobs import chunk_rows, token_logprobs, token_logprobs_and_entropy  # noqa: E402
+from reroll.algorithms.logprobs import (  # noqa: E402
+    chunk_rows,
+    selected_logprobs_and_entropy,
+    token_logprobs_and_entropy,
+)
+from reroll.roles.strategy_worker import head_at  # noqa: E402
 from reroll.strategies.training import compile_model  # noqa: E402
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    shape = TINY if args.tiny else QWEN25_05B
+    shape = dict(TINY if args.tiny else QWEN25_05B)
+    if args.layers:
+        shape["num_layers"] = args.layers
     cfg = Qwen2Config(
         vocab_size=args.vocab,
         hidden_size=shape["hidden_size"],
@@ -54,24 +63,50 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         return Qwen2ForCausalLM(cfg).to(getattr(torch, args.dtype))
 
 
-def reference_pass(
-    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, chunk: int | None = None, *, scored=None
-) -> None:
-    """One forward-only pass over a micro-batch: the logits, then the log-probs (``scored``: of those
-    columns alone, as ``token_logprobs``'s ``mask``)."""
+def scored_stats(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    scored: torch.Tensor,
+    chunk: int | None,
+    *,
+    entropy: bool,
+    full_head: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (and entropy) of the ``scored`` columns, as the trainer computes them: the head at the
+    positions before those columns alone (``head_at``), or with ``full_head`` the logits of every
+    position read at those columns (the trainer before the head was restricted)."""
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
+    if full_head:
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        token_logprobs(logits, ids, 1.0, chunk_tokens=chunk, mask=scored)
+        return token_logprobs_and_entropy(logits, ids, 1.0, chunk_tokens=chunk, mask=scored)
+    rows, cols = torch.nn.functional.pad(scored[:, 1:].bool(), (0, 1), value=False).nonzero(as_tuple=True)
+    picked = rows * ids.shape[1] + cols
+    with head_at(model, picked) as selected:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    logits = (
+        logits[0] if selected else logits.reshape(-1, logits.shape[-1])[picked]
+    )  # compiled: every position
+    logp, ent = selected_logprobs_and_entropy(
+        logits, ids[rows, cols + 1], 1.0, chunk_tokens=chunk, entropy=entropy
+    )
+    zeros = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    return zeros.index_put((rows, cols + 1), logp), zeros.index_put((rows, cols + 1), ent)
+
+
+def reference_pass(
+    model: torch.nn.Module, ids, mask, scored, chunk: int | None = None, *, full_head: bool = False
+) -> None:
+    """One forward-only pass over a micro-batch: the log-probs of the ``scored`` columns."""
+    with torch.no_grad():
+        scored_stats(model, ids, mask, scored, chunk, entropy=False, full_head=full_head)
 
 
 def train_pass(
-    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, chunk: int | None = None, *, scored=None
+    model: torch.nn.Module, ids, mask, scored, chunk: int | None = None, *, full_head: bool = False
 ) -> None:
-    """One training pass over a micro-batch: logits, log-probs and entropy, backward."""
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    logp, entropy = token_logprobs_and_entropy(logits, ids, 1.0, chunk_tokens=chunk, mask=scored)
+    """One training pass over a micro-batch: log-probs and entropy of the ``scored`` columns, backward."""
+    logp, entropy = scored_stats(model, ids, mask, scored, chunk, entropy=True, full_head=full_head)
     (logp.mean() * 1e-3).backward()
     float(entropy.detach().mean())  # the metric's sync, as the trainer has it
 
@@ -98,7 +133,9 @@ def new_shapes(model: torch.nn.Module, args: argparse.Namespace, mb: int) -> tup
             _sync(dev)
             start = time.perf_counter()
             for x, m in parts:
-                one_pass(model, x, m, scored=m)
+                scored = m.clone()
+                scored[:, :prompt] = 0
+                one_pass(model, x, m, scored)
             _sync(dev)
             seconds[name] += time.perf_counter() - start
     return seconds["reference"] / args.new_shapes, seconds["train"] / args.new_shapes
@@ -139,6 +176,7 @@ def main() -> None:
         "--profile", type=int, default=0, help="print this many top kernels of one training pass (0: none)"
     )
     ap.add_argument("--new-shapes", type=int, help="batches of new lengths (default: 4 on a GPU, 0 on CPU)")
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's; fewer for a CPU run)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (and --vocab 1000) for a smoke run")
     args = ap.parse_args()
     if args.tiny:
@@ -152,6 +190,8 @@ def main() -> None:
     ids = torch.randint(0, args.vocab, (b, t), device=dev)
     mask = torch.ones(b, t, dtype=torch.long, device=dev)
     mask[::4, -20:] = 0  # right padding on a quarter of the rows
+    scored = mask.clone()
+    scored[:, : t // 3] = 0  # the response columns: 256 of 384 (the prompts' 128 are not scored)
 
     def timed(fn: Callable[[], None]) -> float:
         fn()
@@ -162,18 +202,19 @@ def main() -> None:
         _sync(dev)
         return (time.perf_counter() - start) / args.repeat
 
-    def passes(one_pass: Callable[..., None], mb: int, chunk: int | None) -> Callable[[], None]:
+    def passes(one_pass: Callable[..., None], mb: int, chunk: int | None, full: bool) -> Callable[[], None]:
         def run() -> None:
             for a in range(0, b, mb):
-                one_pass(model, ids[a : a + mb], mask[a : a + mb], chunk)
+                s = slice(a, a + mb)
+                one_pass(model, ids[s], mask[s], scored[s], chunk, full_head=full)
 
         return run
 
-    def reference(mb: int, chunk: int | None = None) -> Callable[[], None]:
-        return passes(reference_pass, mb, chunk)
+    def reference(mb: int, chunk: int | None = None, full: bool = False) -> Callable[[], None]:
+        return passes(reference_pass, mb, chunk, full)
 
-    def train(mb: int, chunk: int | None = None) -> Callable[[], None]:
-        return passes(train_pass, mb, chunk)
+    def train(mb: int, chunk: int | None = None, full: bool = False) -> Callable[[], None]:
+        return passes(train_pass, mb, chunk, full)
 
     print(
         f"Trainer passes over {b} rows x {t} tokens, {'tiny' if args.tiny else 'Qwen2.5-0.5B'}-shaped model, "
@@ -189,6 +230,11 @@ def main() -> None:
     for mb in args.micro_batches:
         add(f"{mb} rows a pass, chunk {default_chunk} (default)", timed(reference(mb)), timed(train(mb)))
     mb = max(args.micro_batches)
+    add(
+        f"{mb} rows a pass, head at every position",
+        timed(reference(mb, full=True)),
+        timed(train(mb, full=True)),
+    )
     if args.profile:
         profile(train(mb), dev, args.profile)
     for chunk in args.chunks:

@@ -88,6 +88,23 @@ def token_logprobs_and_entropy(
     return _next_token_stats(logits, input_ids, temperature, chunk_tokens, entropy=True, mask=mask)
 
 
+def selected_logprobs_and_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = True,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(K, V)`` logits already taken at the positions that score ``targets`` ``(K,)`` (the head run
+    on those positions alone) -> log p(target) and the entropy (zeros unless ``entropy``), ``(K,)``
+    fp32 each; chunked with a recomputing backward like ``token_logprobs``. No alignment: row ``k``
+    scores ``targets[k]``."""
+    scale = temperature if temperature > 0 else 1.0
+    rows = chunk_tokens or chunk_rows(logits)
+    return _ChunkedNextToken.apply(logits, targets.to(logits.device), scale, entropy, rows, None)
+
+
 def _next_token_stats(
     logits: Tensor,
     input_ids: Tensor | None,

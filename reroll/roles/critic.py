@@ -33,7 +33,7 @@ class CriticWorker(StrategyWorker):
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """``(B, T)`` values V(x_<t), zero in column 0 (no gradient)."""
-        return self._score(batch, lambda scores, mb: token_values(scores))
+        return self._score(batch, lambda mb: token_values(self._forward(mb)))
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch: the token mean of PPO's clipped value loss.

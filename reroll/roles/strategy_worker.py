@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reroll.algorithms.logprobs import selected_logprobs_and_entropy
 from reroll.config.placement import colocated_trainer_roles
 from reroll.config.schema import RunConfig
 from reroll.data.packing import length_order, micro_batches, pack, unpack
@@ -53,6 +54,30 @@ def per_token_head(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
     handle = heads[0].register_forward_hook(lambda _m, _i, o: out.append(o))
     try:
         yield out
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def head_at(model: torch.nn.Module, positions: torch.Tensor) -> Iterator[bool]:
+    """Inside the block, ``model``'s ``lm_head`` computes only the rows ``positions`` of its input
+    flattened to ``(N, hidden)``: the forward's logits are ``(1, K, V)``. The rows are selected by a
+    pre-hook on the head (inside the forward, where a sharded head is gathered), so hidden states of
+    the other positions never meet the vocabulary. Yields False, changing nothing, where there is not
+    exactly one ``lm_head`` or the model is compiled (a hook that changes per call would recompile it)."""
+    heads = [m for name, m in model.named_modules() if name.split(".")[-1] == "lm_head"]
+    if len(heads) != 1 or getattr(model, "_compiled_call_impl", None) is not None:
+        yield False
+        return
+
+    def select(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0]
+        rows = hidden.reshape(-1, hidden.shape[-1])[positions.to(hidden.device)]
+        return (rows[None], *args[1:])
+
+    handle = heads[0].register_forward_pre_hook(select)
+    try:
+        yield True
     finally:
         handle.remove()
 
@@ -172,6 +197,39 @@ class StrategyWorker:
             self.strategy.logits(packed.input_ids, None, packed.position_ids)
         return unpack(scores[0], packed, mb.input_ids.shape[1])
 
+    def _response_stats(
+        self, mb: TrainBatch, temperature: float, *, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(b, t)`` fp32 log-probs of ``mb``'s response tokens at ``temperature`` and their entropy
+        (zeros unless ``entropy``), 0 off the response, aligned like ``token_logprobs``.
+
+        The head runs at the positions before the response tokens alone (``head_at``): prompt and
+        padding positions cost no (tokens x vocabulary) work, no logits are unpacked or gathered, and
+        the backward writes the logits' gradient only where a loss reads it."""
+        b, t = mb.input_ids.shape
+        before = torch.nn.functional.pad(mb.response_mask[:, 1:].bool(), (0, 1), value=False)
+        if self.cfg.optim.packing:
+            packed = pack(mb)
+            picked = before[packed.rows, packed.cols].nonzero().squeeze(-1)  # packed positions
+            rows, cols = packed.rows[picked], packed.cols[picked]
+            args: tuple[Any, ...] = (packed.input_ids, None, packed.position_ids)
+        else:
+            rows, cols = before.nonzero(as_tuple=True)
+            picked = rows * t + cols
+            args = (mb.input_ids, mb.attention_mask)
+        with head_at(self.strategy.model, picked) as selected:
+            logits = self.strategy.logits(*args)
+        logits = logits.reshape(-1, logits.shape[-1])
+        if not selected:  # the full output: take the same rows of it
+            logits = logits[picked.to(logits.device)]
+        dev = logits.device
+        logp, ent = selected_logprobs_and_entropy(
+            logits, mb.input_ids[rows, cols + 1], temperature, entropy=entropy
+        )
+        where = (rows.to(dev), cols.to(dev) + 1)  # position t-1 scores column t
+        zeros = torch.zeros(b, t, dtype=torch.float32, device=dev)
+        return zeros.index_put(where, logp), zeros.index_put(where, ent)
+
     def _limits(self, forward_only: bool) -> dict[str, int | None]:
         """``micro_batches``' limits: ``optim.max_tokens_per_micro_batch`` real tokens when set, else
         ``optim.micro_batch_size`` rows; for a forward-only pass the ``optim.logprob_*`` ones when set."""
@@ -191,13 +249,11 @@ class StrategyWorker:
         return order if one or not self.cfg.optim.group_by_length else length_order(batch)
 
     @torch.no_grad()
-    def _score(
-        self, batch: TrainBatch, per_token: Callable[[torch.Tensor, TrainBatch], torch.Tensor]
-    ) -> torch.Tensor:
-        """``per_token(model output, micro-batch)`` (b, t) over this rank's micro-batches: (B, T), in the
-        batch's row order."""
+    def _score(self, batch: TrainBatch, per_token: Callable[[TrainBatch], torch.Tensor]) -> torch.Tensor:
+        """``per_token(micro-batch)`` (b, t) over this rank's micro-batches: (B, T), in the batch's row
+        order."""
         mbs, back = self._forward_only_micro_batches(batch)
-        parts = [per_token(self._forward(mb), mb).cpu() for mb in mbs]
+        parts = [per_token(mb).cpu() for mb in mbs]
         return TrainBatch.concat(parts, width=batch.input_ids.shape[1])[back]
 
     def _forward_only_micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], torch.Tensor]:

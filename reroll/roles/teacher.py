@@ -33,7 +33,7 @@ class TeacherWorker(StrategyWorker):
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``(B, T)`` log pi_T(x_t | x_<t) of the batch's tokens, temperature 1."""
-        return self._score(batch, lambda logits, mb: token_logprobs(logits, mb.input_ids.to(logits.device)))
+        return self._score(batch, lambda mb: token_logprobs(self._forward(mb), mb.input_ids))
 
     @torch.no_grad()
     def compute_topk(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,6 @@ from reroll.algorithms.distill import forward_kl_topk_loss, reverse_kl_pg_loss, 
 from reroll.algorithms.logprobs import (
     token_log_softmax,
     token_logprobs,
-    token_logprobs_and_entropy,
     token_logprobs_at,
 )
 from reroll.algorithms.objective import actor_loss
@@ -61,12 +60,7 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         (0 elsewhere: only those enter a loss); ``base_model``: with the LoRA adapters disabled (the
         reference policy of a LoRA run)."""
         with self.strategy.adapters_disabled() if base_model else contextlib.nullcontext():
-            return self._score(
-                batch,
-                lambda logits, mb: token_logprobs(
-                    logits, mb.input_ids.to(logits.device), self.temperature, mask=mb.response_mask
-                ),
-            )
+            return self._score(batch, lambda mb: self._response_stats(mb, self.temperature, entropy=False)[0])
 
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; the policy loss is the algorithm's.
@@ -77,12 +71,7 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         metrics = []
         alg = self.cfg.algorithm
         for mb in self._micro_batches(batch):
-            logits = self._forward(mb)
-            ids = mb.input_ids.to(logits.device)
-            # response tokens alone: the vocabulary-wide work of prompt and padding positions is skipped
-            logprobs, entropy = token_logprobs_and_entropy(
-                logits, ids, self.temperature, mask=mb.response_mask
-            )
+            logprobs, entropy = self._response_stats(mb, self.temperature, entropy=True)
             if alg.entropy_coef == 0:  # a metric only: backward skips the entropy's gradient
                 entropy = entropy.detach()
             dev = logprobs.device
@@ -112,8 +101,7 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         """One optimizer step of next-token loss on the response tokens (token mean over the whole step)."""
         total = 0.0
         for mb in self._micro_batches(batch):
-            logits = self._forward(mb)
-            logprobs = token_logprobs(logits, mb.input_ids.to(logits.device), 1.0)
+            logprobs, _ = self._response_stats(mb, 1.0, entropy=False)
             mask = mb.response_mask.to(logprobs.device)
             loss = -(logprobs * mask).sum() / batch.num_tokens
             self._backward(loss, mb, _advantage_stats(mb))

@@ -7,6 +7,7 @@ counts, and a packed row attends only within each of its sequences.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import replace
@@ -241,3 +242,39 @@ def test_teacher_topk_comes_back_in_row_order(tmp_path, assets, batch):
     mask = batch.attention_mask.bool()
     assert torch.equal(ids_b[mask], ids_a[mask])
     torch.testing.assert_close(values_b[mask], values_a[mask], atol=1e-5, rtol=0)
+
+
+def test_head_at_the_response_positions_equals_the_full_head(tmp_path, assets, batch, monkeypatch):
+    """The trainer runs the head at the positions before the response tokens alone (``head_at``); the
+    log-probs, loss, gradient norm and step equal those read off the full head's logits, padded and
+    packed, and the head's output has one row per response token."""
+    from reroll.roles import strategy_worker
+
+    def full_head(model, positions):
+        yield False  # as where no single lm_head is found: the whole output, rows taken after
+
+    heads: list[tuple[int, ...]] = []
+    for overrides in (BASELINE, VARIANTS["packed"]):
+        cfg = _cfg(tmp_path, assets, overrides)
+        with monkeypatch.context() as m:
+            m.setattr(strategy_worker, "head_at", contextlib.contextmanager(full_head))
+            lp_a, m_a, w_a = _actor_step(cfg, batch)
+        group = TrainerGroup("actor_train", cfg, trainable=True)
+        head = group.handles[0]._obj.strategy.model.get_output_embeddings()
+        hook = head.register_forward_hook(lambda _m, _i, out: heads.append(tuple(out.shape)))
+        group.configure_optimizer(LR, 0)
+        lp_b = group.compute_logprobs(batch)
+        m_b = group.train_rl(batch)
+        w_b = group.weight_buckets(1.0).tensors()
+        hook.remove()
+        mask = batch.attention_mask
+        torch.testing.assert_close(lp_b[mask], lp_a[mask], atol=1e-5, rtol=0, msg=str(overrides))
+        assert m_b["actor/loss"] == pytest.approx(m_a["actor/loss"], rel=1e-5)
+        assert m_b["actor/grad_norm"] == pytest.approx(m_a["actor/grad_norm"], rel=1e-5)
+        assert m_b["actor/entropy"] == pytest.approx(m_a["actor/entropy"], rel=1e-5)
+        diffs = torch.cat([(w_b[n] - w_a[n]).abs().flatten() for n in w_a])
+        assert (diffs <= 1e-6).float().mean() > 0.999 and diffs.max() <= 2 * LR
+    responses = int(batch.response_mask.sum())
+    vocab = heads[0][-1]
+    assert sum(s[1] for s in heads) == 4 * responses  # two passes each, padded and packed
+    assert all(s[0] == 1 and s[2] == vocab for s in heads)

@@ -120,3 +120,54 @@ def test_a_mask_scores_its_columns_alone_with_the_same_values_and_gradients(dtyp
     # the positions before unmarked columns got no gradient at all, not merely a small one
     before = torch.nn.functional.pad(mask[:, 1:], (0, 1), value=False)
     assert (x.grad[~before] == 0).all()
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_selected_rows_equal_the_masked_columns(chunk):
+    """``selected_logprobs_and_entropy`` on the rows before the marked columns (the head run there
+    alone) gives the masked values and, through the row selection, the same gradient."""
+    from reroll.algorithms.logprobs import selected_logprobs_and_entropy
+
+    logits, ids, w = _inputs(torch.float32, b=3, t=7, seed=5)
+    mask = torch.zeros(3, 7, dtype=torch.bool)
+    mask[0, 2:5], mask[2, 1:] = True, True
+    x = logits.detach().requires_grad_()
+    lp, ent = token_logprobs_and_entropy(x, ids, 0.7, chunk_tokens=chunk, mask=mask)
+    ((lp - 0.3 * ent) * w).sum().backward()
+    rows, cols = torch.nn.functional.pad(mask[:, 1:], (0, 1), value=False).nonzero(as_tuple=True)
+    y = logits.detach().requires_grad_()
+    s_lp, s_ent = selected_logprobs_and_entropy(y[rows, cols], ids[rows, cols + 1], 0.7, chunk_tokens=chunk)
+    ((s_lp - 0.3 * s_ent) * w[rows, cols + 1]).sum().backward()
+    assert_close(s_lp, lp.detach()[rows, cols + 1])
+    assert_close(s_ent, ent.detach()[rows, cols + 1])
+    assert_close(y.grad, x.grad)
+    no_entropy = selected_logprobs_and_entropy(y[rows, cols], ids[rows, cols + 1], 0.7, entropy=False)
+    assert_close(no_entropy[0], s_lp.detach())
+    assert (no_entropy[1] == 0).all()
+
+
+def test_head_at_runs_the_head_on_the_chosen_positions_alone():
+    """``head_at`` feeds the lm_head the chosen rows of its input: logits ``(1, K, V)`` equal to those
+    rows of the full output; a model without one lm_head, or a compiled one, is left as it is."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from reroll.roles.strategy_worker import head_at
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 50, (2, 6))
+    positions = torch.tensor([1, 2, 7, 11])  # of the (2 * 6) positions
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        with head_at(model, positions) as selected:
+            part = model(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    assert selected and part.shape == (1, 4, 50)
+    assert_close(part[0], full.reshape(12, 50)[positions])
+    assert_close(after, full)  # the hook is gone
+    with head_at(model.model, positions) as selected:  # the base model: no lm_head
+        assert not selected
