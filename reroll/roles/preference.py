@@ -15,7 +15,6 @@ from collections.abc import Iterator
 
 import torch
 
-from reroll.algorithms.logprobs import token_logprobs
 from reroll.algorithms.preference import bradley_terry_loss, dpo_loss, sequence_logprob
 from reroll.config.preference import DPOConfig, RewardModelConfig
 from reroll.data.preferences import PairBatch
@@ -43,13 +42,13 @@ class PairWorkerMixin:
         causal LM's response log-probs at temperature 1 (summed; ``average``: per token). Also the stacked
         rows and their token log-probs (None for a reward model)."""
         rows = mb.stacked()
-        out = self._forward(rows)  # type: ignore[attr-defined]
         if self.cfg.policy_head == "reward":  # type: ignore[attr-defined]
+            out = self._forward(rows)  # type: ignore[attr-defined]
             if out.dim() == 3:  # packed: the head's per-token output, read at each row's last token
                 last = rows.attention_mask.sum(-1).to(out.device) - 1
                 out = out[torch.arange(len(last), device=out.device), last]
             return out.squeeze(-1).float(), rows, None
-        logprobs = token_logprobs(out, rows.input_ids.to(out.device), 1.0)
+        logprobs, _ = self._response_stats(rows, 1.0, entropy=False)  # type: ignore[attr-defined]
         mask = rows.response_mask.to(logprobs.device)
         return sequence_logprob(logprobs, mask, average=average), rows, logprobs
 
