@@ -33,12 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.grpo_step import QWEN25_05B, TINY, device_name  # noqa: E402
-from reroll.algorithms.logprobs import (  # noqa: E402
-    chunk_rows,
-    selected_logprobs_and_entropy,
-    token_logprobs_and_entropy,
-)
-from reroll.roles.strategy_worker import head_at  # noqa: E402
+from reroll.algorithms.logprobs import chunk_rows, token_logprobs_and_entropy  # noqa: E402
+from reroll.roles.strategy_worker import scored_token_stats  # noqa: E402
 from reroll.strategies.training import compile_model  # noqa: E402
 
 
@@ -77,21 +73,17 @@ def scored_stats(
     positions before those columns alone (``head_at``), or with ``full_head`` the logits of every
     position read at those columns (the trainer before the head was restricted)."""
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def forward() -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+
     if full_head:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        return token_logprobs_and_entropy(logits, ids, 1.0, chunk_tokens=chunk, mask=scored)
+        return token_logprobs_and_entropy(forward(), ids, 1.0, chunk_tokens=chunk, mask=scored)
     rows, cols = torch.nn.functional.pad(scored[:, 1:].bool(), (0, 1), value=False).nonzero(as_tuple=True)
     picked = rows * ids.shape[1] + cols
-    with head_at(model, picked) as selected:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    logits = (
-        logits[0] if selected else logits.reshape(-1, logits.shape[-1])[picked]
-    )  # compiled: every position
-    logp, ent = selected_logprobs_and_entropy(
-        logits, ids[rows, cols + 1], 1.0, chunk_tokens=chunk, entropy=entropy
+    return scored_token_stats(
+        model, forward, picked, rows, cols, ids, 1.0, entropy=entropy, chunk_tokens=chunk
     )
-    zeros = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-    return zeros.index_put((rows, cols + 1), logp), zeros.index_put((rows, cols + 1), ent)
 
 
 def reference_pass(

@@ -82,6 +82,38 @@ def head_at(model: torch.nn.Module, positions: torch.Tensor) -> Iterator[bool]:
         handle.remove()
 
 
+def scored_token_stats(
+    model: torch.nn.Module,
+    forward: Callable[[], torch.Tensor],
+    picked: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float,
+    *,
+    entropy: bool,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, T)`` fp32 log-probs of the tokens at ``(rows, cols + 1)`` of ``input_ids`` and their entropy
+    (zeros unless ``entropy``), 0 elsewhere: ``forward()`` runs ``model`` with its head at the flattened
+    input positions ``picked`` alone (``head_at``; one per scored token, in the same order), or, where
+    the head cannot be restricted, the whole output is computed and those rows taken. ``chunk_tokens``:
+    as ``token_logprobs``'s."""
+    with head_at(model, picked) as selected:
+        logits = forward()
+    logits = logits.reshape(-1, logits.shape[-1])
+    if not selected:  # the full output: take the same rows of it
+        logits = logits[picked.to(logits.device)]
+    dev = logits.device
+    targets = input_ids[rows, cols + 1]
+    logp, ent = selected_logprobs_and_entropy(
+        logits, targets, temperature, entropy=entropy, chunk_tokens=chunk_tokens
+    )
+    where = (rows.to(dev), cols.to(dev) + 1)  # position t-1 scores column t
+    zeros = torch.zeros(input_ids.shape, dtype=torch.float32, device=dev)
+    return zeros.index_put(where, logp), zeros.index_put(where, ent)
+
+
 class StrategyWorker:
     """One rank of a role that holds a model in a training strategy (``roles.<role>`` places it)."""
 
@@ -206,7 +238,7 @@ class StrategyWorker:
         The head runs at the positions before the response tokens alone (``head_at``): prompt and
         padding positions cost no (tokens x vocabulary) work, no logits are unpacked or gathered, and
         the backward writes the logits' gradient only where a loss reads it."""
-        b, t = mb.input_ids.shape
+        t = mb.input_ids.shape[1]
         before = torch.nn.functional.pad(mb.response_mask[:, 1:].bool(), (0, 1), value=False)
         if self.cfg.optim.packing:
             packed = pack(mb)
@@ -217,18 +249,16 @@ class StrategyWorker:
             rows, cols = before.nonzero(as_tuple=True)
             picked = rows * t + cols
             args = (mb.input_ids, mb.attention_mask)
-        with head_at(self.strategy.model, picked) as selected:
-            logits = self.strategy.logits(*args)
-        logits = logits.reshape(-1, logits.shape[-1])
-        if not selected:  # the full output: take the same rows of it
-            logits = logits[picked.to(logits.device)]
-        dev = logits.device
-        logp, ent = selected_logprobs_and_entropy(
-            logits, mb.input_ids[rows, cols + 1], temperature, entropy=entropy
+        return scored_token_stats(
+            self.strategy.model,
+            lambda: self.strategy.logits(*args),
+            picked,
+            rows,
+            cols,
+            mb.input_ids,
+            temperature,
+            entropy=entropy,
         )
-        where = (rows.to(dev), cols.to(dev) + 1)  # position t-1 scores column t
-        zeros = torch.zeros(b, t, dtype=torch.float32, device=dev)
-        return zeros.index_put(where, logp), zeros.index_put(where, ent)
 
     def _limits(self, forward_only: bool) -> dict[str, int | None]:
         """``micro_batches``' limits: ``optim.max_tokens_per_micro_batch`` real tokens when set, else
