@@ -18,7 +18,9 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   row ``ray-logprobs`` has the engine return its sampled log-probs, ``rollout.logprobs: true``, which
   ``auto`` leaves out here; the row ``ray-dp2`` runs two engines on the GPU, ``roles.actor_infer.world_size:
   2``, each with half the prompts and half of ``--vllm-memory``; the row ``ray-resident`` moves nothing
-  between phases, ``placement.offload: never``: the engine stays awake beside the trainers).
+  between phases, ``placement.offload: never``; ``auto`` keeps the engine awake beside the trainers
+  where their measured peaks fit beside its share, the row ``ray-sleep`` makes it sleep at every
+  trainer phase, as ``auto`` did before 2026-12-05).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 - ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
@@ -41,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import yaml
@@ -106,7 +109,7 @@ def run_reroll(
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
     from reroll.pipelines.rlvr import RLVR
-    from reroll.pipelines.run import run
+    from reroll.pipelines.run import Roles, run
     from reroll.runtime.metrics import read_metrics
 
     rows = root / "prompts.jsonl"
@@ -184,7 +187,11 @@ def run_reroll(
         cfg["rollout"]["vllm"]["gpu_memory_utilization"] = args.vllm_memory / 2
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    run(RLVR, load_config(path, RunConfig))
+    if mode == "ray-sleep":  # the engine sleeps at every trainer phase (auto before 2026-12-05)
+        with mock.patch.object(Roles, "_engine_fits", lambda self: False):
+            run(RLVR, load_config(path, RunConfig))
+    else:
+        run(RLVR, load_config(path, RunConfig))
     out = []
     for row in read_metrics(root / name)[1:-1]:
         phases = {p: row.get(f"timing/{p}", 0.0) for p in PHASES}
@@ -269,6 +276,9 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
     for p in PHASES:  # each step's phases: a slow step shows which phase moved
         if any(r.get(p) for r in rows):
             print(f"[{name}]   {p:<12} {[round(r[p], 2) for r in rows]}", flush=True)
+    stayed = [r.get("metrics", {}).get("placement/actor_infer_stayed") for r in rows]
+    if any(s is not None for s in stayed):  # placement.offload auto: the engine awake through the trainers
+        print(f"[{name}]   engine awake {['-' if s is None else int(s) for s in stayed]}", flush=True)
 
 
 def main() -> None:
@@ -314,7 +324,8 @@ def main() -> None:
     ap.add_argument(
         "--rows",
         default="ray,local",
-        help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2, ray-resident, local",
+        help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2, ray-resident, "
+        "ray-sleep, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(

@@ -68,6 +68,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vllm-memory", type=float, default=0.35, help="the engine's share of the GPU")
     ap.add_argument("--tiny", action="store_true", help="a tiny model for a smoke run")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then one 'none' call under cProfile: its N most costly functions by own time and by total",
+    )
     args = ap.parse_args()
 
     from reroll.data.types import SamplingParams
@@ -102,6 +109,26 @@ def main() -> None:
         mean = statistics.mean(seconds[v])
         calls = ", ".join(f"{s:.2f}" for s in seconds[v])
         print(f"| {v} | {mean:.2f} | {statistics.mean(tokens[v]) / mean:,.0f} | {calls} |")
+    if args.profile:
+        profile_call(engine, prompts, replace(params, logprobs=False), shipped, args.profile)
+
+
+def profile_call(engine, prompts, params, shipped, top: int) -> None:
+    """One call under cProfile: where the host's time goes while the GPU waits (a host-bound decode)."""
+    import cProfile
+    import pstats
+
+    set_variant(engine, "none", shipped)
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    engine.generate(prompts, params)
+    profiler.disable()
+    print(
+        f"\none 'none' call under cProfile: {time.perf_counter() - start:.2f} s (the profiler's cost included)"
+    )
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats(key).print_stats(top)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,37 @@ def offload_between_phases(cfg: RunConfig, device_type: str) -> bool:
     return mode == "always" or (mode == "auto" and device_type == "cuda")
 
 
+def engine_may_stay(cfg: RunConfig, device_type: str) -> bool:
+    """Whether a colocated engine may stay awake beside the trainers (``placement.offload: auto``, a vLLM
+    engine, whose memory its share bounds, on GPUs), where each row is a prompt and one response of at
+    most ``rollout.max_new_tokens`` (rlvr, distill): what bounds the trainers' peak (``scaled_peak``)."""
+    return (
+        cfg.placement.offload == "auto"
+        and device_type == "cuda"
+        and cfg.rollout.engine == "vllm"
+        and cfg.pipeline in ("rlvr", "distill")
+    )
+
+
+def scaled_peak(peak: int, rest: int, widest: int, longest: int) -> int:
+    """A rank's peak memory at micro-batches of rows ``longest`` tokens long, from ``peak`` measured at
+    micro-batches up to ``widest`` tokens wide: the part above what it keeps between phases (``rest``:
+    weights, gradients, optimizer state) grows with the width; 0 where nothing was measured yet."""
+    if widest <= 0 or peak <= 0:
+        return 0
+    return rest + int(max(peak - rest, 0) * max(1.0, longest / widest))
+
+
+def engine_fits(needs: list[int], engine_share: float, total: int) -> bool:
+    """Whether an engine holding ``engine_share`` of a GPU's ``total`` bytes fits beside trainer roles that
+    need ``needs`` bytes at most each (``scaled_peak``; 0: not measured yet): all of it, with 1 GiB per
+    process for its CUDA context, under 90 % of the GPU."""
+    if not needs or min(needs) <= 0:
+        return False
+    contexts = (len(needs) + 1) * 2**30
+    return sum(needs) + engine_share * total + contexts <= 0.9 * total
+
+
 def started_roles(cfg: RunConfig) -> list[str]:
     """Every role a run of ``cfg`` starts: the model roles, then reward, judge or env workers."""
     roles = run_roles(cfg)

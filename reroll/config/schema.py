@@ -632,10 +632,13 @@ class PlacementConfig(StrictModel):
     cpus_per_device: float = Field(1.0, gt=0, description="CPU cores reserved with each pool device.")
     offload: Literal["auto", "always", "never"] = Field(
         "auto",
-        description="Colocated roles offload their state between phases: 'auto' on GPUs only, where the "
-        "engine sleeps (rollout.vllm.sleep_level) and a trainer role stays resident when its measured "
-        "memory fits beside the engine's share (rollout.vllm.gpu_memory_utilization); 'always' (every "
-        "role moves; on CPUs it moves nothing but exercises the path), 'never'.",
+        description="Colocated roles offload their state between phases: 'auto' on GPUs only, where a "
+        "trainer role stays resident when its measured memory fits beside the engine's share "
+        "(rollout.vllm.gpu_memory_utilization), and the vLLM engine sleeps (rollout.vllm.sleep_level) "
+        "unless, in rlvr and distill from the second step, the trainers' measured peaks scaled to "
+        "responses of rollout.max_new_tokens fit beside its share too (placement/actor_infer_stayed "
+        "says which); 'always' (every role moves; on CPUs it moves nothing but exercises the path), "
+        "'never' (nothing moves: everything must fit at once).",
     )
 
 

@@ -29,7 +29,12 @@ import torch
 from tqdm import tqdm
 
 from reroll.config.loader import dump_config
-from reroll.config.placement import offload_between_phases, weight_sync_transport
+from reroll.config.placement import (
+    engine_fits,
+    engine_may_stay,
+    offload_between_phases,
+    weight_sync_transport,
+)
 from reroll.config.schema import RunConfig
 from reroll.data.coverage import lost_characters_warning
 from reroll.errors import RewardFailure, RoleError, UserError
@@ -181,7 +186,24 @@ class Roles:
         if roles.colocation.enabled:
             for group in placed.values():
                 group.residency_check = roles._check_resident
+            if "actor_infer" in placed and engine_may_stay(cfg, placement.device_type):
+                roles.colocation.let_stay("actor_infer", roles._engine_fits)
         return roles
+
+    def _engine_fits(self) -> bool:
+        """The vLLM engine stays awake through the trainers' phases (no sleep, no wake, a weight sync
+        into an awake engine) where every colocated trainer role's measured peak, scaled to the
+        longest responses (``memory_need``), fits beside the engine's share of the GPU; asked at each
+        step's first trainer phase (the first step measures the peaks with the engine asleep)."""
+        assert self.colocation is not None and self.colocation.map is not None
+        needs, total = [], 0
+        for name, group in self.colocation.groups.items():
+            if name != "actor_infer" and self.colocation.map.colocated(name, "actor_infer"):
+                if not hasattr(group, "memory_need"):
+                    return False  # a role that cannot say what it needs: the engine sleeps
+                need, total = group.memory_need()
+                needs.append(need)
+        return engine_fits(needs, self.cfg.rollout.vllm.gpu_memory_utilization, total)
 
     @contextmanager
     def phase(self, name: str, *uses: str) -> Iterator[None]:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from reroll.algorithms.logprobs import selected_logprobs_and_entropy
-from reroll.config.placement import colocated_trainer_roles
+from reroll.config.placement import colocated_trainer_roles, scaled_peak
 from reroll.config.schema import RunConfig
 from reroll.data.packing import length_order, micro_batches, pack, unpack
 from reroll.data.types import TrainBatch
@@ -33,6 +33,7 @@ from reroll.runtime import profiling, quiet
 from reroll.runtime.actors import WorkerGroup, free_address
 from reroll.runtime.placement import configure_process, worker_device
 from reroll.strategies import Head, make_strategy
+from reroll.strategies.memory import reserved_peak
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class StrategyWorker:
             quiet.allow_deepspeed_notice()  # what DeepSpeed detects concerns a DeepSpeed run
         self.nonfinite_in_row = 0  # optimizer steps skipped in a row (a finite one resets it)
         self._nonfinite_losses: list[str] = []  # this step's micro-batches with a non-finite loss
+        self._widest = (0, 0)  # the widest micro-batch seen (tokens a row, longest prompt part)
         self.strategy = make_strategy(
             cfg,
             model_path=model_path,
@@ -178,6 +180,19 @@ class StrategyWorker:
             self.strategy.reload()
             self._offloaded = False
 
+    def memory_need(self) -> tuple[int, int]:
+        """``(most bytes, GPU bytes)``: the most this rank may hold on its GPU in a phase, its measured
+        peak with the part above what it keeps between phases scaled from the widest micro-batch seen
+        to rows of the longest prompt seen plus ``rollout.max_new_tokens`` (``scaled_peak``), and its
+        GPU's memory; ``(0, 0)`` off GPUs or before its first pass."""
+        device = self.strategy.device
+        if device.type != "cuda" or not self._widest[0]:
+            return 0, 0
+        width, prompt = self._widest
+        longest = prompt + self.cfg.rollout.max_new_tokens
+        need = scaled_peak(reserved_peak(device), torch.cuda.memory_allocated(device), width, longest)
+        return need, torch.cuda.get_device_properties(device).total_memory
+
     def _fits_beside_engine(self) -> bool:
         """'auto' on a GPU with a vLLM engine (whose memory is bounded by its gpu_memory_utilization):
         this role's reserved memory, times the trainer roles sharing the GPU, plus the engine's share
@@ -206,13 +221,23 @@ class StrategyWorker:
             batch = batch.select(self._row_order(batch, forward_only=forward_only))
         limits = self._limits(forward_only)
         parts = micro_batches(batch, **limits)
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return parts
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        most = torch.tensor([len(parts), -len(batch)], device=device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)  # [most micro-batches, -fewest rows] over the ranks
-        count = min(int(most[0]), -int(most[1]))
-        return parts if count == len(parts) else micro_batches(batch, **limits, count=count)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            )
+            most = torch.tensor([len(parts), -len(batch)], device=device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)  # [most micro-batches, -fewest rows] over the ranks
+            count = min(int(most[0]), -int(most[1]))
+            parts = parts if count == len(parts) else micro_batches(batch, **limits, count=count)
+        self._note_width(batch, parts)
+        return parts
+
+    def _note_width(self, batch: TrainBatch, parts: list[TrainBatch]) -> None:
+        """Keep the widest micro-batch's tokens a row and the longest prompt part of a row seen so far
+        (what ``memory_need`` scales the measured peak from)."""
+        width = max((p.input_ids.shape[1] for p in parts), default=0)
+        prompt = int((batch.attention_mask.sum(1) - batch.response_mask.sum(1)).max()) if len(batch) else 0
+        self._widest = (max(self._widest[0], width), max(self._widest[1], prompt))
 
     def _forward(self, mb: TrainBatch) -> torch.Tensor:
         """The model's output on a micro-batch, ``(b, t, ...)`` right-padded like ``mb.input_ids``; with
@@ -381,3 +406,9 @@ class StrategyGroup(WorkerGroup):
 
     def reload(self) -> None:
         self._wait([h.reload.remote() for h in self._handles], "reload")
+
+    def memory_need(self) -> tuple[int, int]:
+        """The most one rank may hold on its GPU in a phase and that GPU's bytes (``(0, 0)`` before a
+        pass, or off GPUs)."""
+        needs = self._wait([h.memory_need.remote() for h in self._handles], "memory_need")
+        return max(needs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from reroll.config.placement import (
@@ -200,7 +201,7 @@ class Colocation:
     with the roles the phase uses, and reload those roles if they were offloaded.
 
     ``groups`` maps role name to its worker group (which has ``offload()`` and ``reload()``). With
-    nothing colocated, or offloading off, ``use`` does nothing.
+    nothing colocated, or offloading off, ``use`` does nothing. One role may be let stay (``let_stay``).
     """
 
     def __init__(self, groups: dict[str, Any], device_map: DeviceMap | None, enabled: bool) -> None:
@@ -208,6 +209,13 @@ class Colocation:
         self.map, self.enabled = device_map, enabled and device_map is not None
         self.offloaded: set[str] = set()
         self.seconds = {"offload": 0.0, "reload": 0.0}
+        self.may_stay: tuple[str, Callable[[], bool]] | None = None  # see ``let_stay``
+        self.stayed = False
+
+    def let_stay(self, role: str, fits: Callable[[], bool]) -> None:
+        """Leave ``role`` resident when another phase needs its device, each time ``fits()`` says both fit
+        (asked at every such eviction): a vLLM engine staying awake beside the trainers."""
+        self.may_stay = (role, fits)
 
     def use(self, *roles: str) -> None:
         if not self.enabled:
@@ -220,6 +228,11 @@ class Colocation:
             and any(self.map.colocated(other, r) for r in roles)
         ]
         start = time.perf_counter()
+        if self.may_stay is not None and self.may_stay[0] in evict:
+            role, fits = self.may_stay
+            self.stayed = fits()
+            if self.stayed:
+                evict.remove(role)
         for other in evict:
             self.groups[other].offload()
             self.offloaded.add(other)
@@ -237,4 +250,6 @@ class Colocation:
             return {}
         out = {f"timing/{k}": v for k, v in self.seconds.items()}
         self.seconds = {"offload": 0.0, "reload": 0.0}
+        if self.may_stay is not None:  # whether it stayed at its last eviction
+            out[f"placement/{self.may_stay[0]}_stayed"] = float(self.stayed)
         return out

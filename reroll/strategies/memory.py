@@ -1,5 +1,6 @@
-"""The peak memory a training step reached, for ``<role>/peak_memory_gb``, and on a GPU how often the
-allocator ran short (``<role>/alloc_retries``)."""
+"""The peak memory a training step reached, for ``<role>/peak_memory_gb``, on a GPU how often the
+allocator ran short (``<role>/alloc_retries``), and the most it ever held (whether the engine may stay
+awake beside the trainers, ``placement.offload: auto``)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,19 @@ def peak_memory_gb(device: torch.device) -> float:
     here), the process's peak resident set on a CPU (``ru_maxrss``: since the process started)."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
+        reserved_peak(device)  # keep the reserved peak the reset below clears
         torch.cuda.reset_peak_memory_stats(device)
         return peak / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def reserved_peak(device: torch.device) -> int:
+    """The most memory this process's allocator has held on ``device`` since it started (bytes): what it
+    took from the GPU, cached blocks included, across ``peak_memory_gb``'s resets."""
+    peak = max(_RESERVED_PEAK.get(device.index, 0), torch.cuda.max_memory_reserved(device))
+    _RESERVED_PEAK[device.index] = peak
+    return peak
 
 
 def alloc_retries(device: torch.device) -> dict[str, float]:
@@ -34,3 +44,4 @@ def alloc_retries(device: torch.device) -> dict[str, float]:
 
 
 _RETRIES_SEEN: dict[int | None, int] = {}
+_RESERVED_PEAK: dict[int | None, int] = {}

@@ -278,3 +278,20 @@ def test_head_at_the_response_positions_equals_the_full_head(tmp_path, assets, b
     vocab = heads[0][-1]
     assert sum(s[1] for s in heads) == 4 * responses  # two passes each, padded and packed
     assert all(s[0] == 1 and s[2] == vocab for s in heads)
+
+
+def test_a_trainer_keeps_the_widest_micro_batch_it_ran_for_its_memory_need(tmp_path, assets, batch):
+    """What ``memory_need`` scales a GPU's measured peak from: the widest micro-batch's tokens a row and
+    the longest prompt part of a row, over every pass (here the forward-only and the training pass); off
+    GPUs there is no need to report."""
+    cfg = _cfg(tmp_path, assets, BASELINE)
+    group = TrainerGroup("actor_train", cfg, trainable=True)
+    worker = group._handles[0]._obj
+    assert worker._widest == (0, 0)
+    group.configure_optimizer(LR, 0)
+    group.compute_logprobs(batch)
+    group.train_rl(batch)
+    widths = [mb.input_ids.shape[1] for mb in micro_batches(batch, max_rows=4, max_tokens=None)]
+    prompts = batch.attention_mask.sum(1) - batch.response_mask.sum(1)
+    assert worker._widest == (max(widths), int(prompts.max()))
+    assert group.memory_need() == (0, 0)

@@ -6,7 +6,14 @@ import pytest
 import yaml
 
 from reroll.config.loader import ConfigError, load_config
-from reroll.config.placement import device_map, run_roles, trainer_strategy
+from reroll.config.placement import (
+    device_map,
+    engine_fits,
+    engine_may_stay,
+    run_roles,
+    scaled_peak,
+    trainer_strategy,
+)
 from reroll.config.schema import RunConfig
 from reroll.runtime.placement import Colocation, ResourceManager
 
@@ -102,6 +109,92 @@ def test_colocation_offloads_only_roles_sharing_a_device_and_reloads_on_use(tmp_
     col.use("actor_train")  # already resident: nothing moves
     assert len(log) == 3
     assert set(col.pop_seconds()) == {"timing/offload", "timing/reload"}
+
+
+def test_a_role_let_stay_is_left_resident_while_it_fits(tmp_path):
+    """The engine stays awake through a trainer phase each time ``fits()`` says so (asked at every
+    eviction), sleeps when it does not, and the step's metrics say which."""
+    cfg = _cfg(tmp_path, **{"placement.devices": 1})
+    log: list[str] = []
+    groups = {r: _Group(log, r) for r in ("actor_train", "actor_infer", "reference")}
+    col = Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), enabled=True)
+    answers = iter([False, True])
+    col.let_stay("actor_infer", lambda: next(answers))
+    col.use("actor_infer")  # the engine's phase: the trainers leave
+    assert log == ["offload actor_train", "offload reference"]
+    col.use("reference")  # not measured yet: the engine sleeps
+    assert log[2:] == ["offload actor_infer", "reload reference"]
+    assert col.pop_seconds()["placement/actor_infer_stayed"] == 0.0
+    col.use("actor_infer")
+    assert log[4:] == ["offload reference", "reload actor_infer"]
+    col.use("reference", "actor_train")  # it fits now: the engine stays awake
+    assert log[6:] == ["reload reference", "reload actor_train"]
+    assert "offload actor_infer" not in log[6:] and "actor_infer" not in col.offloaded
+    assert col.pop_seconds()["placement/actor_infer_stayed"] == 1.0
+
+
+def test_the_engine_fits_where_the_scaled_peaks_and_its_share_stay_under_90_percent():
+    """Numbers of an 80 GB H100 (2026-12-05): the trainer's measured peak 38.6 GB and the reference's
+    8.1 GB beside an engine of 0.35 ran out of memory; beside one of 0.2 the step ran."""
+    gb, total = 10**9, 79 * 2**30
+    needs = [int(37.6 * gb), int(7.6 * gb)]
+    assert not engine_fits(needs, 0.35, total)
+    assert engine_fits(needs, 0.2, total)
+    assert not engine_fits([0, 7 * gb], 0.2, total)  # a role not measured yet: the engine sleeps
+    assert not engine_fits([], 0.2, total)
+    # the part above the resting state grows with the rows' width; a narrower longest row keeps the peak
+    assert scaled_peak(30 * gb, 10 * gb, widest=256, longest=512) == 50 * gb
+    assert scaled_peak(30 * gb, 10 * gb, widest=512, longest=256) == 30 * gb
+    assert scaled_peak(30 * gb, 10 * gb, widest=0, longest=256) == 0
+
+
+def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_path):
+    """``Roles._engine_fits``: the needs of the trainer roles on the engine's GPU, not of one elsewhere;
+    a colocated role that cannot say what it needs keeps the engine sleeping."""
+    from reroll.pipelines.run import Roles
+
+    class Measured(_Group):
+        def __init__(self, log, name, need):
+            super().__init__(log, name)
+            self.need = need
+
+        def memory_need(self):
+            self.log.append(f"asked {self.name}")
+            return self.need, 80 * 2**30
+
+    cfg = _cfg(
+        tmp_path,
+        **{
+            "placement.devices": 2,
+            "roles.reference.devices": "[1]",
+            "rollout.engine": "vllm",
+            "rollout.vllm.gpu_memory_utilization": 0.35,
+        },
+    )
+    log: list[str] = []
+    gib = 2**30
+    groups = {
+        "actor_train": Measured(log, "actor_train", 40 * gib),
+        "actor_infer": _Group(log, "actor_infer"),
+        "reference": Measured(log, "reference", 60 * gib),
+    }
+    roles = Roles(
+        cfg, actor=None, colocation=Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), True)
+    )
+    assert roles._engine_fits()  # 40 GiB + 0.35 x 80 GiB + 2 GiB of contexts <= 72 GiB
+    assert log == ["asked actor_train"]  # the reference on GPU 1 is not asked
+    groups["actor_train"].need = 50 * gib
+    assert not roles._engine_fits()
+    groups["actor_train"] = _Group(log, "actor_train")
+    assert not roles._engine_fits()
+
+
+def test_the_engine_may_stay_awake_with_vllm_on_gpus_in_single_response_pipelines(tmp_path):
+    vllm = {"rollout.engine": "vllm"}
+    assert engine_may_stay(_cfg(tmp_path, **vllm), "cuda")
+    assert not engine_may_stay(_cfg(tmp_path, **vllm), "cpu")
+    assert not engine_may_stay(_cfg(tmp_path), "cuda")  # the hf engine's memory has no bound
+    assert not engine_may_stay(_cfg(tmp_path, **vllm, **{"placement.offload": "always"}), "cuda")
 
 
 def test_colocation_disabled_moves_nothing(tmp_path):
