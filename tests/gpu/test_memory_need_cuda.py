@@ -1,0 +1,40 @@
+"""What a trainer on a GPU says it needs (``memory_need``): what ``placement.offload: auto`` weighs
+before keeping the vLLM engine awake beside the trainers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reroll.config.loader import load_config
+from reroll.config.schema import RunConfig
+from reroll.data.datasets import load_samples
+from reroll.models.loading import load_tokenizer
+from reroll.pipelines.common import sft_batch
+from reroll.roles.trainer import TrainerGroup
+from reroll.strategies.memory import reserved_peak
+from tests.conftest import write_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def test_a_trainer_needs_its_peak_scaled_to_the_longest_responses(tmp_path, assets):
+    path = write_config(tmp_path / "c.yaml", assets, rollout={"max_new_tokens": 64})
+    overrides = ["runtime.backend=local", "roles.actor_train.num_gpus_per_worker=1"]
+    cfg = load_config(path, RunConfig, overrides)
+    samples = load_samples([str(assets["train"])], template="{question}=")[:16]
+    batch = sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}")
+    batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
+    group = TrainerGroup("actor_train", cfg, trainable=True)
+    assert group.memory_need() == (0, 0)  # nothing measured before a pass
+    group.configure_optimizer(1e-3, 0)
+    group.compute_logprobs(batch)
+    group.train_rl(batch)
+    need, total = group.memory_need()
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert total == torch.cuda.get_device_properties(device).total_memory
+    # rows here are ~10 tokens, responses may reach 64 more: the need is above the measured peak
+    assert need > reserved_peak(device) > torch.cuda.memory_allocated(device) > 0
