@@ -102,6 +102,15 @@ def _shown(path: Path) -> Path:
         return path
 
 
+ENGINE_AWAKE_OOM = (
+    "The vLLM engine was awake beside the trainers: placement.offload 'auto' keeps it awake where their "
+    "measured peaks, scaled to responses of rollout.max_new_tokens, fit beside its share of the GPU, and "
+    "this step needed more. Give the trainers room: lower rollout.vllm.gpu_memory_utilization or "
+    "optim.micro_batch_size / optim.logprob_micro_batch_size (or set placement.offload: always), then "
+    "continue with `reroll train CONFIG --resume`."
+)
+
+
 @dataclass(frozen=True)
 class RoleSet:
     """Which roles a run starts. actor_train runs except where nothing trains (``reroll generate``: the
@@ -216,9 +225,15 @@ class Roles:
             with self.timer(name):
                 yield
         except RoleError as e:
-            raise e.in_phase(name) from e
+            raise self._explained(e).in_phase(name) from e
         finally:
             self.current_phase = outer
+
+    def _explained(self, e: RoleError) -> RoleError:
+        """A role out of GPU memory while the engine stayed awake beside it says so, and the fix."""
+        if self.colocation is None or not self.colocation.stayed or "OutOfMemoryError" not in e.cause:
+            return e
+        return e.with_phase(e.phase, f"{e.cause}\n{ENGINE_AWAKE_OOM}")
 
     def hold(self, *uses: str) -> None:
         """Inside a phase: make ``uses`` resident for what follows (a phase that hands data from one

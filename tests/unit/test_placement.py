@@ -15,6 +15,7 @@ from reroll.config.placement import (
     trainer_strategy,
 )
 from reroll.config.schema import RunConfig
+from reroll.pipelines.run import ENGINE_AWAKE_OOM
 from reroll.runtime.placement import Colocation, ResourceManager
 
 
@@ -187,6 +188,31 @@ def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_
     assert not roles._engine_fits()
     groups["actor_train"] = _Group(log, "actor_train")
     assert not roles._engine_fits()
+
+
+def test_a_trainer_out_of_memory_beside_the_awake_engine_is_told_why_and_the_fix(tmp_path):
+    from reroll.errors import RoleError
+    from reroll.pipelines.run import Roles
+
+    cfg = _cfg(tmp_path, **{"placement.devices": 1})
+    groups = {r: _Group([], r) for r in ("actor_train", "actor_infer")}
+    roles = Roles(
+        cfg, actor=None, colocation=Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), True)
+    )
+    oom = RoleError(
+        "actor_train", 0, "train", "OutOfMemoryError: CUDA out of memory. Tried to allocate 4.64 GiB."
+    )
+    for stayed, explained in ((False, False), (True, True)):
+        roles.colocation.stayed = stayed
+        with pytest.raises(RoleError) as e, roles.phase("train", "actor_train"):
+            raise oom
+        assert ("The vLLM engine was awake beside the trainers" in str(e.value)) == explained
+        assert "Tried to allocate 4.64 GiB" in str(e.value)
+    roles.colocation.stayed = True
+    with pytest.raises(RoleError) as e, roles.phase("train", "actor_train"):
+        raise RoleError("actor_train", 0, "train", "ValueError: bad")
+    assert "awake" not in str(e.value)
+    assert "lower rollout.vllm.gpu_memory_utilization" in ENGINE_AWAKE_OOM and "--resume" in ENGINE_AWAKE_OOM
 
 
 def test_the_engine_may_stay_awake_with_vllm_on_gpus_in_single_response_pipelines(tmp_path):
