@@ -202,8 +202,8 @@ class Roles:
     def _engine_fits(self) -> bool:
         """The vLLM engine stays awake through the trainers' phases (no sleep, no wake, a weight sync
         into an awake engine) where every colocated trainer role's measured peak, scaled to the
-        longest responses (``memory_need``), fits beside the engine's share of the GPU; asked at each
-        step's first trainer phase (the first step measures the peaks with the engine asleep)."""
+        longest responses (``memory_need``), fits beside the engine's share of the GPU; asked at every
+        phase that would put it to sleep (the first step measures the peaks with the engine asleep)."""
         assert self.colocation is not None and self.colocation.map is not None
         needs, total = [], 0
         for name, group in self.colocation.groups.items():
