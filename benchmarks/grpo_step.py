@@ -279,6 +279,8 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
     stayed = [r.get("metrics", {}).get("placement/actor_infer_stayed") for r in rows]
     if any(s is not None for s in stayed):  # placement.offload auto: the engine awake through the trainers
         print(f"[{name}]   engine awake {['-' if s is None else int(s) for s in stayed]}", flush=True)
+        spare = [r.get("metrics", {}).get("placement/engine_headroom_gb") for r in rows]
+        print(f"[{name}]   headroom GiB {['-' if s is None else round(s, 1) for s in spare]}", flush=True)
 
 
 def main() -> None:

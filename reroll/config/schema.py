@@ -635,9 +635,10 @@ class PlacementConfig(StrictModel):
         description="Colocated roles offload their state between phases: 'auto' on GPUs only, where a "
         "trainer role stays resident when its measured memory fits beside the engine's share "
         "(rollout.vllm.gpu_memory_utilization), and the vLLM engine sleeps (rollout.vllm.sleep_level) "
-        "unless, in rlvr and distill from the second step, the trainers' measured peaks scaled to "
-        "responses of rollout.max_new_tokens fit beside its share too (placement/actor_infer_stayed "
-        "says which); 'always' (every role moves; on CPUs it moves nothing but exercises the path), "
+        "unless, in rlvr and distill from the second step, the worst trainer phase (one trainer's "
+        "measured peak scaled to responses of rollout.max_new_tokens, the other trainers' state) fits "
+        "beside its share too (placement/actor_infer_stayed says which, placement/engine_headroom_gb "
+        "by how much); 'always' (every role moves; on CPUs it moves nothing but exercises the path), "
         "'never' (nothing moves: everything must fit at once).",
     )
 

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from reroll.config.loader import dump_config
 from reroll.config.placement import (
-    engine_fits,
+    engine_headroom,
     engine_may_stay,
     offload_between_phases,
     weight_sync_transport,
@@ -147,6 +147,7 @@ class Roles:
     restarted: list[str] = field(default_factory=list)  # '<role> at step <n>', one per restart
     sync_stats: dict[str, float] = field(default_factory=dict)  # the last weight sync's rate, until popped
     weight_group_formed: bool = False  # the 'collective' transport's group (formed again after restarts)
+    engine_headroom_gb: float | None = None  # GPU memory to spare beside the awake engine (``_engine_fits``)
 
     @classmethod
     def start(cls, cfg: RunConfig, needs: RoleSet) -> Roles:
@@ -201,18 +202,21 @@ class Roles:
 
     def _engine_fits(self) -> bool:
         """The vLLM engine stays awake through the trainers' phases (no sleep, no wake, a weight sync
-        into an awake engine) where every colocated trainer role's measured peak, scaled to the
-        longest responses (``memory_need``), fits beside the engine's share of the GPU; asked at every
-        phase that would put it to sleep (the first step measures the peaks with the engine asleep)."""
+        into an awake engine) where the colocated trainer roles' measured peaks, scaled to the longest
+        responses (``memory_need``), fit beside the engine's share of the GPU (``engine_headroom``,
+        logged as ``placement/engine_headroom_gb``); asked at every phase that would put it to sleep
+        (the first step measures the peaks with the engine asleep)."""
         assert self.colocation is not None and self.colocation.map is not None
         needs, total = [], 0
         for name, group in self.colocation.groups.items():
             if name != "actor_infer" and self.colocation.map.colocated(name, "actor_infer"):
                 if not hasattr(group, "memory_need"):
                     return False  # a role that cannot say what it needs: the engine sleeps
-                need, total = group.memory_need()
-                needs.append(need)
-        return engine_fits(needs, self.cfg.rollout.vllm.gpu_memory_utilization, total)
+                peak, rest, total = group.memory_need()
+                needs.append((peak, rest))
+        headroom = engine_headroom(needs, self.cfg.rollout.vllm.gpu_memory_utilization, total)
+        self.engine_headroom_gb = None if headroom is None else headroom / 2**30
+        return headroom is not None and headroom >= 0
 
     @contextmanager
     def phase(self, name: str, *uses: str) -> Iterator[None]:
@@ -362,11 +366,16 @@ class Roles:
 
     def pop_timings(self) -> dict[str, float]:
         """``timing/<phase>`` since the last call, with the colocation moves, and the last weight
-        sync's ``sync/gb_per_s`` (and ``sync/bytes_collective``) if one ran since."""
+        sync's ``sync/gb_per_s`` (and ``sync/bytes_collective``) if one ran since, and whether the engine
+        stayed awake (``placement/actor_infer_stayed``, ``placement/engine_headroom_gb``)."""
+        placement: dict[str, float] = {}
         if self.colocation is not None:
             self.timer.add(self.colocation.pop_seconds())
+            placement = self.colocation.metrics()
+        if self.engine_headroom_gb is not None:
+            placement["placement/engine_headroom_gb"] = self.engine_headroom_gb
         stats, self.sync_stats = self.sync_stats, {}
-        return self.timer.pop() | stats
+        return self.timer.pop() | stats | placement
 
     def shutdown(self) -> None:
         groups = (self.env, self.actor, self.rollout, self.reward, self.reference, self.critic, self.teacher)

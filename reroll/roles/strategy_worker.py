@@ -180,18 +180,20 @@ class StrategyWorker:
             self.strategy.reload()
             self._offloaded = False
 
-    def memory_need(self) -> tuple[int, int]:
-        """``(most bytes, GPU bytes)``: the most this rank may hold on its GPU in a phase, its measured
-        peak with the part above what it keeps between phases scaled from the widest micro-batch seen
-        to rows of the longest prompt seen plus ``rollout.max_new_tokens`` (``scaled_peak``), and its
-        GPU's memory; ``(0, 0)`` off GPUs or before its first pass."""
+    def memory_need(self) -> tuple[int, int, int]:
+        """``(most bytes, resting bytes, GPU bytes)``: the most this rank may hold on its GPU in a phase,
+        its measured peak with the part above what it keeps between phases scaled from the widest
+        micro-batch seen to rows of the longest prompt seen plus ``rollout.max_new_tokens``
+        (``scaled_peak``); what it keeps between phases (asked between calls: its state); its GPU's
+        memory. ``(0, 0, 0)`` off GPUs or before its first pass."""
         device = self.strategy.device
         if device.type != "cuda" or not self._widest[0]:
-            return 0, 0
+            return 0, 0, 0
         width, prompt = self._widest
         longest = prompt + self.cfg.rollout.max_new_tokens
-        need = scaled_peak(reserved_peak(device), torch.cuda.memory_allocated(device), width, longest)
-        return need, torch.cuda.get_device_properties(device).total_memory
+        rest = torch.cuda.memory_allocated(device)
+        need = scaled_peak(reserved_peak(device), rest, width, longest)
+        return need, rest, torch.cuda.get_device_properties(device).total_memory
 
     def _fits_beside_engine(self) -> bool:
         """'auto' on a GPU with a vLLM engine (whose memory is bounded by its gpu_memory_utilization):
@@ -407,8 +409,8 @@ class StrategyGroup(WorkerGroup):
     def reload(self) -> None:
         self._wait([h.reload.remote() for h in self._handles], "reload")
 
-    def memory_need(self) -> tuple[int, int]:
-        """The most one rank may hold on its GPU in a phase and that GPU's bytes (``(0, 0)`` before a
-        pass, or off GPUs)."""
+    def memory_need(self) -> tuple[int, int, int]:
+        """The most one rank may hold on its GPU in a phase, the most one keeps between phases, and that
+        GPU's bytes (``(0, 0, 0)`` before a pass, or off GPUs)."""
         needs = self._wait([h.memory_need.remote() for h in self._handles], "memory_need")
-        return max(needs)
+        return max(n[0] for n in needs), max(n[1] for n in needs), max(n[2] for n in needs)

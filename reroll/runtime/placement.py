@@ -250,6 +250,10 @@ class Colocation:
             return {}
         out = {f"timing/{k}": v for k, v in self.seconds.items()}
         self.seconds = {"offload": 0.0, "reload": 0.0}
-        if self.may_stay is not None:  # whether it stayed at its last eviction
-            out[f"placement/{self.may_stay[0]}_stayed"] = float(self.stayed)
         return out
+
+    def metrics(self) -> dict[str, float]:
+        """``placement/<role>_stayed``: whether the role let stay stayed at its last eviction (1.0)."""
+        if self.may_stay is None:
+            return {}
+        return {f"placement/{self.may_stay[0]}_stayed": float(self.stayed)}

@@ -29,12 +29,13 @@ def test_a_trainer_needs_its_peak_scaled_to_the_longest_responses(tmp_path, asse
     batch = sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}")
     batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
     group = TrainerGroup("actor_train", cfg, trainable=True)
-    assert group.memory_need() == (0, 0)  # nothing measured before a pass
+    assert group.memory_need() == (0, 0, 0)  # nothing measured before a pass
     group.configure_optimizer(1e-3, 0)
     group.compute_logprobs(batch)
     group.train_rl(batch)
-    need, total = group.memory_need()
+    need, rest, total = group.memory_need()
     device = torch.device("cuda", torch.cuda.current_device())
     assert total == torch.cuda.get_device_properties(device).total_memory
     # rows here are ~10 tokens, responses may reach 64 more: the need is above the measured peak
     assert need > reserved_peak(device) > torch.cuda.memory_allocated(device) > 0
+    assert rest == torch.cuda.memory_allocated(device)  # its state between phases
