@@ -129,6 +129,7 @@ class StrategyWorker:
         self.nonfinite_in_row = 0  # optimizer steps skipped in a row (a finite one resets it)
         self._nonfinite_losses: list[str] = []  # this step's micro-batches with a non-finite loss
         self._widest = (0, 0)  # the widest micro-batch seen (tokens a row, longest prompt part)
+        self._resting = 0  # the most GPU bytes it held when asked to give the device away (its state)
         self.strategy = make_strategy(
             cfg,
             model_path=model_path,
@@ -169,6 +170,8 @@ class StrategyWorker:
         """Give the device to a colocated role: move the state to host memory, or, where
         ``placement.offload`` is 'auto' and the state fits beside the engine's share of the GPU, keep
         it and free only the allocator's cached blocks (the decision is remade, measured, each time)."""
+        if self.strategy.device.type == "cuda":
+            self._resting = max(self._resting, torch.cuda.memory_allocated(self.strategy.device))
         if self._fits_beside_engine():
             torch.cuda.empty_cache()
             return
@@ -184,14 +187,15 @@ class StrategyWorker:
         """``(most bytes, resting bytes, GPU bytes)``: the most this rank may hold on its GPU in a phase,
         its measured peak with the part above what it keeps between phases scaled from the widest
         micro-batch seen to rows of the longest prompt seen plus ``rollout.max_new_tokens``
-        (``scaled_peak``); what it keeps between phases (asked between calls: its state); its GPU's
-        memory. ``(0, 0, 0)`` off GPUs or before its first pass."""
+        (``scaled_peak``); what it keeps between phases (its state: what it holds between calls, or
+        held when last asked to offload, should it be in host memory now); its GPU's memory.
+        ``(0, 0, 0)`` off GPUs or before its first pass."""
         device = self.strategy.device
         if device.type != "cuda" or not self._widest[0]:
             return 0, 0, 0
         width, prompt = self._widest
         longest = prompt + self.cfg.rollout.max_new_tokens
-        rest = torch.cuda.memory_allocated(device)
+        rest = max(self._resting, torch.cuda.memory_allocated(device))
         need = scaled_peak(reserved_peak(device), rest, width, longest)
         return need, rest, torch.cuda.get_device_properties(device).total_memory
 
