@@ -172,8 +172,7 @@ class StrategyWorker:
         it and free only the allocator's cached blocks (the decision is remade, measured, each time)."""
         if self.strategy.device.type == "cuda":
             self._resting = max(self._resting, torch.cuda.memory_allocated(self.strategy.device))
-        if self._fits_beside_engine():
-            torch.cuda.empty_cache()
+        if self._fits_beside_engine():  # which freed the cached blocks before measuring
             return
         self.strategy.offload()
         self._offloaded = True
