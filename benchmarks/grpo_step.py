@@ -19,7 +19,7 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   ``auto`` leaves out here; the row ``ray-dp2`` runs two engines on the GPU, ``roles.actor_infer.world_size:
   2``, each with half the prompts and half of ``--vllm-memory``; the row ``ray-resident`` moves nothing
   between phases, ``placement.offload: never``; ``auto`` keeps the engine awake beside the trainers
-  where their measured peaks fit beside its share, the row ``ray-sleep`` makes it sleep at every
+  where the worst trainer phase fits beside its share, the row ``ray-sleep`` makes it sleep at every
   trainer phase, as ``auto`` did before 2026-12-05).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.

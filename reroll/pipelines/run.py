@@ -103,9 +103,9 @@ def _shown(path: Path) -> Path:
 
 
 ENGINE_AWAKE_OOM = (
-    "The vLLM engine was awake beside the trainers: placement.offload 'auto' keeps it awake where their "
-    "measured peaks, scaled to responses of rollout.max_new_tokens, fit beside its share of the GPU, and "
-    "this step needed more. Give the trainers room: lower rollout.vllm.gpu_memory_utilization or "
+    "The vLLM engine was awake beside the trainers: placement.offload 'auto' keeps it awake where the "
+    "worst trainer phase (one trainer's measured peak, scaled to responses of rollout.max_new_tokens, "
+    "beside the others' state) fits beside its share of the GPU, and this step needed more. Give the trainers room: lower rollout.vllm.gpu_memory_utilization or "
     "optim.micro_batch_size / optim.logprob_micro_batch_size (or set placement.offload: always), then "
     "continue with `reroll train CONFIG --resume`."
 )
@@ -202,10 +202,11 @@ class Roles:
 
     def _engine_fits(self) -> bool:
         """The vLLM engine stays awake through the trainers' phases (no sleep, no wake, a weight sync
-        into an awake engine) where the colocated trainer roles' measured peaks, scaled to the longest
-        responses (``memory_need``), fit beside the engine's share of the GPU (``engine_headroom``,
-        logged as ``placement/engine_headroom_gb``); asked at every phase that would put it to sleep
-        (the first step measures the peaks with the engine asleep)."""
+        into an awake engine) where the worst colocated trainer phase (one role's measured peak, scaled
+        to the longest responses, beside the others' state: ``memory_need``) fits beside the engine's
+        share of the GPU (``engine_headroom``, logged as ``placement/engine_headroom_gb``); asked at
+        every phase that would put it to sleep (the first step measures the peaks with the engine
+        asleep)."""
         assert self.colocation is not None and self.colocation.map is not None
         needs, total = [], 0
         for name, group in self.colocation.groups.items():
