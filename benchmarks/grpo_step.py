@@ -276,11 +276,22 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
     for p in PHASES:  # each step's phases: a slow step shows which phase moved
         if any(r.get(p) for r in rows):
             print(f"[{name}]   {p:<12} {[round(r[p], 2) for r in rows]}", flush=True)
-    stayed = [r.get("metrics", {}).get("placement/actor_infer_stayed") for r in rows]
-    if any(s is not None for s in stayed):  # placement.offload auto: the engine awake through the trainers
-        print(f"[{name}]   engine awake {['-' if s is None else int(s) for s in stayed]}", flush=True)
-        spare = [r.get("metrics", {}).get("placement/engine_headroom_gb") for r in rows]
-        print(f"[{name}]   headroom GiB {['-' if s is None else round(s, 1) for s in spare]}", flush=True)
+
+    def series(key: str) -> list:
+        return [r.get("metrics", {}).get(key) for r in rows]
+
+    # placement.offload auto: the engine awake through the trainers' phases; the trainers resident
+    # through the engine's (nothing moves where every peak fits beside the engine at once)
+    for label, key, digits in (
+        ("engine awake", "placement/actor_infer_stayed", None),
+        ("trainer kept", "placement/actor_train_stayed", None),
+        ("headroom GiB", "placement/engine_headroom_gb", 1),
+        ("resident GiB", "placement/resident_headroom_gb", 1),
+    ):
+        values = series(key)
+        if any(v is not None for v in values):
+            shown = ["-" if v is None else round(v, digits) if digits else int(v) for v in values]
+            print(f"[{name}]   {label} {shown}", flush=True)
 
 
 def main() -> None:

@@ -105,8 +105,9 @@ def _shown(path: Path) -> Path:
 ENGINE_AWAKE_OOM = (
     "The vLLM engine was awake beside the trainers: placement.offload 'auto' keeps it awake where the "
     "worst trainer phase (one trainer's measured peak, scaled to responses of rollout.max_new_tokens, "
-    "beside the others' state) fits beside its share of the GPU, and this step needed more. Give the trainers room: lower rollout.vllm.gpu_memory_utilization or "
-    "optim.micro_batch_size / optim.logprob_micro_batch_size (or set placement.offload: always), then "
+    "beside the others' state; every trainer's peak where nothing moves) fits beside its share of the "
+    "GPU, and this step needed more. Give the trainers room: lower rollout.vllm.gpu_memory_utilization "
+    "or optim.micro_batch_size / optim.logprob_micro_batch_size (or set placement.offload: always), then "
     "continue with `reroll train CONFIG --resume`."
 )
 
@@ -147,7 +148,8 @@ class Roles:
     restarted: list[str] = field(default_factory=list)  # '<role> at step <n>', one per restart
     sync_stats: dict[str, float] = field(default_factory=dict)  # the last weight sync's rate, until popped
     weight_group_formed: bool = False  # the 'collective' transport's group (formed again after restarts)
-    engine_headroom_gb: float | None = None  # GPU memory to spare beside the awake engine (``_engine_fits``)
+    engine_headroom_gb: float | None = None  # GPU memory to spare beside the awake engine (``_staying``)
+    resident_headroom_gb: float | None = None  # the same with nothing moved at all
 
     @classmethod
     def start(cls, cfg: RunConfig, needs: RoleSet) -> Roles:
@@ -197,27 +199,35 @@ class Roles:
             for group in placed.values():
                 group.residency_check = roles._check_resident
             if "actor_infer" in placed and engine_may_stay(cfg, placement.device_type):
-                roles.colocation.let_stay("actor_infer", roles._engine_fits)
+                roles.colocation.let_stay(roles._staying)
         return roles
 
-    def _engine_fits(self) -> bool:
-        """The vLLM engine stays awake through the trainers' phases (no sleep, no wake, a weight sync
-        into an awake engine) where the worst colocated trainer phase (one role's measured peak, scaled
-        to the longest responses, beside the others' state: ``memory_need``) fits beside the engine's
-        share of the GPU (``engine_headroom``, logged as ``placement/engine_headroom_gb``); asked at
-        every phase that would put it to sleep (the first step measures the peaks with the engine
-        asleep)."""
+    def _staying(self) -> set[str]:
+        """The roles left resident at an eviction, beside the vLLM engine's share of the GPU, from the
+        colocated trainers' measured memory (``memory_need``: a role's peak scaled to the longest
+        responses, its state between phases), remade at every eviction (the first step measures, with
+        everything moving): every role where all the trainers' peaks fit beside the engine at once
+        (nothing moves, no allocator cache is freed; ``placement/resident_headroom_gb``); else the engine
+        alone where the worst trainer phase (one role's peak beside the others' state) fits beside it
+        (no sleep, no wake, a weight sync into an awake engine; ``placement/engine_headroom_gb``); else
+        none (``engine_headroom``)."""
         assert self.colocation is not None and self.colocation.map is not None
-        needs, total = [], 0
+        needs, trainers, total = [], [], 0
         for name, group in self.colocation.groups.items():
             if name != "actor_infer" and self.colocation.map.colocated(name, "actor_infer"):
                 if not hasattr(group, "memory_need"):
-                    return False  # a role that cannot say what it needs: the engine sleeps
+                    return set()  # a role that cannot say what it needs: the engine sleeps
                 peak, rest, total = group.memory_need()
                 needs.append((peak, rest))
-        headroom = engine_headroom(needs, self.cfg.rollout.vllm.gpu_memory_utilization, total)
-        self.engine_headroom_gb = None if headroom is None else headroom / 2**30
-        return headroom is not None and headroom >= 0
+                trainers.append(name)
+        share = self.cfg.rollout.vllm.gpu_memory_utilization
+        engine = engine_headroom(needs, share, total)
+        resident = engine_headroom(needs, share, total, resident=True)
+        self.engine_headroom_gb = None if engine is None else engine / 2**30
+        self.resident_headroom_gb = None if resident is None else resident / 2**30
+        if resident is not None and resident >= 0:
+            return {"actor_infer", *trainers}
+        return {"actor_infer"} if engine is not None and engine >= 0 else set()
 
     @contextmanager
     def phase(self, name: str, *uses: str) -> Iterator[None]:
@@ -236,7 +246,8 @@ class Roles:
 
     def _explained(self, e: RoleError) -> RoleError:
         """A role out of GPU memory while the engine stayed awake beside it says so, and the fix."""
-        if self.colocation is None or not self.colocation.stayed or "OutOfMemoryError" not in e.cause:
+        awake = self.colocation is not None and self.colocation.stayed.get("actor_infer", False)
+        if not awake or "OutOfMemoryError" not in e.cause:
             return e
         return e.with_phase(e.phase, f"{e.cause}\n{ENGINE_AWAKE_OOM}")
 
@@ -368,13 +379,14 @@ class Roles:
     def pop_timings(self) -> dict[str, float]:
         """``timing/<phase>`` since the last call, with the colocation moves, and the last weight
         sync's ``sync/gb_per_s`` (and ``sync/bytes_collective``) if one ran since, and whether the engine
-        stayed awake (``placement/actor_infer_stayed``, ``placement/engine_headroom_gb``)."""
+        and the other roles stayed resident (``placement/<role>_stayed``, ``placement/*_headroom_gb``)."""
         placement: dict[str, float] = {}
         if self.colocation is not None:
             self.timer.add(self.colocation.pop_seconds())
             placement = self.colocation.metrics()
-        if self.engine_headroom_gb is not None:
-            placement["placement/engine_headroom_gb"] = self.engine_headroom_gb
+        for name in ("engine_headroom_gb", "resident_headroom_gb"):
+            if getattr(self, name) is not None:
+                placement[f"placement/{name}"] = getattr(self, name)
         stats, self.sync_stats = self.sync_stats, {}
         return self.timer.pop() | stats | placement
 

@@ -201,7 +201,7 @@ class Colocation:
     with the roles the phase uses, and reload those roles if they were offloaded.
 
     ``groups`` maps role name to its worker group (which has ``offload()`` and ``reload()``). With
-    nothing colocated, or offloading off, ``use`` does nothing. One role may be let stay (``let_stay``).
+    nothing colocated, or offloading off, ``use`` does nothing. Roles may be let stay (``let_stay``).
     """
 
     def __init__(self, groups: dict[str, Any], device_map: DeviceMap | None, enabled: bool) -> None:
@@ -209,13 +209,14 @@ class Colocation:
         self.map, self.enabled = device_map, enabled and device_map is not None
         self.offloaded: set[str] = set()
         self.seconds = {"offload": 0.0, "reload": 0.0}
-        self.may_stay: tuple[str, Callable[[], bool]] | None = None  # see ``let_stay``
-        self.stayed = False
+        self.stays: Callable[[], set[str]] | None = None  # see ``let_stay``
+        self.stayed: dict[str, bool] = {}  # whether each role asked about stayed at its last eviction
 
-    def let_stay(self, role: str, fits: Callable[[], bool]) -> None:
-        """Leave ``role`` resident when another phase needs its device, each time ``fits()`` says both fit
-        (asked at every such eviction): a vLLM engine staying awake beside the trainers."""
-        self.may_stay = (role, fits)
+    def let_stay(self, stays: Callable[[], set[str]]) -> None:
+        """Leave resident the roles ``stays()`` names when a phase would evict them (asked at every
+        eviction, so the answer follows what was measured): a vLLM engine awake beside the trainers, or
+        every role where all of them fit on the device at once."""
+        self.stays = stays
 
     def use(self, *roles: str) -> None:
         if not self.enabled:
@@ -228,11 +229,10 @@ class Colocation:
             and any(self.map.colocated(other, r) for r in roles)
         ]
         start = time.perf_counter()
-        if self.may_stay is not None and self.may_stay[0] in evict:
-            role, fits = self.may_stay
-            self.stayed = fits()
-            if self.stayed:
-                evict.remove(role)
+        if evict and self.stays is not None:
+            kept = self.stays()
+            self.stayed.update({role: role in kept for role in evict})
+            evict = [role for role in evict if role not in kept]
         for other in evict:
             self.groups[other].offload()
             self.offloaded.add(other)
@@ -253,7 +253,6 @@ class Colocation:
         return out
 
     def metrics(self) -> dict[str, float]:
-        """``placement/<role>_stayed``: whether the role let stay stayed at its last eviction (1.0)."""
-        if self.may_stay is None:
-            return {}
-        return {f"placement/{self.may_stay[0]}_stayed": float(self.stayed)}
+        """``placement/<role>_stayed``: whether a role ``let_stay`` was asked about stayed resident at its
+        last eviction (1.0)."""
+        return {f"placement/{role}_stayed": float(stayed) for role, stayed in self.stayed.items()}

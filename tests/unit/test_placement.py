@@ -112,27 +112,40 @@ def test_colocation_offloads_only_roles_sharing_a_device_and_reloads_on_use(tmp_
     assert set(col.pop_seconds()) == {"timing/offload", "timing/reload"}
 
 
-def test_a_role_let_stay_is_left_resident_while_it_fits(tmp_path):
-    """The engine stays awake through a trainer phase each time ``fits()`` says so (asked at every
-    eviction), sleeps when it does not, and the step's metrics say which."""
+def test_the_roles_let_stay_are_left_resident_while_they_fit(tmp_path):
+    """At every eviction ``stays()`` names who stays resident: nothing before anything is measured, the
+    engine alone where it fits beside the trainers' worst phase, everyone where all fit at once; the
+    step's metrics say who stayed at their last eviction."""
     cfg = _cfg(tmp_path, **{"placement.devices": 1})
     log: list[str] = []
     groups = {r: _Group(log, r) for r in ("actor_train", "actor_infer", "reference")}
     col = Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), enabled=True)
-    answers = iter([False, True])
-    col.let_stay("actor_infer", lambda: next(answers))
+    everyone = {"actor_train", "actor_infer", "reference"}
+    answers = iter([set(), set(), set(), {"actor_infer"}, everyone, everyone, everyone])
+    asked: list[list[str]] = []
+    col.let_stay(lambda: asked.append(list(log)) or next(answers))
     col.use("actor_infer")  # the engine's phase: the trainers leave
     assert log == ["offload actor_train", "offload reference"]
     col.use("reference")  # not measured yet: the engine sleeps
     assert log[2:] == ["offload actor_infer", "reload reference"]
-    assert col.metrics() == {"placement/actor_infer_stayed": 0.0}
+    assert col.metrics() == {
+        "placement/actor_train_stayed": 0.0,
+        "placement/reference_stayed": 0.0,
+        "placement/actor_infer_stayed": 0.0,
+    }
     assert set(col.pop_seconds()) == {"timing/offload", "timing/reload"}
     col.use("actor_infer")
     assert log[4:] == ["offload reference", "reload actor_infer"]
-    col.use("reference", "actor_train")  # it fits now: the engine stays awake
+    col.use("reference", "actor_train")  # the engine fits beside the worst phase: it stays awake
     assert log[6:] == ["reload reference", "reload actor_train"]
-    assert "offload actor_infer" not in log[6:] and "actor_infer" not in col.offloaded
-    assert col.metrics() == {"placement/actor_infer_stayed": 1.0}
+    assert "actor_infer" not in col.offloaded
+    assert col.metrics()["placement/actor_infer_stayed"] == 1.0
+    col.use("actor_infer")  # everyone fits at once: the trainers stay too
+    col.use("reference")
+    col.use("actor_train")
+    assert log[8:] == [] and not col.offloaded
+    assert set(col.metrics().values()) == {1.0}
+    assert len(asked) == 7  # once per phase that would evict someone
 
 
 def test_the_engine_fits_where_the_worst_phase_and_its_share_stay_under_90_percent():
@@ -147,6 +160,10 @@ def test_the_engine_fits_where_the_worst_phase_and_its_share_stay_under_90_perce
     assert short == pytest.approx(-6.24 * gib, rel=1e-3)  # 0.35: the engine sleeps
     # the reference's peak while the trainer keeps its state: not the worst phase here
     assert engine_headroom([(8 * gib, 1 * gib)], 0.2, total) > fits
+    # nothing moves only where both peaks fit beside the engine at once: not on this card, on an H200
+    assert engine_headroom(needs, 0.2, total, resident=True) == pytest.approx(-1.36 * gib, rel=1e-2)
+    h200 = int(140.4 * 2**30)  # 71.3 - 53.8 - 15.8 - 3 on the H100; 126.4 - 53.8 - 49.1 - 3 on the H200
+    assert engine_headroom(needs, 0.35, h200, resident=True) == pytest.approx(20.4 * gib, rel=1e-2)
     assert engine_headroom([(0, 0), (7 * gib, gib)], 0.2, total) is None  # a role not measured yet
     assert engine_headroom([], 0.2, total) is None
     gb = 10**9
@@ -157,7 +174,7 @@ def test_the_engine_fits_where_the_worst_phase_and_its_share_stay_under_90_perce
 
 
 def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_path):
-    """``Roles._engine_fits``: the needs of the trainer roles on the engine's GPU, not of one elsewhere;
+    """``Roles._staying``: the needs of the trainer roles on the engine's GPU, not of one elsewhere;
     a colocated role that cannot say what it needs keeps the engine sleeping."""
     from reroll.pipelines.run import Roles
 
@@ -189,14 +206,35 @@ def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_
     roles = Roles(
         cfg, actor=None, colocation=Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), True)
     )
-    assert roles._engine_fits()  # 40 GiB + 0.35 x 80 GiB + 2 GiB of contexts <= 72 GiB
+    # one trainer beside the engine: its peak is the worst phase, so it keeps its cache too
+    assert roles._staying() == {"actor_infer", "actor_train"}  # 40 + 0.35 x 80 + 2 GiB <= 72 GiB
     assert log == ["asked actor_train"]  # the reference on GPU 1 is not asked
-    assert roles.pop_timings()["placement/engine_headroom_gb"] == pytest.approx(2.0)
+    timings = roles.pop_timings()
+    assert timings["placement/engine_headroom_gb"] == pytest.approx(2.0)
+    assert timings["placement/resident_headroom_gb"] == pytest.approx(2.0)
     groups["actor_train"].need = 50 * gib
-    assert not roles._engine_fits()
+    assert roles._staying() == set()
     assert roles.pop_timings()["placement/engine_headroom_gb"] == pytest.approx(-8.0)
     groups["actor_train"] = _Group(log, "actor_train")
-    assert not roles._engine_fits()
+    assert roles._staying() == set()
+    # both trainers on the engine's GPU: the engine fits beside the worst phase (the trainer's peak,
+    # the reference's 1 GiB of state), both peaks at once do not: the engine alone stays
+    cfg = _cfg(
+        tmp_path,
+        **{"placement.devices": 1, "rollout.engine": "vllm", "rollout.vllm.gpu_memory_utilization": 0.35},
+    )
+    groups = {
+        "actor_train": Measured(log, "actor_train", 39 * gib),
+        "actor_infer": _Group(log, "actor_infer"),
+        "reference": Measured(log, "reference", 20 * gib),
+    }
+    roles = Roles(
+        cfg, actor=None, colocation=Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), True)
+    )
+    assert roles._staying() == {"actor_infer"}
+    timings = roles.pop_timings()  # 72 - (38 + 2) - 28 - 3 and 72 - 59 - 28 - 3 GiB
+    assert timings["placement/engine_headroom_gb"] == pytest.approx(1.0)
+    assert timings["placement/resident_headroom_gb"] == pytest.approx(-18.0)
 
 
 def test_a_trainer_out_of_memory_beside_the_awake_engine_is_told_why_and_the_fix(tmp_path):
@@ -212,12 +250,12 @@ def test_a_trainer_out_of_memory_beside_the_awake_engine_is_told_why_and_the_fix
         "actor_train", 0, "train", "OutOfMemoryError: CUDA out of memory. Tried to allocate 4.64 GiB."
     )
     for stayed, explained in ((False, False), (True, True)):
-        roles.colocation.stayed = stayed
+        roles.colocation.stayed = {"actor_infer": stayed}
         with pytest.raises(RoleError) as e, roles.phase("train", "actor_train"):
             raise oom
         assert ("The vLLM engine was awake beside the trainers" in str(e.value)) == explained
         assert "Tried to allocate 4.64 GiB" in str(e.value)
-    roles.colocation.stayed = True
+    roles.colocation.stayed = {"actor_infer": True}
     with pytest.raises(RoleError) as e, roles.phase("train", "actor_train"):
         raise RoleError("actor_train", 0, "train", "ValueError: bad")
     assert "awake" not in str(e.value)
