@@ -188,7 +188,7 @@ def run_reroll(
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     if mode == "ray-sleep":  # the engine sleeps at every trainer phase (auto before 2026-12-05)
-        with mock.patch.object(Roles, "_engine_fits", lambda self: False):
+        with mock.patch.object(Roles, "_staying", lambda self: set()):
             run(RLVR, load_config(path, RunConfig))
     else:
         run(RLVR, load_config(path, RunConfig))
