@@ -639,8 +639,8 @@ class PlacementConfig(StrictModel):
         "measured peak scaled to responses of rollout.max_new_tokens, the other trainers' state) fits "
         "beside its share too (placement/actor_infer_stayed says which, placement/engine_headroom_gb "
         "by how much), and nothing moves where every trainer's peak fits beside it at once "
-        "(placement/resident_headroom_gb); 'always' (every role moves; on CPUs it moves nothing but exercises the path), "
-        "'never' (nothing moves: everything must fit at once).",
+        "(placement/resident_headroom_gb); 'always' (every role moves; on CPUs it moves nothing but "
+        "exercises the path), 'never' (nothing moves: everything must fit at once).",
     )
 
 

@@ -187,25 +187,21 @@ def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_
             self.log.append(f"asked {self.name}")
             return self.need, 2**30, 80 * 2**30
 
-    cfg = _cfg(
-        tmp_path,
-        **{
-            "placement.devices": 2,
-            "roles.reference.devices": "[1]",
-            "rollout.engine": "vllm",
-            "rollout.vllm.gpu_memory_utilization": 0.35,
-        },
-    )
     log: list[str] = []
     gib = 2**30
-    groups = {
-        "actor_train": Measured(log, "actor_train", 40 * gib),
-        "actor_infer": _Group(log, "actor_infer"),
-        "reference": Measured(log, "reference", 60 * gib),
-    }
-    roles = Roles(
-        cfg, actor=None, colocation=Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), True)
-    )
+
+    def roles_with(train_gib: int, reference_gib: int, **placement) -> tuple[Roles, dict]:
+        overrides = {"rollout.engine": "vllm", "rollout.vllm.gpu_memory_utilization": 0.35, **placement}
+        cfg = _cfg(tmp_path, **overrides)
+        groups = {
+            "actor_train": Measured(log, "actor_train", train_gib * gib),
+            "actor_infer": _Group(log, "actor_infer"),
+            "reference": Measured(log, "reference", reference_gib * gib),
+        }
+        colocation = Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), True)
+        return Roles(cfg, actor=None, colocation=colocation), groups
+
+    roles, groups = roles_with(40, 60, **{"placement.devices": 2, "roles.reference.devices": "[1]"})
     # one trainer beside the engine: its peak is the worst phase, so it keeps its cache too
     assert roles._staying() == {"actor_infer", "actor_train"}  # 40 + 0.35 x 80 + 2 GiB <= 72 GiB
     assert log == ["asked actor_train"]  # the reference on GPU 1 is not asked
@@ -219,18 +215,7 @@ def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_
     assert roles._staying() == set()
     # both trainers on the engine's GPU: the engine fits beside the worst phase (the trainer's peak,
     # the reference's 1 GiB of state), both peaks at once do not: the engine alone stays
-    cfg = _cfg(
-        tmp_path,
-        **{"placement.devices": 1, "rollout.engine": "vllm", "rollout.vllm.gpu_memory_utilization": 0.35},
-    )
-    groups = {
-        "actor_train": Measured(log, "actor_train", 39 * gib),
-        "actor_infer": _Group(log, "actor_infer"),
-        "reference": Measured(log, "reference", 20 * gib),
-    }
-    roles = Roles(
-        cfg, actor=None, colocation=Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), True)
-    )
+    roles, _ = roles_with(39, 20, **{"placement.devices": 1})
     assert roles._staying() == {"actor_infer"}
     timings = roles.pop_timings()  # 72 - (38 + 2) - 28 - 3 and 72 - 59 - 28 - 3 GiB
     assert timings["placement/engine_headroom_gb"] == pytest.approx(1.0)
