@@ -451,5 +451,7 @@ def _hook_step_loop(engine: Any, abort: threading.Event, stats: EngineStats) -> 
     # vLLM's Prometheus logger observes its histograms once per token, and an offline engine has no
     # endpoint that serves them: dropped (the log lines of vLLM's INFO level stay)
     manager = engine.logger_manager
+    if manager is None:  # built with disable_log_stats: vLLM keeps no stats to observe
+        return
     manager.stat_loggers = [s for s in manager.stat_loggers if type(s).__name__ != "PrometheusStatLogger"]
     manager.stat_loggers.append(PeakStats())

@@ -162,3 +162,37 @@ def test_vllm_sampled_logprobs_read_from_either_container():
     assert _logprobs(SimpleNamespace(token_ids=[7, 4], logprobs=flat)) == [-0.5, -2.0]
     assert _logprobs(SimpleNamespace(token_ids=[7, 4], logprobs=positions)) == [-0.5, -2.0]
     assert _logprobs(SimpleNamespace(token_ids=[7, 4], logprobs=None)) == []
+
+
+def test_vllm_step_hook_feeds_the_stats_and_honours_abort_also_without_vllms_stat_loggers():
+    """An engine built with ``disable_log_stats`` has no stat logger manager: the hook still wraps the
+    step loop (abort works) and skips the stats; with a manager it drops Prometheus and adds its own."""
+    pytest.importorskip("vllm")
+    import threading
+    from types import SimpleNamespace
+
+    from reroll.engines.base import EngineStats
+    from reroll.engines.vllm import EngineAborted, _hook_step_loop
+
+    class PrometheusStatLogger:
+        pass
+
+    aborted: list[list[str]] = []
+    for manager in (None, SimpleNamespace(stat_loggers=[PrometheusStatLogger()])):
+        engine = SimpleNamespace(
+            step=lambda: ["out"],
+            logger_manager=manager,
+            output_processor=SimpleNamespace(request_states={"r1": None}),
+            abort_request=lambda ids, internal: aborted.append(ids),
+        )
+        abort, stats = threading.Event(), EngineStats(scheduler=True)
+        _hook_step_loop(engine, abort, stats)
+        assert engine.step() == ["out"]
+        abort.set()
+        with pytest.raises(EngineAborted, match="1 requests unfinished"):
+            engine.step()
+        if manager is not None:
+            [logger] = manager.stat_loggers  # Prometheus dropped, reroll's peaks added
+            logger.record(SimpleNamespace(num_running_reqs=7, num_waiting_reqs=2, kv_cache_usage=0.5), None)
+            assert stats.take(0, 1.0)["engine/num_running"] == 7.0
+    assert aborted == [["r1"], ["r1"]]
