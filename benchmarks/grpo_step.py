@@ -26,7 +26,8 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
 - ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
 
 Per reroll row it prints each phase's seconds (offload/reload included), the step's wall time
-(``timing/step``: the whole step, not a sum of phases), new tokens per second and the ratio to TRL.
+(``timing/step``: the whole step, not a sum of phases), new tokens per second and the ratio to TRL
+(of the means, and of the medians: one slow step moves a mean of five).
 The first ``--warmup`` steps (compilation, allocator growth) are left out of the means.
 ``--json PATH`` also writes every step's metrics of every row (to see which phase moved in a slow step).
 """
@@ -264,9 +265,9 @@ def run_trl(root: Path, model: Path, prompts: list[str], args: argparse.Namespac
     return [{"step": t, "new_tokens": tok_n} for t, tok_n in zip(times, tokens or [0.0] * len(times))]
 
 
-def mean_after(rows: list[dict], key: str, warmup: int) -> float:
+def mean_after(rows: list[dict], key: str, warmup: int, average=statistics.mean) -> float:
     kept = rows[warmup:] or rows
-    return statistics.mean(r.get(key, 0.0) for r in kept)
+    return average(r.get(key, 0.0) for r in kept)
 
 
 def print_row(name: str, rows: list[dict], warmup: int) -> None:
@@ -387,13 +388,19 @@ def main() -> None:
             f"{p:<14}" + "".join(f"{mean_after(results[k], p, args.warmup):>{width}.2f}" for k in reroll_rows)
         )
     trl_row = next((k for k in results if k.startswith("trl")), None)
+    # the median beside the mean: one slow step (TRL's moved 8.0-11.2 s within one run) moves the mean
     trl = mean_after(results[trl_row], "step", args.warmup) if trl_row else None
-    print(f"\n{'row':<{width}}{'s/step':>10}{'new tokens':>12}{'tokens/s':>10}{'/ TRL':>8}")
+    trl_median = mean_after(results[trl_row], "step", args.warmup, statistics.median) if trl_row else None
+    print(
+        f"\n{'row':<{width}}{'s/step':>10}{'median':>10}{'new tokens':>12}{'tokens/s':>10}{'/ TRL':>8}"
+        f"{'median / TRL median':>22}"
+    )
     for name, rows in results.items():
         step, toks = mean_after(rows, "step", args.warmup), mean_after(rows, "new_tokens", args.warmup)
+        median = mean_after(rows, "step", args.warmup, statistics.median)
         same_model = trl_row is not None and name.split()[-1] == trl_row.split()[-1]
-        ratio = f"{step / trl:>8.2f}" if trl and same_model else f"{'':>8}"
-        print(f"{name:<{width}}{step:>10.2f}{toks:>12.0f}{toks / step:>10.0f}{ratio}")
+        ratio = f"{step / trl:>8.2f}{median / trl_median:>22.2f}" if trl and same_model else ""
+        print(f"{name:<{width}}{step:>10.2f}{median:>10.2f}{toks:>12.0f}{toks / step:>10.0f}{ratio}")
     save_json(args, results)
 
 
