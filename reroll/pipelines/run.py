@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -112,6 +113,28 @@ ENGINE_AWAKE_OOM = (
 )
 
 
+def _share_hint(share: float, engine: int, resident: int, total: int) -> str:
+    """What a run whose engine sleeps beside the measured trainers could do about it: the engine's
+    shares (``rollout.vllm.gpu_memory_utilization``) at which it would stay awake, and at which nothing
+    would move (``engine`` and ``resident``: bytes to spare at ``share``, negative)."""
+    # the shares where the headroom reaches 0 (it falls by the GPU's bytes per unit of share), shown
+    # rounded down
+    awake, still = (math.floor((share + spare / total) * 100 + 1e-6) / 100 for spare in (engine, resident))
+    line = (
+        f"placement: the vLLM engine sleeps through the trainers' phases (a sleep, a wake and a slower "
+        f"weight sync each step): beside its share (rollout.vllm.gpu_memory_utilization {share:g} = "
+        f"{share * total / 2**30:.1f} GiB) the worst trainer phase, as measured, is {-engine / 2**30:.1f} "
+        "GiB short of 90 % of the GPU."
+    )
+    if awake < 0.05:
+        return line + " The trainers alone leave the engine no room to stay awake on this GPU."
+    nothing = f", and nothing would move at {still:.2f} or less" if still >= 0.05 else ""
+    return (
+        f"{line} It would stay awake at a share of {awake:.2f} or less{nothing}, if the engine still fits in "
+        "it (engine/kv_cache_usage says how much of its KV cache a step used)."
+    )
+
+
 @dataclass(frozen=True)
 class RoleSet:
     """Which roles a run starts. actor_train runs except where nothing trains (``reroll generate``: the
@@ -150,6 +173,7 @@ class Roles:
     weight_group_formed: bool = False  # the 'collective' transport's group (formed again after restarts)
     engine_headroom_gb: float | None = None  # GPU memory to spare beside the awake engine (``_staying``)
     resident_headroom_gb: float | None = None  # the same with nothing moved at all
+    share_hint_shown: bool = False  # ``_share_hint`` is printed once a run
 
     @classmethod
     def start(cls, cfg: RunConfig, needs: RoleSet) -> Roles:
@@ -227,7 +251,12 @@ class Roles:
         self.resident_headroom_gb = None if resident is None else resident / 2**30
         if resident is not None and resident >= 0:
             return {"actor_infer", *trainers}
-        return {"actor_infer"} if engine is not None and engine >= 0 else set()
+        if engine is not None and engine >= 0:
+            return {"actor_infer"}
+        if engine is not None and not self.share_hint_shown:
+            self.share_hint_shown = True
+            tqdm.write(_share_hint(share, engine, resident or 0, total))
+        return set()
 
     @contextmanager
     def phase(self, name: str, *uses: str) -> Iterator[None]:

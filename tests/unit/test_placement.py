@@ -173,7 +173,7 @@ def test_the_engine_fits_where_the_worst_phase_and_its_share_stay_under_90_perce
     assert scaled_peak(30 * gb, 10 * gb, widest=0, longest=256) == 0
 
 
-def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_path):
+def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_path, capsys):
     """``Roles._staying``: the needs of the trainer roles on the engine's GPU, not of one elsewhere;
     a colocated role that cannot say what it needs keeps the engine sleeping."""
     from reroll.pipelines.run import Roles
@@ -211,6 +211,11 @@ def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_
     groups["actor_train"].need = 50 * gib
     assert roles._staying() == set()
     assert roles.pop_timings()["placement/engine_headroom_gb"] == pytest.approx(-8.0)
+    out = capsys.readouterr().out  # once a run: what share would keep the engine awake
+    assert "the vLLM engine sleeps" in out and "8.0 GiB short" in out
+    assert "stay awake at a share of 0.25 or less" in out and out.count("\n") == 1  # 0.35 - 8 / 80
+    roles._staying()
+    assert capsys.readouterr().out == ""
     groups["actor_train"] = _Group(log, "actor_train")
     assert roles._staying() == set()
     # both trainers on the engine's GPU: the engine fits beside the worst phase (the trainer's peak,
@@ -220,6 +225,24 @@ def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_
     timings = roles.pop_timings()  # 72 - (38 + 2) - 28 - 3 and 72 - 59 - 28 - 3 GiB
     assert timings["placement/engine_headroom_gb"] == pytest.approx(1.0)
     assert timings["placement/resident_headroom_gb"] == pytest.approx(-18.0)
+
+
+def test_the_share_hint_names_the_shares_that_would_keep_the_engine_awake_or_move_nothing():
+    """Run I's H100 numbers at the default share 0.35: the engine slept; the measured peaks say it
+    stays awake at 0.27 (I2 ran 0.2: awake) and nothing moves at 0.18 (J ran 0.15: nothing moved)."""
+    from reroll.pipelines.run import _share_hint
+
+    gib, total = 2**30, int(79.2 * 2**30)
+    needs = [(int(45.8 * gib), 6 * gib), (8 * gib, 1 * gib)]
+    engine = engine_headroom(needs, 0.35, total)
+    resident = engine_headroom(needs, 0.35, total, resident=True)
+    hint = _share_hint(0.35, engine, resident, total)
+    assert "rollout.vllm.gpu_memory_utilization 0.35 = 27.7 GiB" in hint and "6.2 GiB short" in hint
+    assert "stay awake at a share of 0.27 or less, and nothing would move at 0.18 or less" in hint
+    for share, expected in ((0.27, True), (0.28, False)):  # the share shown is the last that fits
+        assert (engine_headroom(needs, share, total) >= 0) is expected
+    crowded = _share_hint(0.35, -int(0.33 * total), -int(0.5 * total), total)
+    assert "no room to stay awake" in crowded and "share of" not in crowded
 
 
 def test_a_trainer_out_of_memory_beside_the_awake_engine_is_told_why_and_the_fix(tmp_path):
