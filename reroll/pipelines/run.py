@@ -407,12 +407,13 @@ class Roles:
 
     def pop_timings(self) -> dict[str, float]:
         """``timing/<phase>`` since the last call, with the colocation moves, and the last weight
-        sync's ``sync/gb_per_s`` (and ``sync/bytes_collective``) if one ran since, and whether the engine
-        and the other roles stayed resident (``placement/<role>_stayed``, ``placement/*_headroom_gb``)."""
+        sync's ``sync/gb_per_s`` (and ``sync/bytes_collective``) if one ran since, the bytes the moves
+        carried (``offload/bytes``, ``reload/bytes`` and their GB/s), and whether the engine and the
+        other roles stayed resident (``placement/<role>_stayed``, ``placement/*_headroom_gb``)."""
         placement: dict[str, float] = {}
         if self.colocation is not None:
             self.timer.add(self.colocation.pop_seconds())
-            placement = self.colocation.metrics()
+            placement = self.colocation.metrics() | self.colocation.pop_moves()
         for name in ("engine_headroom_gb", "resident_headroom_gb"):
             if getattr(self, name) is not None:
                 placement[f"placement/{name}"] = getattr(self, name)

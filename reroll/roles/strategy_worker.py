@@ -166,21 +166,32 @@ class StrategyWorker:
         """Write what was recorded since ``profile_start``: the paths of the trace and the table."""
         return profiling.stop(Path(directory), f"{self.role}-{self.rank}")
 
-    def offload(self) -> None:
+    def offload(self) -> int:
         """Give the device to a colocated role: move the state to host memory, or, where
         ``placement.offload`` is 'auto' and the state fits beside the engine's share of the GPU, keep
-        it and free only the allocator's cached blocks (the decision is remade, measured, each time)."""
-        if self.strategy.device.type == "cuda":
-            self._resting = max(self._resting, torch.cuda.memory_allocated(self.strategy.device))
+        it and free only the allocator's cached blocks (the decision is remade, measured, each time).
+        Returns the bytes moved off the GPU (0 where the state stays, and off GPUs)."""
+        before = self._allocated()
+        self._resting = max(self._resting, before)
         if self._fits_beside_engine():  # which freed the cached blocks before measuring
-            return
+            return 0
         self.strategy.offload()
         self._offloaded = True
+        return max(before - self._allocated(), 0)
 
-    def reload(self) -> None:
-        if getattr(self, "_offloaded", False):
-            self.strategy.reload()
-            self._offloaded = False
+    def reload(self) -> int:
+        """Bring back what ``offload`` moved; returns the bytes moved onto the GPU."""
+        if not getattr(self, "_offloaded", False):
+            return 0
+        before = self._allocated()
+        self.strategy.reload()
+        self._offloaded = False
+        return max(self._allocated() - before, 0)
+
+    def _allocated(self) -> int:
+        """The bytes of tensors this rank holds on its GPU (0 off GPUs, where nothing moves)."""
+        device = self.strategy.device
+        return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
     def memory_need(self) -> tuple[int, int, int]:
         """``(most bytes, resting bytes, GPU bytes)``: the most this rank may hold on its GPU in a phase,
@@ -405,12 +416,13 @@ class StrategyGroup(WorkerGroup):
         written = self._wait([h.profile_stop.remote(str(directory)) for h in self._handles], "profile_stop")
         return [path for paths in written for path in paths]
 
-    def offload(self) -> None:
-        """Parameters, gradients and optimizer state off the device (another role needs it)."""
-        self._wait([h.offload.remote() for h in self._handles], "offload")
+    def offload(self) -> int:
+        """Parameters, gradients and optimizer state off the device (another role needs it); returns the
+        bytes moved, summed over the ranks."""
+        return sum(self._wait([h.offload.remote() for h in self._handles], "offload"))
 
-    def reload(self) -> None:
-        self._wait([h.reload.remote() for h in self._handles], "reload")
+    def reload(self) -> int:
+        return sum(self._wait([h.reload.remote() for h in self._handles], "reload"))
 
     def memory_need(self) -> tuple[int, int, int]:
         """The most one rank may hold on its GPU in a phase, the most one keeps between phases, and that

@@ -117,13 +117,11 @@ class TeacherSet:
         assert values is not None and ids is not None, "an empty batch"
         return values, ids
 
-    def offload(self) -> None:
-        for g in self.groups.values():
-            g.offload()
+    def offload(self) -> int:
+        return sum(g.offload() for g in self.groups.values())
 
-    def reload(self) -> None:
-        for g in self.groups.values():
-            g.reload()
+    def reload(self) -> int:
+        return sum(g.reload() for g in self.groups.values())
 
     def restart(self) -> None:
         for g in self.groups.values():

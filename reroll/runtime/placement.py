@@ -209,6 +209,8 @@ class Colocation:
         self.map, self.enabled = device_map, enabled and device_map is not None
         self.offloaded: set[str] = set()
         self.seconds = {"offload": 0.0, "reload": 0.0}
+        # bytes the trainer roles moved (their offload/reload return them) and the seconds of those calls
+        self.moved = {"offload": [0, 0.0], "reload": [0, 0.0]}
         self.stays: Callable[[], set[str]] | None = None  # see ``let_stay``
         self.stayed: dict[str, bool] = {}  # whether each role asked about stayed at its last eviction
 
@@ -234,15 +236,23 @@ class Colocation:
             self.stayed.update({role: role in kept for role in evict})
             evict = [role for role in evict if role not in kept]
         for other in evict:
-            self.groups[other].offload()
+            self._move("offload", other)
             self.offloaded.add(other)
         mid = time.perf_counter()
         for role in roles:
             if role in self.offloaded:
-                self.groups[role].reload()
+                self._move("reload", role)
                 self.offloaded.discard(role)
         self.seconds["offload"] += mid - start
         self.seconds["reload"] += time.perf_counter() - mid
+
+    def _move(self, way: str, role: str) -> None:
+        """``role``'s offload or reload, with the bytes it says it moved (an engine's sleep says none)."""
+        start = time.perf_counter()
+        moved = getattr(self.groups[role], way)() or 0
+        if moved:
+            self.moved[way][0] += moved
+            self.moved[way][1] += time.perf_counter() - start
 
     def pop_seconds(self) -> dict[str, float]:
         """``timing/offload`` and ``timing/reload`` since the last call (only when enabled)."""
@@ -250,6 +260,20 @@ class Colocation:
             return {}
         out = {f"timing/{k}": v for k, v in self.seconds.items()}
         self.seconds = {"offload": 0.0, "reload": 0.0}
+        return out
+
+    def pop_moves(self) -> dict[str, float]:
+        """``offload/bytes`` and ``reload/bytes``: what the trainer roles moved between host and device
+        memory since the last call, and, where they moved any, ``offload/gb_per_s`` / ``reload/gb_per_s``
+        over the seconds of the calls that did (only when enabled)."""
+        if not self.enabled:
+            return {}
+        out: dict[str, float] = {}
+        for way, (moved, seconds) in self.moved.items():
+            out[f"{way}/bytes"] = float(moved)
+            if moved and seconds > 0:
+                out[f"{way}/gb_per_s"] = moved / seconds / 1e9
+        self.moved = {"offload": [0, 0.0], "reload": [0, 0.0]}
         return out
 
     def metrics(self) -> dict[str, float]:

@@ -39,6 +39,9 @@ def test_a_trainer_needs_its_peak_scaled_to_the_longest_responses(tmp_path, asse
     # rows here are ~10 tokens, responses may reach 64 more: the need is above the measured peak
     assert need > reserved_peak(device) > torch.cuda.memory_allocated(device) > 0
     assert rest == torch.cuda.memory_allocated(device)  # its state between phases
-    group.offload()  # to host memory: it takes its state back to the GPU for its next phase
+    moved = group.offload()  # to host memory: it takes its state back to the GPU for its next phase
     assert torch.cuda.memory_allocated(device) < rest
+    assert moved == rest - torch.cuda.memory_allocated(device) > 0  # the bytes reported as offload/bytes
     assert group.memory_need()[1] == rest
+    assert group.reload() == pytest.approx(moved, rel=0.01)  # reload/bytes: the same state back
+    assert torch.cuda.memory_allocated(device) == pytest.approx(rest, rel=0.01)

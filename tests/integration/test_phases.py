@@ -21,6 +21,7 @@ from reroll.roles.reward_model import RewardModelWorker
 from reroll.roles.rollout import RolloutWorker
 from reroll.roles.teacher import TeacherWorker
 from reroll.roles.trainer import TrainerWorker
+from reroll.runtime.metrics import read_metrics
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration
@@ -72,6 +73,9 @@ def test_rlvr_with_reference_critic_and_warm_start(tmp_path, assets, calls):
     )
     assert main(["train", str(cfg), *COLOCATED]) == 0
     _assert_never_offloaded(calls, {"actor_train", "actor_infer", "reference", "critic"})
+    # every step reports the bytes its moves carried: none on CPU, where 'always' only exercises the path
+    moved = [r for r in read_metrics(next((tmp_path / "runs").iterdir())) if "timing/offload" in r]
+    assert moved and all(r["offload/bytes"] == 0.0 == r["reload/bytes"] for r in moved)
     called = {(role, name) for role, name, _ in calls}
     expected = {
         ("actor_infer", "generate"),

@@ -38,6 +38,7 @@ def test_colocated_and_separate_placement_train_the_same(tmp_path, assets):
     co, sep = read_metrics(tmp_path / "runs" / "colocated"), read_metrics(tmp_path / "runs" / "separate")
     # The offload/reload path ran every step (engine sleep, trainer offload) and its time is reported.
     assert all("timing/offload" in r and "timing/reload" in r for r in co[1:])
+    assert all(r["offload/bytes"] == 0.0 == r["reload/bytes"] for r in co[1:])  # CPU: nothing moves
     assert all("timing/offload" not in r for r in sep)
     # Where roles sit changes no number: same seed, same rollouts and losses.
     for a, b in zip(co[1:], sep[1:]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 
 from reroll.config.loader import ConfigError, load_config
@@ -450,3 +451,52 @@ def test_a_worker_process_lets_attention_use_cudnn_only_when_the_config_says_so(
     finally:
         torch.backends.cuda.enable_cudnn_sdp(was[0])
         torch.set_num_threads(was[1])
+
+
+def test_the_moves_report_the_bytes_the_trainers_moved_and_their_rate(tmp_path, monkeypatch):
+    """A trainer rank's offload/reload returns the GPU bytes its state gave up / took back (0 where it
+    stays); the colocation sums them per step as ``offload/bytes``, ``reload/bytes`` and their GB/s
+    over the calls that moved something (an engine's sleep reports nothing)."""
+    from reroll.roles.strategy_worker import StrategyWorker
+
+    held = {"bytes": 3 * 10**9}
+
+    class Strategy:
+        device = torch.device("cuda", 0)
+
+        def offload(self):
+            held["bytes"] -= 2 * 10**9
+
+        def reload(self):
+            held["bytes"] += 2 * 10**9
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: held["bytes"])
+    worker = object.__new__(StrategyWorker)
+    worker.strategy, worker._resting = Strategy(), 0
+    fits = iter([True, False])
+    worker._fits_beside_engine = lambda: next(fits)
+    assert worker.offload() == 0 and worker.reload() == 0  # it fitted: nothing moved
+    assert worker.offload() == 2 * 10**9 and worker._resting == 3 * 10**9
+    assert worker.reload() == 2 * 10**9 and held["bytes"] == 3 * 10**9
+
+    cfg = _cfg(tmp_path, **{"placement.devices": 1})
+    log: list[str] = []
+
+    class Moving(_Group):
+        def offload(self):
+            super().offload()
+            return 4 * 10**9
+
+        def reload(self):
+            super().reload()
+            return 4 * 10**9
+
+    groups = {"actor_train": Moving(log, "actor_train"), "actor_infer": _Group(log, "actor_infer")}
+    col = Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), enabled=True)
+    col.use("actor_infer")
+    col.use("actor_train")
+    moves = col.pop_moves()
+    assert moves["offload/bytes"] == moves["reload/bytes"] == 4e9
+    assert moves["offload/gb_per_s"] > 0 and moves["reload/gb_per_s"] > 0
+    assert col.pop_moves() == {"offload/bytes": 0.0, "reload/bytes": 0.0}
+    assert Colocation(groups, None, enabled=True).pop_moves() == {}  # nothing colocated
