@@ -177,7 +177,10 @@ class StrategyWorker:
             return 0
         self.strategy.offload()
         self._offloaded = True
-        return max(before - self._allocated(), 0)
+        moved = max(before - self._allocated(), 0)
+        if self.strategy.device.type == "cuda":  # the moved state's blocks to the driver: until then the
+            torch.cuda.empty_cache()  # allocator keeps them cached and the role taking the GPU gets none
+        return moved
 
     def reload(self) -> int:
         """Bring back what ``offload`` moved; returns the bytes moved onto the GPU."""

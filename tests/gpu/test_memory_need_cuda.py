@@ -40,7 +40,7 @@ def test_a_trainer_needs_its_peak_scaled_to_the_longest_responses(tmp_path, asse
     assert need > reserved_peak(device) > torch.cuda.memory_allocated(device) > 0
     assert rest == torch.cuda.memory_allocated(device)  # its state between phases
     moved = group.offload()  # to host memory: it takes its state back to the GPU for its next phase
-    assert torch.cuda.memory_allocated(device) < rest
+    assert torch.cuda.memory_reserved(device) < rest  # the moved blocks left the allocator's cache too
     assert moved == rest - torch.cuda.memory_allocated(device) > 0  # the bytes reported as offload/bytes
     assert group.memory_need()[1] == rest
     assert group.reload() == pytest.approx(moved, rel=0.01)  # reload/bytes: the same state back

@@ -471,12 +471,15 @@ def test_the_moves_report_the_bytes_the_trainers_moved_and_their_rate(tmp_path, 
             held["bytes"] += 2 * 10**9
 
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: held["bytes"])
+    emptied: list[int] = []  # the cache is given back once the state has moved, for the role taking the GPU
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(held["bytes"]))
     worker = object.__new__(StrategyWorker)
     worker.strategy, worker._resting = Strategy(), 0
     fits = iter([True, False])
     worker._fits_beside_engine = lambda: next(fits)
     assert worker.offload() == 0 and worker.reload() == 0  # it fitted: nothing moved
     assert worker.offload() == 2 * 10**9 and worker._resting == 3 * 10**9
+    assert emptied == [10**9]
     assert worker.reload() == 2 * 10**9 and held["bytes"] == 3 * 10**9
 
     cfg = _cfg(tmp_path, **{"placement.devices": 1})
