@@ -57,17 +57,26 @@ def set_variant(engine, variant: str, shipped) -> None:
     engine._sampling_params = build
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ENGINE_ARGS = ("device", "dtype", "prompts", "n", "prompt_len", "new_tokens", "rounds", "vllm_memory", "tiny")
+
+
+def engine_arguments(description: str, *, rounds: int, vllm_memory: float) -> argparse.ArgumentParser:
+    """The options of the vLLM engine benchmarks: the batch (the GRPO step's), the model, the calls."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--vllm-memory", type=float, default=0.35, help="the engine's share of the GPU")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--vllm-memory", type=float, default=vllm_memory, help="the engine's share of the GPU")
     ap.add_argument("--tiny", action="store_true", help="a tiny model for a smoke run")
+    return ap
+
+
+def main() -> None:
+    ap = engine_arguments(__doc__.splitlines()[0], rounds=3, vllm_memory=0.35)
     ap.add_argument(
         "--profile",
         type=int,

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.grpo_step import build_inputs, device_name  # noqa: E402
+from benchmarks.vllm_outputs import ENGINE_ARGS, build_engine, engine_arguments  # noqa: E402
 
 # setting -> (vllm.LLM keyword arguments over reroll's, environment)
 SETTINGS: dict[str, tuple[dict, dict[str, str]]] = {
@@ -57,14 +58,9 @@ def time_setting(args: argparse.Namespace, model: str, prompts: list[str], llm_k
             super().__init__(**{**kwargs, **llm_kwargs})
 
     vllm.LLM = LLM
-    from reroll.config.schema import RolloutConfig, VLLMConfig
     from reroll.data.types import SamplingParams
-    from reroll.engines import make_engine
 
-    gpu = args.device == "cuda"
-    vllm_cfg = VLLMConfig(enforce_eager=not gpu, gpu_memory_utilization=args.vllm_memory if gpu else 0.1)
-    rollout = RolloutConfig(engine="vllm", generate_batch_size=args.prompts * args.n, vllm=vllm_cfg)
-    engine = make_engine("vllm", model, rollout, dtype=args.dtype, device=args.device)
+    engine = build_engine(args, Path(model))
     config = engine.llm.llm_engine.vllm_config
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
     engine.generate(prompts, params)  # warm-up
@@ -83,16 +79,7 @@ def time_setting(args: argparse.Namespace, model: str, prompts: list[str], llm_k
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--vllm-memory", type=float, default=0.15, help="the engine's share of the GPU")
-    ap.add_argument("--tiny", action="store_true", help="a tiny model for a smoke run")
+    ap = engine_arguments(__doc__.splitlines()[0], rounds=4, vllm_memory=0.15)
     ap.add_argument("--settings", default="shipped,no-prefix-cache,no-stats,v1-runner,shipped")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # internal: one setting, in a fresh process
     args = ap.parse_args()
@@ -118,9 +105,11 @@ def main() -> None:
         "| setting | async scheduling | V2 runner | s per call | new tokens/s | calls (s) |\n|---|---|---|---|---|---|",
         flush=True,
     )
-    shared = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("device", "dtype", "prompts", "n")]
-    shared += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("prompt_len", "new_tokens", "rounds")]
-    shared += [f"--vllm-memory={args.vllm_memory}"] + (["--tiny"] if args.tiny else [])
+    shared = []  # the child gets the same options
+    for key in ENGINE_ARGS:
+        value = getattr(args, key)
+        if value is not False:
+            shared.append(f"--{key.replace('_', '-')}" + ("" if value is True else f"={value}"))
     for name in names:
         child = f"--child={model}::{root / 'prompts.json'}"
         command = [sys.executable, __file__, *shared, f"--settings={name}", child]
