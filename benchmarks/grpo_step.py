@@ -20,7 +20,8 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   2``, each with half the prompts and half of ``--vllm-memory``; the row ``ray-resident`` moves nothing
   between phases, ``placement.offload: never``; ``auto`` keeps the engine awake beside the trainers
   where the worst trainer phase fits beside its share, the row ``ray-sleep`` makes it sleep at every
-  trainer phase, as ``auto`` did before 2026-12-05).
+  trainer phase, as ``auto`` did before 2026-12-05; the row ``ray-ownnorm`` runs the model's own
+  RMSNorm code in the trainers, ``model.fused_norm: false``, as before 2026-12-05).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 - ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
@@ -142,6 +143,7 @@ def run_reroll(
             "gradient_checkpointing": args.gradient_checkpointing or "3b" in model.name,
             "compile": args.compile or mode == "ray-compile",
             "cudnn_attention": mode == "ray-cudnn",
+            "fused_norm": mode != "ray-ownnorm",
         },
         "data": {"train_files": [str(rows)], "prompt_template": "{question}", "eval_limit": 1},
         "rollout": {
@@ -339,7 +341,7 @@ def main() -> None:
         "--rows",
         default="ray,local",
         help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2, ray-resident, "
-        "ray-sleep, local",
+        "ray-sleep, ray-ownnorm, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(

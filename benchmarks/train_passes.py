@@ -8,7 +8,8 @@ the rows padded at the end), random token ids, a Qwen2.5-0.5B-shaped model with 
 downloaded). Timed, per batch: the reference pass (forward + the response tokens' log-probs, no grad) and
 the training pass (forward + their log-probs and entropy + backward), as the trainer runs them (the head
 at the positions before the response tokens alone), at several rows per pass (``--micro-batches``, what
-``optim.logprob_micro_batch_size`` and ``optim.micro_batch_size`` set); then at 64 rows with the head at
+``optim.logprob_micro_batch_size`` and ``optim.micro_batch_size`` set), first with the model's own RMSNorm
+layers and then fused (``model.fused_norm``, the default; every later row has it); then at 64 rows with the head at
 every position (the trainer before 2026-12-05) and with several log-prob chunk sizes (tokens upcast to
 fp32 at a time), then both passes with ``model.compile`` (the model
 through ``torch.compile``, dynamic shapes). Those batches have one shape; an RL step's micro-batches have
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.grpo_step import QWEN25_05B, TINY, device_name  # noqa: E402
 from reroll.algorithms.logprobs import chunk_rows, token_logprobs_and_entropy  # noqa: E402
+from reroll.models.loading import fuse_rms_norms  # noqa: E402
 from reroll.roles.strategy_worker import scored_token_stats  # noqa: E402
 from reroll.strategies.training import compile_model  # noqa: E402
 
@@ -213,12 +215,19 @@ def main() -> None:
         f"vocabulary {args.vocab}, {args.dtype}, on {device_name(dev)}; seconds per batch, mean of "
         f"{args.repeat} (new shapes: of {args.new_shapes} batches)"
     )
-    print(f"{'setting':<44}{'reference':>12}{'train':>10}", flush=True)
+    peak = f"{'peak GiB':>10}" if dev == "cuda" else ""
+    print(f"{'setting':<44}{'reference':>12}{'train':>10}{peak}", flush=True)
 
     def add(name: str, ref: float, step: float) -> None:  # printed as measured: a run cut short keeps them
-        print(f"{name:<44}{ref:>12.3f}{step:>10.3f}", flush=True)
+        peak = f"{torch.cuda.max_memory_allocated() / 2**30:>10.1f}" if dev == "cuda" else ""
+        print(f"{name:<44}{ref:>12.3f}{step:>10.3f}{peak}", flush=True)
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
 
     default_chunk = chunk_rows(torch.empty(1, args.vocab, device=dev))
+    for mb in args.micro_batches:
+        add(f"{mb} rows a pass, the model's own RMSNorm", timed(reference(mb)), timed(train(mb)))
+    fuse_rms_norms(model)  # model.fused_norm, the trainers' default: every row below has it
     for mb in args.micro_batches:
         add(f"{mb} rows a pass, chunk {default_chunk} (default)", timed(reference(mb)), timed(train(mb)))
     mb = max(args.micro_batches)
@@ -241,8 +250,6 @@ def main() -> None:
     if not args.no_compile:  # what model.compile does: the model compiled in place, dynamic shapes
         compile_model(model)
         add(f"{mb} rows a pass, chunk {default_chunk}, model.compile", timed(reference(mb)), timed(train(mb)))
-    if dev == "cuda":
-        print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ token ``t``; column 0 is 0. The pure functions that read them off the logits are
 
 from __future__ import annotations
 
+import copy
 import logging
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,65 @@ def _with_zero_head(
         if name in missing:
             torch.nn.init.zeros_(param)
     return model.to(device)
+
+
+def fuse_rms_norms(model: torch.nn.Module) -> int:
+    """Run ``model``'s RMSNorm layers as torch's ``rms_norm``, in place; returns how many.
+
+    Hugging Face's RMSNorm (Llama, Qwen2, Qwen3, Mistral, ...) upcasts to fp32 and normalises in about
+    eight elementwise kernels, each of which writes a tensor the size of the layer's input and keeps
+    several for the backward pass; ``torch.nn.functional.rms_norm`` is one fused kernel forward and one
+    backward on CUDA (fp32 inside) and keeps the input and one value per row. The results differ by
+    bf16 rounding only (the weight is applied before the cast back rather than after). A norm class is
+    fused only where its own forward gives ``rms_norm``'s result on a random probe (random input and
+    weight, fp32): a norm that computes something else (Gemma's ``1 + weight``, a bias, another
+    epsilon) keeps its own code. Parameters, buffers and state-dict keys are untouched.
+    """
+    fused: dict[type, bool] = {}
+    count = 0
+    for module in model.modules():
+        cls = type(module)
+        weight, eps = getattr(module, "weight", None), _norm_eps(module)
+        if not cls.__name__.endswith("RMSNorm") or not isinstance(weight, torch.Tensor) or eps is None:
+            continue
+        if weight.dim() != 1:
+            continue
+        if cls not in fused:
+            fused[cls] = _computes_rms_norm(module, eps)
+            log.debug("%s: %s", cls.__name__, "fused rms_norm" if fused[cls] else "kept (not plain RMSNorm)")
+        if fused[cls]:
+            module.forward = types.MethodType(_fused_rms_norm_forward, module)
+            count += 1
+    return count
+
+
+def _norm_eps(module: torch.nn.Module) -> float | None:
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return float(eps) if isinstance(eps, (float, int)) else None
+
+
+def _computes_rms_norm(module: torch.nn.Module, eps: float) -> bool:
+    """Whether ``module``'s class computes ``rms_norm(x, weight, eps)``: compared on a CPU copy in fp32
+    with a random weight and input (so a weight of ones cannot hide a ``1 + weight``)."""
+    probe = copy.deepcopy(module).to("cpu", torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        probe.weight.copy_(torch.rand(probe.weight.shape, generator=gen) + 0.5)
+        x = torch.randn(2, 3, probe.weight.shape[0], generator=gen)
+        try:
+            ours = type(module).forward(probe, x)
+        except Exception:  # a norm that needs other arguments is not a plain RMSNorm
+            return False
+        want = torch.nn.functional.rms_norm(x, probe.weight.shape, probe.weight, eps)
+    return (
+        isinstance(ours, torch.Tensor) and ours.shape == want.shape and torch.allclose(ours, want, atol=1e-5)
+    )
+
+
+def _fused_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    if hidden_states.dtype != self.weight.dtype:  # mixed dtypes: the class's own promotion rules
+        return type(self).forward(self, hidden_states)
+    return torch.nn.functional.rms_norm(hidden_states, self.weight.shape, self.weight, _norm_eps(self))
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from reroll.models.loading import load_causal_lm, load_reward_model, load_value_model
+from reroll.models.loading import fuse_rms_norms, load_causal_lm, load_reward_model, load_value_model
 from reroll.strategies import Head
 from reroll.strategies.lora import (
     AdapterUpdate,
@@ -66,6 +66,8 @@ class TorchStrategy:
         self.device = torch.device(device)
         self._load = _LOADERS[head]
         self.model = self._load(model_path, cfg.model.dtype, self.device)
+        if cfg.model.fused_norm:
+            fuse_rms_norms(self.model)
         self.rank, self.world_size = rank, world_size
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
