@@ -16,9 +16,9 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   the row ``ray-cudnn`` lets the trainers' attention use cuDNN, ``model.cudnn_attention: true``; the row
   ``ray-mp`` runs vLLM's engine core in a process of its own, ``rollout.vllm.in_process: false``; the
   row ``ray-logprobs`` has the engine return its sampled log-probs, ``rollout.logprobs: true``, which
-  ``auto`` leaves out here; the row ``ray-dp2`` runs two engines on the GPU, ``roles.actor_infer.world_size:
-  2``, each with half the prompts and half of ``--vllm-memory``; the row ``ray-resident`` moves nothing
-  between phases, ``placement.offload: never``; ``auto`` keeps the engine awake beside the trainers
+  ``auto`` leaves out here; the row ``ray-dp2`` runs two engines on the GPU,
+  ``roles.actor_infer.world_size: 2``, each with half the prompts and half of ``--vllm-memory``
+  (``ray-dpN``: N engines); the row ``ray-resident`` moves nothing between phases, ``placement.offload: never``; ``auto`` keeps the engine awake beside the trainers
   where the worst trainer phase fits beside its share, the row ``ray-sleep`` makes it sleep at every
   trainer phase, as ``auto`` did before 2026-12-05; the row ``ray-ownnorm`` runs the model's own
   RMSNorm code in the trainers, ``model.fused_norm: false``, as before 2026-12-05).
@@ -185,9 +185,10 @@ def run_reroll(
         }
     if mode == "ray-resident":  # nothing moves between phases: the engine awake beside the trainers
         cfg["placement"]["offload"] = "never"
-    if mode == "ray-dp2":  # two engines on the one GPU, half the prompts each: two host threads stepping
-        cfg["roles"] = {"actor_infer": {"world_size": 2}}
-        cfg["rollout"]["vllm"]["gpu_memory_utilization"] = args.vllm_memory / 2
+    if mode.startswith("ray-dp"):  # ray-dpN: N engines on the one GPU, 1/N of the prompts each: N host loops
+        engines = int(mode.removeprefix("ray-dp"))
+        cfg["roles"] = {"actor_infer": {"world_size": engines}}
+        cfg["rollout"]["vllm"]["gpu_memory_utilization"] = args.vllm_memory / engines
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     if mode == "ray-sleep":  # the engine sleeps at every trainer phase (auto before 2026-12-05)
@@ -340,7 +341,7 @@ def main() -> None:
     ap.add_argument(
         "--rows",
         default="ray,local",
-        help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2, ray-resident, "
+        help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), ray-resident, "
         "ray-sleep, ray-ownnorm, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")

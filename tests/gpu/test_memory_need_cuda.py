@@ -39,9 +39,15 @@ def test_a_trainer_needs_its_peak_scaled_to_the_longest_responses(tmp_path, asse
     # rows here are ~10 tokens, responses may reach 64 more: the need is above the measured peak
     assert need > reserved_peak(device) > torch.cuda.memory_allocated(device) > 0
     assert rest == torch.cuda.memory_allocated(device)  # its state between phases
+    cached_before = torch.cuda.memory_reserved(device)  # the pass's activations' blocks among them
     moved = group.offload()  # to host memory: it takes its state back to the GPU for its next phase
-    assert torch.cuda.memory_reserved(device) < rest  # the moved blocks left the allocator's cache too
-    assert moved == rest - torch.cuda.memory_allocated(device) > 0  # the bytes reported as offload/bytes
+    left, cached = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    assert moved == rest - left > 0  # the bytes reported as offload/bytes
+    # the freed blocks left the allocator's cache too: what stays cached is the segments of what is
+    # left (cuBLAS's workspaces, ~64 MiB, are allocated through it), rounded up
+    assert cached < cached_before and cached - left <= 2 * 2**20, (
+        f"cached {cached} of {cached_before}, {left} left"
+    )
     assert group.memory_need()[1] == rest
     assert group.reload() == pytest.approx(moved, rel=0.01)  # reload/bytes: the same state back
     assert torch.cuda.memory_allocated(device) == pytest.approx(rest, rel=0.01)

@@ -87,14 +87,19 @@ def test_ipc_sync_gives_the_engine_the_trainers_logprobs(roles, assets):
 def test_sleep_frees_the_engines_memory_and_wake_brings_it_back(roles):
     from reroll.data.types import SamplingParams
 
-    with roles.phase("generate", "actor_infer"):
-        awake = _free_gib()
-        roles.rollout.generate(["1+1="], SamplingParams(n=1, max_new_tokens=2))
-    roles.hold("actor_train")  # the engine sleeps
-    asleep = _free_gib()
-    with roles.phase("generate", "actor_infer"):
-        woke = _free_gib()
-        out = roles.rollout.generate(["1+1="], SamplingParams(n=1, max_new_tokens=2))
+    # placement.offload 'auto' keeps this engine awake (the tiny trainers fit beside it): here it sleeps
+    roles.colocation.let_stay(set)
+    try:
+        with roles.phase("generate", "actor_infer"):
+            awake = _free_gib()
+            roles.rollout.generate(["1+1="], SamplingParams(n=1, max_new_tokens=2))
+        roles.hold("actor_train")  # the engine sleeps
+        asleep = _free_gib()
+        with roles.phase("generate", "actor_infer"):
+            woke = _free_gib()
+            out = roles.rollout.generate(["1+1="], SamplingParams(n=1, max_new_tokens=2))
+    finally:
+        roles.colocation.let_stay(roles._staying)
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     print(f"free GiB: awake {awake:.1f}, asleep {asleep:.1f}, woke {woke:.1f} (of {total:.0f})")
     # the engine's share (0.3 of the GPU: weights + KV cache) comes back while it sleeps
