@@ -170,23 +170,28 @@ def scaled_peak(peak: int, rest: int, widest: int, longest: int) -> int:
 
 
 def engine_headroom(
-    needs: list[tuple[int, int]], engine_share: float, total: int, *, resident: bool = False
+    needs: list[tuple[int, int]],
+    engine_share: float,
+    total: int,
+    *,
+    resident: bool = False,
+    engines: int = 1,
 ) -> int | None:
-    """Bytes to spare (negative: short) when an engine holding ``engine_share`` of a GPU's ``total`` bytes
-    stays beside trainer roles that need ``(peak, rest)`` bytes each: at most ``peak`` in their own
-    phases (``scaled_peak``), ``rest`` while another role's phase runs (its state, the cache freed at
-    eviction). One trainer role runs at a time, so the worst phase holds one role's peak and the others'
-    rest; that, the engine's share and 1 GiB per process for its CUDA context must stay under 90 % of
-    the GPU. ``resident``: nobody is evicted, so every role keeps its peak (its allocator's cache) at
-    once. ``None`` while a role has not measured its peak."""
+    """Bytes to spare (negative: short) when ``engines`` engines holding ``engine_share`` of a GPU's
+    ``total`` bytes each stay beside trainer roles that need ``(peak, rest)`` bytes each: at most
+    ``peak`` in their own phases (``scaled_peak``), ``rest`` while another role's phase runs (its state,
+    the cache freed at eviction). One trainer role runs at a time, so the worst phase holds one role's
+    peak and the others' rest; that, the engines' shares and 1 GiB per process for its CUDA context must
+    stay under 90 % of the GPU. ``resident``: nobody is evicted, so every role keeps its peak (its
+    allocator's cache) at once. ``None`` while a role has not measured its peak."""
     if not needs or min(peak for peak, _ in needs) <= 0:
         return None
     if resident:
         worst = sum(peak for peak, _ in needs)
     else:
         worst = max(peak - rest for peak, rest in needs) + sum(rest for _, rest in needs)
-    contexts = (len(needs) + 1) * 2**30
-    return int(0.9 * total - worst - engine_share * total - contexts)
+    contexts = (len(needs) + engines) * 2**30
+    return int(0.9 * total - worst - engines * engine_share * total - contexts)
 
 
 def started_roles(cfg: RunConfig) -> list[str]:

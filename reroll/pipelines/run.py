@@ -113,18 +113,23 @@ ENGINE_AWAKE_OOM = (
 )
 
 
-def _share_hint(share: float, engine: int, resident: int, total: int) -> str:
+def _share_hint(share: float, engine: int, resident: int, total: int, engines: int = 1) -> str:
     """What a run whose engine sleeps beside the measured trainers could do about it: the engine's
     shares (``rollout.vllm.gpu_memory_utilization``) at which it would stay awake, and at which nothing
-    would move (``engine`` and ``resident``: bytes to spare at ``share``, negative)."""
-    # the shares where the headroom reaches 0 (it falls by the GPU's bytes per unit of share), shown
-    # rounded down
-    awake, still = (math.floor((share + spare / total) * 100 + 1e-6) / 100 for spare in (engine, resident))
+    would move (``engine`` and ``resident``: bytes to spare at ``share``, negative; ``engines`` on the
+    GPU, each taking ``share``)."""
+    # the shares where the headroom reaches 0 (it falls by the GPU's bytes per unit of share and
+    # engine), shown rounded down
+    awake, still = (
+        math.floor((share + spare / (engines * total)) * 100 + 1e-6) / 100 for spare in (engine, resident)
+    )
+    who = "the vLLM engine sleeps" if engines == 1 else f"the {engines} vLLM engines on the GPU sleep"
+    each = "its share" if engines == 1 else "their shares"
     line = (
-        f"placement: the vLLM engine sleeps through the trainers' phases (a sleep, a wake and a slower "
-        f"weight sync each step): beside its share (rollout.vllm.gpu_memory_utilization {share:g} = "
-        f"{share * total / 2**30:.1f} GiB) the worst trainer phase, as measured, is {-engine / 2**30:.1f} "
-        "GiB short of 90 % of the GPU."
+        f"placement: {who} through the trainers' phases (a sleep, a wake and a slower weight sync each "
+        f"step): beside {each} (rollout.vllm.gpu_memory_utilization {share:g} = {share * total / 2**30:.1f} "
+        f"GiB{' each' if engines > 1 else ''}) the worst trainer phase, as measured, is "
+        f"{-engine / 2**30:.1f} GiB short of 90 % of the GPU."
     )
     if awake < 0.05:
         return line + " The trainers alone leave the engine no room to stay awake on this GPU."
@@ -244,9 +249,9 @@ class Roles:
                 peak, rest, total = group.memory_need()
                 needs.append((peak, rest))
                 trainers.append(name)
-        share = self.cfg.rollout.vllm.gpu_memory_utilization
-        engine = engine_headroom(needs, share, total)
-        resident = engine_headroom(needs, share, total, resident=True)
+        share, engines = self.cfg.rollout.vllm.gpu_memory_utilization, self._engines_beside_trainers()
+        engine = engine_headroom(needs, share, total, engines=engines)
+        resident = engine_headroom(needs, share, total, resident=True, engines=engines)
         self.engine_headroom_gb = None if engine is None else engine / 2**30
         self.resident_headroom_gb = None if resident is None else resident / 2**30
         if resident is not None and resident >= 0:
@@ -255,8 +260,20 @@ class Roles:
             return {"actor_infer"}
         if engine is not None and not self.share_hint_shown:
             self.share_hint_shown = True
-            tqdm.write(_share_hint(share, engine, resident or 0, total))
+            tqdm.write(_share_hint(share, engine, resident or 0, total, engines))
         return set()
+
+    def _engines_beside_trainers(self) -> int:
+        """The most engine ranks on one device that a trainer role shares (``roles.actor_infer.world_size``
+        engines on one GPU each take ``gpu_memory_utilization`` of it)."""
+        assert self.colocation is not None and self.colocation.map is not None
+        dmap = self.colocation.map
+        counts = [0]
+        for device in dmap.covered("actor_infer"):
+            on = [role for role, _ in dmap.workers_on(device)]
+            if any(role != "actor_infer" and role in self.colocation.groups for role in on):
+                counts.append(on.count("actor_infer"))
+        return max(counts) or 1
 
     @contextmanager
     def phase(self, name: str, *uses: str) -> Iterator[None]:

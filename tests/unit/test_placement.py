@@ -226,6 +226,25 @@ def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_
     timings = roles.pop_timings()  # 72 - (38 + 2) - 28 - 3 and 72 - 59 - 28 - 3 GiB
     assert timings["placement/engine_headroom_gb"] == pytest.approx(1.0)
     assert timings["placement/resident_headroom_gb"] == pytest.approx(-18.0)
+    # two engines on the GPU (roles.actor_infer.world_size: 2) each take their share and a context:
+    # both peaks fit beside one engine's 16 GiB (72 - 40 - 16 - 3 = 13), not beside two (72 - 40 - 32 - 4)
+    two = {
+        "placement.devices": 1,
+        "roles.actor_infer.world_size": 2,
+        "rollout.vllm.gpu_memory_utilization": 0.2,
+    }
+    roles, groups = roles_with(30, 10, **two)
+    assert roles._engines_beside_trainers() == 2
+    assert roles._staying() == {"actor_infer"}  # the worst phase: 72 - (29 + 2) - 32 - 4 GiB
+    timings = roles.pop_timings()
+    assert timings["placement/engine_headroom_gb"] == pytest.approx(5.0)
+    assert timings["placement/resident_headroom_gb"] == pytest.approx(-4.0)
+    groups["actor_train"].need = 45 * gib  # 72 - 46 - 32 - 4: both engines sleep
+    capsys.readouterr()
+    assert roles._staying() == set()
+    out = capsys.readouterr().out  # the share that would keep them awake: 0.2 - 10 / (2 x 80)
+    assert "the 2 vLLM engines on the GPU sleep" in out and "16.0 GiB each" in out
+    assert "stay awake at a share of 0.13 or less" in out
 
 
 def test_the_share_hint_names_the_shares_that_would_keep_the_engine_awake_or_move_nothing():
