@@ -268,12 +268,12 @@ class Roles:
         engines on one GPU each take ``gpu_memory_utilization`` of it)."""
         assert self.colocation is not None and self.colocation.map is not None
         dmap = self.colocation.map
-        counts = [0]
-        for device in dmap.covered("actor_infer"):
-            on = [role for role, _ in dmap.workers_on(device)]
-            if any(role != "actor_infer" and role in self.colocation.groups for role in on):
-                counts.append(on.count("actor_infer"))
-        return max(counts) or 1
+        shared = [
+            d
+            for d in dmap.covered("actor_infer")
+            if any(r != "actor_infer" and r in self.colocation.groups for r, _ in dmap.workers_on(d))
+        ]
+        return max((dmap.ranks_on("actor_infer", d) for d in shared), default=1)
 
     @contextmanager
     def phase(self, name: str, *uses: str) -> Iterator[None]:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from reroll.algorithms.logprobs import selected_logprobs_and_entropy
-from reroll.config.placement import colocated_trainer_roles, scaled_peak
+from reroll.config.placement import colocated_engines, colocated_trainer_roles, scaled_peak
 from reroll.config.schema import RunConfig
 from reroll.data.packing import length_order, micro_batches, pack, unpack
 from reroll.data.types import TrainBatch
@@ -214,8 +214,8 @@ class StrategyWorker:
 
     def _fits_beside_engine(self) -> bool:
         """'auto' on a GPU with a vLLM engine (whose memory is bounded by its gpu_memory_utilization):
-        this role's reserved memory, times the trainer roles sharing the GPU, plus the engine's share
-        stay under 90 % of the GPU."""
+        this role's reserved memory, times the trainer roles sharing the GPU, plus the share of every
+        engine on it stay under 90 % of the GPU."""
         cfg = self.cfg
         if cfg.placement.offload != "auto" or cfg.rollout.engine != "vllm" or not torch.cuda.is_available():
             return False
@@ -224,7 +224,11 @@ class StrategyWorker:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         trainers = colocated_trainer_roles(cfg, self.role)
-        need = torch.cuda.memory_reserved() * trainers + cfg.rollout.vllm.gpu_memory_utilization * total
+        engines = colocated_engines(cfg, self.role)
+        need = (
+            torch.cuda.memory_reserved() * trainers
+            + engines * cfg.rollout.vllm.gpu_memory_utilization * total
+        )
         return need <= 0.9 * total
 
     def _micro_batches(

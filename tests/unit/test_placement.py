@@ -395,14 +395,19 @@ def test_weight_sync_transport_auto_rule(tmp_path):
     assert weight_sync_transport(forced, "cuda") == "object_store"
 
 
-def test_trainer_roles_sharing_a_device_are_counted(tmp_path):
-    from reroll.config.placement import colocated_trainer_roles
+def test_trainer_roles_and_engines_sharing_a_device_are_counted(tmp_path):
+    from reroll.config.placement import colocated_engines, colocated_trainer_roles
 
     one = _cfg(tmp_path, **{"placement.devices": 1})  # actor_train, reference and the engine on device 0
     assert colocated_trainer_roles(one, "actor_train") == 2
+    assert colocated_engines(one, "actor_train") == 1
     two = _cfg(tmp_path, **{"placement.devices": 2, "roles.reference.devices": "[1]"})
     assert colocated_trainer_roles(two, "actor_train") == 1
     assert colocated_trainer_roles(_cfg(tmp_path), "actor_train") == 1
+    engines = _cfg(tmp_path, **{"placement.devices": 1, "roles.actor_infer.world_size": 2})
+    assert colocated_engines(engines, "actor_train") == 2  # each takes gpu_memory_utilization of it
+    own = _cfg(tmp_path, **{"placement.devices": 2, "roles.actor_infer.devices": "[1]"})
+    assert colocated_engines(own, "actor_train") == 0
 
 
 def test_explicit_collective_is_checked(tmp_path):
@@ -522,3 +527,34 @@ def test_the_moves_report_the_bytes_the_trainers_moved_and_their_rate(tmp_path, 
     assert moves["offload/gb_per_s"] > 0 and moves["reload/gb_per_s"] > 0
     assert col.pop_moves() == {"offload/bytes": 0.0, "reload/bytes": 0.0}
     assert Colocation(groups, None, enabled=True).pop_moves() == {}  # nothing colocated
+
+
+def test_a_trainer_keeps_its_state_where_it_fits_beside_every_engine_on_its_gpu(tmp_path, monkeypatch):
+    """``StrategyWorker._fits_beside_engine`` (CUDA's memory calls faked): the role's reserved memory
+    times the trainer roles on the GPU, plus each engine's share, under 90 % of the GPU."""
+    import types
+
+    from reroll.roles import strategy_worker
+    from reroll.roles.strategy_worker import StrategyWorker
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=80 * gib)
+    )
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20 * gib)
+    monkeypatch.setattr(strategy_worker, "worker_device", lambda cfg, role: "cuda")
+
+    def fits(**overrides) -> bool:
+        worker = object.__new__(StrategyWorker)
+        worker.cfg = _cfg(tmp_path, **{"placement.devices": 1, "rollout.engine": "vllm", **overrides})
+        worker.role = "actor_train"
+        return worker._fits_beside_engine()
+
+    # two trainer roles x 20 GiB + 0.3 x 80 GiB = 64 <= 72 GiB
+    assert fits(**{"rollout.vllm.gpu_memory_utilization": 0.3})
+    # two engines at 0.3 each: 40 + 48 GiB > 72 GiB
+    assert not fits(**{"rollout.vllm.gpu_memory_utilization": 0.3, "roles.actor_infer.world_size": 2})
+    assert fits(**{"rollout.vllm.gpu_memory_utilization": 0.15, "roles.actor_infer.world_size": 2})
