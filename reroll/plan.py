@@ -1,8 +1,9 @@
 """``reroll plan``: where a config's roles go on N GPUs and how much memory each takes, before launching.
 
 The estimate is arithmetic on the model's shape, not a measurement: weights, gradients and AdamW
-state per training rank after sharding (fsdp2 / deepspeed / megatron), activations and logits of one
-micro-batch (or a forward-only one's logits, ``optim.logprob_*``, when larger), the engine's weights
+state per training rank after sharding (fsdp2 / deepspeed / megatron), activations of one micro-batch
+(per layer, calibrated on a measured training pass: ``_layer_activations``) and the logits at its
+response positions (or a forward-only pass's, ``optim.logprob_*``, when larger), the engine's weights
 and KV cache, and the reference's weights. Colocated roles that offload between phases need the
 largest of them on a GPU; without offloading, their sum. The shape comes from ``model.path``'s
 config.json where it is a local directory, else from a table of the model families the examples use.
@@ -41,20 +42,26 @@ class Shape:
     head_dim: int
     vocab: int
     expert_params: float = 0.0  # the part of ``params`` in routed experts
+    intermediate: int = 0  # MLP width a token passes through (MoE: its experts'); 0: 4 x hidden
+
+    @property
+    def mlp(self) -> int:
+        return self.intermediate or 4 * self.hidden
 
 
 # Published shapes of the model families the example configs use (parameters from the model cards).
 KNOWN = {
-    "qwen2.5-0.5b": Shape(0.494e9, 24, 896, 2, 64, 151936),
-    "qwen2.5-1.5b": Shape(1.54e9, 28, 1536, 2, 128, 151936),
-    "qwen2.5-3b": Shape(3.09e9, 36, 2048, 2, 128, 151936),
-    "qwen2.5-7b": Shape(7.62e9, 28, 3584, 4, 128, 152064),
-    "qwen2.5-14b": Shape(14.7e9, 48, 5120, 8, 128, 152064),
-    "qwen2.5-32b": Shape(32.5e9, 64, 5120, 8, 128, 152064),
-    "qwen2.5-72b": Shape(72.7e9, 80, 8192, 8, 128, 152064),
-    "qwen3-8b": Shape(8.19e9, 36, 4096, 8, 128, 151936),
-    "qwen3-30b-a3b": Shape(30.5e9, 48, 2048, 4, 128, 151936, expert_params=28.9e9),
-    "qwen3-235b-a22b": Shape(235e9, 94, 4096, 4, 128, 151936, expert_params=226e9),
+    "qwen2.5-0.5b": Shape(0.494e9, 24, 896, 2, 64, 151936, intermediate=4864),
+    "qwen2.5-1.5b": Shape(1.54e9, 28, 1536, 2, 128, 151936, intermediate=8960),
+    "qwen2.5-3b": Shape(3.09e9, 36, 2048, 2, 128, 151936, intermediate=11008),
+    "qwen2.5-7b": Shape(7.62e9, 28, 3584, 4, 128, 152064, intermediate=18944),
+    "qwen2.5-14b": Shape(14.7e9, 48, 5120, 8, 128, 152064, intermediate=13824),
+    "qwen2.5-32b": Shape(32.5e9, 64, 5120, 8, 128, 152064, intermediate=27648),
+    "qwen2.5-72b": Shape(72.7e9, 80, 8192, 8, 128, 152064, intermediate=29568),
+    "qwen3-8b": Shape(8.19e9, 36, 4096, 8, 128, 151936, intermediate=12288),
+    # MoE: 8 routed experts a token of 768 / 1536 each
+    "qwen3-30b-a3b": Shape(30.5e9, 48, 2048, 4, 128, 151936, expert_params=28.9e9, intermediate=6144),
+    "qwen3-235b-a22b": Shape(235e9, 94, 4096, 4, 128, 151936, expert_params=226e9, intermediate=12288),
 }
 
 
@@ -90,7 +97,20 @@ def _shape_from_config(c: dict, path: Path) -> Shape:
         c.get("head_dim") or c["hidden_size"] // heads,
         c["vocab_size"],
         float(experts),
+        _mlp_width(c),
     )
+
+
+def _mlp_width(c: dict) -> int:
+    """The MLP width one token's activations have: a dense model's ``intermediate_size``; a MoE's routed
+    experts a token (``num_experts_per_tok`` x ``moe_intermediate_size``) plus a shared expert's."""
+    routed = c.get("num_experts_per_tok") and c.get("moe_intermediate_size")
+    if routed:
+        return int(
+            c["num_experts_per_tok"] * c["moe_intermediate_size"]
+            + c.get("shared_expert_intermediate_size", 0)
+        )
+    return int(c.get("intermediate_size") or 0)
 
 
 @dataclass
@@ -150,16 +170,21 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
     o = cfg.optim
     tokens = o.max_tokens_per_micro_batch or o.micro_batch_size * seq
     scored = o.logprob_max_tokens_per_micro_batch or (o.logprob_micro_batch_size or 0) * seq or tokens
-    per_layer = 2 if cfg.model.gradient_checkpointing else 34  # bytes per token per hidden unit
-    acts = tokens * shape.hidden * shape.layers * per_layer * p_bytes / 2 if trainable else 0.0
+    layer = _layer_activations(cfg, shape, p_bytes)
+    if cfg.model.gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed
+        acts = tokens * (shape.hidden * p_bytes * shape.layers + layer) if trainable else 0.0
+    else:
+        acts = tokens * layer * shape.layers if trainable else 0.0
     model_par = 1
     if cfg.strategy.name == "megatron":
         m = cfg.strategy.megatron
         model_par = m.tensor_parallel * m.context_parallel
         acts /= model_par * m.pipeline_parallel
-    # logits in the compute dtype (and their gradient when training); log-probs take fp32 chunks of them
-    train_logits = tokens * shape.vocab * 2 * p_bytes / model_par if trainable else 0.0
-    scored_logits = scored * shape.vocab * p_bytes / model_par  # forward-only passes (optim.logprob_*)
+    # the head runs at the positions before response tokens alone: their logits in the compute dtype
+    # (and their gradient when training); log-probs take fp32 chunks of them
+    response = cfg.rollout.max_new_tokens / seq
+    train_logits = tokens * response * shape.vocab * 2 * p_bytes / model_par if trainable else 0.0
+    scored_logits = scored * response * shape.vocab * p_bytes / model_par  # forward-only (optim.logprob_*)
     if scored_logits > acts + train_logits:
         acts = 0.0
     logits = max(train_logits, scored_logits) + LOGPROB_WORKSPACE
@@ -169,6 +194,17 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
         f"activations {acts / GIB:.1f} + logits {logits / GIB:.1f}"
     )
     return RolePlan(role, world, total / GIB, parts)
+
+
+def _layer_activations(cfg: RunConfig, shape: Shape, p_bytes: int) -> float:
+    """Bytes a token leaves in one decoder layer for the backward pass of a Hugging Face model: the MLP's
+    four tensors of its width (gate, up, the activation, their product) and about nine of the hidden
+    size (attention's inputs and outputs, the norms' inputs), four more where the RMSNorm layers run
+    the model's own fp32 code (``model.fused_norm: false``). Calibrated on one measurement: the
+    Qwen2.5-0.5B shape's training pass at 64 rows of 384 tokens in bf16 peaked at 41.6 GiB (45.6 GiB
+    with the model's own norms) on an H100 (docs/benchmarks.md, run K); the estimate: 41.3 (45.3)."""
+    per_hidden = 9 if cfg.model.fused_norm else 13
+    return p_bytes * (per_hidden * shape.hidden + 4 * shape.mlp)
 
 
 def _engine(cfg: RunConfig, shape: Shape, seq: int, world: int) -> RolePlan:

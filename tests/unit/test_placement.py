@@ -347,6 +347,35 @@ def test_plan_shows_the_strategy_auto_chose(tmp_path):
     assert actor_line(auto) != actor_line(torch_)  # the plan shards weights and Adam state over 2 ranks
 
 
+def test_the_plans_trainer_peak_is_the_measured_one(tmp_path):
+    """Run K (an H100): the Qwen2.5-0.5B shape's training pass over 64 rows of 128 prompt + 256 response
+    tokens in bf16 peaked at 41.6 GiB with fused RMSNorm, 45.6 GiB with the model's own, without the
+    optimizer's state (benchmarks/train_passes.py). The plan's parts but Adam's and the log-prob
+    workspace are that peak."""
+    from reroll.plan import KNOWN, estimate
+
+    def trainer_gib(fused: bool) -> float:
+        cfg = _cfg(
+            tmp_path,
+            **{
+                "model.path": "Qwen/Qwen2.5-0.5B",
+                "model.dtype": "bfloat16",
+                "model.fused_norm": fused,
+                "rollout.max_new_tokens": 256,
+                "optim.micro_batch_size": 64,
+                "strategy.name": "torch",
+            },
+        )
+        [actor] = [
+            p for p in estimate(cfg, KNOWN["qwen2.5-0.5b"], prompt_tokens=128) if p.role == "actor_train"
+        ]
+        adam = float(actor.parts.split("adam ")[1].split()[0])
+        return actor.gib - adam - 1.0  # LOGPROB_WORKSPACE: 1 GiB of fp32 chunks
+
+    assert trainer_gib(True) == pytest.approx(41.6, rel=0.05)
+    assert trainer_gib(False) == pytest.approx(45.6, rel=0.05)
+
+
 def test_weight_sync_transport_auto_rule(tmp_path):
     from reroll.config.placement import weight_sync_transport
 
