@@ -145,9 +145,8 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
     for module in model.modules():
         cls = type(module)
         weight, eps = getattr(module, "weight", None), _norm_eps(module)
-        if not cls.__name__.endswith("RMSNorm") or not isinstance(weight, torch.Tensor) or eps is None:
-            continue
-        if weight.dim() != 1:
+        plain = isinstance(weight, torch.Tensor) and weight.dim() == 1 and eps is not None
+        if not cls.__name__.endswith("RMSNorm") or not plain:
             continue
         if cls not in fused:
             fused[cls] = _computes_rms_norm(module, eps)

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from reroll.config.loader import dump_config
 from reroll.config.placement import (
+    colocated_engines,
     engine_headroom,
     engine_may_stay,
     offload_between_phases,
@@ -249,7 +250,8 @@ class Roles:
                 peak, rest, total = group.memory_need()
                 needs.append((peak, rest))
                 trainers.append(name)
-        share, engines = self.cfg.rollout.vllm.gpu_memory_utilization, self._engines_beside_trainers()
+        share = self.cfg.rollout.vllm.gpu_memory_utilization
+        engines = max((colocated_engines(self.cfg, name) for name in trainers), default=1)
         engine = engine_headroom(needs, share, total, engines=engines)
         resident = engine_headroom(needs, share, total, resident=True, engines=engines)
         self.engine_headroom_gb = None if engine is None else engine / 2**30
@@ -262,18 +264,6 @@ class Roles:
             self.share_hint_shown = True
             tqdm.write(_share_hint(share, engine, resident or 0, total, engines))
         return set()
-
-    def _engines_beside_trainers(self) -> int:
-        """The most engine ranks on one device that a trainer role shares (``roles.actor_infer.world_size``
-        engines on one GPU each take ``gpu_memory_utilization`` of it)."""
-        assert self.colocation is not None and self.colocation.map is not None
-        dmap = self.colocation.map
-        shared = [
-            d
-            for d in dmap.covered("actor_infer")
-            if any(r != "actor_infer" and r in self.colocation.groups for r, _ in dmap.workers_on(d))
-        ]
-        return max((dmap.ranks_on("actor_infer", d) for d in shared), default=1)
 
     @contextmanager
     def phase(self, name: str, *uses: str) -> Iterator[None]:
