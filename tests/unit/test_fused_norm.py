@@ -96,8 +96,12 @@ def test_other_norms_keep_their_code(norm):
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_strategy_follows_the_config(tmp_path, assets, on):
-    cfg = load_config(write_config(tmp_path / "c.yaml", assets, model={"fused_norm": on}), RunConfig)
-    s = TorchStrategy(cfg.model.path, cfg=cfg)
+@pytest.mark.parametrize("strategy", ["torch", "fsdp2"])
+def test_strategy_follows_the_config(tmp_path, assets, on, strategy):
+    from reroll.strategies.fsdp2 import FSDP2Strategy
+
+    path = write_config(tmp_path / "c.yaml", assets, model={"fused_norm": on}, strategy={"name": strategy})
+    cfg = load_config(path, RunConfig)
+    s = {"torch": TorchStrategy, "fsdp2": FSDP2Strategy}[strategy](cfg.model.path, cfg=cfg)
     norms = [m for m in s.model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert norms and all(_fused(m) == on for m in norms)
