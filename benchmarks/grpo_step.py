@@ -18,8 +18,9 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   row ``ray-logprobs`` has the engine return its sampled log-probs, ``rollout.logprobs: true``, which
   ``auto`` leaves out here; the row ``ray-dp2`` runs two engines on the GPU,
   ``roles.actor_infer.world_size: 2``, each with half the prompts and half of ``--vllm-memory``
-  (``ray-dpN``: N engines); the row ``ray-resident`` moves nothing between phases, ``placement.offload: never``; ``auto`` keeps the engine awake beside the trainers
-  where the worst trainer phase fits beside its share, the row ``ray-sleep`` makes it sleep at every
+  (``ray-dpN``: N engines); the row ``ray-resident`` moves nothing between phases,
+  ``placement.offload: never``; ``auto`` keeps the engine awake beside the trainers where the worst
+  trainer phase fits beside its share, the row ``ray-sleep`` makes it sleep at every
   trainer phase, as ``auto`` did before 2026-12-05; the row ``ray-ownnorm`` runs the model's own
   RMSNorm code in the trainers, ``model.fused_norm: false``, as before 2026-12-05).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
@@ -341,8 +342,8 @@ def main() -> None:
     ap.add_argument(
         "--rows",
         default="ray,local",
-        help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), ray-resident, "
-        "ray-sleep, ray-ownnorm, local",
+        help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), "
+        "ray-resident, ray-sleep, ray-ownnorm, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(

@@ -44,10 +44,6 @@ class DeviceMap:
     def colocated(self, a: str, b: str) -> bool:
         return a in self.ranks and b in self.ranks and bool(self.covered(a) & self.covered(b))
 
-    def ranks_on(self, role: str, device: int) -> int:
-        """How many ranks of ``role`` use ``device``."""
-        return sum(1 for r, _ in self.workers_on(device) if r == role)
-
     def table(self) -> str:
         """One line per device: ``device 0: actor_train[0] actor_infer[0]``."""
         lines = []
@@ -367,20 +363,23 @@ def colocated_trainer_roles(cfg: RunConfig, role: str) -> int:
     """How many roles that hold a training strategy (actor_train, reference, critic, teacher,
     reward_model) share a device
     with rank 0 of ``role``, ``role`` included (1 without a pool)."""
-    if not cfg.placement.devices:
-        return 1
-    dmap = device_map(cfg, run_roles(cfg), cfg.placement.device_type)
-    device = dmap.ranks[role][0]
-    return len({r for r, _ in dmap.workers_on(device) if r != "actor_infer"})
+    on = _beside_rank0(cfg, role)
+    return 1 if on is None else len({r for r in on if r != "actor_infer"})
 
 
 def colocated_engines(cfg: RunConfig, role: str) -> int:
     """How many actor_infer ranks (engines, each taking ``gpu_memory_utilization`` of the GPU) share a
     device with rank 0 of ``role`` (1 without a pool)."""
+    on = _beside_rank0(cfg, role)
+    return 1 if on is None else on.count("actor_infer")
+
+
+def _beside_rank0(cfg: RunConfig, role: str) -> list[str] | None:
+    """The role of every rank on the device of ``role``'s rank 0 (None without a pool)."""
     if not cfg.placement.devices:
-        return 1
+        return None
     dmap = device_map(cfg, run_roles(cfg), cfg.placement.device_type)
-    return dmap.ranks_on("actor_infer", dmap.ranks[role][0])
+    return [r for r, _ in dmap.workers_on(dmap.ranks[role][0])]
 
 
 def async_problems(cfg: RunConfig) -> list[tuple[str, str]]:
