@@ -41,10 +41,10 @@ from reroll.strategies.lora import (
     save_adapter,
 )
 from reroll.strategies.training import (
+    HostParking,
     adamw_with_warmup,
     adapters_disabled,
     forward_logits,
-    move_optimizer_state,
     optimizer_step,
 )
 
@@ -94,6 +94,7 @@ class FSDP2Strategy:
             apply_lora(model, self.lora, trainable=trainable, full=self.full) if self.lora else model
         )
         self.optimizer: torch.optim.Optimizer | None = None
+        self._parked = HostParking()  # the state's host memory while a colocated role has the GPU
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.mesh = None
         if world_size == 1:
@@ -213,14 +214,11 @@ class FSDP2Strategy:
 
     def offload(self) -> None:
         """Parameter shards, gradients and optimizer state to CPU (nothing moves on CPU or with cpu_offload)."""
-        self._move(torch.device("cpu"))
+        self._parked.offload(self.model, self.optimizer)
 
     def reload(self) -> None:
-        self._move(torch.device("cpu") if self.settings.cpu_offload else self.device)
-
-    def _move(self, device: torch.device) -> None:
-        self.model.to(device)
-        move_optimizer_state(self.optimizer, device)
+        device = torch.device("cpu") if self.settings.cpu_offload else self.device
+        self._parked.reload(self.model, self.optimizer, device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """``model/`` (Hugging Face, rank 0), ``adapter/`` with LoRA (rank 0), this rank's optimizer shard.

@@ -30,11 +30,11 @@ from reroll.strategies.lora import (
     save_adapter,
 )
 from reroll.strategies.training import (
+    HostParking,
     adamw_with_warmup,
     adapters_disabled,
     compile_model,
     forward_logits,
-    move_optimizer_state,
     optimizer_step,
 )
 
@@ -70,6 +70,7 @@ class TorchStrategy:
             fuse_rms_norms(self.model)
         self.rank, self.world_size = rank, world_size
         self.optimizer: torch.optim.Optimizer | None = None
+        self._parked = HostParking()  # the state's host memory while a colocated role has the GPU
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
@@ -157,14 +158,10 @@ class TorchStrategy:
 
     def offload(self) -> None:
         """Parameters, gradients and optimizer state to CPU (nothing to move when already there)."""
-        self._move(torch.device("cpu"))
+        self._parked.offload(self.model, self.optimizer)
 
     def reload(self) -> None:
-        self._move(self.device)
-
-    def _move(self, device: torch.device) -> None:
-        self.model.to(device)
-        move_optimizer_state(self.optimizer, device)
+        self._parked.reload(self.model, self.optimizer, self.device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """Hugging Face weights into ``directory/model`` (rank 0; merged with LoRA, plus the adapter in

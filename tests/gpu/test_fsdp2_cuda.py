@@ -56,6 +56,7 @@ def test_fsdp2_cuda_step_and_offload_round_trip(assets):
     s.offload()
     assert on_gpu - torch.cuda.memory_allocated() >= 0.9 * held  # parameters and Adam state left the GPU
     assert all(local(v).device.type == "cpu" for v in s.model.state_dict().values())
+    assert all(p.to_local().is_pinned() for p in s.model.parameters())  # copied without waiting
     s.reload()
     assert all(v.device.type == "cuda" for v in s.model.state_dict().values())
     assert all(torch.equal(local(v), weights[k]) for k, v in s.model.state_dict().items())

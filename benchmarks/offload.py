@@ -1,0 +1,185 @@
+"""What a colocated trainer's offload and reload cost: its state to host memory and back, per way of moving.
+
+    python benchmarks/offload.py                       # Qwen2.5-0.5B shape, bf16, GPU
+    python benchmarks/offload.py --model-size 3b       # and the 3B shape
+    python benchmarks/offload.py --tiny --device cpu   # a smoke run (nothing moves on a CPU)
+
+A Qwen2.5-shaped model with random init (nothing downloaded) under AdamW, after one training step so the
+optimizer holds its moments: the state ``placement.offload`` moves when a trainer gives its GPU to the
+engine. Timed, each move ended by a device synchronisation, mean of ``--repeat`` after the first:
+
+- ``pageable``: ``Module.to`` and the moments moved one by one, what the torch and fsdp2 strategies
+  did before 2026-12-05: each copy lands in pageable host memory and returns when done;
+- ``pinned``: ``reroll.strategies.training.HostParking``, what they do now: a pinned host buffer of
+  its exact size per tensor, made at the first offload (which pays for pinning: its own column) and
+  reused, copies queued without waiting and waited for once;
+- ``non-blocking``: the pageable moves with ``non_blocking=True``, so torch's caching host allocator
+  pins the host copies (each rounded up to a power of two) and reuses them (FSDP2's sharded tensors
+  move this way).
+
+Prints one row per shape and way: GiB moved, seconds and GB/s each way, and the pinned host memory
+the way holds between moves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.grpo_step import QWEN25_05B, QWEN25_3B, TINY, device_name  # noqa: E402
+from reroll.strategies.training import HostParking  # noqa: E402
+
+
+def trained_model(
+    shape: dict, device: str, dtype: torch.dtype
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model after one AdamW step (its moments made), gradients dropped as the trainer drops them."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=shape["hidden_size"],
+        num_hidden_layers=shape["num_layers"],
+        num_attention_heads=shape["num_heads"],
+        num_key_value_heads=shape["num_kv_heads"],
+        intermediate_size=shape["intermediate_size"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids = torch.randint(0, 1000, (1, 16), device=device)
+    model(input_ids=ids).logits.float().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def timed(fn: Callable[[], None], device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def pageable_moves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+    def move(to: torch.device) -> None:
+        model.to(to)
+        for state in optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    state[k] = v.to(to)
+
+    return lambda: move(torch.device("cpu")), lambda: move(device), lambda: 0
+
+
+def nonblocking_moves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+    def move(to: torch.device) -> None:
+        model.to(to, non_blocking=True)
+        for state in optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    state[k] = v.to(to, non_blocking=True)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    return lambda: move(torch.device("cpu")), lambda: move(device), torch_pinned_bytes
+
+
+def pinned_moves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+    parked = HostParking()
+    offload = lambda: parked.offload(model, optimizer)  # noqa: E731
+    reload = lambda: parked.reload(model, optimizer, device)  # noqa: E731
+    return offload, reload, lambda: parked.pinned_bytes + torch_pinned_bytes()
+
+
+def torch_pinned_bytes() -> int:
+    """What torch's caching host allocator holds pinned (emptied before each row)."""
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+
+
+def measure(args: argparse.Namespace, size: str, way: str) -> dict:
+    shape = TINY if args.tiny else {"0.5b": QWEN25_05B, "3b": QWEN25_3B}[size]
+    model, optimizer = trained_model(shape, args.device, getattr(torch, args.dtype))
+    moved = state_bytes(model, optimizer)
+    ways = {"pageable": pageable_moves, "pinned": pinned_moves, "non-blocking": nonblocking_moves}
+    offload, reload, pinned_bytes = ways[way](model, optimizer, torch.device(args.device))
+    first = timed(offload, args.device)
+    timed(reload, args.device)
+    outs, ins = [], []
+    for _ in range(args.repeat):
+        outs.append(timed(offload, args.device))
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+            assert torch.cuda.memory_allocated() < 0.05 * moved, "state left on the GPU after offload"
+        ins.append(timed(reload, args.device))
+    pinned = pinned_bytes() if args.device == "cuda" else 0
+    del model, optimizer, offload, reload, pinned_bytes
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()  # the next row starts with no pinned blocks cached
+    out, into = statistics.mean(outs), statistics.mean(ins)
+    return {
+        "size": size,
+        "way": way,
+        "gib": moved / 2**30,
+        "first": first,
+        "out": out,
+        "in": into,
+        "bytes": moved,
+        "pinned": pinned / 2**30,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--model-size", default="0.5b", choices=["0.5b", "3b"], help="3b: the 0.5B row, then 3B"
+    )
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="a two-layer model (a smoke run)")
+    args = parser.parse_args()
+    sizes = ["0.5b", "3b"] if args.model_size == "3b" and not args.tiny else ["0.5b"]
+    print(f"# offload and reload of a trainer's state, {device_name(args.device)}, {args.dtype}", flush=True)
+    print("| shape | way | GiB | first offload s | offload s | GB/s | reload s | GB/s | pinned GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for size in sizes:
+        for way in ("pageable", "pinned", "non-blocking"):
+            r = measure(args, "tiny" if args.tiny else size, way)
+            gb = r["bytes"] / 1e9
+
+            def rate(seconds: float, gb: float = gb) -> str:
+                return f"{gb / seconds:.1f}" if args.device == "cuda" else "-"  # nothing moves off GPUs
+
+            print(
+                f"| {r['size']} | {way} | {r['gib']:.2f} | {r['first']:.3f} | {r['out']:.3f} | "
+                f"{rate(r['out'])} | {r['in']:.3f} | {rate(r['in'])} | {r['pinned']:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

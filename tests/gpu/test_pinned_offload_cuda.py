@@ -1,0 +1,61 @@
+"""A colocated trainer's offload on a GPU (``HostParking`` in the torch strategy): its state goes to
+page-locked host buffers of its exact size, reused at every offload, its GPU memory is freed, and after
+reload the model trains on exactly as one that never moved."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reroll.config.schema import RunConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _step(s, ids):
+    logits = s.logits(ids, torch.ones_like(ids, dtype=torch.bool))
+    s.backward(logits.float().log_softmax(-1)[..., 5].mean())
+    return s.step(1.0)
+
+
+def test_offload_parks_in_reused_pinned_buffers_and_training_goes_on_unchanged(assets):
+    from reroll.strategies.torch_strategy import TorchStrategy
+
+    raw = {"pipeline": "rlvr", "model": {"path": str(assets["model"])}, "data": {"train_files": ["x.jsonl"]}}
+    cfg = RunConfig.model_validate(raw | {"model": {"path": str(assets["model"]), "dtype": "float32"}})
+    ids = torch.randint(3, 20, (4, 12), generator=torch.Generator().manual_seed(0))
+    moved, still = (TorchStrategy(cfg.model.path, cfg=cfg, device="cuda") for _ in range(2))
+    for s in (moved, still):
+        s.configure_optimizer(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0)
+        _step(s, ids)
+
+    def state_bytes() -> int:  # no reference kept: the test must not hold what offload frees
+        moments = [v for st in moved.optimizer.state.values() for k, v in st.items() if k != "step"]
+        tensors = [*moved.model.parameters(), *moved.model.buffers(), *moments]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    held, on_gpu = state_bytes(), torch.cuda.memory_allocated()
+    pointers = None
+    for _ in range(2):
+        moved.offload()
+        assert on_gpu - torch.cuda.memory_allocated() >= held  # parameters, buffers, both Adam moments
+        assert all(p.device.type == "cpu" and p.is_pinned() for p in moved.model.parameters())
+        moments = [v for st in moved.optimizer.state.values() for k, v in st.items() if k != "step"]
+        assert all(v.device.type == "cpu" and v.is_pinned() for v in moments)
+        assert moved._parked.pinned_bytes == held  # exact sizes, nothing rounded up
+        now = [t.data_ptr() for t in [*moved.model.parameters(), *moved.model.buffers(), *moments]]
+        assert pointers in (None, now)  # the second offload reuses the first one's buffers
+        pointers = now
+        del moments
+        moved.reload()
+        assert all(p.device.type == "cuda" for p in moved.model.parameters())
+        assert torch.cuda.memory_allocated() == on_gpu
+
+    for _ in range(2):  # the moved model steps exactly as the one that stayed
+        a, b = _step(moved, ids), _step(still, ids)
+        assert a["grad_norm"] == b["grad_norm"]
+    for (name, p), q in zip(moved.model.named_parameters(), still.model.parameters()):
+        assert torch.equal(p, q), name
