@@ -19,7 +19,8 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   ``auto`` leaves out here; the row ``ray-dp2`` runs two engines on the GPU,
   ``roles.actor_infer.world_size: 2``, each with half the prompts and half of ``--vllm-memory``
   (``ray-dpN``: N engines); the row ``ray-resident`` moves nothing between phases,
-  ``placement.offload: never``; ``auto`` keeps the engine awake beside the trainers where the worst
+  ``placement.offload: never``, and the row ``ray-offload`` moves everything at every phase,
+  ``placement.offload: always`` (what a model too big to stay resident costs); ``auto`` keeps the engine awake beside the trainers where the worst
   trainer phase fits beside its share, the row ``ray-sleep`` makes it sleep at every
   trainer phase, as ``auto`` did before 2026-12-05; the row ``ray-ownnorm`` runs the model's own
   RMSNorm code in the trainers, ``model.fused_norm: false``, as before 2026-12-05).
@@ -186,6 +187,8 @@ def run_reroll(
         }
     if mode == "ray-resident":  # nothing moves between phases: the engine awake beside the trainers
         cfg["placement"]["offload"] = "never"
+    if mode == "ray-offload":  # everything moves at every phase: trainers to host memory, the engine asleep
+        cfg["placement"]["offload"] = "always"
     if mode.startswith("ray-dp"):  # ray-dpN: N engines on the one GPU, 1/N of the prompts each: N host loops
         engines = int(mode.removeprefix("ray-dp"))
         cfg["roles"] = {"actor_infer": {"world_size": engines}}
@@ -292,10 +295,22 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
         ("trainer kept", "placement/actor_train_stayed", None),
         ("headroom GiB", "placement/engine_headroom_gb", 1),
         ("resident GiB", "placement/resident_headroom_gb", 1),
+        ("offload GB", "offload/bytes", -9),  # what the trainers moved, and how fast
+        ("offload GB/s", "offload/gb_per_s", 1),
+        ("reload GB/s", "reload/gb_per_s", 1),
     ):
         values = series(key)
         if any(v is not None for v in values):
-            shown = ["-" if v is None else round(v, digits) if digits else int(v) for v in values]
+            shown = [
+                "-"
+                if v is None
+                else round(v / 1e9, 2)
+                if digits == -9
+                else round(v, digits)
+                if digits
+                else int(v)
+                for v in values
+            ]
             print(f"[{name}]   {label} {shown}", flush=True)
 
 
@@ -343,7 +358,7 @@ def main() -> None:
         "--rows",
         default="ray,local",
         help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), "
-        "ray-resident, ray-sleep, ray-ownnorm, local",
+        "ray-resident, ray-offload, ray-sleep, ray-ownnorm, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(

@@ -21,7 +21,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from reroll.config.placement import placed_roles, rank_span, run_roles, trainer_strategy
+from reroll.config.placement import (
+    offload_between_phases,
+    placed_roles,
+    rank_span,
+    run_roles,
+    shares_device,
+    trainer_strategy,
+)
 
 if TYPE_CHECKING:
     from reroll.config.schema import MegatronConfig, RunConfig
@@ -263,4 +270,20 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
     infer = role_device(cfg, "actor_infer", device_type) if device_type else None
     if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.enable_sleep_mode and infer == "cpu":
         problems.append(("rollout.vllm.enable_sleep_mode", VLLM_SLEEP_NEEDS_CUDA))
+    if (
+        cfg.rollout.engine == "vllm"
+        and cfg.rollout.vllm.enable_sleep_mode is False
+        and infer == "cuda"
+        and shares_device(cfg, "actor_infer")
+        and offload_between_phases(cfg, "cuda")
+    ):
+        problems.append(
+            (
+                "rollout.vllm.enable_sleep_mode",
+                f"false, but actor_infer shares its GPU with another role and placement.offload="
+                f"{cfg.placement.offload} frees it for them between phases, which a vLLM engine does by "
+                "sleeping: leave rollout.vllm.enable_sleep_mode unset (or true), or set "
+                "placement.offload=never if everything fits on the GPU at once",
+            )
+        )
     return list(dict.fromkeys(problems))  # a problem of both megatron roles once

@@ -48,6 +48,8 @@ class RolloutWorker:
                 update={"vllm": rollout.vllm.model_copy(update={"enable_sleep_mode": sleeps})}
             )
         self.sleep_level = rollout.vllm.sleep_level if rollout.engine == "vllm" else 1
+        # vLLM's CPU build cannot sleep, and a CPU engine holds no device memory to free: nothing to do
+        self.sleeps = rollout.engine != "vllm" or bool(rollout.vllm.enable_sleep_mode) or device != "cpu"
         self.timeout_s = cfg.runtime.call_timeout_s
         self._weight_group: BroadcastGroup | None = None  # transport 'collective'
         self.engine = make_engine(
@@ -135,10 +137,12 @@ class RolloutWorker:
         return self.engine.metrics()
 
     def offload(self) -> None:
-        self.engine.sleep(self.sleep_level)
+        if self.sleeps:
+            self.engine.sleep(self.sleep_level)
 
     def reload(self) -> None:
-        self.engine.wake_up()
+        if self.sleeps:
+            self.engine.wake_up()
 
 
 class RolloutGroup(WorkerGroup):

@@ -91,6 +91,19 @@ def test_an_engine_spanning_pool_devices_is_refused_only_on_the_pool(tmp_path):
     assert start_problems(off_pool, "cuda") == []
 
 
+def test_an_engine_that_may_not_sleep_on_a_gpu_it_must_give_up_is_refused(tmp_path):
+    awake = ("rollout.engine=vllm", "rollout.vllm.enable_sleep_mode=false", "placement.devices=1")
+    [(path, message)] = start_problems(_cfg(tmp_path, *awake), "cuda")
+    assert path == "rollout.vllm.enable_sleep_mode" and "placement.offload=never" in message
+    assert (
+        start_problems(_cfg(tmp_path, *awake, "placement.offload=never"), "cuda") == []
+    )  # it stays, by choice
+    assert start_problems(_cfg(tmp_path, *awake), "cpu") == []  # nothing to free on CPUs: it just stays
+    assert start_problems(_cfg(tmp_path, *awake[:1], "placement.devices=1"), "cuda") == []  # unset: it sleeps
+    apart = _cfg(tmp_path, *awake[:2], "placement.devices=2", "roles.actor_infer.devices=[1]")
+    assert start_problems(apart, "cuda") == []  # a GPU of its own
+
+
 def test_deepspeed_options_it_does_not_take(tmp_path):
     cfg = _cfg(
         tmp_path,
