@@ -56,15 +56,16 @@ def test_partial_rollouts_continue_in_flight_generations_with_new_weights(tmp_pa
     """Ray, async_steps 1, hf engine on its own slot. Generation (64 tokens, 2 rows per micro-batch:
     8 micro-batches in lockstep) takes much longer than a training step of the tiny model, so the
     weight update after step 1 interrupts step 2's generation: its responses carry tokens of policy 0
-    and of policy 1 (mixed samples, staleness between 0 and 1)."""
-    cfg = write_config(tmp_path / "c.yaml", assets, total_steps=2, eval={"every": 0}, rollout=PARTIAL)
+    and of policy 1 (mixed samples, staleness between 0 and 1). Where the update lands is a race (on a
+    loaded machine the training step can outlast a generation), so any of steps 2-3 may show it."""
+    cfg = write_config(tmp_path / "c.yaml", assets, total_steps=3, eval={"every": 0}, rollout=PARTIAL)
     assert main(["train", str(cfg), *ASYNC_POOL, "checkpoint.every=0"]) == 0
     rows = _rows(tmp_path / "runs" / "t")
     assert all(math.isfinite(m["actor/loss"]) for m in rows.values())
     assert rows[1]["staleness/mixed_samples"] == 0  # the first batch: the starting weights only
-    assert rows[2]["staleness/mixed_samples"] > 0, rows[2]  # interrupted at the update, continued
-    assert 0 < rows[2]["staleness/off_policy_tokens"] < 1
-    assert rows[2]["staleness/max"] == 1
+    mixed = [m for step, m in rows.items() if step > 1 and m["staleness/mixed_samples"] > 0]
+    assert mixed, [rows[step] for step in (2, 3)]  # interrupted at an update, continued
+    assert all(0 < m["staleness/off_policy_tokens"] < 1 and m["staleness/max"] == 1 for m in mixed)
 
 
 @pytest.mark.long
