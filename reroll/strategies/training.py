@@ -98,17 +98,19 @@ class HostParking:
     ``offload`` copies every parameter, gradient, buffer and Adam moment (not the step counters: a
     non-capturable AdamW wants them on the CPU) into pinned host memory and frees its GPU memory;
     ``reload`` copies them back into fresh GPU tensors. Every copy is queued without waiting and the
-    move waits once, at its end: between pinned memory and the GPU a copy runs at the bus's speed
-    (about 50 GB/s on an H100 against 3-6 GB/s through pageable memory; ``benchmarks/offload.py``).
+    move waits once, at its end: between pinned memory and the GPU a copy runs at the link's speed
+    (about 53 GB/s each way on an H200 or H100, against 2-3 GB/s out and 6-9 GB/s back through
+    pageable memory; ``benchmarks/offload.py``).
 
     Each tensor gets a host buffer of its exact size at the first offload, page-locked in place
-    (``cudaHostRegister``) and kept for every later one (pinning costs more than the copy): the run holds
-    the state's size in pinned host memory. (``torch.empty(pin_memory=True)`` would round every buffer up
-    to a power of two: 1.9x the state for the 0.5B shape.) Sharded tensors (FSDP2's DTensors) are copied
-    with ``non_blocking``, so torch's caching host allocator pins them, rounded up, reused from the second
-    offload. Off CUDA, or where page-locking is refused, plain moves. Buffers are matched to tensors by
-    their order in the walk (the module's, then the optimizer's), the same at every offload; a tensor
-    whose shape or dtype differs from its buffer's gets a new one."""
+    (``cudaHostRegister``) and kept for every later one (pinning costs about ten copies): the run holds
+    the state's size in pinned host memory. (``torch.empty(pin_memory=True)`` would round every buffer
+    up to a power of two: 1.9x the state for the 0.5B shape.) Sharded tensors (FSDP2's DTensors) are
+    copied with ``non_blocking``, so torch's caching host allocator pins them, rounded up, and reuses
+    them from the second offload (``DTensor.from_local`` around an own buffer moves it back to the
+    mesh's GPU). Off CUDA, or where page-locking is refused, plain moves. Buffers are matched to
+    tensors by their order in the walk (the module's, then the optimizer's), the same at every
+    offload; a tensor whose shape or dtype differs from its buffer's gets a new one."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
