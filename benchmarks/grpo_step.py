@@ -20,7 +20,8 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   ``roles.actor_infer.world_size: 2``, each with half the prompts and half of ``--vllm-memory``
   (``ray-dpN``: N engines); the row ``ray-resident`` moves nothing between phases,
   ``placement.offload: never``, and the row ``ray-offload`` moves everything at every phase,
-  ``placement.offload: always`` (what a model too big to stay resident costs); ``auto`` keeps the engine awake beside the trainers where the worst
+  ``placement.offload: always`` (what a model too big to stay resident costs); ``auto`` keeps the
+  engine awake beside the trainers where the worst
   trainer phase fits beside its share, the row ``ray-sleep`` makes it sleep at every
   trainer phase, as ``auto`` did before 2026-12-05; the row ``ray-ownnorm`` runs the model's own
   RMSNorm code in the trainers, ``model.fused_norm: false``, as before 2026-12-05).
@@ -289,28 +290,20 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
         return [r.get("metrics", {}).get(key) for r in rows]
 
     # placement.offload auto: the engine awake through the trainers' phases; the trainers resident
-    # through the engine's (nothing moves where every peak fits beside the engine at once)
-    for label, key, digits in (
-        ("engine awake", "placement/actor_infer_stayed", None),
-        ("trainer kept", "placement/actor_train_stayed", None),
-        ("headroom GiB", "placement/engine_headroom_gb", 1),
-        ("resident GiB", "placement/resident_headroom_gb", 1),
-        ("offload GB", "offload/bytes", -9),  # what the trainers moved, and how fast
-        ("offload GB/s", "offload/gb_per_s", 1),
-        ("reload GB/s", "reload/gb_per_s", 1),
+    # through the engine's (nothing moves where every peak fits beside the engine at once); what the
+    # trainers moved where they did move, and how fast. Each: (label, key, scale, digits)
+    for label, key, scale, digits in (
+        ("engine awake", "placement/actor_infer_stayed", 1, None),
+        ("trainer kept", "placement/actor_train_stayed", 1, None),
+        ("headroom GiB", "placement/engine_headroom_gb", 1, 1),
+        ("resident GiB", "placement/resident_headroom_gb", 1, 1),
+        ("offload GB", "offload/bytes", 1e-9, 2),
+        ("offload GB/s", "offload/gb_per_s", 1, 1),
+        ("reload GB/s", "reload/gb_per_s", 1, 1),
     ):
         values = series(key)
         if any(v is not None for v in values):
-            shown = [
-                "-"
-                if v is None
-                else round(v / 1e9, 2)
-                if digits == -9
-                else round(v, digits)
-                if digits
-                else int(v)
-                for v in values
-            ]
+            shown = ["-" if v is None else round(v * scale, digits) if digits else int(v) for v in values]
             print(f"[{name}]   {label} {shown}", flush=True)
 
 

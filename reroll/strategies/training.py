@@ -1,7 +1,7 @@
 """What the strategies that hold a Hugging Face model under a torch optimizer share: the warm-up
 schedule, the forward pass over padded or packed rows, the finite-norm guarded step (a non-finite
-gradient norm skips the update), moving the state to host memory and
-back for offload, and the LoRA reference switch."""
+gradient norm skips the update), parking the state in host memory while a colocated role has the
+GPU, and the LoRA reference switch."""
 
 from __future__ import annotations
 
