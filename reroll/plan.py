@@ -5,7 +5,8 @@ state per training rank after sharding (fsdp2 / deepspeed / megatron), activatio
 (per layer, calibrated on a measured training pass: ``_layer_activations``) and the logits at its
 response positions (or a forward-only pass's, ``optim.logprob_*``, when larger), the engine's weights
 and KV cache, and the reference's weights. Colocated roles that offload between phases need the
-largest of them on a GPU; without offloading, their sum. The shape comes from ``model.path``'s
+largest of them on a GPU; without offloading, their sum, and host memory for what they park there
+(``_host_lines``). The shape comes from ``model.path``'s
 config.json where it is a local directory, else from a table of the model families the examples use.
 """
 
@@ -119,6 +120,7 @@ class RolePlan:
     ranks: int
     gib: float  # per GPU, at this role's peak
     parts: str  # what the estimate is made of
+    parked_gib: float = 0.0  # per rank, what it keeps in host memory while offloaded
 
 
 def estimate(cfg: RunConfig, shape: Shape, *, prompt_tokens: int) -> list[RolePlan]:
@@ -193,7 +195,10 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
         f"weights {weights / GIB:.1f} + grads {grads / GIB:.1f} + adam {optim / GIB:.1f} + "
         f"activations {acts / GIB:.1f} + logits {logits / GIB:.1f}"
     )
-    return RolePlan(role, world, total / GIB, parts)
+    # offloaded between phases (after the optimizer step has dropped the gradients, which deepspeed and
+    # megatron keep in buffers of their own)
+    parked = weights + optim + (grads if cfg.strategy.name in ("deepspeed", "megatron") else 0.0)
+    return RolePlan(role, world, total / GIB, parts, parked / GIB)
 
 
 def _layer_activations(cfg: RunConfig, shape: Shape, p_bytes: int) -> float:
@@ -214,7 +219,8 @@ def _engine(cfg: RunConfig, shape: Shape, seq: int, world: int) -> RolePlan:
     seqs = min(cfg.rollout.batch_size // world, cfg.rollout.generate_batch_size)
     kv = seqs * seq * kv_per_token
     parts = f"weights {weights / GIB:.1f} + kv cache {kv / GIB:.1f} ({seqs} seqs x {seq} tokens)"
-    return RolePlan("actor_infer", world * tp, (weights + kv) / GIB, parts)
+    asleep = weights if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.sleep_level == 1 else 0.0
+    return RolePlan("actor_infer", world * tp, (weights + kv) / GIB, parts, asleep / GIB)
 
 
 def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 512) -> tuple[str, bool]:
@@ -250,6 +256,7 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
         flag = "" if peak <= 0.9 * gpu_memory_gib else "  <- does not fit"
         fits &= not flag
         lines.append(f"  gpu {d}: {peak:8.1f} GiB  {' '.join(roles) or '(unused)'}{flag}")
+    lines += _host_lines(cfg, dmap, plans, pool) if offload else []
     if pool > gpus:
         lines.append(f"\nthe pool needs {pool} GPUs but only {gpus} are available")
     verdict = "fits" if fits else "does NOT fit"
@@ -265,3 +272,27 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
             "optim.micro_batch_size or rollout.generate_batch_size, or train LoRA adapters (strategy.lora)"
         )
     return "\n".join(lines), fits
+
+
+def _host_lines(cfg: RunConfig, dmap, plans: dict[str, RolePlan], pool: int) -> list[str]:
+    """Host memory the roles that share a GPU take while offloaded, summed over the pool: a trainer's
+    weights and Adam state (page-locked buffers, reroll.strategies.training.HostParking), a sleeping
+    vLLM engine's weights at ``rollout.vllm.sleep_level`` 1. Where ``placement.offload`` is 'auto' a
+    trainer that fits beside the engine keeps its state on the GPU: the sum is the most it can take."""
+    parked: dict[str, float] = {}
+    for d in range(pool):
+        workers = dmap.workers_on(d)
+        if len({role for role, _ in workers}) > 1:
+            for role, _ in workers:
+                parked[role] = parked.get(role, 0.0) + plans[role].parked_gib
+    if not any(parked.values()):
+        return []
+    parts = ", ".join(f"{role} {gib:.1f}" for role, gib in parked.items() if gib)
+    lines = [
+        f"\nhost memory of the offloaded roles, pinned, at most: {sum(parked.values()):.1f} GiB ({parts})"
+    ]
+    if cfg.strategy.name == "fsdp2" and any(r != "actor_infer" for r in parked):
+        lines.append(
+            "  (fsdp2's shards are pinned by torch's pool, each rounded up to a power of two: up to 2x)"
+        )
+    return lines

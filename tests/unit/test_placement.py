@@ -375,6 +375,28 @@ def test_the_plans_trainer_peak_is_the_measured_one(tmp_path):
     assert trainer_gib(False) == pytest.approx(45.6, rel=0.05)
 
 
+def test_the_plan_counts_the_pinned_host_memory_of_offloaded_roles(tmp_path):
+    """benchmarks/offload.py (an H200): the Qwen2.5-0.5B shape's bf16 weights and Adam moments, 2.76 GiB,
+    stayed pinned in host memory while offloaded. A sleeping vLLM engine keeps its weights there at
+    sleep_level 1; roles on GPUs of their own move nothing."""
+    from reroll.plan import plan
+
+    base = {"model.path": "Qwen/Qwen2.5-0.5B", "model.dtype": "bfloat16", "rollout.engine": "vllm"}
+
+    def host_line(**overrides) -> str | None:
+        text, _ = plan(_cfg(tmp_path, **base, **overrides), gpus=2, gpu_memory_gib=80)
+        return next((line for line in text.splitlines() if line.startswith("host memory")), None)
+
+    line = host_line(**{"placement.devices": 1})
+    parked = dict(part.rsplit(" ", 1) for part in line.split("(")[1].rstrip(")").split(", "))
+    assert float(parked["actor_train"]) == pytest.approx(2.76, abs=0.05)
+    assert float(parked["actor_infer"]) == float(parked["reference"]) == pytest.approx(0.92, abs=0.05)
+    assert "actor_infer" not in host_line(**{"placement.devices": 1, "rollout.vllm.sleep_level": 2})
+    assert host_line(**{"placement.devices": 1, "placement.offload": "never"}) is None
+    apart = {"placement.devices": 2, "roles.actor_infer.devices": "[1]"}  # actor_train beside reference
+    assert "actor_infer" not in host_line(**apart) and "actor_train" in host_line(**apart)
+
+
 def test_weight_sync_transport_auto_rule(tmp_path):
     from reroll.config.placement import weight_sync_transport
 
