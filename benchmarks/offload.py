@@ -81,28 +81,22 @@ def timed(fn: Callable[[], None], device: str) -> float:
     return time.perf_counter() - start
 
 
-def pageable_moves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+def to_moves(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, non_blocking: bool
+):
+    """``Module.to`` and the moments one by one; ``non_blocking``: queued, so torch pins the host copies."""
+
     def move(to: torch.device) -> None:
-        model.to(to)
+        model.to(to, non_blocking=non_blocking)
         for state in optimizer.state.values():
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and k != "step":
-                    state[k] = v.to(to)
-
-    return lambda: move(torch.device("cpu")), lambda: move(device), lambda: 0
-
-
-def nonblocking_moves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
-    def move(to: torch.device) -> None:
-        model.to(to, non_blocking=True)
-        for state in optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and k != "step":
-                    state[k] = v.to(to, non_blocking=True)
-        if torch.cuda.is_initialized():
+                    state[k] = v.to(to, non_blocking=non_blocking)
+        if non_blocking and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
-    return lambda: move(torch.device("cpu")), lambda: move(device), torch_pinned_bytes
+    held = torch_pinned_bytes if non_blocking else lambda: 0
+    return lambda: move(torch.device("cpu")), lambda: move(device), held
 
 
 def pinned_moves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
@@ -121,8 +115,11 @@ def measure(args: argparse.Namespace, size: str, way: str) -> dict:
     shape = TINY if args.tiny else {"0.5b": QWEN25_05B, "3b": QWEN25_3B}[size]
     model, optimizer = trained_model(shape, args.device, getattr(torch, args.dtype))
     moved = state_bytes(model, optimizer)
-    ways = {"pageable": pageable_moves, "pinned": pinned_moves, "non-blocking": nonblocking_moves}
-    offload, reload, pinned_bytes = ways[way](model, optimizer, torch.device(args.device))
+    device = torch.device(args.device)
+    if way == "pinned":
+        offload, reload, pinned_bytes = pinned_moves(model, optimizer, device)
+    else:
+        offload, reload, pinned_bytes = to_moves(model, optimizer, device, non_blocking=way == "non-blocking")
     first = timed(offload, args.device)
     timed(reload, args.device)
     outs, ins = [], []
