@@ -105,12 +105,12 @@ class HostParking:
     Each tensor gets a host buffer of its exact size at the first offload, page-locked in place
     (``cudaHostRegister``) and kept for every later one (pinning costs about ten copies): the run holds
     the state's size in pinned host memory. (``torch.empty(pin_memory=True)`` would round every buffer
-    up to a power of two: 1.9x the state for the 0.5B shape.) Sharded tensors (FSDP2's DTensors) are
-    copied with ``non_blocking``, so torch's caching host allocator pins them, rounded up, and reuses
-    them from the second offload (``DTensor.from_local`` around an own buffer moves it back to the
-    mesh's GPU). Off CUDA, or where page-locking is refused, plain moves. Buffers are matched to
+    up to a power of two: 1.9x the state for the 0.5B shape.) A sharded tensor (FSDP2's DTensor) is
+    parked in a host DTensor made once by ``.to("cpu")``, whose local shard is page-locked and copied
+    into at later offloads (not ``DTensor.from_local`` around an own buffer: that moves the buffer back
+    to the mesh's GPU). Off CUDA, or where page-locking is refused, plain moves. Buffers are matched to
     tensors by their order in the walk (the module's, then the optimizer's), the same at every
-    offload; a tensor whose shape or dtype differs from its buffer's gets a new one."""
+    offload; a tensor whose shape, dtype or sharding differs from its buffer's gets a new one."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
@@ -138,8 +138,8 @@ class HostParking:
 
     @property
     def pinned_bytes(self) -> int:
-        """The bytes of this parking's own page-locked buffers (DTensors' blocks are torch's)."""
-        return sum(b.numel() * b.element_size() for b in self._buffers if b.data_ptr() in self._locked)
+        """The bytes of this parking's page-locked buffers (a DTensor's: its local shard)."""
+        return sum(_nbytes(_local(b)) for b in self._buffers if _local(b).data_ptr() in self._locked)
 
     def _walk(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, move: Any) -> None:
         with torch.no_grad():
@@ -152,41 +152,67 @@ class HostParking:
             torch.cuda.synchronize()
 
     def _park(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``'s host copy, queued: into its own buffer (made now if none fits), or torch's for a DTensor."""
-        from torch.distributed.tensor import DTensor
-
+        """``t``'s host copy, queued into its buffer (made now if none fits)."""
         if t.device.type == "cpu":
             return t
-        if isinstance(t, DTensor):
-            return t.to("cpu", non_blocking=True)
         i, self._next = self._next, self._next + 1
-        if i < len(self._buffers) and self._buffers[i].shape == t.shape and self._buffers[i].dtype == t.dtype:
-            buffer = self._buffers[i]
-        else:
-            if i < len(self._buffers):
-                self._unlock(self._buffers[i])
-            buffer = self._new_buffer(t)
-            self._buffers[i : i + 1] = [buffer]
-        return buffer.copy_(t, non_blocking=buffer.data_ptr() in self._locked)
+        old = self._buffers[i] if i < len(self._buffers) else None
+        if old is not None and _fits(old, t):
+            _local(old).copy_(_local(t), non_blocking=_local(old).data_ptr() in self._locked)
+            return old
+        if old is not None:
+            self._unlock(old)
+        if _is_dtensor(t):  # a host DTensor of t's sharding, then its shard locked
+            buffer = t.to("cpu")
+            self._lock(_local(buffer))
+        else:  # locked first, so that even the first copy does not wait
+            buffer = torch.empty(t.shape, dtype=t.dtype)
+            self._lock(buffer)
+            buffer.copy_(t, non_blocking=buffer.data_ptr() in self._locked)
+        self._buffers[i : i + 1] = [buffer]
+        return buffer
 
-    def _new_buffer(self, t: torch.Tensor) -> torch.Tensor:
-        buffer = torch.empty(t.shape, dtype=t.dtype)
-        size = buffer.numel() * buffer.element_size()
-        if self._pin and size:
-            error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 0)
+    def _lock(self, host: torch.Tensor) -> None:
+        if self._pin and _nbytes(host):
+            error = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), _nbytes(host), 0)
             if int(error) == 0:
-                self._locked.add(buffer.data_ptr())
+                self._locked.add(host.data_ptr())
             else:  # page-locking refused (a memlock limit): plain copies still work
                 logger.warning(
                     "page-locking host memory failed (cudaError %d): offload copies wait", int(error)
                 )
                 self._pin = False
-        return buffer
 
     def _unlock(self, buffer: torch.Tensor) -> None:
-        if buffer.data_ptr() in self._locked:
-            self._locked.discard(buffer.data_ptr())
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        host = _local(buffer)
+        if host.data_ptr() in self._locked:
+            self._locked.discard(host.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _fits(buffer: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t`` can be copied into ``buffer`` as it is: same shape, dtype and, for DTensors, the same
+    sharding and local shape."""
+    if _is_dtensor(buffer) != _is_dtensor(t) or buffer.shape != t.shape or buffer.dtype != t.dtype:
+        return False
+    return not _is_dtensor(t) or (
+        buffer.placements == t.placements and _local(buffer).shape == _local(t).shape
+    )
 
 
 @contextlib.contextmanager

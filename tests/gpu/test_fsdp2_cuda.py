@@ -52,11 +52,25 @@ def test_fsdp2_cuda_step_and_offload_round_trip(assets):
     held = sum(local(p).numel() * local(p).element_size() for p in s.model.parameters()) + sum(
         local(t).numel() * local(t).element_size() for st in s.optimizer.state.values() for t in st.values()
     )
+    parked = sum(  # what the parking holds: parameters, buffers and Adam moments, not the step counters
+        t.numel() * t.element_size()
+        for t in [
+            *(p.to_local() for p in s.model.parameters()),
+            *s.model.buffers(),
+            *(v.to_local() for st in s.optimizer.state.values() for k, v in st.items() if k != "step"),
+        ]
+    )
     on_gpu = torch.cuda.memory_allocated()
     s.offload()
     assert on_gpu - torch.cuda.memory_allocated() >= 0.9 * held  # parameters and Adam state left the GPU
     assert all(local(v).device.type == "cpu" for v in s.model.state_dict().values())
     assert all(p.to_local().is_pinned() for p in s.model.parameters())  # copied without waiting
+    assert s._parked.pinned_bytes == parked  # each shard in a buffer of its size, nothing rounded up
+    first = [p.to_local().data_ptr() for p in s.model.parameters()]
+    s.reload()
+    s.offload()  # the second offload copies into the first one's buffers
+    assert [p.to_local().data_ptr() for p in s.model.parameters()] == first
+    assert all(p.to_local().is_pinned() for p in s.model.parameters())
     s.reload()
     assert all(v.device.type == "cuda" for v in s.model.state_dict().values())
     assert all(torch.equal(local(v), weights[k]) for k, v in s.model.state_dict().items())
