@@ -325,13 +325,14 @@ class OptimConfig(StrictModel):
         description="Token budget of a forward-only pass, like max_tokens_per_micro_batch. Either logprob_* "
         "setting replaces both training limits for those passes. Results do not depend on either.",
     )
-    packing: bool = Field(
+    packing: bool | None = Field(
         False,
-        description="Pack a micro-batch's rows into one sequence without padding; attention stays within "
-        "each row. The layers outside attention skip the padding, but attention (transformers' sdpa) runs "
-        "over the whole packed sequence under a block-diagonal mask, so its work grows with the square of "
-        "the packed length: 16 rows of 384 tokens cost 16 times the attention of the padded rows. Off by "
-        "default for that reason, GPU included.",
+        description="Pack a micro-batch's rows into one sequence without padding; each row attends only to "
+        "itself, at its own cost (reroll.models.packed_attention: torch's variable-length flash-attention "
+        "kernel on CUDA, sdpa row by row elsewhere), so no layer computes padding. Models whose attention "
+        "cannot be switched (sliding windows, soft-capping, not sdpa) pack on sdpa's block-diagonal mask, "
+        "whose attention costs the square of the packed length. None: on where the trainer (a causal LM) "
+        "runs on CUDA with that kernel, off elsewhere.",
     )
     group_by_length: bool = Field(
         True,

@@ -13,7 +13,7 @@ import logging
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -29,6 +29,10 @@ from transformers.utils import logging as hf_logging
 
 from reroll.algorithms.logprobs import token_logprobs
 from reroll.errors import UserError
+from reroll.models.packed_attention import attend_rows_apart, wants_packing
+
+if TYPE_CHECKING:
+    from reroll.config.schema import RunConfig
 
 log = logging.getLogger(__name__)
 hf_logging.disable_progress_bar()  # one line per step is ours; no per-load progress bars
@@ -126,6 +130,16 @@ def _with_zero_head(
         if name in missing:
             torch.nn.init.zeros_(param)
     return model.to(device)
+
+
+def use_kernels(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> None:
+    """Swap in, in place, the kernels ``cfg`` asks for on ``device`` (where the model will run): torch's
+    fused RMSNorm (``model.fused_norm``) and, where ``optim.packing`` resolves on, attention that keeps
+    packed rows apart at each row's own cost (``packed_attention``)."""
+    if cfg.model.fused_norm:
+        fuse_rms_norms(model)
+    if wants_packing(cfg.optim.packing, device) and not attend_rows_apart(model):
+        log.info("optim.packing: this model keeps sdpa's attention over the whole packed row (block mask)")
 
 
 def fuse_rms_norms(model: torch.nn.Module) -> int:

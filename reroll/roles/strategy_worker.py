@@ -29,6 +29,7 @@ from reroll.config.placement import colocated_engines, colocated_trainer_roles, 
 from reroll.config.schema import RunConfig
 from reroll.data.packing import length_order, micro_batches, pack, unpack
 from reroll.data.types import TrainBatch
+from reroll.models.packed_attention import uses_packed_attention
 from reroll.runtime import profiling, quiet
 from reroll.runtime.actors import WorkerGroup, free_address
 from reroll.runtime.placement import configure_process, worker_device
@@ -138,6 +139,13 @@ class StrategyWorker:
             rank=rank,
             world_size=getattr(cfg.roles, role).world_size,
             head=head,
+        )
+        # optim.packing; None: where the model's attention keeps packed rows apart (a causal LM on CUDA)
+        packing = cfg.optim.packing
+        self.packing = (
+            packing
+            if packing is not None
+            else head == "causal_lm" and uses_packed_attention(self.strategy.model)
         )
 
     def rendezvous_address(self) -> str:
@@ -265,7 +273,7 @@ class StrategyWorker:
     def _forward(self, mb: TrainBatch) -> torch.Tensor:
         """The model's output on a micro-batch, ``(b, t, ...)`` right-padded like ``mb.input_ids``; with
         ``optim.packing`` its rows run as one packed sequence (no padding computed) and are unpacked."""
-        if not self.cfg.optim.packing:
+        if not self.packing:
             return self.strategy.logits(mb.input_ids, mb.attention_mask)
         packed = pack(mb)
         if self.head != "reward":
@@ -288,7 +296,7 @@ class StrategyWorker:
         the backward writes the logits' gradient only where a loss reads it."""
         t = mb.input_ids.shape[1]
         before = torch.nn.functional.pad(mb.response_mask[:, 1:].bool(), (0, 1), value=False)
-        if self.cfg.optim.packing:
+        if self.packing:
             packed = pack(mb)
             picked = before[packed.rows, packed.cols].nonzero().squeeze(-1)  # packed positions
             rows, cols = packed.rows[picked], packed.cols[picked]

@@ -37,7 +37,7 @@ from deepspeed.runtime import constants as ds_constants
 
 from reroll.config.startable import deepspeed_problems
 from reroll.errors import UserError
-from reroll.models.loading import fuse_rms_norms, load_causal_lm, load_reward_model, load_value_model
+from reroll.models.loading import load_causal_lm, load_reward_model, load_value_model, use_kernels
 from reroll.strategies import Head
 from reroll.strategies.memory import peak_memory_gb
 from reroll.strategies.training import forward_logits, warmup_schedule
@@ -134,8 +134,7 @@ class DeepSpeedStrategy:
         self.engine = None
         # The model is loaded on CPU; DeepSpeed places it (ZeRO-3 partitions it first).
         model = self._load(model_path, self.cfg.model.dtype, "cpu")
-        if self.cfg.model.fused_norm:
-            fuse_rms_norms(model)
+        use_kernels(model, self.cfg, self.device)
         model.train(self.trainable)
         model.requires_grad_(self.trainable)
         if self.cfg.model.gradient_checkpointing and self.trainable:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from reroll.models.loading import DTYPES, fuse_rms_norms, load_causal_lm, load_reward_model, load_value_model
+from reroll.models.loading import DTYPES, load_causal_lm, load_reward_model, load_value_model, use_kernels
 from reroll.strategies import Head
 from reroll.strategies.lora import (
     AdapterUpdate,
@@ -81,8 +81,7 @@ class FSDP2Strategy:
         self.full = full_modules(head)  # trained in full beside the adapters
         self._load = _LOADERS[head]
         model = self._load(model_path, cfg.model.dtype, "cpu")  # fully_shard moves each shard to the device
-        if cfg.model.fused_norm:
-            fuse_rms_norms(model)
+        use_kernels(model, cfg, self.device)
         model.train(trainable)
         model.requires_grad_(trainable)
         if model.config.use_cache is not None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from reroll.models.loading import fuse_rms_norms, load_causal_lm, load_reward_model, load_value_model
+from reroll.models.loading import load_causal_lm, load_reward_model, load_value_model, use_kernels
 from reroll.strategies import Head
 from reroll.strategies.lora import (
     AdapterUpdate,
@@ -66,8 +66,7 @@ class TorchStrategy:
         self.device = torch.device(device)
         self._load = _LOADERS[head]
         self.model = self._load(model_path, cfg.model.dtype, self.device)
-        if cfg.model.fused_norm:
-            fuse_rms_norms(self.model)
+        use_kernels(self.model, cfg, self.device)
         self.rank, self.world_size = rank, world_size
         self.optimizer: torch.optim.Optimizer | None = None
         self._parked = HostParking()  # the state's host memory while a colocated role has the GPU

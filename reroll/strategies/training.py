@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from reroll.models.loading import position_ids_from
+from reroll.models.packed_attention import packed_kwargs
 from reroll.strategies.memory import alloc_retries, peak_memory_gb
 
 logger = logging.getLogger(__name__)
@@ -58,13 +59,19 @@ def forward_logits(
     position_ids: torch.Tensor | None,
 ) -> torch.Tensor:
     """``model``'s output for right-padded rows (``attention_mask``) or packed rows (``position_ids``, no
-    mask): ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``."""
+    mask; the rows' bounds go along for attention that keeps them apart: ``packed_attention``):
+    ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``."""
     input_ids = input_ids.to(device)
+    packed: dict[str, Any] = {}
     if attention_mask is not None:
         attention_mask = attention_mask.to(device)
         if position_ids is None:
             position_ids = position_ids_from(attention_mask)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids.to(device))
+    else:
+        packed = packed_kwargs(position_ids, device)
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids.to(device), **packed
+    )
     return out.logits
 
 

@@ -1,4 +1,5 @@
-"""Micro-batches by a token budget, pack/unpack, and that Qwen2 attends only within each packed row."""
+"""Micro-batches by a token budget, pack/unpack, and that Qwen2 attends only within each packed row
+(transformers' sdpa and eager block masks, and ``packed_attention``'s rows apart)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassificat
 
 from reroll.data.packing import micro_batches, pack, padding_stats, to_count, unpack
 from reroll.data.types import TrainBatch
+from reroll.models import packed_attention
 from reroll.models.loading import position_ids_from
+from reroll.models.packed_attention import attend_rows_apart, packed_kwargs
 
 
 def _batch(lengths: list[int], seed: int = 0) -> TrainBatch:
@@ -143,15 +146,17 @@ def _qwen2(cls: type, attn: str) -> torch.nn.Module:
         use_cache=False,  # as every strategy sets it: with a KV cache transformers skips packed detection
         num_labels=1,
     )
-    config._attn_implementation = attn
+    config._attn_implementation = "sdpa" if attn == packed_attention.NAME else attn
     torch.manual_seed(0)
     model = cls(config).eval()
+    if attn == packed_attention.NAME:
+        assert attend_rows_apart(model)
     if cls is Qwen2ForTokenClassification:
         torch.nn.init.normal_(model.score.weight, std=0.1)
     return model
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", packed_attention.NAME])
 @pytest.mark.parametrize("cls", [Qwen2ForCausalLM, Qwen2ForTokenClassification])
 def test_qwen2_packed_forward_equals_each_row_alone(attn, cls, one_thread):
     """fp32: the packed row's output, unpacked, equals each row run alone (no padding) to 1e-5."""
@@ -160,6 +165,11 @@ def test_qwen2_packed_forward_equals_each_row_alone(attn, cls, one_thread):
     p = pack(batch)
     with torch.no_grad():
         packed = unpack(model(input_ids=p.input_ids, position_ids=p.position_ids).logits, p, width=9)
+        if attn == packed_attention.NAME:  # the rows' bounds given, as forward_logits gives them
+            bounds = packed_kwargs(p.position_ids, torch.device("cpu"))
+            assert bounds["cu_seq_lens_q"].tolist() == [0, 5, 6, 15, 18, 27] and bounds["max_length_q"] == 9
+            given = model(input_ids=p.input_ids, position_ids=p.position_ids, **bounds).logits
+            torch.testing.assert_close(unpack(given, p, width=9), packed, atol=1e-6, rtol=0)
         padded = model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -172,3 +182,97 @@ def test_qwen2_packed_forward_equals_each_row_alone(attn, cls, one_thread):
         # the check can fail: one causal sequence over the pack (positions 0..L-1) lets rows see earlier rows
         leaky = unpack(model(input_ids=p.input_ids).logits, p, width=9)
     assert (leaky - packed)[batch.attention_mask].abs().max() > 1e-2
+
+
+def _varlen_reference(params: set[str]):
+    """A stand-in for torch's CUDA-only ``varlen_attn`` with the parameters of one torch release, computed
+    row by row with sdpa, which records how it was called."""
+    calls = []
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **options):
+        assert set(options) <= params and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+        assert max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+        assert options.get("window_size", (-1, 0)) == (-1, 0) and options.get("is_causal", True)
+        calls.append(options)
+        # kv heads as they are where the kernel takes grouped-query attention, else repeated
+        assert (k.shape[1] < q.shape[1]) == bool(options.get("enable_gqa"))
+        rows = [
+            torch.nn.functional.scaled_dot_product_attention(
+                *(x[a:b].transpose(0, 1) for x in (q, k, v)),
+                is_causal=True,
+                scale=options.get("scale"),
+                enable_gqa=k.shape[1] != q.shape[1],
+            ).transpose(0, 1)
+            for a, b in zip(cu_q.tolist()[:-1], cu_q.tolist()[1:], strict=True)
+        ]
+        return torch.cat(rows)
+
+    return varlen_attn, calls
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"window_size", "scale", "enable_gqa"}, {"window_size", "scale"}, {"is_causal"}],
+    ids=["torch-2.12", "torch-2.10", "torch-2.9"],
+)
+def test_varlen_kernel_is_called_as_each_torch_release_wants(params, monkeypatch):
+    """``_flash_rows`` (the CUDA path) gives what row-by-row sdpa gives, whichever of torch's
+    ``varlen_attn`` signatures it meets: causal as a window or a flag, kv heads repeated where the
+    kernel has no grouped-query flag, and a non-default scale taken to sdpa where it cannot be passed."""
+    fn, calls = _varlen_reference(params)
+    monkeypatch.setattr(packed_attention, "_varlen", lambda: (fn, frozenset(params)))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(12, 4, 8, generator=g),
+        torch.randn(12, 2, 8, generator=g),
+        torch.randn(12, 2, 8, generator=g),
+    )
+    cu = torch.tensor([0, 5, 6, 12], dtype=torch.int32)
+    for scale in (8**-0.5, 0.2):
+        want = packed_attention._rows_one_by_one(q, k, v, cu, scale, 0.0)
+        got = packed_attention._flash_rows(q, k, v, cu, 6, scale)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert len(calls) == (2 if "scale" in params else 1)
+    assert ("enable_gqa" in calls[0]) == ("enable_gqa" in params)
+
+
+def test_rows_apart_only_where_the_model_allows_it():
+    """Eager attention and sliding windows keep their own attention; padded rows through the switched
+    model still get sdpa's mask (same logits as before the switch)."""
+    assert not attend_rows_apart(_qwen2(Qwen2ForCausalLM, "eager"))
+    config = _qwen2(Qwen2ForCausalLM, "sdpa").config
+    config.use_sliding_window, config.sliding_window = True, 4
+    windowed = Qwen2ForCausalLM(config)
+    assert not attend_rows_apart(windowed) and windowed.config._attn_implementation == "sdpa"
+    batch = _batch([5, 1, 9, 3, 9])
+    before = _qwen2(Qwen2ForCausalLM, "sdpa")
+    after = _qwen2(Qwen2ForCausalLM, packed_attention.NAME)
+    args = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    with torch.no_grad():
+        mask = batch.attention_mask
+        torch.testing.assert_close(after(**args).logits[mask], before(**args).logits[mask], atol=1e-6, rtol=0)
+
+
+def test_packing_none_resolves_on_where_the_varlen_kernel_runs(monkeypatch):
+    """``optim.packing: null``: on for a model on CUDA where torch has ``varlen_attn``, off on CPU or
+    without it; true and false are kept as set."""
+    from reroll.models.packed_attention import wants_packing
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(packed_attention, "_varlen", lambda: (None, frozenset()))
+    assert wants_packing(None, cuda) and not wants_packing(None, cpu)
+    assert wants_packing(True, cpu) and not wants_packing(False, cuda)
+    monkeypatch.setattr(packed_attention, "_varlen", lambda: None)
+    assert not wants_packing(None, cuda)
+
+
+@pytest.mark.parametrize("packing", [None, True, False])
+def test_strategy_switches_the_attention_as_packing_resolves(packing, assets):
+    """On CPU ``null`` keeps padded rows and sdpa; ``true`` packs on the rows-apart attention."""
+    from reroll.config.schema import RunConfig
+    from reroll.strategies.torch_strategy import TorchStrategy
+
+    raw = {"pipeline": "rlvr", "model": {"path": str(assets["model"])}, "data": {"train_files": ["x.jsonl"]}}
+    cfg = RunConfig.model_validate(raw | {"optim": {"packing": packing}})
+    s = TorchStrategy(cfg.model.path, cfg=cfg)
+    assert packed_attention.uses_packed_attention(s.model) == bool(packing)
