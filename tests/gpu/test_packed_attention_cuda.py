@@ -19,21 +19,12 @@ pytestmark = [
 
 
 def _model() -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """The unit tests' two-layer Qwen2 (2 heads of 32, 1 kv head: grouped-query) in bf16 on the GPU."""
+    from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,  # grouped-query attention, as Qwen2.5's
-        max_position_embeddings=512,
-        use_cache=False,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
+    from tests.unit.test_packing import _qwen2
+
+    return _qwen2(Qwen2ForCausalLM, "sdpa").to("cuda", torch.bfloat16)
 
 
 def test_packed_rows_use_the_varlen_kernel_and_match_padded_rows(monkeypatch):
@@ -46,7 +37,7 @@ def test_packed_rows_use_the_varlen_kernel_and_match_padded_rows(monkeypatch):
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([300, 17, 256, 1, 129, 64])
     mask = torch.arange(300)[None] < lengths[:, None]
-    ids = torch.randint(0, 256, mask.shape, generator=g) * mask
+    ids = torch.randint(3, 16, mask.shape, generator=g) * mask
     dev = torch.device("cuda")
 
     padded = forward_logits(padded_model, dev, ids, mask, position_ids_from(mask)).float()
