@@ -291,8 +291,4 @@ def _host_lines(cfg: RunConfig, dmap, plans: dict[str, RolePlan], pool: int) -> 
     lines = [
         f"\nhost memory of the offloaded roles, pinned, at most: {sum(parked.values()):.1f} GiB ({parts})"
     ]
-    if cfg.strategy.name == "fsdp2" and any(r != "actor_infer" for r in parked):
-        lines.append(
-            "  (fsdp2's shards are pinned by torch's pool, each rounded up to a power of two: up to 2x)"
-        )
     return lines
