@@ -123,11 +123,19 @@ def _attention(
             raise ValueError(f"packed attention: {name} is not supported; this model should use sdpa")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (L, heads, d)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    if q.is_cuda and dropout == 0.0 and _varlen() is not None:
+    if _flash_can(q) and dropout == 0.0:
         out = _flash_rows(q, k, v, cu, int(kwargs["max_length_q"]), scale)
     else:
         out = _rows_one_by_one(q, k, v, cu, scale, dropout)
     return out[None], None
+
+
+def _flash_can(q: torch.Tensor) -> bool:
+    """Whether torch's flash kernel takes these queries: CUDA, half precision, head size a multiple of 8
+    up to 256 (an fp32 model goes row by row through sdpa)."""
+    d = q.shape[-1]
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    return q.is_cuda and half and d % 8 == 0 and d <= 256 and _varlen() is not None
 
 
 def _restarts(position_ids: torch.Tensor | None, batch: int) -> bool:
