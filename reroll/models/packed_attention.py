@@ -7,8 +7,9 @@ attention of the padded rows. ``attend_rows_apart(model)`` switches a model to t
 registered here, which
 
 - on a packed call (``cu_seq_lens_q`` / ``max_length_q`` among the forward's keyword arguments, as
-  ``packed_kwargs`` gives them; without them, read from ``position_ids`` at every layer): builds no mask and runs each row's causal attention alone: on CUDA in
-  one call of torch's variable-length flash-attention kernel (``torch.nn.attention.varlen``), elsewhere
+  ``packed_kwargs`` gives them; without them, read from ``position_ids`` at every layer): builds no
+  mask and runs each row's causal attention alone: on CUDA in half precision, one call of torch's
+  variable-length flash-attention kernel (``torch.nn.attention.varlen``); elsewhere
   ``scaled_dot_product_attention`` row by row;
 - on any other call: is transformers' ``sdpa`` itself (its mask, its kernel), so padded rows, generation
   and a model shared with other code behave as before.
