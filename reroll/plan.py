@@ -256,7 +256,7 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
         flag = "" if peak <= 0.9 * gpu_memory_gib else "  <- does not fit"
         fits &= not flag
         lines.append(f"  gpu {d}: {peak:8.1f} GiB  {' '.join(roles) or '(unused)'}{flag}")
-    lines += _host_lines(cfg, dmap, plans, pool) if offload else []
+    lines += _host_lines(dmap, plans, pool) if offload else []
     if pool > gpus:
         lines.append(f"\nthe pool needs {pool} GPUs but only {gpus} are available")
     verdict = "fits" if fits else "does NOT fit"
@@ -274,7 +274,7 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     return "\n".join(lines), fits
 
 
-def _host_lines(cfg: RunConfig, dmap, plans: dict[str, RolePlan], pool: int) -> list[str]:
+def _host_lines(dmap, plans: dict[str, RolePlan], pool: int) -> list[str]:
     """Host memory the roles that share a GPU take while offloaded, summed over the pool: a trainer's
     weights and Adam state (page-locked buffers, reroll.strategies.training.HostParking), a sleeping
     vLLM engine's weights at ``rollout.vllm.sleep_level`` 1. Where ``placement.offload`` is 'auto' a
@@ -288,7 +288,6 @@ def _host_lines(cfg: RunConfig, dmap, plans: dict[str, RolePlan], pool: int) -> 
     if not any(parked.values()):
         return []
     parts = ", ".join(f"{role} {gib:.1f}" for role, gib in parked.items() if gib)
-    lines = [
+    return [
         f"\nhost memory of the offloaded roles, pinned, at most: {sum(parked.values()):.1f} GiB ({parts})"
     ]
-    return lines
