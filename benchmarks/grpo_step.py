@@ -25,7 +25,8 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   trainer phase fits beside its share, the row ``ray-sleep`` makes it sleep at every
   trainer phase, as ``auto`` did before 2026-12-05; the row ``ray-ownnorm`` runs the model's own
   RMSNorm code in the trainers, ``model.fused_norm: false``, as before 2026-12-05; the row
-  ``ray-packed`` packs the trainers' micro-batches, ``optim.packing: true``, on torch's variable-length
+  ``ray-padded`` computes the trainers' micro-batches as padded rows, ``optim.packing: false``, as
+  before 2026-12-06; by default they pack each micro-batch's rows on torch's variable-length
   flash-attention kernel).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
@@ -181,8 +182,8 @@ def run_reroll(
     }
     if mode == "ray-logprobs":  # the engine returns its log-probs (for mismatch/*) though nothing needs them
         cfg["rollout"]["logprobs"] = True
-    if mode == "ray-packed":  # the trainers pack each micro-batch's rows (rows apart: torch's varlen kernel)
-        cfg["optim"]["packing"] = True
+    if mode == "ray-padded":  # the trainers compute padded rows instead of packing them
+        cfg["optim"]["packing"] = False
     if ray:  # every role on the one GPU, taking turns as the phases say
         cfg["placement"] = {"devices": 1, "device_type": "cuda" if gpu else "cpu", "offload": "auto"}
     else:
@@ -355,7 +356,7 @@ def main() -> None:
         "--rows",
         default="ray,local",
         help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), "
-        "ray-resident, ray-offload, ray-sleep, ray-ownnorm, ray-packed, local",
+        "ray-resident, ray-offload, ray-sleep, ray-ownnorm, ray-padded, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(
