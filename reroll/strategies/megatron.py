@@ -39,7 +39,7 @@ from reroll.errors import UserError
 from reroll.models import megatron_convert as mc
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
-from reroll.strategies.training import warmup_factor
+from reroll.strategies.training import HostParking, warmup_factor
 
 if TYPE_CHECKING:
     from reroll.config.schema import MegatronConfig, RunConfig
@@ -145,6 +145,7 @@ class MegatronStrategy:
         self.model: torch.nn.Module | None = None  # what forward runs: DDP-wrapped when trainable
         self.optimizer = None
         self._restore: list[Callable[[], None]] = []  # what reload runs after offload
+        self._parked = HostParking()  # page-locked host buffers of the optimizer's storages, kept
         self.lr = self.weight_decay = 0.0
         self.warmup = self.steps = 0
         if world_size == 1:
@@ -415,7 +416,10 @@ class MegatronStrategy:
     def offload(self) -> None:
         """Parameters, gradient buffers and optimizer state to CPU, every tensor kept (only its GPU storage
         is freed): Megatron DDP's grad hooks sit on the parameters and the distributed optimizer's fp32
-        shards are views of DDP's buffers, so moving ``p.data`` would silently detach them."""
+        shards are views of DDP's buffers, so moving ``p.data`` would silently detach them. DDP's
+        contiguous buffers move by Megatron's own ``offload_to_cpu``; every other storage (the optimizer's
+        main parameters and moments, a frozen model's weights) is parked in page-locked host buffers of
+        its exact size, kept for later offloads (``HostParking.park_storages``)."""
         self._require()
         if self._restore:
             return  # already offloaded
@@ -433,7 +437,7 @@ class MegatronStrategy:
             tensors += [p for g in inner.param_groups for p in g["params"]]  # main params (may be views)
             tensors += [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors if t.is_cuda}
-        restore = [_free_storage(st) for ptr, st in storages.items() if ptr not in views and st.nbytes()]
+        restore = self._parked.park_storages([st for ptr, st in storages.items() if ptr not in views])
         for b in buffers:
             b.offload_to_cpu(move_params=True, move_grads=True)
             restore.append(partial(b.reload_from_cpu, move_params=True, move_grads=True))
@@ -444,16 +448,3 @@ class MegatronStrategy:
         for bring_back in self._restore:
             bring_back()
         self._restore = []
-
-
-def _free_storage(storage: torch.UntypedStorage) -> Callable[[], None]:
-    """Copy a GPU storage to CPU and free it in place (its tensors keep their identity); returns the reload."""
-    nbytes = storage.nbytes()
-    saved = torch.UntypedStorage(nbytes).copy_(storage)  # a CPU copy
-    storage.resize_(0)
-
-    def reload() -> None:
-        storage.resize_(nbytes)
-        storage.copy_(saved)
-
-    return reload

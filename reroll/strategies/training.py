@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -143,6 +144,23 @@ class HostParking:
     ) -> None:
         self._walk(model, optimizer, lambda t: t.to(device, non_blocking=True))
 
+    def park_storages(self, storages: list[torch.UntypedStorage]) -> list[Callable[[], None]]:
+        """Each GPU storage copied into its host buffer and then freed in place, for state whose tensors
+        must keep their identity (Megatron's DDP hooks sit on its parameters; its optimizer's shards are
+        views): they stay the same objects and hold no GPU memory until the storage's returned
+        callable brings it back. Storages off the GPU are left alone. Buffers are matched to storages
+        by their order, as ``offload``'s to tensors."""
+        self._next = 0
+        gpu = [st for st in storages if st.device.type == "cuda" and st.nbytes()]
+        hosts = [self._park(_bytes_of(st)) for st in gpu]
+        if gpu:
+            torch.cuda.synchronize()  # every queued copy done before the GPU memory goes
+        restore = []
+        for st, host in zip(gpu, hosts, strict=True):
+            st.resize_(0)
+            restore.append(partial(_bring_back, st, host))
+        return restore
+
     @property
     def pinned_bytes(self) -> int:
         """The bytes of this parking's page-locked buffers (a DTensor's: its local shard)."""
@@ -195,6 +213,18 @@ class HostParking:
         if host.data_ptr() in self._locked:
             self._locked.discard(host.data_ptr())
             torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The whole of ``storage`` as a tensor of bytes (sharing it)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _bring_back(storage: torch.UntypedStorage, host: torch.Tensor) -> None:
+    """A storage ``park_storages`` freed, given its memory again and its bytes from ``host`` (queued: the
+    GPU's later work on the stream runs after the copy)."""
+    storage.resize_(_nbytes(host))
+    _bytes_of(storage).copy_(host, non_blocking=host.is_pinned())
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

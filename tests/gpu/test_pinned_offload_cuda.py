@@ -59,3 +59,37 @@ def test_offload_parks_in_reused_pinned_buffers_and_training_goes_on_unchanged(a
         assert a["grad_norm"] == b["grad_norm"]
     for (name, p), q in zip(moved.model.named_parameters(), still.model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_storages_park_in_place_keeping_their_tensors():
+    """Megatron's way (``HostParking.park_storages``): a storage and its views stay the same objects (a
+    hook on a parameter, an optimizer shard viewing a buffer), their GPU memory is freed, the host copy
+    is page-locked at its exact size and reused, and the values come back."""
+    from reroll.strategies.training import HostParking
+
+    param = torch.nn.Parameter(torch.randn(1000, 257, device="cuda"))
+    moment = torch.randn(3001, device="cuda", dtype=torch.bfloat16)
+    shard = moment[1000:2000]  # a view: parked with its storage, never on its own
+    hooked = []
+    param.register_hook(hooked.append)
+    want = (param.detach().clone(), moment.clone())
+    storages = [param.untyped_storage(), moment.untyped_storage()]
+    parking, on_gpu = HostParking(), torch.cuda.memory_allocated()
+    exact = param.untyped_storage().nbytes() + moment.untyped_storage().nbytes()
+    pointers = None
+    for _ in range(2):
+        restore = parking.park_storages(storages)
+        assert on_gpu - torch.cuda.memory_allocated() >= exact
+        assert param.untyped_storage().nbytes() == 0 and shard.untyped_storage().nbytes() == 0
+        assert parking.pinned_bytes == exact
+        now = [b.data_ptr() for b in parking._buffers]
+        assert pointers in (None, now)  # the second offload reuses the first one's buffers
+        pointers = now
+        for bring_back in restore:
+            bring_back()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == on_gpu
+        assert torch.equal(param.detach(), want[0]) and torch.equal(moment, want[1])
+        assert torch.equal(shard, want[1][1000:2000])
+    (param * 2).sum().backward()  # the hook registered before parking still fires
+    assert len(hooked) == 1 and torch.equal(param.grad, torch.full_like(param, 2.0))

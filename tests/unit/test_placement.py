@@ -608,3 +608,13 @@ def test_a_trainer_keeps_its_state_where_it_fits_beside_every_engine_on_its_gpu(
     # two engines at 0.3 each: 40 + 48 GiB > 72 GiB
     assert not fits(**{"rollout.vllm.gpu_memory_utilization": 0.3, "roles.actor_infer.world_size": 2})
     assert fits(**{"rollout.vllm.gpu_memory_utilization": 0.15, "roles.actor_infer.world_size": 2})
+
+
+def test_storage_parking_leaves_host_storages_alone():
+    """``HostParking.park_storages`` (Megatron's offload) frees GPU storages only: a storage already in
+    host memory keeps its bytes and nothing is returned to bring back."""
+    from reroll.strategies.training import HostParking
+
+    t = torch.arange(6.0)
+    assert HostParking().park_storages([t.untyped_storage()]) == []
+    assert t.untyped_storage().nbytes() == 24 and torch.equal(t, torch.arange(6.0))
