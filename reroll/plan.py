@@ -6,7 +6,8 @@ state per training rank after sharding (fsdp2 / deepspeed / megatron), activatio
 response positions (or a forward-only pass's, ``optim.logprob_*``, when larger), the engine's weights
 and KV cache, and the reference's weights. Colocated roles that offload between phases need the
 largest of them on a GPU; without offloading, their sum, and host memory for what they park there
-(``_host_lines``). The shape comes from ``model.path``'s
+(``_host_lines``). Where forward-only passes are cut like training's micro-batches, it names the
+``optim.logprob_*`` setting that fits them within that peak (``forward_only_hint``). The shape comes from ``model.path``'s
 config.json where it is a local directory, else from a table of the model families the examples use.
 """
 
@@ -121,6 +122,7 @@ class RolePlan:
     gib: float  # per GPU, at this role's peak
     parts: str  # what the estimate is made of
     parked_gib: float = 0.0  # per rank, what it keeps in host memory while offloaded
+    state_gib: float = 0.0  # per GPU, what it holds outside a pass: weights, gradients, Adam state
 
 
 def estimate(cfg: RunConfig, shape: Shape, *, prompt_tokens: int) -> list[RolePlan]:
@@ -155,7 +157,6 @@ def _shards(cfg: RunConfig, world: int, shape: Shape) -> tuple[float, float, flo
 
 
 def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trainable: bool) -> RolePlan:
-    p_bytes = DTYPE_BYTES[cfg.strategy.fsdp2.param_dtype or cfg.model.dtype]
     w_div, g_div, o_div = _shards(cfg, world, shape)
     weights = shape.params * DTYPE_BYTES[cfg.model.dtype] / w_div
     grads = optim = 0.0
@@ -172,24 +173,13 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
     o = cfg.optim
     tokens = o.max_tokens_per_micro_batch or o.micro_batch_size * seq
     scored = o.logprob_max_tokens_per_micro_batch or (o.logprob_micro_batch_size or 0) * seq or tokens
-    layer = _layer_activations(cfg, shape, p_bytes)
-    if cfg.model.gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed
-        acts = tokens * (shape.hidden * p_bytes * shape.layers + layer) if trainable else 0.0
-    else:
-        acts = tokens * layer * shape.layers if trainable else 0.0
-    model_par = 1
-    if cfg.strategy.name == "megatron":
-        m = cfg.strategy.megatron
-        model_par = m.tensor_parallel * m.context_parallel
-        acts /= model_par * m.pipeline_parallel
-    # the head runs at the positions before response tokens alone: their logits in the compute dtype
-    # (and their gradient when training); log-probs take fp32 chunks of them
-    response = cfg.rollout.max_new_tokens / seq
-    train_logits = tokens * response * shape.vocab * 2 * p_bytes / model_par if trainable else 0.0
-    scored_logits = scored * response * shape.vocab * p_bytes / model_par  # forward-only (optim.logprob_*)
-    if scored_logits > acts + train_logits:
-        acts = 0.0
-    logits = max(train_logits, scored_logits) + LOGPROB_WORKSPACE
+    per = _token_bytes(cfg, shape, seq)
+    # a rank's larger pass: training (activations kept for backward, the head's output and gradient)
+    # or forward-only (one layer's activations at a time, the head's output; optim.logprob_*)
+    acts, logits = (tokens * per.kept, tokens * per.train_logits) if trainable else (0.0, 0.0)
+    if scored * (per.layer + per.scored_logits) > acts + logits:
+        acts, logits = scored * per.layer, scored * per.scored_logits
+    logits += LOGPROB_WORKSPACE
     total = weights + grads + optim + acts + logits
     parts = (
         f"weights {weights / GIB:.1f} + grads {grads / GIB:.1f} + adam {optim / GIB:.1f} + "
@@ -198,7 +188,65 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
     # offloaded between phases (after the optimizer step has dropped the gradients, which deepspeed and
     # megatron keep in buffers of their own)
     parked = weights + optim + (grads if cfg.strategy.name in ("deepspeed", "megatron") else 0.0)
-    return RolePlan(role, world, total / GIB, parts, parked / GIB)
+    return RolePlan(role, world, total / GIB, parts, parked / GIB, (weights + grads + optim) / GIB)
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Bytes one token of a micro-batch takes at a pass's peak, per model-parallel rank."""
+
+    kept: float  # activations a training pass keeps for backward (all layers)
+    layer: float  # one layer's activations: what a forward-only pass holds at once
+    train_logits: float  # the head's output at response positions and its gradient
+    scored_logits: float  # a forward-only pass's head output
+
+
+def _token_bytes(cfg: RunConfig, shape: Shape, seq: int) -> TokenBytes:
+    """``TokenBytes`` of a row of ``seq`` tokens whose last ``rollout.max_new_tokens`` are the response."""
+    p_bytes = DTYPE_BYTES[cfg.strategy.fsdp2.param_dtype or cfg.model.dtype]
+    layer = _layer_activations(cfg, shape, p_bytes)
+    if cfg.model.gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed
+        kept = shape.hidden * p_bytes * shape.layers + layer
+    else:
+        kept = layer * shape.layers
+    model_par = 1
+    if cfg.strategy.name == "megatron":
+        m = cfg.strategy.megatron
+        model_par = m.tensor_parallel * m.context_parallel
+        kept /= model_par * m.pipeline_parallel
+        layer /= model_par
+    # the head runs at the positions before response tokens alone: their logits in the compute dtype
+    # (and their gradient when training); log-probs take fp32 chunks of them
+    head = cfg.rollout.max_new_tokens / seq * shape.vocab * p_bytes / model_par
+    return TokenBytes(kept=kept, layer=layer, train_logits=2 * head, scored_logits=head)
+
+
+def forward_only_hint(
+    cfg: RunConfig, shape: Shape, plans: dict[str, RolePlan], room_gib: dict[str, float], *, seq: int
+) -> str | None:
+    """Where ``optim.logprob_*`` is unset (forward-only passes cut like training's micro-batches): the
+    setting that gives them the memory each role has within the GPU peak already planned, ``room_gib``
+    (that peak less what else the role's GPU holds meanwhile), as ``reroll plan``'s advice. A
+    forward-only token holds one layer's activations and its logits at once. None where that is less
+    than 1.5 times training's."""
+    o = cfg.optim
+    roles = [r for r in plans if r != "actor_infer"]  # every model role runs forward-only passes
+    if o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch or not roles:
+        return None
+    per = _token_bytes(cfg, shape, seq)
+    room = min(room_gib[r] - plans[r].state_gib for r in roles) * GIB - LOGPROB_WORKSPACE
+    tokens = int(room / (per.layer + per.scored_logits))
+    if o.max_tokens_per_micro_batch:
+        key, now, larger = "optim.logprob_max_tokens_per_micro_batch", o.max_tokens_per_micro_batch, tokens
+    else:
+        key, now, larger = "optim.logprob_micro_batch_size", o.micro_batch_size, tokens // seq
+    if larger < 1.5 * now:
+        return None
+    return (
+        f"forward-only passes (reference, old log-probs, values) are cut like training micro-batches "
+        f"({now}); {key}={larger} fits within the peak above and runs them in fewer, larger passes "
+        f"(faster on a GPU; the same results)"
+    )
 
 
 def _layer_activations(cfg: RunConfig, shape: Shape, p_bytes: int) -> float:
@@ -248,15 +296,21 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     lines += ["", "per GPU:"]
     fits = pool <= gpus
     worst = 0.0
+    room: dict[str, float] = {}  # per role, the least GPU memory it has in its phases within the peak
     for d in range(pool):
         roles = sorted({r for r, _ in dmap.workers_on(d)})
         need = [plans[r].gib for r in roles]
         peak = (max(need) if offload else sum(need)) if need else 0.0
         worst = max(worst, peak)
+        for r in roles:  # without offloading, every other role keeps its peak beside it
+            beside = 0.0 if offload else sum(plans[o].gib for o in roles if o != r)
+            room[r] = min(room.get(r, peak), peak - beside)
         flag = "" if peak <= 0.9 * gpu_memory_gib else "  <- does not fit"
         fits &= not flag
         lines.append(f"  gpu {d}: {peak:8.1f} GiB  {' '.join(roles) or '(unused)'}{flag}")
     lines += _host_lines(dmap, plans, pool) if offload else []
+    hint = forward_only_hint(cfg, shape, plans, room, seq=prompt_tokens + cfg.rollout.max_new_tokens)
+    lines += ["", hint] if hint else []
     if pool > gpus:
         lines.append(f"\nthe pool needs {pool} GPUs but only {gpus} are available")
     verdict = "fits" if fits else "does NOT fit"

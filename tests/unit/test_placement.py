@@ -618,3 +618,37 @@ def test_storage_parking_leaves_host_storages_alone():
     t = torch.arange(6.0)
     assert HostParking().park_storages([t.untyped_storage()]) == []
     assert t.untyped_storage().nbytes() == 24 and torch.equal(t, torch.arange(6.0))
+
+
+def test_the_plan_advises_larger_forward_only_passes_within_its_peak(tmp_path):
+    """Forward-only passes cut like training micro-batches (``optim.logprob_*`` unset) keep no
+    activations for backward: ``reroll plan`` names the setting that gives them the memory the planned
+    peak already holds, and taking it leaves that peak as it was."""
+    from reroll.plan import plan
+
+    base = {
+        "model.path": "Qwen/Qwen2.5-0.5B",
+        "model.dtype": "bfloat16",
+        "rollout.engine": "vllm",
+        "rollout.max_new_tokens": 1024,
+        "optim.micro_batch_size": 8,
+        "placement.devices": 1,
+    }
+
+    def planned(**overrides) -> tuple[float, str | None]:
+        text, _ = plan(_cfg(tmp_path, **base, **overrides), gpus=1, gpu_memory_gib=80)
+        peak = float(text.split("fits: peak ")[1].split()[0])
+        return peak, next((line for line in text.splitlines() if line.startswith("forward-only")), None)
+
+    peak, hint = planned()
+    setting = hint.split("; ")[1].split()[0]
+    key, rows = setting.split("=")
+    assert key == "optim.logprob_micro_batch_size" and int(rows) >= 12
+    assert planned(**{key: rows}) == (peak, None)  # taken: the same peak, no more advice
+    assert planned(**{key: 8})[1] is None  # set by the user: no advice
+    budget, hint = planned(**{"optim.max_tokens_per_micro_batch": 8 * 1536})
+    key, tokens = hint.split("; ")[1].split()[0].split("=")
+    assert key == "optim.logprob_max_tokens_per_micro_batch" and int(tokens) >= int(rows) * 1536
+    assert planned(**{"optim.max_tokens_per_micro_batch": 8 * 1536, key: tokens}) == (budget, None)
+    # resident: every role keeps its peak beside the others, so none has room to spare
+    assert planned(**{"placement.offload": "never"})[1] is None
