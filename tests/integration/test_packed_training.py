@@ -124,6 +124,29 @@ def test_forward_only_micro_batches_give_the_same_logprobs(tmp_path, assets, bat
         torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0, msg=str(overrides))
 
 
+@pytest.mark.parametrize("strategy", ["torch", "fsdp2"])
+def test_lora_packed_equals_padded(tmp_path, assets, batch, strategy):
+    """LoRA (peft's wrapper around the model) packed as padded: the policy's and the base model's
+    (the reference, adapters disabled) log-probs, and the adapters' step."""
+
+    def step(overrides):
+        lora = (f"strategy.name={strategy}", "strategy.lora.rank=8", *overrides)
+        group = TrainerGroup("actor_train", _cfg(tmp_path, assets, lora), trainable=True)
+        group.configure_optimizer(LR, 0)
+        base = group.compute_logprobs(batch, base_model=True)
+        metrics = group.train_rl(batch)
+        return base, group.compute_logprobs(batch), metrics
+
+    base_a, after_a, m_a = step(BASELINE)
+    base_b, after_b, m_b = step(VARIANTS["token_budget_packed"])
+    mask = batch.attention_mask  # padding columns are never read
+    torch.testing.assert_close(base_b[mask], base_a[mask], atol=1e-5, rtol=0)
+    assert m_b["actor/loss"] == pytest.approx(m_a["actor/loss"], rel=1e-5)
+    assert m_b["actor/grad_norm"] == pytest.approx(m_a["actor/grad_norm"], rel=1e-5)
+    assert (after_a[mask] - base_a[mask]).abs().max() > 1e-4  # the adapters moved the policy
+    torch.testing.assert_close(after_b[mask], after_a[mask], atol=1e-4, rtol=0)
+
+
 def test_critic_packed_equals_padded(tmp_path, assets, batch):
     """The critic's values and its step are the same packed (and token-budgeted) as padded."""
     g = torch.Generator().manual_seed(1)
