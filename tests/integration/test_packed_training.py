@@ -147,6 +147,22 @@ def test_lora_packed_equals_padded(tmp_path, assets, batch, strategy):
     torch.testing.assert_close(after_b[mask], after_a[mask], atol=1e-4, rtol=0)
 
 
+def test_deepspeed_packed_equals_padded(tmp_path, assets, batch, initial):
+    """DeepSpeed ZeRO-3 (parameters gathered inside the forward) packed as padded."""
+    from reroll.strategies import strategy_available
+
+    if not strategy_available("deepspeed"):
+        pytest.skip("deepspeed is not installed (pip install 'reroll[deepspeed]')")
+    zero3 = ("strategy.name=deepspeed", "strategy.deepspeed.zero_stage=3")
+    lp_a, m_a, w_a = _actor_step(_cfg(tmp_path, assets, (*zero3, *BASELINE)), batch)
+    lp_b, m_b, w_b = _actor_step(_cfg(tmp_path, assets, (*zero3, *VARIANTS["token_budget_packed"])), batch)
+    mask = batch.attention_mask  # padding columns are never read
+    torch.testing.assert_close(lp_b[mask], lp_a[mask], atol=1e-5, rtol=0)
+    assert m_b["actor/loss"] == pytest.approx(m_a["actor/loss"], rel=1e-5)
+    assert m_b["actor/grad_norm"] == pytest.approx(m_a["actor/grad_norm"], rel=1e-5)
+    _assert_same_step(w_a, w_b, initial)
+
+
 def test_critic_packed_equals_padded(tmp_path, assets, batch):
     """The critic's values and its step are the same packed (and token-budgeted) as padded."""
     g = torch.Generator().manual_seed(1)
