@@ -7,8 +7,9 @@ response positions (or a forward-only pass's, ``optim.logprob_*``, when larger),
 and KV cache, and the reference's weights. Colocated roles that offload between phases need the
 largest of them on a GPU; without offloading, their sum, and host memory for what they park there
 (``_host_lines``). Where forward-only passes are cut like training's micro-batches, it names the
-``optim.logprob_*`` setting that fits them within that peak (``forward_only_hint``). The shape comes from ``model.path``'s
-config.json where it is a local directory, else from a table of the model families the examples use.
+``optim.logprob_*`` setting that fits them within that peak (``forward_only_hint``). The shape comes
+from ``model.path``'s config.json where it is a local directory, else from a table of the model
+families the examples use.
 """
 
 from __future__ import annotations
@@ -303,7 +304,7 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
         peak = (max(need) if offload else sum(need)) if need else 0.0
         worst = max(worst, peak)
         for r in roles:  # without offloading, every other role keeps its peak beside it
-            beside = 0.0 if offload else sum(plans[o].gib for o in roles if o != r)
+            beside = 0.0 if offload else sum(plans[other].gib for other in roles if other != r)
             room[r] = min(room.get(r, peak), peak - beside)
         flag = "" if peak <= 0.9 * gpu_memory_gib else "  <- does not fit"
         fits &= not flag
