@@ -332,9 +332,9 @@ class OptimConfig(StrictModel):
         "kernel on CUDA, sdpa row by row elsewhere), so no layer computes padding. Models whose attention "
         "cannot be switched (sliding windows, soft-capping, not sdpa) pack on sdpa's block-diagonal mask, "
         "whose attention costs the square of the packed length. None (the default): on where the trainer "
-        "(a causal LM) runs on CUDA with that kernel, off elsewhere (CPU, score heads). On an H100 it "
-        "trained a batch of 16-256-token responses about 9% faster than padded rows and one of uniform "
-        "length about 3% slower (docs/benchmarks.md, Packed rows).",
+        "(a causal LM) runs on CUDA in bf16/fp16 with that kernel, off elsewhere (CPU, fp32, score "
+        "heads). On an H100 it trained a batch of 16-256-token responses about 9% faster than padded "
+        "rows and one of uniform length about 3% slower (docs/benchmarks.md, Packed rows).",
     )
     group_by_length: bool = Field(
         True,

@@ -51,12 +51,14 @@ def attend_rows_apart(model: torch.nn.Module) -> bool:
     return True
 
 
-def wants_packing(packing: bool | None, device: torch.device) -> bool:
-    """``optim.packing`` resolved for a model on ``device``: as set, or (None) where the varlen kernel
-    runs: on CUDA with torch's ``varlen_attn``."""
+def wants_packing(packing: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """``optim.packing`` resolved for a model computing in ``dtype`` on ``device``: as set, or (None)
+    where the varlen kernel runs: in half precision on CUDA with torch's ``varlen_attn`` (an fp32 model
+    would attend row by row, one kernel per row and layer)."""
     if packing is not None:
         return packing
-    return device.type == "cuda" and _varlen() is not None
+    half = dtype in (torch.float16, torch.bfloat16)
+    return device.type == "cuda" and half and _varlen() is not None
 
 
 def packed_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict[str, Any]:

@@ -254,16 +254,17 @@ def test_rows_apart_only_where_the_model_allows_it():
 
 
 def test_packing_none_resolves_on_where_the_varlen_kernel_runs(monkeypatch):
-    """``optim.packing: null``: on for a model on CUDA where torch has ``varlen_attn``, off on CPU or
-    without it; true and false are kept as set."""
+    """``optim.packing: null``: on for a model computing in half precision on CUDA where torch has
+    ``varlen_attn``, off on CPU, in fp32 or without it; true and false are kept as set."""
     from reroll.models.packed_attention import wants_packing
 
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cuda, cpu, bf16, fp32 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16, torch.float32
     monkeypatch.setattr(packed_attention, "_varlen", lambda: (None, frozenset()))
-    assert wants_packing(None, cuda) and not wants_packing(None, cpu)
-    assert wants_packing(True, cpu) and not wants_packing(False, cuda)
+    assert wants_packing(None, cuda, bf16) and wants_packing(None, cuda, torch.float16)
+    assert not wants_packing(None, cpu, bf16) and not wants_packing(None, cuda, fp32)
+    assert wants_packing(True, cpu, fp32) and not wants_packing(False, cuda, bf16)
     monkeypatch.setattr(packed_attention, "_varlen", lambda: None)
-    assert not wants_packing(None, cuda)
+    assert not wants_packing(None, cuda, bf16)
 
 
 @pytest.mark.parametrize("packing", [None, True, False])
