@@ -204,7 +204,7 @@ class TokenBytes:
 
 def _token_bytes(cfg: RunConfig, shape: Shape, seq: int) -> TokenBytes:
     """``TokenBytes`` of a row of ``seq`` tokens whose last ``rollout.max_new_tokens`` are the response."""
-    p_bytes = DTYPE_BYTES[cfg.strategy.fsdp2.param_dtype or cfg.model.dtype]
+    p_bytes = DTYPE_BYTES[cfg.compute_dtype]
     layer = _layer_activations(cfg, shape, p_bytes)
     if cfg.model.gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed
         kept = shape.hidden * p_bytes * shape.layers + layer

@@ -773,6 +773,12 @@ class RunConfig(StrictModel):
         return self.rollout.batch_size // self.rollout.group_size
 
     @property
+    def compute_dtype(self) -> str:
+        """The dtype the trainers' layers compute in: fsdp2's ``param_dtype`` where set (mixed
+        precision; a set one also makes ``strategy.name: auto`` pick fsdp2), else ``model.dtype``."""
+        return self.strategy.fsdp2.param_dtype or self.model.dtype
+
+    @property
     def critic_model_path(self) -> str:
         """Where the critic starts from: ``critic.model_path``, else the policy's ``model.path``."""
         return (self.critic and self.critic.model_path) or self.model.path

@@ -138,8 +138,7 @@ def use_kernels(model: torch.nn.Module, cfg: RunConfig, device: torch.device) ->
     packed rows apart at each row's own cost (``packed_attention``)."""
     if cfg.model.fused_norm:
         fuse_rms_norms(model)
-    compute = DTYPES[cfg.strategy.fsdp2.param_dtype or cfg.model.dtype]  # what attention runs in
-    if wants_packing(cfg.optim.packing, device, compute) and not attend_rows_apart(model):
+    if wants_packing(cfg.optim.packing, device, DTYPES[cfg.compute_dtype]) and not attend_rows_apart(model):
         log.info("optim.packing: this model keeps sdpa's attention over the whole packed row (block mask)")
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 NAME = "reroll_packed"
+HALF = (torch.float16, torch.bfloat16)  # what the varlen flash kernel takes
 
 
 def attend_rows_apart(model: torch.nn.Module) -> bool:
@@ -57,8 +58,7 @@ def wants_packing(packing: bool | None, device: torch.device, dtype: torch.dtype
     would attend row by row, one kernel per row and layer)."""
     if packing is not None:
         return packing
-    half = dtype in (torch.float16, torch.bfloat16)
-    return device.type == "cuda" and half and _varlen() is not None
+    return device.type == "cuda" and dtype in HALF and _varlen() is not None
 
 
 def packed_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
@@ -137,8 +137,7 @@ def _flash_can(q: torch.Tensor) -> bool:
     """Whether torch's flash kernel takes these queries: CUDA, half precision, head size a multiple of 8
     up to 256 (an fp32 model goes row by row through sdpa)."""
     d = q.shape[-1]
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    return q.is_cuda and half and d % 8 == 0 and d <= 256 and _varlen() is not None
+    return q.is_cuda and q.dtype in HALF and d % 8 == 0 and d <= 256 and _varlen() is not None
 
 
 def _restarts(position_ids: torch.Tensor | None, batch: int) -> bool:
