@@ -2,14 +2,12 @@
 
 The estimate is arithmetic on the model's shape, not a measurement: weights, gradients and AdamW
 state per training rank after sharding (fsdp2 / deepspeed / megatron), activations of one micro-batch
-(per layer, calibrated on a measured training pass: ``_layer_activations``) and the logits at its
-response positions (or a forward-only pass's, ``optim.logprob_*``, when larger), the engine's weights
-and KV cache, and the reference's weights. Colocated roles that offload between phases need the
-largest of them on a GPU; without offloading, their sum, and host memory for what they park there
-(``_host_lines``). Where forward-only passes are cut like training's micro-batches, it names the
-``optim.logprob_*`` setting that fits them within that peak (``forward_only_hint``). The shape comes
-from ``model.path``'s config.json where it is a local directory, else from a table of the model
-families the examples use.
+and the logits at its response positions, or a forward-only pass's at the size the run takes where
+larger (``reroll.config.memory``), the engine's weights and KV cache, and the reference's weights.
+Colocated roles that offload between phases need the largest of them on a GPU; without offloading,
+their sum, and host memory for what they park there (``_host_lines``). The shape comes from
+``model.path``'s config.json where it is a local directory, else from a table of the model families
+the examples use.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from reroll.config.memory import DTYPE_BYTES, Shape, forward_only_limits, token_bytes, token_shape
 from reroll.config.placement import device_map, offload_between_phases, run_roles, trainer_strategy
 from reroll.config.schema import RunConfig
 from reroll.config.startable import start_problems
@@ -28,28 +27,10 @@ from reroll.errors import UserError
 FROZEN_ROLES = ("reference", "teacher", "reward_model")
 
 GIB = 1024**3
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 # fp32 chunks that per-token log-probs use at once on a GPU (about 4 of CHUNK_ELEMENTS_CUDA in
 # reroll.algorithms.logprobs, not imported here: the plan needs no torch)
 LOGPROB_WORKSPACE = 4 * 2**26 * 4
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the estimate needs of a model."""
-
-    params: float  # total parameters (all experts of a MoE)
-    layers: int
-    hidden: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    expert_params: float = 0.0  # the part of ``params`` in routed experts
-    intermediate: int = 0  # MLP width a token passes through (MoE: its experts'); 0: 4 x hidden
-
-    @property
-    def mlp(self) -> int:
-        return self.intermediate or 4 * self.hidden
 
 
 # Published shapes of the model families the example configs use (parameters from the model cards).
@@ -91,29 +72,7 @@ def _shape_from_config(c: dict, path: Path) -> Shape:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     params = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    heads = c["num_attention_heads"]
-    return Shape(
-        float(params),
-        c["num_hidden_layers"],
-        c["hidden_size"],
-        c.get("num_key_value_heads", heads),
-        c.get("head_dim") or c["hidden_size"] // heads,
-        c["vocab_size"],
-        float(experts),
-        _mlp_width(c),
-    )
-
-
-def _mlp_width(c: dict) -> int:
-    """The MLP width one token's activations have: a dense model's ``intermediate_size``; a MoE's routed
-    experts a token (``num_experts_per_tok`` x ``moe_intermediate_size``) plus a shared expert's."""
-    routed = c.get("num_experts_per_tok") and c.get("moe_intermediate_size")
-    if routed:
-        return int(
-            c["num_experts_per_tok"] * c["moe_intermediate_size"]
-            + c.get("shared_expert_intermediate_size", 0)
-        )
-    return int(c.get("intermediate_size") or 0)
+    return token_shape(c, params=float(params), expert_params=float(experts))
 
 
 @dataclass
@@ -123,7 +82,6 @@ class RolePlan:
     gib: float  # per GPU, at this role's peak
     parts: str  # what the estimate is made of
     parked_gib: float = 0.0  # per rank, what it keeps in host memory while offloaded
-    state_gib: float = 0.0  # per GPU, what it holds outside a pass: weights, gradients, Adam state
 
 
 def estimate(cfg: RunConfig, shape: Shape, *, prompt_tokens: int) -> list[RolePlan]:
@@ -173,8 +131,9 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
         optim = trained * per_param / (o_div if lora is None else 1)
     o = cfg.optim
     tokens = o.max_tokens_per_micro_batch or o.micro_batch_size * seq
-    scored = o.logprob_max_tokens_per_micro_batch or (o.logprob_micro_batch_size or 0) * seq or tokens
-    per = _token_bytes(cfg, shape, seq)
+    rows, budget = forward_only_limits(cfg, shape, seq)
+    scored = budget or (rows or 0) * seq
+    per = token_bytes(cfg, shape, seq)
     # a rank's larger pass: training (activations kept for backward, the head's output and gradient)
     # or forward-only (one layer's activations at a time, the head's output; optim.logprob_*)
     acts, logits = (tokens * per.kept, tokens * per.train_logits) if trainable else (0.0, 0.0)
@@ -189,76 +148,21 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
     # offloaded between phases (after the optimizer step has dropped the gradients, which deepspeed and
     # megatron keep in buffers of their own)
     parked = weights + optim + (grads if cfg.strategy.name in ("deepspeed", "megatron") else 0.0)
-    return RolePlan(role, world, total / GIB, parts, parked / GIB, (weights + grads + optim) / GIB)
+    return RolePlan(role, world, total / GIB, parts, parked / GIB)
 
 
-@dataclass(frozen=True)
-class TokenBytes:
-    """Bytes one token of a micro-batch takes at a pass's peak, per model-parallel rank."""
-
-    kept: float  # activations a training pass keeps for backward (all layers)
-    layer: float  # one layer's activations: what a forward-only pass holds at once
-    train_logits: float  # the head's output at response positions and its gradient
-    scored_logits: float  # a forward-only pass's head output
-
-
-def _token_bytes(cfg: RunConfig, shape: Shape, seq: int) -> TokenBytes:
-    """``TokenBytes`` of a row of ``seq`` tokens whose last ``rollout.max_new_tokens`` are the response."""
-    p_bytes = DTYPE_BYTES[cfg.compute_dtype]
-    layer = _layer_activations(cfg, shape, p_bytes)
-    if cfg.model.gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed
-        kept = shape.hidden * p_bytes * shape.layers + layer
-    else:
-        kept = layer * shape.layers
-    model_par = 1
-    if cfg.strategy.name == "megatron":
-        m = cfg.strategy.megatron
-        model_par = m.tensor_parallel * m.context_parallel
-        kept /= model_par * m.pipeline_parallel
-        layer /= model_par
-    # the head runs at the positions before response tokens alone: their logits in the compute dtype
-    # (and their gradient when training); log-probs take fp32 chunks of them
-    head = cfg.rollout.max_new_tokens / seq * shape.vocab * p_bytes / model_par
-    return TokenBytes(kept=kept, layer=layer, train_logits=2 * head, scored_logits=head)
-
-
-def forward_only_hint(
-    cfg: RunConfig, shape: Shape, plans: dict[str, RolePlan], room_gib: dict[str, float], *, seq: int
-) -> str | None:
-    """Where ``optim.logprob_*`` is unset (forward-only passes cut like training's micro-batches): the
-    setting that gives them the memory each role has within the GPU peak already planned, ``room_gib``
-    (that peak less what else the role's GPU holds meanwhile), as ``reroll plan``'s advice. A
-    forward-only token holds one layer's activations and its logits at once. None where that is less
-    than 1.5 times training's."""
+def _forward_only_line(cfg: RunConfig, shape: Shape, seq: int) -> str:
+    """What ``forward_only_limits`` gives the forward-only passes, and why."""
     o = cfg.optim
-    roles = [r for r in plans if r != "actor_infer"]  # every model role runs forward-only passes
-    if o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch or not roles:
-        return None
-    per = _token_bytes(cfg, shape, seq)
-    room = min(room_gib[r] - plans[r].state_gib for r in roles) * GIB - LOGPROB_WORKSPACE
-    tokens = int(room / (per.layer + per.scored_logits))
-    if o.max_tokens_per_micro_batch:
-        key, now, larger = "optim.logprob_max_tokens_per_micro_batch", o.max_tokens_per_micro_batch, tokens
+    rows, tokens = forward_only_limits(cfg, shape, seq)
+    size = f"{tokens} tokens" if tokens else f"{rows} rows"
+    if o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch:
+        why = "optim.logprob_*"
+    elif (tokens or rows) == (o.max_tokens_per_micro_batch or o.micro_batch_size):
+        why = "as training's micro-batches: colocated roles that never offload keep each pass's memory"
     else:
-        key, now, larger = "optim.logprob_micro_batch_size", o.micro_batch_size, tokens // seq
-    if larger < 1.5 * now:
-        return None
-    return (
-        f"forward-only passes (reference, old log-probs, values) are cut like training micro-batches "
-        f"({now}); {key}={larger} fits within the peak above and runs them in fewer, larger passes "
-        f"(faster on a GPU; the same results)"
-    )
-
-
-def _layer_activations(cfg: RunConfig, shape: Shape, p_bytes: int) -> float:
-    """Bytes a token leaves in one decoder layer for the backward pass of a Hugging Face model: the MLP's
-    four tensors of its width (gate, up, the activation, their product) and about nine of the hidden
-    size (attention's inputs and outputs, the norms' inputs), four more where the RMSNorm layers run
-    the model's own fp32 code (``model.fused_norm: false``). Calibrated on one measurement: the
-    Qwen2.5-0.5B shape's training pass at 64 rows of 384 tokens in bf16 peaked at 41.6 GiB (45.6 GiB
-    with the model's own norms) on an H100 (docs/benchmarks.md, run K); the estimate: 41.3 (45.3)."""
-    per_hidden = 9 if cfg.model.fused_norm else 13
-    return p_bytes * (per_hidden * shape.hidden + 4 * shape.mlp)
+        why = "optim.logprob_* unset: as many as hold a training micro-batch's memory"
+    return f"forward-only passes (reference, old log-probs, values) on GPUs: {size} at a time ({why})"
 
 
 def _engine(cfg: RunConfig, shape: Shape, seq: int, world: int) -> RolePlan:
@@ -297,21 +201,16 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     lines += ["", "per GPU:"]
     fits = pool <= gpus
     worst = 0.0
-    room: dict[str, float] = {}  # per role, the least GPU memory it has in its phases within the peak
     for d in range(pool):
         roles = sorted({r for r, _ in dmap.workers_on(d)})
         need = [plans[r].gib for r in roles]
         peak = (max(need) if offload else sum(need)) if need else 0.0
         worst = max(worst, peak)
-        for r in roles:  # without offloading, every other role keeps its peak beside it
-            beside = 0.0 if offload else sum(plans[other].gib for other in roles if other != r)
-            room[r] = min(room.get(r, peak), peak - beside)
         flag = "" if peak <= 0.9 * gpu_memory_gib else "  <- does not fit"
         fits &= not flag
         lines.append(f"  gpu {d}: {peak:8.1f} GiB  {' '.join(roles) or '(unused)'}{flag}")
     lines += _host_lines(dmap, plans, pool) if offload else []
-    hint = forward_only_hint(cfg, shape, plans, room, seq=prompt_tokens + cfg.rollout.max_new_tokens)
-    lines += ["", hint] if hint else []
+    lines += ["", _forward_only_line(cfg, shape, prompt_tokens + cfg.rollout.max_new_tokens)]
     if pool > gpus:
         lines.append(f"\nthe pool needs {pool} GPUs but only {gpus} are available")
     verdict = "fits" if fits else "does NOT fit"

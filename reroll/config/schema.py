@@ -316,8 +316,10 @@ class OptimConfig(StrictModel):
         None,
         ge=1,
         description="Sequences per forward-only pass (reference and old log-probs, critic values): these "
-        "keep no activations for backward, so they can batch larger than training. None: as training "
-        "(micro_batch_size / max_tokens_per_micro_batch), unless logprob_max_tokens_per_micro_batch is set.",
+        "keep no activations for backward, so they can batch larger than training. None (with "
+        "logprob_max_tokens_per_micro_batch unset): on a GPU, as many rows (or tokens) as hold one training "
+        "micro-batch's memory, from the model's shape (reroll plan prints the size; training's where "
+        "colocated roles never offload); off GPUs, training's micro_batch_size / max_tokens_per_micro_batch.",
     )
     logprob_max_tokens_per_micro_batch: int | None = Field(
         None,

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from reroll.algorithms.logprobs import selected_logprobs_and_entropy
+from reroll.config.memory import forward_only_limits, model_token_shape
 from reroll.config.placement import colocated_engines, colocated_trainer_roles, scaled_peak
 from reroll.config.schema import RunConfig
 from reroll.data.packing import length_order, micro_batches, pack, unpack
@@ -140,6 +141,8 @@ class StrategyWorker:
             world_size=getattr(cfg.roles, role).world_size,
             head=head,
         )
+        # forward-only passes on a GPU size from the model's shape (forward_only_limits)
+        self._shape = model_token_shape(model_path) if self.strategy.device.type == "cuda" else None
         # optim.packing; None: where the model's attention keeps packed rows apart (a causal LM on CUDA)
         packing = cfg.optim.packing
         self.packing = (
@@ -250,7 +253,7 @@ class StrategyWorker:
         collective), as far as its rows allow."""
         if by_length:
             batch = batch.select(self._row_order(batch, forward_only=forward_only))
-        limits = self._limits(forward_only)
+        limits = self._limits(forward_only, batch.input_ids.shape[1])
         parts = micro_batches(batch, **limits)
         if dist.is_initialized() and dist.get_world_size() > 1:
             device = (
@@ -316,12 +319,16 @@ class StrategyWorker:
             entropy=entropy,
         )
 
-    def _limits(self, forward_only: bool) -> dict[str, int | None]:
-        """``micro_batches``' limits: ``optim.max_tokens_per_micro_batch`` real tokens when set, else
-        ``optim.micro_batch_size`` rows; for a forward-only pass the ``optim.logprob_*`` ones when set."""
+    def _limits(self, forward_only: bool, width: int) -> dict[str, int | None]:
+        """``micro_batches``' limits for rows ``width`` tokens wide: ``optim.max_tokens_per_micro_batch``
+        real tokens when set, else ``optim.micro_batch_size`` rows; for a forward-only pass the
+        ``optim.logprob_*`` ones when set, and where unset on a GPU, training's scaled to the same memory
+        (``forward_only_limits``)."""
         o = self.cfg.optim
         rows, budget = o.micro_batch_size, o.max_tokens_per_micro_batch
-        if forward_only and (o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch):
+        if forward_only and self._shape is not None:
+            rows, budget = forward_only_limits(self.cfg, self._shape, width)
+        elif forward_only and (o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch):
             rows, budget = o.logprob_micro_batch_size, o.logprob_max_tokens_per_micro_batch
         return {"max_rows": None if budget else rows, "max_tokens": budget}
 
@@ -329,7 +336,7 @@ class StrategyWorker:
         """The order micro-batches take the rows in: longest first with ``optim.group_by_length`` (rows of
         similar length share a micro-batch, so little padding is computed); as given without it, or where
         the rows fit in one micro-batch (reordering them would change only the float summation order)."""
-        limits, order = self._limits(forward_only), torch.arange(len(batch))
+        limits, order = self._limits(forward_only, batch.input_ids.shape[1]), torch.arange(len(batch))
         rows, budget = limits["max_rows"], limits["max_tokens"]
         one = len(batch) <= rows if budget is None else int(batch.attention_mask.sum()) <= budget
         return order if one or not self.cfg.optim.group_by_length else length_order(batch)

@@ -124,6 +124,30 @@ def test_forward_only_micro_batches_give_the_same_logprobs(tmp_path, assets, bat
         torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0, msg=str(overrides))
 
 
+def test_forward_only_passes_on_a_gpu_take_a_training_micro_batchs_memory(tmp_path, assets, batch):
+    """With optim.logprob_* unset, a GPU rank cuts forward-only passes by the model's shape
+    (``forward_only_limits``: as many rows as hold a training micro-batch's memory), so it runs fewer
+    of them than training's micro-batches, with the same log-probs. Here the CPU rank is given the
+    shape a GPU rank reads at start; a CPU rank keeps training's cut."""
+    from reroll.config.memory import forward_only_limits, model_token_shape
+
+    group = TrainerGroup("actor_train", _cfg(tmp_path, assets, BASELINE), trainable=True)
+    worker = group.handles[0]._obj
+    assert worker._shape is None  # off GPUs: training's cut
+    forward, calls = worker.strategy.logits, []
+    worker.strategy.logits = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    want = group.compute_logprobs(batch)
+    assert len(calls) == 6  # 22 rows, 4 at a time
+    worker._shape = model_token_shape(str(assets["model"]))
+    rows, tokens = forward_only_limits(worker.cfg, worker._shape, batch.input_ids.shape[1])
+    assert tokens is None and rows > 4
+    calls.clear()
+    got = group.compute_logprobs(batch)
+    assert len(calls) == math.ceil(22 / rows) < 6
+    mask = batch.attention_mask
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("strategy", ["torch", "fsdp2"])
 def test_lora_packed_equals_padded(tmp_path, assets, batch, strategy):
     """LoRA (peft's wrapper around the model) packed as padded: the policy's and the base model's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import yaml
@@ -620,10 +622,11 @@ def test_storage_parking_leaves_host_storages_alone():
     assert t.untyped_storage().nbytes() == 24 and torch.equal(t, torch.arange(6.0))
 
 
-def test_the_plan_advises_larger_forward_only_passes_within_its_peak(tmp_path):
-    """Forward-only passes cut like training micro-batches (``optim.logprob_*`` unset) keep no
-    activations for backward: ``reroll plan`` names the setting that gives them the memory the planned
-    peak already holds, and taking it leaves that peak as it was."""
+def test_the_plans_forward_only_passes_hold_a_training_micro_batchs_memory(tmp_path):
+    """Forward-only passes (``optim.logprob_*`` unset) keep no activations for backward: on GPUs they
+    take as many rows (or tokens) as hold a training micro-batch's memory, and ``reroll plan`` says how
+    many, at the peak it had with training's cut; colocated roles that never offload keep training's
+    cut, and a user's setting is kept."""
     from reroll.plan import plan
 
     base = {
@@ -635,20 +638,25 @@ def test_the_plan_advises_larger_forward_only_passes_within_its_peak(tmp_path):
         "placement.devices": 1,
     }
 
-    def planned(**overrides) -> tuple[float, str | None]:
+    def planned(**overrides) -> tuple[float, str]:
         text, _ = plan(_cfg(tmp_path, **base, **overrides), gpus=1, gpu_memory_gib=80)
-        peak = float(text.split("fits: peak ")[1].split()[0])
-        return peak, next((line for line in text.splitlines() if line.startswith("forward-only")), None)
+        peak = float(re.search(r"fits?: peak ([\d.]+)", text)[1])
+        line = next(line for line in text.splitlines() if line.startswith("forward-only"))
+        return peak, line.split(": ", 1)[1]
 
-    peak, hint = planned()
-    setting = hint.split("; ")[1].split()[0]
-    key, rows = setting.split("=")
-    assert key == "optim.logprob_micro_batch_size" and int(rows) >= 12
-    assert planned(**{key: rows}) == (peak, None)  # taken: the same peak, no more advice
-    assert planned(**{key: 8})[1] is None  # set by the user: no advice
-    budget, hint = planned(**{"optim.max_tokens_per_micro_batch": 8 * 1536})
-    key, tokens = hint.split("; ")[1].split()[0].split("=")
-    assert key == "optim.logprob_max_tokens_per_micro_batch" and int(tokens) >= int(rows) * 1536
-    assert planned(**{"optim.max_tokens_per_micro_batch": 8 * 1536, key: tokens}) == (budget, None)
-    # resident: every role keeps its peak beside the others, so none has room to spare
-    assert planned(**{"placement.offload": "never"})[1] is None
+    peak, said = planned()
+    rows = int(said.split()[0])
+    assert rows >= 12 and "optim.logprob_* unset" in said
+    assert planned(**{"optim.logprob_micro_batch_size": 8})[0] == peak  # training's peak, as before
+    assert planned(**{"optim.logprob_micro_batch_size": rows}) == (
+        peak,
+        f"{rows} rows at a time (optim.logprob_*)",
+    )
+    assert planned(**{"optim.logprob_micro_batch_size": 4 * rows})[0] > peak
+    budget = {"optim.max_tokens_per_micro_batch": 8 * 1536}
+    peak, said = planned(**budget)
+    assert said.endswith("unset: as many as hold a training micro-batch's memory)")
+    assert int(said.split()[0]) >= rows * 1536 and said.split()[1] == "tokens"
+    assert planned(**budget, **{"optim.logprob_max_tokens_per_micro_batch": 8 * 1536})[0] == peak
+    # resident: every role keeps its passes' memory beside the others'
+    assert planned(**{"placement.offload": "never"})[1].startswith("8 rows at a time (as training's")

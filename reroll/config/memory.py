@@ -1,0 +1,136 @@
+"""Memory arithmetic of a model's passes from its shape: what one token of a micro-batch holds at a
+training pass's peak and at a forward-only pass's (``token_bytes``), and the size of the forward-only
+passes that follows (``forward_only_limits``). ``reroll plan`` estimates a run from it; the trainers
+size their forward-only passes on GPUs with it. No torch: the plan runs without it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reroll.config.placement import offload_between_phases
+from reroll.config.schema import RunConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the estimate needs of a model."""
+
+    params: float  # total parameters (all experts of a MoE)
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    expert_params: float = 0.0  # the part of ``params`` in routed experts
+    intermediate: int = 0  # MLP width a token passes through (MoE: its experts'); 0: 4 x hidden
+
+    @property
+    def mlp(self) -> int:
+        return self.intermediate or 4 * self.hidden
+
+
+def token_shape(c: dict, *, params: float = 0.0, expert_params: float = 0.0) -> Shape:
+    """The shape a Hugging Face ``config.json`` (as a dict) describes; ``params`` (which only the
+    state's estimate needs) as given."""
+    heads = c["num_attention_heads"]
+    return Shape(
+        params,
+        c["num_hidden_layers"],
+        c["hidden_size"],
+        c.get("num_key_value_heads", heads),
+        c.get("head_dim") or c["hidden_size"] // heads,
+        c["vocab_size"],
+        expert_params,
+        _mlp_width(c),
+    )
+
+
+def model_token_shape(path: str) -> Shape | None:
+    """The per-token part of ``path``'s shape (a local model or one in the Hugging Face cache), from its
+    config (a multimodal model's ``text_config``); None where the config does not say."""
+    from transformers import AutoConfig
+
+    try:
+        c = AutoConfig.from_pretrained(path).to_dict()
+        return token_shape(c if "num_hidden_layers" in c else c.get("text_config") or {})
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _mlp_width(c: dict) -> int:
+    """The MLP width one token's activations have: a dense model's ``intermediate_size``; a MoE's routed
+    experts a token (``num_experts_per_tok`` x ``moe_intermediate_size``) plus a shared expert's."""
+    routed = c.get("num_experts_per_tok") and c.get("moe_intermediate_size")
+    if routed:
+        return int(
+            c["num_experts_per_tok"] * c["moe_intermediate_size"]
+            + c.get("shared_expert_intermediate_size", 0)
+        )
+    return int(c.get("intermediate_size") or 0)
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Bytes one token of a micro-batch takes at a pass's peak, per model-parallel rank."""
+
+    kept: float  # activations a training pass keeps for backward (all layers)
+    layer: float  # one layer's activations: what a forward-only pass holds at once
+    train_logits: float  # the head's output at response positions and its gradient
+    scored_logits: float  # a forward-only pass's head output
+
+
+def token_bytes(cfg: RunConfig, shape: Shape, seq: int) -> TokenBytes:
+    """``TokenBytes`` of a row of ``seq`` tokens whose last ``rollout.max_new_tokens`` (at most all) are
+    the response."""
+    p_bytes = DTYPE_BYTES[cfg.compute_dtype]
+    layer = layer_activations(cfg, shape, p_bytes)
+    if cfg.model.gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed
+        kept = shape.hidden * p_bytes * shape.layers + layer
+    else:
+        kept = layer * shape.layers
+    model_par = 1
+    if cfg.strategy.name == "megatron":
+        m = cfg.strategy.megatron
+        model_par = m.tensor_parallel * m.context_parallel
+        kept /= model_par * m.pipeline_parallel
+        layer /= model_par
+    # the head runs at the positions before response tokens alone: their logits in the compute dtype
+    # (and their gradient when training); log-probs take fp32 chunks of them
+    head = min(cfg.rollout.max_new_tokens / seq, 1.0) * shape.vocab * p_bytes / model_par
+    return TokenBytes(kept=kept, layer=layer, train_logits=2 * head, scored_logits=head)
+
+
+def forward_only_limits(cfg: RunConfig, shape: Shape, seq: int) -> tuple[int | None, int | None]:
+    """``(rows, tokens)``, one of them None: the most a forward-only pass (reference and old log-probs,
+    critic values) of a GPU run takes at once, for rows of ``seq`` tokens. The ``optim.logprob_*``
+    settings where either is set. Else training's limit (``optim.micro_batch_size`` rows, or
+    ``optim.max_tokens_per_micro_batch`` tokens) times the forward-only tokens that fit in the memory a
+    training token takes at its peak: its activations kept for backward, the head's output and its
+    gradient, against one layer's activations and the head's output (``TokenBytes``). Such a pass holds
+    no more than a training micro-batch, in fewer, larger passes. Training's limit where colocated
+    roles never offload (``placement.offload: never``): there every role keeps its passes' memory
+    beside the others'."""
+    o = cfg.optim
+    if o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch:
+        return o.logprob_micro_batch_size, o.logprob_max_tokens_per_micro_batch
+    rows, tokens = (
+        (None, o.max_tokens_per_micro_batch) if o.max_tokens_per_micro_batch else (o.micro_batch_size, None)
+    )
+    if not offload_between_phases(cfg, "cuda"):
+        return rows, tokens
+    per = token_bytes(cfg, shape, seq)
+    scale = max((per.kept + per.train_logits) / (per.layer + per.scored_logits), 1.0)
+    return (None, int(tokens * scale)) if tokens else (int(rows * scale), None)
+
+
+def layer_activations(cfg: RunConfig, shape: Shape, p_bytes: int) -> float:
+    """Bytes a token leaves in one decoder layer for the backward pass of a Hugging Face model: the MLP's
+    four tensors of its width (gate, up, the activation, their product) and about nine of the hidden
+    size (attention's inputs and outputs, the norms' inputs), four more where the RMSNorm layers run
+    the model's own fp32 code (``model.fused_norm: false``). Calibrated on one measurement: the
+    Qwen2.5-0.5B shape's training pass at 64 rows of 384 tokens in bf16 peaked at 41.6 GiB (45.6 GiB
+    with the model's own norms) on an H100 (docs/benchmarks.md, run K); the estimate: 41.3 (45.3)."""
+    per_hidden = 9 if cfg.model.fused_norm else 13
+    return p_bytes * (per_hidden * shape.hidden + 4 * shape.mlp)
