@@ -131,14 +131,16 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
         optim = trained * per_param / (o_div if lora is None else 1)
     o = cfg.optim
     tokens = o.max_tokens_per_micro_batch or o.micro_batch_size * seq
-    rows, budget = forward_only_limits(cfg, shape, seq)
+    everywhere = role == "teacher"  # a teacher's head runs at every position
+    rows, budget = forward_only_limits(cfg, shape, seq, every_position=everywhere)
     scored = budget or (rows or 0) * seq
     per = token_bytes(cfg, shape, seq)
+    scored_logits = per.all_logits if everywhere else per.scored_logits
     # a rank's larger pass: training (activations kept for backward, the head's output and gradient)
     # or forward-only (one layer's activations at a time, the head's output; optim.logprob_*)
     acts, logits = (tokens * per.kept, tokens * per.train_logits) if trainable else (0.0, 0.0)
-    if scored * (per.layer + per.scored_logits) > acts + logits:
-        acts, logits = scored * per.layer, scored * per.scored_logits
+    if scored * (per.layer + scored_logits) > acts + logits:
+        acts, logits = scored * per.layer, scored * scored_logits
     logits += LOGPROB_WORKSPACE
     total = weights + grads + optim + acts + logits
     parts = (
@@ -151,18 +153,26 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
     return RolePlan(role, world, total / GIB, parts, parked / GIB)
 
 
-def _forward_only_line(cfg: RunConfig, shape: Shape, seq: int) -> str:
-    """What ``forward_only_limits`` gives the forward-only passes, and why."""
+def _forward_only_lines(cfg: RunConfig, shape: Shape, seq: int, roles: list[str]) -> list[str]:
+    """What ``forward_only_limits`` gives the run's forward-only passes, and why (none in SFT)."""
+    if cfg.pipeline == "sft":
+        return []
     o = cfg.optim
-    rows, tokens = forward_only_limits(cfg, shape, seq)
-    size = f"{tokens} tokens" if tokens else f"{rows} rows"
+
+    def size(every_position: bool) -> str:
+        rows, tokens = forward_only_limits(cfg, shape, seq, every_position=every_position)
+        return f"{tokens} tokens" if tokens else f"{rows} rows"
+
     if o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch:
         why = "optim.logprob_*"
-    elif (tokens or rows) == (o.max_tokens_per_micro_batch or o.micro_batch_size):
+    elif not offload_between_phases(cfg, "cuda"):
         why = "as training's micro-batches: colocated roles that never offload keep each pass's memory"
     else:
         why = "optim.logprob_* unset: as many as hold a training micro-batch's memory"
-    return f"forward-only passes (reference, old log-probs, values) on GPUs: {size} at a time ({why})"
+    line = f"forward-only passes (reference, old log-probs, values) on GPUs: {size(False)} at a time ({why})"
+    if "teacher" in roles and size(True) != size(False):
+        line += f"; a teacher's, its head at every position: {size(True)}"
+    return ["", line]
 
 
 def _engine(cfg: RunConfig, shape: Shape, seq: int, world: int) -> RolePlan:
@@ -210,7 +220,7 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
         fits &= not flag
         lines.append(f"  gpu {d}: {peak:8.1f} GiB  {' '.join(roles) or '(unused)'}{flag}")
     lines += _host_lines(dmap, plans, pool) if offload else []
-    lines += ["", _forward_only_line(cfg, shape, prompt_tokens + cfg.rollout.max_new_tokens)]
+    lines += _forward_only_lines(cfg, shape, prompt_tokens + cfg.rollout.max_new_tokens, list(plans))
     if pool > gpus:
         lines.append(f"\nthe pool needs {pool} GPUs but only {gpus} are available")
     verdict = "fits" if fits else "does NOT fit"

@@ -78,7 +78,8 @@ class TokenBytes:
     kept: float  # activations a training pass keeps for backward (all layers)
     layer: float  # one layer's activations: what a forward-only pass holds at once
     train_logits: float  # the head's output at response positions and its gradient
-    scored_logits: float  # a forward-only pass's head output
+    scored_logits: float  # a forward-only pass's head output at response positions
+    all_logits: float  # the head's output where a pass runs it at every position (a teacher's)
 
 
 def token_bytes(cfg: RunConfig, shape: Shape, seq: int) -> TokenBytes:
@@ -98,18 +99,22 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int) -> TokenBytes:
         layer /= model_par
     # the head runs at the positions before response tokens alone: their logits in the compute dtype
     # (and their gradient when training); log-probs take fp32 chunks of them
-    head = min(cfg.rollout.max_new_tokens / seq, 1.0) * shape.vocab * p_bytes / model_par
-    return TokenBytes(kept=kept, layer=layer, train_logits=2 * head, scored_logits=head)
+    every = shape.vocab * p_bytes / model_par
+    head = min(cfg.rollout.max_new_tokens / seq, 1.0) * every
+    return TokenBytes(kept=kept, layer=layer, train_logits=2 * head, scored_logits=head, all_logits=every)
 
 
-def forward_only_limits(cfg: RunConfig, shape: Shape, seq: int) -> tuple[int | None, int | None]:
+def forward_only_limits(
+    cfg: RunConfig, shape: Shape, seq: int, *, every_position: bool = False
+) -> tuple[int | None, int | None]:
     """``(rows, tokens)``, one of them None: the most a forward-only pass (reference and old log-probs,
     critic values) of a GPU run takes at once, for rows of ``seq`` tokens. The ``optim.logprob_*``
     settings where either is set. Else training's limit (``optim.micro_batch_size`` rows, or
     ``optim.max_tokens_per_micro_batch`` tokens) times the forward-only tokens that fit in the memory a
     training token takes at its peak: its activations kept for backward, the head's output and its
-    gradient, against one layer's activations and the head's output (``TokenBytes``). Such a pass holds
-    no more than a training micro-batch, in fewer, larger passes. Training's limit where colocated
+    gradient, against one layer's activations and the head's output (``TokenBytes``; at every position
+    with ``every_position``, as a teacher runs it). Such a pass holds no more than a training
+    micro-batch, in fewer, larger passes. Training's limit where colocated
     roles never offload (``placement.offload: never``): there every role keeps its passes' memory
     beside the others'."""
     o = cfg.optim
@@ -121,7 +126,8 @@ def forward_only_limits(cfg: RunConfig, shape: Shape, seq: int) -> tuple[int | N
     if not offload_between_phases(cfg, "cuda"):
         return rows, tokens
     per = token_bytes(cfg, shape, seq)
-    scale = max((per.kept + per.train_logits) / (per.layer + per.scored_logits), 1.0)
+    scored = per.all_logits if every_position else per.scored_logits
+    scale = max((per.kept + per.train_logits) / (per.layer + scored), 1.0)
     return (None, int(tokens * scale)) if tokens else (int(rows * scale), None)
 
 

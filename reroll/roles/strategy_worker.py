@@ -120,6 +120,9 @@ def scored_token_stats(
 class StrategyWorker:
     """One rank of a role that holds a model in a training strategy (``roles.<role>`` places it)."""
 
+    # whether its forward-only passes run the head at every position (not only before response tokens)
+    head_everywhere = False
+
     def __init__(
         self, role: str, rank: int, cfg: RunConfig, *, model_path: str, trainable: bool, head: Head
     ) -> None:
@@ -327,7 +330,9 @@ class StrategyWorker:
         o = self.cfg.optim
         rows, budget = o.micro_batch_size, o.max_tokens_per_micro_batch
         if forward_only and self._shape is not None:
-            rows, budget = forward_only_limits(self.cfg, self._shape, width)
+            rows, budget = forward_only_limits(
+                self.cfg, self._shape, width, every_position=self.head_everywhere
+            )
         elif forward_only and (o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch):
             rows, budget = o.logprob_micro_batch_size, o.logprob_max_tokens_per_micro_batch
         return {"max_rows": None if budget else rows, "max_tokens": budget}

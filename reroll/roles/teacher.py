@@ -28,6 +28,8 @@ ROLE = "teacher"
 class TeacherWorker(StrategyWorker):
     """One rank of one teacher."""
 
+    head_everywhere = True  # log-probs and top-k of the whole output
+
     def __init__(self, rank: int, cfg: RunConfig, model_path: str) -> None:
         super().__init__(ROLE, rank, cfg, model_path=model_path, trainable=False, head="causal_lm")
 

@@ -660,3 +660,32 @@ def test_the_plans_forward_only_passes_hold_a_training_micro_batchs_memory(tmp_p
     assert planned(**budget, **{"optim.logprob_max_tokens_per_micro_batch": 8 * 1536})[0] == peak
     # resident: every role keeps its passes' memory beside the others'
     assert planned(**{"placement.offload": "never"})[1].startswith("8 rows at a time (as training's")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_forward_only_passes_hold_no_more_than_a_training_micro_batch(tmp_path, checkpointing):
+    """``forward_only_limits``: the rows a forward-only pass takes hold at most what a training
+    micro-batch holds (activations for backward, the head's output and its gradient) and one row more
+    would not; a teacher's pass, its head at every position, takes fewer rows."""
+    from reroll.config.memory import forward_only_limits, token_bytes
+    from reroll.plan import KNOWN
+
+    cfg = _cfg(
+        tmp_path,
+        **{
+            "model.dtype": "bfloat16",
+            "model.gradient_checkpointing": checkpointing,
+            "rollout.max_new_tokens": 1024,
+            "optim.micro_batch_size": 8,
+        },
+    )
+    shape, seq = KNOWN["qwen2.5-7b"], 1536
+    per = token_bytes(cfg, shape, seq)
+    training = 8 * seq * (per.kept + per.train_logits)
+    for everywhere, logits in ((False, per.scored_logits), (True, per.all_logits)):
+        rows, tokens = forward_only_limits(cfg, shape, seq, every_position=everywhere)
+        assert tokens is None and rows > 8
+        assert rows * seq * (per.layer + logits) <= training < (rows + 1) * seq * (per.layer + logits)
+    assert (
+        forward_only_limits(cfg, shape, seq, every_position=True)[0] < forward_only_limits(cfg, shape, seq)[0]
+    )
