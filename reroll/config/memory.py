@@ -105,7 +105,7 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int) -> TokenBytes:
 
 
 def forward_only_limits(
-    cfg: RunConfig, shape: Shape, seq: int, *, every_position: bool = False
+    cfg: RunConfig, shape: Shape | None, seq: int, *, every_position: bool = False
 ) -> tuple[int | None, int | None]:
     """``(rows, tokens)``, one of them None: the most a forward-only pass (reference and old log-probs,
     critic values) of a GPU run takes at once, for rows of ``seq`` tokens. The ``optim.logprob_*``
@@ -114,16 +114,16 @@ def forward_only_limits(
     training token takes at its peak: its activations kept for backward, the head's output and its
     gradient, against one layer's activations and the head's output (``TokenBytes``; at every position
     with ``every_position``, as a teacher runs it). Such a pass holds no more than a training
-    micro-batch, in fewer, larger passes. Training's limit where colocated
-    roles never offload (``placement.offload: never``): there every role keeps its passes' memory
-    beside the others'."""
+    micro-batch, in fewer, larger passes. Training's limit where colocated roles never offload
+    (``placement.offload: never``: there every role keeps its passes' memory beside the others'), and
+    without a ``shape`` (off GPUs, where memory does not bound them)."""
     o = cfg.optim
     if o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch:
         return o.logprob_micro_batch_size, o.logprob_max_tokens_per_micro_batch
     rows, tokens = (
         (None, o.max_tokens_per_micro_batch) if o.max_tokens_per_micro_batch else (o.micro_batch_size, None)
     )
-    if not offload_between_phases(cfg, "cuda"):
+    if shape is None or not offload_between_phases(cfg, "cuda"):
         return rows, tokens
     per = token_bytes(cfg, shape, seq)
     scored = per.all_logits if every_position else per.scored_logits

@@ -144,7 +144,7 @@ class StrategyWorker:
             world_size=getattr(cfg.roles, role).world_size,
             head=head,
         )
-        # forward-only passes on a GPU size from the model's shape (forward_only_limits)
+        # forward-only passes on a GPU size from the model's shape (forward_only_limits; None: training's)
         self._shape = model_token_shape(model_path) if self.strategy.device.type == "cuda" else None
         # optim.packing; None: where the model's attention keeps packed rows apart (a causal LM on CUDA)
         packing = cfg.optim.packing
@@ -329,12 +329,10 @@ class StrategyWorker:
         (``forward_only_limits``)."""
         o = self.cfg.optim
         rows, budget = o.micro_batch_size, o.max_tokens_per_micro_batch
-        if forward_only and self._shape is not None:
+        if forward_only:
             rows, budget = forward_only_limits(
                 self.cfg, self._shape, width, every_position=self.head_everywhere
             )
-        elif forward_only and (o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch):
-            rows, budget = o.logprob_micro_batch_size, o.logprob_max_tokens_per_micro_batch
         return {"max_rows": None if budget else rows, "max_tokens": budget}
 
     def _row_order(self, batch: TrainBatch, *, forward_only: bool = False) -> torch.Tensor:
