@@ -27,7 +27,9 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   RMSNorm code in the trainers, ``model.fused_norm: false``, as before 2026-12-05; the row
   ``ray-padded`` computes the trainers' micro-batches as padded rows, ``optim.packing: false``, as
   before 2026-12-06; by default they pack each micro-batch's rows on torch's variable-length
-  flash-attention kernel).
+  flash-attention kernel; the row ``ray-fwdsized`` leaves ``optim.logprob_micro_batch_size`` unset, so
+  the forward-only passes take as many rows as hold a training micro-batch's memory, the library's
+  default since 2026-12-06, where the other rows take ``--logprob-micro-batch``).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 - ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
@@ -173,7 +175,7 @@ def run_reroll(
         "optim": {
             "lr": 1e-6,
             "micro_batch_size": args.micro_batch,
-            "logprob_micro_batch_size": args.logprob_micro_batch,
+            "logprob_micro_batch_size": args.logprob_micro_batch or None,
         },
         "eval": {"every": 0},
         "checkpoint": {"every": 0, "keep_last": 1},
@@ -184,6 +186,8 @@ def run_reroll(
         cfg["rollout"]["logprobs"] = True
     if mode == "ray-padded":  # the trainers compute padded rows instead of packing them
         cfg["optim"]["packing"] = False
+    if mode == "ray-fwdsized":  # forward-only passes sized by the library (optim.logprob_* unset)
+        cfg["optim"].pop("logprob_micro_batch_size")
     if ray:  # every role on the one GPU, taking turns as the phases say
         cfg["placement"] = {"devices": 1, "device_type": "cuda" if gpu else "cpu", "offload": "auto"}
     else:
@@ -327,7 +331,9 @@ def main() -> None:
         "--logprob-micro-batch",
         type=int,
         default=64,
-        help="reroll's forward-only passes (reference, old log-probs): rows per pass (optim.logprob_micro_batch_size)",
+        help="reroll's forward-only passes (reference, old log-probs): rows per pass "
+        "(optim.logprob_micro_batch_size; 64, as the runs in docs/benchmarks.md had; 0 leaves it unset, the "
+        "library's default: on a GPU as many rows as hold a training micro-batch's memory)",
     )
     ap.add_argument(
         "--gradient-checkpointing",
@@ -356,7 +362,7 @@ def main() -> None:
         "--rows",
         default="ray,local",
         help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), "
-        "ray-resident, ray-offload, ray-sleep, ray-ownnorm, ray-padded, local",
+        "ray-resident, ray-offload, ray-sleep, ray-ownnorm, ray-padded, ray-fwdsized, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(
