@@ -135,7 +135,7 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
     rows, budget = forward_only_limits(cfg, shape, seq, every_position=everywhere)
     scored = budget or (rows or 0) * seq
     per = token_bytes(cfg, shape, seq)
-    scored_logits = per.all_logits if everywhere else per.scored_logits
+    scored_logits = per.scored(everywhere)
     # a rank's larger pass: training (activations kept for backward, the head's output and gradient)
     # or forward-only (one layer's activations at a time, the head's output; optim.logprob_*)
     acts, logits = (tokens * per.kept, tokens * per.train_logits) if trainable else (0.0, 0.0)

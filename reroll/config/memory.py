@@ -81,12 +81,16 @@ class TokenBytes:
     scored_logits: float  # a forward-only pass's head output at response positions
     all_logits: float  # the head's output where a pass runs it at every position (a teacher's)
 
+    def scored(self, every_position: bool) -> float:
+        """A forward-only pass's head output: at every position (a teacher's) or at response positions."""
+        return self.all_logits if every_position else self.scored_logits
+
 
 def token_bytes(cfg: RunConfig, shape: Shape, seq: int) -> TokenBytes:
     """``TokenBytes`` of a row of ``seq`` tokens whose last ``rollout.max_new_tokens`` (at most all) are
     the response."""
     p_bytes = DTYPE_BYTES[cfg.compute_dtype]
-    layer = layer_activations(cfg, shape, p_bytes)
+    layer = _layer_activations(cfg, shape, p_bytes)
     if cfg.model.gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed
         kept = shape.hidden * p_bytes * shape.layers + layer
     else:
@@ -126,12 +130,11 @@ def forward_only_limits(
     if shape is None or not offload_between_phases(cfg, "cuda"):
         return rows, tokens
     per = token_bytes(cfg, shape, seq)
-    scored = per.all_logits if every_position else per.scored_logits
-    scale = max((per.kept + per.train_logits) / (per.layer + scored), 1.0)
+    scale = max((per.kept + per.train_logits) / (per.layer + per.scored(every_position)), 1.0)
     return (None, int(tokens * scale)) if tokens else (int(rows * scale), None)
 
 
-def layer_activations(cfg: RunConfig, shape: Shape, p_bytes: int) -> float:
+def _layer_activations(cfg: RunConfig, shape: Shape, p_bytes: int) -> float:
     """Bytes a token leaves in one decoder layer for the backward pass of a Hugging Face model: the MLP's
     four tensors of its width (gate, up, the activation, their product) and about nine of the hidden
     size (attention's inputs and outputs, the norms' inputs), four more where the RMSNorm layers run
