@@ -23,7 +23,7 @@ from typing import Any
 
 from reroll.rewards.base import RewardResult
 from reroll.rewards.math import final_answer_text
-from reroll.rewards.sandbox import Limits, RunResult, Sandbox, run_python
+from reroll.rewards.sandbox import Limits, Sandbox, SandboxResult, run_python
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -114,7 +114,7 @@ def _run_calls(
     return sum(i in got and "value" in got[i] and got[i]["value"] == want for i, want in enumerate(expected))
 
 
-def _count(counts: dict, run: RunResult) -> None:
+def _count(counts: dict, run: SandboxResult) -> None:
     key = {"timeout": "timeouts", "memory": "memory", "output_limit": "output_limit", "error": "errors"}
     if run.status in key:
         counts[key[run.status]] += 1

@@ -1,64 +1,30 @@
 """Run an untrusted Python program in an operating-system sandbox: bubblewrap (``bwrap``).
 
-The boundary is the kernel's. Each run of ``run_python`` (``sandbox="bubblewrap"``, the default):
-
-- **User** runs as an unprivileged uid with no capabilities and ``no_new_privs``, in its own user
-  namespace, where it cannot make another one (``bwrap --disable-userns``). As root, bwrap first
-  builds the sandbox (root may bind the interpreter from ``/root``), then ``setpriv`` sets the real
-  host uid and gid to 65534 (nobody), clears all capability sets and sets ``no_new_privs``, and a
-  second, unprivileged bwrap makes the user namespace (65534 inside and outside). Not bwrap's own
-  ``--uid 65534`` as root: it maps 65534 to host uid 0, and a host-root process could open
-  ``/proc/sys/kernel/core_pattern`` for writing. As another user the program runs as that user's uid
-  (65534 inside).
-- **Namespaces** new mount, pid, network (its own loopback only), IPC, UTS and cgroup namespaces.
-  The host's processes, network and System V IPC cannot be named, signalled or entered (``setns``
-  needs capabilities the program does not have); ``/proc/sys`` is not writable by its uid.
-- **Files** the root is an empty tmpfs. Read-only binds of only what the interpreter needs: the
-  system library directories (``/usr/lib``, ``/lib*``), the Python installation(s) and their
-  site-packages, and the run's two source files at ``/sandbox``. No ``/etc``, ``/home``, ``/root``,
-  host ``/tmp`` or the repository. ``/proc`` is the sandbox's own; ``/dev`` holds only null, zero,
-  full, random, urandom and tty. The only writable place is ``/tmp`` (the working directory and
-  ``HOME``), a tmpfs of ``Limits.tmp_mb``; it vanishes with the run. The interpreter starts with
-  ``-I -S``: site-packages are on ``sys.path`` but their ``.pth`` files are not run (they cost
-  100 ms a start here, more than bwrap).
-- **Processes** the pid namespace's init is bwrap; when it exits the kernel kills every process
-  left in the namespace (``setsid`` or double-forked ones too), and ``run_python`` returns only
-  after it has exited. At the wall deadline reroll kills that init (by pidfd). ``RLIMIT_NPROC =
-  max_processes`` counts the tasks (threads too) of the run's own user namespace. Where reroll may
-  make cgroups (root, or a delegated subtree), each run also gets its own ``pids`` cgroup
-  (``max_processes`` plus bwrap's own processes) and ``memory`` cgroup (``memory_mb + tmp_mb`` plus
-  64 MB, which bounds tmpfs pages too), named after the reward worker's pid and removed afterwards.
-- **Resources** ``RLIMIT_CPU``, ``RLIMIT_AS`` (``MemoryError`` in the program), no core dumps,
-  ``RLIMIT_FSIZE = max_output_bytes + 1`` per file. stdout, stderr and the results channel go to
-  files the parent opened (the program only holds their descriptors), so the host disk takes at
-  most three times ``max_output_bytes`` per run; only ``max_output_bytes`` of each are read back.
-- **Environment** the program gets only ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and
-  ``REROLL_RESULTS_FD``, never the reward worker's environment.
+``run_python`` runs one program in a fresh sandbox and returns a ``SandboxResult``. The boundary is
+the kernel's: an unprivileged uid (65534, no capabilities, ``no_new_privs``) in new user, mount,
+pid, network, IPC, UTS and cgroup namespaces; a root of read-only binds (system libraries, the
+Python installation, the sources at ``/sandbox``) and a bounded tmpfs ``/tmp``; rlimits, a
+``pids`` and a ``memory`` cgroup per run where reroll may make them; a seccomp filter
+(``reroll.rewards.seccomp``). stdout, stderr and the results channel are pipes the parent reads
+with a byte cap: the program holds no writable file on the host. docs/sandbox.md says what each
+layer stops, how the tests measure it, and what is not promised; ``reroll.rewards.bwrap`` builds
+the command line.
 
 Defence in depth, not the boundary: an audit hook in the program's interpreter refuses process
 creation, sockets, ``ctypes`` and file access outside ``/tmp``, ``/sandbox`` and the Python
-installation. A program can switch it off from pure Python (by walking frames to it); the tests
-in ``tests/unit/test_sandbox_attacks.py`` do, and check that the kernel still holds. No seccomp
-filter is installed. The program can read the Python installation and system libraries, and the
-source of its own harness, so a result written to the results channel (``code_tests``' call-style
-cases) could be forged by a policy that learned to; stdin/stdout cases compare what the process printed.
+installation. A program can switch it off from pure Python; ``tests/unit/test_sandbox_attacks*.py``
+do, and check that the kernel still holds.
 
-Why bubblewrap: a small helper, not setuid on current distributions, maintained by the containers
-project for Flatpak and packaged everywhere (``apt-get install bubblewrap``; 0.8 or newer for
-``--size`` and ``--disable-userns``), whose command line states each mount and namespace, and which
-adds about 15 ms a run here. nsjail does as much and more (seccomp policies, cgroups) but is not
-in Debian 12 and would need a build from source; firejail is packaged but setuid-root with a large
-profile language; raw ``unshare``/``mount`` calls would re-implement bwrap's pivot_root, mount and
-capability-dropping order, where mistakes are easy and silent. When bwrap is missing, too old or
-cannot make namespaces, ``run_python`` raises ``SandboxUnavailable`` naming the fix. ``sandbox="audit_hook"`` (the reward arg / tool option
-``sandbox: audit_hook``) opts into the old, weaker mode: the same child process, rlimits, cgroups
-and audit hook, ``unshare -n`` where it works, no namespaces or uid change; it logs a warning
-once per process. Use it only for code you trust not to be hostile.
+``sandbox="audit_hook"`` (the reward arg / tool option ``sandbox: audit_hook``) opts into the old,
+weaker mode: the same child process, rlimits, cgroups, output pipes and audit hook, ``unshare -n``
+where it works, no namespaces, uid change or seccomp filter; it logs a warning once per process.
+Use it only for code you trust not to be hostile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -68,19 +34,23 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from reroll.rewards.cgroups import RunCgroup
+from reroll.rewards.bwrap import bubblewrap_problem, bwrap_command, python_dirs, seccomp_fd, seccomp_problem
+from reroll.rewards.cgroups import RunCgroup, cgroup_bases
+
+__all__ = [
+    "Limits", "Sandbox", "SandboxResult", "SandboxUnavailable", "bubblewrap_problem", "check_sandbox",
+    "network_isolation", "run_python",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 Sandbox = Literal["bubblewrap", "audit_hook"]
-NOBODY = 65534
 
 # Runs first in the child: set rlimits, install the audit hook, then run the program.
 _GUARD = r"""
@@ -157,13 +127,21 @@ class Limits:
     cpu_s: int = 5
     wall_s: float = 10.0
     memory_mb: int = 1024
-    max_output_bytes: int = 1 << 20
-    max_processes: int = 64  # tasks (processes and threads) the program may have; see the module doc
+    max_output_bytes: int = 1 << 20  # per stream: stdout, stderr, the results channel
+    max_processes: int = 64  # tasks (processes and threads) the program may have; see docs/sandbox.md
     tmp_mb: int = 64  # size of the run's writable /tmp (bubblewrap)
+
+    def __post_init__(self) -> None:
+        bad = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if not getattr(self, f.name) > 0]
+        if bad:
+            raise ValueError(
+                f"sandbox Limits: {', '.join(bad)}: each limit must be a number > 0 (seconds for cpu_s "
+                "and wall_s, MB for memory_mb and tmp_mb)"
+            )
 
 
 @dataclass(frozen=True)
-class RunResult:
+class SandboxResult:
     """One run's outcome. ``status``: ok | error (non-zero exit) | timeout | memory | output_limit.
     ``results``: what the program wrote to the file descriptor ``$REROLL_RESULTS_FD`` (capped)."""
 
@@ -182,7 +160,7 @@ def run_python(
     limits: Limits = Limits(),
     as_main: bool = True,
     sandbox: Sandbox = "bubblewrap",
-) -> RunResult:
+) -> SandboxResult:
     """Run ``program`` (as ``main.py``) with ``stdin`` under ``limits`` in a fresh sandbox.
 
     ``as_main=False`` runs it as a module named ``solution`` (its ``if __name__ == "__main__"``
@@ -191,37 +169,38 @@ def run_python(
     """
     check_sandbox(sandbox)
     bwrap = sandbox == "bubblewrap"
+    _warn_unenforced(bwrap)
     root = Path(tempfile.mkdtemp(prefix=f"reroll-sandbox-{os.getpid()}-"))
     cgroup = RunCgroup.make(
         limits.max_processes + _helper_tasks(sandbox), limits.memory_mb + limits.tmp_mb + 64
     )
+    run = None
     try:
-        with contextlib.ExitStack() as stack:
-            files = [stack.enter_context(open(root / n, "w+b")) for n in (".stdout", ".stderr", ".results")]
-            src = _write_sources(root, program)
-            home = "/tmp" if bwrap else str(root)
-            env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home}
-            env["REROLL_RESULTS_FD"] = str(files[2].fileno())
-            guard = _guard_config(limits, bwrap, root, src, as_main)
-            python = [sys.executable, "-I", "-S", f"{'/sandbox' if bwrap else src}/_guard.py", guard]
-            info_r, info_w = os.pipe() if bwrap else (-1, -1)
-            prefix = _bwrap_command(limits, src, env, info_w) if bwrap else network_isolation()
-            cmd = [*(cgroup.join_command() if cgroup else []), *prefix, *python]
-            start = time.monotonic()
-            returncode, timed_out = _launch(
-                cmd, {} if bwrap else env, root, stdin, files, (info_r, info_w), limits
-            )
-            wall = time.monotonic() - start
-            returncode = _signal_code(returncode) if bwrap else returncode
-            stdout, stderr, results = (_read_capped(f, limits.max_output_bytes) for f in files)
-            if max(os.fstat(f.fileno()).st_size for f in files) > limits.max_output_bytes:
-                status = "output_limit"
-            elif cgroup and cgroup.oom_killed():
-                status = "memory"
-            else:
-                status = _status(returncode, stderr, timed_out)
-            return RunResult(status, returncode, stdout, stderr, wall, results)
+        src = _write_sources(root, program)
+        footprint_bound = _footprint_bound(root, 0 if bwrap else limits.tmp_mb << 20)
+        run = _Run(root, src, limits, bwrap, as_main)
+        run.start(cgroup)
+        outputs, timed_out, over = run.collect(stdin.encode(), limits.max_output_bytes, limits.wall_s)
+        oom = bool(cgroup and cgroup.oom_killed())
+        if cgroup is not None:
+            cgroup.remove()  # kills what is left (audit_hook has no pid namespace) before the last read
+        run.drain(outputs, limits.max_output_bytes)
+        stdout, stderr, results = (b[: limits.max_output_bytes].decode(errors="replace") for b in outputs)
+        returncode = _signal_code(run.proc.returncode) if bwrap else run.proc.returncode
+        if over or max(map(len, outputs)) > limits.max_output_bytes:
+            status = "output_limit"
+        elif oom:
+            status = "memory"
+        else:
+            status = _status(returncode, stderr, timed_out)
+        grown = _footprint_excess(root, footprint_bound)
+        if grown:
+            status, stderr = "output_limit", f"{stderr}\nreroll: {grown}"
+            logger.error("sandbox run refused: %s", grown)
+        return SandboxResult(status, returncode, stdout, stderr, run.wall_s, results)
     finally:
+        if run is not None:
+            run.close()
         if cgroup is not None:
             cgroup.remove()
         shutil.rmtree(root, ignore_errors=True)
@@ -241,7 +220,7 @@ def _guard_config(limits: Limits, bwrap: bool, root: Path, src: Path, as_main: b
     return json.dumps(
         {
             "root": "/tmp" if bwrap else str(root),
-            "read": ["/sandbox" if bwrap else str(src), *_python_dirs()],
+            "read": ["/sandbox" if bwrap else str(src), *python_dirs()],
             "cpu": limits.cpu_s,
             "as": limits.memory_mb << 20,
             "fsize": limits.max_output_bytes + 1,
@@ -253,32 +232,184 @@ def _guard_config(limits: Limits, bwrap: bool, root: Path, src: Path, as_main: b
     )
 
 
-def _launch(
-    cmd: list[str], env: dict, cwd: Path, stdin: str, files: list, info: tuple[int, int], limits: Limits
-) -> tuple[int, bool]:
-    """Run ``cmd`` to its end or the wall deadline, then kill what is left: (returncode, timed out)."""
-    info_r, info_w = info
-    try:
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=files[0], stderr=files[1],
-            pass_fds=[fd for fd in (files[2].fileno(), info_w) if fd >= 0], start_new_session=True,
-        )  # fmt: skip
-    except BaseException:
+class _Run:
+    """One started sandbox: its process, the read ends of its stdout, stderr and results pipes, and
+    (bubblewrap) a pidfd of its pid namespace's init."""
+
+    def __init__(self, root: Path, src: Path, limits: Limits, bwrap: bool, as_main: bool) -> None:
+        self.root, self.src, self.limits, self.bwrap, self.as_main = root, src, limits, bwrap, as_main
+        self.init: int | None = None
+        self.reads: list[int] = []
+        self.wall_s = 0.0
+
+    def start(self, cgroup: RunCgroup | None) -> None:
+        pipes = [os.pipe() for _ in range(3)]  # stdout, stderr, results: (read, write)
+        info_r, info_w = os.pipe() if self.bwrap else (-1, -1)
+        filter_fd = seccomp_fd() if self.bwrap else -1
+        home = "/tmp" if self.bwrap else str(self.root)
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home}
+        env["REROLL_RESULTS_FD"] = str(pipes[2][1])
+        guard = _guard_config(self.limits, self.bwrap, self.root, self.src, self.as_main)
+        python = [sys.executable, "-I", "-S", f"{'/sandbox' if self.bwrap else self.src}/_guard.py", guard]
+        prefix = (
+            bwrap_command(self.src, self.limits.tmp_mb, env, info_w, filter_fd)
+            if self.bwrap
+            else network_isolation()
+        )
+        cmd = [*(cgroup.join_command() if cgroup else []), *prefix, *python]
+        reads = [r for r, _ in pipes]
+        self.started = time.monotonic()
+        try:
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.root, env={} if self.bwrap else env, stdin=subprocess.PIPE, stdout=pipes[0][1],
+                stderr=pipes[1][1], pass_fds=[fd for fd in (pipes[2][1], info_w, filter_fd) if fd >= 0],
+                start_new_session=True,
+            )  # fmt: skip
+        except BaseException:
+            for fd in (*reads, info_r):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        finally:
+            for fd in (*(w for _, w in pipes), info_w, filter_fd):  # only the run holds the write ends
+                if fd >= 0:
+                    os.close(fd)
+        self.reads = reads
         if info_r >= 0:
-            os.close(info_r)
-        raise
-    finally:
-        if info_w >= 0:
-            os.close(info_w)
-    init = _namespace_init(proc, info_r) if info_r >= 0 else None
-    timed_out = False
-    try:
-        proc.communicate(stdin.encode(), timeout=limits.wall_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:
-        _kill(proc, init)
-    return proc.returncode, timed_out
+            self.init = _namespace_init(self.proc, info_r)
+
+    def collect(self, stdin: bytes, cap: int, wall_s: float) -> tuple[list[bytearray], bool, bool]:
+        """Feed ``stdin`` and read the pipes until the run exits, a pipe passes ``cap`` bytes or
+        ``wall_s`` is up; then kill what is left. (outputs, timed out, over the cap)."""
+        outputs = [bytearray() for _ in self.reads]
+        deadline = self.started + wall_s
+        timed_out = over = False
+        poller = select.poll()
+        for fd in self.reads:
+            os.set_blocking(fd, False)
+            poller.register(fd, select.POLLIN)
+        try:
+            pidfd = os.pidfd_open(self.proc.pid)
+            poller.register(pidfd, select.POLLIN)  # readable once the process has exited
+        except OSError:  # Linux before 5.3: look every 50 ms instead
+            pidfd = -1
+        feed = _Feed(self.proc, stdin, poller)
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    break
+                ready = {fd for fd, _ in poller.poll(1000 * (left if pidfd >= 0 else min(left, 0.05)))}
+                feed.step(ready)
+                for i, fd in enumerate(self.reads):
+                    if fd in ready:
+                        over |= self._read(fd, outputs[i], cap, poller)
+                if over or pidfd in ready or (pidfd < 0 and self.proc.poll() is not None):
+                    break
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+            feed.close()
+            _kill(self.proc, self.init)
+            self.init = None
+            self.wall_s = time.monotonic() - self.started
+        return outputs, timed_out, over
+
+    def _read(self, fd: int, into: bytearray, cap: int, poller: select.poll | None) -> bool:
+        """Read what ``fd`` holds now into ``into``; True once past ``cap``."""
+        while len(into) <= cap:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return False
+            if not chunk:
+                if poller is not None:
+                    poller.unregister(fd)
+                return False
+            into += chunk
+        return True
+
+    def drain(self, outputs: list[bytearray], cap: int) -> None:
+        """Read what the run left in its pipes (its processes are dead), then close them."""
+        for fd, into in zip(self.reads, outputs):
+            self._read(fd, into, cap, None)
+        self.close()
+
+    def close(self) -> None:
+        for fd in self.reads:
+            os.close(fd)
+        self.reads = []
+
+
+class _Feed:
+    """Writes stdin to the run without blocking, as the pipe takes it."""
+
+    def __init__(self, proc: subprocess.Popen, data: bytes, poller: select.poll) -> None:
+        self.pipe, self.data, self.poller = proc.stdin, memoryview(data), poller
+        self.fd = self.pipe.fileno()
+        os.set_blocking(self.fd, False)
+        if self.data:
+            poller.register(self.fd, select.POLLOUT)
+        else:
+            self.close()
+
+    def step(self, ready: set[int]) -> None:
+        if self.pipe is None or self.fd not in ready:
+            return
+        try:
+            self.data = self.data[os.write(self.fd, self.data[: 1 << 16]) :]
+        except BlockingIOError:
+            return
+        except OSError as e:  # the program closed its stdin or exited
+            if e.errno not in (errno.EPIPE, errno.EBADF):
+                raise
+            self.data = self.data[:0]
+        if not self.data:
+            self.close()
+
+    def close(self) -> None:
+        if self.pipe is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.poller.unregister(self.fd)
+            with contextlib.suppress(OSError):
+                self.pipe.close()
+            self.pipe = None
+
+
+def _footprint(root: Path) -> list[tuple[int, int]]:
+    """(bytes, bytes in allocated blocks) of each entry under ``root``, symlinks not followed."""
+    sizes = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                sizes.append((st.st_size, st.st_blocks * 512))
+    return sizes
+
+
+def _footprint_bound(root: Path, allowance: int) -> tuple[int, int]:
+    """Bounds on the run directory's total bytes and allocated bytes at the end of the run: what it
+    holds before (the sources) plus ``allowance`` (audit_hook: the program's scratch files, as much
+    as bubblewrap's /tmp). An entry of s bytes takes at most ceil(s / block) blocks and one more
+    for metadata; reported blocks may lag the writes (delayed allocation), so the bound is from
+    sizes, not from what stat says now."""
+    block = os.statvfs(root).f_bsize
+    entries = _footprint(root)
+    size = sum(s for s, _ in entries)
+    blocks = sum(max(b, -(-s // block) * block) + block for s, b in entries)
+    return size + allowance, blocks + allowance + (-(-allowance // block) + 1) * block
+
+
+def _footprint_excess(root: Path, bound: tuple[int, int]) -> str | None:
+    entries = _footprint(root)
+    size, blocks = sum(s for s, _ in entries), sum(b for _, b in entries)
+    if size <= bound[0] and blocks <= bound[1]:
+        return None
+    return (
+        f"the run directory {root} grew to {size} bytes, {blocks} bytes of blocks, past its bound of "
+        f"{bound[0]} and {bound[1]}: the run is refused"
+    )
 
 
 def check_sandbox(sandbox: Sandbox) -> None:
@@ -303,108 +434,34 @@ def _warn_audit_hook() -> None:
 
 
 @functools.cache
-def bubblewrap_problem() -> str | None:
-    """Why the bubblewrap sandbox cannot run here (bwrap missing, or its namespaces refused), else None."""
-    fix = (
-        "install it with `apt-get install bubblewrap` (Debian/Ubuntu; `make install` does it as root), "
-        "or set `sandbox: audit_hook` (reward args / PythonTool) to accept a weaker in-process guard"
-    )
-    missing = [tool for tool in ("bwrap", "setpriv") if shutil.which(tool) is None]
-    if "bwrap" in missing or (missing and os.geteuid() == 0):
-        return f"the code sandbox needs bubblewrap's `bwrap` (and util-linux's setpriv as root): {fix}"
-    try:
-        version = subprocess.run(["bwrap", "--version"], capture_output=True, text=True, timeout=30).stdout
-        if tuple(int(x) for x in version.split()[-1].split(".")[:2]) < (0, 8):
-            return (
-                f"the code sandbox needs bubblewrap 0.8 or newer (--size, --disable-userns); this is "
-                f"{version.strip()!r}: {fix}"
-            )
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
-        return f"`bwrap --version` failed ({e}): {fix}"
-    with tempfile.TemporaryDirectory(prefix=f"reroll-sandbox-{os.getpid()}-") as src:
-        os.chmod(src, 0o755)
-        cmd = [*_bwrap_command(Limits(), Path(src), {}, -1), sys.executable, "-I", "-S", "-c", "pass"]
-        try:
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={})
-        except (OSError, subprocess.SubprocessError) as e:
-            return f"bwrap could not be run ({e}): {fix}"
-    if run.returncode != 0:
-        return (
-            f"bwrap is installed but failed to make the sandbox ({run.stderr.strip()[-300:]}); it needs "
-            "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
-            f"user.max_user_namespaces > 0), or, in a container, its seccomp/AppArmor to allow them: {fix}"
+def _warn_unenforced(bwrap: bool) -> None:
+    """Say once per process which limits this machine does not let reroll enforce."""
+    missing = [c for c in ("memory", "pids") if c not in cgroup_bases()]
+    if missing:
+        logger.warning(
+            "sandbox: no %s cgroup can be made here (not root, and no delegated cgroup subtree): %s",
+            " or ".join(missing),
+            "; ".join(
+                {
+                    "memory": "memory is bounded per process only (RLIMIT_AS: memory_mb each, up to "
+                    "max_processes processes), kernel memory and /tmp's pages not at all",
+                    "pids": "tasks are bounded by RLIMIT_NPROC in the run's user namespace only",
+                }[c]
+                for c in missing
+            ),
         )
-    return None
+    if bwrap and seccomp_problem():
+        logger.warning(
+            "sandbox: programs run without the seccomp filter (%s): io_uring, userfaultfd, bpf, "
+            "perf_event_open, keyrings and file handles stay open to them",
+            seccomp_problem(),
+        )
 
 
 def _helper_tasks(sandbox: Sandbox) -> int:
     """Processes of the sandbox itself in the run's pids cgroup: bwrap, the namespace's init, and as
     root the inner bwrap."""
     return 0 if sandbox == "audit_hook" else 3 if os.geteuid() == 0 else 2
-
-
-def _bwrap_command(limits: Limits, src: Path, env: dict[str, str], info_fd: int) -> list[str]:
-    """The argv prefix that runs a command in the sandbox described in the module doc."""
-    bwrap, setpriv = shutil.which("bwrap") or "bwrap", shutil.which("setpriv") or "setpriv"
-    tools = [bwrap, setpriv] if os.geteuid() == 0 else []
-    common = [
-        "--die-with-parent", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-        "--unshare-cgroup-try", "--hostname", "sandbox", *_filesystem(src, limits.tmp_mb, tools),
-        "--chdir", "/tmp", "--clearenv",
-    ]  # fmt: skip
-    for key, value in env.items():
-        common += ["--setenv", key, value]
-    info = ["--info-fd", str(info_fd)] if info_fd >= 0 else []
-    user = ["--unshare-user", "--disable-userns", "--uid", str(NOBODY), "--gid", str(NOBODY)]
-    if os.geteuid() != 0:
-        return [bwrap, "--new-session", *info, *common, *user, "--"]
-    return [
-        bwrap, "--new-session", *info, *common,
-        "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
-        "--", setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
-        "--bounding-set=-all", "--no-new-privs",
-        "--", bwrap, "--die-with-parent", *user, "--bind", "/", "/", "--",
-    ]  # fmt: skip
-
-
-def _filesystem(src: Path, tmp_mb: int, tools: list[str]) -> list[str]:
-    """bwrap mount options: read-only system libraries, Python and ``tools`` (files), the sources, a
-    bounded /tmp."""
-    args, made, dirs = [], set(), list(_python_dirs())
-    for path in ("/lib", "/lib32", "/lib64", "/usr/lib", "/usr/lib32", "/usr/lib64"):
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            dirs.append(path)
-    dirs = _covering(dirs)
-    for path in sorted([*dirs, *(t for t in tools if not any(_under(t, d) for d in dirs))]):
-        for parent in reversed(Path(path).parents[:-1]):  # bwrap would make them 0700 as root
-            if str(parent) not in made and not os.path.islink(parent):
-                made.add(str(parent))
-                args += ["--perms", "0755", "--dir", str(parent)]
-        args += ["--ro-bind", path, path]
-    return [
-        *args, "--ro-bind", str(src), "/sandbox", "--proc", "/proc", "--dev", "/dev",
-        "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
-    ]  # fmt: skip
-
-
-def _under(path: str, base: str) -> bool:
-    return path == base or path.startswith(base.rstrip("/") + "/")
-
-
-def _covering(paths) -> list[str]:
-    """The paths not inside another one of them."""
-    real = sorted({os.path.normpath(p) for p in paths if p and os.path.isdir(p)})
-    return [p for p in real if not any(q != p and _under(p, q) for q in real)]
-
-
-@functools.cache
-def _python_dirs() -> tuple[str, ...]:
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values()}
-    paths |= {p for p in sys.path if p and os.path.isdir(p) and "site-packages" in p}
-    paths |= {os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))}
-    return tuple(_covering(paths))
 
 
 def _namespace_init(proc: subprocess.Popen, info_r: int) -> int | None:
@@ -458,11 +515,6 @@ def network_isolation() -> list[str]:
         if ok:
             return prefix
     return []
-
-
-def _read_capped(f, limit: int) -> str:
-    f.seek(0)
-    return f.read(limit).decode(errors="replace")
 
 
 def _status(returncode: int, stderr: str, timed_out: bool) -> str:

@@ -1,10 +1,14 @@
-"""The sandbox against the attacks of issue 17, with the audit hook switched off.
+"""The sandbox against the attacks of issue 17, with the audit hook switched off (issue 41's, on the
+host's disk, memory and the kernel's system calls, are in ``test_sandbox_attacks_host.py`` and
+``test_sandbox_attacks_seccomp.py``).
 
 Each program first disables the audit hook from pure Python (it walks the frames to the hook and
-replaces its code, as an attacker would) and proves it did by importing ``ctypes``, which the hook
-refuses. What stops the attack after that is the kernel: namespaces, an unprivileged uid, read-only
-mounts, rlimits. Each test then checks that the outside effect did not happen (file absent, process
-gone, worker alive), and that the program's clean part still printed the right answer.
+replaces its code, as an attacker would), proves it did by importing ``ctypes``, which the hook
+refuses, and prints the sandbox's hostname and its uid (``sandbox_attack.attack`` checks both
+before anything else). What stops the attack after that is the kernel: namespaces, an unprivileged
+uid, read-only mounts, rlimits. Each test then checks that the outside effect did not happen (file
+absent, process gone, worker alive), and that the program's clean part still printed the right
+answer.
 
 Everything machine-wide is this test's own: paths under ``tmp_path`` or with a fresh uuid, servers
 on port 0, process markers with a uuid, cgroups by this process's pid. Two suites on one machine
@@ -25,55 +29,21 @@ import uuid
 from pathlib import Path
 
 import pytest
+from sandbox_attack import HOOK_OFF, assert_ran_inside, attack, host_pids_with
 
 from reroll.envs.tools import PythonTool
+from reroll.rewards import bwrap
 from reroll.rewards import sandbox as sb
+from reroll.rewards.bwrap import NOBODY
 from reroll.rewards.cgroups import cgroup_bases
 from reroll.rewards.code import code_tests
-from reroll.rewards.sandbox import Limits, RunResult, SandboxUnavailable, run_python
+from reroll.rewards.sandbox import Limits, SandboxResult, SandboxUnavailable, run_python
 
 pytestmark = pytest.mark.skipif(
     sb.bubblewrap_problem() is not None, reason=f"no bubblewrap sandbox here: {sb.bubblewrap_problem()}"
 )
 
-HOOK_OFF = """\
-import sys
-_f = sys._getframe()
-while _f is not None and "_hook" not in _f.f_globals:
-    _f = _f.f_back
-_f.f_globals["_hook"].__code__ = (lambda event, args: None).__code__
-import ctypes, os, signal, socket
-print("audit hook off", file=sys.stderr)
-def attempt(name, fn, *args):
-    try:
-        print(name, "->", repr(fn(*args)), file=sys.stderr)
-    except BaseException as e:
-        print(name, "->", type(e).__name__, e, file=sys.stderr)
-"""
-ADD = "a, b = map(int, input().split())\nprint(a + b)"
-LIMITS = Limits(cpu_s=2, wall_s=10.0, memory_mb=256)
 SITE = Path(sysconfig.get_paths()["purelib"])  # the Python installation's site-packages: a .pth there runs
-
-
-def attack(code: str, limits: Limits = LIMITS) -> RunResult:
-    """Run ``code`` with the audit hook off, then solve 3 + 4: stdout is "7" if the run was not broken."""
-    program = f"{HOOK_OFF}\n{textwrap.dedent(code)}\nsys.stderr.flush()\n{ADD}\n"
-    r = run_python(program, "3 4\n", limits=limits)
-    assert "audit hook off" in r.stderr, r.stderr  # the bypass worked: only the kernel stands
-    return r
-
-
-def host_pids_with(marker: str) -> list[int]:
-    """Host processes whose command line holds ``marker``."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if marker.encode() in (d / "cmdline").read_bytes():
-                    found.append(int(d.name))
-            except OSError:
-                pass
-    return found
 
 
 @pytest.fixture
@@ -103,7 +73,7 @@ def test_the_program_is_nobody_without_capabilities_in_its_own_namespaces():
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(20)", {marker!r}])
     """
-    done: list[RunResult] = []
+    done: list[SandboxResult] = []
     runner = threading.Thread(target=lambda: done.append(run_python(HOOK_OFF + textwrap.dedent(code))))
     runner.start()
     deadline, pids = time.monotonic() + 10, []
@@ -113,8 +83,8 @@ def test_the_program_is_nobody_without_capabilities_in_its_own_namespaces():
     host = dict(line.split(":", 1) for line in Path(f"/proc/{pids[0]}/status").read_text().splitlines())
     os.kill(pids[0], signal.SIGKILL)
     runner.join()
+    assert_ran_inside(done[0])
     err = done[0].stderr
-    assert "audit hook off" in err
     assert (
         "Uid ['65534', '65534', '65534', '65534']" in err
         and "Gid ['65534', '65534', '65534', '65534']" in err
@@ -125,7 +95,7 @@ def test_the_program_is_nobody_without_capabilities_in_its_own_namespaces():
     for ns in names:  # every namespace differs from the worker's
         assert f"ns {ns} {os.readlink(f'/proc/self/ns/{ns}')}" not in err
     assert "write core_pattern -> PermissionError" in err
-    want_uid = str(sb.NOBODY) if os.geteuid() == 0 else str(os.geteuid())  # a user's bwrap maps to itself
+    want_uid = str(NOBODY) if os.geteuid() == 0 else str(os.geteuid())  # a user's bwrap maps to itself
     assert host["Uid"].split() == [want_uid] * 4 and host["CapEff"].split() == ["0000000000000000"]
     assert host["NoNewPrivs"].strip() == "1"
 
@@ -157,7 +127,9 @@ def test_ctypes_cannot_change_uid_mounts_or_namespaces(outside):
     """)
     for name in ("setuid", "unshare", "mount", "setns", "open"):
         assert f"\n{name} -1 " in r.stderr, r.stderr
-    assert "unshare -1 No space left on device" in r.stderr  # bwrap --disable-userns: no nested user ns
+    # the seccomp filter refuses first; below it, bwrap --disable-userns leaves no user namespace to make
+    refused = "No space left on device" if bwrap.seccomp_problem() else "Operation not permitted"
+    assert f"unshare -1 {refused}" in r.stderr
     assert not outside["pth"].exists() and r.stdout == "7\n"
 
 
@@ -373,7 +345,7 @@ def test_a_clean_program_still_scores():
 def test_without_bubblewrap_the_error_names_the_fix_and_audit_hook_is_opt_in(monkeypatch, caplog):
     real_which = sb.shutil.which
     monkeypatch.setattr(sb.shutil, "which", lambda name: None if name == "bwrap" else real_which(name))
-    sb.bubblewrap_problem.cache_clear()
+    bwrap._probe.cache_clear()
     try:
         with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
             run_python("print(1)")
@@ -387,4 +359,4 @@ def test_without_bubblewrap_the_error_names_the_fix_and_audit_hook_is_opt_in(mon
         assert "without an OS-level sandbox" in caplog.records[0].message
     finally:
         monkeypatch.undo()
-        sb.bubblewrap_problem.cache_clear()
+        bwrap._probe.cache_clear()
