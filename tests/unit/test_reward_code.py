@@ -187,3 +187,9 @@ def test_task_limit_is_enforced_by_the_kernel():
     assert int(r.stdout.split()[-1]) == 15  # 16 tasks: the main thread and 15 more
     for base in cgroup_bases().values():  # only this process's: another suite may be running
         assert not [p for p in base.iterdir() if p.name.startswith(f"reroll-sandbox-{os.getpid()}-")]
+
+
+def test_limits_name_each_bad_value_at_once():
+    with pytest.raises(ValueError) as e:
+        Limits(memory_mb=0, wall_s=-1.0)
+    assert "wall_s=-1.0" in str(e.value) and "memory_mb=0" in str(e.value) and "> 0" in str(e.value)

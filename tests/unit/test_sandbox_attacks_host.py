@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -221,3 +222,25 @@ def test_an_interpreter_under_tmp_still_runs_sandboxed(copies):
     status, stdout, _ = run.stdout.split("|", 2)
     assert status == "ok" and f"{IN_SANDBOX} {python}" in stdout, run.stdout + run.stderr
     assert stdout.splitlines()[1] == repr([Path(where).name])  # the sandbox's /tmp: only the bind's path
+
+
+def test_an_interpreter_the_sandbox_cannot_start_is_named_with_the_fix(monkeypatch):
+    """Where binding cannot work (the interpreter's directory holds /tmp itself), or bwrap made the
+    sandbox but could not start the interpreter, the error says so and how to fix it: not "user
+    namespaces", which sent users the wrong way."""
+    try:
+        real = bwrap.python_dirs()
+        monkeypatch.setattr(bwrap, "python_dirs", lambda: ("/tmp", *real))
+        bwrap._probe.cache_clear()
+        problem = bwrap.bubblewrap_problem() or ""
+        assert "['/tmp']" in problem and "under its own" in problem and "namespaces" not in problem
+        monkeypatch.undo()
+        monkeypatch.setattr(sys, "executable", "/nonexistent/reroll-python")
+        bwrap._probe.cache_clear()
+        problem = bwrap.bubblewrap_problem() or ""
+        assert "could not start the interpreter /nonexistent/reroll-python" in problem, problem
+        assert "execvp" in problem and "namespaces" not in problem
+    finally:
+        monkeypatch.undo()
+        bwrap._probe.cache_clear()
+    assert bwrap.bubblewrap_problem() is None
