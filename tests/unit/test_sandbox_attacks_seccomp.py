@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from sandbox_attack import HOOK_OFF, assert_ran_inside
 
-from reroll.rewards import bwrap
+from reroll.rewards import bwrap, seccomp
 from reroll.rewards import sandbox as sb
 from reroll.rewards.seccomp import (
     ARCHES,
@@ -36,7 +36,10 @@ from reroll.rewards.seccomp import (
     machine,
 )
 
-pytestmark = pytest.mark.skipif(
+needs_bwrap = pytest.mark.skipif(
+    bwrap.bubblewrap_problem() is not None, reason=f"no bubblewrap sandbox here: {bwrap.bubblewrap_problem()}"
+)
+needs_filter = pytest.mark.skipif(
     bwrap.bubblewrap_problem() is not None or bwrap.seccomp_problem() is not None,
     reason=f"no seccomp-filtered sandbox here: {bwrap.bubblewrap_problem() or bwrap.seccomp_problem()}",
 )
@@ -202,7 +205,7 @@ def test_syscall_numbers_match_the_kernel_headers(header, arch):
     assert {name: defined.get(name) for name in ARCHES[arch][1]} == ARCHES[arch][1]
 
 
-@pytest.mark.skipif(machine() not in ARCHES, reason=f"no seccomp table for {machine()}")
+@needs_filter
 @pytest.mark.parametrize("group", sorted(CALLS))
 def test_denied_group_fails_with_eperm_in_the_sandbox(group, probed):
     program, (audit, _, _) = filter_program(), ARCHES[machine()]
@@ -218,6 +221,7 @@ def test_denied_group_fails_with_eperm_in_the_sandbox(group, probed):
             assert probed[False][key] != "EPERM", (label, probed[False][key])
 
 
+@needs_filter
 def test_clone3_other_abis_and_socket_families(probed):
     for label, _, _, code in OTHER:
         key = label.replace(" ", "_")
@@ -225,3 +229,24 @@ def test_clone3_other_abis_and_socket_families(probed):
     assert probed[False]["clone3"] != "ENOSYS"  # the kernel has clone3 (5.3+): the filter hid it
     if machine() == "x86_64":  # another ABI's table: refused whether this kernel has it or not
         assert probed[True]["x32_getpid"] == "ENOSYS" and probed[True]["i386_getpid"] == "ENOSYS"
+
+
+@needs_bwrap
+def test_without_a_table_for_the_machine_the_run_goes_on_and_says_what_is_open(monkeypatch, caplog):
+    """Another architecture (riscv64 here, pretended): no filter, a warning naming what stays open,
+    and the program still runs in the sandbox."""
+    monkeypatch.setattr(seccomp, "machine", lambda: "riscv64")
+    bwrap._probe.cache_clear()
+    sb._warn_unenforced.cache_clear()
+    try:
+        assert "no seccomp table for 'riscv64'" in (bwrap.seccomp_problem() or "")
+        assert bwrap.seccomp_fd() == -1
+        with caplog.at_level("WARNING", logger=sb.__name__):
+            r = sb.run_python(HOOK_OFF + 'print(open("/proc/self/status").read().count("Seccomp:\\t0"))')
+        assert_ran_inside(r)
+        assert r.stdout == "1\n"  # ran, unfiltered
+        assert any("without the seccomp filter" in m and "io_uring" in m for m in caplog.messages)
+    finally:
+        monkeypatch.undo()
+        bwrap._probe.cache_clear()
+        sb._warn_unenforced.cache_clear()
