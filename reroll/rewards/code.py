@@ -9,8 +9,8 @@ row's ``tests`` is a list of cases in one of two styles:
   compared with ``expected`` (JSON values; tuples compare as lists). All call cases share one run.
 
 The score is the fraction of cases passed, or 0/1 with ``all_or_nothing``. Programs run in
-bubblewrap (an unprivileged uid in its own namespaces, read-only files, no network): see
-``reroll.rewards.sandbox`` for what is enforced. ``sandbox: audit_hook`` in the reward's args opts
+bubblewrap (an unprivileged uid in its own namespaces, read-only files, no network, a seccomp
+filter): docs/sandbox.md says what is enforced and measured. ``sandbox: audit_hook`` in the reward's args opts
 into the weaker in-process guard where bubblewrap cannot be installed (a warning is logged).
 """
 
@@ -28,7 +28,7 @@ from reroll.rewards.sandbox import Limits, Sandbox, SandboxResult, run_python
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 
 # Appended to the program for call-style cases: evaluate each call, write one JSON line per case
-# to the results channel (a file the parent opened; the sandbox has no path to it).
+# to the results channel (a pipe the parent reads; the sandbox has no path to it).
 _CALL_HARNESS = """
 
 def __reroll_cases():
