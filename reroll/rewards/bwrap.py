@@ -72,7 +72,7 @@ def _probe() -> tuple[str | None, str | None]:
 
 def _start(src: Path, *, seccomp: bool) -> subprocess.CompletedProcess:
     """Start this interpreter in a sandbox (with the seccomp filter or without) and let it exit."""
-    fd = seccomp_fd() if seccomp else -1
+    fd = _filter_fd() if seccomp else -1
     cmd = [*bwrap_command(src, 64, {}, -1, fd), sys.executable, "-I", "-S", "-c", "pass"]
     try:
         return subprocess.run(
@@ -103,13 +103,15 @@ def _failure(run: subprocess.CompletedProcess) -> str:
 
 def seccomp_fd() -> int:
     """A pipe's read end holding the seccomp filter for one run (bwrap reads it to its end), or -1
-    where none is installed here. The caller passes it to bwrap and closes it."""
-    if filter_problem() is not None:
-        return -1
-    program = filter_program()
+    where none is installed here (``seccomp_problem`` says why). The caller passes it to bwrap and
+    closes it."""
+    return -1 if seccomp_problem() is not None else _filter_fd()
+
+
+def _filter_fd() -> int:
     r, w = os.pipe()  # a few hundred bytes: far below a pipe's buffer, so the write cannot block
     with open(w, "wb", buffering=0) as out:
-        out.write(program)
+        out.write(filter_program())
     return r
 
 

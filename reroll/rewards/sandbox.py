@@ -390,15 +390,14 @@ def _footprint(root: Path) -> list[tuple[int, int]]:
 
 def _footprint_bound(root: Path, allowance: int) -> tuple[int, int]:
     """Bounds on the run directory's total bytes and allocated bytes at the end of the run: what it
-    holds before (the sources) plus ``allowance`` (audit_hook: the program's scratch files, as much
-    as bubblewrap's /tmp). An entry of s bytes takes at most ceil(s / block) blocks and one more
-    for metadata; reported blocks may lag the writes (delayed allocation), so the bound is from
-    sizes, not from what stat says now."""
+    holds now (the sources) plus ``allowance`` of each (audit_hook: the program's scratch files, as
+    much as bubblewrap's /tmp, whose tmpfs counts pages as this counts blocks). Each entry of s
+    bytes may end up taking ceil(s / block) blocks and one more for metadata, whatever stat says
+    now (delayed allocation reports blocks late)."""
     block = os.statvfs(root).f_bsize
     entries = _footprint(root)
-    size = sum(s for s, _ in entries)
-    blocks = sum(max(b, -(-s // block) * block) + block for s, b in entries)
-    return size + allowance, blocks + allowance + (-(-allowance // block) + 1) * block
+    blocks = sum(max(b, -(-s // block) * block) + block for s, b in entries)  # -(-s // b): ceil
+    return sum(s for s, _ in entries) + allowance, blocks + allowance
 
 
 def _footprint_excess(root: Path, bound: tuple[int, int]) -> str | None:

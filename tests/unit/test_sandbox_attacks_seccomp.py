@@ -250,3 +250,20 @@ def test_without_a_table_for_the_machine_the_run_goes_on_and_says_what_is_open(m
         monkeypatch.undo()
         bwrap._probe.cache_clear()
         sb._warn_unenforced.cache_clear()
+
+
+@needs_bwrap
+def test_a_filter_bwrap_cannot_load_is_reported_and_left_out(monkeypatch):
+    """A kernel or bwrap that refuses the filter (here: a program the kernel rejects) must not fail
+    every run: the probe finds out once, ``seccomp_problem`` says why, runs go on without it."""
+    monkeypatch.setattr(bwrap, "filter_program", lambda: struct.pack("=HBBI", 0xFFFF, 0, 0, 0))
+    bwrap._probe.cache_clear()
+    try:
+        assert "bwrap could not load the seccomp filter" in (bwrap.seccomp_problem() or "")
+        assert bwrap.bubblewrap_problem() is None and bwrap.seccomp_fd() == -1
+        r = sb.run_python(HOOK_OFF + "print(6 * 7)")
+        assert_ran_inside(r)
+        assert r.stdout == "42\n"
+    finally:
+        monkeypatch.undo()
+        bwrap._probe.cache_clear()
