@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from sandbox_attack import IN_SANDBOX, attack
 
+import reroll
 from reroll.rewards import bwrap
 from reroll.rewards.cgroups import cgroup_bases
 from reroll.rewards.sandbox import Limits, SandboxResult, run_python
@@ -216,8 +217,13 @@ def test_an_interpreter_under_tmp_still_runs_sandboxed(copies):
             "import sys\nfrom reroll.rewards.sandbox import run_python\n"
             f"r = run_python({program!r})\nprint(r.status, r.stdout, r.stderr, sep='|')"
         )
+        repo = str(Path(reroll.__file__).resolve().parents[1])  # reroll itself, however it is installed
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+        }
         run = subprocess.run(
-            [str(python), "-c", driver], capture_output=True, text=True, timeout=120, cwd=where
+            [str(python), "-c", driver], capture_output=True, text=True, timeout=120, cwd=where, env=env
         )
     status, stdout, _ = run.stdout.split("|", 2)
     assert status == "ok" and f"{IN_SANDBOX} {python}" in stdout, run.stdout + run.stderr
