@@ -187,10 +187,9 @@ def cmd_env_check(args: argparse.Namespace) -> int:
 
 
 def cmd_config_docs(args: argparse.Namespace) -> int:
-    from reroll.config.loader import config_reference
-    from reroll.config.schema import RunConfig
+    from reroll.config.schema import config_docs
 
-    print(config_reference(RunConfig))
+    print(config_docs())
     return 0
 
 

@@ -211,6 +211,11 @@ class AlgorithmConfig(StrictModel):
             raise ValueError("; ".join(problems))
         return self
 
+    @property
+    def needs_greedy_baseline(self) -> bool:
+        """Whether the estimator's baseline is the reward of each prompt's greedy response (ReMax)."""
+        return self.adv_estimator == "remax"
+
 
 def section_problems(cfg: AlgorithmConfig) -> list[str]:
     """Contradictions inside the algorithm section alone."""

@@ -87,6 +87,7 @@ def load_config(path: str | Path, model: type[T], overrides: Sequence[str] = ())
         data = apply_overrides(_read_yaml(path), parse_overrides(overrides))
     except ConfigError as e:
         raise _with_quote_hints(e, _split_overrides(overrides)) from None
+    model = _member(model, data, source)
     try:
         cfg = model.model_validate(data)
     except ValidationError as e:
@@ -96,6 +97,18 @@ def load_config(path: str | Path, model: type[T], overrides: Sequence[str] = ())
     if found:
         raise ConfigError([p if isinstance(p, ConfigProblem) else ConfigProblem(*p) for p in found], source)
     return cfg
+
+
+def _member(model: type[T], data: dict[str, Any], source: str) -> type[T]:
+    """The model ``data`` validates into: ``model.model_for(data)`` where ``model`` is a union of
+    models told apart by a key (``RunConfig``: by ``pipeline``), else ``model``."""
+    pick = getattr(model, "model_for", None)
+    if pick is None:
+        return model
+    try:
+        return pick(data)
+    except ConfigError as e:
+        raise ConfigError(e.problems, source) from None
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -140,16 +153,30 @@ def dump_config(cfg: BaseModel, path: str | Path) -> None:
 
 def config_reference(model: type[BaseModel]) -> str:
     """A Markdown reference of every field (dotted path, type, default, range, description)."""
-    lines = [f"# `{model.__name__}` reference", "", _first_line(model.__doc__), ""]
+    return "\n".join(
+        [f"# `{model.__name__}` reference", "", _first_line(model.__doc__), "", *reference_tables(model)]
+    )
+
+
+def reference_tables(
+    model: type[BaseModel], keys: Sequence[str] | None = None, level: str = "##", note: str = ""
+) -> list[str]:
+    """The reference's tables of ``model``, one per section (those under the top-level ``keys`` only,
+    when given, without the top level's own table then), headed at ``level``, each with ``note``."""
+    lines: list[str] = []
     for prefix, cls, doc in _sections(model, ""):
+        if keys is not None and prefix.partition(".")[0] not in keys:
+            continue
         leaves = [(n, f) for n, f in cls.model_fields.items() if not list(_nested_models(f.annotation, ""))]
         if not leaves:
             continue
-        lines += [f"## `{prefix}` ({cls.__name__})" if prefix else f"## top level ({cls.__name__})", ""]
+        title = f"`{prefix}` ({cls.__name__})" if prefix else f"top level ({cls.__name__})"
+        lines += [f"{level} {title}", ""]
         lines += [doc, ""] if doc and prefix else []
+        lines += [note, ""] if note and prefix and "." not in prefix else []
         lines += ["| key | type | default | range | description |", "|---|---|---|---|---|"]
         lines += [_reference_row(_join(prefix, name), field) for name, field in leaves] + [""]
-    return "\n".join(lines)
+    return lines
 
 
 def _reference_row(path: str, field: FieldInfo) -> str:
@@ -321,6 +348,9 @@ def _one_of(expected: str, value: Any) -> str:
 def _unknown_key(key: str, parent: Any, root: type[BaseModel]) -> str:
     if not _is_model(parent):
         return "unknown key"
+    foreign = getattr(root, "foreign_key", None)  # a key another member of root's union reads
+    if parent is root and foreign is not None and (why := foreign(key)):
+        return why
     valid = [field.alias or name for name, field in parent.model_fields.items()]
     close = difflib.get_close_matches(key, valid, n=2)
     if close:

@@ -86,37 +86,13 @@ class DPOConfig(StrictModel):
     )
 
 
-def check_preference(
-    pipeline: str,
-    preference: PreferenceConfig | None,
-    reward_model: RewardModelConfig | None,
-    dpo: DPOConfig | None,
-    *,
-    has_data: bool,
-) -> list[tuple[str, str]]:
-    """``(dotted path, message)`` for every problem of the preference sections against the pipeline."""
-    problems = []
-    prefs = pipeline in ("reward_model", "dpo")
-    if prefs and preference is None:
-        problems.append(
-            ("preference", f"pipeline {pipeline!r} needs a `preference:` section (train_files of pairs)")
-        )
-    if not prefs and preference is not None:
-        problems.append(
-            ("preference", f"pipeline {pipeline!r} reads no preference pairs: remove `preference:`")
-        )
-    for name, section in (("reward_model", reward_model), ("dpo", dpo)):
-        if section is not None and pipeline != name:
-            problems.append(
-                (name, f"`{name}:` is read by pipeline {name!r} only, not {pipeline!r}: remove it")
-            )
-    if pipeline == "reward_model" and has_data:
-        problems.append(("data", "pipeline 'reward_model' trains on preference pairs only: remove `data:`"))
-    if dpo is not None and dpo.label_smoothing and dpo.loss not in ("sigmoid", "robust"):
-        problems.append(
+def check_dpo(dpo: DPOConfig) -> list[tuple[str, str]]:
+    """``(dotted path, message)`` for every problem of the dpo section."""
+    if dpo.label_smoothing and dpo.loss not in ("sigmoid", "robust"):
+        return [
             (
                 "dpo.label_smoothing",
                 f"label_smoothing applies to 'sigmoid' and 'robust', not {dpo.loss!r}: set it to 0",
             )
-        )
-    return problems
+        ]
+    return []

@@ -94,12 +94,12 @@ def check_distill(cfg: DistillConfig) -> list[tuple[str, str]]:
     problems = []
     if cfg.mode == "on_policy":
         offline_only = {"ce_weight", "batch_size"} | ({"top_k"} if cfg.on_policy_loss == "sampled" else set())
-        offline_only = sorted(cfg.model_fields_set & offline_only)
+        offline_only = sorted(cfg.changed_fields() & offline_only)  # a resolved config writes them all
         problems += [
             (f"distill.{key}", "is not used by mode 'on_policy' with this on_policy_loss: remove it")
             for key in offline_only
         ]
-    if cfg.mode == "offline" and "on_policy_loss" in cfg.model_fields_set:
+    if cfg.mode == "offline" and "on_policy_loss" in cfg.changed_fields():
         problems.append(("distill.on_policy_loss", "is used by mode 'on_policy' only: remove it"))
     tags = {name: t.tags for name, t in cfg.teachers.items()}
     return problems + tag_problems(tags, cfg.default_teacher, "distill.teachers", "distill.default_teacher")

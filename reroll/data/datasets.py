@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reroll.config.schema import HubDatasetConfig
+from reroll.config.data import HubDatasetConfig
 from reroll.data.types import Sample
 from reroll.errors import UserError
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from reroll.config.schema import HubDatasetConfig
+from reroll.config.data import HubDatasetConfig
 from reroll.errors import UserError
 
 

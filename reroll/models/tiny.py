@@ -21,7 +21,7 @@ from reroll.config.alphabet import parse_alphabet
 from reroll.data.arithmetic import ARITHMETIC_ALPHABET
 
 if TYPE_CHECKING:
-    from reroll.config.schema import ModelConfig, TinyModelConfig
+    from reroll.config.model import ModelConfig, TinyModelConfig
 
 log = logging.getLogger(__name__)
 

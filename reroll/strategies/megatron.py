@@ -42,7 +42,8 @@ from reroll.strategies import Head
 from reroll.strategies.training import HostParking, warmup_factor
 
 if TYPE_CHECKING:
-    from reroll.config.schema import MegatronConfig, RunConfig
+    from reroll.config.schema import RunConfig
+    from reroll.config.training import MegatronConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,67 @@
+"""The policy model's section (``model``): where it loads from, its dtype, and the tiny model built offline."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from reroll.config.alphabet import Alphabet
+from reroll.config.base import StrictModel
+
+
+class TinyModelConfig(StrictModel):
+    """Build a small random-init Qwen2 model offline (for tests and the quickstart)."""
+
+    alphabet: Alphabet = Field(
+        "arithmetic",
+        description="The tokenizer's characters: a name, 'arithmetic' (digits, +-*= and space), 'game' "
+        "(the shipped games' text) or 'ascii' (Python's string.printable), or the characters themselves, "
+        "quoted, e.g. '0123456789+-=abc ' (ASCII only). A value of letters only is a name; write "
+        "letters-only characters with the prefix 'chars:', e.g. 'chars:abc'.",
+    )
+    hidden_size: int = Field(128, ge=32, description="Width; hidden_size / num_heads must be 32 or 64.")
+    num_layers: int = Field(2, ge=1, description="Transformer blocks.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    seed: int = Field(0, description="Seed of the random init.")
+    chat_template: bool = Field(
+        True,
+        description="Give the tokenizer a chat template ('<|user|>...<|assistant|>', turns ending with "
+        "'<eos>'); false: none, as a base model's tokenizer.",
+    )
+
+
+class ModelConfig(StrictModel):
+    """The policy model."""
+
+    path: str = Field(description="Hugging Face hub id or local directory (config.json, weights, tokenizer).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    build_tiny: TinyModelConfig | None = Field(
+        None, description="If set and `path` does not exist yet, build a tiny random model there first."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory."
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile the trained and reference models (the torch strategy; dynamic shapes, "
+        "so sequence lengths do not recompile). Experimental: on an H200 with Ray roles (0.5B shape) the "
+        "first step had not finished after 5 minutes of compiling, and the profile shows that model's "
+        "training pass GPU-bound, not launch-bound; docs/benchmarks.md.",
+    )
+    fused_norm: bool = Field(
+        True,
+        description="Run the model's RMSNorm layers as torch's fused rms_norm in the trainers (torch, fsdp2 "
+        "and deepspeed strategies): on a GPU one kernel each way instead of about eight fp32 elementwise "
+        "ones, and fewer activations kept for backward. Only norm classes whose own forward computes the "
+        "plain weight * x / rms(x) are switched (checked on a probe at load; Gemma's 1 + weight is not); "
+        "results differ by bf16 rounding, none in fp32. false: the model's own code.",
+    )
+    cudnn_attention: bool = Field(
+        False,
+        description="Let torch's attention (SDPA, in the trainers and the hf engine) use cuDNN's kernels, "
+        "which torch picks first on Hopper and newer GPUs. cuDNN builds a plan for every new attention "
+        "shape (rows, length, padded or not: hundreds of ms each, once per process), and RL micro-batches "
+        "bring new lengths every step; off, torch runs flash attention (no padding) or its memory-efficient "
+        "kernel (padding), which need no build. vLLM's attention is its own. Ignored on CPU.",
+    )
