@@ -16,15 +16,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from reroll.config.engines import engine_spec
 from reroll.config.memory import DTYPE_BYTES, Shape, forward_only_limits, token_bytes, token_shape
 from reroll.config.placement import device_map, offload_between_phases, run_roles, trainer_strategy
 from reroll.config.schema import RunConfig
 from reroll.config.startable import start_problems
 from reroll.errors import UserError
 
-# Roles whose model never steps (no gradients or optimizer). The plan sizes every model role with the
-# policy's shape: a teacher or reward model of another size is estimated as the policy's.
-FROZEN_ROLES = ("reference", "teacher", "reward_model")
+# The plan sizes every model role with the policy's shape: a teacher or reward model of another size is
+# estimated as the policy's.
 
 GIB = 1024**3
 
@@ -85,15 +85,17 @@ class RolePlan:
 
 
 def estimate(cfg: RunConfig, shape: Shape, *, prompt_tokens: int) -> list[RolePlan]:
-    """Per-GPU memory of each model role of ``cfg`` at its own peak."""
+    """Per-GPU memory of each role of ``cfg`` that holds a model on the pool, at its own peak (the roles
+    ``run_roles`` says the run starts, and only those)."""
     seq = prompt_tokens + cfg.rollout.max_new_tokens
     plans = []
-    for role in run_roles(cfg):
-        rc = getattr(cfg.roles, role)
-        if role == "actor_infer":
-            plans.append(_engine(cfg, shape, seq, rc.world_size))
-        else:
-            plans.append(_trainer(cfg, shape, seq, role, rc.world_size, trainable=role not in FROZEN_ROLES))
+    for spec in run_roles(cfg, "cuda").values():
+        if spec.name == "actor_infer":
+            plans.append(_engine(cfg, shape, seq, spec.world_size))
+        elif spec.holds == "strategy":
+            plans.append(
+                _trainer(cfg, shape, seq, spec.name, spec.world_size * spec.copies, trainable=spec.trainable)
+            )
     return plans
 
 
@@ -155,8 +157,8 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
 
 def _forward_only_lines(cfg: RunConfig, shape: Shape, seq: int, roles: list[str]) -> list[str]:
     """What ``forward_only_limits`` gives the run's forward-only passes, and why (none in SFT)."""
-    if cfg.pipeline == "sft":
-        return []
+    if not any(r in roles for r in ("reference", "critic", "teacher")) and not cfg.trains_on_rollouts:
+        return []  # no forward-only pass: nothing scores the policy's samples
     o = cfg.optim
 
     def size(every_position: bool) -> str:
@@ -176,13 +178,16 @@ def _forward_only_lines(cfg: RunConfig, shape: Shape, seq: int, roles: list[str]
 
 
 def _engine(cfg: RunConfig, shape: Shape, seq: int, world: int) -> RolePlan:
-    tp = cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+    spec = engine_spec(cfg.rollout.engine)
+    tp = spec.span(cfg.rollout)
     weights = shape.params * DTYPE_BYTES[cfg.model.dtype] / tp
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * DTYPE_BYTES[cfg.model.dtype] / tp
     seqs = min(cfg.rollout.batch_size // world, cfg.rollout.generate_batch_size)
     kv = seqs * seq * kv_per_token
     parts = f"weights {weights / GIB:.1f} + kv cache {kv / GIB:.1f} ({seqs} seqs x {seq} tokens)"
-    asleep = weights if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.sleep_level == 1 else 0.0
+    asleep = (
+        weights if spec.memory_share(cfg.rollout) is not None and spec.parks_weights(cfg.rollout) else 0.0
+    )
     return RolePlan("actor_infer", world * tp, (weights + kv) / GIB, parts, asleep / GIB)
 
 
@@ -196,7 +201,7 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     chosen = trainer_strategy(cfg, "cuda")  # the plan is for GPUs
     shown = chosen if chosen == cfg.strategy.name else f"{chosen} (strategy.name {cfg.strategy.name})"
     cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"name": chosen})})
-    dmap = device_map(cfg, run_roles(cfg), "cuda")
+    dmap = device_map(cfg, "cuda")
     plans = {p.role: p for p in estimate(cfg, shape, prompt_tokens=prompt_tokens)}
     offload = offload_between_phases(cfg, "cuda")
     lines = [

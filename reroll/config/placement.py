@@ -1,23 +1,50 @@
-"""What a config says about placement: which pool devices each role's ranks use, checked and pure.
+"""The roles a run starts and where their ranks go: one registry (``run_roles``), checked and pure.
+
+``run_roles(cfg)`` gives every role a run of ``cfg`` starts, with what it needs: world size, what it
+holds (strategy or engine), its pool devices and whether it stays resident between phases. The run
+(``reroll.pipelines.roles.Roles.start``), the device map, ``reroll plan``, ``reroll validate``, the
+placement group, recovery and shutdown all read it, so what is planned is what starts.
 
 The config names a pool of ``placement.devices`` devices (GPUs, or CPU slots on a CPU-only cluster)
 and, per role, the pool devices its ranks use (``roles.<role>.devices``). Rank ``r`` of a role with
-``n`` ranks on ``d`` devices sits on ``devices[r * d // n]``; roles that share a device are
-colocated. Nothing here touches Ray or a device, so ``reroll validate``, ``reroll plan`` and the run
-(``reroll.runtime.placement``, which reserves the devices) all read the same map.
+``n`` ranks on ``d`` devices sits on ``devices[r * d // n]``; an engine spanning ``k`` devices (tensor
+parallel) takes ``k`` consecutive ones per rank; roles that share a device are colocated. Nothing here
+touches Ray or a device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from reroll.config.schema import RunConfig
+from reroll.config.engines import engine_spec
+from reroll.config.roles import ROLES
 
-# Roles that hold a model on a device; reward (and judge) workers run on CPUs unless given devices.
-DEVICE_ROLES = ("actor_train", "actor_infer", "reference", "critic", "teacher", "reward_model")
+if TYPE_CHECKING:
+    from reroll.config.run import RunConfig
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role of a run, as ``run_roles`` gives it."""
+
+    name: str
+    world_size: int
+    holds: str  # "strategy" | "engine" | "workers" (reroll.config.roles.ROLES)
+    backend: str  # its strategy ('auto' resolved where the device type is known), its engine, or "workers"
+    copies: int = 1  # groups of these ranks (a teacher each, in distillation)
+    devices: tuple[int, ...] | None = (
+        None  # the pool device of each rank (the first of its span); None: off the pool
+    )
+    span: int = 1  # pool devices one rank takes (a tensor-parallel engine)
+    resident: bool = (
+        True  # stays on its devices between phases (not colocated, or colocated roles never offload)
+    )
+    trainable: bool = False
+
+    @property
+    def on_pool(self) -> bool:
+        return self.devices is not None
 
 
 @dataclass(frozen=True)
@@ -54,10 +81,8 @@ class DeviceMap:
 
 
 def rank_span(cfg: RunConfig, role: str) -> int:
-    """Devices one rank of ``role`` takes: a vLLM engine's tensor-parallel size, else 1."""
-    if role == "actor_infer" and cfg.rollout.engine == "vllm":
-        return cfg.rollout.vllm.tensor_parallel_size
-    return 1
+    """Devices one rank of ``role`` takes: actor_infer's engine's span (its tensor-parallel size), else 1."""
+    return engine_spec(cfg.rollout.engine).span(cfg.rollout) if role == "actor_infer" else 1
 
 
 def role_devices(cfg: RunConfig, role: str) -> list[int]:
@@ -68,9 +93,19 @@ def role_devices(cfg: RunConfig, role: str) -> list[int]:
     return list(range(min(rc.world_size * rank_span(cfg, role), cfg.placement.devices or 1)))
 
 
-def placed_roles(cfg: RunConfig, roles: Iterable[str]) -> list[str]:
-    """The roles of this run that take devices from the pool."""
-    return [r for r in roles if r in DEVICE_ROLES or getattr(cfg.roles, r).devices is not None]
+def on_pool(cfg: RunConfig, role: str) -> bool:
+    """Whether ``role``'s ranks take devices of the pool: a role that holds a model, or one given devices."""
+    return bool(cfg.placement.devices) and (
+        ROLES[role].on_pool or getattr(cfg.roles, role).devices is not None
+    )
+
+
+def role_device(cfg: RunConfig, role: str, device_type: str) -> str:
+    """'cuda' or 'cpu' for ``role``'s workers when pool devices are ``device_type``: the pool's type for
+    a role on the pool, else by its ``num_gpus_per_worker``."""
+    if on_pool(cfg, role):
+        return "cuda" if device_type == "cuda" else "cpu"
+    return "cuda" if getattr(cfg.roles, role).num_gpus_per_worker > 0 else "cpu"
 
 
 def trainer_strategy(cfg: RunConfig, device: str) -> str:
@@ -90,16 +125,70 @@ def trainer_strategy(cfg: RunConfig, device: str) -> str:
     return "fsdp2" if sharded or cfg.strategy.fsdp2.model_fields_set else "torch"
 
 
-def device_map(cfg: RunConfig, roles: Iterable[str], device_type: str) -> DeviceMap:
-    """Where each rank of ``roles`` sits (``check_placement`` has vetted the config)."""
-    ranks, span = {}, {}
-    for role in placed_roles(cfg, roles):
-        devs, n, k = role_devices(cfg, role), getattr(cfg.roles, role).world_size, rank_span(cfg, role)
-        if k > 1:  # each rank takes k consecutive devices of its list
-            ranks[role], span[role] = tuple(devs[r * k] for r in range(n)), k
+def _rank_devices(cfg: RunConfig, role: str) -> tuple[int, ...]:
+    devs, n, k = role_devices(cfg, role), getattr(cfg.roles, role).world_size, rank_span(cfg, role)
+    if k > 1:  # each rank takes k consecutive devices of its list (check_placement: exactly n * k of them)
+        return tuple(devs[min(r * k, len(devs) - 1)] for r in range(n))
+    return tuple(devs[r * len(devs) // n] for r in range(n))
+
+
+def run_roles(
+    cfg: RunConfig, device_type: str | None = None, *, generate_only: bool = False
+) -> dict[str, RoleSpec]:
+    """Every role a run of ``cfg`` starts (``generate_only``: a ``reroll generate`` run, which trains
+    nothing), in ``ROLES`` order. ``device_type``: what a pool device is, where known (it resolves the
+    strategy 'auto' and whether colocated roles offload); else ``placement.device_type``."""
+    kind = device_type or cfg.placement.device_type
+    names = cfg.started_roles(generate_only=generate_only)
+    specs: dict[str, RoleSpec] = {}
+    for name in ROLES:
+        if name not in names:
+            continue
+        role, rc = ROLES[name], getattr(cfg.roles, name)
+        if role.holds == "strategy":
+            backend = (
+                trainer_strategy(cfg, role_device(cfg, name, kind)) if kind != "auto" else cfg.strategy.name
+            )
+        elif name == "actor_infer":
+            backend = cfg.rollout.engine
         else:
-            ranks[role] = tuple(devs[r * len(devs) // n] for r in range(n))
-    return DeviceMap(device_type, cfg.placement.devices or 0, ranks, span)
+            backend = cfg.reward.judge.engine if name == "judge" else "workers"
+        pooled = on_pool(cfg, name)
+        specs[name] = RoleSpec(
+            name,
+            rc.world_size,
+            role.holds,
+            backend,
+            copies=names[name],
+            devices=_rank_devices(cfg, name) if pooled else None,
+            span=rank_span(cfg, name),
+            trainable=role.trainable,
+        )
+    return _with_residency(cfg, specs, kind)
+
+
+def _with_residency(cfg: RunConfig, specs: dict[str, RoleSpec], device_type: str) -> dict[str, RoleSpec]:
+    """The specs with ``resident`` false for the roles that take turns on a shared device."""
+    if not offload_between_phases(cfg, device_type):
+        return specs
+    dmap = _map(cfg, specs, device_type)
+    return {
+        name: RoleSpec(
+            **{**spec.__dict__, "resident": not any(dmap.colocated(name, o) for o in dmap.ranks if o != name)}
+        )
+        for name, spec in specs.items()
+    }
+
+
+def _map(cfg: RunConfig, specs: dict[str, RoleSpec], device_type: str) -> DeviceMap:
+    ranks = {n: s.devices for n, s in specs.items() if s.devices is not None}
+    span = {n: s.span for n, s in specs.items() if s.devices is not None and s.span > 1}
+    return DeviceMap(device_type, cfg.placement.devices or 0, ranks, span)  # type: ignore[arg-type]
+
+
+def device_map(cfg: RunConfig, device_type: str, *, generate_only: bool = False) -> DeviceMap:
+    """Where each rank of the run's pool roles sits (``check_placement`` has vetted the config)."""
+    return _map(cfg, run_roles(cfg, device_type, generate_only=generate_only), device_type)
 
 
 def check_placement(cfg: RunConfig) -> list[tuple[str, str]]:
@@ -149,14 +238,15 @@ def offload_between_phases(cfg: RunConfig, device_type: str) -> bool:
 
 
 def engine_may_stay(cfg: RunConfig, device_type: str) -> bool:
-    """Whether a colocated engine may stay awake beside the trainers (``placement.offload: auto``, a vLLM
-    engine, whose memory its share bounds, on GPUs), where each row is a prompt and one response of at
-    most ``rollout.max_new_tokens`` (rlvr, distill): what bounds the trainers' peak (``scaled_peak``)."""
+    """Whether a colocated engine may stay awake beside the trainers (``placement.offload: auto``, an
+    engine whose memory a fixed share of the GPU bounds, on GPUs), where each row is a prompt and one
+    response of at most ``rollout.max_new_tokens`` (``cfg.bounded_rows``): what bounds the trainers'
+    peak (``scaled_peak``)."""
     return (
         cfg.placement.offload == "auto"
         and device_type == "cuda"
-        and cfg.rollout.engine == "vllm"
-        and cfg.pipeline in ("rlvr", "distill")
+        and engine_spec(cfg.rollout.engine).memory_share(cfg.rollout) is not None
+        and cfg.bounded_rows
     )
 
 
@@ -194,24 +284,19 @@ def engine_headroom(
     return int(0.9 * total - worst - engines * engine_share * total - contexts)
 
 
-def started_roles(cfg: RunConfig) -> list[str]:
-    """Every role a run of ``cfg`` starts: the model roles, then reward, judge or env workers."""
-    roles = run_roles(cfg)
-    roles += ["env"] if cfg.pipeline == "agentic" else ["reward"]
-    roles += ["judge"] if cfg.reward.judge is not None and cfg.pipeline != "agentic" else []
-    return roles
-
-
-def cluster_problems(cfg: RunConfig, resources: dict[str, float], device_type: str) -> list[tuple[str, str]]:
+def cluster_problems(
+    cfg: RunConfig, resources: dict[str, float], device_type: str, *, generate_only: bool = False
+) -> list[tuple[str, str]]:
     """What the Ray cluster with ``resources`` (``ray.cluster_resources()``) cannot hold, as ``(dotted
     path, message)``: the device pool, and the GPUs and CPUs the roles off the pool ask for."""
     pool, problems = cfg.placement.devices, []
+    specs = run_roles(cfg, device_type, generate_only=generate_only)
     need = {"GPU": 0.0, "CPU": 0.0}
     if pool:
         kind = "GPU" if device_type == "cuda" else "CPU"
         per = 1.0 if kind == "GPU" else cfg.placement.cpus_per_device
         if resources.get(kind, 0) < pool * per:
-            table = device_map(cfg, run_roles(cfg), device_type).table()
+            table = _map(cfg, specs, device_type).table()
             problems.append(
                 (
                     "placement",
@@ -222,10 +307,9 @@ def cluster_problems(cfg: RunConfig, resources: dict[str, float], device_type: s
             )
             return problems
         need["CPU"] += pool * cfg.placement.cpus_per_device
-    roles = started_roles(cfg)
-    off_pool = [r for r in roles if not pool or r not in placed_roles(cfg, [r])]
+    off_pool = [s for s in specs.values() if not s.on_pool]
     asks = {
-        kind: {r: getattr(cfg.roles, r).world_size * getattr(getattr(cfg.roles, r), attr) for r in off_pool}
+        kind: {s.name: s.copies * s.world_size * getattr(getattr(cfg.roles, s.name), attr) for s in off_pool}
         for kind, attr in (("GPU", "num_gpus_per_worker"), ("CPU", "num_cpus_per_worker"))
     }
     for kind, per_role in asks.items():
@@ -241,7 +325,7 @@ def cluster_problems(cfg: RunConfig, resources: dict[str, float], device_type: s
                     f"num_{kind.lower()}s_per_worker, or join a bigger cluster (runtime.ray_address)",
                 )
             )
-    return problems + custom_resource_problems(cfg, resources)
+    return problems + custom_resource_problems(cfg, resources, specs)
 
 
 def bundle_resources(cfg: RunConfig, dmap: DeviceMap, device: int) -> dict[str, float]:
@@ -254,21 +338,22 @@ def bundle_resources(cfg: RunConfig, dmap: DeviceMap, device: int) -> dict[str, 
     return out
 
 
-def custom_resource_problems(cfg: RunConfig, resources: dict[str, float]) -> list[tuple[str, str]]:
-    """The custom resources the roles ask for (``roles.<role>.resources``) that the cluster lacks."""
+def custom_resource_problems(
+    cfg: RunConfig, resources: dict[str, float], specs: dict[str, RoleSpec]
+) -> list[tuple[str, str]]:
+    """The custom resources the roles ``specs`` ask for (``roles.<role>.resources``) that the cluster lacks."""
     pool = cfg.placement.devices
     need: dict[str, float] = {}
     if pool:
-        dmap = device_map(cfg, run_roles(cfg), cfg.placement.device_type)
+        dmap = _map(cfg, specs, cfg.placement.device_type)
         for d in range(pool):
             for key, value in bundle_resources(cfg, dmap, d).items():
                 need[key] = need.get(key, 0.0) + value
-    for role in started_roles(cfg):
-        if pool and role in placed_roles(cfg, [role]):
+    for spec in specs.values():
+        if spec.on_pool:
             continue
-        rc = getattr(cfg.roles, role)
-        for key, value in rc.resources.items():
-            need[key] = need.get(key, 0.0) + value * rc.world_size
+        for key, value in getattr(cfg.roles, spec.name).resources.items():
+            need[key] = need.get(key, 0.0) + value * spec.world_size * spec.copies
     return [
         (
             "roles",
@@ -281,25 +366,11 @@ def custom_resource_problems(cfg: RunConfig, resources: dict[str, float]) -> lis
     ]
 
 
-def run_roles(cfg: RunConfig) -> list[str]:
-    """The model roles a run of ``cfg`` starts."""
-    roles = ["actor_train", "actor_infer"]
-    if cfg.needs_reference:
-        roles.append("reference")
-    if cfg.critic is not None:
-        roles.append("critic")
-    if cfg.pipeline == "distill":
-        roles.append("teacher")
-    if cfg.reward.model is not None:
-        roles.append("reward_model")
-    return roles
-
-
-def shares_device(cfg: RunConfig, role: str) -> bool:
+def shares_device(cfg: RunConfig, role: str, device_type: str | None = None) -> bool:
     """Whether a rank of ``role`` shares a pool device with another role of the run."""
     if not cfg.placement.devices:
         return False
-    dmap = device_map(cfg, run_roles(cfg), cfg.placement.device_type)
+    dmap = device_map(cfg, device_type or cfg.placement.device_type)
     return any(dmap.colocated(role, other) for other in dmap.ranks if other != role)
 
 
@@ -323,10 +394,9 @@ def weight_sync_transport(cfg: RunConfig, device_type: str) -> str:
         return "object_store"
     if cfg.rollout.async_steps:  # object-store loads queue behind the generations in flight
         return "object_store"
-    in_worker = cfg.rollout.engine == "hf" or (cfg.rollout.engine == "vllm" and cfg.rollout.vllm.in_process)
-    if not in_worker:
+    if not engine_spec(cfg.rollout.engine).receives_in_worker(cfg.rollout):
         return "object_store"
-    dmap = device_map(cfg, run_roles(cfg), device_type)
+    dmap = device_map(cfg, device_type)
     trainer0 = dmap.ranks["actor_train"][0]
     if all(d == trainer0 for d in dmap.ranks["actor_infer"]) and dmap.span.get("actor_infer", 1) == 1:
         return "cuda_ipc"
@@ -345,7 +415,7 @@ def check_weight_sync(cfg: RunConfig, device_type: str) -> list[tuple[str, str]]
     shared_ok = device_type != "cuda" and cfg.placement.offload != "always"
     if not cfg.placement.devices or shared_ok or check_placement(cfg):
         return []
-    dmap = device_map(cfg, run_roles(cfg), device_type)
+    dmap = device_map(cfg, device_type)
     if not dmap.colocated("actor_train", "actor_infer"):
         return []
     return [
@@ -378,27 +448,29 @@ def _beside_rank0(cfg: RunConfig, role: str) -> list[str] | None:
     """The role of every rank on the device of ``role``'s rank 0 (None without a pool)."""
     if not cfg.placement.devices:
         return None
-    dmap = device_map(cfg, run_roles(cfg), cfg.placement.device_type)
-    return [r for r, _ in dmap.workers_on(dmap.ranks[role][0])]
+    dmap = device_map(cfg, cfg.placement.device_type)
+    return [r for r, _ in dmap.workers_on(dmap.ranks[role][0])] if role in dmap.ranks else None
 
 
-def async_problems(cfg: RunConfig) -> list[tuple[str, str]]:
-    """What ``rollout.async_steps`` cannot run with, as ``(dotted path, message)``: generation overlaps
-    training only where actor_infer has devices of its own."""
+def rollout_source_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """What the rollout source's options (async, partial rollouts, over-sampling, tail batching) cannot
+    run with, as ``(dotted path, message)``, every one found: pipelines without the rollout source
+    (``cfg.rollout_source``) take none of them, and each has its own needs."""
     r = cfg.rollout
+    if not cfg.rollout_source:
+        return [
+            (f"rollout.{key}", f"is an option of the rollout source, which pipeline {cfg.pipeline!r} does not "
+             f"generate through ({cfg.no_rollout_source}; rlvr and on-policy distill do): remove rollout.{key}")
+            for key in ("async_steps", "max_staleness", "partial_rollouts", "oversample", "tail_threshold")
+            if key in r.changed_fields()
+        ]  # fmt: skip
     problems = tail_problems(cfg) + streaming_problems(cfg)
     if not r.async_steps:
         if r.max_staleness is not None:
-            return [("rollout.max_staleness", "bounds the staleness of async samples, but rollout.async_steps "
-                     "is 0 (every sample is fresh): remove max_staleness, or set async_steps")]  # fmt: skip
+            problems.append(("rollout.max_staleness", "bounds the staleness of async samples, but "
+                             "rollout.async_steps is 0 (every sample is fresh): remove max_staleness, or set "
+                             "async_steps"))  # fmt: skip
         return problems
-    if cfg.pipeline != "rlvr":
-        problems.append(
-            (
-                "rollout.async_steps",
-                f"runs in pipeline 'rlvr' only, not {cfg.pipeline!r}: set async_steps to 0",
-            )
-        )
     if r.max_staleness is not None and r.max_staleness < r.async_steps:
         problems.append(
             (
@@ -417,7 +489,7 @@ def async_problems(cfg: RunConfig) -> list[tuple[str, str]]:
             )
         )
     if cfg.placement.devices:
-        dmap = device_map(cfg, run_roles(cfg), cfg.placement.device_type)
+        dmap = device_map(cfg, cfg.placement.device_type)
         shared = [o for o in dmap.ranks if o != "actor_infer" and dmap.colocated("actor_infer", o)]
         if shared:
             problems.append(
@@ -445,7 +517,7 @@ def async_problems(cfg: RunConfig) -> list[tuple[str, str]]:
 def _devices_needed(cfg: RunConfig) -> int:
     """A pool big enough for actor_infer's ranks beside the others' (a suggestion in an error)."""
     infer = cfg.roles.actor_infer.world_size * rank_span(cfg, "actor_infer")
-    others = max(getattr(cfg.roles, r).world_size for r in run_roles(cfg) if r != "actor_infer")
+    others = max(s.world_size for s in run_roles(cfg).values() if s.on_pool and s.name != "actor_infer")
     return others + infer
 
 
@@ -464,11 +536,7 @@ def tail_problems(cfg: RunConfig) -> list[tuple[str, str]]:
             (path, f"({r.tail_threshold}) must be below rollout.max_new_tokens ({r.max_new_tokens}), or no "
              f"response is ever set aside: e.g. {max(1, r.max_new_tokens // 2)}")
         )  # fmt: skip
-    others = {
-        "rollout.async_steps": r.async_steps > 0,
-        "algorithm.dynamic_sampling": cfg.algorithm.dynamic_sampling,
-        f"pipeline {cfg.pipeline!r}": cfg.pipeline != "rlvr",
-    }
+    others = {"rollout.async_steps": r.async_steps > 0, "algorithm.dynamic_sampling": cfg.dynamic_sampling}
     for what, on in others.items():
         if on:
             problems.append((path, f"tail batching does not run with {what} yet: turn one of them off"))
@@ -499,7 +567,6 @@ def streaming_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         others = {
             "rollout.async_steps": r.async_steps > 0,
             "rollout.tail_threshold": r.tail_threshold is not None,
-            f"pipeline {cfg.pipeline!r}": cfg.pipeline != "rlvr",
         }
         for what, on in others.items():
             if on:
@@ -509,7 +576,7 @@ def streaming_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         ("rollout.partial_rollouts", r.partial_rollouts),
         ("rollout.oversample", r.oversample is not None),
     ):
-        if on and r.engine not in ("hf", "vllm"):
+        if on and not engine_spec(r.engine).streams:
             problems.append((key, f"needs an engine that streams and can be interrupted (hf, vllm), not "
                              f"{r.engine!r}: set rollout.engine=vllm or hf"))  # fmt: skip
     return problems

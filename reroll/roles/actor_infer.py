@@ -1,19 +1,24 @@
 """actor_infer: workers that hold a generation engine, and their group (prompts split across ranks).
 
+Every generation checks that the engine holds the policy actor_train holds (``EngineGroup.policy_version``,
+set by the run): a call on stale weights is refused naming both versions, unless its caller (the
+rollout source of an async run, which bounds staleness itself) passes ``stale_ok``.
+
 Errors from these workers name the engine (``actor_infer[0] (vllm engine) failed during generate``).
 Each worker has a second Ray thread ("control") so ``abort`` and ``interrupt`` reach an engine in the
-middle of a call. ``RolloutGroup.stream`` yields each prompt's group as it finishes (over-sampling);
+middle of a call. ``EngineGroup.stream`` yields each prompt's group as it finishes (over-sampling);
 ``submit_resume`` continues, after a weight update, the responses an ``interrupt`` cut (partial rollouts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from reroll.config.engines import engine_spec
 from reroll.config.placement import offload_between_phases, shares_device
 from reroll.config.schema import RunConfig
 from reroll.data.types import Completion, SamplingParams
@@ -32,28 +37,31 @@ from reroll.runtime.weight_sync import (
 )
 
 
-class RolloutWorker:
+class StaleWeights(RuntimeError):
+    """A generation asked of an engine whose weights are older than actor_train's."""
+
+
+class EngineWorker:
     """One rank of actor_infer."""
 
     def __init__(self, rank: int, cfg: RunConfig) -> None:
         configure_process(cfg, "actor_infer")
         self.rank = rank
         device = worker_device(cfg, "actor_infer")
-        rollout = cfg.rollout
-        if rollout.engine == "vllm" and rollout.vllm.enable_sleep_mode is None:
-            # auto: sleep between rollouts where another role takes this GPU in turn
-            sleeps = device == "cuda" and shares_device(cfg, "actor_infer")
-            sleeps = sleeps and offload_between_phases(cfg, cfg.placement.device_type)
-            rollout = rollout.model_copy(
-                update={"vllm": rollout.vllm.model_copy(update={"enable_sleep_mode": sleeps})}
-            )
-        self.sleep_level = rollout.vllm.sleep_level if rollout.engine == "vllm" else 1
-        # vLLM's CPU build cannot sleep, and a CPU engine holds no device memory to free: nothing to do
-        self.sleeps = rollout.engine != "vllm" or bool(rollout.vllm.enable_sleep_mode) or device != "cpu"
+        spec = engine_spec(cfg.rollout.engine)
+        self.sleep_level = spec.sleep_level(cfg.rollout)
+        # an engine whose sleep mode is CUDA's (vLLM) has none on CPU, where no device memory needs freeing
+        self.sleeps = device != "cpu" or not spec.sleep_needs_cuda
         self.timeout_s = cfg.runtime.call_timeout_s
         self._weight_group: BroadcastGroup | None = None  # transport 'collective'
+        # where another role takes this GPU in turn, the engine must be built able to sleep
+        shared = device == "cuda" and shares_device(cfg, "actor_infer")
         self.engine = make_engine(
-            rollout.engine, cfg.model.path, rollout, dtype=cfg.model.dtype, device=device
+            cfg.model.path,
+            cfg.rollout,
+            dtype=cfg.model.dtype,
+            device=device,
+            shared_device=shared and offload_between_phases(cfg, cfg.placement.device_type),
         )
 
     def generate(
@@ -145,25 +153,49 @@ class RolloutWorker:
             self.engine.wake_up()
 
 
-class RolloutGroup(WorkerGroup):
+class EngineGroup(WorkerGroup):
     """All actor_infer ranks; prompts are dealt to ranks in contiguous blocks."""
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(
-            "actor_infer", RolloutWorker, lambda rank: (rank, cfg), cfg, concurrency_groups={"control": 1}
+            "actor_infer", EngineWorker, lambda rank: (rank, cfg), cfg, concurrency_groups={"control": 1}
         )
         self.detail = f"{cfg.rollout.engine} engine"
         self.weights_version = 0  # the actor_train ``weights_version`` it holds (both start from model.path)
+        # actor_train's current version (set by the run; None without a trainer, as in `reroll generate`)
+        self.policy_version: Callable[[], int] | None = None
+
+    def check_fresh(self, stale_ok: bool = False) -> None:
+        """Refuse to generate with weights older than actor_train's (a pipeline that forgot a sync would
+        train off-policy without a word), unless the caller allows it (``stale_ok``)."""
+        if stale_ok or self.policy_version is None:
+            return
+        policy = self.policy_version()
+        if policy != self.weights_version:
+            raise StaleWeights(
+                f"actor_infer holds policy version {self.weights_version} but actor_train is at version "
+                f"{policy}: a generation on stale weights is refused. Sync first (Roles.sync_if_stale; "
+                "the run does so before every step), or generate through the rollout source, which allows "
+                "staleness within rollout.max_staleness"
+            )
 
     def generate(
-        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams, phase: str = "generate"
+        self,
+        prompts: Sequence[str] | Sequence[list[int]],
+        params: SamplingParams,
+        phase: str = "generate",
+        *,
+        stale_ok: bool = False,
     ) -> list[list[Completion]]:
         """``params.n`` completions per prompt (text, or token ids used as given), in prompt order."""
-        return self.collect(self.submit(prompts, params), phase)
+        return self.collect(self.submit(prompts, params, stale_ok=stale_ok), phase)
 
-    def submit(self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams) -> list[Any]:
+    def submit(
+        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams, *, stale_ok: bool = False
+    ) -> list[Any]:
         """Start ``generate`` on every rank and return at once (Ray references, for ``collect``). Each
         rank runs its calls in the order they were submitted, weight loads included."""
+        self.check_fresh(stale_ok)
         return [h.generate.remote(part, params) for h, part in zip(self.handles, self._deal(prompts))]
 
     def collect(self, refs: Sequence[Any], phase: str = "generate") -> list[list[Completion]]:
@@ -171,10 +203,16 @@ class RolloutGroup(WorkerGroup):
         return [group for part in self._wait(refs, phase) for group in part]
 
     def stream(
-        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams, phase: str = "generate"
+        self,
+        prompts: Sequence[str] | Sequence[list[int]],
+        params: SamplingParams,
+        phase: str = "generate",
+        *,
+        stale_ok: bool = False,
     ) -> Iterator[tuple[int, list[Completion]]]:
         """``(prompt index, group)`` as each prompt's ``params.n`` completions finish, from every rank,
         in the order they arrive. ``interrupt()`` makes the ranks yield the rest as they stand."""
+        self.check_fresh(stale_ok)
         parts = self._deal(prompts)
         offsets = [sum(map(len, parts[:r])) for r in range(len(parts))]
         calls = [
@@ -188,7 +226,7 @@ class RolloutGroup(WorkerGroup):
     def submit_resume(self, refs: Sequence[Any], params: SamplingParams) -> list[Any]:
         """Queue, on every rank, the continuation of what ``refs`` (a ``submit`` or ``submit_resume``,
         one reference per rank, maybe cut by ``interrupt``) generated: the responses cut are continued
-        with the weights the engine holds when the call runs (``RolloutWorker.resume``)."""
+        with the weights the engine holds when the call runs (``EngineWorker.resume``)."""
         return [h.resume.remote(ref, params) for h, ref in zip(self.handles, refs)]
 
     def interrupt(self) -> None:
@@ -261,7 +299,7 @@ class RolloutGroup(WorkerGroup):
         }
 
 
-def form_weight_group(actor: TrainerGroup, rollout: RolloutGroup, backend: str) -> None:
+def form_weight_group(actor: TrainerGroup, rollout: EngineGroup, backend: str) -> None:
     """The weight-sync group of the ``collective`` transport: actor_train rank 0 (the source, which
     hosts the rendezvous on a free port of its node) and every actor_infer rank, joined at once
     (``backend`` 'nccl' on GPUs, 'gloo' on CPUs). Formed again after either role restarts."""

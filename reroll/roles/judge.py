@@ -13,7 +13,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from reroll.config.schema import RolloutConfig, RunConfig
+from reroll.config.rollout import RolloutConfig
+from reroll.config.schema import RunConfig
 from reroll.data.types import SamplingParams
 from reroll.engines import make_engine
 from reroll.errors import RoleError
@@ -35,7 +36,7 @@ class JudgeWorker:
         configure_process(cfg, "judge")  # its torch threads and model.cudnn_attention, as the other roles
         rollout = RolloutConfig(engine=j.engine, generate_batch_size=j.batch_size, vllm=cfg.rollout.vllm)
         device = worker_device(cfg, "judge")
-        self.engine = engine or make_engine(j.engine, j.model_path, rollout, dtype=j.dtype, device=device)
+        self.engine = engine or make_engine(j.model_path, rollout, dtype=j.dtype, device=device)
         self.template = self._chat_template() if j.chat_template else None
         self._lock = threading.Lock()  # the local backend calls from several reward threads at once
 

@@ -245,7 +245,7 @@ class StrategyWorker:
         )
         return need <= 0.9 * total
 
-    def _micro_batches(
+    def micro_batches(
         self, batch: TrainBatch, *, forward_only: bool = False, by_length: bool = True
     ) -> list[TrainBatch]:
         """This rank's micro-batches: up to ``optim.max_tokens_per_micro_batch`` real tokens each when
@@ -276,7 +276,7 @@ class StrategyWorker:
         prompt = int((batch.attention_mask.sum(1) - batch.response_mask.sum(1)).max()) if len(batch) else 0
         self._widest = (max(self._widest[0], width), max(self._widest[1], prompt))
 
-    def _forward(self, mb: TrainBatch) -> torch.Tensor:
+    def forward(self, mb: TrainBatch) -> torch.Tensor:
         """The model's output on a micro-batch, ``(b, t, ...)`` right-padded like ``mb.input_ids``; with
         ``optim.packing`` its rows run as one packed sequence (no padding computed) and are unpacked."""
         if not self.packing:
@@ -291,7 +291,7 @@ class StrategyWorker:
             self.strategy.logits(packed.input_ids, None, packed.position_ids)
         return unpack(scores[0], packed, mb.input_ids.shape[1])
 
-    def _response_stats(
+    def response_stats(
         self, mb: TrainBatch, temperature: float, *, entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(b, t)`` fp32 log-probs of ``mb``'s response tokens at ``temperature`` and their entropy
@@ -356,17 +356,15 @@ class StrategyWorker:
         """A forward-only pass's micro-batches (rows in ``_row_order``) and the indices that put the rows
         of their concatenated outputs back in the batch's order."""
         order = self._row_order(batch, forward_only=True)
-        return self._micro_batches(batch.select(order), forward_only=True, by_length=False), order.argsort()
+        return self.micro_batches(batch.select(order), forward_only=True, by_length=False), order.argsort()
 
-    def _backward(self, loss: torch.Tensor, mb: TrainBatch, stats: str) -> None:
-        """Backward of a micro-batch's loss. A non-finite loss is noted with the micro-batch's size and
-        ``stats`` of its inputs, and backpropagated as ``loss * nan`` so that the step is skipped."""
+    def _backward(self, loss: torch.Tensor, inputs: str) -> None:
+        """Backward of a micro-batch's loss. A non-finite loss is noted with what the micro-batch held
+        (``inputs``: its rows, response tokens and the statistics of what the loss read), and
+        backpropagated as ``loss * nan`` so that the step is skipped."""
         value = float(loss.detach())
         if not math.isfinite(value):
-            self._nonfinite_losses.append(
-                f"loss {value} on a micro-batch of {len(mb)} rows, {int(mb.response_mask.sum())} response "
-                f"tokens, {stats}"
-            )
+            self._nonfinite_losses.append(f"loss {value} on a micro-batch of {inputs}")
             loss = loss * float("nan")
         self.strategy.backward(loss)
 

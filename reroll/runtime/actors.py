@@ -253,6 +253,7 @@ class WorkerGroup:
         worker runs at once (threads; the worker's methods must allow it). ``name``: what the workers'
         Ray actors are named after (default: the role), for several groups of one role (teachers)."""
         rc = getattr(cfg.roles, role)
+        self.cfg = cfg  # the run config the workers were built from
         self.role, self.world_size = role, rc.world_size
         self.name = name or role
         self.detail: str | None = None  # what the workers run, named in errors ('vllm engine')

@@ -17,17 +17,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from reroll.config.placement import (
-    DEVICE_ROLES,
     DeviceMap,
+    RoleSpec,
     bundle_resources,
     check_weight_sync,
     cluster_problems,
     device_map,
-    placed_roles,
+    on_pool,
+    role_device,
     run_roles,
     trainer_strategy,
 )
-from reroll.config.startable import role_device, start_problems
+from reroll.config.roles import ROLES
+from reroll.config.startable import start_problems
 from reroll.errors import UserError
 
 if TYPE_CHECKING:
@@ -46,6 +48,11 @@ def _pg_name(cfg: RunConfig) -> str:
     return f"reroll-{cfg.name}-pool"
 
 
+# placement group name -> the roles its ResourceManager started (``run_roles``): a ``reroll generate``
+# run starts no actor_train, so its engine takes its devices alone
+_STARTED: dict[str, dict[str, RoleSpec]] = {}
+
+
 class ResourceManager:
     """Reserves the pool as one named Ray placement group (workers find it by name).
 
@@ -55,7 +62,7 @@ class ResourceManager:
     the workers.
     """
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, *, generate_only: bool = False) -> None:
         self.pg = None
         pool = cfg.placement.devices
         self.device_type = _resolve_device_type(cfg)
@@ -64,7 +71,9 @@ class ResourceManager:
         name = trainer_strategy(self.cfg, worker_device(self.cfg, "actor_train"))
         self.cfg = self.cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"name": name})})
         self.cfg = with_threads(self.cfg)
-        self.map = device_map(cfg, run_roles(cfg), self.device_type) if pool else None
+        self.specs = run_roles(self.cfg, self.device_type, generate_only=generate_only)
+        _STARTED[_pg_name(cfg)] = self.specs  # what actor_options places (workers are spawned here)
+        self.map = device_map(cfg, self.device_type, generate_only=generate_only) if pool else None
         refused = start_problems(cfg, self.device_type)  # what validate and plan refuse, device now known
         if refused:
             raise UserError("\n".join(f"{path}: {message}" for path, message in refused))
@@ -73,7 +82,7 @@ class ResourceManager:
         import ray
 
         have = ray.cluster_resources()
-        problems = cluster_problems(cfg, have, self.device_type)
+        problems = cluster_problems(cfg, have, self.device_type, generate_only=generate_only)
         problems += check_weight_sync(cfg, self.device_type)  # the device type is known only now
         if problems:
             raise UserError("\n".join(f"{path}: {message}" for path, message in problems))
@@ -94,6 +103,7 @@ class ResourceManager:
         log.info("placement (%s):\n%s", self.device_type, self.map.table())
 
     def shutdown(self) -> None:
+        _STARTED.pop(_pg_name(self.cfg), None)
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group
 
@@ -117,9 +127,9 @@ def worker_threads(cfg: RunConfig, role: str) -> int | None:
     rc = getattr(cfg.roles, role)
     if rc.torch_threads is not None:
         return rc.torch_threads
-    if role not in DEVICE_ROLES or cfg.runtime.backend == "local" or worker_device(cfg, role) != "cpu":
+    if not ROLES[role].on_pool or cfg.runtime.backend == "local" or worker_device(cfg, role) != "cpu":
         return None
-    if cfg.placement.devices and placed_roles(cfg, [role]):
+    if on_pool(cfg, role):
         return max(1, int(cfg.placement.cpus_per_device))
     return max(1, (os.cpu_count() or 1) // rc.world_size)
 
@@ -156,7 +166,7 @@ def _threads(threads: int | None) -> dict[str, Any]:
 
 def _resources(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:
     rc = getattr(cfg.roles, role)
-    if not cfg.placement.devices or role not in placed_roles(cfg, [role]):
+    if not on_pool(cfg, role):
         return {
             "num_cpus": rc.num_cpus_per_worker,
             "num_gpus": rc.num_gpus_per_worker,
@@ -165,14 +175,18 @@ def _resources(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:
     from ray.util import get_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    roles = run_roles(cfg)
-    if role not in roles:
-        roles.append(role)
-    dmap = device_map(cfg, roles, cfg.placement.device_type)
+    specs = _STARTED.get(_pg_name(cfg)) or run_roles(cfg, cfg.placement.device_type)
+    dmap = DeviceMap(
+        cfg.placement.device_type,
+        cfg.placement.devices or 0,
+        {n: s.devices for n, s in specs.items() if s.devices is not None},
+        {n: s.span for n, s in specs.items() if s.devices is not None and s.span > 1},
+    )
+    if role not in dmap.ranks:  # a role the run does not start (generate's actor_train)
+        raise ValueError(f"{role} is not a role of this run: {sorted(specs)}")
     device = dmap.ranks[role][rank]
-    # every teacher of distill.teachers is a group of roles.teacher's ranks: each takes a share
-    teachers = len(cfg.distill.teachers) if cfg.distill is not None else 1
-    share = sum(teachers if r == "teacher" else 1 for r, _ in dmap.workers_on(device))
+    # a role of several groups (a teacher each, in distillation) takes a share per group
+    share = sum(specs[r].copies for r, _ in dmap.workers_on(device))
     pg = get_placement_group(_pg_name(cfg))
     return {
         "num_cpus": cfg.placement.cpus_per_device / share,

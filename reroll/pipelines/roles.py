@@ -1,0 +1,329 @@
+"""The roles of a run: their worker groups, where placement put them, and the phases that take turns
+on devices.
+
+``Roles.start(cfg)`` starts every role ``reroll.config.placement.run_roles`` names (the registry that
+``reroll plan`` and ``reroll validate`` read too) and holds them in one mapping, ``roles.groups``, with a
+typed accessor per role (``roles.actor_train``, ``roles.actor_infer``, ...). Every call into a role
+happens inside ``roles.phase(name, *roles_used)``: the phase makes the roles it names resident on their
+devices (offloading colocated others first), times itself as ``timing/<name>``, and names itself in a
+failing role's error. A call into a role that is offloaded is refused (``WorkerGroup.handles``).
+
+Weight freshness is kept here: ``sync_if_stale`` brings actor_infer to actor_train's version (the run
+calls it before every step and every evaluation), and actor_infer refuses to generate on stale weights
+unless told otherwise (``EngineGroup.check_fresh``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from reroll.config.placement import (
+    RoleSpec,
+    engine_may_stay,
+    offload_between_phases,
+    run_roles,
+    weight_sync_transport,
+)
+from reroll.config.run import RunConfig
+from reroll.errors import RoleError
+from reroll.pipelines.residency import ENGINE_AWAKE_OOM, staying
+from reroll.roles.actor_infer import EngineGroup, form_weight_group
+from reroll.roles.critic import CriticGroup
+from reroll.roles.env import EnvGroup
+from reroll.roles.reward import RewardGroup
+from reroll.roles.reward_model import RewardModelGroup
+from reroll.roles.teacher import TeacherSet
+from reroll.roles.trainer import TrainerGroup
+from reroll.runtime import stacks
+from reroll.runtime.actors import start_ray
+from reroll.runtime.console import shown
+from reroll.runtime.placement import Colocation, ResourceManager
+from reroll.runtime.timing import PhaseTimer
+
+# How each role's group is built. judge has none of its own: the reward workers start it and hold its
+# handles (reroll.roles.reward); tests check that this covers reroll.config.roles.ROLES.
+GROUPS: dict[str, Callable[[RunConfig], Any] | None] = {
+    "actor_train": lambda cfg: TrainerGroup("actor_train", cfg, trainable=True),
+    "actor_infer": EngineGroup,
+    "reference": lambda cfg: TrainerGroup("reference", cfg, trainable=False),
+    "critic": CriticGroup,
+    "reward": RewardGroup,
+    "judge": None,
+    "env": EnvGroup,
+    "teacher": TeacherSet,
+    "reward_model": RewardModelGroup,
+}
+SHUTDOWN_FIRST = ("env",)  # env workers may hold calls into the engine (agent episodes)
+
+
+@dataclass
+class Roles:
+    """The role groups of a run (``groups``, by role name, in ``run_roles`` order), the specs they were
+    started from, where ``placement`` put them, and the phases that take turns on devices."""
+
+    cfg: RunConfig
+    groups: dict[str, Any]
+    specs: dict[str, RoleSpec] = field(default_factory=dict)
+    placement: ResourceManager | None = None
+    colocation: Colocation | None = None
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    current_phase: str | None = None
+    restarted: list[str] = field(default_factory=list)  # '<role> at step <n>', one per restart
+    sync_stats: dict[str, float] = field(default_factory=dict)  # the last weight sync's rate, until popped
+    weight_group_formed: bool = False  # the 'collective' transport's group (formed again after restarts)
+    engine_headroom_gb: float | None = None  # GPU memory to spare beside the awake engine (``_staying``)
+    resident_headroom_gb: float | None = None  # the same with nothing moved at all
+    share_hint_shown: bool = False  # ``share_hint`` is printed once a run
+
+    # -- the roles, typed (None where the run does not start the role) --
+    @property
+    def actor_train(self) -> TrainerGroup | None:
+        return self.groups.get("actor_train")
+
+    @property
+    def actor_infer(self) -> EngineGroup | None:
+        return self.groups.get("actor_infer")
+
+    @property
+    def reference(self) -> TrainerGroup | None:
+        return self.groups.get("reference")
+
+    @property
+    def critic(self) -> CriticGroup | None:
+        return self.groups.get("critic")
+
+    @property
+    def reward(self) -> RewardGroup | None:
+        return self.groups.get("reward")
+
+    @property
+    def env(self) -> EnvGroup | None:
+        return self.groups.get("env")
+
+    @property
+    def teacher(self) -> TeacherSet | None:
+        return self.groups.get("teacher")
+
+    @property
+    def reward_model(self) -> RewardModelGroup | None:
+        return self.groups.get("reward_model")
+
+    @classmethod
+    def start(cls, cfg: RunConfig, *, generate_only: bool = False) -> Roles:
+        """Start every role ``run_roles(cfg)`` names, where ``placement`` puts them (``generate_only``: a
+        ``reroll generate`` run, which trains nothing); a role that fails to start stops the ones
+        already started."""
+        if cfg.runtime.backend == "ray":
+            start_ray(cfg.runtime.ray_address)
+        stacks.configure(cfg.run_dir)  # where a call past its bound writes every worker's stack
+        placement = ResourceManager(cfg, generate_only=generate_only)
+        cfg = placement.cfg  # device type resolved, for the workers
+        specs = run_roles(cfg, placement.device_type, generate_only=generate_only)
+        groups: dict[str, Any] = {}
+        try:
+            for name in specs:
+                build = GROUPS[name]
+                if build is not None:
+                    groups[name] = build(cfg)
+        except BaseException:
+            for group in groups.values():
+                group.shutdown()
+            placement.shutdown()
+            raise
+        roles = cls(cfg, groups, specs, placement=placement)
+        if roles.actor_infer is not None and roles.actor_train is not None:
+            roles.actor_infer.policy_version = lambda: roles.actor_train.weights_version  # type: ignore[union-attr]
+        placed = {name: groups[name] for name, spec in specs.items() if spec.on_pool and name in groups}
+        offload = offload_between_phases(cfg, placement.device_type)
+        roles.colocation = Colocation(placed, placement.map, offload)
+        if roles.colocation.enabled:
+            for group in placed.values():
+                group.residency_check = roles._check_resident
+            if "actor_infer" in placed and engine_may_stay(cfg, placement.device_type):
+                roles.colocation.let_stay(roles._staying)
+        return roles
+
+    def _staying(self) -> set[str]:
+        """The roles left resident at an eviction (``reroll.pipelines.residency.staying``), with the
+        headrooms behind the choice kept for the metrics; the share that would keep the engine awake is
+        said once."""
+        assert self.colocation is not None and self.colocation.map is not None
+        found = staying(self.cfg, self.colocation.groups, self.colocation.map.colocated)
+        self.engine_headroom_gb = None if found.engine is None else found.engine / 2**30
+        self.resident_headroom_gb = None if found.resident is None else found.resident / 2**30
+        hint = found.hint()
+        if hint is not None and not self.share_hint_shown:
+            self.share_hint_shown = True
+            tqdm.write(hint)
+        return found.roles
+
+    @contextmanager
+    def phase(self, name: str, *uses: str) -> Iterator[None]:
+        """A named, timed phase whose roles ``uses`` hold their devices (colocated others are offloaded
+        first; that move is timed as ``timing/offload`` / ``timing/reload``, not as this phase). A role
+        failing inside raises its ``RoleError`` naming this phase."""
+        self.hold(*uses)
+        outer, self.current_phase = self.current_phase, name
+        try:
+            with self.timer(name):
+                yield
+        except RoleError as e:
+            raise self._explained(e).in_phase(name) from e
+        finally:
+            self.current_phase = outer
+
+    def _explained(self, e: RoleError) -> RoleError:
+        """A role out of GPU memory while the engine stayed awake beside it says so, and the fix."""
+        awake = self.colocation is not None and self.colocation.stayed.get("actor_infer", False)
+        if not awake or "OutOfMemoryError" not in e.cause:
+            return e
+        return e.with_phase(e.phase, f"{e.cause}\n{ENGINE_AWAKE_OOM}")
+
+    def hold(self, *uses: str) -> None:
+        """Inside a phase: make ``uses`` resident for what follows (a phase that hands data from one
+        colocated role to another, like a weight sync)."""
+        if self.colocation is not None:
+            self.colocation.use(*uses)
+
+    def _check_resident(self, role: str) -> None:
+        assert self.colocation is not None
+        if role in self.colocation.offloaded:
+            phase = self.current_phase or "(outside any phase)"
+            raise RuntimeError(
+                f"{role} was called in phase {phase!r} while offloaded (another role holds its device): "
+                f"name it in the phase, `with roles.phase({phase!r}, {role!r}, ...)`"
+            )
+
+    def sync_weights(self) -> float:
+        """actor_train's weights into actor_infer (gathered while the trainer holds its device), or only
+        the LoRA adapters where ``strategy.lora.sync`` is 'adapters'. Returns the bytes sent
+        (``sync/bytes``); its rate (``sync/gb_per_s``: bytes over the seconds of the whole sync, which
+        ``timing/weight_sync`` shows) and, with the ``collective`` transport, the bytes that went
+        through the group (``sync/bytes_collective``) come with the next ``pop_timings``."""
+        actor, engine = self.actor_train, self.actor_infer
+        assert actor is not None and engine is not None, (
+            "sync_weights: this run has no actor_train or actor_infer"
+        )
+        lora = self.cfg.strategy.lora
+        began = time.perf_counter()
+        stats: dict[str, float] = {}
+        with self.phase("weight_sync", "actor_train"):
+            if lora is not None and lora.sync == "adapters":  # small: through the object store
+                update = actor.adapter_update()
+                sent = actor.sync_bytes()
+                self.hold("actor_infer")
+                engine.update_lora(update.tensors, update.config)
+            else:
+                transport = weight_sync_transport(self.cfg, self.cfg.placement.device_type)
+                if transport == "collective":
+                    sent, stats = self._broadcast_weights()
+                else:
+                    buckets = actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, transport)
+                    sent = actor.sync_bytes()  # runs once the buckets are made
+                    self.hold("actor_infer")
+                    engine.load_weight_buckets(buckets)
+                if transport == "cuda_ipc":
+                    actor.release_shared()
+            engine.weights_version = actor.weights_version
+        seconds = time.perf_counter() - began
+        self.sync_stats = stats | {"sync/gb_per_s": sent / seconds / 1e9}
+        return float(sent)
+
+    def _broadcast_weights(self) -> tuple[int, dict[str, float]]:
+        """The ``collective`` transport: both roles resident (placement keeps them apart), the group
+        formed if this is the first sync since either role (re)started, then each bucket broadcast
+        as it is gathered. A failure leaves the group to be formed again at the next sync."""
+        actor, engine = self.actor_train, self.actor_infer
+        assert actor is not None and engine is not None
+        self.hold("actor_train", "actor_infer")
+        try:
+            if not self.weight_group_formed:
+                backend = "nccl" if self.cfg.placement.device_type == "cuda" else "gloo"
+                form_weight_group(actor, engine, backend)
+                self.weight_group_formed = True
+            buckets = actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, "collective")
+            engine.load_weight_buckets(buckets)
+        except RoleError:
+            self.weight_group_formed = False
+            raise
+        return actor.sync_bytes(), {"sync/bytes_collective": float(actor.collective_bytes())}
+
+    @property
+    def engine_stale(self) -> bool:
+        """Whether actor_train has stepped or loaded since actor_infer last received its weights."""
+        actor, engine = self.actor_train, self.actor_infer
+        return actor is not None and engine is not None and engine.weights_version != actor.weights_version
+
+    def sync_if_stale(self) -> dict[str, float]:
+        """Sync the engine if actor_train has stepped or loaded since: ``{"sync/bytes": ...}`` or ``{}``."""
+        return {"sync/bytes": self.sync_weights()} if self.engine_stale else {}
+
+    def restart(self, role: str) -> None:
+        """A fresh worker group for ``role`` (one of its workers died), resident on its devices. What it
+        held comes back where this can give it: an engine gets actor_train's current weights, the
+        reference its snapshot; judge restarts the reward workers too (they hold its handles).
+        actor_train and critic come back as built: ``_recover`` loads their checkpoint."""
+        name = "reward" if role == "judge" else role
+        group = self.groups.get(name)
+        if group is None:
+            raise ValueError(f"no role {role!r} in this run to restart")
+        if self.colocation is not None:  # colocated others leave the device before the new workers load
+            self.colocation.offloaded.discard(group.role)
+            self.colocation.use(group.role)
+        if name in ("actor_train", "actor_infer"):
+            self.weight_group_formed = False  # a new member: the next sync forms the group again
+        if role == "judge":
+            group.restart(judge=True)
+        else:
+            group.restart()
+        if name == "actor_train":
+            group.weights_version += 1  # back to model.path's weights: the engine's are stale
+        elif name == "actor_infer" and self.actor_train is not None:
+            self.sync_weights()
+        elif name == "reference":
+            with self.phase("recover", "reference"):
+                group.load(self.cfg.run_dir / "reference")
+
+    @contextmanager
+    def profiled(self, step: int) -> Iterator[None]:
+        """With ``step`` in ``logging.profile_steps``: torch.profiler in every trainer rank for the
+        step's work, written under ``<run dir>/profile`` when the step ends (a step that fails writes
+        nothing)."""
+        trainers = [g for name, g in self.groups.items() if name in ("actor_train", "reference", "critic")]
+        if step not in self.cfg.logging.profile_steps or not trainers:
+            yield
+            return
+        for group in trainers:
+            group.profile_start(step)
+        yield
+        directory = self.cfg.run_dir / "profile"
+        written = [path for group in trainers for path in group.profile_stop(directory)]
+        tqdm.write(f"profile of step {step}: {len(written)} files in {shown(directory)}")
+
+    def pop_timings(self) -> dict[str, float]:
+        """``timing/<phase>`` since the last call, with the colocation moves, and the last weight
+        sync's ``sync/gb_per_s`` (and ``sync/bytes_collective``) if one ran since, the bytes the moves
+        carried (``offload/bytes``, ``reload/bytes`` and their GB/s), and whether the engine and the
+        other roles stayed resident (``placement/<role>_stayed``, ``placement/*_headroom_gb``)."""
+        placement: dict[str, float] = {}
+        if self.colocation is not None:
+            self.timer.add(self.colocation.pop_seconds())
+            placement = self.colocation.metrics() | self.colocation.pop_moves()
+        for name in ("engine_headroom_gb", "resident_headroom_gb"):
+            if getattr(self, name) is not None:
+                placement[f"placement/{name}"] = getattr(self, name)
+        stats, self.sync_stats = self.sync_stats, {}
+        return self.timer.pop() | stats | placement
+
+    def shutdown(self) -> None:
+        first = [n for n in SHUTDOWN_FIRST if n in self.groups]
+        for name in [*first, *(n for n in self.groups if n not in first)]:
+            self.groups[name].shutdown()
+        if self.placement is not None:
+            self.placement.shutdown()
