@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from reroll.algorithms.aggregation import group_mean, group_std, group_sum_count, masked_var, masked_whiten
-from reroll.algorithms.registry import UnknownAlgorithmError, unknown_name_message
+from reroll.algorithms.naming import UnknownAlgorithmError, unknown_name_message
 
 StdScale = Literal["group", "batch", "none"]
 

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from reroll.algorithms.registry import UnknownAlgorithmError, unknown_name_message
+from reroll.algorithms.naming import UnknownAlgorithmError, unknown_name_message
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 

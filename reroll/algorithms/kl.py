@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from reroll.algorithms.registry import lookup
+from reroll.algorithms.naming import pick
 
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
 
@@ -51,7 +51,7 @@ KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs}
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, *, estimator: KLEstimator = "k3") -> Tensor:
     """KL_t estimated with ``estimator`` in {k1, k2, k3, abs}: (B, T), (B, T) -> (B, T)."""
-    return lookup("kl_estimator", estimator)(logprobs, ref_logprobs)
+    return pick("kl_estimator", KL_ESTIMATORS, estimator)(logprobs, ref_logprobs)
 
 
 def kl_reward_penalty(

@@ -25,6 +25,7 @@ from reroll.algorithms.registry import lookup
 
 if TYPE_CHECKING:
     from reroll.config.algorithm import AlgorithmConfig
+    from reroll.data.types import TrainBatch
 
 Metrics = dict[str, Tensor]
 
@@ -138,6 +139,37 @@ def compute_advantages(
     metrics.update(_advantage_metrics(advantages, returns, mask))
     new_state = AdvantageState(kl_coef=kl_coef, reward_stats=reward_stats or state.reward_stats)
     return AdvantageResult(advantages, returns, token_rewards, keep, metrics, new_state)
+
+
+def batch_advantages(
+    cfg: AlgorithmConfig,
+    batch: TrainBatch,
+    state: AdvantageState,
+    *,
+    truncated: Tensor | None = None,
+    max_response_len: int | None = None,
+) -> AdvantageResult:
+    """``compute_advantages`` on what a scored ``batch`` carries (rewards, groups, masks, the engine's
+    log-probs or the old ones, the reference's, the critic's values, ReMax's baseline, the turns of
+    episodes): the one call a pipeline makes after scoring."""
+    logprobs = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+    assert batch.rewards is not None, "batch_advantages: the batch has no rewards"
+    return compute_advantages(
+        cfg,
+        rewards=batch.rewards,
+        group_ids=batch.group_ids,
+        response_mask=batch.response_mask,
+        logprobs=logprobs,
+        ref_logprobs=batch.ref_logprobs,
+        values=batch.values,
+        baseline_rewards=batch.baseline_rewards,
+        truncated=truncated,
+        max_response_len=max_response_len,
+        step_ids=batch.step_ids,
+        step_rewards=batch.step_rewards,
+        step_states=batch.step_states,
+        state=state,
+    )
 
 
 def _filters(

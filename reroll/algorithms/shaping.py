@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from reroll.algorithms.aggregation import group_index, group_mean, group_std, masked_mean, masked_var
-from reroll.algorithms.registry import UnknownAlgorithmError, unknown_name_message
+from reroll.algorithms.naming import UnknownAlgorithmError, unknown_name_message
 
 RewardNorm = Literal["none", "group", "batch", "running"]
 

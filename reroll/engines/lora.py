@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from reroll.errors import UserError
+from reroll.strategies.lora import merged_weight
 
 _PEFT_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 
@@ -66,13 +67,10 @@ def merge_lora(
     for name, (a, b) in pairs.items():
         if name not in base:
             raise UserError(f"LoRA adapter targets {name!r}, which the model does not have")
-        w0 = base[name]
-        delta = scale * (b.to(w0.device, torch.float32) @ a.to(w0.device, torch.float32))
-        if delta.shape != w0.shape:
-            raise UserError(
-                f"LoRA update for {name!r} has shape {tuple(delta.shape)}, the weight {tuple(w0.shape)}"
-            )
-        out[name] = (w0.float() + delta).to(w0.dtype)
+        try:
+            out[name] = merged_weight(base[name], a, b, scale)
+        except ValueError as e:
+            raise UserError(f"LoRA update for {name!r}: {e}") from e
     return out
 
 

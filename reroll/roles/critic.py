@@ -18,6 +18,7 @@ from reroll.algorithms.aggregation import aggregate
 from reroll.algorithms.value import token_values, value_loss
 from reroll.config.schema import RunConfig
 from reroll.data.types import TrainBatch
+from reroll.roles.objectives import rows_inputs
 from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker, mean_metrics
 
 SUBDIR = "critic"  # where the critic goes inside a checkpoint directory
@@ -33,7 +34,7 @@ class CriticWorker(StrategyWorker):
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """``(B, T)`` values V(x_<t), zero in column 0 (no gradient)."""
-        return self._score(batch, lambda mb: token_values(self._forward(mb)))
+        return self._score(batch, lambda mb: token_values(self.forward(mb)))
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch: the token mean of PPO's clipped value loss.
@@ -43,14 +44,14 @@ class CriticWorker(StrategyWorker):
         """
         assert self.cfg.critic is not None
         metrics, total = [], 0.0
-        for mb in self._micro_batches(batch):
-            values = token_values(self._forward(mb))
+        for mb in self.micro_batches(batch):
+            values = token_values(self.forward(mb))
             dev = values.device
             old_values, returns = mb.values.to(dev), mb.returns.to(dev)
             mask = mb.response_mask.to(dev)
             token_loss, m = value_loss(values, old_values, returns, mask, clip=self.cfg.critic.value_clip)
             loss = aggregate(token_loss, mask, mode="token-mean", num_tokens=batch.num_tokens)
-            self._backward(loss, mb, f"returns {float(returns.abs().max())} max abs")
+            self._backward(loss, rows_inputs(mb, f"returns {float(returns.abs().max())} max abs"))
             total += float(loss.detach())
             metrics.append({k: float(v) for k, v in m.items()})
         return (

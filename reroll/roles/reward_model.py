@@ -49,7 +49,7 @@ class RewardModelWorker(StrategyWorker):
         truncated = torch.tensor([len(r) > self.max_length for r in rows])
         rows = [r[-self.max_length :] or [self.tokenizer.pad_token_id] for r in rows]
         batch = _right_padded(rows, self.tokenizer.pad_token_id)
-        scores = self._score(batch, lambda mb: self._forward(mb)[..., 0].float())
+        scores = self._score(batch, lambda mb: self.forward(mb)[..., 0].float())
         last = batch.attention_mask.sum(-1) - 1
         return scores[torch.arange(len(rows)), last], truncated
 

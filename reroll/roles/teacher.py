@@ -35,7 +35,7 @@ class TeacherWorker(StrategyWorker):
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``(B, T)`` log pi_T(x_t | x_<t) of the batch's tokens, temperature 1."""
-        return self._score(batch, lambda mb: token_logprobs(self._forward(mb), mb.input_ids))
+        return self._score(batch, lambda mb: token_logprobs(self.forward(mb), mb.input_ids))
 
     @torch.no_grad()
     def compute_topk(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +43,7 @@ class TeacherWorker(StrategyWorker):
         width, values, ids = batch.input_ids.shape[1], [], []
         mbs, back = self._forward_only_micro_batches(batch)
         for mb in mbs:
-            v, i = token_topk(self._forward(mb), k)
+            v, i = token_topk(self.forward(mb), k)
             values.append(_pad_time(v.cpu(), width))
             ids.append(_pad_time(i.cpu(), width))
         return torch.cat(values)[back], torch.cat(ids)[back]

@@ -14,22 +14,14 @@ from typing import Any
 
 import torch
 
-from reroll.algorithms.aggregation import aggregate
-from reroll.algorithms.correction import mismatch_metrics
-from reroll.algorithms.distill import forward_kl_topk_loss, reverse_kl_pg_loss, reverse_kl_topk_loss
-from reroll.algorithms.logprobs import (
-    token_log_softmax,
-    token_logprobs,
-    token_logprobs_at,
-)
-from reroll.algorithms.objective import actor_loss
 from reroll.config.schema import RunConfig
 from reroll.data.preferences import PairBatch
 from reroll.data.types import TrainBatch
 from reroll.errors import RoleError
 from reroll.models.loading import DTYPES
-from reroll.roles.preference import PairWorkerMixin, combine_pair_metrics
-from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker, mean_metrics
+from reroll.roles.objectives import Objective
+from reroll.roles.preference import PairWorkerMixin
+from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker
 from reroll.runtime.actors import LocalHandle
 from reroll.runtime.weight_sync import (
     BroadcastGroup,
@@ -60,92 +52,22 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         (0 elsewhere: only those enter a loss); ``base_model``: with the LoRA adapters disabled (the
         reference policy of a LoRA run)."""
         with self.strategy.adapters_disabled() if base_model else contextlib.nullcontext():
-            return self._score(batch, lambda mb: self._response_stats(mb, self.temperature, entropy=False)[0])
+            return self._score(batch, lambda mb: self.response_stats(mb, self.temperature, entropy=False)[0])
 
-    def train_rl(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on this rank's share of a mini-batch; the policy loss is the algorithm's.
-
-        ``train/tokens_per_s``: real (non-padding) tokens of the share over the seconds of forward,
-        backward and step."""
+    def train(self, batch: TrainBatch | PairBatch, objective: Objective) -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch, minimising ``objective``
+        (``reroll.roles.objectives``). ``train/tokens_per_s``: real (non-padding) tokens of the share
+        over the seconds of forward, backward and step."""
         start = time.perf_counter()
-        metrics = []
-        alg = self.cfg.algorithm
-        for mb in self._micro_batches(batch):
-            logprobs, entropy = self._response_stats(mb, self.temperature, entropy=True)
-            if alg.entropy_coef == 0:  # a metric only: backward skips the entropy's gradient
-                entropy = entropy.detach()
-            dev = logprobs.device
-            loss, m = actor_loss(
-                alg,
-                logprobs=logprobs,
-                old_logprobs=None if mb.old_logprobs is None else mb.old_logprobs.to(dev),
-                advantages=mb.advantages.to(dev),
-                response_mask=mb.response_mask.to(dev),
-                ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
-                entropy=entropy,
-                rollout_logprobs=None if mb.rollout_logprobs is None else mb.rollout_logprobs.to(dev),
-                num_tokens=batch.num_tokens,
-                num_seqs=batch.num_seqs,
-                max_response_len=self.cfg.rollout.max_new_tokens,
-            )
-            self._backward(loss, mb, _advantage_stats(mb))
-            if mb.old_logprobs is None and mb.rollout_logprobs is not None:  # on-policy: measured here
-                m |= mismatch_metrics(logprobs, mb.rollout_logprobs.to(dev), mb.response_mask.to(dev))
-            metrics.append({k: float(v) for k, v in m.items()} | {"actor/loss": float(loss.detach())})
-        # actor/loss: the micro-batches' shares summed, this rank's share of the step's loss (as sft/loss)
-        out = mean_metrics(metrics) | {"actor/loss": sum(m["actor/loss"] for m in metrics)}
-        out |= self._step("actor", "train/nonfinite_skipped")
-        return out | {"train/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - start)}
-
-    def train_sft(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step of next-token loss on the response tokens (token mean over the whole step)."""
-        total = 0.0
-        for mb in self._micro_batches(batch):
-            logprobs, _ = self._response_stats(mb, 1.0, entropy=False)
-            mask = mb.response_mask.to(logprobs.device)
-            loss = -(logprobs * mask).sum() / batch.num_tokens
-            self._backward(loss, mb, _advantage_stats(mb))
-            total += float(loss.detach())
-        return {"sft/loss": total} | self._step("sft", "sft/nonfinite_skipped")
-
-    def train_distill(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step of distillation, token mean over the whole step. Offline: the forward KL to
-        the teacher's top-k (``teacher_topk_*``, with ``distill.ce_weight`` of cross-entropy). On-policy:
-        the per-token reverse KL on the student's own samples, estimated on the sampled token
-        (``teacher_logprobs``) or exact over the student's distribution (``teacher_topk_*``,
-        on_policy_loss 'topk'). Log-probs at temperature 1, the teacher's."""
-        assert self.cfg.distill is not None
-        metrics, total = [], 0.0
-        for mb in self._micro_batches(batch):
-            logits = self._forward(mb)
-            dev = logits.device
-            ids, mask = mb.input_ids.to(dev), mb.response_mask.to(dev)
-            if self.cfg.distill.mode == "on_policy" and mb.teacher_topk_ids is not None:
-                token_loss, m = reverse_kl_topk_loss(
-                    token_log_softmax(logits),
-                    mb.teacher_topk_logprobs.to(dev),
-                    mb.teacher_topk_ids.to(dev),
-                    mask,
-                )
-            elif mb.teacher_topk_ids is not None:
-                token_loss, m = forward_kl_topk_loss(
-                    token_logprobs_at(logits, mb.teacher_topk_ids.to(dev)),
-                    mb.teacher_topk_logprobs.to(dev),
-                    token_logprobs(logits, ids),
-                    mask,
-                    ce_weight=self.cfg.distill.ce_weight,
-                )
-            else:
-                token_loss, m = reverse_kl_pg_loss(
-                    token_logprobs(logits, ids), mb.teacher_logprobs.to(dev), mask
-                )
-            loss = aggregate(token_loss, mask, mode="token-mean", num_tokens=batch.num_tokens)
-            self._backward(loss, mb, f"teacher log-probs {_teacher_stats(mb)}")
-            total += float(loss.detach())
-            metrics.append({k: float(v) for k, v in m.items()})
-        return (
-            mean_metrics(metrics) | {"distill/loss": total} | self._step("actor", "train/nonfinite_skipped")
-        )
+        parts = []
+        for mb in objective.micro_batches(self, batch):
+            loss = objective.loss(self, mb, batch)
+            self._backward(loss.value, loss.inputs)
+            parts.append(loss.metrics)
+        out = objective.reduce(parts, batch) | self._step(objective.prefix, objective.skipped)
+        rows = [batch] if isinstance(batch, TrainBatch) else [batch.chosen, batch.rejected]
+        tokens = float(sum(r.attention_mask.sum() for r in rows))
+        return out | {"train/tokens_per_s": tokens / (time.perf_counter() - start)}
 
     def adapter_update(self) -> AdapterUpdate | None:
         """Rank 0: the LoRA adapters and their config (``strategy.lora.sync: adapters``). Every rank must
@@ -156,7 +78,7 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
 
     def join_weight_group(self, address: str, world_size: int, backend: str) -> None:
         """Rank 0: host and join the weight-sync group (``collective`` transport) as its rank 0, the
-        source; the engines join it at the same time (``reroll.roles.rollout.form_weight_group``)."""
+        source; the engines join it at the same time (``reroll.roles.actor_infer.form_weight_group``)."""
         if self._weight_group is not None:
             self._weight_group.close()
             self._weight_group = None
@@ -173,7 +95,7 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         one buffer in the engine's dtype and yielded as a ``SharedBucket`` handle; the buffers are held
         until ``release_shared``; 'collective': each bucket is copied into one buffer in the engine's
         dtype (on the GPU with nccl), its ``BucketLayout`` yielded, and the buffer broadcast through
-        the weight-sync group while the engines receive it (``RolloutWorker.load_weights``). Weights
+        the weight-sync group while the engines receive it (``EngineWorker.load_weights``). Weights
         are gathered one at a time where the strategy can (``named_weights``), so the full state dict
         never sits in host memory."""
         group = self._weight_group
@@ -229,16 +151,6 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         return self._collective_bytes
 
 
-def _teacher_stats(mb: TrainBatch) -> str:
-    t = mb.teacher_topk_logprobs if mb.teacher_topk_logprobs is not None else mb.teacher_logprobs
-    return "none" if t is None else f"min {float(t.min())}"
-
-
-def _advantage_stats(mb: TrainBatch) -> str:
-    top = None if mb.advantages is None else float(mb.advantages.abs().max())
-    return f"advantages {top} max abs"
-
-
 class TrainerGroup(StrategyGroup):
     """The ranks of actor_train or reference; batches are split by rows across ranks."""
 
@@ -255,25 +167,16 @@ class TrainerGroup(StrategyGroup):
         )
         return TrainBatch.concat(parts, width=batch.input_ids.shape[1])
 
-    def train_rl(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step; ``train/tokens_per_s`` is the ranks' sum (they train at the same time)."""
+    def train(
+        self, batch: TrainBatch | PairBatch, objective: Objective, phase: str = "train"
+    ) -> dict[str, float]:
+        """One optimizer step minimising ``objective`` on ``batch``, split over the ranks (pairs whole);
+        ``train/tokens_per_s`` is the ranks' sum (they train at the same time)."""
         shards = batch.split(self.world_size)
-        parts = self._wait([h.train_rl.remote(s) for h, s in zip(self.handles, shards)], "train")
+        parts = self._wait([h.train.remote(s, objective) for h, s in zip(self.handles, shards)], phase)
         self.weights_version += 1
-        return mean_metrics(parts) | {"train/tokens_per_s": sum(p["train/tokens_per_s"] for p in parts)}
-
-    def train_sft(self, batch: TrainBatch) -> dict[str, float]:
-        shards = batch.split(self.world_size)
-        parts = self._wait([h.train_sft.remote(s) for h, s in zip(self.handles, shards)], "sft")
-        self.weights_version += 1
-        return mean_metrics(parts)
-
-    def train_distill(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step of distillation (``TrainerWorker.train_distill``); ``distill/loss`` summed over ranks."""
-        shards = batch.split(self.world_size)
-        parts = self._wait([h.train_distill.remote(s) for h, s in zip(self.handles, shards)], "train")
-        self.weights_version += 1
-        return mean_metrics(parts) | {"distill/loss": sum(p["distill/loss"] for p in parts)}
+        speed = sum(p.pop("train/tokens_per_s") for p in parts)
+        return objective.combine(parts) | {"train/tokens_per_s": speed}
 
     def score_pairs(
         self, batch: PairBatch, *, average: bool = False, base_model: bool = False
@@ -287,13 +190,6 @@ class TrainerGroup(StrategyGroup):
         )
         return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
 
-    def train_pairs(self, batch: PairBatch) -> dict[str, float]:
-        """One optimizer step on preference pairs (reward-model or DPO-family loss)."""
-        shards = batch.split(self.world_size)
-        parts = self._wait([h.train_pairs.remote(s) for h, s in zip(self.handles, shards)], "train")
-        self.weights_version += 1
-        return combine_pair_metrics(parts)
-
     def load(self, directory: Path) -> None:
         super().load(directory)
         self.weights_version += 1
@@ -306,7 +202,7 @@ class TrainerGroup(StrategyGroup):
         """Start every rank making its weight buckets (a sharded strategy gathers collectively) now,
         while the trainer holds its device; the buckets (or, with ``transport`` 'cuda_ipc', handles of
         GPU buffers the trainer holds until ``release_shared``) wait in Ray's object store until an
-        engine loads them (``RolloutGroup.load_weight_buckets``)."""
+        engine loads them (``EngineGroup.load_weight_buckets``)."""
         return WeightBuckets(self, bucket_mb, transport)
 
     def release_shared(self) -> None:

@@ -37,7 +37,7 @@ from reroll.strategies.lora import (
     is_full_key,
     load_adapter,
     lora_config_dict,
-    merge_lora,
+    merged_state_dict,
     save_adapter,
 )
 from reroll.strategies.training import (
@@ -190,7 +190,7 @@ class FSDP2Strategy:
         state = _gather(self.model.state_dict(), keep=self.rank == 0)
         if self.lora is None:
             return state
-        return merge_lora(state, scale=self.lora.alpha / self.lora.rank)
+        return merged_state_dict(state, scale=self.lora.alpha / self.lora.rank)
 
     def named_weights(self, *, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights one at a time, unsharded, in Hugging Face names: on the device (``on_device``)

@@ -2,7 +2,7 @@
 
 The policy is wrapped with ``peft.get_peft_model`` before any sharding, so only the adapters
 ``lora_A``/``lora_B`` train. peft renames the model's parameters (``base_model.model.<hf name>``, a
-targeted layer's weight under ``.base_layer``); ``merge_lora`` turns such a state dict back into the
+targeted layer's weight under ``.base_layer``); ``merged_state_dict`` turns such a state dict back into the
 base model's Hugging Face names with W + (alpha / r) * B @ A folded in, so any engine can load it.
 ``AdapterUpdate`` is what an adapters-only sync sends instead: the adapter tensors in peft's saved
 names and the ``LoraConfig`` as a dict.
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
 
-    from reroll.config.schema import LoRAConfig
+    from reroll.config.training import LoRAConfig
 
 PREFIX = "base_model.model."  # peft's prefix before the wrapped model's own names
 ADAPTER = "default"  # the one adapter reroll trains
@@ -108,12 +108,20 @@ def full_modules(head: str) -> tuple[str, ...]:
     return ("score",) if head == "reward" else ()
 
 
-def merge_lora(state: Mapping[str, torch.Tensor], *, scale: float) -> dict[str, torch.Tensor]:
-    """A peft model's full state dict -> the base model's, in Hugging Face names, adapters merged.
+def merged_weight(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``W0 + scale * B @ A``, the one LoRA merge (A: ``(r, in)``, B: ``(out, r)``, ``scale = alpha / r``):
+    computed in float32 on ``W0``'s device and cast back to its dtype. A shape that does not match is a
+    ``ValueError`` naming both."""
+    delta = scale * (b.to(w0.device, torch.float32) @ a.to(w0.device, torch.float32))
+    if delta.shape != w0.shape:
+        raise ValueError(f"the LoRA update has shape {tuple(delta.shape)}, the weight {tuple(w0.shape)}")
+    return (w0.float() + delta).to(w0.dtype)
 
-    W' = W + scale * B @ A for every adapted ``nn.Linear`` (A: ``(r, in)``, B: ``(out, r)``,
-    ``scale = alpha / r``), computed in float32 and cast back to W's dtype; every other tensor keeps
-    its value under its name with peft's ``base_model.model.`` prefix and ``.base_layer`` removed.
+
+def merged_state_dict(state: Mapping[str, torch.Tensor], *, scale: float) -> dict[str, torch.Tensor]:
+    """A peft model's full state dict -> the base model's, in Hugging Face names, adapters merged
+    (``merged_weight``) into every adapted ``nn.Linear``; every other tensor keeps its value under its
+    name with peft's ``base_model.model.`` prefix and ``.base_layer`` removed.
     """
     adapters: dict[str, dict[str, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
@@ -129,9 +137,7 @@ def merge_lora(state: Mapping[str, torch.Tensor], *, scale: float) -> dict[str, 
                 f"adapter of {module!r} has only lora_{''.join(ab)}; both lora_A and lora_B needed"
             )
         key = f"{module.removeprefix(PREFIX)}.weight"
-        base = out[key]
-        delta = scale * (ab["B"].float() @ ab["A"].float())
-        out[key] = (base.float() + delta.to(base.device)).to(base.dtype)
+        out[key] = merged_weight(out[key], ab["A"], ab["B"], scale)
     return out
 
 

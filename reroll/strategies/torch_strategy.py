@@ -26,7 +26,7 @@ from reroll.strategies.lora import (
     is_full_key,
     load_adapter,
     lora_config_dict,
-    merge_lora,
+    merged_state_dict,
     save_adapter,
 )
 from reroll.strategies.training import (
@@ -137,7 +137,9 @@ class TorchStrategy:
         """Every parameter, unsharded, on CPU, in Hugging Face names (for weight sync and export); with
         LoRA, the base weights with the adapters merged in."""
         state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        return state if self.lora is None else merge_lora(state, scale=self.lora.alpha / self.lora.rank)
+        return (
+            state if self.lora is None else merged_state_dict(state, scale=self.lora.alpha / self.lora.rank)
+        )
 
     def named_weights(self, *, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights one at a time, in Hugging Face names: the live tensors (``on_device``) or CPU
