@@ -3,12 +3,14 @@
 Layers, lowest first. A module imports from its own subpackage and from layers earlier in this
 list, never from a later one. Imports inside functions count (they are lazy, not absent), and so do
 imports under ``TYPE_CHECKING``: a type a lower layer needs from a higher one becomes a
-``Protocol`` in the lower layer. The order has no ties, so no two subpackages import each other.
+``Protocol`` in the lower layer. The order has no ties, so no two subpackages import each other, and
+inside a subpackage no two modules do either (a type-only import aside).
 ``tests/unit/test_layers.py`` checks every import against it; this package's ``__init__`` imports
 nothing from reroll.
 
     errors      the exceptions every layer raises
-    config      typed run config, strict loader, validation, the device map of a config
+    config      typed run config (one model per pipeline), strict loader, validation, the role
+                registry and device map of a config, what each engine can do
     data        typed records (Sample, Rollout, TrainBatch), datasets, packing
     algorithms  pure tensor functions: advantages, losses, KL, per-token log-probs
     models      loading and forwarding Hugging Face models, the tiny model, Megatron conversion
@@ -17,8 +19,10 @@ nothing from reroll.
     envs        multi-turn environments and tools (a tool may score with a reward)
     runtime     Ray actors and bounded waits, placement groups, weight sync, checkpoints, metrics
     engines     generation engines: hf, vllm, sglang
-    roles       workers that hold a strategy or an engine: trainer, critic, rollout, reward, env
-    pipelines   rlvr, agentic, sft drivers
+    roles       workers that hold a strategy or an engine (trainer, critic, actor_infer, reward,
+                env, teacher, reward model), and the objectives a trainer minimises
+    pipelines   the run skeleton, the roles of a run, the rollout source, and the rlvr, sft,
+                agentic, reward_model, dpo and distill pipelines
     plan        ``reroll plan``: devices and memory of a config
     cli         the ``reroll`` command
 """

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from reroll.algorithms.objective import AdvantageState, compute_advantages
-from reroll.config.schema import AgenticConfig, RunConfig
+from reroll.algorithms.objective import AdvantageState, batch_advantages
+from reroll.config.agentic import AgenticConfig
+from reroll.config.schema import RunConfig
 from reroll.data.chat import ChatTemplateError
 from reroll.data.datasets import read_rows
 from reroll.data.types import Completion, SamplingParams
@@ -40,15 +41,18 @@ from reroll.envs.registry import make_env
 from reroll.envs.trajectory import TrajectoryBuilder
 from reroll.errors import UserError
 from reroll.models.loading import load_tokenizer
-from reroll.pipelines.common import sampling, sft_warm_start, step_seed, train_mini_batches
-from reroll.pipelines.run import Checkpointed, Pipeline, Roles, RoleSet
+from reroll.pipelines.common import policy_logprobs, sampling, sft_warm_start, step_seed, train_mini_batches
+from reroll.pipelines.pipeline import Checkpointed, Pipeline, register_pipeline
+from reroll.pipelines.roles import Roles
 from reroll.roles.agent_proxy import agent_task, run_agent_episodes
 from reroll.roles.chat_server import ChatServer
 from reroll.roles.env import Episode, episode_batch, run_episodes, stream_episodes
+from reroll.roles.objectives import PolicyGradient
 
 log = logging.getLogger(__name__)
 
 
+@register_pipeline
 class Agentic(Pipeline):
     name = "agentic"
 
@@ -61,13 +65,13 @@ class Agentic(Pipeline):
         except ChatTemplateError as e:
             raise UserError(f"{cfg.model.path}: {e}") from e
         self.state = AdvantageState.initial(cfg.algorithm)
+        self.objective = PolicyGradient(
+            cfg.algorithm, cfg.rollout.temperature or 1.0, cfg.rollout.max_new_tokens
+        )
         self.last: list[Episode] = []
         self.agent = is_agent(self.a.env)  # external agent code through the proxy endpoint
         self.tasks = read_rows(self.a.tasks) if self.a.tasks else []
         self.eval_tasks = read_rows(self.a.eval_tasks) if self.a.eval_tasks else []
-
-    def roles_needed(self) -> RoleSet:
-        return RoleSet(reference=self.cfg.needs_reference, reward=False, env=True)
 
     def texts(self) -> Iterable[str]:
         """The system prompt and a few first observations (the environment writes the rest)."""
@@ -103,7 +107,7 @@ class Agentic(Pipeline):
 
         def generate(prompts: list[list[int]], p: SamplingParams) -> list[list[Completion]]:
             sizes.append(len(prompts))
-            return roles.rollout.generate(prompts, p, phase="agent_call" if self.agent else "generate")
+            return roles.actor_infer.generate(prompts, p, phase="agent_call" if self.agent else "generate")
 
         if self.agent:
             if held_out and self.eval_tasks:
@@ -134,7 +138,7 @@ class Agentic(Pipeline):
             episodes, sizes = self._play(
                 roles, _train_starts(cfg, step), sampling(cfg, n=1, seed=step_seed(cfg, step))
             )
-            engine_metrics = roles.rollout.metrics()
+            engine_metrics = roles.actor_infer.metrics()
         _log_errors(episodes, step)
         self.last = episodes
         metrics = _episode_metrics(episodes, "rollout") | _turn_metrics(episodes, sizes) | engine_metrics
@@ -144,26 +148,14 @@ class Agentic(Pipeline):
         batch = episode_batch(trainable, self.builder.tokenizer.pad_token_id)
         if not cfg.engine_logprobs:  # rollout.logprobs false: the trajectories hold zeros, not log-probs
             batch.rollout_logprobs = None
-        if roles.reference is not None:
-            with roles.phase("reference", "reference"):
-                batch.ref_logprobs = roles.reference.compute_logprobs(batch)
+        if cfg.needs_reference:
+            batch.ref_logprobs = policy_logprobs(roles, batch, "reference")
         with roles.phase("advantages"):
-            adv = compute_advantages(
-                cfg.algorithm,
-                rewards=batch.rewards,
-                group_ids=batch.group_ids,
-                response_mask=batch.response_mask,
-                logprobs=batch.rollout_logprobs,
-                ref_logprobs=batch.ref_logprobs,
-                step_ids=batch.step_ids,
-                step_rewards=batch.step_rewards,
-                step_states=batch.step_states,
-                state=self.state,
-            )
+            adv = batch_advantages(cfg.algorithm, batch, self.state)
             batch.advantages, self.state = adv.advantages, adv.state
         with roles.phase("train", "actor_train"):
-            metrics |= train_mini_batches(cfg, batch.select(adv.keep), step, roles.actor.train_rl)
-        metrics["sync/bytes"] = roles.sync_weights()
+            train = lambda mb: roles.actor_train.train(mb, self.objective)  # noqa: E731
+            metrics |= train_mini_batches(cfg, batch.select(adv.keep), step, train)
         return metrics | {k: float(v) for k, v in adv.metrics.items()}
 
     def evaluate(self, roles: Roles) -> dict[str, float]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
@@ -26,8 +26,10 @@ from reroll.data.types import (
     prompt_response_batch,
 )
 from reroll.errors import UserError
-from reroll.pipelines.run import Roles
+from reroll.models.loading import load_tokenizer
+from reroll.pipelines.roles import Roles
 from reroll.rewards import routing
+from reroll.roles.objectives import NextToken
 from reroll.roles.strategy_worker import mean_metrics
 from reroll.runtime import checkpoint as checkpoints
 from reroll.runtime import console
@@ -76,6 +78,56 @@ def write_synthetic_files(
     log.info("wrote synthetic %s %s to %s", syn.task, what, ", ".join(map(str, targets)))
 
 
+class Rows:
+    """A pipeline's rows, set up one way for every pipeline that reads a ``data`` section: the synthetic
+    task written where asked, the tokenizer, the prompt format (``data.chat_template``,
+    ``data.system_prompt``), the training and held-out samples in it, and the rows whose targets are
+    learned (``sft.files`` where set, else the training rows) with their template; ``warm_start`` runs
+    the SFT warm start on them."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        data = cfg.data  # type: ignore[attr-defined]  # the pipelines that build Rows read a data section
+        sft = cfg.sft  # type: ignore[attr-defined]  # and an sft section (the warm start)
+        write_synthetic_data(cfg)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.format = prompt_format(cfg, self.tokenizer)
+        self.train, self.held_out = load_data(cfg, self.format)
+        self.target = sft.target_template if sft is not None else "{answer}"
+        self.targets = self.train
+        if sft is not None and sft.files and cfg.reads_targets:
+            self.targets = load_samples(
+                sft.files,
+                template=data.prompt_template,
+                render=self.format.prompt,
+                required=[data.answer_field],
+            )
+
+    def target_batch(self, samples: Sequence[Sample]) -> TrainBatch:
+        """Prompt + target rows of ``samples`` (``sft_batch``) in the run's prompt format."""
+        return sft_batch(samples, self.format, self.target)
+
+    def target_sampler(self, batch_size: int, seed: int) -> PromptSampler:
+        """Batches of the rows whose targets are learned, in ``data.shuffle``'s order."""
+        return PromptSampler(self.targets, batch_size, seed=seed, shuffle=self.cfg.data.shuffle)  # type: ignore[attr-defined]
+
+    def texts(self) -> Iterable[str]:
+        """The text the model reads and writes, as written (not through the chat template, whose special
+        tokens are not characters): prompts, the system prompt, and the targets it learns."""
+        yield from (s.text for s in [*self.train, *self.held_out, *self.targets])
+        system = self.cfg.data.system_prompt  # type: ignore[attr-defined]
+        yield from [system] if system else []
+        if self.cfg.reads_targets:
+            yield from (self.target.format(**s.row) for s in self.targets)
+
+    def warm_start(self, roles: Roles) -> None:
+        """The SFT warm start (``sft.steps``) on the target rows, if the run has one."""
+        if not self.cfg.warm_start_steps:
+            return
+        rows = self.target_sampler(self.cfg.sft.batch_size, self.cfg.seed + 1)  # type: ignore[attr-defined]
+        sft_warm_start(self.cfg, roles, lambda i: self.target_batch(rows.next_batch()), "the rows' targets")
+
+
 def prompt_format(cfg: RunConfig, tokenizer: Any) -> PromptFormat:
     """The run's ``PromptFormat``: ``data.chat_template`` and ``data.system_prompt`` over ``tokenizer``;
     one that cannot be built is a ``UserError`` naming the keys."""
@@ -96,14 +148,14 @@ def load_data(cfg: RunConfig, fmt: PromptFormat | None = None) -> tuple[list[Sam
     kw = {
         "template": cfg.data.prompt_template,
         "render": fmt.prompt if fmt is not None else None,
-        "required": [] if cfg.reward.domains else [cfg.data.answer_field],
+        "required": [] if cfg.reward_domains else [cfg.data.answer_field],
         "id_field": cfg.data.id_field,
     }
     train = load_samples(cfg.data.train_files, **kw)
     held_out = (
         load_samples(cfg.data.eval_files, **kw, limit=cfg.data.eval_limit) if cfg.data.eval_files else []
     )
-    if cfg.reward.domains:
+    if cfg.reward_domains:
         _check_domain_rows(cfg, [*train, *held_out])
     if cfg.data.answer_field != "answer":  # reward functions read row["answer"]
         alias = cfg.data.answer_field
@@ -130,7 +182,7 @@ def _check_domain_rows(cfg: RunConfig, samples: list[Sample]) -> None:
 
 def prompt_sampler(cfg: RunConfig, train: list[Sample]) -> PromptSampler | DomainSampler:
     """Each step's prompts: by the domains' shares where reward.domains sets them, else from all rows."""
-    shares = {name: d.share for name, d in cfg.reward.domains.items()}
+    shares = {name: d.share for name, d in cfg.reward_domains.items()}
     if not shares or any(v is None for v in shares.values()):
         return PromptSampler(train, cfg.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
     by_domain: dict[str, list[Sample]] = {name: [] for name in shares}
@@ -164,16 +216,34 @@ def sft_batch(samples: Sequence[Sample], fmt: PromptFormat | Any, target_templat
 
 def sft_warm_start(cfg: RunConfig, roles: Roles, next_batch: Callable[[int], TrainBatch], what: str) -> None:
     """``cfg.sft.steps`` supervised steps through actor_train on ``next_batch(i)`` (``what`` says what
-    the rows are), then a fresh optimizer for the loop. Nothing without an ``sft`` section."""
-    if cfg.sft is None or cfg.sft.steps == 0:
+    the rows are), then a fresh optimizer for the loop. Nothing without a warm start."""
+    steps = cfg.warm_start_steps
+    if not steps:
         return
-    log.info("SFT warm start: %d steps on %s", cfg.sft.steps, what)
+    sft = cfg.sft  # type: ignore[attr-defined]  # a pipeline with a warm start reads an sft section
+    log.info("SFT warm start: %d steps on %s", steps, what)
     with roles.phase("warm_start", "actor_train"):
-        roles.actor.configure_optimizer(cfg.sft.lr, cfg.sft.warmup_steps)
-        bar = tqdm(range(cfg.sft.steps), desc="sft", leave=False, disable=None)
+        roles.actor_train.configure_optimizer(sft.lr, sft.warmup_steps)
+        bar = tqdm(range(steps), desc="sft", leave=False, disable=None)
         for i in bar:
-            bar.set_postfix(loss=f"{roles.actor.train_sft(next_batch(i))['sft/loss']:.3f}")
-        roles.actor.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)
+            bar.set_postfix(
+                loss=f"{roles.actor_train.train(next_batch(i), NextToken(), 'sft')['sft/loss']:.3f}"
+            )
+        roles.actor_train.configure_optimizer(cfg.optim.lr, cfg.optim.warmup_steps)
+
+
+def policy_logprobs(roles: Roles, batch: TrainBatch, of: Literal["reference", "old"]) -> torch.Tensor:
+    """``(B, T)`` log-probs of the batch's response tokens under a policy, in that pass's own phase: the
+    reference (``reference``; a LoRA run's is actor_train's base model, adapters disabled) or actor_train
+    before its update (``old``). The one forward-only pass of the trainers over a rollout batch."""
+    actor = roles.actor_train
+    assert actor is not None
+    if of == "old":
+        with roles.phase("old_logprobs", "actor_train"):
+            return actor.compute_logprobs(batch)
+    ref = roles.reference or actor
+    with roles.phase("reference", ref.role):
+        return ref.compute_logprobs(batch, base_model=roles.reference is None)
 
 
 def sampling(cfg: RunConfig, *, n: int, seed: int | None = None, greedy: bool = False) -> SamplingParams:
@@ -204,7 +274,9 @@ def evaluate(cfg: RunConfig, roles: Roles, samples: list[Sample]) -> dict[str, f
     if not samples:
         return {}
     assert roles.reward is not None
-    groups = roles.rollout.generate([s.prompt for s in samples], sampling(cfg, n=1, greedy=True), "evaluate")
+    groups = roles.actor_infer.generate(
+        [s.prompt for s in samples], sampling(cfg, n=1, greedy=True), "evaluate"
+    )
     completions = [g[0] for g in groups]
     items = [RewardItem.answering(s, c) for s, c in zip(samples, completions)]
     results = roles.reward.score(items, phase="evaluate")

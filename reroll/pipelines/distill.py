@@ -24,51 +24,45 @@ import torch
 
 from reroll.config.schema import RunConfig
 from reroll.config.teacher import teacher_for
-from reroll.data.datasets import PromptSampler, load_samples
 from reroll.data.types import Rollout, Sample, TrainBatch, build_train_batch
 from reroll.errors import UserError
-from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import (
+    Rows,
     evaluate,
-    load_data,
     prompt_sampler,
     sample_line,
-    sampling,
-    sft_batch,
-    sft_warm_start,
-    step_seed,
     train_mini_batches,
-    write_synthetic_data,
 )
-from reroll.pipelines.run import Checkpointed, Pipeline, Roles, RoleSet
+from reroll.pipelines.pipeline import Checkpointed, Pipeline, register_pipeline
+from reroll.pipelines.roles import Roles
+from reroll.pipelines.rollout_source import QUEUE_FILE, RolloutSource
+from reroll.roles.objectives import Distillation
 
 CACHE = "teacher_cache.pt"
 _CACHE_ROWS = 256  # SFT rows per teacher call while the cache is built
 
 
+@register_pipeline
 class Distill(Pipeline):
     name = "distill"
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         assert cfg.distill is not None and cfg.data is not None  # RunConfig.check guarantees them
-        write_synthetic_data(cfg)
-        self.train, self.held_out = load_data(cfg)
+        self.rows = Rows(cfg)  # the prompts in the run's format (chat template, system prompt), as rlvr's
+        self.tokenizer, self.held_out = self.rows.tokenizer, self.rows.held_out
         self.offline = cfg.distill.mode == "offline"
-        if self.offline and cfg.sft is not None and cfg.sft.files:
-            self.train = load_samples(
-                cfg.sft.files, template=cfg.data.prompt_template, required=[cfg.data.answer_field]
-            )
-        self.target = cfg.sft.target_template if cfg.sft is not None else "{answer}"
-        self.owners = [self._route(s) for s in self.train]
-        self.position = {id(s): i for i, s in enumerate(self.train)}
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        # offline: the rows whose targets the teachers score (sft.files where set); on-policy: the prompts
+        self.train = self.rows.targets if self.offline else self.rows.train
+        for sample in self.train:
+            self._route(sample)  # every row has a teacher, checked before any role starts
+        self.position = {id(s): i for i, s in enumerate(self.train)}  # offline: a row's cache entry
+        self.objective = Distillation(on_policy=not self.offline, ce_weight=cfg.distill.ce_weight)
         if self.offline:
-            self.sampler = PromptSampler(
-                self.train, cfg.distill.batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle
-            )
+            self.sampler = self.rows.target_sampler(cfg.distill.batch_size, cfg.seed)
         else:
             self.sampler = prompt_sampler(cfg, self.train)
+            self.source = RolloutSource(cfg, self.sampler, scores=False)
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # offline: per row, (n_target, k) each
         self.last: Rollout | None = None
 
@@ -79,29 +73,30 @@ class Distill(Pipeline):
         except ValueError as e:
             raise UserError(f"row {sample.uid!r}: {e}") from e
 
-    def roles_needed(self) -> RoleSet:
-        return RoleSet(teacher=True)
+    @property
+    def step_generates(self) -> bool:
+        return not self.offline
 
     def texts(self) -> Iterable[str]:
-        yield from (s.prompt for s in [*self.train, *self.held_out])
-        if self.offline or (self.cfg.sft is not None and self.cfg.sft.steps):  # the rows' targets are read
-            yield from (self.target.format(**s.row) for s in self.train)
+        return self.rows.texts()
 
     def warm_start(self, roles: Roles) -> None:
-        if self.cfg.sft is not None and self.cfg.sft.steps:
-            rows = PromptSampler(
-                self.train, self.cfg.sft.batch_size, seed=self.cfg.seed + 1, shuffle=self.cfg.data.shuffle
-            )
-            batch = lambda i: sft_batch(rows.next_batch(), self.tokenizer, self.target)  # noqa: E731
-            sft_warm_start(self.cfg, roles, batch, "the training rows' targets")
+        self.rows.warm_start(roles)
         if self.offline:
             self._teacher_cache(roles)
 
     def restore(self, saved: dict[str, Any], directory: Path) -> None:
         self.sampler.restore(saved["sampler"])
+        if not self.offline:
+            self.source.restore(
+                saved.get("rollout_source", {"engine_version": saved.get("step", 0)}), directory
+            )
 
     def checkpointed(self) -> Checkpointed:
-        return Checkpointed({"sampler": self.sampler.state()})
+        if self.offline:
+            return Checkpointed({"sampler": self.sampler.state()})
+        objects = {QUEUE_FILE: self.source.queue_state()} if self.source.holds_samples else {}
+        return Checkpointed({"sampler": self.sampler.state(), "rollout_source": self.source.state()}, objects)
 
     def evaluate(self, roles: Roles) -> dict[str, float]:
         return evaluate(self.cfg, roles, self.held_out)
@@ -112,32 +107,30 @@ class Distill(Pipeline):
     def _on_policy_step(self, roles: Roles, step: int) -> dict[str, float]:
         cfg = self.cfg
         assert roles.teacher is not None and cfg.distill is not None
-        with roles.phase("generate", "actor_infer"):
-            prompts = self.sampler.next_batch()
-            params = sampling(cfg, n=cfg.rollout.group_size, seed=step_seed(cfg, step))
-            groups = roles.rollout.generate([s.prompt for s in prompts], params)
-            rollouts = [Rollout(s, g, c) for g, (s, comps) in enumerate(zip(prompts, groups)) for c in comps]
-            engine_metrics = roles.rollout.metrics()
+        scored, source_metrics = self.source.next(roles, step)  # the generate phase (async, tail, ...)
+        rollouts = scored.rollouts
         batch = build_train_batch(rollouts, self.tokenizer.pad_token_id)
-        owners = [self.owners[self.position[id(r.sample)]] for r in rollouts]
+        owners = [self._route(r.sample) for r in rollouts]
         with roles.phase("teacher", "teacher"):
             if cfg.distill.on_policy_loss == "topk":
                 topk = roles.teacher.compute_topk(batch, owners, cfg.distill.top_k)
                 batch.teacher_topk_logprobs, batch.teacher_topk_ids = topk
             batch.teacher_logprobs = roles.teacher.compute_logprobs(batch, owners)  # for the metrics too
         with roles.phase("train", "actor_train"):
-            metrics = train_mini_batches(cfg, batch, step, roles.actor.train_distill)
-        metrics["sync/bytes"] = roles.sync_weights()
+            metrics = train_mini_batches(
+                cfg, batch, step, lambda mb: roles.actor_train.train(mb, self.objective)
+            )
+        metrics |= self.source.after_update(roles, step)
         self.last = rollouts[0]
-        return metrics | _teacher_metrics(batch, owners) | _rollout_metrics(rollouts, batch) | engine_metrics
+        return metrics | _teacher_metrics(batch, owners) | _rollout_metrics(rollouts, batch) | source_metrics
 
     def _offline_step(self, roles: Roles) -> dict[str, float]:
         if not self.cache:  # a resumed run: read back (or rebuild) the cache
             self._teacher_cache(roles)
         rows = self.sampler.next_batch()
-        batch = self._with_cached_teacher(rows, sft_batch(rows, self.tokenizer, self.target))
+        batch = self._with_cached_teacher(rows, self.rows.target_batch(rows))
         with roles.phase("train", "actor_train"):
-            return roles.actor.train_distill(batch)
+            return roles.actor_train.train(batch, self.objective)
 
     def _teacher_cache(self, roles: Roles) -> None:
         """Every SFT row's teacher top-k log-probs and ids on its target tokens, from the run directory's
@@ -152,8 +145,8 @@ class Distill(Pipeline):
         with roles.phase("teacher_cache", "teacher"):
             for a in range(0, len(self.train), _CACHE_ROWS):
                 rows = self.train[a : a + _CACHE_ROWS]
-                batch = sft_batch(rows, self.tokenizer, self.target)
-                values, ids = roles.teacher.compute_topk(batch, self.owners[a : a + _CACHE_ROWS], k)
+                batch = self.rows.target_batch(rows)
+                values, ids = roles.teacher.compute_topk(batch, [self._route(s) for s in rows], k)
                 for i in range(len(rows)):
                     mask = batch.response_mask[i]
                     self.cache.append((values[i][mask].clone(), ids[i][mask].to(torch.int32)))

@@ -21,43 +21,38 @@ from typing import Any
 import torch
 
 from reroll.algorithms.preference import dpo_loss
-from reroll.config.preference import DPOConfig
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
 from reroll.data.preferences import PairBatch, PreferencePair, pair_batch
 from reroll.data.types import Sample
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import (
+    Rows,
     evaluate,
-    load_data,
-    prompt_format,
-    sft_batch,
-    sft_warm_start,
-    write_synthetic_data,
 )
 from reroll.pipelines.pairs import batches, load_preference_data, pair_texts, write_synthetic_pairs
-from reroll.pipelines.run import Checkpointed, Pipeline, Roles, RoleSet
+from reroll.pipelines.pipeline import Checkpointed, Pipeline, register_pipeline
+from reroll.pipelines.roles import Roles
+from reroll.roles.objectives import DirectPreference
 from reroll.roles.trainer import TrainerGroup
 
 SCORE_BATCH = 256  # pairs per reference-scoring call
 CACHE_FILE = "dpo_reference.pt"
 
 
+@register_pipeline
 class DPO(Pipeline):
     name = "dpo"
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        self.settings = cfg.dpo or DPOConfig()
+        self.settings = cfg.dpo
+        self.objective = DirectPreference(cfg.dpo)
         write_synthetic_pairs(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.pairs, self.held_out_pairs = load_preference_data(cfg, self.tokenizer)
-        self.rows: list[Sample] = []
-        self.held_out: list[Sample] = []
-        self.format = prompt_format(cfg, self.tokenizer) if cfg.data is not None else None
-        if cfg.data is not None:
-            write_synthetic_data(cfg)
-            self.rows, self.held_out = load_data(cfg, self.format)
+        self.rows = Rows(cfg) if cfg.data is not None else None  # the warm start's, and the held-out
+        self.held_out: list[Sample] = self.rows.held_out if self.rows is not None else []
         assert cfg.preference is not None
         self.sampler = PromptSampler(
             list(range(len(self.pairs))),  # type: ignore[arg-type]  # pair indices: the cache is by index
@@ -68,22 +63,17 @@ class DPO(Pipeline):
         self.ref_cache: torch.Tensor | None = None  # (N, 2): the reference's log-probs of chosen, rejected
         self.held_out_ref: torch.Tensor | None = None
 
-    def roles_needed(self) -> RoleSet:
-        generate = bool(self.held_out)
-        reference = self.cfg.needs_reference and self.cfg.strategy.lora is None
-        return RoleSet(rollout=generate, reward=generate, reference=reference)
-
     def texts(self) -> Iterable[str]:
         yield from pair_texts([*self.pairs, *self.held_out_pairs])
-        yield from (s.prompt for s in [*self.rows, *self.held_out])
+        yield from self.rows.texts() if self.rows is not None else []
+
+    @property
+    def step_generates(self) -> bool:
+        return False
 
     def warm_start(self, roles: Roles) -> None:
-        sft = self.cfg.sft
-        if sft is None or not self.rows:
-            return
-        rows = PromptSampler(self.rows, sft.batch_size, seed=self.cfg.seed + 1, shuffle=True)
-        batch = lambda i: sft_batch(rows.next_batch(), self.format or self.tokenizer, sft.target_template)  # noqa: E731
-        sft_warm_start(self.cfg, roles, batch, "data.train_files' targets")
+        if self.rows is not None:
+            self.rows.warm_start(roles)
 
     def restore(self, saved: dict[str, Any], directory: Path) -> None:
         self.sampler.restore(saved["sampler"])
@@ -108,10 +98,10 @@ class DPO(Pipeline):
             assert self.ref_cache is not None
             batch.ref_chosen, batch.ref_rejected = self.ref_cache[index, 0], self.ref_cache[index, 1]
         with roles.phase("train", "actor_train"):
-            return roles.actor.train_pairs(batch)
+            return roles.actor_train.train(batch, self.objective)
 
     def _reference(self, roles: Roles) -> TrainerGroup:
-        return roles.reference or roles.actor  # a LoRA run's reference: actor_train's base model
+        return roles.reference or roles.actor_train  # a LoRA run's reference: actor_train's base model
 
     def _reference_scores(
         self, roles: Roles, parts: Iterable[PairBatch]
@@ -137,7 +127,7 @@ class DPO(Pipeline):
             self.held_out_ref = self._reference_cache(roles, self.held_out_pairs)
         roles.hold("actor_train")
         parts = batches(self.held_out_pairs, self.tokenizer, SCORE_BATCH)
-        scores = [roles.actor.score_pairs(b, average=simpo) for b in parts]
+        scores = [roles.actor_train.score_pairs(b, average=simpo) for b in parts]
         chosen, rejected = torch.cat([c for c, _ in scores]), torch.cat([r for _, r in scores])
         ref = self.held_out_ref
         _, m = dpo_loss(

@@ -35,7 +35,7 @@ from reroll.pipelines.common import (
     write_synthetic_data,
 )
 from reroll.pipelines.preflight import preflight
-from reroll.pipelines.run import Roles, RoleSet
+from reroll.pipelines.roles import Roles
 from reroll.rewards import routing
 from reroll.runtime import checkpoint as checkpoints
 
@@ -109,10 +109,11 @@ def generate(
     limit: int | None = None,
 ) -> GenerateResult:
     """Generate and score the ``split`` prompts not yet in ``out``, append them, and summarise the file."""
-    if cfg.pipeline == "agentic" or cfg.data is None:
+    if cfg.section("data") is None or cfg.section("reward") is None:
         raise UserError(
-            f"generate reads prompts from the data section (pipelines rlvr and sft); this config's pipeline "
-            f"is {cfg.pipeline!r}{'' if cfg.data else ' with no data section'}"
+            f"generate reads prompts from the data section and scores them with the reward section (pipelines "
+            f"rlvr, sft, dpo and distill); this config's pipeline is {cfg.pipeline!r}"
+            f"{' with no data section' if 'data' in type(cfg).model_fields else ''}"
         )
     cfg = with_checkpoint(cfg, checkpoint)
     if limit is not None and limit < 1:
@@ -139,7 +140,7 @@ def _generate_missing(cfg: RunConfig, samples: list[Sample], done: set[int], out
     if not todo:
         return 0
     per_batch, n = cfg.prompts_per_step, cfg.rollout.group_size
-    roles = Roles.start(cfg, RoleSet(actor_train=False))
+    roles = Roles.start(cfg, generate_only=True)
     bar = tqdm(desc="generate", total=len(samples), initial=len(done), unit="prompt", disable=None)
     try:
         with out.open("a") as f:
@@ -149,7 +150,7 @@ def _generate_missing(cfg: RunConfig, samples: list[Sample], done: set[int], out
                     continue
                 with roles.phase("generate", "actor_infer"):
                     params = sampling(cfg, n=n, seed=step_seed(cfg, batch_no))
-                    groups = roles.rollout.generate([samples[i].prompt for i in idx], params)
+                    groups = roles.actor_infer.generate([samples[i].prompt for i in idx], params)
                 with roles.phase("reward"):
                     items = [RewardItem.answering(samples[i], c) for i, g in zip(idx, groups) for c in g]
                     results = roles.reward.score(items)

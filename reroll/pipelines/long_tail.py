@@ -28,7 +28,7 @@ from typing import Any
 from reroll.config.schema import RunConfig
 from reroll.data.types import Completion, Sample
 from reroll.pipelines.common import sampling
-from reroll.pipelines.run import Roles
+from reroll.pipelines.roles import Roles
 
 
 @dataclass
@@ -137,7 +137,7 @@ class TailBatcher:
         params = replace(sampling(self.cfg, n=1, seed=tail_seed(self.cfg, step)), max_new_tokens=budget)
         rows = [g.completions[i].prompt_ids + g.completions[i].response_ids for g, i in cuts]
         with roles.phase("generate_tail", "actor_infer"):
-            more = [c[0] for c in roles.rollout.generate(rows, params)] if rows else []
+            more = [c[0] for c in roles.actor_infer.generate(rows, params)] if rows else []
         out = {id(g): Partial(g.sample, list(g.completions), [list(v) for v in g.versions]) for g in groups}
         for (g, i), extra in zip(cuts, more):
             part = out[id(g)]

@@ -40,7 +40,7 @@ def load_preference_data(cfg: RunConfig, tokenizer: Any) -> tuple[list[Preferenc
     so what DPO trains on is what the SFT warm start and the evaluation see; without one, as written."""
     prefs = cfg.preference
     assert prefs is not None
-    fmt = prompt_format(cfg, tokenizer) if cfg.data is not None else None
+    fmt = prompt_format(cfg, tokenizer) if cfg.section("data") is not None else None
     train = load_pairs(prefs.train_files, tokenizer, fmt=fmt, id_field=prefs.id_field)
     held_out = (
         load_pairs(prefs.eval_files, tokenizer, fmt=fmt, id_field=prefs.id_field, limit=prefs.eval_limit)

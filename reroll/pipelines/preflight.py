@@ -53,6 +53,7 @@ from pathlib import Path
 
 from reroll.config.loader import ConfigError, ConfigProblem
 from reroll.config.placement import cluster_problems
+from reroll.config.run import loadable
 from reroll.config.schema import RunConfig
 from reroll.config.startable import start_problems
 from reroll.config.teacher import teacher_for
@@ -81,9 +82,10 @@ def check_inputs(cfg: RunConfig) -> list[ConfigProblem]:
     problems += _check_data(cfg)
     problems += _check_preferences(cfg)
     problems += _check_chat_template(cfg)
-    if cfg.pipeline not in ("agentic", "reward_model"):
+    agentic = cfg.section("agentic")
+    if cfg.section("reward") is not None:
         problems += _check_rewards(cfg)
-    elif cfg.agentic is not None and is_agent(cfg.agentic.env):
+    elif agentic is not None and is_agent(agentic.env):
         problems += _check_agent(cfg)
     problems += _check_lengths(cfg)
     problems += _check_startable(cfg)
@@ -112,17 +114,14 @@ def _check_output_dir(cfg: RunConfig) -> list[ConfigProblem]:
 
 def _data_files(cfg: RunConfig) -> list[tuple[str, Source, list[str]]]:
     """``(config key, file, fields its rows need)`` for every data file the run reads."""
-    data = cfg.data
+    data, sft = cfg.section("data"), cfg.section("sft")
     if data is None:
         return []
     fields = template_fields(data.prompt_template)
-    needs = [*fields, *([] if cfg.reward.domains else [data.answer_field])]
-    target = template_fields(cfg.sft.target_template) if cfg.sft is not None else []
-    offline = cfg.distill is not None and cfg.distill.mode == "offline"
-    if offline and cfg.sft is None:  # offline distillation reads the SFT rows' targets
-        target = template_fields("{answer}")
-    warm_start = (cfg.sft is not None and (cfg.pipeline == "sft" or cfg.sft.steps > 0)) or offline
-    sft_files = cfg.sft.files if cfg.sft is not None and cfg.sft.files else None
+    needs = [*fields, *([] if cfg.reward_domains else [data.answer_field])]
+    target = template_fields(sft.target_template if sft is not None else "{answer}")
+    warm_start = cfg.reads_targets  # the rows' targets are learned from (SFT, a warm start, offline distill)
+    sft_files = sft.files if sft is not None and sft.files else None
     train_needs = needs + (target if warm_start and sft_files is None else [])
     out = [(f"data.train_files[{i}]", f, train_needs) for i, f in enumerate(data.train_files)]
     out += [(f"data.eval_files[{i}]", f, needs) for i, f in enumerate(data.eval_files)]
@@ -134,9 +133,9 @@ def _data_files(cfg: RunConfig) -> list[tuple[str, Source, list[str]]]:
 
 def _check_data(cfg: RunConfig) -> list[ConfigProblem]:
     problems = []
-    synthetic = set()
-    if cfg.data is not None and cfg.data.synthetic is not None:  # paths only (RunConfig.check)
-        synthetic = {str(cfg.data.train_files[0]), *map(str, cfg.data.eval_files[:1])}
+    synthetic, data = set(), cfg.section("data")
+    if data is not None and data.synthetic is not None:  # paths only (RunConfig.check)
+        synthetic = {str(data.train_files[0]), *map(str, data.eval_files[:1])}
     for key, file, needed in _data_files(cfg):
         name = source_name(file)
         if isinstance(file, str) and file in synthetic and not Path(file).exists():
@@ -147,9 +146,9 @@ def _check_data(cfg: RunConfig) -> list[ConfigProblem]:
                 raise UserError(f"{name}: has no rows: add rows, or remove it from {key.split('[')[0]}")
             for i, row in enumerate(rows):
                 check_row(name, i, row, needed)
-            if cfg.reward.domains:
+            if cfg.reward_domains:
                 _check_domains(cfg, name, rows)
-            if cfg.distill is not None:
+            if cfg.section("distill") is not None:
                 _check_teacher_routes(cfg, name, rows)
         except UserError as e:
             problems.append(ConfigProblem(key, str(e)))
@@ -158,7 +157,7 @@ def _check_data(cfg: RunConfig) -> list[ConfigProblem]:
 
 def _check_chat_template(cfg: RunConfig) -> list[ConfigProblem]:
     """``data.chat_template`` / ``data.system_prompt`` work with the tokenizer at a local ``model.path``."""
-    data = cfg.data
+    data = cfg.section("data")
     asks = data is not None and (data.chat_template is True or data.system_prompt)
     if data is None or not asks or not Path(cfg.model.path).is_dir():
         return []
@@ -204,7 +203,7 @@ def _check_agent(cfg: RunConfig) -> list[ConfigProblem]:
 
 def _check_preferences(cfg: RunConfig) -> list[ConfigProblem]:
     """Every row of the preference files is a valid pair (all rows: a bad pair is cheap to find here)."""
-    prefs = cfg.preference
+    prefs = cfg.section("preference")
     if prefs is None:
         return []
     synthetic = {prefs.train_files[0], *prefs.eval_files[:1]} if prefs.synthetic is not None else set()
@@ -228,7 +227,8 @@ def _check_preferences(cfg: RunConfig) -> list[ConfigProblem]:
 def _check_domains(cfg: RunConfig, file: str, rows: list[dict]) -> None:
     """The rows route to a reward domain and have the fields its registered rewards read."""
     needs = domain_required_fields(cfg.reward)
-    answer = cfg.data.answer_field if cfg.data is not None else "answer"
+    data = cfg.section("data")
+    answer = data.answer_field if data is not None else "answer"
     for i, row in enumerate(rows):
         domain = route(cfg.reward, str(row.get("domain", "default")))
         missing = [f for f in needs[domain] if f not in row and not (f == "answer" and answer in row)]
@@ -253,22 +253,23 @@ def _check_teacher_models(cfg: RunConfig) -> list[ConfigProblem]:
     """The model paths an earlier run may have written (teachers, the reward model, critic.model_path)
     exist; a reward model is a one-label sequence classifier; a teacher has the student's tokenizer
     (these two where the paths are local directories)."""
+    distill, reward, critic = (cfg.section(n) for n in ("distill", "reward", "critic"))
     paths = {
         f"distill.teachers.{n}.model_path": t.model_path
-        for n, t in (cfg.distill.teachers.items() if cfg.distill else [])
+        for n, t in (distill.teachers.items() if distill else [])
     }
-    if cfg.reward.model is not None:
-        paths["reward.model.path"] = cfg.reward.model.path
-    if cfg.critic is not None and cfg.critic.model_path is not None:  # may be an earlier run's output
-        paths["critic.model_path"] = cfg.critic.model_path
+    rm = reward.model if reward is not None else None
+    if rm is not None:
+        paths["reward.model.path"] = rm.path
+    if critic is not None and critic.model_path is not None:  # may be an earlier run's output
+        paths["critic.model_path"] = critic.model_path
     problems = [
         ConfigProblem(
             key, f"{path!r} is neither an existing directory nor a hub id ('org/name'): fix the path"
         )
         for key, path in paths.items()
-        if not _loadable(path)
+        if not loadable(path)
     ]
-    rm = cfg.reward.model
     config = _local_config(rm.path) if rm is not None else None
     if rm is not None and config is not None:
         arch = config.get("architectures") or []
@@ -289,9 +290,9 @@ def _check_teacher_models(cfg: RunConfig) -> list[ConfigProblem]:
                     f"{rm.path!r} has {labels} labels; a reward model scores with one (num_labels=1)",
                 )
             )
-    if cfg.distill is not None:
+    if distill is not None:
         student = _local_vocab(cfg.model.path)
-        for name, t in cfg.distill.teachers.items():
+        for name, t in distill.teachers.items():
             teacher = _local_vocab(t.model_path)
             if student is not None and teacher is not None and teacher != student:
                 problems.append(
@@ -303,12 +304,6 @@ def _check_teacher_models(cfg: RunConfig) -> list[ConfigProblem]:
                     )
                 )
     return problems
-
-
-def _loadable(path: str) -> bool:
-    parts = path.split("/")
-    hub_id = len(parts) == 2 and all(parts) and not path.startswith((".", "/", "~"))
-    return hub_id or Path(path).exists()
 
 
 def _local_config(path: str) -> dict | None:

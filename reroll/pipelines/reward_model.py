@@ -28,11 +28,14 @@ from reroll.pipelines.pairs import (
     reward_pair_metrics,
     write_synthetic_pairs,
 )
-from reroll.pipelines.run import Checkpointed, Pipeline, Roles, RoleSet
+from reroll.pipelines.pipeline import Checkpointed, Pipeline, register_pipeline
+from reroll.pipelines.roles import Roles
+from reroll.roles.objectives import BradleyTerry
 
 EVAL_BATCH = 256  # held-out pairs per scoring call
 
 
+@register_pipeline
 class RewardModel(Pipeline):
     name = "reward_model"
     evaluate_uses = ("actor_train",)
@@ -43,9 +46,11 @@ class RewardModel(Pipeline):
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.train, self.held_out = load_preference_data(cfg, self.tokenizer)
         self.sampler = pair_sampler(cfg, self.train)
+        self.objective = BradleyTerry(cfg.reward_model)
 
-    def roles_needed(self) -> RoleSet:
-        return RoleSet(rollout=False, reward=False)
+    @property
+    def step_generates(self) -> bool:
+        return False
 
     def texts(self) -> Iterable[str]:
         return pair_texts([*self.train, *self.held_out])
@@ -59,11 +64,13 @@ class RewardModel(Pipeline):
     def step(self, roles: Roles, step: int) -> dict[str, float]:
         with roles.phase("train", "actor_train"):
             batch = pair_batch(self.sampler.next_batch(), self.tokenizer)  # type: ignore[arg-type]
-            return roles.actor.train_pairs(batch)
+            return roles.actor_train.train(batch, self.objective)
 
     def evaluate(self, roles: Roles) -> dict[str, float]:
         if not self.held_out:
             return {}
-        scores = [roles.actor.score_pairs(b) for b in batches(self.held_out, self.tokenizer, EVAL_BATCH)]
+        scores = [
+            roles.actor_train.score_pairs(b) for b in batches(self.held_out, self.tokenizer, EVAL_BATCH)
+        ]
         chosen, rejected = torch.cat([c for c, _ in scores]), torch.cat([r for _, r in scores])
         return reward_pair_metrics(chosen, rejected, "eval")

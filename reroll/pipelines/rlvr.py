@@ -17,67 +17,48 @@ from typing import Any
 import torch
 
 from reroll.algorithms.correction import mismatch_metrics
-from reroll.algorithms.objective import AdvantageResult, AdvantageState, compute_advantages
+from reroll.algorithms.objective import AdvantageResult, AdvantageState, batch_advantages
 from reroll.config.schema import RunConfig
-from reroll.data.datasets import PromptSampler
 from reroll.data.types import RewardItem, Rollout, Sample, TrainBatch, build_train_batch
-from reroll.models.loading import load_tokenizer
-from reroll.pipelines.async_rollout import QUEUE_FILE, RolloutSource, Scored
 from reroll.pipelines.common import (
+    Rows,
     evaluate,
-    load_data,
-    prompt_format,
+    policy_logprobs,
     prompt_sampler,
     sample_line,
     sampling,
-    sft_batch,
-    sft_warm_start,
     train_mini_batches,
-    write_synthetic_data,
 )
-from reroll.pipelines.run import Checkpointed, Pipeline, Roles, RoleSet
+from reroll.pipelines.pipeline import Checkpointed, Pipeline, register_pipeline
+from reroll.pipelines.roles import Roles
+from reroll.pipelines.rollout_source import QUEUE_FILE, RolloutSource, Scored
 from reroll.rewards import routing
 from reroll.rewards.base import RewardResult
+from reroll.roles.objectives import PolicyGradient
 
 
+@register_pipeline
 class RLVR(Pipeline):
     name = "rlvr"
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        write_synthetic_data(cfg)
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        self.format = prompt_format(cfg, self.tokenizer)
-        self.train, self.held_out = load_data(cfg, self.format)
-        self.sampler = prompt_sampler(cfg, self.train)
+        self.rows = Rows(cfg)
+        self.tokenizer, self.held_out = self.rows.tokenizer, self.rows.held_out
+        self.sampler = prompt_sampler(cfg, self.rows.train)
         self.source = RolloutSource(cfg, self.sampler)
         self.state = AdvantageState.initial(cfg.algorithm)
+        self.objective = PolicyGradient(
+            cfg.algorithm, cfg.rollout.temperature or 1.0, cfg.rollout.max_new_tokens
+        )
         self.last: tuple[Rollout, RewardResult] | None = None
 
-    def roles_needed(self) -> RoleSet:
-        # with LoRA the reference is actor_train's own base model (adapters disabled): no second copy
-        reference = self.cfg.needs_reference and self.cfg.strategy.lora is None
-        return RoleSet(
-            reference=reference,
-            critic=self.cfg.critic is not None,
-            reward_model=self.cfg.reward.model is not None,
-        )
-
     def texts(self) -> Iterable[str]:
-        # as written, not through the chat template (whose special tokens are not characters)
-        yield from (s.text for s in [*self.train, *self.held_out])
-        yield from [self.cfg.data.system_prompt] if self.cfg.data.system_prompt else []
-        yield from (str(s.row.get("answer", "")) for s in self.train)
+        yield from self.rows.texts()
+        yield from (str(s.row.get("answer", "")) for s in self.rows.train)  # what the reward compares
 
     def warm_start(self, roles: Roles) -> None:
-        sft = self.cfg.sft
-        if sft is None:
-            return
-        rows = PromptSampler(
-            self.train, sft.batch_size, seed=self.cfg.seed + 1, shuffle=self.cfg.data.shuffle
-        )
-        batch = lambda i: sft_batch(rows.next_batch(), self.format, sft.target_template)  # noqa: E731
-        sft_warm_start(self.cfg, roles, batch, "the training rows' targets")
+        self.rows.warm_start(roles)
 
     def restore(self, saved: dict[str, Any], directory: Path) -> None:
         self.sampler.restore(saved["sampler"])
@@ -101,26 +82,25 @@ class RLVR(Pipeline):
             batch, domains = self._scored_batch(rollouts, results)
             learned = self._learned_reward(scored, batch)
         if cfg.needs_reference:
-            ref = roles.reference or roles.actor  # a LoRA run's reference: its base model
-            with roles.phase("reference", ref.role):
-                batch.ref_logprobs = ref.compute_logprobs(batch, base_model=roles.reference is None)
+            batch.ref_logprobs = policy_logprobs(roles, batch, "reference")
         if _needs_old_logprobs(cfg):
-            with roles.phase("old_logprobs", "actor_train"):
-                batch.old_logprobs = roles.actor.compute_logprobs(batch)
+            batch.old_logprobs = policy_logprobs(roles, batch, "old")
         if roles.critic is not None:
             with roles.phase("values", "critic"):
                 batch.values = roles.critic.compute_values(batch)
-        if cfg.algorithm.adv_estimator == "remax":
+        if cfg.algorithm.needs_greedy_baseline:
             batch.baseline_rewards = self._greedy_rewards(roles, scored.prompts)
         with roles.phase("advantages"):
             adv = self._advantages(batch, rollouts)
             kept = batch.select(adv.keep)
         with roles.phase("train", "actor_train"):
-            metrics = train_mini_batches(cfg, kept, step, roles.actor.train_rl)
+            metrics = train_mini_batches(
+                cfg, kept, step, lambda mb: roles.actor_train.train(mb, self.objective)
+            )
         if roles.critic is not None:
             with roles.phase("critic", "critic"):
                 metrics |= train_mini_batches(cfg, kept, step, roles.critic.train)
-        metrics["sync/bytes"] = self.source.push_weights(roles, step)
+        metrics |= self.source.after_update(roles, step)
         self.last = (rollouts[0], results[0])
         return (
             metrics
@@ -161,19 +141,12 @@ class RLVR(Pipeline):
         }
 
     def _advantages(self, batch: TrainBatch, rollouts: list[Rollout]) -> AdvantageResult:
-        adv = compute_advantages(
+        adv = batch_advantages(
             self.cfg.algorithm,
-            rewards=batch.rewards,
-            group_ids=batch.group_ids,
-            response_mask=batch.response_mask,
-            logprobs=batch.old_logprobs,
-            ref_logprobs=batch.ref_logprobs,
-            values=batch.values,
-            baseline_rewards=batch.baseline_rewards,
-            response_lengths=batch.response_mask.sum(-1),
+            batch,
+            self.state,
             truncated=torch.tensor([r.completion.finish_reason == "length" for r in rollouts]),
             max_response_len=self.cfg.rollout.max_new_tokens,
-            state=self.state,
         )
         batch.advantages, batch.returns, self.state = adv.advantages, adv.returns, adv.state
         return adv
@@ -182,7 +155,9 @@ class RLVR(Pipeline):
         """ReMax's baseline: the reward of each prompt's greedy response, repeated over its group ``(B,)``."""
         with roles.phase("baseline", "actor_infer"):
             params = sampling(self.cfg, n=1, greedy=True)
-            greedy = [g[0] for g in roles.rollout.generate([s.prompt for s in prompts], params, "baseline")]
+            greedy = [
+                g[0] for g in roles.actor_infer.generate([s.prompt for s in prompts], params, "baseline")
+            ]
             results = roles.reward.score(
                 [RewardItem.answering(s, c) for s, c in zip(prompts, greedy)], "baseline"
             )

@@ -1,8 +1,11 @@
-"""Where an RLVR step's scored samples come from: generated now, or generated ahead while actor_train trains.
+"""The rollout source: where a step's samples come from, generated now or ahead while actor_train trains.
 
-``RolloutSource.next(roles, step)`` returns the groups a step trains on, each sample with its reward and
-the policy version (the training step whose weights the engine held) that generated it. Two duties live
-here so that the pipeline's step stays one screen:
+Every pipeline that trains on its own samples of prompts generates through it (rlvr and RLHF, on-policy
+distillation; agentic episodes play turn by turn against environments and do not).
+``RolloutSource.next(roles, step)`` returns the groups a step trains on, each sample with its reward
+(where the source scores: rlvr) and the policy version (the training step whose weights the engine
+held) that generated it. ``after_update`` follows the trainer's update. These duties live here so that
+the pipelines' steps stay one screen:
 
 * **DAPO dynamic-sampling refills.** With ``algorithm.dynamic_sampling`` a group whose rewards are all
   equal has zero advantage and is dropped. Instead of training on a short batch, the source draws more
@@ -48,7 +51,7 @@ from reroll.data.datasets import DomainSampler, PromptSampler
 from reroll.data.types import Completion, RewardItem, Rollout, Sample, SamplingParams
 from reroll.pipelines.common import sampling, step_seed
 from reroll.pipelines.long_tail import Partial, TailBatcher, partials
-from reroll.pipelines.run import Roles
+from reroll.pipelines.roles import Roles
 from reroll.rewards import routing
 from reroll.rewards.base import RewardResult
 
@@ -81,11 +84,12 @@ class Scored:
     def groups(self) -> list[Scored]:
         """Each group on its own (in order)."""
         out: dict[int, Scored] = {}
-        for i, (r, res, v) in enumerate(zip(self.rollouts, self.results, self.versions)):
+        for i, (r, v) in enumerate(zip(self.rollouts, self.versions)):
             part = out.setdefault(r.group, Scored())
             part.rollouts.append(r)
-            part.results.append(res)
             part.versions.append(v)
+            if self.results:  # a source that does not score (distillation) has none
+                part.results.append(self.results[i])
             if self.model_scores:
                 part.model_scores.append(self.model_scores[i])
                 part.model_truncated.append(self.model_truncated[i])
@@ -148,11 +152,16 @@ def round_seed(cfg: RunConfig, step: int, round_: int) -> int:
 
 
 class RolloutSource:
-    """The generate and reward phases of an RLVR step (``next``), with their own checkpointed state."""
+    """The generate and reward phases of a step (``next``), with their own checkpointed state.
+    ``scores``: whether the samples are scored by the reward (rlvr), or only generated (on-policy
+    distillation, whose teachers score every token afterwards)."""
 
-    def __init__(self, cfg: RunConfig, sampler: PromptSampler | DomainSampler) -> None:
+    def __init__(
+        self, cfg: RunConfig, sampler: PromptSampler | DomainSampler, *, scores: bool = True
+    ) -> None:
         self.cfg = cfg
         self.sampler = sampler
+        self.scores = scores
         self.engine_version = 0  # the training step whose weights actor_infer holds (0: model.path)
         self.engine_metrics: dict[str, float] = {}
         self.queue: dict[int, _Queued] = {}  # async: step -> its generation, submitted ahead
@@ -172,7 +181,7 @@ class RolloutSource:
         else:
             first = self._round(roles, step, 0) if k == 0 else self._take(roles, step)
         first, regenerated = self._bound_staleness(roles, step, first)
-        if self.cfg.algorithm.dynamic_sampling:
+        if self.cfg.dynamic_sampling:
             scored, metrics = self._refilled(roles, step, first)
         else:
             scored, metrics = first, self._generated_metrics([first])
@@ -196,8 +205,8 @@ class RolloutSource:
             return self._streamed_round(roles, step, round_)
         prompts = self.sampler.next_batch()
         with roles.phase("generate", "actor_infer"):
-            groups = roles.rollout.generate([s.prompt for s in prompts], self._params(step, round_))
-            self.engine_metrics = roles.rollout.metrics()
+            groups = roles.actor_infer.generate([s.prompt for s in prompts], self._params(step, round_))
+            self.engine_metrics = roles.actor_infer.metrics()
         parts = partials(prompts, groups, self.engine_version)
         if self.tail.enabled:
             self.tail.engine_version = self.engine_version
@@ -209,27 +218,29 @@ class RolloutSource:
         ``prompts_per_step`` kept, the rest interrupted and dropped."""
         want = self.cfg.prompts_per_step
         prompts = self._draw(math.ceil(want * (self.cfg.rollout.oversample or 1.0) - 1e-9))
-        assert roles.reward is not None
         kept: list[Partial] = []
         pending, dropped = [], []
         with roles.phase("generate", "actor_infer"):
-            stream = roles.rollout.stream([s.prompt for s in prompts], self._params(step, round_))
+            stream = roles.actor_infer.stream([s.prompt for s in prompts], self._params(step, round_))
             for i, group in stream:
                 if len(kept) == want or any(c.finish_reason == "abort" for c in group):
                     dropped += group
                     continue
                 [part] = partials([prompts[i]], [group], self.engine_version)
                 kept.append(part)
-                pending.append(roles.reward.submit([RewardItem.answering(part.sample, c) for c in group]))
+                if self.scores:
+                    pending.append(roles.reward.submit([RewardItem.answering(part.sample, c) for c in group]))
                 if len(kept) == want and len(prompts) > want:
-                    roles.rollout.interrupt()
-            self.engine_metrics = roles.rollout.metrics()
+                    roles.actor_infer.interrupt()
+            self.engine_metrics = roles.actor_infer.metrics()
         rollouts = [Rollout(p.sample, g, c) for g, p in enumerate(kept) for c in p.completions]
-        with roles.phase("reward", *self._reward_roles(roles)):
-            results = roles.reward.collect(pending)
-            scored = self._with_model_scores(
-                roles, Scored(rollouts, results, [v for p in kept for v in p.versions])
-            )
+        versions = [v for p in kept for v in p.versions]
+        if not self.scores:
+            scored = Scored(rollouts, [], versions)
+        else:
+            with roles.phase("reward", *self._reward_roles(roles)):
+                results = roles.reward.collect(pending)
+                scored = self._with_model_scores(roles, Scored(rollouts, results, versions))
         self.streamed[0].append(scored)
         self.streamed[1].extend(dropped)
         return scored
@@ -246,6 +257,8 @@ class RolloutSource:
         """The samples scored by reward.fn and, with ``reward.model`` (RLHF), by the served reward model
         too: what DAPO's refills and the advantages see is the training reward, not the rule's alone."""
         rollouts = [Rollout(p.sample, g, c) for g, p in enumerate(parts) for c in p.completions]
+        if not self.scores:
+            return Scored(rollouts, [], [v for p in parts for v in p.versions])
         assert roles.reward is not None
         with roles.phase("reward", *self._reward_roles(roles)):
             results = roles.reward.score([RewardItem.answering(r.sample, r.completion) for r in rollouts])
@@ -255,13 +268,11 @@ class RolloutSource:
 
     def _reward_roles(self, roles: Roles) -> list[str]:
         """The roles the reward phase holds besides the reward workers: the reward model's, in RLHF."""
-        return (
-            ["reward_model"] if self.cfg.reward.model is not None and roles.reward_model is not None else []
-        )
+        return ["reward_model"] if roles.reward_model is not None else []
 
     def _with_model_scores(self, roles: Roles, scored: Scored) -> Scored:
         """``scored`` with the served reward model's score of every sample (RLHF; as is without one)."""
-        if self.cfg.reward.model is None or roles.reward_model is None or not scored.rollouts:
+        if roles.reward_model is None or not scored.rollouts:
             return scored
         scores, truncated = roles.reward_model.score(
             [r.sample.prompt for r in scored.rollouts], [r.completion.text for r in scored.rollouts]
@@ -272,7 +283,7 @@ class RolloutSource:
 
     def _refilled(self, roles: Roles, step: int, first: Scored) -> tuple[Scored, dict[str, float]]:
         """DAPO dynamic sampling: groups with a reward spread, refilled by extra rounds up to the batch."""
-        want, max_rounds = self.cfg.prompts_per_step, self.cfg.algorithm.dynamic_sampling_max_rounds
+        want, max_rounds = self.cfg.prompts_per_step, self.cfg.algorithm.dynamic_sampling_max_rounds  # type: ignore[attr-defined]
         rounds, kept, flat = [first], [], []
         while True:
             spread, equal = _split_by_spread(rounds[-1], self.cfg)
@@ -298,7 +309,7 @@ class RolloutSource:
 
     def _generated_metrics(self, rounds: list[Scored]) -> dict[str, float]:
         """Reward and accuracy over every sample generated this step (dropped groups included)."""
-        if not self.cfg.algorithm.dynamic_sampling:
+        if not self.cfg.dynamic_sampling:
             return dict(self.engine_metrics)
         results = [r for part in rounds for r in part.results]
         n = max(1, len(results))
@@ -320,24 +331,25 @@ class RolloutSource:
         queued = self.queue.pop(step)
         with roles.phase("generate", "actor_infer"):
             self._collect(roles, queued)
-            self.engine_metrics = roles.rollout.metrics(now=True)
+            self.engine_metrics = roles.actor_infer.metrics(now=True)
         return self._score(roles, queued.parts())
 
     def _submit(self, roles: Roles, step: int) -> _Queued:
         prompts = self.sampler.next_batch()
-        refs = roles.rollout.submit([s.prompt for s in prompts], self._params(step, 0))
+        # generated ahead on purpose: the weights loads queued behind it keep it within async_steps
+        refs = roles.actor_infer.submit([s.prompt for s in prompts], self._params(step, 0), stale_ok=True)
         queued = _Queued(step, prompts, self.engine_version, refs, self.loads)
         self.loads = []
         return queued
 
     def _collect(self, roles: Roles, queued: _Queued) -> list[list[Completion]]:
         if queued.groups is None:
-            roles.rollout.wait_loaded(queued.loads_before)
-            queued.groups = roles.rollout.collect(queued.refs)
+            roles.actor_infer.wait_loaded(queued.loads_before)
+            queued.groups = roles.actor_infer.collect(queued.refs)
             if queued.resumed:  # partial rollouts: each segment's new tokens carry its weights' version
                 queued.versions = [[[queued.version] * len(c.response_ids) for c in g] for g in queued.groups]
                 for version, refs in queued.resumed:
-                    before, queued.groups = queued.groups, roles.rollout.collect(refs)
+                    before, queued.groups = queued.groups, roles.actor_infer.collect(refs)
                     for vg, old, new in zip(queued.versions, before, queued.groups):
                         for v, a, b in zip(vg, old, new):
                             v += [version] * (len(b.response_ids) - len(a.response_ids))
@@ -358,35 +370,44 @@ class RolloutSource:
             return scored, 0
         prompts = [groups[i].rollouts[0].sample for i in old]
         with roles.phase("generate", "actor_infer"):
-            fresh = roles.rollout.generate([s.prompt for s in prompts], self._params(step, 0))
+            fresh = roles.actor_infer.generate([s.prompt for s in prompts], self._params(step, 0))
         redone = self._score(roles, partials(prompts, fresh, self.engine_version)).groups()
         for i, group in zip(old, redone):
             groups[i] = group
         return Scored.join(groups), len(old)
 
-    def push_weights(self, roles: Roles, step: int) -> float:
-        """actor_train's weights after ``step`` into actor_infer: the bytes sent. Async (full weights
-        through the object store): queued behind the generations submitted, without waiting for them."""
+    def after_update(self, roles: Roles, step: int) -> dict[str, float]:
+        """After actor_train's update of ``step``: the engine is to generate with its weights from now on.
+        Synchronous, the run syncs them before the next generation (``Roles.sync_if_stale``); with
+        generations in flight (async), they are pushed now (``sync/bytes``), queued behind those
+        generations where they go through the object store."""
         self.engine_version = step
+        if not any(q.groups is None for q in self.queue.values()):
+            return {}
+        return {"sync/bytes": self._push_weights(roles, step)}
+
+    def _push_weights(self, roles: Roles, step: int) -> float:
+        """actor_train's weights after ``step`` into actor_infer with generations in flight: the bytes
+        sent. Full weights through the object store are queued behind the generations submitted,
+        without waiting for them; anything else waits for them first."""
         lora = self.cfg.strategy.lora
         transport = weight_sync_transport(self.cfg, self.cfg.placement.device_type)
-        queued = any(q.groups is None for q in self.queue.values())
-        if not queued or (lora is not None and lora.sync == "adapters") or transport != "object_store":
+        if (lora is not None and lora.sync == "adapters") or transport != "object_store":
             self._drain(roles)
             return roles.sync_weights()
         partial = self.cfg.rollout.partial_rollouts
         with roles.phase("weight_sync", "actor_train"):
             if partial:  # the generation in flight stops now and is continued after the load
-                roles.rollout.interrupt()
-            buckets = roles.actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, transport)
-            self.loads += roles.rollout.submit_weight_buckets(buckets)
-            sent = roles.actor.sync_bytes()
+                roles.actor_infer.interrupt()
+            buckets = roles.actor_train.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, transport)
+            self.loads += roles.actor_infer.submit_weight_buckets(buckets)
+            sent = roles.actor_train.sync_bytes()
             for q in self.queue.values() if partial else []:
                 if q.groups is None:
                     seed = round_seed(self.cfg, q.step, 0) + 100_003 * (len(q.resumed) + 1)
                     params = replace(self._params(q.step, 0), seed=seed)
-                    q.resumed.append((step, roles.rollout.submit_resume(q.last_refs(), params)))
-        roles.rollout.weights_version = roles.actor.weights_version
+                    q.resumed.append((step, roles.actor_infer.submit_resume(q.last_refs(), params)))
+        roles.actor_infer.weights_version = roles.actor_train.weights_version
         return float(sent)
 
     def _drain(self, roles: Roles | None) -> None:
@@ -396,7 +417,7 @@ class RolloutSource:
         with roles.phase("generate", "actor_infer"):
             for queued in self.queue.values():
                 self._collect(roles, queued)
-            roles.rollout.wait_loaded(self.loads)
+            roles.actor_infer.wait_loaded(self.loads)
             self.loads = []
 
     def state(self) -> dict[str, Any]:

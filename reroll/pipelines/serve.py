@@ -18,8 +18,8 @@ from reroll.errors import UserError
 from reroll.models.loading import load_tokenizer
 from reroll.models.tiny import ensure_tiny_model
 from reroll.pipelines.common import sampling, with_checkpoint
+from reroll.roles.actor_infer import EngineGroup
 from reroll.roles.chat_server import ChatServer
-from reroll.roles.rollout import RolloutGroup
 from reroll.runtime.actors import start_ray
 from reroll.runtime.placement import ResourceManager
 
@@ -49,7 +49,7 @@ def serve(
     placement = ResourceManager(cfg)
     rollout = None
     try:
-        rollout = RolloutGroup(placement.cfg)
+        rollout = EngineGroup(placement.cfg)
         rollout.metrics()  # returns once every rank has built its engine: the first request does not wait
         try:
             server = ChatServer(

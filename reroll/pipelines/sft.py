@@ -11,48 +11,38 @@ from pathlib import Path
 from typing import Any
 
 from reroll.config.schema import RunConfig
-from reroll.data.datasets import PromptSampler, load_samples
-from reroll.models.loading import load_tokenizer
-from reroll.pipelines.common import evaluate, load_data, prompt_format, sft_batch, write_synthetic_data
-from reroll.pipelines.run import Checkpointed, Pipeline, Roles
+from reroll.pipelines.common import Rows, evaluate
+from reroll.pipelines.pipeline import Checkpointed, LearningRate, Pipeline, register_pipeline
+from reroll.pipelines.roles import Roles
+from reroll.roles.objectives import NextToken
 
 
+@register_pipeline
 class SFT(Pipeline):
     name = "sft"
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         assert cfg.sft is not None  # RunConfig.check guarantees it
-        write_synthetic_data(cfg)
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        self.format = prompt_format(cfg, self.tokenizer)
-        self.train, self.held_out = load_data(cfg, self.format)
-        if cfg.sft.files:
-            self.train = load_samples(
-                cfg.sft.files,
-                template=cfg.data.prompt_template,
-                render=self.format.prompt,
-                required=[cfg.data.answer_field],
-            )
-        self.sampler = PromptSampler(
-            self.train, cfg.sft.batch_size, seed=cfg.seed + 1, shuffle=cfg.data.shuffle
-        )
+        self.rows = Rows(cfg)
+        self.held_out = self.rows.held_out
+        self.sampler = self.rows.target_sampler(cfg.sft.batch_size, cfg.seed + 1)
 
     @property
     def total_steps(self) -> int:
         assert self.cfg.sft is not None
         return self.cfg.sft.steps
 
-    def texts(self) -> Iterable[str]:
-        assert self.cfg.sft is not None
-        # as written, not through the chat template (whose special tokens are not characters)
-        yield from (s.text for s in [*self.train, *self.held_out])
-        yield from [self.cfg.data.system_prompt] if self.cfg.data.system_prompt else []
-        yield from (self.cfg.sft.target_template.format(**s.row) for s in self.train)
+    @property
+    def step_generates(self) -> bool:
+        return False
 
-    def optimizer(self) -> tuple[float, int]:
+    def texts(self) -> Iterable[str]:
+        return self.rows.texts()
+
+    def learning_rate(self) -> LearningRate:
         assert self.cfg.sft is not None
-        return self.cfg.sft.lr, self.cfg.sft.warmup_steps
+        return LearningRate(self.cfg.sft.lr, self.cfg.sft.warmup_steps)
 
     def restore(self, saved: dict[str, Any], directory: Path) -> None:
         self.sampler.restore(saved["sampler"])
@@ -63,8 +53,7 @@ class SFT(Pipeline):
     def step(self, roles: Roles, step: int) -> dict[str, float]:
         assert self.cfg.sft is not None
         with roles.phase("train", "actor_train"):
-            batch = sft_batch(self.sampler.next_batch(), self.format, self.cfg.sft.target_template)
-            return roles.actor.train_sft(batch)
+            return roles.actor_train.train(self.rows.target_batch(self.sampler.next_batch()), NextToken())
 
     def evaluate(self, roles: Roles) -> dict[str, float]:
         return evaluate(self.cfg, roles, self.held_out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 _COLUMNS = [
     ("rollout/reward_mean", "reward", "{:.3f}"),
@@ -55,3 +56,11 @@ def step_line(step: int, total: int, metrics: Mapping[str, float]) -> str:
 def sample_line(prompt: str, response: str, score: float) -> str:
     """A prompt, the response and its reward, as the model saw them (decoded from the token ids)."""
     return f"  sample: {prompt!r} -> {response!r} (reward {score:g})"
+
+
+def shown(path: Path) -> Path:
+    """``path`` relative to the working directory when below it (as a user would type it), else as it is."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path

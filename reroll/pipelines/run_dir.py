@@ -1,0 +1,157 @@
+"""The run directory: opened (never over an earlier run), its metrics and resolved config written with
+the first metrics, checkpoints committed whole, and the ``RunResult`` a finished run returns."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from reroll.config.loader import dump_config
+from reroll.config.run import RunConfig
+from reroll.data.coverage import lost_characters_warning
+from reroll.errors import RoleError, UserError
+from reroll.models.loading import load_tokenizer
+from reroll.pipelines.pipeline import Checkpointed
+from reroll.roles.critic import CriticGroup
+from reroll.roles.trainer import TrainerGroup
+from reroll.runtime import checkpoint
+from reroll.runtime.console import shown
+from reroll.runtime.metrics import MetricsLogger, MlflowSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """Where a finished run put things, and its last metrics."""
+
+    run_dir: Path
+    checkpoint: Path | None
+    metrics_path: Path
+    config_path: Path
+    final_metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def model_path(self) -> Path | None:
+        """The directory ``AutoModelForCausalLM.from_pretrained`` loads: ``model/`` in the checkpoint."""
+        return self.checkpoint / "model" if self.checkpoint is not None else None
+
+    def summary(self, name: str) -> str:
+        """The lines a finished run prints: held-out accuracy and where everything is (relative to the
+        working directory when below it)."""
+        acc = self.final_metrics.get("eval/accuracy")
+        lines = [f"done: {name}" + (f" | held-out accuracy {acc:.3f}" if acc is not None else "")]
+        if self.checkpoint is not None:  # the loadable model first: that is what people copy
+            lines.append(
+                f"  model:      {shown(self.model_path)}  (from_pretrained loads it, tokenizer included)"
+            )
+            lines.append(
+                f"  checkpoint: {shown(self.checkpoint)}  (model, optimizer, data position: --resume)"
+            )
+        tb = self.run_dir / "tensorboard"
+        lines.append(
+            f"  metrics:    {shown(self.metrics_path)}"
+            + (f"  (tensorboard --logdir {shown(tb)})" if tb.exists() else "")
+        )
+        lines.append(f"  config:     {shown(self.config_path)}")
+        return "\n".join(lines)
+
+
+def warn_unrepresentable(cfg: RunConfig, texts: Iterable[str]) -> None:
+    """Say once, at start, which characters of the run's text the tokenizer cannot represent."""
+    message = lost_characters_warning(load_tokenizer(cfg.model.path), texts)
+    if message:
+        log.warning("%s", message)
+
+
+def open_run_dir(cfg: RunConfig, *, resume: bool) -> tuple[Path | None, Path]:
+    """The run directory (made if new) and, on resume, the checkpoint to start from.
+
+    Nothing in it is written here: the resolved config and the metrics are written with the first
+    metrics (``open_metrics``), so a run that fails before then leaves an existing directory's files
+    as they were. A new run (no ``--resume``) refuses a directory that holds an earlier run's files
+    rather than overwrite them: the user picks a new name or deletes the old run."""
+    run_dir = cfg.run_dir
+    found = checkpoint.latest(run_dir) if resume else None
+    if resume and found is None:
+        raise UserError(
+            f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}; run without --resume"
+        )
+    if not resume and checkpoint.latest(run_dir) is not None:
+        raise UserError(
+            f"{run_dir} already holds checkpoints: add --resume to continue that run, or set name / "
+            f"output_dir to start a new one (nothing was overwritten)"
+        )
+    earlier = [n for n in ("config.yaml", "metrics.jsonl") if (run_dir / n).exists()]
+    if not resume and earlier:
+        raise UserError(
+            f"{run_dir} holds an earlier run ({', '.join(earlier)}) with no complete checkpoint to resume: "
+            f"set name / output_dir to start a new run, or delete {run_dir} to replace it (nothing was "
+            f"overwritten)"
+        )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"output_dir: cannot make the run directory {run_dir} ({e.strerror}): choose another output_dir"
+        ) from e
+    return found, run_dir
+
+
+def open_metrics(cfg: RunConfig, resume_step: int | None) -> MetricsLogger:
+    """The run's metrics sinks, opened with the first metrics; the resolved config is written then too."""
+    lg = cfg.logging
+    return MetricsLogger(
+        cfg.run_dir,
+        tensorboard=lg.tensorboard,
+        wandb=lg.wandb,
+        wandb_project=lg.wandb_project,
+        run_name=cfg.name,
+        config=cfg.model_dump(mode="json"),
+        resume_step=resume_step,
+        on_open=lambda: dump_config(cfg, cfg.run_dir / "config.yaml"),
+        mlflow=MlflowSettings(lg.mlflow_experiment, lg.mlflow_tracking_uri) if lg.mlflow else None,
+    )
+
+
+def save_checkpoint(
+    cfg: RunConfig, actor: TrainerGroup, step: int, extra: Checkpointed, critic: CriticGroup | None = None
+) -> Path:
+    """A complete checkpoint of ``step`` (see ``reroll.runtime.checkpoint``), older ones pruned: the
+    policy (``model/``, loadable by ``from_pretrained``, with the tokenizer), its optimizer, the critic
+    (``critic/``) if any, and the pipeline's own state. A write that fails removes the partial
+    checkpoint; an ``OSError`` (a full disk) becomes one ``UserError`` naming the newest complete one."""
+    partial = checkpoint.begin(cfg.run_dir, step)
+    try:
+        actor.save(partial, with_optimizer=True)
+        if critic is not None:
+            critic.save(partial)
+        for name, obj in extra.objects.items():
+            torch.save(obj, partial / name)
+        load_tokenizer(cfg.model.path).save_pretrained(partial / "model")
+        final = checkpoint.commit(partial, {"step": step, **extra.state})
+    except BaseException as e:  # a full disk, a dead worker: no partial checkpoint stays behind
+        checkpoint.discard(partial)
+        if (os_error := _os_error(e)) is not None:
+            who = str(e).partition(" failed during")[0] if isinstance(e, RoleError) else "the controller"
+            raise checkpoint.write_failed(cfg.run_dir, step, os_error, who) from e
+        raise
+    checkpoint.prune(cfg.run_dir, cfg.checkpoint.keep_last)
+    return final
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The ``OSError`` behind ``e`` (a worker's, behind its ``RoleError``), if that is what it was."""
+    for _ in range(8):
+        inner = getattr(e, "cause", None)  # a RayTaskError's cause; a RoleError's is a string
+        if isinstance(inner, BaseException):
+            e = inner
+        elif e is None or isinstance(e, OSError):
+            return e
+        else:
+            e = e.__cause__
+    return None
