@@ -40,12 +40,12 @@ def _cpu_name() -> str:
 
 def _engine(name: str, model: str, dtype: str, device: str):
     """``name`` is an engine, or 'hf-static' (the hf engine with its static cache and compiled decode)."""
-    from reroll.config.schema import RolloutConfig
+    from reroll.config.rollout import RolloutConfig
     from reroll.engines import make_engine
 
     engine = "hf" if name == "hf-static" else name
     rollout = RolloutConfig(engine=engine, generate_batch_size=512, hf_static_cache=name == "hf-static")
-    return make_engine(engine, model, rollout, dtype=dtype, device=device)
+    return make_engine(model, rollout.model_copy(update={"engine": engine}), dtype=dtype, device=device)
 
 
 def measure_bandwidth(device: str, gib: float = 1.0, repeats: int = 5) -> float:

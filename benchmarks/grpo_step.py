@@ -119,7 +119,8 @@ def run_reroll(
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
     from reroll.pipelines.rlvr import RLVR
-    from reroll.pipelines.run import Roles, run
+    from reroll.pipelines.roles import Roles
+    from reroll.pipelines.run import run
     from reroll.runtime.metrics import read_metrics
 
     rows = root / "prompts.jsonl"

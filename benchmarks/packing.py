@@ -6,7 +6,7 @@
 One batch of ``--rows`` rows: 128 prompt tokens and a response of 16 to 256 tokens drawn uniformly
 (seeded), random token ids, a Qwen2.5-0.5B-shaped model with random init (nothing downloaded). The rows
 are sorted longest first (``optim.group_by_length``) and cut into micro-batches of ``--micro-batch``
-rows, then timed through the trainer's own code (``StrategyWorker._response_stats``: the head at the
+rows, then timed through the trainer's own code (``StrategyWorker.response_stats``: the head at the
 response positions alone) in three ways:
 
 - **padded**: each micro-batch trimmed to its longest row (``optim.packing: false``);
@@ -65,7 +65,7 @@ def rl_batch(args: argparse.Namespace) -> TrainBatch:
 
 
 def worker(model: torch.nn.Module, device: str, packing: bool) -> SimpleNamespace:
-    """What ``StrategyWorker._response_stats`` reads of a worker: whether it packs, the model."""
+    """What ``StrategyWorker.response_stats`` reads of a worker: whether it packs, the model."""
     strategy = SimpleNamespace(
         model=model,
         logits=lambda ids, mask, pos=None: forward_logits(model, torch.device(device), ids, mask, pos),
@@ -104,7 +104,7 @@ def main() -> None:
         out = []
         for mb in parts:
             with torch.set_grad_enabled(train):
-                logp, ent = StrategyWorker._response_stats(w, mb, 1.0, entropy=train)
+                logp, ent = StrategyWorker.response_stats(w, mb, 1.0, entropy=train)
             if train:
                 (logp.sum() * 1e-6).backward()
                 float(ent.detach().mean())

@@ -28,11 +28,13 @@ def assets(tmp_path_factory) -> dict[str, Path]:
 
 
 def step_metrics(run_dir: Path, step: int) -> dict[str, float]:
-    """A step's metrics without the measured ones (times, speeds, memory), which differ run to run."""
+    """A step's metrics without the measured ones (times, speeds, memory), which differ run to run, and
+    the weight sync's (``sync/*``): the run syncs the engine before a step that finds it stale, which
+    the first step of a resumed run does not (its start synced the checkpoint's weights)."""
     from reroll.runtime.metrics import read_metrics
 
     [row] = [m for m in read_metrics(run_dir) if m["step"] == step]
-    measured = ("timing/", "engine/")
+    measured = ("timing/", "engine/", "sync/")
     return {
         k: v
         for k, v in row.items()
@@ -87,6 +89,8 @@ def write_config(path: Path, assets: dict[str, Path], **sections) -> Path:
             cfg[key] = {**cfg[key], **value}
         else:
             cfg[key] = value
+    if cfg["pipeline"] == "sft" and "total_steps" not in sections:
+        del cfg["total_steps"]  # an SFT run takes sft.steps steps (a total_steps there is an error)
     path.write_text(yaml.safe_dump(cfg))
     return path
 

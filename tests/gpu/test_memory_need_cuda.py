@@ -11,6 +11,7 @@ from reroll.config.schema import RunConfig
 from reroll.data.datasets import load_samples
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import sft_batch
+from reroll.roles.objectives import PolicyGradient
 from reroll.roles.trainer import TrainerGroup
 from reroll.strategies.memory import reserved_peak
 from tests.conftest import write_config
@@ -32,7 +33,7 @@ def test_a_trainer_needs_its_peak_scaled_to_the_longest_responses(tmp_path, asse
     assert group.memory_need() == (0, 0, 0)  # nothing measured before a pass
     group.configure_optimizer(1e-3, 0)
     group.compute_logprobs(batch)
-    group.train_rl(batch)
+    group.train(batch, PolicyGradient.of(group.cfg))
     need, rest, total = group.memory_need()
     device = torch.device("cuda", torch.cuda.current_device())
     assert total == torch.cuda.get_device_properties(device).total_memory

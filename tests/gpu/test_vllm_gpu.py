@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from reroll.engines import engine_available
+from reroll.roles.objectives import NextToken
 from tests.conftest import (
     QUICKSTART,
     assert_kill_mid_generation_is_reported,
@@ -43,11 +44,11 @@ COLOCATED = [
 def roles(tmp_path_factory, assets):
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
-    from reroll.pipelines.run import Roles, RoleSet
+    from reroll.pipelines.roles import Roles
 
     path = write_config(tmp_path_factory.mktemp("gpu") / "c.yaml", assets)
     cfg = load_config(path, RunConfig, COLOCATED)
-    started = Roles.start(cfg, RoleSet(reward=False))
+    started = Roles.start(cfg)
     yield started
     started.shutdown()
 
@@ -68,16 +69,20 @@ def test_ipc_sync_gives_the_engine_the_trainers_logprobs(roles, assets):
     tok = load_tokenizer(str(assets["model"]))
     samples = load_samples([str(assets["train"])], template="{question}=")[:16]
     with roles.phase("train", "actor_train"):
-        roles.actor.configure_optimizer(1e-2, 0)
-        roles.actor.train_sft(sft_batch(samples, tok, "{answer}"))  # move away from the initial weights
+        roles.actor_train.configure_optimizer(1e-2, 0)
+        roles.actor_train.train(
+            sft_batch(samples, tok, "{answer}"), NextToken()
+        )  # move away from the initial weights
     sent = roles.sync_weights()
     assert sent > 0
     with roles.phase("generate", "actor_infer"):
-        groups = roles.rollout.generate([s.prompt for s in samples], SamplingParams(n=2, max_new_tokens=6))
+        groups = roles.actor_infer.generate(
+            [s.prompt for s in samples], SamplingParams(n=2, max_new_tokens=6)
+        )
     rollouts = [Rollout(s, i, c) for i, (s, cs) in enumerate(zip(samples, groups)) for c in cs]
     batch = build_train_batch(rollouts, tok.pad_token_id)
     with roles.phase("reference", "actor_train"):
-        trainer = roles.actor.compute_logprobs(batch)
+        trainer = roles.actor_train.compute_logprobs(batch)
     m = batch.response_mask
     # bf16 weights on both sides; the engine's kernels differ from the trainer's
     diff = (batch.rollout_logprobs[m] - trainer[m]).abs()
@@ -92,12 +97,12 @@ def test_sleep_frees_the_engines_memory_and_wake_brings_it_back(roles):
     try:
         with roles.phase("generate", "actor_infer"):
             awake = _free_gib()
-            roles.rollout.generate(["1+1="], SamplingParams(n=1, max_new_tokens=2))
+            roles.actor_infer.generate(["1+1="], SamplingParams(n=1, max_new_tokens=2))
         roles.hold("actor_train")  # the engine sleeps
         asleep = _free_gib()
         with roles.phase("generate", "actor_infer"):
             woke = _free_gib()
-            out = roles.rollout.generate(["1+1="], SamplingParams(n=1, max_new_tokens=2))
+            out = roles.actor_infer.generate(["1+1="], SamplingParams(n=1, max_new_tokens=2))
     finally:
         roles.colocation.let_stay(roles._staying)
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -111,7 +116,7 @@ def test_sleep_frees_the_engines_memory_and_wake_brings_it_back(roles):
 def test_killed_engine_is_reported_within_a_minute(roles):
     # the last test on the module's roles: it kills their engine
     with roles.phase("generate", "actor_infer"):
-        assert_kill_mid_generation_is_reported(roles.rollout)
+        assert_kill_mid_generation_is_reported(roles.actor_infer)
 
 
 def test_colocated_grpo_steps_learn(tmp_path):

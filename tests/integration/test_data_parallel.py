@@ -11,6 +11,7 @@ from reroll.config.schema import RunConfig
 from reroll.data.datasets import load_samples
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import sft_batch
+from reroll.roles.objectives import NextToken, PolicyGradient
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime.actors import start_ray
 from tests.conftest import write_config
@@ -24,8 +25,8 @@ def _step(cfg_path, world_size: int, batch, strategy: str):
     group = TrainerGroup("actor_train", cfg, trainable=True)
     try:
         group.configure_optimizer(1e-2, 0)
-        sft = group.train_sft(batch)
-        rl = group.train_rl(batch)
+        sft = group.train(batch, NextToken())
+        rl = group.train(batch, PolicyGradient.of(group.cfg))
         weights = group.weight_buckets(1.0).tensors()
         return sft, rl, weights
     finally:

@@ -14,6 +14,7 @@ import torch
 
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
+from reroll.roles.objectives import NextToken, PolicyGradient
 from reroll.strategies import strategy_available
 from tests.conftest import QUICKSTART, reroll_cli, write_config
 
@@ -153,7 +154,10 @@ def test_two_ranks_equal_one(tmp_path, assets):
         group = TrainerGroup("actor_train", load_config(path, RunConfig, over), trainable=True)
         try:
             group.configure_optimizer(LR, 0)
-            sft, rl = group.train_sft(batch), group.train_rl(batch)  # 5 rows a rank: micro-batches of 4, 1
+            sft, rl = (
+                group.train(batch, NextToken()),
+                group.train(batch, PolicyGradient.of(group.cfg)),
+            )  # 5 rows a rank: micro-batches of 4, 1
             weights = group.weight_buckets(1.0).tensors()
             return sft, rl, weights
         finally:

@@ -19,7 +19,8 @@ from reroll.engines.hf import HFEngine
 from reroll.errors import RoleError
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import sft_batch
-from reroll.roles.rollout import RolloutGroup
+from reroll.roles.actor_infer import EngineGroup
+from reroll.roles.objectives import NextToken
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime.actors import start_ray
 from tests.conftest import (
@@ -135,7 +136,7 @@ def ray_groups(tmp_path_factory, assets):
     start_ray(None)
     # 0.05 MiB buckets: the tiny model (~0.2 MiB) travels in several buckets
     cfg = load_config(write_config(path, assets), RunConfig, ["rollout.weight_sync_bucket_mb=0.05"])
-    made = [TrainerGroup("actor_train", cfg, trainable=True), RolloutGroup(cfg)]
+    made = [TrainerGroup("actor_train", cfg, trainable=True), EngineGroup(cfg)]
     yield made
     for g in made:
         g.shutdown()
@@ -154,7 +155,7 @@ def test_bucketed_sync_through_ray_equals_the_trainer(assets, ray_groups):
     assert len(buckets) >= 3
 
     actor.configure_optimizer(1e-2, 0)
-    actor.train_sft(sft_batch(samples, tok, "{answer}"))
+    actor.train(sft_batch(samples, tok, "{answer}"), NextToken())
     after = actor.compute_logprobs(batch)
     assert (rollout.score(batch.input_ids, batch.attention_mask, 1.0)[mask] - after[mask]).abs().max() > 1e-3
     rollout.load_weight_buckets(actor.weight_buckets(0.05))

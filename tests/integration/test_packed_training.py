@@ -23,6 +23,7 @@ from reroll.data.types import TrainBatch
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import sft_batch
 from reroll.roles.critic import CriticGroup
+from reroll.roles.objectives import PolicyGradient
 from reroll.roles.trainer import TrainerGroup
 from tests.conftest import write_config
 
@@ -67,7 +68,7 @@ def _actor_step(cfg: RunConfig, batch: TrainBatch):
     group = TrainerGroup("actor_train", cfg, trainable=True)
     group.configure_optimizer(LR, 0)
     logprobs = group.compute_logprobs(batch)
-    metrics = group.train_rl(batch)
+    metrics = group.train(batch, PolicyGradient.of(group.cfg))
     weights = group.weight_buckets(1.0).tensors()
     return logprobs, metrics, weights
 
@@ -158,7 +159,7 @@ def test_lora_packed_equals_padded(tmp_path, assets, batch, strategy):
         group = TrainerGroup("actor_train", _cfg(tmp_path, assets, lora), trainable=True)
         group.configure_optimizer(LR, 0)
         base = group.compute_logprobs(batch, base_model=True)
-        metrics = group.train_rl(batch)
+        metrics = group.train(batch, PolicyGradient.of(group.cfg))
         return base, group.compute_logprobs(batch), metrics
 
     base_a, after_a, m_a = step(BASELINE)
@@ -262,7 +263,7 @@ def test_sharded_ranks_run_equally_many_micro_batches(tmp_path, assets, batch, i
     group = TrainerGroup("actor_train", cfg, trainable=True)
     try:
         group.configure_optimizer(LR, 0)
-        m_b = group.train_rl(rows)
+        m_b = group.train(rows, PolicyGradient.of(group.cfg))
         w_b = group.weight_buckets(1.0).tensors()
     finally:
         group.shutdown()
@@ -327,7 +328,7 @@ def test_head_at_the_response_positions_equals_the_full_head(tmp_path, assets, b
         hook = head.register_forward_hook(lambda _m, _i, out: heads.append(tuple(out.shape)))
         group.configure_optimizer(LR, 0)
         lp_b = group.compute_logprobs(batch)
-        m_b = group.train_rl(batch)
+        m_b = group.train(batch, PolicyGradient.of(group.cfg))
         w_b = group.weight_buckets(1.0).tensors()
         hook.remove()
         mask = batch.attention_mask
@@ -353,7 +354,7 @@ def test_a_trainer_keeps_the_widest_micro_batch_it_ran_for_its_memory_need(tmp_p
     assert worker._widest == (0, 0)
     group.configure_optimizer(LR, 0)
     group.compute_logprobs(batch)
-    group.train_rl(batch)
+    group.train(batch, PolicyGradient.of(group.cfg))
     widths = [mb.input_ids.shape[1] for mb in micro_batches(batch, max_rows=4, max_tokens=None)]
     prompts = batch.attention_mask.sum(1) - batch.response_mask.sum(1)
     assert worker._widest == (max(widths), int(prompts.max()))

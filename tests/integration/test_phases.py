@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from reroll.cli import main
+from reroll.roles.actor_infer import EngineWorker
 from reroll.roles.critic import CriticWorker
 from reroll.roles.reward_model import RewardModelWorker
-from reroll.roles.rollout import RolloutWorker
 from reroll.roles.teacher import TeacherWorker
 from reroll.roles.trainer import TrainerWorker
 from reroll.runtime.metrics import read_metrics
@@ -46,7 +46,7 @@ def calls(monkeypatch) -> list[tuple[str, str, bool]]:
 
         monkeypatch.setattr(cls, name, recorded)
 
-    for cls in (TrainerWorker, RolloutWorker, CriticWorker, TeacherWorker, RewardModelWorker):
+    for cls in (TrainerWorker, EngineWorker, CriticWorker, TeacherWorker, RewardModelWorker):
         for name, fn in inspect.getmembers(cls, inspect.isfunction):
             if not name.startswith("_"):
                 wrap(cls, name, fn)
@@ -80,8 +80,7 @@ def test_rlvr_with_reference_critic_and_warm_start(tmp_path, assets, calls):
     expected = {
         ("actor_infer", "generate"),
         ("actor_infer", "load_weights"),
-        ("actor_train", "train_sft"),
-        ("actor_train", "train_rl"),
+        ("actor_train", "train"),  # the SFT warm start and the RL steps
         ("actor_train", "compute_logprobs"),  # old log-probs: two PPO epochs
         ("actor_train", "stream_weights"),
         ("actor_train", "save"),
@@ -113,7 +112,7 @@ def test_agentic_with_reference_and_warm_start(tmp_path, calls):
     called = {(role, name) for role, name, _ in calls}
     assert {
         ("reference", "compute_logprobs"),
-        ("actor_train", "train_rl"),
+        ("actor_train", "train"),
         ("actor_infer", "generate"),
     } <= called
 
@@ -129,7 +128,7 @@ def test_distill(tmp_path, assets, calls, mode):
     _assert_never_offloaded(calls, {"actor_train", "actor_infer", "teacher"})
     called = {(role, name) for role, name, _ in calls}
     scored = ("teacher", "compute_logprobs" if mode == "on_policy" else "compute_topk")
-    assert {scored, ("actor_train", "train_distill"), ("actor_train", "train_sft")} <= called
+    assert {scored, ("actor_train", "train")} <= called
 
 
 def test_rlhf_reward_model(tmp_path, assets, calls):
@@ -160,13 +159,14 @@ def test_a_phase_that_forgets_a_role_is_refused(tmp_path, assets):
     from reroll.config.schema import RunConfig
     from reroll.pipelines.common import sft_batch
     from reroll.pipelines.rlvr import RLVR
-    from reroll.pipelines.run import Roles, run
+    from reroll.pipelines.roles import Roles
+    from reroll.pipelines.run import run
 
     class Forgetful(RLVR):
         def step(self, roles: Roles, step: int) -> dict[str, float]:
-            batch = sft_batch(self.train[:2], self.tokenizer, "{answer}")
+            batch = sft_batch(self.rows.train[:2], self.tokenizer, "{answer}")
             with roles.phase("generate", "actor_infer"):  # actor_train is not named: it is offloaded
-                roles.actor.compute_logprobs(batch)
+                roles.actor_train.compute_logprobs(batch)
             return {}
 
     cfg = load_config(write_config(tmp_path / "c.yaml", assets), RunConfig, COLOCATED)

@@ -50,8 +50,8 @@ def _run(cfg_path, name, monkeypatch, kills):
     started, drawn, completed = [], [], {}
     real_start, real_step, real_draw = run_module.Roles.start, RLVR.step, PromptSampler.next_batch
 
-    def start(cls, cfg, needs):
-        started.append(real_start(cfg, needs))
+    def start(cls, cfg, **kw):
+        started.append(real_start(cfg, **kw))
         return started[-1]
 
     def draw(self):
@@ -62,7 +62,7 @@ def _run(cfg_path, name, monkeypatch, kills):
     def step(self, roles, step):
         role = kills.pop(step, None)
         if role is not None:
-            group = {"actor_infer": roles.rollout, "actor_train": roles.actor}.get(role) or getattr(
+            group = {"actor_infer": roles.actor_infer, "actor_train": roles.actor_train}.get(role) or getattr(
                 roles, role
             )
             for handle in group._handles:
@@ -103,7 +103,7 @@ def test_restarts_past_max_restarts_stop_the_run(tmp_path, assets, monkeypatch, 
     real_step = RLVR.step
 
     def dying_step(self, roles, step):
-        ray.kill(roles.rollout._handles[0], no_restart=True)
+        ray.kill(roles.actor_infer._handles[0], no_restart=True)
         return real_step(self, roles, step)
 
     cfg = write_config(tmp_path / "c.yaml", assets, name="dies", total_steps=3, eval={"every": 0})

@@ -14,7 +14,9 @@ from reroll.config.schema import RunConfig
 from reroll.data.datasets import load_samples
 from reroll.models.loading import load_tokenizer, sequence_logprobs
 from reroll.pipelines.common import sft_batch
-from reroll.pipelines.run import Checkpointed, save_checkpoint
+from reroll.pipelines.pipeline import Checkpointed
+from reroll.pipelines.run_dir import save_checkpoint
+from reroll.roles.objectives import NextToken
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime import checkpoint
 from reroll.runtime.metrics import read_metrics
@@ -54,7 +56,7 @@ def test_checkpoint_loads_in_transformers_with_trainer_logprobs(tmp_path, assets
     samples = load_samples([str(assets["train"])], template="{question}=")[:8]
     batch = sft_batch(samples, load_tokenizer(cfg.model.path), "{answer}")
     actor.configure_optimizer(1e-2, 0)
-    actor.train_sft(batch)  # move away from the initial weights
+    actor.train(batch, NextToken())  # move away from the initial weights
     expected = actor.compute_logprobs(batch)
     ckpt = save_checkpoint(cfg, actor, 1, Checkpointed({"sampler": {"epoch": 0, "index": 0}}))
 

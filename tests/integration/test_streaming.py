@@ -76,7 +76,7 @@ def test_partial_rollouts_resume_trains_on_the_saved_versions(tmp_path, assets):
     import torch
 
     from reroll.data.types import Completion, Rollout, Sample
-    from reroll.pipelines.async_rollout import Scored, staleness_metrics
+    from reroll.pipelines.rollout_source import Scored, staleness_metrics
 
     sections = {"eval": {"every": 0}, "rollout": PARTIAL, "checkpoint": {"every": 1}}
     cfg = write_config(tmp_path / "c.yaml", assets, total_steps=2, **sections)

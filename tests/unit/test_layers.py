@@ -174,6 +174,34 @@ def cycles(imports: list[Import]) -> list[str]:
     return found
 
 
+def collect_module_imports(package: Path) -> list[Import]:
+    """Every import, at run time (at import or inside a function, not under TYPE_CHECKING), of one module
+    of a subpackage by another module of the same subpackage, with the modules' dotted names as source
+    and target (``from reroll.config import placement`` names the module reroll.config.placement)."""
+    root = package.parent
+    modules = {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for p in package.rglob("*.py")
+    }
+    imports = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        top = ".".join(module.split(".")[:2])
+        for node, how in _walk(ast.parse(path.read_text(), str(path))):
+            if how == "under TYPE_CHECKING":
+                continue  # annotations only (``from __future__ import annotations``): never runs
+            names = _imported(node, module, is_package)
+            if isinstance(node, ast.ImportFrom):  # ``from pkg import mod``: the module, not pkg's __init__
+                subs = [f"{n}.{a.name}" for n in names for a in node.names if f"{n}.{a.name}" in modules]
+                names = subs if len(subs) == len(node.names) else names + subs
+            for name in names:
+                if name in modules and name != module and ".".join(name.split(".")[:2]) == top:
+                    imports.append(Import(str(path.relative_to(root)), node.lineno, module, name, name, how))
+    return imports
+
+
 IMPORTS = collect_imports(PACKAGE)
 
 
@@ -185,7 +213,8 @@ def test_every_subpackage_has_a_layer():
 
 def test_the_order_is_the_documented_one():
     doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text())) or ""
-    table = [line.split()[0] for line in doc.splitlines() if line.startswith("    ") and line.strip()]
+    # a layer's line starts with 4 spaces and its name; its description may go on, indented further
+    table = [line.split()[0] for line in doc.splitlines() if re.match(r"    \S", line)]
     assert table == LAYERS
 
 
@@ -200,6 +229,30 @@ def test_imports_follow_the_layers():
 def test_no_cycle_between_subpackages():
     found = cycles(IMPORTS)
     assert not found, "subpackages that import each other:\n" + "\n".join(found)
+
+
+def test_no_cycle_between_modules_of_a_subpackage():
+    """Inside a subpackage too, modules import one way (a type-only import aside): a cycle is a module
+    split in two that still needs both halves."""
+    found = cycles(collect_module_imports(PACKAGE))
+    assert not found, "modules that import each other:\n" + "\n".join(found)
+
+
+def test_the_module_cycle_check_finds_one(tmp_path):
+    pkg = tmp_path / "reroll" / "config"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "run.py").write_text("from reroll.config import pipelines\n")
+    (pkg / "pipelines.py").write_text("def f():\n    from reroll.config.run import RunConfig\n")
+    (pkg / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from reroll.config.run import RunConfig\n"
+    )
+    (found,) = cycles(collect_module_imports(tmp_path / "reroll"))
+    assert found.splitlines()[0] in (
+        "reroll.config.pipelines -> reroll.config.run -> reroll.config.pipelines",
+        "reroll.config.run -> reroll.config.pipelines -> reroll.config.run",
+    )
 
 
 def test_the_checks_find_what_they_look_for(tmp_path):

@@ -6,13 +6,13 @@ import peft as _peft  # noqa: F401  (imported at collection: its first import ta
 import pytest
 import torch
 
-from reroll.config.schema import LoRAConfig
+from reroll.config.training import LoRAConfig
 from reroll.strategies.lora import (
     adapter_names_to_model,
     adapter_names_to_saved,
     apply_lora,
     is_adapter_key,
-    merge_lora,
+    merged_state_dict,
     payload_bytes,
 )
 
@@ -40,7 +40,7 @@ def _wrapped(targets=("q_proj", "o_proj")):
 
 def test_merge_equals_peft_merge_and_the_wrapped_forward():
     peft = _wrapped()
-    merged = merge_lora(peft.state_dict(), scale=6.0 / 2)
+    merged = merged_state_dict(peft.state_dict(), scale=6.0 / 2)
     x = torch.randn(3, 6)
     expected = peft(x)
     reference = peft.merge_and_unload().state_dict()
@@ -74,7 +74,7 @@ def test_unknown_target_module_names_the_layers_there_are():
 
 def test_merge_needs_both_halves():
     with pytest.raises(KeyError, match="lora_A and lora_B"):
-        merge_lora(
+        merged_state_dict(
             {
                 "base_model.model.q_proj.base_layer.weight": torch.zeros(4, 6),
                 "base_model.model.q_proj.lora_A.default.weight": torch.zeros(2, 6),

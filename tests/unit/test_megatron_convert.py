@@ -111,7 +111,7 @@ def test_unsupported_models_and_sizes_are_user_errors():
 
 
 def test_parallel_sizes_are_checked():
-    from reroll.config.schema import MegatronConfig
+    from reroll.config.training import MegatronConfig
     from reroll.strategies.megatron import check_parallel_sizes
 
     assert check_parallel_sizes(8, MegatronConfig(tensor_parallel=2)) == 4

@@ -13,12 +13,11 @@ from reroll.config.placement import (
     device_map,
     engine_headroom,
     engine_may_stay,
-    run_roles,
     scaled_peak,
     trainer_strategy,
 )
 from reroll.config.schema import RunConfig
-from reroll.pipelines.run import ENGINE_AWAKE_OOM
+from reroll.pipelines.residency import ENGINE_AWAKE_OOM
 from reroll.runtime.placement import Colocation, ResourceManager
 
 
@@ -37,7 +36,7 @@ def _cfg(tmp_path, **overrides):
 
 def test_default_pool_colocates_every_model_role_on_device_0(tmp_path):
     cfg = _cfg(tmp_path, **{"placement.devices": 1})
-    dmap = device_map(cfg, run_roles(cfg), "cuda")
+    dmap = device_map(cfg, "cuda")
     assert dmap.ranks == {"actor_train": (0,), "actor_infer": (0,), "reference": (0,)}
     assert dmap.colocated("actor_train", "actor_infer")
     assert "cuda device 0: actor_train[0] actor_infer[0] reference[0]" in dmap.table()
@@ -55,7 +54,7 @@ def test_separate_devices_and_ranks_spread_in_contiguous_blocks(tmp_path):
             "roles.reference.devices": "[0]",
         },
     )
-    dmap = device_map(cfg, run_roles(cfg), "cpu")
+    dmap = device_map(cfg, "cpu")
     assert dmap.ranks["actor_train"] == (0, 0, 1, 1)
     assert dmap.ranks["actor_infer"] == (2, 3)
     assert not dmap.colocated("actor_train", "actor_infer")
@@ -100,7 +99,7 @@ def test_colocation_offloads_only_roles_sharing_a_device_and_reloads_on_use(tmp_
         tmp_path,
         **{"placement.devices": 2, "roles.reference.devices": "[1]"},
     )
-    dmap = device_map(cfg, run_roles(cfg), "cuda")
+    dmap = device_map(cfg, "cuda")
     log: list[str] = []
     groups = {r: _Group(log, r) for r in ("actor_train", "actor_infer", "reference")}
     col = Colocation(groups, dmap, enabled=True)
@@ -122,7 +121,7 @@ def test_the_roles_let_stay_are_left_resident_while_they_fit(tmp_path):
     cfg = _cfg(tmp_path, **{"placement.devices": 1})
     log: list[str] = []
     groups = {r: _Group(log, r) for r in ("actor_train", "actor_infer", "reference")}
-    col = Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), enabled=True)
+    col = Colocation(groups, device_map(cfg, "cuda"), enabled=True)
     everyone = {"actor_train", "actor_infer", "reference"}
     answers = iter([set(), set(), set(), {"actor_infer"}, everyone, everyone, everyone])
     asked: list[list[str]] = []
@@ -179,7 +178,7 @@ def test_the_engine_fits_where_the_worst_phase_and_its_share_stay_under_90_perce
 def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_path, capsys):
     """``Roles._staying``: the needs of the trainer roles on the engine's GPU, not of one elsewhere;
     a colocated role that cannot say what it needs keeps the engine sleeping."""
-    from reroll.pipelines.run import Roles
+    from reroll.pipelines.roles import Roles
 
     class Measured(_Group):
         def __init__(self, log, name, need):
@@ -201,8 +200,8 @@ def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_
             "actor_infer": _Group(log, "actor_infer"),
             "reference": Measured(log, "reference", reference_gib * gib),
         }
-        colocation = Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), True)
-        return Roles(cfg, actor=None, colocation=colocation), groups
+        colocation = Colocation(groups, device_map(cfg, "cuda"), True)
+        return Roles(cfg, {}, colocation=colocation), groups
 
     roles, groups = roles_with(40, 60, **{"placement.devices": 2, "roles.reference.devices": "[1]"})
     # one trainer beside the engine: its peak is the worst phase, so it keeps its cache too
@@ -251,7 +250,7 @@ def test_the_run_asks_every_trainer_colocated_with_the_engine_what_it_needs(tmp_
 def test_the_share_hint_names_the_shares_that_would_keep_the_engine_awake_or_move_nothing():
     """Run I's H100 numbers at the default share 0.35: the engine slept; the measured peaks say it
     stays awake at 0.27 (I2 ran 0.2: awake) and nothing moves at 0.18 (J ran 0.15: nothing moved)."""
-    from reroll.pipelines.run import _share_hint
+    from reroll.pipelines.residency import share_hint as _share_hint
 
     gib, total = 2**30, int(79.2 * 2**30)
     needs = [(int(45.8 * gib), 6 * gib), (8 * gib, 1 * gib)]
@@ -268,13 +267,11 @@ def test_the_share_hint_names_the_shares_that_would_keep_the_engine_awake_or_mov
 
 def test_a_trainer_out_of_memory_beside_the_awake_engine_is_told_why_and_the_fix(tmp_path):
     from reroll.errors import RoleError
-    from reroll.pipelines.run import Roles
+    from reroll.pipelines.roles import Roles
 
     cfg = _cfg(tmp_path, **{"placement.devices": 1})
     groups = {r: _Group([], r) for r in ("actor_train", "actor_infer")}
-    roles = Roles(
-        cfg, actor=None, colocation=Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), True)
-    )
+    roles = Roles(cfg, {}, colocation=Colocation(groups, device_map(cfg, "cuda"), True))
     oom = RoleError(
         "actor_train", 0, "train", "OutOfMemoryError: CUDA out of memory. Tried to allocate 4.64 GiB."
     )
@@ -303,7 +300,7 @@ def test_colocation_disabled_moves_nothing(tmp_path):
     cfg = _cfg(tmp_path, **{"placement.devices": 1})
     log: list[str] = []
     groups = {r: _Group(log, r) for r in ("actor_train", "actor_infer")}
-    col = Colocation(groups, device_map(cfg, run_roles(cfg), "cpu"), enabled=False)
+    col = Colocation(groups, device_map(cfg, "cpu"), enabled=False)
     col.use("actor_infer")
     assert log == [] and col.pop_seconds() == {}
 
@@ -571,7 +568,7 @@ def test_the_moves_report_the_bytes_the_trainers_moved_and_their_rate(tmp_path, 
             return 4 * 10**9
 
     groups = {"actor_train": Moving(log, "actor_train"), "actor_infer": _Group(log, "actor_infer")}
-    col = Colocation(groups, device_map(cfg, run_roles(cfg), "cuda"), enabled=True)
+    col = Colocation(groups, device_map(cfg, "cuda"), enabled=True)
     col.use("actor_infer")
     col.use("actor_train")
     moves = col.pop_moves()

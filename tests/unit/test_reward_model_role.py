@@ -75,6 +75,6 @@ def test_critic_started_from_the_reward_model_scores_like_it(rm_path):
     ids = torch.tensor([[*tok.encode("12+34=46", add_special_tokens=False), tok.eos_token_id]])
     mask = torch.ones_like(ids, dtype=torch.bool)
     with torch.no_grad():
-        out = critic._forward(TrainBatch(ids, mask, mask, torch.zeros(1, dtype=torch.long)))
+        out = critic.forward(TrainBatch(ids, mask, mask, torch.zeros(1, dtype=torch.long)))
     # the value head is the reward model's score head (its bias, absent in the classifier, starts at 0)
     assert_close(float(out[0, -1, 0]), _alone(rm_path, "12+34=46"))

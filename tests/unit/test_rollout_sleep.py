@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-import reroll.roles.rollout as rollout_module
+import reroll.roles.actor_infer as rollout_module
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
 
@@ -29,7 +29,7 @@ def test_an_engine_on_cpus_sleeps_only_where_it_can(tmp_path, monkeypatch, engin
     overrides = [f"rollout.engine={engine}", "placement.devices=1", "placement.device_type=cpu"]
     cfg = load_config(tmp_path / "run.yaml", RunConfig, [*overrides, "placement.offload=always"])
     monkeypatch.setattr(rollout_module, "make_engine", RecordingEngine)
-    worker = rollout_module.RolloutWorker(0, cfg)
+    worker = rollout_module.EngineWorker(0, cfg)
     worker.offload()
     worker.reload()
     assert worker.engine.calls == calls

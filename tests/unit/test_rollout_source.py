@@ -11,7 +11,7 @@ import torch
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
 from reroll.data.types import Completion, Rollout, Sample
-from reroll.pipelines.async_rollout import RolloutSource, Scored, _Queued, round_seed, staleness_metrics
+from reroll.pipelines.rollout_source import RolloutSource, Scored, _Queued, round_seed, staleness_metrics
 from reroll.rewards.base import RewardResult
 
 
@@ -24,7 +24,7 @@ class FakeRollout:
     def generate(self, prompts, params, phase="generate"):
         return self.collect(self.submit(prompts, params))
 
-    def submit(self, prompts, params):
+    def submit(self, prompts, params, stale_ok=False):
         self.seeds.append(params.seed)
         return [prompts]
 
@@ -59,7 +59,7 @@ class FakeRewardModel:
 
 class FakeRoles:
     def __init__(self) -> None:
-        self.rollout, self.reward, self.phases = FakeRollout(), FakeReward(), []
+        self.actor_infer, self.reward, self.phases = FakeRollout(), FakeReward(), []
         self.reward_model: FakeRewardModel | None = None
 
     @contextmanager
@@ -104,8 +104,8 @@ def test_refill_rounds_until_the_batch_is_full():
     assert len(scored) == cfg.rollout.batch_size
     # each round drew a fresh batch of prompts (the data position moved 3 batches) with its own seed
     assert data.state() == {"epoch": 0, "index": 12}
-    assert roles.rollout.seeds == [round_seed(cfg, 5, r) for r in range(3)]
-    assert len(set(roles.rollout.seeds)) == 3
+    assert roles.actor_infer.seeds == [round_seed(cfg, 5, r) for r in range(3)]
+    assert len(set(roles.actor_infer.seeds)) == 3
     assert roles.phases == ["generate", "reward"] * 3
 
 
@@ -163,7 +163,7 @@ def test_no_refill_without_dynamic_sampling():
     roles, data = FakeRoles(), sampler(["0,0", "1,1", "1,0", "0,0"], 4)
     scored, metrics = RolloutSource(cfg, data).next(roles, step=1)
     assert len(scored) == 8 and not any(k.startswith("dapo/") for k in metrics)
-    assert roles.rollout.seeds == [round_seed(cfg, 1, 0)]
+    assert roles.actor_infer.seeds == [round_seed(cfg, 1, 0)]
 
 
 def test_max_rounds_without_dynamic_sampling_is_an_error():
@@ -177,7 +177,7 @@ def test_async_submits_ahead_and_stamps_the_engine_version():
     roles, source = FakeRoles(), RolloutSource(cfg, sampler(["1,0"] * 40, 4))
     _, metrics = source.next(roles, step=1)
     assert sorted(source.queue) == [2, 3]  # steps 2 and 3 submitted ahead, in order
-    assert roles.rollout.seeds == [round_seed(cfg, s, 0) for s in (1, 2, 3)]
+    assert roles.actor_infer.seeds == [round_seed(cfg, s, 0) for s in (1, 2, 3)]
     assert metrics["staleness/mean"] == 0
     source.engine_version = 1  # push_weights after step 1 (fake roles: only the version)
     _, metrics = source.next(roles, step=2)  # generated before step 1 trained: one step stale
@@ -252,12 +252,12 @@ class StreamingReward(FakeReward):
 def test_oversampling_keeps_the_first_groups_to_finish_and_scores_each_as_it_comes():
     cfg = make_cfg({"oversample": 1.5})  # 4 groups a step: 6 prompts drawn
     roles, source = FakeRoles(), RolloutSource(cfg, sampler([f"{i},0" for i in range(12)], 4))
-    roles.rollout, roles.reward = StreamingRollout(), StreamingReward()
+    roles.actor_infer, roles.reward = StreamingRollout(), StreamingReward()
     scored, metrics = source.next(roles, step=1)
     assert [r.sample.prompt for r in scored.rollouts[::2]] == ["5,0", "4,0", "3,0", "2,0"]  # finish order
     assert [r.score for r in scored.results[::2]] == [5.0, 4.0, 3.0, 2.0]
     assert roles.reward.submitted == 4  # one call per group, as it finished
-    assert roles.rollout.interrupted
+    assert roles.actor_infer.interrupted
     assert metrics["rollout/oversample_dropped_groups"] == 2
     assert metrics["rollout/oversample_dropped_unfinished"] == 1.0
     assert metrics["rollout/oversample_kept_length"] == (6 + 5 + 4 + 3) / 4
@@ -268,7 +268,11 @@ def test_oversampling_keeps_the_first_groups_to_finish_and_scores_each_as_it_com
 def test_oversampled_rlhf_rounds_carry_the_reward_models_scores():
     cfg = make_cfg({"oversample": 1.5}, reward={"fn": "exact_match", "model": {"path": "rm"}})
     roles, source = FakeRoles(), RolloutSource(cfg, sampler([f"{i},0" for i in range(12)], 4))
-    roles.rollout, roles.reward, roles.reward_model = StreamingRollout(), StreamingReward(), FakeRewardModel()
+    roles.actor_infer, roles.reward, roles.reward_model = (
+        StreamingRollout(),
+        StreamingReward(),
+        FakeRewardModel(),
+    )
     scored, _ = source.next(roles, step=1)
     assert scored.model_scores == [10.0, 0.0, 8.0, 0.0, 6.0, 0.0, 4.0, 0.0]  # the kept groups, in order
     assert scored.training_rewards(cfg).tolist() == scored.model_scores  # weight 1, rule_weight 0
@@ -284,7 +288,7 @@ def test_partial_rollout_segments_stamp_each_token_with_its_weights_version():
     """A response cut after 2 tokens of policy 1 and continued by policy 2 then 3; a finished one
     keeps policy 1 throughout."""
     roles, source = FakeRoles(), RolloutSource(make_cfg({"async_steps": 1}), sampler(["1,0"], 1))
-    roles.rollout = SegmentRollout()
+    roles.actor_infer = SegmentRollout()
     c = lambda n, reason: Completion([1], list(range(n)), "", [0.0] * n, reason)  # noqa: E731
     first = [[c(2, "abort"), c(3, "stop")]]
     q = _Queued(3, [Sample("u", "p", {})], version=1, refs=first)

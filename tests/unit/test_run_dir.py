@@ -7,7 +7,7 @@ import pytest
 
 from reroll.config.schema import RunConfig
 from reroll.errors import UserError
-from reroll.pipelines.run import open_metrics, open_run_dir
+from reroll.pipelines.run_dir import open_metrics, open_run_dir
 
 
 def _cfg(tmp_path, **over) -> RunConfig:
@@ -47,7 +47,7 @@ def test_nothing_is_written_before_the_first_metrics(tmp_path):
     assert list(run_dir.iterdir()) == []  # a run failing here leaves nothing
     metrics.log(0, {"eval/accuracy": 0.5})
     metrics.close()
-    assert (run_dir / "config.yaml").read_text().startswith("# resolved RunConfig")
+    assert (run_dir / "config.yaml").read_text().startswith("# resolved RLVRConfig")
     assert json.loads((run_dir / "metrics.jsonl").read_text()) == {"step": 0, "eval/accuracy": 0.5}
 
 

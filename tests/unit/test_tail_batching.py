@@ -9,7 +9,7 @@ import pytest
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
 from reroll.data.types import Completion, Sample
-from reroll.pipelines.async_rollout import RolloutSource
+from reroll.pipelines.rollout_source import RolloutSource
 from reroll.rewards.base import RewardResult
 
 
@@ -46,7 +46,8 @@ class LengthReward:
 
 class FakeRoles:
     def __init__(self) -> None:
-        self.rollout, self.reward, self.phases = LengthRollout(), LengthReward(), []
+        self.actor_infer, self.reward, self.phases = LengthRollout(), LengthReward(), []
+        self.reward_model = None
 
     @contextmanager
     def phase(self, name, *uses):
@@ -94,7 +95,7 @@ def test_long_groups_wait_for_a_tail_step_and_are_finished_from_their_tokens():
     assert scored.results[1].score == pytest.approx(0.9)  # scored once finished
     assert m["staleness/max"] == 2  # trainer at step 2: the first tokens of step 1's groups
     assert src.sampler.state()["index"] == 8  # a tail step draws no prompts
-    assert roles.rollout.budgets == [4, 4, 6]  # ordinary steps stop at the threshold; the tail runs on
+    assert roles.actor_infer.budgets == [4, 4, 6]  # ordinary steps stop at the threshold; the tail runs on
     assert "generate_tail" in roles.phases
 
 

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 from reroll.cli import main
 from reroll.config.alphabet import ALPHABET_NAMES
 from reroll.config.loader import ConfigError, load_config
-from reroll.config.schema import ModelConfig, RunConfig, TinyModelConfig
+from reroll.config.model import ModelConfig, TinyModelConfig
+from reroll.config.schema import RunConfig
 from reroll.data.arithmetic import ARITHMETIC_ALPHABET
 from reroll.models.tiny import ALPHABETS, GAME_ALPHABET, ensure_tiny_model, resolve_alphabet
 
