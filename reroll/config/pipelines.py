@@ -144,7 +144,7 @@ class RLVRConfig(_RLConfig):
     def _roles(self) -> list[str]:
         roles = ["actor_train", "actor_infer", *_scoring(self.reward), *self._reference_role()]
         roles += ["critic"] if self.critic is not None else []
-        return roles + (["reward_model"] if self.reward.model is not None else [])
+        return roles + (["learned_reward"] if self.reward.model is not None else [])
 
     def _scoring_roles(self) -> list[str]:
         return _scoring(self.reward)

@@ -431,7 +431,7 @@ def check_weight_sync(cfg: RunConfig, device_type: str) -> list[tuple[str, str]]
 
 def colocated_trainer_roles(cfg: RunConfig, role: str) -> int:
     """How many roles that hold a training strategy (actor_train, reference, critic, teacher,
-    reward_model) share a device
+    learned_reward) share a device
     with rank 0 of ``role``, ``role`` included (1 without a pool)."""
     on = _beside_rank0(cfg, role)
     return 1 if on is None else len({r for r in on if r != "actor_infer"})

@@ -12,7 +12,7 @@ Mixed domains (rows carry a ``domain`` field; each domain sets its share of a st
         code: {share: 0.3, rewards: [{fn: code_tests, args: {all_or_nothing: true}}]}
         chat: {share: 0.2, tags: [ifeval, if], rewards: [{fn: ifeval}]}
 
-A trained reward model served as the ``reward_model`` role (RLHF; ``fn`` still scores the evaluation)::
+A trained reward model served as the ``learned_reward`` role (RLHF; ``fn`` still scores the evaluation)::
 
     reward:
       fn: exact_match
@@ -28,12 +28,27 @@ An LLM judge served by one of reroll's engines, as the ``judge`` role (placed by
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from reroll.config.base import StrictModel
 from reroll.config.tags import tag_problems
+
+log = logging.getLogger(__name__)
+
+# reward names that were renamed: the old one still works, with a one-line deprecation message
+RENAMED_FNS = {"reward_model": "classifier_score"}  # one name per thing: reward_model is a pipeline too
+
+
+def renamed_fn(name: str) -> str:
+    """``name``, or the new name of a renamed reward (said once per load)."""
+    if name in RENAMED_FNS:
+        log.warning("reward fn %r is now %r; the old name still works", name, RENAMED_FNS[name])
+        return RENAMED_FNS[name]
+    return name
+
 
 Isolation = Literal["auto", "thread", "process"]
 ISOLATION_DOC = (
@@ -52,6 +67,11 @@ class RewardTermConfig(StrictModel):
         default_factory=dict, description="Keyword options of the function (e.g. {all_or_nothing: true})."
     )
     isolation: Isolation = Field("auto", description=ISOLATION_DOC)
+
+    @field_validator("fn")
+    @classmethod
+    def _renamed(cls, name: str) -> str:
+        return renamed_fn(name)
 
 
 class RewardDomainConfig(StrictModel):
@@ -95,7 +115,7 @@ class JudgeConfig(StrictModel):
 
 
 class LearnedRewardConfig(StrictModel):
-    """A trained reward model served as the ``reward_model`` role (placed by roles.reward_model): it scores
+    """A trained reward model served as the ``learned_reward`` role (placed by roles.learned_reward): it scores
     whole responses in batches on its own devices (or colocated ones) for an rlvr run (RLHF)."""
 
     path: str = Field(
@@ -145,7 +165,7 @@ class RewardConfig(StrictModel):
     )
     model: LearnedRewardConfig | None = Field(
         None,
-        description="A trained reward model (starts the `reward_model` role, pipeline rlvr): the training "
+        description="A trained reward model (starts the `learned_reward` role, pipeline rlvr): the training "
         "reward becomes model.weight x its score + model.rule_weight x the rewards above, which still score "
         "the held-out evaluation (RLHF).",
     )
@@ -172,6 +192,11 @@ class RewardConfig(StrictModel):
         description="Slack on a worker's whole call: it fails the step after "
         "timeout_s + ceil(items / threads) * sample_timeout_s.",
     )
+
+    @field_validator("fn")
+    @classmethod
+    def _renamed(cls, name: str) -> str:
+        return renamed_fn(name)
 
 
 def check_reward(cfg: RewardConfig) -> list[tuple[str, str]]:

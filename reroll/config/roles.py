@@ -2,18 +2,21 @@
 
 ``ROLES`` is the one list: the ``roles`` config section has a key per entry, and which of them a run
 starts is ``reroll.config.placement.run_roles`` (from the pipeline's config model). A role holds a
-training strategy (``strategy``: actor_train, reference, critic, teacher, reward_model), a generation
+training strategy (``strategy``: actor_train, reference, critic, teacher, learned_reward), a generation
 engine (``engine``: actor_infer, judge) or plain workers (``workers``: reward, env).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, create_model
+from pydantic import Field, create_model, model_validator
 
 from reroll.config.base import StrictModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,11 @@ ROLES: dict[str, RoleKind] = {
         False,
         "Distillation teachers (pipeline distill); every teacher of distill.teachers is placed so.",
     ),
-    "reward_model": RoleKind(
-        "strategy", True, False, "The learned reward model of RLHF (if `reward.model` is set)."
+    "learned_reward": RoleKind(
+        "strategy",
+        True,
+        False,
+        "The trained reward model that scores RLHF's samples (if `reward.model` is set).",
     ),
 }
 
@@ -80,9 +86,30 @@ class RoleConfig(StrictModel):
     )
 
 
+# keys that were renamed: the old one still works, with a one-line deprecation message
+RENAMED = {"reward_model": "learned_reward"}  # one name per thing: reward_model is a pipeline too
+
+
+class _Roles(StrictModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for old, new in RENAMED.items():
+            if old in data and new not in data:
+                log.warning(
+                    "roles.%s is now roles.%s (the role that serves reward.model); the old name still works",
+                    old,
+                    new,
+                )
+                data = {(new if k == old else k): v for k, v in data.items()}
+        return data
+
+
 RolesConfig = create_model(
     "RolesConfig",
-    __base__=StrictModel,
+    __base__=_Roles,
     __doc__="Placement of each role.",
     __module__=__name__,
     **{

@@ -79,7 +79,7 @@ def load_value_model(
     return _with_zero_head(AutoModelForTokenClassification, "value model", path, configure, dtype, device)
 
 
-def load_reward_model(
+def load_sequence_classifier(
     path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"
 ) -> PreTrainedModel:
     """A reward model: the model at ``path`` as ``AutoModelForSequenceClassification`` with one output,

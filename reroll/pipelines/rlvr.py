@@ -163,9 +163,9 @@ class RLVR(Pipeline):
             )
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
         rm = self.cfg.reward.model
-        if rm is not None and roles.reward_model is not None:  # scored as the samples are
-            with roles.phase("baseline", "reward_model"):
-                learned, _ = roles.reward_model.score(
+        if rm is not None and roles.learned_reward is not None:  # scored as the samples are
+            with roles.phase("baseline", "learned_reward"):
+                learned, _ = roles.learned_reward.score(
                     [s.prompt for s in prompts], [c.text for c in greedy], "baseline"
                 )
             scores = rm.weight * learned + rm.rule_weight * scores

@@ -36,8 +36,8 @@ from reroll.pipelines.residency import ENGINE_AWAKE_OOM, staying
 from reroll.roles.actor_infer import EngineGroup, form_weight_group
 from reroll.roles.critic import CriticGroup
 from reroll.roles.env import EnvGroup
+from reroll.roles.learned_reward import LearnedRewardGroup
 from reroll.roles.reward import RewardGroup
-from reroll.roles.reward_model import RewardModelGroup
 from reroll.roles.teacher import TeacherSet
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime import stacks
@@ -57,7 +57,7 @@ GROUPS: dict[str, Callable[[RunConfig], Any] | None] = {
     "judge": None,
     "env": EnvGroup,
     "teacher": TeacherSet,
-    "reward_model": RewardModelGroup,
+    "learned_reward": LearnedRewardGroup,
 }
 SHUTDOWN_FIRST = ("env",)  # env workers may hold calls into the engine (agent episodes)
 
@@ -111,8 +111,8 @@ class Roles:
         return self.groups.get("teacher")
 
     @property
-    def reward_model(self) -> RewardModelGroup | None:
-        return self.groups.get("reward_model")
+    def learned_reward(self) -> LearnedRewardGroup | None:
+        return self.groups.get("learned_reward")
 
     @classmethod
     def start(cls, cfg: RunConfig, *, generate_only: bool = False) -> Roles:
@@ -142,7 +142,7 @@ class Roles:
         placed = {name: groups[name] for name, spec in specs.items() if spec.on_pool and name in groups}
         offload = offload_between_phases(cfg, placement.device_type)
         roles.colocation = Colocation(placed, placement.map, offload)
-        if roles.colocation.enabled:
+        if roles.colocation.offloads:
             for group in placed.values():
                 group.residency_check = roles._check_resident
             if "actor_infer" in placed and engine_may_stay(cfg, placement.device_type):

@@ -268,13 +268,13 @@ class RolloutSource:
 
     def _reward_roles(self, roles: Roles) -> list[str]:
         """The roles the reward phase holds besides the reward workers: the reward model's, in RLHF."""
-        return ["reward_model"] if roles.reward_model is not None else []
+        return ["learned_reward"] if roles.learned_reward is not None else []
 
     def _with_model_scores(self, roles: Roles, scored: Scored) -> Scored:
         """``scored`` with the served reward model's score of every sample (RLHF; as is without one)."""
-        if roles.reward_model is None or not scored.rollouts:
+        if roles.learned_reward is None or not scored.rollouts:
             return scored
-        scores, truncated = roles.reward_model.score(
+        scores, truncated = roles.learned_reward.score(
             [r.sample.prompt for r in scored.rollouts], [r.completion.text for r in scored.rollouts]
         )
         scored.model_scores = [float(x) for x in scores]

@@ -13,6 +13,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from reroll.config.reward import RENAMED_FNS
 from reroll.errors import UserError
 from reroll.rewards.base import RewardFn, RewardResult
 
@@ -26,8 +27,9 @@ REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
     "ifeval": ("reroll.rewards.ifeval:ifeval", ("constraints",)),
     "llm_judge": ("reroll.rewards.judge:llm_judge", ()),
     "engine_judge": ("reroll.rewards.judge:engine_judge", ()),
-    "reward_model": ("reroll.rewards.reward_model:reward_model", ()),
+    "classifier_score": ("reroll.rewards.classifier:classifier_score", ()),
 }
+RENAMED = RENAMED_FNS  # renamed rewards: the old name still works
 
 
 def reward_names() -> list[str]:
@@ -36,6 +38,7 @@ def reward_names() -> list[str]:
 
 def required_fields(name: str) -> tuple[str, ...]:
     """The row fields a registered reward reads (none known for a user function)."""
+    name = RENAMED.get(name, name)
     return REGISTRY[name][1] if name in REGISTRY else ()
 
 
@@ -56,6 +59,7 @@ def _import(path: str, name: str) -> Callable[..., RewardResult]:
 
 def resolve_reward(name: str, args: Mapping[str, Any] | None = None) -> Callable[..., RewardResult]:
     """The function registered as ``name``, or imported from ``module:function``, with ``args`` bound."""
+    name = RENAMED.get(name, name)
     if name in REGISTRY:
         fn = _import(REGISTRY[name][0], name)
     elif ":" in name:

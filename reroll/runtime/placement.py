@@ -214,13 +214,14 @@ class Colocation:
     """Takes turns on shared devices: before a phase, offload the resident roles that share a device
     with the roles the phase uses, and reload those roles if they were offloaded.
 
-    ``groups`` maps role name to its worker group (which has ``offload()`` and ``reload()``). With
-    nothing colocated, or offloading off, ``use`` does nothing. Roles may be let stay (``let_stay``).
+    ``groups`` maps role name to its worker group (which has ``offload()`` and ``reload()``).
+    ``offloads``: colocated roles offload between phases (``placement.offload``); with nothing colocated,
+    or offloading off, ``use`` does nothing. Roles may be let stay (``let_stay``).
     """
 
-    def __init__(self, groups: dict[str, Any], device_map: DeviceMap | None, enabled: bool) -> None:
+    def __init__(self, groups: dict[str, Any], device_map: DeviceMap | None, offloads: bool) -> None:
         self.groups = {k: g for k, g in groups.items() if g is not None}
-        self.map, self.enabled = device_map, enabled and device_map is not None
+        self.map, self.offloads = device_map, offloads and device_map is not None
         self.offloaded: set[str] = set()
         self.seconds = {"offload": 0.0, "reload": 0.0}
         # bytes the trainer roles moved (their offload/reload return them) and the seconds of those calls
@@ -235,7 +236,7 @@ class Colocation:
         self.stays = stays
 
     def use(self, *roles: str) -> None:
-        if not self.enabled:
+        if not self.offloads:
             return
         evict = [
             other
@@ -269,8 +270,8 @@ class Colocation:
             self.moved[way][1] += time.perf_counter() - start
 
     def pop_seconds(self) -> dict[str, float]:
-        """``timing/offload`` and ``timing/reload`` since the last call (only when enabled)."""
-        if not self.enabled:
+        """``timing/offload`` and ``timing/reload`` since the last call (only where colocated roles offload)."""
+        if not self.offloads:
             return {}
         out = {f"timing/{k}": v for k, v in self.seconds.items()}
         self.seconds = {"offload": 0.0, "reload": 0.0}
@@ -279,8 +280,8 @@ class Colocation:
     def pop_moves(self) -> dict[str, float]:
         """``offload/bytes`` and ``reload/bytes``: what the trainer roles moved between host and device
         memory since the last call, and, where they moved any, ``offload/gb_per_s`` / ``reload/gb_per_s``
-        over the seconds of the calls that did (only when enabled)."""
-        if not self.enabled:
+        over the seconds of the calls that did (only where colocated roles offload)."""
+        if not self.offloads:
             return {}
         out: dict[str, float] = {}
         for way, (moved, seconds) in self.moved.items():

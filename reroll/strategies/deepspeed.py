@@ -37,7 +37,7 @@ from deepspeed.runtime import constants as ds_constants
 
 from reroll.config.startable import deepspeed_problems
 from reroll.errors import UserError
-from reroll.models.loading import load_causal_lm, load_reward_model, load_value_model, use_kernels
+from reroll.models.loading import load_causal_lm, load_sequence_classifier, load_value_model, use_kernels
 from reroll.strategies import Head
 from reroll.strategies.memory import peak_memory_gb
 from reroll.strategies.training import forward_logits, warmup_schedule
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_reward_model}
+_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_sequence_classifier}
 _TAG = "state"  # the one tag under ``<checkpoint>/deepspeed/``: a checkpoint directory holds one step
 
 

@@ -26,7 +26,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from reroll.models.loading import DTYPES, load_causal_lm, load_reward_model, load_value_model, use_kernels
+from reroll.models.loading import (
+    DTYPES,
+    load_causal_lm,
+    load_sequence_classifier,
+    load_value_model,
+    use_kernels,
+)
 from reroll.strategies import Head
 from reroll.strategies.lora import (
     AdapterUpdate,
@@ -53,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_reward_model}
+_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_sequence_classifier}
 
 
 class FSDP2Strategy:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from reroll.models.loading import load_causal_lm, load_reward_model, load_value_model, use_kernels
+from reroll.models.loading import load_causal_lm, load_sequence_classifier, load_value_model, use_kernels
 from reroll.strategies import Head
 from reroll.strategies.lora import (
     AdapterUpdate,
@@ -41,7 +41,7 @@ from reroll.strategies.training import (
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
 
-_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_reward_model}
+_LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_sequence_classifier}
 
 
 class TorchStrategy:

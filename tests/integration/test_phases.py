@@ -18,7 +18,7 @@ import yaml
 from reroll.cli import main
 from reroll.roles.actor_infer import EngineWorker
 from reroll.roles.critic import CriticWorker
-from reroll.roles.reward_model import RewardModelWorker
+from reroll.roles.learned_reward import LearnedRewardWorker
 from reroll.roles.teacher import TeacherWorker
 from reroll.roles.trainer import TrainerWorker
 from reroll.runtime.metrics import read_metrics
@@ -46,7 +46,7 @@ def calls(monkeypatch) -> list[tuple[str, str, bool]]:
 
         monkeypatch.setattr(cls, name, recorded)
 
-    for cls in (TrainerWorker, EngineWorker, CriticWorker, TeacherWorker, RewardModelWorker):
+    for cls in (TrainerWorker, EngineWorker, CriticWorker, TeacherWorker, LearnedRewardWorker):
         for name, fn in inspect.getmembers(cls, inspect.isfunction):
             if not name.startswith("_"):
                 wrap(cls, name, fn)
@@ -140,8 +140,8 @@ def test_rlhf_reward_model(tmp_path, assets, calls):
         (rm / f.name).write_bytes(f.read_bytes())
     cfg = write_config(tmp_path / "c.yaml", assets, total_steps=2, reward={"model": {"path": str(rm)}})
     assert main(["train", str(cfg), *COLOCATED]) == 0
-    _assert_never_offloaded(calls, {"actor_train", "actor_infer", "reward_model"})
-    assert ("reward_model", "score", False) in calls
+    _assert_never_offloaded(calls, {"actor_train", "actor_infer", "learned_reward"})
+    assert ("learned_reward", "score", False) in calls
 
 
 def test_sft(tmp_path, assets, calls):

@@ -1,4 +1,4 @@
-"""RLHF through the CLI: rlvr trained on a reward model served as the reward_model role, never on the
+"""RLHF through the CLI: rlvr trained on a reward model served as the learned_reward role, never on the
 exact-match reward (which only scores the held-out evaluation).
 
 The reward model comes from ``pipeline: reward_model`` on synthetic arithmetic preferences (the correct
@@ -21,7 +21,7 @@ from tests.conftest import ROOT, reroll_cli, write_config
 
 pytestmark = pytest.mark.integration
 THREADS = [
-    f"roles.{r}.torch_threads=1" for r in ("actor_train", "actor_infer", "reward", "reward_model", "critic")
+    f"roles.{r}.torch_threads=1" for r in ("actor_train", "actor_infer", "reward", "learned_reward", "critic")
 ]
 
 

@@ -102,7 +102,7 @@ def test_colocation_offloads_only_roles_sharing_a_device_and_reloads_on_use(tmp_
     dmap = device_map(cfg, "cuda")
     log: list[str] = []
     groups = {r: _Group(log, r) for r in ("actor_train", "actor_infer", "reference")}
-    col = Colocation(groups, dmap, enabled=True)
+    col = Colocation(groups, dmap, offloads=True)
     col.use("actor_infer")
     assert log == ["offload actor_train"]  # the reference is on device 1: left alone
     col.use("reference")
@@ -121,7 +121,7 @@ def test_the_roles_let_stay_are_left_resident_while_they_fit(tmp_path):
     cfg = _cfg(tmp_path, **{"placement.devices": 1})
     log: list[str] = []
     groups = {r: _Group(log, r) for r in ("actor_train", "actor_infer", "reference")}
-    col = Colocation(groups, device_map(cfg, "cuda"), enabled=True)
+    col = Colocation(groups, device_map(cfg, "cuda"), offloads=True)
     everyone = {"actor_train", "actor_infer", "reference"}
     answers = iter([set(), set(), set(), {"actor_infer"}, everyone, everyone, everyone])
     asked: list[list[str]] = []
@@ -296,11 +296,11 @@ def test_the_engine_may_stay_awake_with_vllm_on_gpus_in_single_response_pipeline
     assert not engine_may_stay(_cfg(tmp_path, **vllm, **{"placement.offload": "always"}), "cuda")
 
 
-def test_colocation_disabled_moves_nothing(tmp_path):
+def test_colocation_that_does_not_offload_moves_nothing(tmp_path):
     cfg = _cfg(tmp_path, **{"placement.devices": 1})
     log: list[str] = []
     groups = {r: _Group(log, r) for r in ("actor_train", "actor_infer")}
-    col = Colocation(groups, device_map(cfg, "cpu"), enabled=False)
+    col = Colocation(groups, device_map(cfg, "cpu"), offloads=False)
     col.use("actor_infer")
     assert log == [] and col.pop_seconds() == {}
 
@@ -568,14 +568,14 @@ def test_the_moves_report_the_bytes_the_trainers_moved_and_their_rate(tmp_path, 
             return 4 * 10**9
 
     groups = {"actor_train": Moving(log, "actor_train"), "actor_infer": _Group(log, "actor_infer")}
-    col = Colocation(groups, device_map(cfg, "cuda"), enabled=True)
+    col = Colocation(groups, device_map(cfg, "cuda"), offloads=True)
     col.use("actor_infer")
     col.use("actor_train")
     moves = col.pop_moves()
     assert moves["offload/bytes"] == moves["reload/bytes"] == 4e9
     assert moves["offload/gb_per_s"] > 0 and moves["reload/gb_per_s"] > 0
     assert col.pop_moves() == {"offload/bytes": 0.0, "reload/bytes": 0.0}
-    assert Colocation(groups, None, enabled=True).pop_moves() == {}  # nothing colocated
+    assert Colocation(groups, None, offloads=True).pop_moves() == {}  # nothing colocated
 
 
 def test_a_trainer_keeps_its_state_where_it_fits_beside_every_engine_on_its_gpu(tmp_path, monkeypatch):

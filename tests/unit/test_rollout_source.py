@@ -60,7 +60,7 @@ class FakeRewardModel:
 class FakeRoles:
     def __init__(self) -> None:
         self.actor_infer, self.reward, self.phases = FakeRollout(), FakeReward(), []
-        self.reward_model: FakeRewardModel | None = None
+        self.learned_reward: FakeRewardModel | None = None
 
     @contextmanager
     def phase(self, name, *uses):
@@ -137,13 +137,13 @@ def test_rlhf_refills_on_the_reward_models_score_not_the_rule():
         dynamic_sampling_max_rounds=1,
     )
     roles = FakeRoles()
-    roles.reward, roles.reward_model = OnesReward(), FakeRewardModel()
+    roles.reward, roles.learned_reward = OnesReward(), FakeRewardModel()
     scored, metrics = RolloutSource(cfg, sampler(prompts, 4)).next(roles, step=1)
     assert metrics["dapo/rounds"] == 2 and metrics["dapo/kept_groups"] == 4
     assert [r.sample.prompt for r in scored.rollouts[::2]] == ["1,0", "2,4", "1,0", "2,4"]
     assert scored.model_scores == [2.0, 0.0, 4.0, 8.0] * 2  # carried with their groups
     assert scored.training_rewards(cfg).tolist() == [2.5, 0.5, 4.5, 8.5] * 2  # weight 1, rule_weight 0.5
-    assert roles.reward_model.calls == 2  # once per generation round, in the reward phase
+    assert roles.learned_reward.calls == 2  # once per generation round, in the reward phase
     assert roles.phases == ["generate", "reward"] * 2
     # the same rounds without a reward model: every group has equal rule rewards, none is kept
     _, rule_only = RolloutSource(
@@ -268,7 +268,7 @@ def test_oversampling_keeps_the_first_groups_to_finish_and_scores_each_as_it_com
 def test_oversampled_rlhf_rounds_carry_the_reward_models_scores():
     cfg = make_cfg({"oversample": 1.5}, reward={"fn": "exact_match", "model": {"path": "rm"}})
     roles, source = FakeRoles(), RolloutSource(cfg, sampler([f"{i},0" for i in range(12)], 4))
-    roles.actor_infer, roles.reward, roles.reward_model = (
+    roles.actor_infer, roles.reward, roles.learned_reward = (
         StreamingRollout(),
         StreamingReward(),
         FakeRewardModel(),
@@ -276,7 +276,7 @@ def test_oversampled_rlhf_rounds_carry_the_reward_models_scores():
     scored, _ = source.next(roles, step=1)
     assert scored.model_scores == [10.0, 0.0, 8.0, 0.0, 6.0, 0.0, 4.0, 0.0]  # the kept groups, in order
     assert scored.training_rewards(cfg).tolist() == scored.model_scores  # weight 1, rule_weight 0
-    assert roles.reward_model.calls == 1
+    assert roles.learned_reward.calls == 1
 
 
 class SegmentRollout(FakeRollout):

@@ -47,7 +47,7 @@ class LengthReward:
 class FakeRoles:
     def __init__(self) -> None:
         self.actor_infer, self.reward, self.phases = LengthRollout(), LengthReward(), []
-        self.reward_model = None
+        self.learned_reward = None
 
     @contextmanager
     def phase(self, name, *uses):

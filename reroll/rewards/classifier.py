@@ -18,7 +18,7 @@ _LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=4)
-def load_reward_model(path: str) -> tuple[Any, Any]:
+def load_classifier(path: str) -> tuple[Any, Any]:
     """``(model, tokenizer)`` from ``path``, in eval mode; cached per path."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -27,7 +27,7 @@ def load_reward_model(path: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def reward_model(
+def classifier_score(
     prompt: str,
     response: str,
     sample: Mapping[str, Any],
@@ -41,7 +41,7 @@ def reward_model(
     import torch
 
     with _LOCK:
-        model, tokenizer = load_reward_model(path)
+        model, tokenizer = load_classifier(path)
         text = template.format(prompt=prompt, response=response)
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         truncated = int(ids.shape[1] > max_length)

@@ -1,4 +1,4 @@
-"""reward_model: a tiny random Qwen2ForSequenceClassification saved locally scores deterministically."""
+"""classifier_score: a tiny random Qwen2ForSequenceClassification saved locally scores deterministically (the reward once named reward_model, which still works)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 from reroll.data.arithmetic import ARITHMETIC_ALPHABET
 from reroll.models.tiny import char_tokenizer
-from reroll.rewards.reward_model import load_reward_model, reward_model
+from reroll.rewards.classifier import classifier_score, load_classifier
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +26,14 @@ def rm_path(tmp_path_factory):
 
 
 def test_scores_are_deterministic_and_depend_on_the_response(rm_path):
-    a = reward_model("12+34=", "46", {}, path=rm_path)
-    load_reward_model.cache_clear()  # a fresh load gives the same score
-    b = reward_model("12+34=", "46", {}, path=rm_path)
-    c = reward_model("12+34=", "99999", {}, path=rm_path)
+    a = classifier_score("12+34=", "46", {}, path=rm_path)
+    load_classifier.cache_clear()  # a fresh load gives the same score
+    b = classifier_score("12+34=", "46", {}, path=rm_path)
+    c = classifier_score("12+34=", "99999", {}, path=rm_path)
     assert a.score == b.score and a.score != c.score
     assert a.details == {"truncated": 0}
 
 
 def test_long_inputs_are_truncated_from_the_left(rm_path):
-    r = reward_model("1" * 100, "2", {}, path=rm_path, max_length=16)
+    r = classifier_score("1" * 100, "2", {}, path=rm_path, max_length=16)
     assert r.details["truncated"] == 1

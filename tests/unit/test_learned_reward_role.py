@@ -13,7 +13,7 @@ from reroll.data.arithmetic import ARITHMETIC_ALPHABET
 from reroll.data.types import TrainBatch
 from reroll.models.tiny import char_tokenizer
 from reroll.roles.critic import CriticWorker
-from reroll.roles.reward_model import RewardModelGroup
+from reroll.roles.learned_reward import LearnedRewardGroup
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def _alone(rm_path, text: str, eos: bool = True) -> float:
 
 
 def test_batched_scores_equal_each_text_scored_alone(rm_path):
-    group = RewardModelGroup(_cfg(rm_path))
+    group = LearnedRewardGroup(_cfg(rm_path))
     prompts, responses = ["12+34=", "1+1=", "9+9=", "30+12="], ["46", "2", "1888", ""]
     scores, truncated = group.score(prompts, responses)
     expected = [_alone(rm_path, p + r) for p, r in zip(prompts, responses)]
@@ -63,7 +63,7 @@ def test_batched_scores_equal_each_text_scored_alone(rm_path):
 
 
 def test_template_eos_and_truncation(rm_path):
-    group = RewardModelGroup(_cfg(rm_path, template="{response} {prompt}", append_eos=False, max_length=4))
+    group = LearnedRewardGroup(_cfg(rm_path, template="{response} {prompt}", append_eos=False, max_length=4))
     scores, truncated = group.score(["12+34="], ["46"])
     assert truncated.tolist() == [True]  # "46 12+34=" is 9 tokens: the last 4 are scored
     assert_close(scores, torch.tensor([_alone(rm_path, "+34=", eos=False)]))

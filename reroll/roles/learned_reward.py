@@ -1,8 +1,8 @@
-"""reward_model: a trained reward model served as a role, scoring whole responses in batches (RLHF).
+"""learned_reward: a trained reward model served as a role, scoring whole responses in batches (RLHF).
 
 The checkpoint is an ``AutoModelForSequenceClassification`` with one label (what ``pipeline:
-reward_model`` writes, or any Bradley-Terry reward model). A ``RewardModelWorker`` holds it in a training
-strategy, forward only, on the devices ``roles.reward_model`` gives it (its own, or shared with the
+reward_model`` writes, or any Bradley-Terry reward model). A ``LearnedRewardWorker`` holds it in a training
+strategy, forward only, on the devices ``roles.learned_reward`` gives it (its own, or shared with the
 policy: the run offloads it between phases like the reference). It is loaded as the critic is
 (``reroll.models.loading.load_value_model``: the body and the one-output ``score`` head, applied at every
 position), and the reward is the output at the last token of ``reward.model.template`` (over
@@ -27,14 +27,14 @@ from reroll.data.types import TrainBatch
 from reroll.models.loading import load_tokenizer
 from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker
 
-ROLE = "reward_model"
+ROLE = "learned_reward"
 
 
-class RewardModelWorker(StrategyWorker):
+class LearnedRewardWorker(StrategyWorker):
     """One rank of the reward model."""
 
     def __init__(self, rank: int, cfg: RunConfig) -> None:
-        assert cfg.reward.model is not None, "the reward_model role needs reward.model"
+        assert cfg.reward.model is not None, "the learned_reward role needs reward.model"
         path = cfg.reward.model.path
         super().__init__(ROLE, rank, cfg, model_path=path, trainable=False, head="value")
         self.tokenizer = load_tokenizer(path)
@@ -64,12 +64,12 @@ def _right_padded(rows: list[list[int]], pad_id: int) -> TrainBatch:
     return TrainBatch(ids, mask, mask.clone(), torch.arange(len(rows)))
 
 
-class RewardModelGroup(StrategyGroup):
+class LearnedRewardGroup(StrategyGroup):
     """The reward model's ranks; texts are dealt in contiguous blocks across them."""
 
     def __init__(self, cfg: RunConfig) -> None:
         assert cfg.reward.model is not None
-        super().__init__(ROLE, RewardModelWorker, lambda rank: (rank, cfg), cfg)
+        super().__init__(ROLE, LearnedRewardWorker, lambda rank: (rank, cfg), cfg)
         self.template = cfg.reward.model.template
 
     def score(
