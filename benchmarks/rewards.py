@@ -73,20 +73,9 @@ def _stub_judge() -> str:
 
 
 def _tiny_reward_model(path: str) -> None:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+    from reroll.models.tiny import build_tiny_reward_model
 
-    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
-    from reroll.models.tiny import char_tokenizer
-
-    tok = char_tokenizer(ARITHMETIC_ALPHABET)
-    cfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=128, num_labels=1, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    Qwen2ForSequenceClassification(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
+    build_tiny_reward_model(path, hidden_size=64, num_layers=2)
 
 
 def _rate(score_all, n: int) -> float:

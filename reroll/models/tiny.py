@@ -220,6 +220,31 @@ def build_tiny_model(
     return out
 
 
+def build_tiny_reward_model(
+    path: str | Path,
+    *,
+    alphabet: str = ARITHMETIC_ALPHABET,
+    hidden_size: int = 32,
+    num_layers: int = 1,
+    seed: int = 0,
+) -> Path:
+    """A tiny random Qwen2 sequence classifier with one label (a Bradley-Terry reward model's shape) and its
+    character tokenizer, saved at ``path``: what tests and benchmarks score with, built offline."""
+    from transformers import Qwen2ForSequenceClassification
+
+    tok = char_tokenizer(alphabet)
+    heads = max(1, hidden_size // 32)
+    cfg = Qwen2Config(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=128, num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    Qwen2ForSequenceClassification(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return Path(path)
+
+
 def _check_dims(hidden_size: int, num_heads: int, num_kv_heads: int, for_cpu_engine: bool = True) -> None:
     if hidden_size % num_heads:
         raise ValueError(

@@ -6,27 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.testing import assert_close
-from transformers import Qwen2Config, Qwen2ForSequenceClassification
+from transformers import Qwen2ForSequenceClassification
 
 from reroll.config.schema import RunConfig
 from reroll.data.arithmetic import ARITHMETIC_ALPHABET
 from reroll.data.types import TrainBatch
-from reroll.models.tiny import char_tokenizer
+from reroll.models.tiny import build_tiny_reward_model, char_tokenizer
 from reroll.roles.critic import CriticWorker
 from reroll.roles.learned_reward import LearnedRewardGroup
 
 
 @pytest.fixture(scope="module")
 def rm_path(tmp_path_factory):
-    tok = char_tokenizer(ARITHMETIC_ALPHABET)
-    cfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
-        num_key_value_heads=1, max_position_embeddings=64, num_labels=1, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("rm")
-    Qwen2ForSequenceClassification(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
+    path = build_tiny_reward_model(tmp_path_factory.mktemp("rm"))
     return path
 
 

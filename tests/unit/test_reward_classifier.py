@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-from reroll.data.arithmetic import ARITHMETIC_ALPHABET
-from reroll.models.tiny import char_tokenizer
+from reroll.models.tiny import build_tiny_reward_model
 from reroll.rewards.classifier import classifier_score, load_classifier
 
 
 @pytest.fixture(scope="module")
 def rm_path(tmp_path_factory):
-    tok = char_tokenizer(ARITHMETIC_ALPHABET)
-    cfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
-        num_key_value_heads=1, max_position_embeddings=64, num_labels=1, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("rm")
-    Qwen2ForSequenceClassification(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
+    path = build_tiny_reward_model(tmp_path_factory.mktemp("rm"))
     return str(path)
 
 
