@@ -135,4 +135,6 @@ def test_colocated_grpo_steps_learn(tmp_path):
     print(f"training reward, steps 1-10 {early:.3f} -> steps 31-40 {late:.3f}")
     # on 2 CPU cores (hf engine, fp32) the quickstart goes 0.262 -> 0.502 held-out in 50 steps
     assert after - before >= 0.05 and late > early, (before, after, early, late)
-    assert all(r.get("sync/bytes", 0) > 0 for r in rows[1:])
+    # every step after the first syncs (the run syncs before a step whose engine is stale; step 1 starts
+    # from the weights synced at start)
+    assert all(r.get("sync/bytes", 0) > 0 for r in rows[2:])
