@@ -56,6 +56,10 @@ class EngineSpec:
     # it holds a fixed share of the GPU (its KV cache included), so it may stay awake beside trainers
     memory_share: Callable[[RolloutConfig], float | None] = _none
     streams: bool = False  # stream() and interrupt(): partial rollouts, over-sampling
+    # stream_tokens(): each response's tokens as the engine makes them (reroll serve's `stream: true`)
+    streams_tokens: bool = False
+    top_logprobs: bool = False  # SamplingParams.top_logprobs: the k most likely tokens at each step
+    guided_decoding: bool = False  # SamplingParams.json_schema: responses held to a JSON schema
     # weights can be received in the worker's own process (CUDA IPC handles, a collective group)
     receives_in_worker: Callable[[RolloutConfig], bool] = _yes
     lora: bool = True  # update_lora: LoRA adapters applied over the base weights
@@ -73,7 +77,7 @@ def _vllm_share(r: RolloutConfig) -> float:
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "hf": EngineSpec(name="hf", streams=True),
+    "hf": EngineSpec(name="hf", streams=True, streams_tokens=True, top_logprobs=True),
     "vllm": EngineSpec(
         name="vllm",
         package="vllm",
@@ -86,6 +90,9 @@ ENGINES: dict[str, EngineSpec] = {
         parks_weights=lambda r: r.vllm.sleep_level == 1,
         memory_share=_vllm_share,
         streams=True,
+        streams_tokens=True,
+        top_logprobs=True,
+        guided_decoding=True,
         receives_in_worker=lambda r: r.vllm.in_process,
         max_model_len=lambda r: r.vllm.max_model_len,
     ),
@@ -97,6 +104,12 @@ ENGINES: dict[str, EngineSpec] = {
         sleep_needs_cuda=True,
     ),
 }
+
+
+def engines_with(ability: str) -> list[str]:
+    """The built-in engines whose spec has ``ability`` (an ``EngineSpec`` field), for the error that
+    names the engines to switch to."""
+    return [name for name, spec in ENGINES.items() if getattr(spec, ability)]
 
 
 def engine_spec(name: str) -> EngineSpec:

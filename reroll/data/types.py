@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -42,7 +42,10 @@ class Sample:
 @dataclass(frozen=True)
 class SamplingParams:
     """How actor_infer samples. ``temperature=0`` means greedy. ``logprobs``: return each sampled
-    token's log-prob (``Completion.logprobs``); where False the hf and vllm engines return none."""
+    token's log-prob (``Completion.logprobs``); where False the hf and vllm engines return none.
+    ``top_logprobs``: also the k most likely tokens at each step (``Completion.top_logprobs``; engines
+    whose spec has ``top_logprobs``). ``json_schema``: the response must be JSON valid under this schema
+    (JSON text), by the engine's guided decoding (engines whose spec has ``guided_decoding``)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -52,6 +55,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = True
+    top_logprobs: int = 0
+    json_schema: str | None = None
 
 
 @dataclass
@@ -64,6 +69,8 @@ class Completion:
     text: str
     logprobs: list[float]
     finish_reason: str  # "stop" (eos or a stop string), "length", or "abort" (interrupted: to continue)
+    # SamplingParams.top_logprobs > 0: per response token, the k most likely (token id, log-prob), best first
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     def continued(self, more: Completion) -> Completion:
         """This response followed by ``more``, generated from this one's prompt + response tokens."""
@@ -73,7 +80,22 @@ class Completion:
             self.text + more.text,
             self.logprobs + more.logprobs,
             more.finish_reason,
+            self.top_logprobs + more.top_logprobs,
         )
+
+
+@dataclass
+class TokenDelta:
+    """What one engine step added to one response of a token stream (``Engine.stream_tokens``): sample
+    ``sample`` of prompt ``prompt``, its new tokens with their log-probs (and top log-probs where asked),
+    and ``finish_reason`` on the response's last delta (``None`` before)."""
+
+    prompt: int
+    sample: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 @dataclass

@@ -9,7 +9,11 @@ Two ways to stop a call from another thread: ``abort()`` cancels it (it raises `
 completions are lost); ``interrupt()`` ends it early and keeps what it made: every response not yet
 finished comes back with ``finish_reason == "abort"`` and the tokens generated so far, to be continued
 later from prompt + response (partial rollouts) or dropped (over-sampling). The hf and vllm engines
-stream (``stream``: each prompt's group as soon as all its samples finish); sglang does not.
+stream (``stream``: each prompt's group as soon as all its samples finish); sglang does not. The hf
+and vllm engines also stream tokens (``stream_tokens``: each response's new tokens every decoding
+step, for ``reroll serve``'s ``stream: true``); what an engine can do is its spec's
+(``reroll.config.engines.EngineSpec``: ``streams``, ``streams_tokens``, ``top_logprobs``,
+``guided_decoding``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from reroll.data.types import Completion, SamplingParams
+from reroll.data.types import Completion, SamplingParams, TokenDelta
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,6 +58,15 @@ class Engine(Protocol):
         the order they finish. ``budgets``: each prompt's own ``max_new_tokens`` (default: the params').
         After ``interrupt()`` the remaining groups are yielded as they stand (unfinished responses with
         ``finish_reason == "abort"``). Closing the iterator early drops the requests still running."""
+        ...
+
+    def stream_tokens(
+        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
+    ) -> Iterator[TokenDelta]:
+        """Each response's new tokens (with their log-probs) as the engine makes them, one ``TokenDelta``
+        per response and decoding step; a response's last delta has its ``finish_reason``. The tokens
+        of a response's deltas, joined, are those ``generate`` returns for the same seed and batch.
+        Closing the iterator early stops the call. (Engines whose spec has ``streams_tokens``.)"""
         ...
 
     def interrupt(self) -> None:

@@ -1,16 +1,23 @@
-"""The Hugging Face engine: ``transformers`` ``generate``, no extra dependency. The fallback engine."""
+"""The Hugging Face engine: ``transformers`` ``generate``, no extra dependency. The fallback engine.
+
+``stream_tokens`` runs the same ``generate`` call in a thread, with a per-step callback (a forward
+hook keeps the step's raw logits, a stopping criterion reads the token it chose) that hands each
+response's new token to the caller as it is decoded; each response ends where ``generate``'s would
+(``_cut``, one rule for both). Guided decoding (``SamplingParams.json_schema``) is not offered.
+"""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from reroll.data.types import Completion, SamplingParams
+from reroll.data.types import Completion, SamplingParams, TokenDelta
 from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prompt_order
 from reroll.engines.lora import lora_pairs, lora_scale, merge_lora
 from reroll.models.loading import load_causal_lm, load_tokenizer
@@ -28,6 +35,46 @@ class _AbortCriterion(StoppingCriteria):
             raise EngineAborted("generate was aborted (abort() called while it ran)")
         self.fired = self.interrupt.is_set()
         return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+
+
+StepCallback = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class _StepHook(StoppingCriteria):
+    """Calls ``on_step(tokens (N,), raw logits (N, V))`` after every decoding step: the logits are the
+    model's last-position output, kept by a forward hook on the model (``capture``), the tokens those
+    ``generate`` just appended. Stops nothing; raises ``EngineAborted`` once ``closed`` is set."""
+
+    def __init__(self, on_step: StepCallback, closed: threading.Event) -> None:
+        self.on_step, self.closed = on_step, closed
+        self.logits: torch.Tensor | None = None
+
+    def capture(self, module: Any, args: Any, output: Any) -> None:
+        self.logits = output.logits[:, -1].float()
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        if self.closed.is_set():
+            raise EngineAborted("the token stream was closed")
+        assert self.logits is not None
+        self.on_step(input_ids[:, -1], self.logits)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _step_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, k: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One decoding step's ``(N,)`` log-probs of ``tokens`` under ``log_softmax(logits / temperature)``
+    (``(N, V)`` raw logits), and the ``(N, k)`` top log-probs and their ids (None for ``k == 0``)."""
+    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    chosen = lp.gather(-1, tokens[:, None]).squeeze(-1)
+    if not k:
+        return chosen, None, None
+    top = lp.topk(k, dim=-1)
+    return chosen, top.values, top.indices
+
+
+def _pairs(ids: torch.Tensor, values: torch.Tensor) -> list[tuple[int, float]]:
+    return list(zip(ids.tolist(), values.tolist()))
 
 
 class HFEngine:
@@ -101,9 +148,14 @@ class HFEngine:
 
     @torch.no_grad()
     def _generate_batch(
-        self, rows: list[list[int]], budgets: list[int], params: SamplingParams
+        self,
+        rows: list[list[int]],
+        budgets: list[int],
+        params: SamplingParams,
+        step_hook: _StepHook | None = None,
     ) -> list[Completion]:
-        """One micro-batch, decoded to its largest budget; each row is cut at its own."""
+        """One micro-batch, decoded to its largest budget; each row is cut at its own. ``step_hook``
+        sees every decoding step (``stream_tokens``)."""
         self._stats.observe(running=len(rows))
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(len(r) for r in rows)
@@ -113,37 +165,70 @@ class HFEngine:
         )
         greedy = params.temperature == 0
         criterion = _AbortCriterion(self._abort, self._interrupt)
+        criteria = [criterion] if step_hook is None else [criterion, step_hook]
         extra = {"stop_strings": list(params.stop), "tokenizer": self.tokenizer} if params.stop else {}
-        if self.static_cache:
+        if self.static_cache and step_hook is None:  # a compiled step would bypass the forward hook
             extra["cache_implementation"] = "static"
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            do_sample=not greedy,
-            temperature=None if greedy else params.temperature,
-            top_p=None if greedy else params.top_p,
-            top_k=None if greedy or params.top_k == 0 else params.top_k,
-            max_new_tokens=max(budgets),
-            eos_token_id=eos,
-            pad_token_id=pad,
-            output_logits=params.logprobs,  # (N, V) per step, kept to the end of the call
-            return_dict_in_generate=True,
-            stopping_criteria=StoppingCriteriaList([criterion]),
-            **extra,
-        )
+        hook = self.model.register_forward_hook(step_hook.capture) if step_hook is not None else None
+        try:
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=not greedy,
+                temperature=None if greedy else params.temperature,
+                top_p=None if greedy else params.top_p,
+                top_k=None if greedy or params.top_k == 0 else params.top_k,
+                max_new_tokens=max(budgets),
+                eos_token_id=eos,
+                pad_token_id=pad,
+                # (N, V) per step, kept to the end of the call
+                output_logits=step_hook is None and (params.logprobs or params.top_logprobs > 0),
+                return_dict_in_generate=True,
+                stopping_criteria=StoppingCriteriaList(criteria),
+                **extra,
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
         new = out.sequences[:, width:]
         temp = 1.0 if greedy else params.temperature
         # one decoding step at a time: stacking (N, new, V) fp32 logits takes tens of GB at a real vocabulary
         steps = [
-            torch.log_softmax(step.float() / temp, dim=-1).gather(-1, new[:, t, None]).squeeze(-1)
+            _step_logprobs(step, new[:, t], temp, params.top_logprobs)
             for t, step in enumerate(out.logits or ())
         ]
         # (N, new), from the logits before any processing; (N, 0) where not asked for
-        logprobs = torch.stack(steps, dim=1) if steps else new.new_zeros((len(rows), 0), dtype=torch.float)
-        return [
-            self._completion(rows[i], new[i, : budgets[i]], logprobs[i], params, budgets[i], criterion.fired)
-            for i in range(len(rows))
-        ]
+        logprobs = (
+            torch.stack([lp for lp, _, _ in steps], dim=1)
+            if steps
+            else new.new_zeros((len(rows), 0), dtype=torch.float)
+        )
+        made = []
+        for i in range(len(rows)):
+            c = self._completion(
+                rows[i], new[i, : budgets[i]], logprobs[i], params, budgets[i], criterion.fired
+            )
+            if params.top_logprobs and steps:
+                c.top_logprobs = [_pairs(ids[i], vals[i]) for _, vals, ids in steps[: len(c.response_ids)]]
+            made.append(c)
+        return made
+
+    def _cut(
+        self, ids: list[int], params: SamplingParams, budget: int, *, since: int = 1
+    ) -> tuple[int, str] | None:
+        """Where a response of tokens ``ids`` ends, as ``(length, "stop" | "length")``: at its first
+        eos, or the shortest prefix whose text holds a stop string, whichever comes first, else at
+        ``budget`` tokens; ``None`` while it goes on. One rule for ``generate`` and ``stream_tokens``
+        (which asks after each token, so only the prefixes from ``since`` tokens on are new)."""
+        eos = self.tokenizer.eos_token_id
+        end = ids.index(eos) + 1 if eos in ids else None
+        if params.stop:  # the shortest prefix whose text holds a stop string
+            for k in range(since, (end or len(ids)) + 1):
+                if any(s in self.tokenizer.decode(ids[:k]) for s in params.stop):
+                    return k, "stop"
+        if end is not None:
+            return end, "stop"
+        return (budget, "length") if len(ids) >= budget else None
 
     def _completion(
         self,
@@ -154,19 +239,81 @@ class HFEngine:
         budget: int,
         interrupted: bool,
     ) -> Completion:
-        eos = self.tokenizer.eos_token_id
         ids = new.tolist()
-        length, reason = len(ids), "length" if len(ids) >= budget or not interrupted else "abort"
-        if eos in ids:
-            length, reason = ids.index(eos) + 1, "stop"
-        elif params.stop:  # the shortest prefix whose text holds a stop string (the rest is padding)
-            for k in range(1, len(ids) + 1):
-                if any(s in self.tokenizer.decode(ids[:k]) for s in params.stop):
-                    length, reason = k, "stop"
-                    break
+        # generate stopped every row: each ends at its own cut; one that did not end was interrupted
+        length, reason = self._cut(ids, params, budget) or (len(ids), "abort" if interrupted else "length")
         ids = ids[:length]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return Completion(prompt, ids, text, logprobs[:length].tolist(), reason)
+
+    @engine_call
+    def stream_tokens(
+        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
+    ) -> Iterator[TokenDelta]:
+        """Each response's tokens as they are decoded: ``generate``'s micro-batches, seeded as it seeds
+        them, each run in a thread whose per-step callback puts every live response's new token (its
+        log-prob, its top log-probs) on a queue that this generator empties. A response ends at
+        ``_cut``, as in ``generate``. Closing the generator stops the micro-batch in flight."""
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        encoded = [
+            p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in prompts
+        ]
+        rows = [(i, j, ids) for i, ids in enumerate(encoded) for j in range(params.n)]
+        for start in range(0, len(rows), self.batch_size):
+            yield from self._stream_batch(rows[start : start + self.batch_size], params)
+
+    def _stream_batch(
+        self, chunk: list[tuple[int, int, list[int]]], params: SamplingParams
+    ) -> Iterator[TokenDelta]:
+        """One micro-batch of ``stream_tokens``, generated in a thread."""
+        budget, temp = params.max_new_tokens, params.temperature or 1.0
+        made: list[list[int]] = [[] for _ in chunk]
+        live = [True] * len(chunk)
+        deltas: queue.Queue = queue.Queue()
+        closed = threading.Event()
+
+        def on_step(tokens: torch.Tensor, logits: torch.Tensor) -> None:
+            lps, top_vals, top_ids = _step_logprobs(logits, tokens, temp, params.top_logprobs)
+            out = []
+            for r, (token, lp) in enumerate(zip(tokens.tolist(), lps.tolist())):
+                if not live[r]:
+                    continue  # finished: generate pads it
+                made[r].append(token)
+                cut = self._cut(made[r], params, budget, since=len(made[r]))
+                live[r] = cut is None
+                top = [_pairs(top_ids[r], top_vals[r])] if top_ids is not None else []
+                i, j, _ = chunk[r]
+                out.append(TokenDelta(i, j, [token], [lp], top, cut and cut[1]))
+            deltas.put(out)
+
+        def run() -> None:
+            try:
+                began = time.perf_counter()
+                done = self._generate_batch(
+                    [ids for *_, ids in chunk], [budget] * len(chunk), params, _StepHook(on_step, closed)
+                )
+                self._seconds += time.perf_counter() - began
+                self._tokens += sum(len(c.response_ids) for c in done)
+                # a response generate ended without a cut of its own (an interrupt) ends here
+                deltas.put([TokenDelta(i, j, [], [], [], c.finish_reason)
+                            for (i, j, _), c, on in zip(chunk, done, live) if on])  # fmt: skip
+            except BaseException as e:  # handed to the consumer
+                deltas.put(e)
+            deltas.put(None)
+
+        thread = threading.Thread(target=run, name="hf-stream", daemon=True)
+        thread.start()
+        try:
+            while (item := deltas.get()) is not None:
+                if isinstance(item, BaseException):
+                    if closed.is_set() and isinstance(item, EngineAborted):
+                        break
+                    raise item
+                yield from item
+        finally:
+            closed.set()
+            thread.join()
 
     def load_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Copy one bucket of new values into the live parameters (a full update resets the LoRA base)."""

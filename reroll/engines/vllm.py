@@ -29,6 +29,13 @@ they have. ``generate`` hands vLLM one request of ``n`` samples per prompt (``LL
 measured faster on an H200), or is ``stream`` put back in prompt order where ``keep_cut`` asks for
 interruptible calls (partial rollouts, over-sampling: the only callers of ``interrupt``).
 
+Token streaming. ``stream_tokens`` runs the same step loop with every request's new tokens returned as
+deltas each step (``RequestOutputKind.DELTA``, whatever ``keep_cut`` says), and yields them at once:
+``reroll serve``'s ``stream: true``. Top log-probs (``SamplingParams.top_logprobs``) are vLLM's
+``logprobs=k`` (of the distribution sampled from, as the sampled token's). Guided decoding
+(``SamplingParams.json_schema``) is vLLM's structured outputs with that JSON schema (its default
+backend, xgrammar, on CPU as on GPUs).
+
 Abort and metrics hook into vLLM's step loop: ``LLMEngine.step`` is wrapped so that once ``abort()``
 is called, the next step aborts every unfinished request and raises ``EngineAborted``; a stat logger
 added to vLLM's logger manager keeps the peak running/waiting requests and KV-cache usage per step.
@@ -49,6 +56,7 @@ memory; the KV cache size is ``rollout.vllm.cpu_kvcache_space_gb``.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import threading
@@ -60,7 +68,7 @@ import torch
 
 from reroll.config.rollout import VLLMConfig
 from reroll.config.startable import VLLM_SLEEP_NEEDS_CUDA
-from reroll.data.types import Completion, SamplingParams
+from reroll.data.types import Completion, SamplingParams, TokenDelta
 from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prompt_order
 from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merge_lora
 from reroll.errors import UserError
@@ -115,6 +123,7 @@ class VLLMEngine:
         # per-token Python objects are a large share of the host time of a host-bound decode step
         self._flat_logprobs = "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ())
         self._output_kind = RequestOutputKind.DELTA if keep_cut else RequestOutputKind.FINAL_ONLY
+        self._delta_kind = RequestOutputKind.DELTA
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
@@ -144,14 +153,24 @@ class VLLMEngine:
         self._lora_base: dict[str, torch.Tensor] = {}
         _hook_step_loop(self.llm.llm_engine, self._abort, self._stats)
 
-    def _sampling_params(self, params: SamplingParams, seed: int | None, max_tokens: int, n: int = 1) -> Any:
+    def _sampling_params(
+        self, params: SamplingParams, seed: int | None, max_tokens: int, n: int = 1, *, deltas: bool = False
+    ) -> Any:
         """One request's (``n`` samples of one prompt): its tokens and log-probs returned as deltas each
-        step (``keep_cut``) or once, when it finishes. vLLM seeds sample ``j`` of a seeded request with
-        ``seed + j``."""
+        step (``keep_cut``, or ``deltas``) or once, when it finishes. vLLM seeds sample ``j`` of a seeded
+        request with ``seed + j``."""
         greedy = params.temperature == 0
         # without stop strings nothing needs vLLM's incremental detokenizer: the texts are decoded
         # once, in a batch, after the call (stop strings are matched on text, so they keep it)
         detokenize = bool(params.stop)
+        wanted = {}
+        if params.json_schema is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            wanted["structured_outputs"] = StructuredOutputsParams(json=json.loads(params.json_schema))
+        if (params.logprobs or params.top_logprobs) and self._flat_logprobs:
+            wanted["flat_logprobs"] = True
+        kind = self._delta_kind if deltas else self._output_kind
         return self._vllm.SamplingParams(
             n=n,
             temperature=params.temperature,
@@ -161,11 +180,12 @@ class VLLMEngine:
             stop=list(params.stop) or None,
             include_stop_str_in_output=True,  # the text matches the token ids (as with the hf engine)
             seed=seed,
-            logprobs=0 if params.logprobs else None,  # the sampled token's log-prob only, if asked
+            # the sampled token's log-prob (and the k most likely), if asked
+            logprobs=params.top_logprobs if params.top_logprobs else 0 if params.logprobs else None,
             skip_special_tokens=True,
             detokenize=detokenize,
-            output_kind=self._output_kind,
-            **({"flat_logprobs": True} if self._flat_logprobs and params.logprobs else {}),
+            output_kind=kind,
+            **wanted,
         )
 
     @engine_call
@@ -197,7 +217,10 @@ class VLLMEngine:
         groups = []
         for ids, out in zip(encoded, outs):
             samples = sorted(out.outputs, key=lambda o: o.index)
-            parts = [[list(o.token_ids), _logprobs(o), o.text, _finish_reason(o)] for o in samples]
+            parts = [
+                [list(o.token_ids), _logprobs(o), o.text, _finish_reason(o), _top(o, params.top_logprobs)]
+                for o in samples
+            ]
             groups.append(self._group(ids, parts, params))
         return groups
 
@@ -237,7 +260,8 @@ class VLLMEngine:
         limits = list(budgets) if budgets is not None else [params.max_new_tokens] * len(prompts)
         engine, call = self.llm.llm_engine, next(self._calls)
         rows: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
-        parts: dict[str, list[Any]] = {}  # request id -> [token ids, log-probs, text, finish reason]
+        # request id -> [token ids, log-probs, text, finish reason, top log-probs]
+        parts: dict[str, list[Any]] = {}
         for i, ids in enumerate(encoded):
             for j in range(params.n):
                 rid = f"reroll-{call}-{i}-{j}"
@@ -245,7 +269,7 @@ class VLLMEngine:
                 engine.add_request(
                     rid, {"prompt_token_ids": ids}, self._sampling_params(params, seed, limits[i])
                 )
-                rows[rid], parts[rid] = (i, j), [[], [], "", None]
+                rows[rid], parts[rid] = (i, j), [[], [], "", None, []]
         left = dict.fromkeys(range(len(prompts)), params.n)  # unfinished samples per prompt
         start = time.perf_counter()
         try:
@@ -266,6 +290,7 @@ class VLLMEngine:
                         part[0] += o.token_ids
                         part[1] += _logprobs(o)
                         part[2] += o.text
+                        part[4] += _top(o, params.top_logprobs)
                         if out.finished:
                             part[3] = _finish_reason(o)
                             i = rows[out.request_id][0]
@@ -288,7 +313,53 @@ class VLLMEngine:
         self, prompt_ids: list[int], parts: list[list[Any]], params: SamplingParams
     ) -> list[Completion]:
         texts = [p[2] for p in parts] if params.stop else self._decode([p[0] for p in parts])
-        return [Completion(list(prompt_ids), p[0], t, p[1], p[3]) for p, t in zip(parts, texts)]
+        return [Completion(list(prompt_ids), p[0], t, p[1], p[3], p[4]) for p, t in zip(parts, texts)]
+
+    @engine_call
+    def stream_tokens(
+        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
+    ) -> Iterator[TokenDelta]:
+        """Every request's new tokens each engine step, seeded as ``stream`` seeds them; closing the
+        generator aborts the requests still running, an ``interrupt()`` ends them (``abort``)."""
+        encoded = self._encode(prompts)
+        per_request = self._seed_batch(params)
+        engine, call = self.llm.llm_engine, next(self._calls)
+        rows: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
+        for i, ids in enumerate(encoded):
+            for j in range(params.n):
+                rid = f"reroll-{call}-{i}-{j}"
+                seed = params.seed + i * params.n + j if per_request else None
+                sp = self._sampling_params(params, seed, params.max_new_tokens, deltas=True)
+                engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+                rows[rid] = (i, j)
+        running, tokens, start = set(rows), 0, time.perf_counter()
+        try:
+            while running:
+                if self._interrupt.is_set():
+                    engine.abort_request(list(running))
+                    for rid in sorted(running):
+                        yield TokenDelta(*rows[rid], [], [], [], "abort")
+                    running.clear()
+                    break
+                for out in engine.step():
+                    if out.request_id not in running:
+                        continue
+                    o, reason = out.outputs[0], None
+                    if out.finished:
+                        running.discard(out.request_id)
+                        reason = _finish_reason(o)
+                    tokens += len(o.token_ids)
+                    yield TokenDelta(
+                        *rows[out.request_id],
+                        list(o.token_ids),
+                        _logprobs(o),
+                        _top(o, params.top_logprobs),
+                        reason,
+                    )
+        finally:
+            if running:  # the caller stopped early (closed the stream) or a step failed
+                engine.abort_request(list(running))
+            self._count(time.perf_counter() - start, tokens, len(rows))
 
     def _decode(self, rows: list[Sequence[int]]) -> list[str]:
         """The responses' texts in one batched call (what vLLM's detokenizer would give, eos dropped)."""
@@ -409,6 +480,28 @@ def _logprobs(output: Any) -> list[float]:
     if hasattr(steps, "start_indices"):
         return [steps.logprobs[i] for i in steps.start_indices]
     return [float(step[tok].logprob) for tok, step in zip(output.token_ids, steps)]
+
+
+def _top(output: Any, k: int) -> list[list[tuple[int, float]]]:
+    """The ``k`` most likely (token id, log-prob) at each step of a vLLM ``CompletionOutput``, best
+    first (vLLM's ``logprobs=k``: the sampled token's entry, then the top k by rank). A token the
+    grammar of guided decoding forbids has log-prob -inf."""
+    steps = output.logprobs
+    if not k or steps is None:
+        return []
+    if hasattr(steps, "start_indices"):  # flat: the sampled token's entry first, then ranks 1..k
+        return [
+            [(steps.token_ids[x], steps.logprobs[x]) for x in range(a + 1, b)]
+            for a, b in zip(steps.start_indices, steps.end_indices)
+        ]
+    return [
+        [
+            (tok, float(lp.logprob))
+            for tok, lp in sorted(step.items(), key=lambda kv: kv[1].rank)
+            if lp.rank <= k
+        ]
+        for step in steps
+    ]
 
 
 def _finish_reason(output: Any) -> str:

@@ -21,7 +21,7 @@ import torch
 from reroll.config.engines import engine_spec
 from reroll.config.placement import offload_between_phases, shares_device
 from reroll.config.schema import RunConfig
-from reroll.data.types import Completion, SamplingParams
+from reroll.data.types import Completion, SamplingParams, TokenDelta
 from reroll.engines import make_engine
 from reroll.errors import RoleError
 from reroll.roles.trainer import TrainerGroup, WeightBuckets
@@ -73,6 +73,11 @@ class EngineWorker:
         self, prompts: list[str] | list[list[int]], params: SamplingParams
     ) -> Iterator[tuple[int, list[Completion]]]:
         yield from self.engine.stream(prompts, params)
+
+    def stream_tokens(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams
+    ) -> Iterator[TokenDelta]:
+        yield from self.engine.stream_tokens(prompts, params)
 
     def resume(self, groups: list[list[Completion]], params: SamplingParams) -> list[list[Completion]]:
         """``groups`` with every response an interrupt cut (``finish_reason == "abort"``) continued
@@ -222,6 +227,24 @@ class EngineGroup(WorkerGroup):
             calls, role=self.role, phase=phase, timeout_s=self.timeout_s, detail=self.detail
         ):
             yield offsets[rank] + i, group
+
+    def stream_tokens(
+        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams, phase: str = "generate"
+    ) -> Iterator[TokenDelta]:
+        """Each response's new tokens as the engines make them (``TokenDelta``, its ``prompt`` an index
+        into ``prompts``), from every rank, in the order they arrive (engines whose spec has
+        ``streams_tokens``: ``reroll serve``'s ``stream: true``)."""
+        self.check_fresh()
+        parts = self._deal(prompts)
+        offsets = [sum(map(len, parts[:r])) for r in range(len(parts))]
+        calls = [
+            h.stream_tokens.options(num_returns="streaming").remote(p, params)
+            for h, p in zip(self.handles, parts)
+        ]
+        for rank, delta in stream_items(
+            calls, role=self.role, phase=phase, timeout_s=self.timeout_s, detail=self.detail
+        ):
+            yield replace(delta, prompt=offsets[rank] + delta.prompt)
 
     def submit_resume(self, refs: Sequence[Any], params: SamplingParams) -> list[Any]:
         """Queue, on every rank, the continuation of what ``refs`` (a ``submit`` or ``submit_resume``,
