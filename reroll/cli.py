@@ -95,10 +95,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args)
 
     def ready(server) -> None:
-        print(f"serving {cfg.name} at {server.url} (OpenAI chat completions; Ctrl-C stops)", flush=True)
+        print(f"serving {cfg.name} at {server.url} ({server.describe()}; Ctrl-C stops)", flush=True)
 
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as Ctrl-C does, even while it starts
-    serve(cfg, checkpoint=args.checkpoint, host=args.host, port=args.port, ready=ready)
+    api_key = args.api_key or os.environ.get("REROLL_API_KEY") or None
+    serve(cfg, checkpoint=args.checkpoint, host=args.host, port=args.port, tool_parser=args.tool_parser,
+          api_key=api_key, ready=ready)  # fmt: skip
     return 0
 
 
@@ -255,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     pt.set_defaults(func=cmd_plot)
 
     s = sub.add_parser(
-        "serve", help="serve the policy (or a checkpoint) as an OpenAI-compatible chat-completions endpoint"
+        "serve", help="serve the policy (or a checkpoint) as an OpenAI-compatible completions endpoint"
     )
     s.add_argument("config", type=Path)
     s.add_argument("overrides", **overrides)
@@ -265,6 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument(
         "--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)"
+    )
+    s.add_argument(
+        "--tool-parser",
+        choices=["hermes", "llama3"],
+        help="how the model writes tool calls (default: the format its chat template shows)",
+    )
+    s.add_argument(
+        "--api-key", help="requests must carry 'Authorization: Bearer KEY' (or set REROLL_API_KEY)"
     )
     s.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     s.set_defaults(func=cmd_serve)

@@ -6,7 +6,9 @@ prompt; without one, the text itself. RLVR, SFT, evaluation and the agentic epis
 it (``data.chat_template: auto | true | false``; ``auto`` uses the template when the tokenizer has
 one), so a row is rendered the same way wherever it is used. ``end_of_response`` is what ends an
 assistant answer in that format (the template's end-of-turn token, or ``eos`` for raw text): SFT
-targets end with it, so the policy learns to stop where the engine stops.
+targets end with it, so the policy learns to stop where the engine stops. ``conversation`` is the
+same rendering for a whole chat request (``reroll serve``): a served model reads a request as the run
+that trained it read its prompts.
 """
 
 from __future__ import annotations
@@ -48,15 +50,23 @@ def chat_messages(text: str, system_prompt: str | None = None, *, role: str = "u
     return [*head, {"role": role, "content": text}]
 
 
-def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]], *, generation_prompt: bool) -> str:
-    """``messages`` through the tokenizer's chat template, as text (``apply_chat_template``)."""
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    *,
+    generation_prompt: bool,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> str:
+    """``messages`` through the tokenizer's chat template, as text (``apply_chat_template``), with the
+    function specs ``tools`` where given."""
     if not has_chat_template(tokenizer):
         raise ChatTemplateError(
             "the tokenizer has no chat template, which multi-turn episodes need: use a chat/instruct "
             "model (or a tiny model built with its chat template, the default)"
         )
+    extra = {"tools": list(tools)} if tools else {}
     return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=generation_prompt
+        list(messages), tokenize=False, add_generation_prompt=generation_prompt, **extra
     )
 
 
@@ -108,6 +118,34 @@ class PromptFormat:
         if not self.chat:
             return text
         return render_chat(self.tokenizer, chat_messages(text, self.system_prompt), generation_prompt=True)
+
+    def conversation(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
+        """The model input for a chat request's ``messages``, rendered as ``prompt`` renders a row: with
+        the chat template, the messages (after the system prompt, where they bring no system message of
+        their own) with the generation prompt and ``tools``; as raw text, one user message's text, since
+        a raw format has no way to write roles (a ``ChatTemplateError`` says so otherwise)."""
+        if self.chat:
+            head = (
+                []
+                if any(m.get("role") == "system" for m in messages)
+                else chat_messages("", self.system_prompt)[:-1]
+            )
+            return render_chat(self.tokenizer, [*head, *messages], generation_prompt=True, tools=tools)
+        if tools:
+            raise ChatTemplateError(
+                "tools are written into the prompt by a chat template, and this model reads raw prompts "
+                "(data.chat_template is false, or auto and the tokenizer has none): send no tools"
+            )
+        roles = [m.get("role") for m in messages]
+        if roles != ["user"]:
+            raise ChatTemplateError(
+                f"this model reads raw prompts (data.chat_template is false, or auto and the tokenizer has "
+                f"none), so a chat request must hold one user message, whose text is the prompt; this one "
+                f"has roles {roles}: send one user message, or the text itself to /v1/completions"
+            )
+        return messages[0].get("content") or ""
 
     def describe(self) -> str:
         """One line for the log: which format, and the system prompt when there is one."""

@@ -1,10 +1,15 @@
-"""An OpenAI-compatible chat endpoint over actor_infer: ``reroll serve`` and the agent proxy of agentic training.
+"""An OpenAI-compatible endpoint over actor_infer: ``reroll serve`` and the agent proxy of agentic training.
 
-``ChatServer`` answers ``POST /v1/chat/completions`` (``stream: true`` as server-sent events) and
-``GET /v1/models`` with the Python standard library's HTTP server, so any OpenAI client can call it.
-Every request's messages go through the tokenizer's chat template (``chat_prompt_ids``, the one place
-a template is applied here); the prompts of requests that arrive together go to the engine in one
-``generate`` call (``reroll.roles.batcher``), so many concurrent agents share the engine's batch.
+``ChatServer`` answers ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``GET /v1/models``
+with the Python standard library's HTTP server, so any OpenAI client can call it. A chat request's
+messages become the prompt as the run's prompts were made (``PromptFormat.conversation``: the chat
+template and system prompt, or one user message's raw text); a text completion's prompt is used as
+it is. The prompts of requests that arrive together go to the engine in one ``generate`` call
+(``reroll.roles.batcher``), so many concurrent clients share the engine's batch; ``stream: true`` is
+answered token by token from the engine's ``stream_tokens`` as server-sent events. Tool calls are
+parsed from the answer (``reroll.roles.tool_calls``); what a request asks of the engine (top
+log-probs, ``response_format``, a forced ``tool_choice``, streaming) is checked against the engine's
+spec (``reroll.config.engines``). The shapes of requests and answers are in ``reroll.roles.openai_api``.
 
 For agentic training the server also serves one endpoint per episode, ``/episodes/<key>/v1``
 (``open_episode``). There it keeps the episode's token sequence: the first call's messages start it,
@@ -17,20 +22,31 @@ so the recorded log-probs are those the trainer compares with. ``close_episode``
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from reroll.data.chat import ChatTemplateError, render_chat
-from reroll.data.types import Completion, SamplingParams
+from reroll.config.engines import EngineSpec, engines_with
+from reroll.data.chat import ChatTemplateError, PromptFormat, render_chat
+from reroll.data.types import Completion, SamplingParams, TokenDelta
 from reroll.envs.trajectory import Trajectory, TrajectoryBuilder
-from reroll.roles.batcher import Batcher, Generate
+from reroll.roles.batcher import Batcher, Generate, StreamTokens
+from reroll.roles.openai_api import (
+    MAX_TOP_LOGPROBS,
+    Answers,
+    Job,
+    RequestError,
+    _messages,
+    _params,
+    json_schema,
+)
+from reroll.roles.tool_calls import ToolParser, forced_schema, function_specs, tool_format
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +62,6 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[
             "use a model whose tokenizer_config.json has one (instruct models do)"
         ) from None
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-class RequestError(Exception):
-    """A request the server refuses: answered with ``status`` and an OpenAI-style error body."""
-
-    def __init__(self, message: str, status: int = 400, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
 
 
 @dataclass
@@ -81,7 +89,13 @@ class _HTTPServer(ThreadingHTTPServer):
 class ChatServer:
     """The endpoint, started on ``host:port`` (port 0: a free one) in a background thread; ``url`` is
     its ``/v1`` base. ``defaults``: the sampling settings a request does not set. Use as a context
-    manager, or call ``close``."""
+    manager, or call ``close``.
+
+    ``fmt``: how chat requests become prompts (default: the chat template where the tokenizer has one,
+    else raw text). ``spec``: what the engine can do, checked against what a request asks (None: only
+    what every engine does). ``stream_tokens``: the engine's token stream, for ``stream: true``.
+    ``tool_parser``: the format tool calls are read in (default: the one the chat template shows).
+    ``api_key``: requests must carry it as ``Authorization: Bearer <key>``."""
 
     def __init__(
         self,
@@ -92,14 +106,27 @@ class ChatServer:
         defaults: SamplingParams,
         host: str = "127.0.0.1",
         port: int = 0,
+        fmt: PromptFormat | None = None,
+        spec: EngineSpec | None = None,
+        stream_tokens: StreamTokens | None = None,
+        tool_parser: ToolParser | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.tokenizer, self.model_name, self.defaults = tokenizer, model_name, defaults
+        self.fmt = fmt or PromptFormat(tokenizer)
+        self.spec, self.api_key = spec, api_key
+        shown = tool_format(getattr(tokenizer, "chat_template", None)) if self.fmt.chat else None
+        self.tool_parser = tool_parser or shown
         self.builder: TrajectoryBuilder | None = None  # made by the first episode (serving needs none)
         self.episodes: dict[str, EpisodeRecord] = {}
-        self._batcher = Batcher(generate)
+        self.answers = Answers(tokenizer, model_name)
+        self._streams = stream_tokens is not None
+        self._batcher = Batcher(generate, stream_tokens=stream_tokens)
         self.httpd = _HTTPServer((host, port), _handler(self))
         self.host, self.port = host, self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="chat-server", daemon=True)
+        # shutdown() waits for the loop's next poll: a short one closes a server at once
+        serve = lambda: self.httpd.serve_forever(poll_interval=0.05)  # noqa: E731
+        self._thread = threading.Thread(target=serve, name="chat-server", daemon=True)
         self._thread.start()
 
     @property
@@ -214,136 +241,154 @@ class ChatServer:
 
     # --- requests ---
 
-    def complete(self, path: str, body: dict[str, Any]) -> tuple[list[Completion], list[int]]:
-        """The completions for one chat request at ``path`` and its prompt ids."""
+    def describe(self) -> str:
+        """One line: the endpoints and how a chat request becomes a prompt."""
+        tools = f"; tool calls read as {self.tool_parser}" if self.tool_parser else ""
+        return f"OpenAI chat and text completions; chat requests: {self.fmt.describe()}{tools}"
+
+    def authorized(self, header: str | None) -> bool:
+        """Whether a request's ``Authorization`` header carries the key (always, without one)."""
+        if self.api_key is None:
+            return True
+        given = (header or "").removeprefix("Bearer ").strip()
+        return hmac.compare_digest(given.encode(), self.api_key.encode())
+
+    def episode_call(self, path: str, body: dict[str, Any]) -> tuple[Job, list[list[Completion]]]:
+        """A chat request to an episode endpoint, answered with the run's sampling settings."""
+        where = "an episode endpoint (agent proxy): write tool calls as text and parse them in the agent"
+        _refuse(body, _EPISODE_UNSUPPORTED, where)
         messages = _messages(body)
-        if path.startswith("/episodes/"):
-            key = path.split("/")[2]
-            completion = self._episode_call(key, messages, body)
-            return [completion], completion.prompt_ids
-        params = _params(body, self.defaults)
-        try:
-            prompt = chat_prompt_ids(self.tokenizer, messages)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
-        return self._batcher.submit(prompt, params), prompt
+        if any(set(m) - {"role", "content"} for m in messages):
+            raise RequestError(
+                f"tool_calls, tool_call_id, name: not supported by {where}", code="unsupported_parameter"
+            )
+        completion = self._episode_call(path.split("/")[2], messages, body)
+        job = Job(
+            "chat", [completion.prompt_ids], replace(self.defaults, n=1), logprobs=bool(body.get("logprobs"))
+        )
+        return job, [[completion]]
 
-    def response(
-        self, completions: list[Completion], prompt: list[int], body: dict[str, Any]
-    ) -> dict[str, Any]:
-        """The ``chat.completion`` object for the completions."""
-        choices = []
-        for i, c in enumerate(completions):
-            choice: dict[str, Any] = {
-                "index": i,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason,
-                "logprobs": self._logprobs(c) if body.get("logprobs") else None,
-            }
-            choices.append(choice)
-        generated = sum(len(c.response_ids) for c in completions)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": generated,
-                "total_tokens": len(prompt) + generated,
-            },
-        }
+    def job(self, path: str, body: dict[str, Any]) -> Job:
+        """A ``/v1/chat/completions`` or ``/v1/completions`` request made ready for the engine."""
+        _refuse(body, _UNSUPPORTED, "this endpoint")
+        chat = path.endswith("/chat/completions")
+        report, top = _logprobs_asked(body, chat)
+        if top:
+            self._require("top_logprobs", "top_logprobs" if chat else "logprobs > 0", "top log-probs")
+        schema = json_schema(body.get("response_format"))
+        params = replace(_params(body, self.defaults), top_logprobs=top)
+        job = Job("chat" if chat else "text", [], params, logprobs=report, stream=bool(body.get("stream")))
+        job.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if job.stream and not self._streams:
+            self._require("streams_tokens", "stream", "token streaming")
+        job.prompts = self._chat_prompt(job, body) if chat else self._text_prompts(body)
+        if job.forced is not None:
+            if schema is not None:
+                raise RequestError("response_format and a tool_choice that forces a call cannot be combined")
+            schema = job.forced.schema
+        if schema is not None:
+            what = "response_format" if job.forced is None else f"tool_choice {body.get('tool_choice')!r}"
+            self._require("guided_decoding", what, "guided decoding")
+        job.params = replace(job.params, json_schema=schema)
+        return job
 
-    def _logprobs(self, c: Completion) -> dict[str, Any]:
-        tokens = self.tokenizer.convert_ids_to_tokens(c.response_ids)
-        texts = [self.tokenizer.convert_tokens_to_string([t]) for t in tokens]
-        return {
-            "content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(texts, c.logprobs)
-            ]
-        }
-
-    def chunks(self, completions: list[Completion], body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """The ``chat.completion.chunk`` objects of a streamed answer: the role, the text token by
-        token, the finish reason (the whole answer is generated first)."""
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": self.model_name}  # fmt: skip
-        for i, c in enumerate(completions):
-            yield head | {
-                "choices": [
-                    {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                ]
-            }
-            shown = ""
-            for k in range(1, len(c.response_ids) + 1):
-                text = self.tokenizer.decode(c.response_ids[:k], skip_special_tokens=True)
-                if text != shown and not text.endswith("\ufffd"):  # a whole character at a time
-                    yield head | {
-                        "choices": [
-                            {"index": i, "delta": {"content": text[len(shown) :]}, "finish_reason": None}
-                        ]
-                    }
-                    shown = text
-            yield head | {"choices": [{"index": i, "delta": {}, "finish_reason": c.finish_reason}]}
-
-
-_UNSUPPORTED = ("tools", "functions", "tool_choice", "response_format", "logit_bias")
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """The request's messages as ``{"role", "content"}`` with text content (parts of type text joined)."""
-    asked = [k for k in _UNSUPPORTED if body.get(k)] + (["top_logprobs"] if body.get("top_logprobs") else [])
-    if asked:
+    def _require(self, ability: str, request_field: str, what: str) -> None:
+        """Refuse a request that asks the engine for what its spec says it cannot do."""
+        if self.spec is not None and getattr(self.spec, ability):
+            return
+        able = engines_with(ability)
+        engine = (
+            f"this server's engine is {self.spec.name}" if self.spec else "this endpoint has no engine spec"
+        )
         raise RequestError(
-            f"{', '.join(asked)}: not supported by this endpoint (chat messages with text content only; "
-            "parse tool calls from the text in your agent)",
+            f"{request_field} needs an engine with {what} ({', '.join(able)}), and {engine}: serve with "
+            f"rollout.engine={able[0]}",
             code="unsupported_parameter",
         )
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise RequestError("'messages' must be a non-empty list of {role, content}", code="invalid_messages")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}] has no 'role'", code="invalid_messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(
-                p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+
+    def _chat_prompt(self, job: Job, body: dict[str, Any]) -> list[list[int]]:
+        """A chat request's prompt ids, rendered as the run rendered its prompts; its tools set how the
+        answer is read."""
+        messages, tools = _messages(body), body.get("tools") or None
+        choice = body.get("tool_choice")
+        try:
+            if tools is not None:
+                tools = function_specs(tools)
+                job.forced = forced_schema(tools, choice)
+            text = self.fmt.conversation(messages, tools=tools)
+            if tools is not None and text == self.fmt.conversation(messages):
+                raise RequestError(
+                    "the model's chat template does not write tools into the prompt, so the model would "
+                    "never see them: serve a model whose template takes tools (Qwen2.5, Llama 3.1, ...)",
+                    code="unsupported_parameter",
+                )
+        except (ChatTemplateError, ValueError) as e:
+            raise RequestError(str(e)) from e
+        if tools is not None and job.forced is None and choice != "none":
+            if self.tool_parser is None:
+                raise RequestError(
+                    "tools: the model's chat template shows no tool-call format reroll reads (hermes's "
+                    "<tool_call>, llama3's <|python_tag|>): start serve with --tool-parser hermes or llama3",
+                    code="unsupported_parameter",
+                )
+            job.tools = self.tool_parser
+        return [self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def _text_prompts(self, body: dict[str, Any]) -> list[list[int]]:
+        """A text completion's prompts as they are: text (encoded without special tokens, as the engines
+        encode text) or token ids, one or a list."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise RequestError(
+                "'prompt' must be text, token ids, or a non-empty list of either", code="invalid_prompt"
             )
-        if not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content must be text", code="invalid_messages")
-        out.append({"role": m["role"], "content": content})
-    return out
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append(self.tokenizer.encode(p, add_special_tokens=False))
+            elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+                out.append(list(p))
+            else:
+                raise RequestError("each prompt must be non-empty text or token ids", code="invalid_prompt")
+        return out
+
+    def answer(self, job: Job) -> dict[str, Any]:
+        """The whole answer to a job that does not stream."""
+        return self.answers.response(job, self._batcher.submit_many(job.prompts, job.params))
+
+    def stream(self, job: Job) -> Iterator[dict[str, Any]]:
+        """The chunks of a streamed job, as the engine makes its tokens."""
+        return self.answers.chunks(job, self._batcher.stream(job.prompts, job.params))
 
 
-def _params(body: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
-    """The request's sampling settings over ``defaults`` (OpenAI's names; ``top_k`` as vLLM takes it)."""
-    stop = body.get("stop")
-    stop = (stop,) if isinstance(stop, str) else tuple(stop) if stop else defaults.stop
-    max_new = body.get("max_completion_tokens") or body.get("max_tokens") or defaults.max_new_tokens
-    try:
-        params = replace(
-            defaults,
-            n=int(body.get("n") or 1),
-            temperature=float(body["temperature"])
-            if body.get("temperature") is not None
-            else defaults.temperature,
-            top_p=float(body["top_p"]) if body.get("top_p") is not None else defaults.top_p,
-            top_k=int(body["top_k"]) if body.get("top_k") is not None else defaults.top_k,
-            max_new_tokens=int(max_new),
-            stop=stop,
-            seed=int(body["seed"]) if body.get("seed") is not None else defaults.seed,
-            # the recorded trajectories carry them, and a request may ask for them (`logprobs`)
-            logprobs=True,
-        )
-    except (TypeError, ValueError) as e:
-        raise RequestError(f"a sampling setting is not a number: {e}") from e
-    if params.n < 1 or params.max_new_tokens < 1 or params.temperature < 0:
-        raise RequestError("n and max_tokens must be at least 1 and temperature at least 0")
-    return params
+# asked of this endpoint and not done: refused rather than ignored
+_UNSUPPORTED = ("functions", "function_call", "logit_bias", "echo", "suffix", "presence_penalty",
+                "frequency_penalty", "repetition_penalty")  # fmt: skip
+_EPISODE_UNSUPPORTED = ("tools", "tool_choice", "response_format", "top_logprobs", *_UNSUPPORTED)
+
+
+def _logprobs_asked(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
+    """Whether a request asks for its tokens' log-probs, and for how many top ones per token: a chat
+    request's ``logprobs`` (true) and ``top_logprobs`` (k), a text request's ``logprobs`` (k, 0 too)."""
+    asked = body.get("top_logprobs") if chat else body.get("logprobs")
+    if asked is None or (chat and asked is False):
+        return bool(body.get("logprobs")), 0
+    if isinstance(asked, bool) or not isinstance(asked, int) or not 0 <= asked <= MAX_TOP_LOGPROBS:
+        name = "top_logprobs" if chat else "logprobs"
+        raise RequestError(f"{name} must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {asked!r}")
+    return (bool(body.get("logprobs")) or asked > 0) if chat else True, asked
+
+
+def _refuse(body: dict[str, Any], names: Sequence[str], where: str) -> None:
+    """A request that sets any of ``names`` is refused, naming them."""
+    asked = [k for k in names if body.get(k)]
+    best_of, n = body.get("best_of"), body.get("n") or 1
+    if isinstance(best_of, int) and isinstance(n, int) and best_of > n:
+        asked.append("best_of")
+    if asked:
+        raise RequestError(f"{', '.join(asked)}: not supported by {where}", code="unsupported_parameter")
 
 
 def _handler(server: ChatServer) -> type[BaseHTTPRequestHandler]:
@@ -353,38 +398,59 @@ def _handler(server: ChatServer) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s %s", self.address_string(), format % args)
 
+        def _allowed(self) -> bool:
+            if server.authorized(self.headers.get("Authorization")):
+                return True
+            self._error(
+                RequestError("a valid API key is needed: Authorization: Bearer <key>", 401, "invalid_api_key")
+            )
+            return False
+
         def do_GET(self) -> None:
-            if self.path.rstrip("/").endswith("/v1/models"):
+            if self.path in ("/health", "/"):
+                self._json(200, {"status": "ok"})
+            elif not self._allowed():
+                return
+            elif self.path.rstrip("/").endswith("/v1/models"):
                 model = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "reroll"}
                 self._json(200, {"object": "list", "data": [model]})
-            elif self.path in ("/health", "/"):
-                self._json(200, {"status": "ok"})
             else:
                 self._error(RequestError(f"no such path {self.path!r}", 404))
 
         def do_POST(self) -> None:
-            if not self.path.rstrip("/").endswith("/v1/chat/completions"):
-                self._error(RequestError(f"no such path {self.path!r}: POST /v1/chat/completions", 404))
+            path = self.path.rstrip("/")
+            episode = path.startswith("/episodes/") and path.endswith("/v1/chat/completions")
+            if not (episode or path.endswith(("/v1/chat/completions", "/v1/completions"))):
+                # the body is read so that the connection can carry the next request
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._error(RequestError(
+                    f"no such path {self.path!r}: POST /v1/chat/completions or /v1/completions", 404))  # fmt: skip
                 return
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if not self._allowed():
+                    return
                 if not isinstance(body, dict):
                     raise RequestError("the request body must be a JSON object")
-                completions, prompt = server.complete(self.path, body)
+                if episode:  # answered whole, then streamed if asked (the episode records the completion)
+                    job, groups = server.episode_call(path, body)
+                    if body.get("stream"):
+                        self._stream(server.answers.chunks(job, _deltas(groups)))
+                    else:
+                        self._json(200, server.answers.response(job, groups))
+                    return
+                job = server.job(path, body)
+                if job.stream:
+                    self._stream(server.stream(job))
+                else:
+                    self._json(200, server.answer(job))
             except json.JSONDecodeError as e:
                 self._error(RequestError(f"the request body is not JSON: {e}"))
-                return
             except RequestError as e:
                 self._error(e)
-                return
-            except Exception as e:  # the engine failed: the agent sees a server error
-                log.debug("chat request failed", exc_info=True)
+            except Exception as e:  # the engine failed: the client sees a server error
+                log.debug("request failed", exc_info=True)
                 self._error(RequestError(f"{type(e).__name__}: {e}", 500, "engine_error"))
-                return
-            if body.get("stream"):
-                self._stream(server.chunks(completions, body))
-            else:
-                self._json(200, server.response(completions, prompt, body))
 
         def _json(self, status: int, payload: dict[str, Any]) -> None:
             data = json.dumps(payload).encode()
@@ -396,17 +462,52 @@ def _handler(server: ChatServer) -> type[BaseHTTPRequestHandler]:
 
         def _error(self, e: RequestError) -> None:
             kind = "invalid_request_error" if e.status < 500 else "server_error"
+            if e.status == 401:
+                kind = "authentication_error"
             self._json(e.status, {"error": {"message": str(e), "type": kind, "param": None, "code": e.code}})
 
         def _stream(self, chunks: Iterator[dict[str, Any]]) -> None:
+            """Server-sent events, each written as it comes. The first chunk is made before the status
+            line, so a request the engine refuses at once still gets an error status."""
+            first = next(chunks, None)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            for event in [*(f"data: {json.dumps(c)}\n\n" for c in chunks), "data: [DONE]\n\n"]:
-                data = event.encode()
-                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            try:
+                for chunk in [first] if first is not None else []:
+                    self._event(f"data: {json.dumps(chunk)}\n\n")
+                for chunk in chunks:
+                    self._event(f"data: {json.dumps(chunk)}\n\n")
+            except (BrokenPipeError, ConnectionResetError):
+                log.debug("a streaming client went away; the rest of its answer is dropped")
+                for _ in chunks:  # the engine call is shared: let it finish
+                    pass
+                return
+            except Exception as e:  # the engine failed mid-stream: an error event, then the end
+                log.debug("streamed request failed", exc_info=True)
+                error = {
+                    "error": {
+                        "message": f"{type(e).__name__}: {e}",
+                        "type": "server_error",
+                        "code": "engine_error",
+                    }
+                }
+                self._event(f"data: {json.dumps(error)}\n\n")
+            self._event("data: [DONE]\n\n")
             self.wfile.write(b"0\r\n\r\n")
 
+        def _event(self, event: str) -> None:
+            data = event.encode()
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
     return Handler
+
+
+def _deltas(groups: list[list[Completion]]) -> Iterator[TokenDelta]:
+    """Whole completions as one delta each (an episode's answer, streamed after it is made)."""
+    for i, group in enumerate(groups):
+        for j, c in enumerate(group):
+            yield TokenDelta(i, j, c.response_ids, c.logprobs, c.top_logprobs, c.finish_reason)

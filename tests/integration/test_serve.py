@@ -17,7 +17,7 @@ import yaml
 from reroll.config.schema import RunConfig
 from reroll.data.types import SamplingParams
 from reroll.runtime.metrics import read_metrics
-from tests.conftest import reroll_cli, write_config
+from tests.conftest import QUICKSTART, quickstart_overrides, reroll_cli
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.integration
@@ -93,15 +93,26 @@ def test_a_two_turn_agent_is_recorded_as_the_chat_template_of_its_conversation(e
     assert all(lp == 0.0 for lp, p in zip(traj.logprobs, traj.policy) if not p)
 
 
+def _hf_server(engine, tokenizer, defaults: SamplingParams, **kw):
+    """A server over the hf engine as ``reroll serve`` builds one: its spec, its token stream."""
+    from reroll.config.engines import engine_spec
+    from reroll.roles.chat_server import ChatServer
+
+    return ChatServer(engine.generate, tokenizer, model_name="tiny", defaults=defaults,
+                      spec=engine_spec("hf"), stream_tokens=engine.stream_tokens, **kw)  # fmt: skip
+
+
 def test_the_endpoint_answers_the_openai_client_plain_streamed_and_with_errors(engine, tokenizer):
-    from reroll.roles.chat_server import ChatServer, chat_prompt_ids
+    from reroll.roles.chat_server import chat_prompt_ids
 
     defaults = SamplingParams(temperature=1.0, max_new_tokens=5)
     messages = [{"role": "user", "content": "pile 7"}]
-    with ChatServer(engine.generate, tokenizer, model_name="tiny", defaults=defaults) as server:
+    with _hf_server(engine, tokenizer, defaults) as server:
         client = _client(server.url)
         assert [m.id for m in client.models.list()] == ["tiny"]
-        out = client.chat.completions.create(model="tiny", messages=messages, n=3, seed=5, logprobs=True)
+        out = client.chat.completions.create(
+            model="tiny", messages=messages, n=3, seed=5, logprobs=True, top_logprobs=3
+        )
         expected = engine.generate(
             [chat_prompt_ids(tokenizer, messages)], SamplingParams(n=3, max_new_tokens=5, seed=5)
         )[0]
@@ -112,6 +123,14 @@ def test_the_endpoint_answers_the_openai_client_plain_streamed_and_with_errors(e
         )  # <|user|> p i l e _ 7 <|assistant|>
         lps = [t.logprob for t in out.choices[0].logprobs.content]
         assert lps == pytest.approx(expected[0].logprobs, abs=1e-5)
+        # the top 3 at each step are the model's 3 most likely next tokens, best first, sampled one's included
+        # when it is among them; at the first step: log_softmax of the logits after the prompt
+        first = out.choices[0].logprobs.content[0]
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([chat_prompt_ids(tokenizer, messages)])).logits[0, -1]
+        best = torch.log_softmax(logits.float(), -1).topk(3)
+        assert [t.logprob for t in first.top_logprobs] == pytest.approx(best.values.tolist(), abs=1e-5)
+        assert [t.token for t in first.top_logprobs] == [tokenizer.decode([i]) for i in best.indices.tolist()]
         single = client.chat.completions.create(model="tiny", messages=messages, seed=6).choices[0]
         streamed = client.chat.completions.create(model="tiny", messages=messages, seed=6, stream=True)
         chunks = list(streamed)
@@ -120,11 +139,42 @@ def test_the_endpoint_answers_the_openai_client_plain_streamed_and_with_errors(e
         assert chunks[-1].choices[0].finish_reason == single.finish_reason
         with pytest.raises(openai.BadRequestError, match="'messages' must be a non-empty list"):
             client.chat.completions.create(model="tiny", messages=[])
-        with pytest.raises(openai.BadRequestError, match="tools: not supported by this endpoint"):
+        with pytest.raises(
+            openai.BadRequestError, match="chat template does not write tools into the prompt"
+        ):
             tool = {"type": "function", "function": {"name": "move", "parameters": {"type": "object"}}}
             client.chat.completions.create(model="tiny", messages=messages, tools=[tool])
+        with pytest.raises(
+            openai.BadRequestError, match="response_format needs an engine with guided decoding"
+        ):
+            client.chat.completions.create(
+                model="tiny", messages=messages, response_format={"type": "json_object"}
+            )
         with pytest.raises(openai.BadRequestError, match="temperature at least 0"):
             client.chat.completions.create(model="tiny", messages=messages, temperature=-1)
+
+
+def test_stream_true_sends_each_token_as_the_engine_makes_it(engine, tokenizer):
+    """Every decoding step of the engine is slowed to 0.15 s: a stream of the finished answer would
+    bring all its chunks within milliseconds of each other, a token stream one about every 0.15 s."""
+    slow = engine.model.register_forward_pre_hook(lambda module, args: time.sleep(0.15))
+    arrivals = []
+    try:
+        with _hf_server(engine, tokenizer, SamplingParams(temperature=1.0, max_new_tokens=8)) as server:
+            stream = _client(server.url).completions.create(
+                model="tiny", prompt="pile 7", seed=3, stream=True, max_tokens=8
+            )
+            for chunk in stream:
+                arrivals.append((time.monotonic(), chunk.choices[0].text))
+    finally:
+        slow.remove()
+    times = [t for t, text in arrivals if text]
+    assert len(times) >= 4, arrivals  # the answer has tokens to stream
+    # 0.15 s of decoding between each token and the next: the span can shrink only by how late the
+    # first one was delivered (a scheduling delay), never to a finished answer's few milliseconds
+    span = times[-1] - times[0]
+    assert span > 0.1 * (len(times) - 1), arrivals
+    print(f"streamed {len(times)} tokens over {span:.2f} s")
 
 
 def _agent_config(tmp_path: Path, model: Path, **agentic) -> RunConfig:
@@ -170,25 +220,73 @@ def test_concurrent_agents_share_engine_calls_and_limits_end_episodes_as_truncat
     assert not server.episodes  # every episode endpoint was closed
 
 
-def test_reroll_serve_answers_on_a_free_port_and_stops_on_sigterm(tmp_path, assets):
-    cfg = write_config(tmp_path / "c.yaml", assets)
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A quickstart checkpoint: the quickstart config (raw prompts: ``data.chat_template: false``) cut to
+    one small GRPO step without the SFT warm start (each warm-start step costs about a second here, and
+    what is checked is that serve and generate agree, not what the model knows), in one process; and
+    the overrides that point the quickstart config at it."""
+    tmp = tmp_path_factory.mktemp("quickstart")
+    overrides = [*quickstart_overrides(tmp, total_steps=1), "sft.steps=0", "rollout.batch_size=16", "optim.micro_batch_size=16", "data.eval_limit=8",
+                 "runtime.backend=local"]  # fmt: skip
+    result = reroll_cli("train", QUICKSTART, *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp, overrides
+
+
+def test_the_served_quickstart_checkpoint_answers_as_reroll_generate(quickstart_run):
+    """Issue 39: ``serve`` wrapped every request in the chat template though the run trained on raw
+    prompts, and answered otherwise than ``generate``. Now both routes answer each held-out prompt
+    with exactly ``reroll generate``'s greedy response, and ``serve`` says at start how it reads chats."""
+    from reroll.data.chat import render_chat
+    from reroll.engines.hf import HFEngine
+    from reroll.runtime import checkpoint as checkpoints
+
+    tmp, overrides = quickstart_run
+    run, out = tmp / "quickstart", tmp / "greedy.jsonl"
+    greedy = ["rollout.temperature=0"]
+    made = reroll_cli(
+        "generate", QUICKSTART, *overrides, *greedy, "--checkpoint", run, "--limit", "8", "--out", out
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 8 and all(r["responses"][0] for r in records)
+    assert all(len(set(r["responses"])) == 1 for r in records)  # greedy: the group's responses agree
     proc = subprocess.Popen(
-        [sys.executable, "-m", "reroll.cli", "serve", str(cfg), "--port", "0", "runtime.backend=local",
-         "rollout.temperature=0"],
+        [sys.executable, "-m", "reroll.cli", "serve", str(QUICKSTART), *overrides, *greedy,
+         "--checkpoint", str(run), "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        line = proc.stdout.readline()  # "serving t at http://127.0.0.1:PORT/v1 ..." once it listens
-        assert line.startswith("serving t at http://127.0.0.1:"), line + proc.stderr.read()
-        url = line.split()[3]
-        reply = _client(url).chat.completions.create(
-            model="t", messages=[{"role": "user", "content": "1+2="}]
-        )
-        assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens >= 1
+        line = (
+            proc.stdout.readline()
+        )  # "serving quickstart at http://127.0.0.1:PORT/v1 (...)" once it listens
+        assert line.startswith("serving quickstart at http://127.0.0.1:"), line + proc.stderr.read()
+        assert "chat requests: raw prompts (no chat template)" in line
+        client = _client(line.split()[3])
+        for r in records:
+            text = client.completions.create(model="quickstart", prompt=r["prompt"], temperature=0).choices[0]
+            chat = client.chat.completions.create(
+                model="quickstart", messages=[{"role": "user", "content": r["prompt"]}], temperature=0
+            ).choices[0]
+            stream = client.completions.create(
+                model="quickstart", prompt=r["prompt"], temperature=0, stream=True
+            )
+            streamed = "".join(c.choices[0].text for c in stream)
+            assert text.text == chat.message.content == streamed == r["responses"][0], r
+            assert text.finish_reason == chat.finish_reason == r["finish_reasons"][0]
     finally:
         proc.send_signal(signal.SIGTERM)  # as `kill` does; Ctrl-C (SIGINT) takes the same way out
         code = proc.wait(timeout=60)
     assert code == 0
+    # what the old serve did, the chat template around the prompt, answers otherwise: the test can fail
+    engine = HFEngine(str(checkpoints.model_dir(run)))
+    tok = engine.tokenizer
+    wrapped = [
+        render_chat(tok, [{"role": "user", "content": r["prompt"]}], generation_prompt=True) for r in records
+    ]
+    answers = engine.generate(wrapped, SamplingParams(temperature=0, max_new_tokens=5))
+    assert [g[0].text for g in answers] != [r["responses"][0] for r in records]
 
 
 def test_agentic_training_through_the_agent_proxy(tmp_path, game_model):
