@@ -61,8 +61,9 @@ class RewardFailure(UserError):
     def __init__(self, phase: str, failed: int, total: int, first: str, rule: str) -> None:
         super().__init__(
             f"the reward failed on {failed} of {total} samples during {phase} ({rule}); the first: {first}. "
-            f"A reward is called fn(prompt, response, row, **args) and returns a RewardResult or a number: fix the "
-            f"function or its args (`reroll validate` checks that it imports and takes them)"
+            f"A reward is called fn(prompt, response, row, **args) (or with the row's fields as keywords) and "
+            f"returns a RewardResult or a number: fix the function or its args (`reroll validate` calls it on "
+            f"the first rows' own answers; this failed on the model's responses)"
         )
         self.phase, self.failed, self.total, self.first, self.rule = phase, failed, total, first, rule
 

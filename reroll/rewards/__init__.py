@@ -1,8 +1,10 @@
 """Per-sample reward functions, looked up by name (or ``package.module:function`` for your own).
 
-A reward is ``fn(prompt, response, sample, **args) -> RewardResult``; ``args`` come from the
-config (``reward.args`` or a domain reward's ``args``). Modules load on first use, so optional
-dependencies (math-verify) are needed only by the rewards that use them.
+A reward is ``fn(prompt, response, sample, **args) -> RewardResult``, or takes the row's fields as
+keywords, ``fn(response, answer, **kwargs)`` (``reroll.rewards.calling``); ``args`` come from the
+config (``reward.args`` or a domain reward's ``args``). ``resolve_reward`` returns either form as one
+callable ``(prompt, response, row)``. Modules load on first use, so optional dependencies
+(math-verify) are needed only by the rewards that use them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from reroll.config.reward import RENAMED_FNS
 from reroll.errors import UserError
 from reroll.rewards.base import RewardFn, RewardResult
+from reroll.rewards.calling import KeywordReward, call_form
 
 # name -> ("module:function", row fields it reads)
 REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -58,7 +61,20 @@ def _import(path: str, name: str) -> Callable[..., RewardResult]:
 
 
 def resolve_reward(name: str, args: Mapping[str, Any] | None = None) -> Callable[..., RewardResult]:
-    """The function registered as ``name``, or imported from ``module:function``, with ``args`` bound."""
+    """The function registered as ``name``, or imported from ``module:function``, with ``args`` bound,
+    callable as ``(prompt, response, row)`` whichever form it takes (``reroll.rewards.calling``)."""
+    return called(load_reward(name), args)
+
+
+def called(fn: Callable[..., Any], args: Mapping[str, Any] | None = None) -> Callable[..., RewardResult]:
+    """``fn`` with ``args``, callable as ``(prompt, response, row)`` in either call form."""
+    if call_form(fn) == "keywords":
+        return KeywordReward(fn, args)
+    return functools.partial(fn, **args) if args else fn
+
+
+def load_reward(name: str) -> Callable[..., Any]:
+    """The function registered as ``name``, or imported from ``module:function``, as it is written."""
     name = RENAMED.get(name, name)
     if name in REGISTRY:
         fn = _import(REGISTRY[name][0], name)
@@ -71,7 +87,16 @@ def resolve_reward(name: str, args: Mapping[str, Any] | None = None) -> Callable
             f"reward.fn {name!r} is not a registered reward: {hint}choose one of {reward_names()} "
             f"or give 'package.module:function'"
         )
-    return functools.partial(fn, **args) if args else fn
+    return fn
 
 
-__all__ = ["REGISTRY", "RewardFn", "RewardResult", "required_fields", "resolve_reward", "reward_names"]
+__all__ = [
+    "REGISTRY",
+    "RewardFn",
+    "RewardResult",
+    "called",
+    "load_reward",
+    "required_fields",
+    "resolve_reward",
+    "reward_names",
+]

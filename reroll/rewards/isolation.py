@@ -6,7 +6,7 @@ multiprocessing: spawn and forkserver re-run the parent's main module in every c
 Ray actor is Ray's worker script; and a fork would copy the worker's threads' locks). A child
 imports the isolated rewards' modules before it takes calls. A call sends ``(fn, args, prompt, response, row)``
 to an idle child, which resolves the reward by name (as ``resolve_reward`` does) and returns its
-``RewardResult``. A call still running at its deadline has its child's whole process group killed
+``RewardResult``, or the error (where in the user's code it was raised, and its traceback). A call still running at its deadline has its child's whole process group killed
 (``SIGKILL``) and raises ``RewardTimeout``; ``refill`` starts its replacement. A
 reward that raises in the child raises ``RewardCallError`` here; a child that dies (``os._exit``,
 a segfault) is replaced and raises ``RewardCallError`` too.
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -44,7 +45,12 @@ class RewardTimeout(Exception):
 
 
 class RewardCallError(Exception):
-    """A reward call raised in its child process, or the child died."""
+    """A reward call raised in its child process (``traceback_text``: the child's traceback), or the
+    child died."""
+
+    def __init__(self, message: str, traceback_text: str = "") -> None:
+        super().__init__(message)
+        self.traceback_text = traceback_text
 
 
 def serve(fd: int) -> None:
@@ -57,6 +63,7 @@ def serve(fd: int) -> None:
     sys.path[:] = sys_path
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     from reroll.rewards import resolve_reward
+    from reroll.rewards.calling import describe_error
 
     fns: dict[tuple[str, str], Any] = {}
     for name, args in preload:
@@ -73,12 +80,12 @@ def serve(fd: int) -> None:
                 fns[key] = resolve_reward(name, args)
             result = as_result(fns[key](prompt, response, row))  # a plain number is a score
             reply: tuple[str, Any] = ("ok", result)
-        except BaseException as e:  # every failure of the reward goes back as a message
-            reply = ("error", f"{type(e).__name__}: {e}")
+        except BaseException as e:  # every failure of the reward goes back as a message and traceback
+            reply = ("error", (describe_error(e), traceback.format_exc()))
         try:
             conn.send(reply)
         except Exception as e:  # a result that does not pickle
-            conn.send(("error", f"its result cannot be sent back: {type(e).__name__}: {e}"))
+            conn.send(("error", (f"its result cannot be sent back: {type(e).__name__}: {e}", "")))
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -159,7 +166,8 @@ class ProcessPool:
             raise RewardCallError(f"reward {name!r}: its process died (exit code {code})") from e
         self._idle.put(child)
         if status == "error":
-            raise RewardCallError(f"reward {name!r} raised {value}")
+            message, text = value
+            raise RewardCallError(f"reward {name!r} raised {message}", text)
         return value
 
     def _replace(self, child: _Child) -> None:

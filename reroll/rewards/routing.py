@@ -7,6 +7,7 @@ to the single domain ``default``, scored by ``reward.fn``.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from reroll.config.tags import route_tag, tag_owners
 from reroll.errors import RewardFailure, RoleError, UserError
 from reroll.rewards import REGISTRY, required_fields, resolve_reward
 from reroll.rewards.base import RewardResult, as_result
+from reroll.rewards.calling import describe_error
 from reroll.rewards.isolation import ProcessPool, RewardCallError, RewardTimeout
 
 DEFAULT_DOMAIN = "default"
@@ -71,8 +73,17 @@ def runs_isolated(term: RewardTermConfig) -> bool:
 
 
 class RewardTermError(Exception):
-    """A reward function raised (or its process died): the message names its config key, the function
-    and the error's type and text, e.g. ``reward.fn 'mod:f' raised TypeError: ...``."""
+    """A reward function raised (or its process died): the message names its config key, the function,
+    the error's type and text and where the user's code raised it, e.g. ``reward.fn 'mod:f' raised
+    TypeError: ... (at mod.py, line 3, in f)``. ``kind`` is the message without the error's text (one
+    per bug, however the text varies with the input), ``traceback_text`` the full traceback."""
+
+    def __init__(self, message: str, kind: str, traceback_text: str) -> None:
+        super().__init__(message)
+        self.kind, self.traceback_text = kind, traceback_text
+
+    def __reduce__(self) -> tuple:
+        return (RewardTermError, (str(self), self.kind, self.traceback_text))
 
 
 @dataclass(frozen=True)
@@ -129,7 +140,10 @@ class RewardRouter:
             ):  # a timeout is counted apart; the judge role's failure is its own
                 raise
             except Exception as e:
-                raise RewardTermError(f"{t.key} {t.name!r} {_what_failed(t.name, e)}") from e
+                what = _what_failed(t.name, e)
+                kind = f"{t.key} {t.name!r} {what.split(':', 1)[0]}{_location(what)}"
+                text = getattr(e, "traceback_text", "") or "".join(traceback.format_exception(e))
+                raise RewardTermError(f"{t.key} {t.name!r} {what}", kind, text) from e
 
         if len(terms) == 1 and terms[0].weight == 1.0:
             return run(terms[0])
@@ -137,11 +151,18 @@ class RewardRouter:
 
 
 def _what_failed(name: str, e: Exception) -> str:
-    """``raised Type: text`` (a process-isolated call's error says so in its own words)."""
+    """``raised Type: text (at file, line N, in f)`` (a process-isolated call's error says so in its
+    own words)."""
     if isinstance(e, RewardCallError):
         text = str(e).removeprefix(f"reward {name!r}").lstrip(": ")
         return text if text.startswith("raised ") else f"failed: {text}"
-    return f"raised {type(e).__name__}: {e}"
+    return f"raised {describe_error(e)}"
+
+
+def _location(what: str) -> str:
+    """The `` (at file, line N, in f)`` that ends ``describe_error``'s text, or ''."""
+    _, sep, where = what.rpartition(" (at ")
+    return f" (at {where}" if sep and where.endswith(")") else ""
 
 
 def check_failures(results: Sequence[RewardResult], cfg: RewardConfig, phase: str) -> None:

@@ -4,9 +4,12 @@ Each worker scores its items on ``reward.threads`` threads, each call under its 
 (``reward.sample_timeout_s``). A call that raises or passes its deadline scores
 ``reward.error_score`` with ``details["reward_error"]`` / ``details["reward_timeout"]`` set, so
 the step goes on and the count shows in ``reward/errors`` and ``reward/timeouts`` (and per domain
-``reward/<domain>/reward_errors`` / ``reward_timeouts``). A raising call's message (its config key,
-function, error type and text) is kept in ``details["reward_error_message"]``; the group stops the
-run when too many of a call's samples failed (``routing.check_failures``, ``reward.max_error_share``).
+``reward/<domain>/reward_errors`` / ``reward_timeouts``), on the step line as ``rew_err`` /
+``rew_timeout``. A raising call's message (its config key, function, error type and text, where the
+user's code raised it) is kept in ``details["reward_error_message"]``; the group stops the run when
+too many of a call's samples failed (``routing.check_failures``, ``reward.max_error_share``). Workers
+log nothing per call: the group logs each kind of failure once, the first time it is seen, and writes
+its traceback to ``errors_file`` (``ErrorLog``).
 
 Rewards whose ``isolation`` is 'process' (by default every ``package.module:function`` reward) run
 in a pool of ``reward.threads`` child processes (``reroll.rewards.isolation``): at the deadline the
@@ -24,7 +27,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from reroll.config.reward import RewardConfig
@@ -42,6 +46,7 @@ from reroll.rewards.routing import (
 )
 from reroll.roles.judge import JudgeClient, JudgeGroup
 from reroll.runtime.actors import WorkerGroup
+from reroll.runtime.console import shown
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +89,21 @@ class RewardWorker:
         if self.pool is not None:
             self.pool.close()
 
-    def _failed(self, kind: str, message: str = "") -> RewardResult:
-        details = {
+    def _failed(self, kind: str, error: BaseException | None = None) -> RewardResult:
+        details: dict[str, Any] = {
             "reward_error": int(kind == "error"),
             "reward_timeout": int(kind == "timeout"),
             "correct": 0,
         }
-        return RewardResult(
-            self.cfg.error_score, details | ({"reward_error_message": message} if message else {})
-        )
+        if error is not None:
+            term = isinstance(error, RewardTermError)
+            message = str(error) if term else f"{type(error).__name__}: {error}"
+            details |= {
+                "reward_error_message": message,
+                _KIND: error.kind if term else type(error).__name__,  # type: ignore[union-attr]
+                _TRACEBACK: error.traceback_text if term else "",  # type: ignore[union-attr]
+            }
+        return RewardResult(self.cfg.error_score, details)
 
     def score(self, items: Sequence[RewardItem]) -> list[RewardResult]:
         results: list[RewardResult | None] = [None] * len(items)
@@ -117,7 +128,6 @@ class RewardWorker:
         for i, it in enumerate(items):
             self._jobs.put(job(i, it))
         remaining = set(range(len(items)))
-        raised = 0
         while remaining:
             started = [deadlines[i] + _GRACE_S for i in remaining if i in deadlines]
             wait = max(0.0, min(started) - time.monotonic()) if started else 0.05
@@ -131,26 +141,16 @@ class RewardWorker:
                 if isinstance(out, RoleError):  # another role (the judge) failed: so does this call
                     raise OtherRoleFailed(out.role, out.rank, out.phase, out.cause, out.died) from out
                 if isinstance(out, RewardTimeout):
-                    log.warning("reward rank %d: item %d: %s", self.rank, i, out)
                     out = self._failed("timeout")
                 elif isinstance(out, BaseException):
-                    message = str(out) if isinstance(out, RewardTermError) else f"{type(out).__name__}: {out}"
-                    if not raised:  # one line per call, not one per sample
-                        log.warning("reward rank %d: item %d: %s", self.rank, i, message)
-                    raised += 1
-                    out = self._failed("error", message)
+                    out = self._failed("error", out)
                 results[i] = out
-        if raised > 1:
-            log.warning("reward rank %d: %d of %d reward calls raised", self.rank, raised, len(items))
         return results  # type: ignore[return-value]
 
     def _expire(self, remaining: set[int], deadlines: dict[int, float], results: list) -> None:
         """Score the items past their deadline as timeouts; a new thread replaces each stuck one."""
         now = time.monotonic()
         for i in [i for i in remaining if deadlines.get(i, now + 1) + _GRACE_S <= now]:
-            log.warning(
-                "reward rank %d: item %d passed sample_timeout_s=%gs", self.rank, i, self.cfg.sample_timeout_s
-            )
             results[i] = self._failed("timeout")
             remaining.discard(i)
             self._add_thread()
@@ -165,11 +165,70 @@ class PendingScores:
     rounds: int
 
 
+_KIND = "reward_error_kind"  # details a worker sets on a failed call, which the group takes out
+_TRACEBACK = "reward_error_traceback"
+
+
+@dataclass
+class ErrorLog:
+    """Each kind of reward failure (a reward's error type where it was raised, or a timeout), said once:
+    a log line the first time it is seen, with how many of that call's samples failed and where the
+    traceback is, and the traceback appended to ``path``. Until ``path`` is set (a run's directory is
+    written from its first metrics on), what is seen waits in ``pending``."""
+
+    timeout_s: float = 30.0  # reward.sample_timeout_s, for the line that says calls timed out
+    path: Path | None = None
+    seen: set[str] = field(default_factory=set)
+    pending: list[tuple[str, str, str, int, int]] = field(default_factory=list)
+
+    def note(self, results: Sequence[RewardResult], phase: str) -> list[RewardResult]:
+        """``results`` without the traceback details; the kinds not seen before are kept to report."""
+        out, first = [], {}
+        timeout = f"a call passed reward.sample_timeout_s={self.timeout_s:g}s"
+        for r in results:
+            kind = r.details.get(_KIND) or (timeout if r.details.get("reward_timeout") else None)
+            if kind is None:
+                out.append(r)
+                continue
+            message = str(r.details.get("reward_error_message", kind))
+            first.setdefault(str(kind), (message, str(r.details.get(_TRACEBACK, ""))))
+            keep = {k: v for k, v in r.details.items() if k not in (_KIND, _TRACEBACK)}
+            out.append(replace(r, details=keep))
+        failed = sum(1 for r in results if r.details.get("reward_error") or r.details.get("reward_timeout"))
+        for kind, (message, text) in first.items():
+            if kind not in self.seen:
+                self.seen.add(kind)
+                self.pending.append((phase, message, text, failed, len(results)))
+        self.flush()
+        return out
+
+    def write_to(self, path: Path) -> None:
+        """Append tracebacks to ``path`` from now on (and what waited)."""
+        self.path = path
+        self.flush()
+
+    def flush(self) -> None:
+        if self.path is None:
+            return
+        for phase, message, text, failed, total in self.pending:
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(f"== during {phase}: {failed} of {total} samples failed\n{message}\n{text}\n")
+            where = f"; the traceback: {shown(self.path)}" if text else ""
+            log.warning(
+                "reward: %d of %d samples failed during %s: %s%s (said once; the step line counts failures "
+                "as rew_err / rew_timeout, eval_err / eval_timeout)",
+                failed, total, phase, message, where,
+            )  # fmt: skip
+        self.pending.clear()
+
+
 class RewardGroup(WorkerGroup):
-    """All reward ranks; items are dealt in contiguous blocks; each rank's call is bounded (see timeout_s)."""
+    """All reward ranks; items are dealt in contiguous blocks; each rank's call is bounded (see timeout_s).
+    Failures are said once per kind (``errors``)."""
 
     def __init__(self, cfg: RunConfig) -> None:
         self.reward_cfg = cfg.reward
+        self.errors = ErrorLog(cfg.reward.sample_timeout_s)
         self.judge = JudgeGroup(cfg) if cfg.reward.judge is not None else None
         make_args = lambda rank: (rank, cfg.reward, cfg.roles.reward.torch_threads, self._client())  # noqa: E731
         super().__init__("reward", RewardWorker, make_args, cfg, timeout_s=cfg.reward.timeout_s)
@@ -204,14 +263,14 @@ class RewardGroup(WorkerGroup):
             except RoleError as e:
                 raise _other_role_error(e) or e from e
         check_failures(results, rc, phase)
-        return results
+        return self.errors.note(results, phase)
 
     def shutdown(self) -> None:
         """Stop each worker's reward processes, then the workers."""
         try:
             self._wait([h.close.remote() for h in self.handles], "shutdown")
         except RoleError as e:  # a dead worker's children end with it (they watch their parent)
-            log.warning("%s", e)
+            log.log(logging.DEBUG if e.died else logging.WARNING, "%s", e)
         super().shutdown()
         if self.judge is not None:
             self.judge.shutdown()

@@ -10,6 +10,13 @@ _COLUMNS = [
     ("rollout/accuracy", "acc", "{:.3f}"),
     ("eval/accuracy", "eval_acc", "{:.3f}"),
     ("rollout/response_length", "len", "{:.1f}"),
+    # shown only when not zero: responses cut at rollout.max_new_tokens, reward calls that failed
+    ("rollout/truncated", "cut", "{:.3f}"),
+    ("eval/truncated", "eval_cut", "{:.3f}"),
+    ("reward/errors", "rew_err", "{:g}"),
+    ("reward/timeouts", "rew_timeout", "{:g}"),
+    ("eval/errors", "eval_err", "{:g}"),
+    ("eval/timeouts", "eval_timeout", "{:g}"),
     ("actor/pg_loss", "pg_loss", "{:+.4f}"),
     ("critic/vf_loss", "vf_loss", "{:.4f}"),
     ("sft/loss", "sft_loss", "{:.4f}"),
@@ -22,6 +29,14 @@ _COLUMNS = [
     ("dpo/accuracy", "pair_acc", "{:.3f}"),
     ("dpo/margins", "margin", "{:+.3f}"),
 ]
+_WHEN_NOT_ZERO = {
+    "rollout/truncated",
+    "eval/truncated",
+    "reward/errors",
+    "reward/timeouts",
+    "eval/errors",
+    "eval/timeouts",
+}
 _PHASES = [
     ("generate", "gen"),
     ("reward", "rew"),
@@ -42,9 +57,14 @@ _PHASES = [
 
 
 def step_line(step: int, total: int, metrics: Mapping[str, float]) -> str:
-    """``step 12/200 | reward 0.410 | acc 0.630 | len 4.0 | gen 1.2s train 0.8s ... | 3.1s``."""
+    """``step 12/200 | reward 0.410 | acc 0.630 | len 4.0 | cut 0.125 | rew_err 3 | gen 1.2s ... | 3.1s``:
+    the share of responses cut at the length cap and the reward calls that failed only when not zero."""
     parts = [f"step {step}/{total}"]
-    parts += [f"{label} {fmt.format(metrics[k])}" for k, label, fmt in _COLUMNS if k in metrics]
+    parts += [
+        f"{label} {fmt.format(metrics[k])}"
+        for k, label, fmt in _COLUMNS
+        if k in metrics and (metrics[k] or k not in _WHEN_NOT_ZERO)
+    ]
     phases = [f"{label} {metrics[f'timing/{k}']:.1f}s" for k, label in _PHASES if f"timing/{k}" in metrics]
     if phases:
         parts.append(" ".join(phases))

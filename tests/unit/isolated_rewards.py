@@ -25,3 +25,8 @@ def die(prompt, response, sample):
 
 def whoami(prompt, response, sample):
     return RewardResult(float(len(response)), {"pid": os.getpid()})
+
+
+def trl_style(response, answer, **kwargs):
+    """A reward written for TRL: the row's fields as keywords."""
+    return RewardResult(float(response == answer), {"fields": len(kwargs)})

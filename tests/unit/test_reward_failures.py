@@ -7,7 +7,7 @@ from reroll.data.types import RewardItem
 from reroll.errors import RewardFailure, UserError
 from reroll.rewards.base import RewardResult
 from reroll.rewards.routing import check_failures
-from reroll.roles.reward import RewardWorker
+from reroll.roles.reward import ErrorLog, RewardWorker
 
 
 def _items(n: int) -> list[RewardItem]:
@@ -28,9 +28,13 @@ def test_a_raising_call_keeps_its_message_with_the_reward_key():
     worker = _worker(f"{__name__}:_raise_on_odd")
     results = worker.score(_items(4))
     assert [r.details.get("reward_error", 0) for r in results] == [0, 1, 0, 1]
-    assert results[1].details["reward_error_message"] == (
-        f"reward.fn '{__name__}:_raise_on_odd' raised KeyError: \"no such field: 'solution'\""
+    message = results[1].details["reward_error_message"]
+    assert message.startswith(
+        f"reward.fn '{__name__}:_raise_on_odd' raised KeyError: \"no such field: 'solution'\" (at "
     )
+    assert message.endswith(
+        "test_reward_failures.py, line 19, in _raise_on_odd)"
+    )  # where the user's code raised it
     assert results[1].score == 0.0  # error_score
 
 
@@ -65,9 +69,19 @@ def test_all_failed_stops_even_at_share_one_and_timeouts_count_apart():
     check_failures([], RewardConfig(), "reward")
 
 
-def test_the_worker_logs_one_line_per_call_not_per_sample(caplog):
-    worker = _worker(f"{__name__}:_raise_on_odd")
-    with caplog.at_level("WARNING", logger="reroll.roles.reward"):
-        worker.score(_items(10))
+def test_each_kind_of_failure_is_said_once_with_its_traceback_in_a_file(caplog, tmp_path):
+    worker, log = _worker(f"{__name__}:_raise_on_odd"), ErrorLog(timeout_s=30)
+    with caplog.at_level("WARNING", logger="reroll.roles"):
+        first = log.note(worker.score(_items(10)), "evaluate")  # before the run directory is written
+        assert caplog.records == [] and len(log.pending) == 1
+        log.write_to(tmp_path / "reward_errors.txt")
+        log.note(worker.score(_items(10)), "reward")  # the same bug at the next step: said already
+        log.note([RewardResult(0.0, {"reward_timeout": 1, "reward_error": 0})], "reward")
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2 and "5 of 10 reward calls raised" in lines[1]
+    assert len(lines) == 2  # the worker logs nothing per call; the group one line per kind of failure
+    assert lines[0].startswith("reward: 5 of 10 samples failed during evaluate: reward.fn ")
+    assert "raised KeyError" in lines[0] and f"the traceback: {tmp_path / 'reward_errors.txt'}" in lines[0]
+    assert "a call passed reward.sample_timeout_s=30s" in lines[1]
+    text = (tmp_path / "reward_errors.txt").read_text()
+    assert text.count("Traceback (most recent call last)") == 1 and "in _raise_on_odd" in text
+    assert all("reward_error_traceback" not in r.details for r in first)  # kept out of the metrics' details
