@@ -5,6 +5,8 @@ User errors (config, files, data) print one message and exit 2, without a traceb
 shows it. A role's failure prints which role, rank and phase failed and exits 1. Third-party notices
 that say nothing about the run are hidden (``reroll.runtime.quiet``); ``--verbose`` shows them. A
 closed pipe (``reroll config-docs | head``) ends the command quietly with 141, as SIGPIPE would.
+Ctrl-C (SIGINT) and ``kill`` (SIGTERM) stop ``train``, ``generate`` and ``serve`` the same way: the
+workers are shut down, one line says what can be continued, and the exit code is 130 or 143.
 """
 
 from __future__ import annotations
@@ -53,11 +55,14 @@ def _setup_logging(debug: bool, verbose: bool) -> None:
         transformers.logging.set_verbosity_error()
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, *, trains: bool = True):
+    """The config ``args`` name, with its overrides; ``trains=False``: checked only for what a command
+    that trains nothing reads (``RunConfig.check``)."""
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
 
-    return load_config(args.config, RunConfig, args.overrides)
+    check = None if trains else (lambda cfg: cfg.check(trains=False))
+    return load_config(args.config, RunConfig, args.overrides, check)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -65,6 +70,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from reroll.pipelines.run import run
 
     cfg = _load(args)
+    args.run_dir = cfg.run_dir  # what an interrupt's message reads
     result = run(pipeline_class(cfg.pipeline), cfg, resume=args.resume)
     print(result.summary(cfg.name))
     return 0
@@ -73,7 +79,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from reroll.pipelines.generate import default_out, generate
 
-    cfg = _load(args)
+    cfg = _load(args, trains=False)  # the algorithm's needs (GRPO's groups) are not generate's
     out = args.out or default_out(cfg, args.split, args.checkpoint)
     result = generate(cfg, out=out, split=args.split, checkpoint=args.checkpoint, limit=args.limit)
     print(result.table())
@@ -108,12 +114,48 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (exit code 143 instead of 130)."""
+
+
+_terminated: list[int] = []  # the SIGTERMs received (a library may re-raise the interrupt as its own)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    _terminated.append(signum)
+    raise Terminated
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    """The line an interrupted command prints: what can be continued, and how."""
+    if args.command == "generate":
+        return "interrupted: rerun the same command to continue the output file"
+    if args.command != "train":
+        return "interrupted"
+    from reroll.runtime import checkpoint
+
+    run_dir = getattr(args, "run_dir", None)
+    found = checkpoint.latest(run_dir) if run_dir is not None else None
+    if found is not None:
+        return f"interrupted: the last complete checkpoint, {found}, can be resumed with --resume"
+    written = run_dir is not None and any((run_dir / n).exists() for n in ("config.yaml", "metrics.jsonl"))
+    if written:
+        return (
+            f"interrupted before the first checkpoint: nothing to resume; delete {run_dir} to start over "
+            f"(checkpoint.every sets how often a run checkpoints)"
+        )
+    return "interrupted before the run wrote anything: rerun the same command to start"
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from reroll.pipelines.preflight import preflight
 
     cfg = _load(args)
-    preflight(cfg, f"config {args.config}")  # the checks `train` runs before it starts anything
-    print(f"{args.config}: valid ({cfg.pipeline} pipeline, run directory {cfg.run_dir})")
+    warnings = preflight(cfg, f"config {args.config}")  # the checks `train` runs before it starts anything
+    count = f"; {len(warnings)} warning{'s' if len(warnings) > 1 else ''}:" if warnings else ""
+    print(f"{args.config}: valid ({cfg.pipeline} pipeline, run directory {cfg.run_dir}){count}")
+    for warning in warnings:
+        print(f"  {warning}")
     return 0
 
 
@@ -358,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args.debug, args.verbose)
     _import_from_cwd()
+    _terminated.clear()
+    if args.command in ("train", "generate", "serve"):
+        signal.signal(signal.SIGTERM, _terminate)  # `kill` stops a run as Ctrl-C does, workers shut down
     try:
         code = args.func(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
@@ -376,14 +421,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if args.command == "serve":
             return 0
-        if args.command == "generate":
-            print("interrupted: rerun the same command to continue the output file", file=sys.stderr)
-        else:
-            print("interrupted: the last complete checkpoint can be resumed with --resume", file=sys.stderr)
-        return 130
+        print(_interrupted(args), file=sys.stderr)
+        return 143 if isinstance(e, Terminated) or _terminated else 130
 
 
 if __name__ == "__main__":

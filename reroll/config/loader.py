@@ -19,7 +19,7 @@ import os
 import re
 import tempfile
 import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
@@ -76,11 +76,17 @@ class ConfigError(UserError):
         return "\n".join([header, *(f"  {problem}" for problem in self.problems)])
 
 
-def load_config(path: str | Path, model: type[T], overrides: Sequence[str] = ()) -> T:
+def load_config(
+    path: str | Path,
+    model: type[T],
+    overrides: Sequence[str] = (),
+    check: Callable[[T], Sequence[Any]] | None = None,
+) -> T:
     """Read a YAML file, apply ``key.sub.key=value`` overrides, validate into ``model``, run its ``check()``.
 
     ``check()`` (optional) returns cross-field problems as ``ConfigProblem``s or ``(path, message)`` pairs;
-    it runs once every field is valid.
+    it runs once every field is valid. ``check``: another function of the config to run in its place
+    (``reroll generate`` checks only what generating reads).
     """
     path, source = Path(path), f"config {path}"
     try:
@@ -92,8 +98,8 @@ def load_config(path: str | Path, model: type[T], overrides: Sequence[str] = ())
         cfg = model.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_problems_from(e, model, _split_overrides(overrides)), source) from None
-    check = getattr(cfg, "check", None)
-    found = (check() or []) if callable(check) else []
+    own = getattr(cfg, "check", None)
+    found = (check(cfg) if check is not None else own() if callable(own) else []) or []
     if found:
         raise ConfigError([p if isinstance(p, ConfigProblem) else ConfigProblem(*p) for p in found], source)
     return cfg

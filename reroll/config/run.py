@@ -36,6 +36,7 @@ from reroll.config.runtime import (
 from reroll.config.training import OptimConfig, StrategyConfig
 
 _MODELS: dict[str, type[RunConfig]] = {}  # pipeline name -> its config model (register_pipeline_config)
+TRAINING_ONLY = ("algorithm", "optim", "critic")  # sections only training reads
 
 
 def register_pipeline_config(model: type[RunConfig]) -> type[RunConfig]:
@@ -257,8 +258,14 @@ class RunConfig(StrictModel):
         """The roles that score generations (a pipeline with a ``reward`` section overrides this)."""
         return []
 
-    def check(self) -> list[ConfigProblem]:
-        """Cross-section checks, all reported at once: the ones every pipeline shares, then the pipeline's."""
+    def check(self, *, trains: bool = True) -> list[ConfigProblem]:
+        """Cross-section checks, all reported at once: the ones every pipeline shares, then the pipeline's.
+        ``trains=False``: for a command that trains nothing (``reroll generate``), without the problems of
+        the sections only training reads (``TRAINING_ONLY``: one sample per prompt is fine there)."""
+        problems = self._training_checks()
+        return problems if trains else [p for p in problems if p.path.split(".")[0] not in TRAINING_ONLY]
+
+    def _training_checks(self) -> list[ConfigProblem]:
         problems = self._pipeline_problems()
         batch, group = self.rollout.batch_size, self.rollout.group_size
         if batch % group:

@@ -23,6 +23,18 @@ def engine_available(name: str) -> bool:
     return package is None or importlib.util.find_spec(package) is not None
 
 
+def engine_missing(name: str) -> str | None:
+    """Why engine ``name`` cannot be built here (its backend package is not installed), with the
+    install line; None when it can."""
+    if engine_available(name):
+        return None
+    spec = engine_spec(name)
+    return (
+        f"rollout.engine is {name!r} but the '{spec.package}' package is not installed here: "
+        f"{spec.install}, or set rollout.engine=hf"
+    )
+
+
 def make_engine(
     model_path: str,
     rollout: RolloutConfig,
@@ -38,12 +50,9 @@ def make_engine(
     A backend that is not installed is a ``UserError`` saying what to install.
     """
     name = rollout.engine
-    spec = engine_spec(name)
-    if not engine_available(name):
-        raise UserError(
-            f"rollout.engine is {name!r} but the '{spec.package}' package is not installed here: "
-            f"{spec.install}, or set rollout.engine=hf"
-        )
+    missing = engine_missing(name)
+    if missing:
+        raise UserError(missing)
     if name == "hf":
         from reroll.engines.hf import HFEngine
 

@@ -17,6 +17,7 @@ from reroll.algorithms.aggregation import count_tokens_and_seqs
 from reroll.config.schema import RunConfig
 from reroll.data.chat import ChatTemplateError, PromptFormat
 from reroll.data.datasets import DomainSampler, PromptSampler, load_samples
+from reroll.data.lengths import LengthFit, answer_template, length_fit, reference_text
 from reroll.data.types import (
     Completion,
     RewardItem,
@@ -119,6 +120,16 @@ class Rows:
         yield from [system] if system else []
         if self.cfg.reads_targets:
             yield from (self.target.format(**s.row) for s in self.targets)
+
+    def answer_fit(self, samples: Sequence[Sample]) -> LengthFit | None:
+        """How the right responses to ``samples`` (their targets, or answers) fit rollout.max_new_tokens;
+        None when the rows have neither."""
+        template = answer_template(self.cfg)
+        texts = [t for s in samples if (t := reference_text(s.row, template)) is not None]
+        if not texts:
+            return None
+        end = len(self.format.end_of_response) if self.cfg.reads_targets else 0
+        return length_fit(self.tokenizer, texts, cap=self.cfg.rollout.max_new_tokens, end=end)
 
     def warm_start(self, roles: Roles) -> None:
         """The SFT warm start (``sft.steps``) on the target rows, if the run has one."""
@@ -287,6 +298,7 @@ def evaluate(cfg: RunConfig, roles: Roles, samples: list[Sample]) -> dict[str, f
         "eval/accuracy": sum(routing.is_correct(r) for r in results) / n,
         "eval/reward_mean": sum(r.score for r in results) / n,
         "eval/response_length": sum(len(c.response_ids) for c in completions) / n,
+        "eval/truncated": sum(c.finish_reason == "length" for c in completions) / n,
         **per_domain,
     }
 

@@ -13,6 +13,7 @@ reward, the accuracy (the share of responses a reward counts correct) and pass@k
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from reroll.pipelines.roles import Roles
 from reroll.rewards import routing
 from reroll.runtime import checkpoint as checkpoints
 
+log = logging.getLogger(__name__)
 Split = Literal["train", "eval"]
 
 
@@ -120,7 +122,8 @@ def generate(
         raise UserError(f"--limit must be at least 1, got {limit}")
     if split == "eval" and not cfg.data.eval_files:
         raise UserError("generate: data.eval_files is empty; set it, or generate over --split train")
-    preflight(cfg)
+    for warning in preflight(cfg, generate_only=True):
+        log.warning("warning: %s", warning)
     ensure_tiny_model(cfg.model)
     write_synthetic_data(cfg)
     train, held_out = load_data(cfg, prompt_format(cfg, load_tokenizer(cfg.model.path)))
@@ -141,6 +144,9 @@ def _generate_missing(cfg: RunConfig, samples: list[Sample], done: set[int], out
         return 0
     per_batch, n = cfg.prompts_per_step, cfg.rollout.group_size
     roles = Roles.start(cfg, generate_only=True)
+    roles.reward.errors.write_to(
+        out.with_name(f"{out.stem}.reward_errors.txt")
+    )  # tracebacks beside the output
     bar = tqdm(desc="generate", total=len(samples), initial=len(done), unit="prompt", disable=None)
     try:
         with out.open("a") as f:

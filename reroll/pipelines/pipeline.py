@@ -101,6 +101,11 @@ class Pipeline:
         """A line showing one of the last step's samples, as the model saw it."""
         return None
 
+    def headroom(self, metrics: dict[str, float]) -> str | None:
+        """What step 0's held-out ``metrics`` say about the room the loop has to learn (a warning), or
+        None; nothing by default."""
+        return None
+
 
 def every(n: int, step: int, total: int) -> bool:
     """Whether an every-``n``-steps duty falls on ``step``: every ``n``-th step (none with n=0) and

@@ -1,6 +1,6 @@
-"""What a run's inputs can be checked for without starting anything: ``reroll validate`` and ``run()``
-(before any worker starts) call ``preflight``, and every problem comes back at once, each naming its
-config key or file and the fix.
+"""What a run's inputs can be checked for without starting anything: ``reroll validate``, ``run()`` and
+``reroll generate`` (before any worker starts) call ``preflight``, and every problem comes back at once,
+each naming its config key or file and the fix; warnings (``Findings.warnings``) do not stop a run.
 
 Checked:
 
@@ -16,8 +16,12 @@ Checked:
   a valid pair (``check_preference_row``: prompt, chosen and rejected present, non-empty strings or
   message lists, chosen different from rejected). Files ``preference.synthetic`` will write are skipped
   while they do not exist.
-- rewards: every ``fn`` imports (a registered name or ``package.module:function``) and can be called as
-  ``fn(prompt, response, row, **args)`` with the configured ``args`` (``inspect.signature().bind``).
+- rewards: every ``fn`` imports (a registered name or ``package.module:function``) and binds its call
+  form with the configured ``args``: ``fn(prompt, response, row, **args)``, or the row's fields as
+  keywords against the fields of the first training rows (``reroll.rewards.calling``); then each reward
+  of your own is called on the first training rows (``preflight_calls.reward_trials``): raising,
+  returning no number or a non-finite one, or hanging on a row's own answer is a problem; raising on
+  an empty response, or scoring every own answer 0, a warning.
 - an ``agent:`` environment (``agentic.env``): the function imports and binds ``(base_url, task,
   **agentic.env_config)``; ``agentic.tasks`` / ``eval_tasks`` read as rows.
 - distillation and RLHF models (``distill.teachers``, ``reward.model``) where their paths are local: a
@@ -25,31 +29,39 @@ Checked:
   the data rows route to a teacher (their ``domain``).
 - ``output_dir``: nothing on its path is a regular file, and it can be written.
 - lengths: ``rollout.max_new_tokens`` and ``rollout.vllm.max_model_len`` within the model's context
-  length, read from ``config.json`` where ``model.path`` is a local directory.
+  length, read from ``config.json`` where ``model.path`` is a local directory; and (a warning) the first
+  training rows' answers, or SFT targets with a warm start, tokenized against ``rollout.max_new_tokens``
+  (``preflight_calls.length_warnings``: the share cut and the value that fits), with the tokenizer of a
+  local model, of ``model.build_tiny``'s alphabet, or of a hub model in the local cache.
+- packages and programs the config needs, with their install lines (``preflight_machine.package_problems``:
+  vLLM / SGLang, DeepSpeed / Megatron-Core, math-verify, bubblewrap, wandb / mlflow).
 - what the roles would refuse when they start, decided by the config alone (``reroll.config.startable``,
   which ``reroll plan`` runs too): Megatron parallel sizes and models not built, options a strategy or
   engine does not take, an engine rank spanning pool devices; the device-dependent ones (Megatron or
   vLLM sleep mode on CPUs) where the device type is known (``placement.device_type``, or the cluster).
 - the Ray cluster holds the roles (``config.placement.cluster_problems``), when this process is
-  already connected to one (``ray.is_initialized()``).
+  already connected to one (``ray.is_initialized()``); else, where the run's devices come from this
+  machine (runtime.backend local, or a Ray cluster ``train`` starts here: no ``runtime.ray_address`` or
+  ``RAY_ADDRESS``), the device pool and the roles against this machine's CPUs and GPUs
+  (``preflight_machine.Machine``), with the device-dependent start checks above.
 
 Left out: ``agentic.max_episode_tokens`` against the context (RoPE models run past
 ``max_position_embeddings``, and the tiny game models' episodes do); rows after the first
 ``PEEK_ROWS`` (the run loads them all before any worker starts and reports the first bad one the
 same way); context lengths of hub models not on disk; joining a Ray
 cluster only to check it (``reroll validate`` starts nothing; ``train`` checks the cluster it joins,
-``runtime.placement.ResourceManager``, before any worker starts); what only a call can show (a reward
-that raises on its inputs: ``reward.max_error_share`` stops the run at the first such step).
+``runtime.placement.ResourceManager``, before any worker starts); what only the model's responses can
+show (a reward that raises on them: ``reward.max_error_share`` stops the run at the first such step).
 """
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from reroll.config.loader import ConfigError, ConfigProblem
 from reroll.config.placement import cluster_problems
@@ -62,36 +74,77 @@ from reroll.data.datasets import Source, check_row, read_rows, source_name, temp
 from reroll.data.preferences import check_preference_row
 from reroll.envs.agent import is_agent, load_agent
 from reroll.errors import UserError
-from reroll.rewards import resolve_reward
+from reroll.pipelines.preflight_calls import length_warnings, reward_trials, trial_rows
+from reroll.pipelines.preflight_machine import Machine, machine_problems, package_problems, starts_own_cluster
+from reroll.rewards import load_reward
+from reroll.rewards.calling import bind_problem
 from reroll.rewards.routing import domain_required_fields, domain_terms, route, term_key
 
 PEEK_ROWS = 100  # rows of each data file checked for their fields
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
-def preflight(cfg: RunConfig, source: str = "config") -> None:
-    """Raise one ``ConfigError`` listing every problem ``check_inputs`` finds."""
-    problems = check_inputs(cfg)
-    if problems:
-        raise ConfigError(problems, source)
+@dataclass
+class Findings:
+    """What the checks found: ``problems`` stop a run before anything starts; ``warnings`` do not."""
+
+    problems: list[ConfigProblem] = field(default_factory=list)
+    warnings: list[ConfigProblem] = field(default_factory=list)
 
 
-def check_inputs(cfg: RunConfig) -> list[ConfigProblem]:
-    """Every problem of the run's data files, rewards, output directory, lengths and cluster fit."""
+def preflight(
+    cfg: RunConfig, source: str = "config", machine: Machine | None = None, *, generate_only: bool = False
+) -> list[ConfigProblem]:
+    """Raise one ``ConfigError`` listing every problem ``inspect_inputs`` finds; else return its warnings."""
+    found = inspect_inputs(cfg, machine, generate_only=generate_only)
+    if found.problems:
+        raise ConfigError(found.problems, source)
+    return found.warnings
+
+
+def check_inputs(cfg: RunConfig, machine: Machine | None = None) -> list[ConfigProblem]:
+    """Every problem ``inspect_inputs`` finds (its warnings left out)."""
+    return inspect_inputs(cfg, machine).problems
+
+
+def inspect_inputs(
+    cfg: RunConfig, machine: Machine | None = None, *, generate_only: bool = False
+) -> Findings:
+    """Every problem of the run's data files, rewards, output directory, lengths, packages and devices,
+    and the warnings. ``machine``: what a run started here gets (default: this machine, where a run
+    holds its roles in this process or in a Ray cluster of its own). ``generate_only``: for ``reroll
+    generate``, which starts only the roles that generate and score."""
+    if machine is None and _on_this_machine(cfg):
+        machine = Machine.here()
+    train_rows: list[tuple[str, int, dict[str, Any]]] = []  # the first training rows that passed
     problems = _check_output_dir(cfg)
-    problems += _check_data(cfg)
+    problems += _check_data(cfg, train_rows)
     problems += _check_preferences(cfg)
     problems += _check_chat_template(cfg)
+    warnings: list[ConfigProblem] = []
     agentic = cfg.section("agentic")
     if cfg.section("reward") is not None:
-        problems += _check_rewards(cfg)
+        bad = _check_rewards(cfg, train_rows)
+        trials = reward_trials(cfg, trial_rows(cfg, train_rows), {p.path.rsplit(".", 1)[0] for p in bad})
+        problems += bad + trials[0]
+        warnings += trials[1]
     elif agentic is not None and is_agent(agentic.env):
         problems += _check_agent(cfg)
     problems += _check_lengths(cfg)
-    problems += _check_startable(cfg)
+    warnings += length_warnings(cfg, *_tokenizer_and_end(cfg))
+    problems += package_problems(cfg, generate_only=generate_only)
+    problems += _check_startable(cfg, machine)
     problems += _check_teacher_models(cfg)
-    problems += _check_cluster(cfg)
-    return problems
+    problems += _check_cluster(cfg, machine, generate_only)
+    return Findings(problems, warnings)
+
+
+def _on_this_machine(cfg: RunConfig) -> bool:
+    """Whether a run of ``cfg`` gets its devices from this machine: in this process (runtime.backend
+    local) or from a Ray cluster ``train`` starts here (not one it joins or this process is connected to)."""
+    ray = sys.modules.get("ray")
+    connected = ray is not None and ray.is_initialized()
+    return cfg.runtime.backend == "local" or (starts_own_cluster(cfg) and not connected)
 
 
 def _check_output_dir(cfg: RunConfig) -> list[ConfigProblem]:
@@ -120,6 +173,8 @@ def _data_files(cfg: RunConfig) -> list[tuple[str, Source, list[str]]]:
     fields = template_fields(data.prompt_template)
     needs = [*fields, *([] if cfg.reward_domains else [data.answer_field])]
     target = template_fields(sft.target_template if sft is not None else "{answer}")
+    # the rows' answer_field is their "answer" too (``load_data``), for the target as for the reward
+    target = [data.answer_field if f == "answer" else f for f in target]
     warm_start = cfg.reads_targets  # the rows' targets are learned from (SFT, a warm start, offline distill)
     sft_files = sft.files if sft is not None and sft.files else None
     train_needs = needs + (target if warm_start and sft_files is None else [])
@@ -131,7 +186,8 @@ def _data_files(cfg: RunConfig) -> list[tuple[str, Source, list[str]]]:
     return [(key, f, list(dict.fromkeys(n))) for key, f, n in out]
 
 
-def _check_data(cfg: RunConfig) -> list[ConfigProblem]:
+def _check_data(cfg: RunConfig, train_rows: list[tuple[str, int, dict[str, Any]]]) -> list[ConfigProblem]:
+    """The data files' problems; the first rows of the training files that pass go to ``train_rows``."""
     problems = []
     synthetic, data = set(), cfg.section("data")
     if data is not None and data.synthetic is not None:  # paths only (RunConfig.check)
@@ -150,6 +206,8 @@ def _check_data(cfg: RunConfig) -> list[ConfigProblem]:
                 _check_domains(cfg, name, rows)
             if cfg.section("distill") is not None:
                 _check_teacher_routes(cfg, name, rows)
+            if key.startswith("data.train_files"):
+                train_rows += [(name, i, row) for i, row in enumerate(rows)]
         except UserError as e:
             problems.append(ConfigProblem(key, str(e)))
     return problems
@@ -326,52 +384,27 @@ def _local_vocab(path: str) -> dict[str, int] | None:
         return None
 
 
-def _check_rewards(cfg: RunConfig) -> list[ConfigProblem]:
+def _check_rewards(cfg: RunConfig, train_rows: list[tuple[str, int, dict[str, Any]]]) -> list[ConfigProblem]:
+    """Every reward imports and binds its call form (``reroll.rewards.calling``) with its args and, for
+    one that takes the row's fields as keywords, the fields of the first training rows."""
+    fields = set().union(*(row for _, _, row in train_rows)) if train_rows else None
+    data = cfg.section("data")
+    if fields is not None and data is not None and data.answer_field in fields:
+        fields.add("answer")  # the reward reads the answer_field as "answer" too
     problems = []
     for domain, terms in domain_terms(cfg.reward).items():
         for i, term in enumerate(terms):
             key = term_key(cfg.reward, domain, i)
             try:
-                fn = resolve_reward(term.fn)
+                fn = load_reward(term.fn)
             except UserError as e:
                 problems.append(ConfigProblem(f"{key}.fn", str(e)))
                 continue
             args = dict(term.args) | ({"judge": None} if term.fn == "engine_judge" else {})
-            problem = _call_problem(fn, term.fn, args, key)
-            if problem is not None:
-                problems.append(problem)
+            found = bind_problem(fn, term.fn, args, key, fields)
+            if found is not None:
+                problems.append(ConfigProblem(*found))
     return problems
-
-
-def _call_problem(fn: object, name: str, args: dict, key: str) -> ConfigProblem | None:
-    """Whether ``fn(prompt, response, row, **args)`` binds to ``fn``'s signature."""
-    try:
-        sig = inspect.signature(fn)  # type: ignore[arg-type]
-    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
-        return None
-    try:
-        sig.bind("prompt", "response", {}, **args)
-        return None
-    except TypeError as e:
-        error = str(e)
-    try:
-        sig.bind("prompt", "response", {})
-    except TypeError:
-        return ConfigProblem(
-            f"{key}.fn",
-            f"{name!r} cannot be called as fn(prompt, response, row, **args): its signature is {sig} "
-            f"({error}): give it the parameters (prompt, response, row)",
-        )
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-    unknown = [k for k in args if k not in sig.parameters and not takes_any]
-    hints = [
-        f"{k!r} (did you mean {close[0]!r}?)"
-        if (close := difflib.get_close_matches(k, sig.parameters, n=1))
-        else repr(k)
-        for k in unknown
-    ]
-    what = f"does not take {', '.join(hints)}" if hints else f"cannot take these args ({error})"
-    return ConfigProblem(f"{key}.args", f"{name!r}{sig} {what}: fix {key}.args or the function")
 
 
 def _check_lengths(cfg: RunConfig) -> list[ConfigProblem]:
@@ -421,16 +454,48 @@ def _connected_device_type(cfg: RunConfig) -> str | None:
     return kind if kind != "auto" else ("cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu")
 
 
-def _check_startable(cfg: RunConfig) -> list[ConfigProblem]:
+def _check_startable(cfg: RunConfig, machine: Machine | None) -> list[ConfigProblem]:
     """What this version would refuse while the roles start (``reroll.config.startable``, the check
-    ``reroll plan`` runs too); device-dependent checks only when the device type is known."""
-    return [ConfigProblem(path, m) for path, m in start_problems(cfg, _connected_device_type(cfg))]
+    ``reroll plan`` runs too); device-dependent checks only when the device type is known (the cluster
+    this process is connected to, or ``machine``)."""
+    kind = _connected_device_type(cfg) or (machine.device_type(cfg) if machine is not None else None)
+    return [ConfigProblem(path, m) for path, m in start_problems(cfg, kind)]
 
 
-def _check_cluster(cfg: RunConfig) -> list[ConfigProblem]:
-    """The roles fit the Ray cluster this process is connected to; nothing when it is not connected."""
+def _check_cluster(cfg: RunConfig, machine: Machine | None, generate_only: bool) -> list[ConfigProblem]:
+    """The roles fit the Ray cluster this process is connected to, or ``machine`` where the run's devices
+    come from it (``preflight_machine.machine_problems``); nothing for a cluster the run would join."""
     ray = sys.modules.get("ray")
-    if cfg.runtime.backend != "ray" or ray is None or not ray.is_initialized():
-        return []
-    resources, device_type = ray.cluster_resources(), _connected_device_type(cfg)
-    return [ConfigProblem(path, message) for path, message in cluster_problems(cfg, resources, device_type)]
+    if cfg.runtime.backend == "ray" and ray is not None and ray.is_initialized():
+        resources, device_type = ray.cluster_resources(), _connected_device_type(cfg)
+        found = cluster_problems(cfg, resources, device_type, generate_only=generate_only)
+        return [ConfigProblem(path, m) for path, m in found]
+    return machine_problems(cfg, machine, generate_only=generate_only) if machine is not None else []
+
+
+def _tokenizer_and_end(cfg: RunConfig) -> tuple[Any, int]:
+    """The model's tokenizer without loading the model (from a local ``model.path``, the tiny kit's
+    ``model.build_tiny`` alphabet, or a hub id in the local cache), and how many tokens end a response
+    in the run's prompt format; ``(None, 0)`` when there is none to read."""
+    path, tiny = cfg.model.path, cfg.model.build_tiny
+    try:
+        if Path(path).is_dir():
+            from reroll.models.loading import load_tokenizer
+
+            tokenizer = load_tokenizer(path)
+        elif tiny is not None:
+            from reroll.models.tiny import char_tokenizer, resolve_alphabet
+
+            tokenizer = char_tokenizer(resolve_alphabet(tiny.alphabet), chat_template=tiny.chat_template)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:  # no tokenizer to read here: a problem model.path's own checks report
+        return None, 0
+    data = cfg.section("data")
+    try:
+        fmt = PromptFormat(tokenizer, chat_template=data.chat_template, system_prompt=data.system_prompt)
+        return tokenizer, len(fmt.end_of_response)
+    except (ChatTemplateError, AttributeError):  # reported by the chat template check; no data section
+        return tokenizer, 1

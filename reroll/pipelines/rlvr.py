@@ -20,6 +20,7 @@ from reroll.algorithms.correction import mismatch_metrics
 from reroll.algorithms.objective import AdvantageResult, AdvantageState, batch_advantages
 from reroll.config.schema import RunConfig
 from reroll.data.types import RewardItem, Rollout, Sample, TrainBatch, build_train_batch
+from reroll.pipelines import headroom
 from reroll.pipelines.common import (
     Rows,
     evaluate,
@@ -73,6 +74,15 @@ class RLVR(Pipeline):
 
     def evaluate(self, roles: Roles) -> dict[str, float]:
         return evaluate(self.cfg, roles, self.held_out)
+
+    def headroom(self, metrics: dict[str, float]) -> str | None:
+        if "eval/accuracy" not in metrics:
+            return None
+        fit = self.rows.answer_fit(self.held_out)
+        cfg = self.cfg
+        return headroom.advice(
+            metrics["eval/accuracy"], fit, sft_steps=cfg.warm_start_steps, group_size=cfg.rollout.group_size
+        )
 
     def step(self, roles: Roles, step: int) -> dict[str, float]:
         cfg = self.cfg

@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -> RunResult:
     """Run the pipeline for its ``total_steps`` (or continue the run in its directory)."""
-    preflight(cfg)  # what `reroll validate` checks, before anything is built or started
+    for warning in preflight(cfg):  # what `reroll validate` checks, before anything is built or started
+        log.warning("warning: %s", warning)
     ensure_tiny_model(cfg.model)
     cfg = cfg.absolute_paths()  # workers on other nodes (or started elsewhere) read the driver's paths
     pipeline = pipeline_cls(cfg)
@@ -61,7 +62,11 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
                 before = pipeline.evaluate(roles)
             roles.pop_timings()
             metrics_log.log(0, before)
+            _keep_reward_errors(roles, run_dir)
             tqdm.write(step_line(0, total, before))
+            note = pipeline.headroom(before)
+            if note:
+                log.warning("warning: %s", note)
         initial, step = pipeline.snapshot(), start + 1  # initial: where a trainer with no checkpoint restarts
         bar = tqdm(desc=pipeline.name, initial=start, total=total, disable=None)
         while step <= total:
@@ -84,6 +89,7 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
                 metrics["recovery/restarts"] = len(roles.restarted)
             metrics |= roles.pop_timings() | {"timing/step": time.perf_counter() - began}
             metrics_log.log(step, metrics)
+            _keep_reward_errors(roles, run_dir)
             last = metrics
             tqdm.write(step_line(step, total, metrics))
             line = pipeline.sample_line()
@@ -98,6 +104,12 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
     finally:
         roles.shutdown()
     return RunResult(run_dir, ckpt, run_dir / "metrics.jsonl", run_dir / "config.yaml", last)
+
+
+def _keep_reward_errors(roles: Roles, run_dir: Path) -> None:
+    """Reward failures' tracebacks go to the run directory once it is written to (its first metrics)."""
+    if roles.reward is not None and roles.reward.errors.path is None:
+        roles.reward.errors.write_to(run_dir / "reward_errors.txt")
 
 
 def _step(

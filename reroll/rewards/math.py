@@ -34,15 +34,15 @@ def final_answer_text(response: str, *, think: bool = True) -> str | None:
     return None if THINK_OPEN in response else response
 
 
+MISSING = "reward 'math_verify' needs the math-verify package: pip install 'reroll[math]' (or pip install math-verify)"
+
+
 @functools.cache
 def _verifier() -> Any:
     try:
         import math_verify
     except ImportError as e:
-        raise UserError(
-            "reward 'math_verify' needs the math-verify package: pip install 'reroll[math]' "
-            "(or pip install math-verify)"
-        ) from e
+        raise UserError(MISSING) from e
     # Off the main thread its signal timeouts are off on purpose (the worker's deadline applies).
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).addFilter(lambda r: "Timeout is disabled" not in r.getMessage())

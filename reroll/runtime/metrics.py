@@ -17,6 +17,27 @@ from reroll.errors import UserError
 log = logging.getLogger(__name__)
 
 
+def tracker_missing(*, wandb: bool, mlflow: bool) -> list[tuple[str, str]]:
+    """``(config key, message with the install line)`` for each tracker asked for but not installed."""
+    out = []
+    if wandb and importlib.util.find_spec("wandb") is None:
+        out.append(
+            (
+                "logging.wandb",
+                "logging.wandb is true but wandb is not installed: pip install 'reroll[tracking]'",
+            )
+        )
+    if mlflow and importlib.util.find_spec("mlflow") is None:
+        out.append(
+            (
+                "logging.mlflow",
+                "logging.mlflow is true but mlflow is not installed: pip install 'reroll[mlflow]' (or "
+                "'reroll[tracking]' for the client of a tracking server)",
+            )
+        )
+    return out
+
+
 class MetricsLogger:
     """Writes ``metrics.jsonl`` (append; on resume, lines after the checkpoint's step are dropped).
 
@@ -37,15 +58,9 @@ class MetricsLogger:
         on_open: Callable[[], None] | None = None,
         mlflow: MlflowSettings | None = None,
     ) -> None:
-        if wandb and importlib.util.find_spec("wandb") is None:
-            raise UserError(
-                "logging.wandb is true but wandb is not installed: pip install 'reroll[tracking]'"
-            )
-        if mlflow is not None and importlib.util.find_spec("mlflow") is None:
-            raise UserError(
-                "logging.mlflow is true but mlflow is not installed: pip install 'reroll[mlflow]' (or "
-                "'reroll[tracking]' for the client of a tracking server)"
-            )
+        missing = tracker_missing(wandb=wandb, mlflow=mlflow is not None)
+        if missing:
+            raise UserError(missing[0][1])
         self._mlflow_settings, self._mlflow = mlflow, None
         self.run_dir, self.path = run_dir, run_dir / "metrics.jsonl"
         self._settings = (tensorboard, wandb, wandb_project, run_name, dict(config))

@@ -107,6 +107,18 @@ def strategy_available(name: str) -> bool:
         return False
 
 
+def strategy_missing(name: str) -> str | None:
+    """Why strategy ``name`` cannot be built here (its backend package is not installed), with the
+    install line; None when it can."""
+    if name not in _BACKENDS or strategy_available(name):
+        return None
+    _, _, package, install = _BACKENDS[name]
+    return (
+        f"strategy.name is {name!r} but the '{package}' package is not installed here: {install}, "
+        "or set strategy.name=fsdp2"
+    )
+
+
 def make_strategy(
     cfg: RunConfig,
     *,
@@ -123,12 +135,10 @@ def make_strategy(
     A backend that is not installed is a ``UserError`` saying what to install.
     """
     name = trainer_strategy(cfg, device)
-    module, cls_name, package, install = _BACKENDS[name]
-    if not strategy_available(name):
-        raise UserError(
-            f"strategy.name is {name!r} but the '{package}' package is not installed here: {install}, "
-            "or set strategy.name=fsdp2"
-        )
+    module, cls_name, _, _ = _BACKENDS[name]
+    missing = strategy_missing(name)
+    if missing:
+        raise UserError(missing)
     cls = getattr(importlib.import_module(module), cls_name)
     return cls(
         model_path,

@@ -86,6 +86,16 @@ def test_generate_from_a_run_checkpoint_scores_and_resumes(tmp_path, assets):
     assert sorted(json.loads(ln)["index"] for ln in redone) == list(range(6))
     assert "4 new, 2 already in the file" in again.stdout
 
+    # one response per prompt: no group, which GRPO would need to train, and none needed to sample
+    single = reroll_cli(
+        *args[:5], tmp_path / "one.jsonl", *args[6:], "runtime.backend=local", "rollout.group_size=1"
+    )
+    assert single.returncode == 0, single.stderr
+    assert [len(json.loads(ln)["responses"]) for ln in (tmp_path / "one.jsonl").read_text().splitlines()] == [
+        1
+    ] * 6
+    assert "6 prompts x 1 responses" in single.stdout and "pass@1" in single.stdout
+
     # a file written with another n is refused, not mixed
     other = reroll_cli(*args, "runtime.backend=local", "rollout.group_size=2", "rollout.batch_size=16")
     assert other.returncode == 2

@@ -20,7 +20,7 @@ from tests.conftest import write_config
 pytestmark = pytest.mark.integration
 
 LOCAL = ("runtime.backend=local", "eval.every=0")
-RAISES = "reward.fn=tests.integration.bad_rewards:always_type_error"
+RAISES = "reward.fn=tests.integration.bad_rewards:type_error_unless_right"  # passes validate's calls
 
 
 def _files(run_dir: Path) -> dict[str, bytes]:
@@ -33,10 +33,23 @@ def test_a_reward_raising_on_every_call_stops_at_step_1(tmp_path, assets, capsys
     err = capsys.readouterr().err
     assert code == 2  # the user's function is wrong
     assert "the reward failed on 16 of 16 samples during reward at step 1" in err
-    assert "reward.fn 'tests.integration.bad_rewards:always_type_error' raised TypeError: " in err
+    assert "reward.fn 'tests.integration.bad_rewards:type_error_unless_right' raised TypeError: " in err
     assert "unsupported operand type(s) for +: 'int' and 'str'" in err
     assert "Traceback" not in err
     assert [m["step"] for m in read_metrics(tmp_path / "runs" / "t")] == [0]  # no step trained on it
+
+
+def test_a_reward_raising_on_every_call_is_refused_before_anything_starts(tmp_path, assets, capsys):
+    cfg = write_config(tmp_path / "c.yaml", assets, total_steps=200)
+    raises = "reward.fn=tests.integration.bad_rewards:always_type_error"
+    code = main(["train", str(cfg), *LOCAL, raises])
+    err = capsys.readouterr().err
+    assert (
+        code == 2 and "reward.fn: 'tests.integration.bad_rewards:always_type_error' raised TypeError" in err
+    )
+    assert "bad_rewards.py, line 10, in always_type_error)" in err  # where the user's code raised it
+    assert "when called on training row 1 of " in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()  # refused before the warm start, the run directory or any worker
 
 
 def test_an_evaluation_where_the_reward_always_raises_stops_before_training(tmp_path, assets, capsys):

