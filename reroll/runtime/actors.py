@@ -12,7 +12,9 @@ import itertools
 import json
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -96,6 +98,7 @@ def start_ray(address: str | None) -> None:
     job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
     job_vars = ((job.get("runtime_env") or {}).get("env_vars")) or {}
     env["env_vars"] = {k: v for k, v in env["env_vars"].items() if k not in job_vars}
+    term = signal.getsignal(signal.SIGTERM)
     ray.init(
         address=address,
         include_dashboard=False,
@@ -104,6 +107,9 @@ def start_ray(address: str | None) -> None:
         runtime_env=env,
         configure_logging=True,
     )
+    if callable(term) and threading.current_thread() is threading.main_thread():
+        # ray.init put its crash-dump handler (a native stack trace) in place of the command's own
+        signal.signal(signal.SIGTERM, term)
     if joining:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         log.info("joined the Ray cluster at %s: %d nodes, %s", joining, len(nodes), ray.cluster_resources())

@@ -12,6 +12,9 @@ Hidden by default:
   vLLM's logging is set up) and its checkpoint-loading bar (``vllm_load_bar``); torch's C++ warnings
   in workers, such as the NUMA binding notice (``TORCH_CPP_LOG_LEVEL=ERROR``).
 
+Ray's colour codes around its worker-line prefix (``(RewardWorker pid=...)``) are left out where the
+driver's output is not a terminal (a log file, a pipe): ``RAY_COLOR_PREFIX=0`` unless exported.
+
 The command line calls ``configure`` in the driver; ``ray_runtime_env`` carries the choice to every
 Ray worker (``REROLL_VERBOSE``) and runs ``configure_worker`` as each worker process starts.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 ENV = "REROLL_VERBOSE"
@@ -55,7 +59,16 @@ def verbose() -> bool:
 def configure(show: bool) -> None:
     """The driver's choice, recorded for the workers it starts, and applied here."""
     os.environ[ENV] = "1" if show else "0"
+    if not all(_is_terminal(stream) for stream in (sys.stdout, sys.stderr)):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # Ray prints its workers' lines with no colour codes
     configure_worker()
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False
 
 
 def configure_worker() -> None:

@@ -7,8 +7,10 @@ import fcntl
 import importlib.util
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -102,3 +104,40 @@ def test_override_read_as_a_mapping_says_to_quote_it(tmp_path, assets, capsys):
     assert "expected a string, got {'qid': None}" in err and """'data.id_field="{qid}"'""" in err
     # quoted as the hint says, it is the text
     assert main(["validate", str(cfg), 'data.prompt_template="{question}="']) == 0
+
+
+def test_a_ray_run_logged_to_a_file_is_plain_says_failures_once_and_stops_cleanly_on_sigterm(
+    tmp_path, assets
+):
+    """Output to a file (not a terminal): Ray's worker lines have no colour codes; a reward failing on
+    part of the samples is said once with its traceback's file and counted on every step line; `kill`
+    stops the run without Ray's native crash dump, naming the checkpoint to resume."""
+    cfg = write_config(tmp_path / "c.yaml", assets, total_steps=50, checkpoint={"every": 1})
+    log = tmp_path / "out.log"
+    overrides = ["reward.fn=tests.integration.bad_rewards:fails_on_odd_lengths", "reward.max_error_share=1.0"]
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "reroll.cli", "train", str(cfg), "eval.every=0", *overrides],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 300
+        while "step 2/50" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    out = log.read_text()
+    assert "step 2/50" in out, out  # the run was under way when it was stopped
+    assert code == 143, out
+    assert "(RewardWorker pid=" in out and "reward process ready" in out  # a worker's line came through
+    assert "\x1b[" not in out  # without colour codes
+    steps = [ln for ln in out.splitlines() if ln.startswith("step ") and not ln.startswith("step 0/")]
+    assert steps and all(" | rew_err " in ln for ln in steps), steps
+    said = [ln for ln in out.splitlines() if ln.startswith("reward: ")]
+    assert (
+        len(said) == 1 and "raised ValueError: odd length" in said[0] and "bad_rewards.py, line " in said[0]
+    )
+    errors = tmp_path / "runs" / "t" / "reward_errors.txt"
+    assert f"the traceback: {errors}" in said[0] and "Traceback (most recent call last)" in errors.read_text()
+    assert "SIGTERM received" not in out and "Traceback" not in out
+    assert "interrupted: the last complete checkpoint, " in out and "can be resumed with --resume" in out
