@@ -275,7 +275,6 @@ class HFEngine:
 
         def on_step(tokens: torch.Tensor, logits: torch.Tensor) -> None:
             lps, top_vals, top_ids = _step_logprobs(logits, tokens, temp, params.top_logprobs)
-            out = []
             for r, (token, lp) in enumerate(zip(tokens.tolist(), lps.tolist())):
                 if not live[r]:
                     continue  # finished: generate pads it
@@ -284,8 +283,7 @@ class HFEngine:
                 live[r] = cut is None
                 top = [_pairs(top_ids[r], top_vals[r])] if top_ids is not None else []
                 i, j, _ = chunk[r]
-                out.append(TokenDelta(i, j, [token], [lp], top, cut and cut[1]))
-            deltas.put(out)
+                deltas.put(TokenDelta(i, j, [token], [lp], top, cut and cut[1]))
 
         def run() -> None:
             try:
@@ -295,9 +293,9 @@ class HFEngine:
                 )
                 self._seconds += time.perf_counter() - began
                 self._tokens += sum(len(c.response_ids) for c in done)
-                # a response generate ended without a cut of its own (an interrupt) ends here
-                deltas.put([TokenDelta(i, j, [], [], [], c.finish_reason)
-                            for (i, j, _), c, on in zip(chunk, done, live) if on])  # fmt: skip
+                for (i, j, _), c, on in zip(chunk, done, live):
+                    if on:  # generate ended it without a cut of its own (an interrupt): it ends here
+                        deltas.put(TokenDelta(i, j, [], [], [], c.finish_reason))
             except BaseException as e:  # handed to the consumer
                 deltas.put(e)
             deltas.put(None)
@@ -310,7 +308,7 @@ class HFEngine:
                     if closed.is_set() and isinstance(item, EngineAborted):
                         break
                     raise item
-                yield from item
+                yield item
         finally:
             closed.set()
             thread.join()

@@ -184,3 +184,22 @@ def test_hf_stream_and_interrupt_through_ray(ray_groups):
     order = assert_stream_yields_groups_then_interrupt_cuts_the_rest(rollout, prompts=300)
     assert order == sorted(order)
     assert_interrupted_responses_resume(rollout, prompts=600, after_s=0.0)
+
+
+def test_hf_token_stream_through_ray_is_generate_token_by_token(ray_groups):
+    """``stream_tokens`` (reroll serve's ``stream: true``) from a Ray actor: one delta per token and
+    response, and the tokens, log-probs and finish reasons joined are ``generate``'s for the same seed."""
+    _, rollout = ray_groups
+    params = SamplingParams(n=2, max_new_tokens=6, seed=11, top_logprobs=2)
+    whole = rollout.generate(PROMPTS, params)
+    got: dict[tuple[int, int], list] = {}
+    for d in rollout.stream_tokens(PROMPTS, params):
+        assert len(d.token_ids) == len(d.logprobs) == len(d.top_logprobs) == 1
+        ids, lps, reason = got.setdefault((d.prompt, d.sample), [[], [], None])
+        assert reason is None  # nothing after a response's last delta
+        got[d.prompt, d.sample] = [ids + d.token_ids, lps + d.logprobs, d.finish_reason]
+    for i, group in enumerate(whole):
+        for j, c in enumerate(group):
+            ids, lps, reason = got[i, j]
+            assert (ids, reason) == (c.response_ids, c.finish_reason)
+            assert lps == pytest.approx(c.logprobs, abs=1e-5)
