@@ -38,13 +38,16 @@ from reroll.data.types import Completion, SamplingParams, TokenDelta
 from reroll.envs.trajectory import Trajectory, TrajectoryBuilder
 from reroll.roles.batcher import Batcher, Generate, StreamTokens
 from reroll.roles.openai_api import (
-    MAX_TOP_LOGPROBS,
+    EPISODE_UNSUPPORTED,
+    UNSUPPORTED,
     Answers,
     Job,
     RequestError,
     _messages,
     _params,
     json_schema,
+    logprobs_asked,
+    refuse,
 )
 from reroll.roles.tool_calls import ToolParser, forced_schema, function_specs, tool_format
 
@@ -256,7 +259,7 @@ class ChatServer:
     def episode_call(self, path: str, body: dict[str, Any]) -> tuple[Job, list[list[Completion]]]:
         """A chat request to an episode endpoint, answered with the run's sampling settings."""
         where = "an episode endpoint (agent proxy): write tool calls as text and parse them in the agent"
-        _refuse(body, _EPISODE_UNSUPPORTED, where)
+        refuse(body, EPISODE_UNSUPPORTED, where)
         messages = _messages(body)
         if any(set(m) - {"role", "content"} for m in messages):
             raise RequestError(
@@ -270,9 +273,9 @@ class ChatServer:
 
     def job(self, path: str, body: dict[str, Any]) -> Job:
         """A ``/v1/chat/completions`` or ``/v1/completions`` request made ready for the engine."""
-        _refuse(body, _UNSUPPORTED, "this endpoint")
+        refuse(body, UNSUPPORTED, "this endpoint")
         chat = path.endswith("/chat/completions")
-        report, top = _logprobs_asked(body, chat)
+        report, top = logprobs_asked(body, chat)
         if top:
             self._require("top_logprobs", "top_logprobs" if chat else "logprobs > 0", "top log-probs")
         schema = json_schema(body.get("response_format"))
@@ -361,34 +364,6 @@ class ChatServer:
     def stream(self, job: Job) -> Iterator[dict[str, Any]]:
         """The chunks of a streamed job, as the engine makes its tokens."""
         return self.answers.chunks(job, self._batcher.stream(job.prompts, job.params))
-
-
-# asked of this endpoint and not done: refused rather than ignored
-_UNSUPPORTED = ("functions", "function_call", "logit_bias", "echo", "suffix", "presence_penalty",
-                "frequency_penalty", "repetition_penalty")  # fmt: skip
-_EPISODE_UNSUPPORTED = ("tools", "tool_choice", "response_format", "top_logprobs", *_UNSUPPORTED)
-
-
-def _logprobs_asked(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
-    """Whether a request asks for its tokens' log-probs, and for how many top ones per token: a chat
-    request's ``logprobs`` (true) and ``top_logprobs`` (k), a text request's ``logprobs`` (k, 0 too)."""
-    asked = body.get("top_logprobs") if chat else body.get("logprobs")
-    if asked is None or (chat and asked is False):
-        return bool(body.get("logprobs")), 0
-    if isinstance(asked, bool) or not isinstance(asked, int) or not 0 <= asked <= MAX_TOP_LOGPROBS:
-        name = "top_logprobs" if chat else "logprobs"
-        raise RequestError(f"{name} must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {asked!r}")
-    return (bool(body.get("logprobs")) or asked > 0) if chat else True, asked
-
-
-def _refuse(body: dict[str, Any], names: Sequence[str], where: str) -> None:
-    """A request that sets any of ``names`` is refused, naming them."""
-    asked = [k for k in names if body.get(k)]
-    best_of, n = body.get("best_of"), body.get("n") or 1
-    if isinstance(best_of, int) and isinstance(n, int) and best_of > n:
-        asked.append("best_of")
-    if asked:
-        raise RequestError(f"{', '.join(asked)}: not supported by {where}", code="unsupported_parameter")
 
 
 def _handler(server: ChatServer) -> type[BaseHTTPRequestHandler]:

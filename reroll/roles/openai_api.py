@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -106,6 +106,34 @@ def _params(body: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
     if params.n < 1 or params.max_new_tokens < 1 or params.temperature < 0:
         raise RequestError("n and max_tokens must be at least 1 and temperature at least 0")
     return params
+
+
+# asked of this endpoint and not done: refused rather than ignored
+UNSUPPORTED = ("functions", "function_call", "logit_bias", "echo", "suffix", "presence_penalty",
+                "frequency_penalty")  # fmt: skip
+EPISODE_UNSUPPORTED = ("tools", "tool_choice", "response_format", "top_logprobs", *UNSUPPORTED)
+
+
+def logprobs_asked(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
+    """Whether a request asks for its tokens' log-probs, and for how many top ones per token: a chat
+    request's ``logprobs`` (true) and ``top_logprobs`` (k), a text request's ``logprobs`` (k, 0 too)."""
+    asked = body.get("top_logprobs") if chat else body.get("logprobs")
+    if asked is None or (chat and asked is False):
+        return bool(body.get("logprobs")), 0
+    if isinstance(asked, bool) or not isinstance(asked, int) or not 0 <= asked <= MAX_TOP_LOGPROBS:
+        name = "top_logprobs" if chat else "logprobs"
+        raise RequestError(f"{name} must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {asked!r}")
+    return (bool(body.get("logprobs")) or asked > 0) if chat else True, asked
+
+
+def refuse(body: dict[str, Any], names: Sequence[str], where: str) -> None:
+    """A request that sets any of ``names`` is refused, naming them."""
+    asked = [k for k in names if body.get(k)]
+    best_of, n = body.get("best_of"), body.get("n") or 1
+    if isinstance(best_of, int) and isinstance(n, int) and best_of > n:
+        asked.append("best_of")
+    if asked:
+        raise RequestError(f"{', '.join(asked)}: not supported by {where}", code="unsupported_parameter")
 
 
 def json_schema(response_format: Any) -> str | None:
