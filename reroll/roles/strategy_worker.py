@@ -30,11 +30,12 @@ from reroll.config.placement import colocated_engines, colocated_trainer_roles, 
 from reroll.config.schema import RunConfig
 from reroll.data.packing import length_order, micro_batches, pack, unpack
 from reroll.data.types import TrainBatch
+from reroll.errors import UserError
 from reroll.models.packed_attention import uses_packed_attention
 from reroll.runtime import profiling, quiet
 from reroll.runtime.actors import WorkerGroup, free_address
 from reroll.runtime.placement import configure_process, worker_device
-from reroll.strategies import Head, make_strategy
+from reroll.strategies import Head, SavedAtOtherWorldSize, make_strategy
 from reroll.strategies.memory import reserved_peak
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,16 @@ class StrategyWorker:
         self.strategy.save(Path(directory), with_optimizer=with_optimizer)
 
     def load(self, directory: str) -> None:
-        self.strategy.load(Path(directory))
+        try:
+            self.strategy.load(Path(directory))
+        except SavedAtOtherWorldSize as e:
+            world_size = f"roles.{self.role}.world_size"
+            path = "critic.model_path" if self.role == "critic" else "model.path"
+            raise UserError(
+                f"{e}: resume it with {world_size}={e.saved} (its next checkpoint resumes at any world "
+                f"size), or start a new run from its weights ({path}={e.directory / 'model'}, a fresh "
+                f"optimizer) with {world_size}={e.current}"
+            ) from e
 
     def profile_start(self, step: int) -> None:
         """Record this rank's work in ``step`` until ``profile_stop`` (``logging.profile_steps``)."""

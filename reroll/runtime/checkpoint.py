@@ -6,8 +6,12 @@ A checkpoint is written into ``checkpoints/.step_000010.partial``; only when eve
 that fails (a full disk) removes the partial directory (``discard``) and becomes one message
 (``write_failed``): the newest complete checkpoint stays the one ``--resume`` picks.
 
-Layout: ``model/`` (Hugging Face: ``from_pretrained`` loads it), ``optimizer_rank{r}.pt``,
-``trainer_state.json`` (step, data position, algorithm state).
+Layout: ``model/`` (Hugging Face: ``from_pretrained`` loads it; written in parts by every rank),
+``state/`` (the weights and optimizer for ``--resume``, in torch's distributed checkpoint format: every
+rank's shards, read back at any world size; ``reroll.strategies.sharded_state``), ``adapter/`` with
+LoRA, ``critic/`` (its own ``model/`` and ``state/``), ``trainer_state.json`` (step, data position,
+algorithm state). Checkpoints from before ``state/`` hold ``optimizer_rank{r}.pt`` instead (DeepSpeed:
+``deepspeed/``; Megatron still writes them).
 """
 
 from __future__ import annotations

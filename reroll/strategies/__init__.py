@@ -22,6 +22,16 @@ if TYPE_CHECKING:
 Head = Literal["causal_lm", "value", "reward"]
 
 
+class SavedAtOtherWorldSize(Exception):
+    """A checkpoint whose optimizer state only the world size it was saved at can read (``saved`` ranks;
+    this role has ``current``): ``why`` says which format it is. The worker turns it into the error
+    that names the role's ``world_size`` key."""
+
+    def __init__(self, directory: Path, saved: int, current: int, why: str) -> None:
+        super().__init__(f"{directory}: {why}, saved by {saved} ranks; this role has {current}")
+        self.directory, self.saved, self.current, self.why = directory, saved, current, why
+
+
 class Strategy(Protocol):
     """What actor_train, reference and critic need from a training backend.
 

@@ -8,16 +8,19 @@ One rank still builds a process group (in-process), so the same code runs at eve
 
 With ``strategy.lora`` the policy is wrapped with peft before sharding and only the adapters train;
 ``full_state_dict`` then gives the base weights with the adapters merged in (Hugging Face names), and
-``adapter_update`` the adapters alone. A checkpoint holds ``model/`` (Hugging Face, merged where LoRA
-is on, so it loads anywhere), ``adapter/`` (peft's format, LoRA only: what resuming loads) and
-``optimizer_rank{r}.pt`` (this rank's shard: resume with the same world size).
+``adapter_update`` the adapters alone. A checkpoint holds ``state/`` (every rank's shards of the
+weights and optimizer in torch's distributed checkpoint format, which any world size resumes:
+``sharded_state``), ``model/`` (Hugging Face, merged where LoRA is on, so it loads anywhere; written
+by every rank one decoder layer at a time: ``hf_export``) and with LoRA ``adapter/`` (peft's format).
+A checkpoint from before ``state/`` (``model/`` and ``optimizer_rank{r}.pt``, this rank's shard)
+resumes at the world size it was saved at.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +36,8 @@ from reroll.models.loading import (
     load_value_model,
     use_kernels,
 )
-from reroll.strategies import Head
+from reroll.strategies import Head, SavedAtOtherWorldSize
+from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
 from reroll.strategies.lora import (
     AdapterUpdate,
     adapter_names_to_saved,
@@ -46,6 +50,7 @@ from reroll.strategies.lora import (
     merged_state_dict,
     save_adapter,
 )
+from reroll.strategies.sharded_state import load_state, save_state
 from reroll.strategies.training import (
     HostParking,
     adamw_with_warmup,
@@ -226,49 +231,67 @@ class FSDP2Strategy:
         self._parked.reload(self.model, self.optimizer, device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
-        """``model/`` (Hugging Face, rank 0), ``adapter/`` with LoRA (rank 0), this rank's optimizer shard.
-
-        A collective: every rank must call it."""
+        """``state/`` (this rank's shards, and of the optimizer ``with_optimizer``), ``model/`` (Hugging
+        Face, part of its files), ``adapter/`` with LoRA (rank 0). A collective: every rank calls it."""
         directory.mkdir(parents=True, exist_ok=True)
-        full = self.full_state_dict()
+        save_state(
+            directory,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            with_optimizer=with_optimizer,
+            keep=self._kept(),
+        )
         adapter = self.adapter_update() if self.lora is not None else None
-        if self.rank == 0:
-            self.hf_model.save_pretrained(directory / "model", state_dict=full, safe_serialization=True)
-            if adapter is not None:
-                save_adapter(directory / "adapter", adapter)
-        if with_optimizer and self.optimizer is not None:
-            state = {
-                "optimizer": _local_optimizer_state(self.optimizer),
-                "scheduler": self.scheduler.state_dict(),
-                "world_size": self.world_size,
-            }
-            torch.save(state, directory / f"optimizer_rank{self.rank}.pt")
+        if adapter is not None and self.rank == 0:
+            save_adapter(directory / "adapter", adapter)
+        self.export(directory / "model")
+
+    def export(self, directory: Path) -> None:
+        """Write the model as Hugging Face's ``save_pretrained`` would (LoRA merged), one decoder layer at
+        a time: each is all-gathered in turn and its owner rank writes it (``hf_export``). A collective."""
+        state = distinct_state(self.model)
+        units = layer_units(self.model, state, decoder_layers(self.hf_model))
+        scale = self.lora.alpha / self.lora.rank if self.lora is not None else None
+        write_hf_model(
+            directory,
+            HFNames(self.hf_model, scale),
+            state,
+            units,
+            lambda names, keep: _gather({n: state[n] for n in names}, keep=keep),
+            rank=self.rank,
+            world_size=self.world_size,
+        )
 
     def load(self, directory: Path) -> None:
-        """Weights from ``directory`` (the adapter where LoRA is on, else ``model/``), and where present this
-        rank's optimizer shard (saved at the same world size)."""
+        """Weights, and where the checkpoint and this strategy have them the optimizer and schedule, from
+        ``directory/state`` resharded to this world size; from a checkpoint older than ``state/``, the
+        weights from ``model/`` (``adapter/`` with LoRA) and this rank's optimizer shard, saved at the
+        same world size. A collective: every rank calls it."""
+        if load_state(directory, self.model, self.optimizer, self.scheduler, keep=self._kept()):
+            return
+        shards = len(list(directory.glob("optimizer_rank*.pt"))) if self.optimizer is not None else 0
+        if shards and shards != self.world_size:  # every rank alike, before any collective
+            why = "a checkpoint of an earlier reroll, whose FSDP2 optimizer state is one shard per rank"
+            raise SavedAtOtherWorldSize(directory, shards, self.world_size, why)
         if self.lora is not None:
             state = load_adapter(directory / "adapter")
         else:
             dtype = str(self.hf_model.dtype).removeprefix("torch.")
             state = self._load(directory / "model", dtype, "cpu").state_dict()
         _load_full(self.model, state, strict=self.lora is None)
-        path = directory / f"optimizer_rank{self.rank}.pt"
-        if path.exists() and self.optimizer is not None:
-            saved = torch.load(path, map_location="cpu", weights_only=False)
-            if saved["world_size"] != self.world_size:
-                raise RuntimeError(
-                    f"{path} holds an optimizer shard of {saved['world_size']} ranks, but this role has "
-                    f"{self.world_size}: resume with the world size the checkpoint was saved at"
-                )
+        if shards:
+            saved = torch.load(
+                directory / f"optimizer_rank{self.rank}.pt", map_location="cpu", weights_only=False
+            )
             self.optimizer.load_state_dict(_sharded_optimizer_state(self.optimizer, saved["optimizer"]))
             self.scheduler.load_state_dict(saved["scheduler"])
 
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a Hugging Face model (its ``_no_split_modules`` classes), in order."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
+    def _kept(self) -> Callable[[str], bool] | None:
+        """Which tensors ``state/`` holds: with LoRA those that train (the base is ``model.path``), else all."""
+        if self.lora is None:
+            return None
+        return lambda name: is_adapter_key(name) or is_full_key(name, self.full)
 
 
 def _gather(state: dict[str, torch.Tensor], *, keep: bool) -> dict[str, torch.Tensor]:
@@ -276,6 +299,7 @@ def _gather(state: dict[str, torch.Tensor], *, keep: bool) -> dict[str, torch.Te
     at a time: a collective every rank joins)."""
     out = {}
     for name, value in state.items():
+        value = value.detach()
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if keep:
             out[name] = full.detach().to("cpu", copy=True)
@@ -289,18 +313,9 @@ def _load_full(model: torch.nn.Module, state: dict[str, torch.Tensor], *, strict
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
-def _local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with each DTensor replaced by this rank's local shard."""
-    sd = optimizer.state_dict()
-    sd["state"] = {
-        i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
-        for i, s in sd["state"].items()
-    }
-    return sd
-
-
 def _sharded_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of ``_local_optimizer_state``: local shards wrapped as DTensors like their parameters."""
+    """An older checkpoint's optimizer shard (``optimizer.state_dict()`` with each DTensor as this rank's
+    local shard) with its shards wrapped as DTensors like their parameters."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = {}
     for i, s in saved["state"].items():

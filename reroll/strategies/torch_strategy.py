@@ -8,7 +8,7 @@ ranks), so summing gradients over ranks gives exactly the full-batch gradient. R
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from reroll.models.loading import load_causal_lm, load_sequence_classifier, load_value_model, use_kernels
 from reroll.strategies import Head
+from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
 from reroll.strategies.lora import (
     AdapterUpdate,
     adapter_names_to_saved,
@@ -29,6 +30,7 @@ from reroll.strategies.lora import (
     merged_state_dict,
     save_adapter,
 )
+from reroll.strategies.sharded_state import load_state, save_state
 from reroll.strategies.training import (
     HostParking,
     adamw_with_warmup,
@@ -165,21 +167,49 @@ class TorchStrategy:
         self._parked.reload(self.model, self.optimizer, self.device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
-        """Hugging Face weights into ``directory/model`` (rank 0; merged with LoRA, plus the adapter in
-        ``directory/adapter``) and optimizer state per rank."""
+        """``state/`` (the weights, and ``with_optimizer`` the optimizer: DCP, each tensor written by one of
+        the ranks), ``model/`` (Hugging Face, merged with LoRA; its files split between the ranks) and with
+        LoRA ``adapter/`` (rank 0). A collective where there are several ranks."""
         directory.mkdir(parents=True, exist_ok=True)
+        save_state(
+            directory,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            with_optimizer=with_optimizer,
+            keep=self._kept(),
+        )
         if self.rank == 0 and self.lora is not None:
-            self.hf_model.save_pretrained(directory / "model", state_dict=self.full_state_dict())
             save_adapter(directory / "adapter", self.adapter_update())
-        elif self.rank == 0:
-            self.model.save_pretrained(directory / "model", safe_serialization=True)
-        if with_optimizer and self.optimizer is not None:
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-            torch.save(state, directory / f"optimizer_rank{self.rank}.pt")
+        self.export(directory / "model")
+
+    def export(self, directory: Path) -> None:
+        """Write the model as ``save_pretrained`` would (LoRA merged), each rank its share of the files,
+        one decoder layer at a time (``hf_export``)."""
+        state = distinct_state(self.model)
+        layers = decoder_layers(self.hf_model)
+        scale = self.lora.alpha / self.lora.rank if self.lora is not None else None
+
+        def gather(names: Sequence[str], keep: bool) -> dict[str, torch.Tensor]:
+            return {n: state[n].detach().to("cpu", copy=True) for n in names} if keep else {}
+
+        write_hf_model(
+            directory,
+            HFNames(self.hf_model, scale),
+            state,
+            layer_units(self.model, state, layers),
+            gather,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
 
     def load(self, directory: Path) -> None:
-        """Weights from ``directory/model`` (with LoRA: the adapter from ``directory/adapter``) and, where
-        present, this rank's optimizer state."""
+        """Weights, and where the checkpoint and this strategy have them the optimizer and schedule, from
+        ``directory/state`` (saved at any world size, by this strategy or fsdp2); from a checkpoint older
+        than ``state/``, the weights from ``model/`` (``adapter/`` with LoRA) and rank 0's optimizer
+        state (every rank's was the same)."""
+        if load_state(directory, self.model, self.optimizer, self.scheduler, keep=self._kept()):
+            return
         if self.lora is not None:
             missing, unexpected = self.model.load_state_dict(
                 load_adapter(directory / "adapter"), strict=False
@@ -189,8 +219,14 @@ class TorchStrategy:
         else:
             loaded = self._load(directory / "model", str(self.model.dtype).removeprefix("torch."), "cpu")
             self.model.load_state_dict(loaded.state_dict())
-        path = directory / f"optimizer_rank{self.rank}.pt"
+        path = directory / "optimizer_rank0.pt"
         if path.exists() and self.optimizer is not None:
             state = torch.load(path, map_location=self.device, weights_only=False)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
+
+    def _kept(self) -> Callable[[str], bool] | None:
+        """Which tensors ``state/`` holds: with LoRA those that train (the base is ``model.path``), else all."""
+        if self.lora is None:
+            return None
+        return lambda name: is_adapter_key(name) or is_full_key(name, self.full)
