@@ -33,6 +33,8 @@ def advice(accuracy: float, fit: LengthFit | None, *, sft_steps: int, group_size
             if cut and fit is not None
             else "1"
         )
+        points = round(room * 100)
+        gain = f"at most {points} point{'s' * (points != 1)}" if points >= 1 else "less than 1 point"
         fixes = (
             [f"set rollout.max_new_tokens to {fit.fitting_cap} so every answer fits"] if cut and fit else []
         )
@@ -44,7 +46,7 @@ def advice(accuracy: float, fit: LengthFit | None, *, sft_steps: int, group_size
             fixes.append("use harder prompts, or a model that starts lower")
         return (
             f"step 0 held-out accuracy {accuracy:.3f}{after} is within {max(room, 0.0):.3f} of {what}: GRPO "
-            f"has at most {max(room, 0.0) * 100:.0f} points left to gain. Fix: {'; and '.join(fixes)}"
+            f"has {gain} left to gain. Fix: {'; and '.join(fixes)}"
         )
     if accuracy < FLOOR:
         more = (

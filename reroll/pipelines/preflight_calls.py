@@ -54,8 +54,7 @@ def trial_rows(cfg: RunConfig, rows: Sequence[tuple[str, int, dict[str, Any]]]) 
         return []
     out = []
     for file, index, row in rows:
-        if data.answer_field != "answer" and data.answer_field in row:
-            row = {**row, "answer": row[data.answer_field]}
+        row = _aliased(cfg, row)
         try:
             prompt = data.prompt_template.format(**row)
         except (KeyError, IndexError, ValueError):  # reported by the field checks

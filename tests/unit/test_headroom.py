@@ -25,7 +25,10 @@ def test_close_to_a_ceiling_the_length_cap_sets_says_both_fixes():
     assert (
         "of its ceiling 0.700 (30.0% of the held-out answers are longer than rollout.max_new_tokens=5" in text
     )
-    assert "GRPO has at most 1 points left to gain" in text
+    assert "GRPO has at most 1 point left to gain" in text
+    assert "GRPO has less than 1 point left" in advice(
+        0.653, LengthFit(300, 103, 0, 6, 1, 5), sft_steps=250, group_size=8
+    )
     assert "set rollout.max_new_tokens to 7 so every answer fits" in text
     assert "take fewer SFT steps (sft.steps=400; e.g. 200)" in text
 

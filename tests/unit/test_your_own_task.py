@@ -60,6 +60,9 @@ def test_the_reward_returns_a_result_or_a_plain_number_in_a_thread_or_a_process(
     result = thread.score("What is 12 * 7?", "It is 84.004", {"answer": "84"}, "default")
     assert (result.score, dict(result.details)) == (1.0, {"correct": 1, "parsed": 1})
     assert thread.score("q", "no idea", {"answer": "84"}, "default").details == {"correct": 0, "parsed": 0}
+    trl = RewardRouter(RewardConfig(fn="my_rewards:reversed_exactly"))  # the row's fields as keywords
+    assert trl.score("q", " 84", {"answer": "84", "id": "x"}, "default").score == 1.0
+    assert trl.score("q", "48", {"answer": "84", "id": "x"}, "default").score == 0.0
     pool = ProcessPool(1, preload=[("my_rewards:exact", {})])
     try:  # `isolation: auto` runs a module:function reward in a child process, the default
         isolated = RewardRouter(RewardConfig(fn="my_rewards:exact"), pool)
