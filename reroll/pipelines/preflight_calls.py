@@ -182,13 +182,15 @@ def length_warnings(cfg: RunConfig, tokenizer: Any, end: int) -> list[ConfigProb
         else f"answers (data.answer_field {data.answer_field!r})"
     )
     longest = f"the longest is {fit.longest} tokens" + (f", plus {end} to end the response" if end else "")
+    # a run without a warm start is told only the answers: its responses may need more around them
+    at_least = "" if learns else "at least "
     if fit.cut:
         return [
             ConfigProblem(
                 "rollout.max_new_tokens",
                 f"{fit.cap} cuts {fit.share_cut:.1%} of the training rows' {what} ({fit.cut} of the first "
                 f"{fit.rows}): a response that must be longer can never be right, so accuracy stays under "
-                f"{fit.ceiling:.3f}; {longest}: set rollout.max_new_tokens to {fit.fitting_cap}",
+                f"{fit.ceiling:.3f}; {longest}: set rollout.max_new_tokens to {at_least}{fit.fitting_cap}",
             )
         ]
     if fit.no_end:
@@ -198,7 +200,7 @@ def length_warnings(cfg: RunConfig, tokenizer: Any, end: int) -> list[ConfigProb
                 f"{fit.cap} leaves no room to end the response after {fit.no_end / fit.rows:.1%} of the "
                 f"training rows' {what} ({fit.no_end} of the first {fit.rows}): those responses stop at "
                 f"the cap and count in rollout/truncated; {longest}: set rollout.max_new_tokens to "
-                f"{fit.fitting_cap}",
+                f"{at_least}{fit.fitting_cap}",
             )
         ]
     return []
