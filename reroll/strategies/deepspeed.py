@@ -16,17 +16,23 @@ skipped step is the dynamic loss scale backing off: logged, not counted). The op
 ``torch.optim.AdamW`` (``DeepSpeedCPUAdam`` with ``offload_optimizer``) under our linear warm-up
 ``LambdaLR``.
 
-Checkpoints: ``model/`` in Hugging Face form (rank 0, from the gathered weights) and, for resume,
-``deepspeed/`` in DeepSpeed's own layout (every rank's optimizer partition, the fp32 master weights and
-the schedule). ``full_state_dict`` gathers ZeRO-3 parameters on every rank: a collective that all ranks
-must call.
+Checkpoints: ``model/`` in Hugging Face form, written by every rank one decoder layer at a time
+(ZeRO-3 gathers each in turn: ``hf_export``), and, for resume, ``deepspeed/`` in DeepSpeed's own layout
+(every rank's optimizer partition, the fp32 master weights and the schedule). A role of another world
+size resumes it through DeepSpeed's universal checkpoint: rank 0 converts ``deepspeed/`` once into
+``deepspeed/universal/`` (one tensor per parameter and moment), which any number of ranks loads.
+``full_state_dict`` gathers ZeRO-3 parameters on every rank: a collective that all ranks must call.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import logging
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +45,7 @@ from reroll.config.startable import deepspeed_problems
 from reroll.errors import UserError
 from reroll.models.loading import load_causal_lm, load_sequence_classifier, load_value_model, use_kernels
 from reroll.strategies import Head
+from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
 from reroll.strategies.memory import peak_memory_gb
 from reroll.strategies.training import forward_logits, warmup_schedule
 
@@ -49,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_sequence_classifier}
 _TAG = "state"  # the one tag under ``<checkpoint>/deepspeed/``: a checkpoint directory holds one step
+_UNIVERSAL = "universal"  # ``<checkpoint>/deepspeed/universal/``: the state for any world size
 
 
 class DeepSpeedStrategy:
@@ -107,8 +115,9 @@ class DeepSpeedStrategy:
             )
         self._build(self._model_path)
 
-    def _ds_config(self) -> dict[str, Any]:
-        """DeepSpeed's config from ours: precision from ``model.dtype``, ZeRO stage, offload, clipping."""
+    def _ds_config(self, *, universal: bool = False) -> dict[str, Any]:
+        """DeepSpeed's config from ours: precision from ``model.dtype``, ZeRO stage, offload, clipping;
+        ``universal``: an engine that loads a universal checkpoint."""
         dtype = self.cfg.model.dtype
         zero: dict[str, Any] = {"stage": self.ds.zero_stage, "overlap_comm": False}
         if self.ds.offload_optimizer:
@@ -125,10 +134,12 @@ class DeepSpeedStrategy:
             "zero_optimization": zero,
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
+            "checkpoint": {"load_universal": universal},
         }
 
-    def _build(self, model_path: str | Path) -> None:
-        """A fresh model from ``model_path`` in a fresh engine (replacing any engine this rank had)."""
+    def _build(self, model_path: str | Path, *, universal: bool = False) -> None:
+        """A fresh model from ``model_path`` in a fresh engine (replacing any engine this rank had);
+        ``universal``: one that loads a universal checkpoint."""
         if self.engine is not None:
             self.engine.destroy()
         self.engine = None
@@ -151,7 +162,7 @@ class DeepSpeedStrategy:
             model=model,
             optimizer=optimizer,
             lr_scheduler=self._new_schedule if self.trainable else None,
-            config=self._ds_config(),
+            config=self._ds_config(universal=universal),
             dist_init_required=False,
         )
 
@@ -252,30 +263,80 @@ class DeepSpeedStrategy:
         return state
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
-        """Hugging Face weights into ``directory/model`` (rank 0); DeepSpeed's state into ``directory/deepspeed``.
-
-        A collective: every rank calls it."""
+        """Hugging Face weights into ``directory/model`` (every rank its files); DeepSpeed's state into
+        ``directory/deepspeed``. A collective: every rank calls it."""
         assert self.model is not None
         directory.mkdir(parents=True, exist_ok=True)
-        gathered = self.ds.zero_stage == 3 and self.engine is not None
-        state = self.full_state_dict() if gathered or self.rank == 0 else None
-        if self.rank == 0:
-            self.model.save_pretrained(directory / "model", state_dict=state, safe_serialization=True)
+        self.export(directory / "model")
         if with_optimizer and self.trainable:
             self.engine.save_checkpoint(str(directory / "deepspeed"), tag=_TAG, save_latest=False)
 
+    def export(self, directory: Path) -> None:
+        """Write the model as ``save_pretrained`` would, one decoder layer at a time (ZeRO-3 gathers each
+        in turn; otherwise every rank holds the weights), each rank its share of the files."""
+        assert self.model is not None
+        state = distinct_state(self.model)
+        zero3 = self.engine is not None and self.ds.zero_stage == 3
+        shapes = {  # a partitioned ZeRO-3 parameter is empty; ds_shape is its shape
+            n: torch.empty(getattr(t, "ds_shape", t.shape), dtype=t.dtype, device="meta")
+            for n, t in state.items()
+        }
+
+        def gather(names: Sequence[str], keep: bool) -> dict[str, torch.Tensor]:
+            params = [state[n] for n in names if hasattr(state[n], "ds_id")] if zero3 else []
+            with (
+                deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+                if params
+                else contextlib.nullcontext()
+            ):
+                return {n: state[n].detach().to("cpu", copy=True) for n in names} if keep else {}
+
+        units = layer_units(self.model, state, decoder_layers(self.model))
+        write_hf_model(
+            directory, HFNames(self.model), shapes, units, gather, rank=self.rank, world_size=self.world_size
+        )
+
     def load(self, directory: Path) -> None:
-        """A fresh engine on ``directory/model``; where present, DeepSpeed's optimizer and schedule too.
+        """A fresh engine on ``directory/model``; where present, DeepSpeed's optimizer and schedule too,
+        through a universal checkpoint where they were saved by another number of ranks.
 
         A collective: every rank calls it."""
-        self._build(directory / "model")
         state = directory / "deepspeed"
-        if self.trainable and (state / _TAG).is_dir():
+        saved = len(list((state / _TAG).glob("*optim_states.pt"))) if self.trainable else 0
+        universal = bool(saved) and saved != self.world_size
+        if universal:
+            self._to_universal(state)
+        self._build(directory / "model", universal=universal)
+        if saved:
             path, _ = self.engine.load_checkpoint(
-                str(state), tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+                str(state / _UNIVERSAL if universal else state),
+                tag=_TAG,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
             )
             if path is None:
                 raise FileNotFoundError(f"DeepSpeed found no checkpoint to load in {state / _TAG}")
+
+    def _to_universal(self, state: Path) -> None:
+        """``state/universal/`` from ``state/``, converted by rank 0 unless an earlier resume did (the other
+        ranks wait): DeepSpeed's ``ds_to_universal``, its output kept quiet."""
+        out = state / _UNIVERSAL
+        if self.rank == 0 and not (out / _TAG / "zero").is_dir():
+            from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+            args = argparse.Namespace(
+                input_folder=str(state / _TAG),
+                output_folder=str(out / _TAG),
+                num_extract_workers=1,  # in this process: a Ray worker's children are not Ray's to place
+                num_merge_workers=1,
+                keep_temp_folder=False,
+                strict=True,
+                inject_missing_state=True,  # what it needs of a model that is not Megatron's
+            )
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                ds_to_universal(args)
+        if dist.is_initialized():
+            dist.barrier()
 
     # --- colocation ------------------------------------------------------------------------------
 

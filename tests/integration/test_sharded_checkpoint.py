@@ -27,6 +27,7 @@ from reroll.pipelines.common import sft_batch
 from reroll.roles.objectives import NextToken
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime.actors import start_ray
+from reroll.strategies import strategy_available
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration
@@ -40,9 +41,9 @@ def batch(assets):
     return sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}")
 
 
-def _group(path: Path, world_size: int, strategy: str) -> TrainerGroup:
+def _group(path: Path, world_size: int, strategy: str, *more: str) -> TrainerGroup:
     """actor_train on ``world_size`` ranks (one: in this process), its optimizer configured."""
-    overrides = [f"roles.actor_train.world_size={world_size}", f"strategy.name={strategy}"]
+    overrides = [f"roles.actor_train.world_size={world_size}", f"strategy.name={strategy}", *more]
     if world_size == 1:
         overrides.append("runtime.backend=local")
     group = TrainerGroup("actor_train", load_config(path, RunConfig, overrides), trainable=True)
@@ -212,3 +213,48 @@ def test_an_older_fsdp2_checkpoint_at_another_world_size_names_the_fix(tmp_path,
     assert "one shard per rank, saved by 2 ranks; this role has 1" in message
     assert "resume it with roles.actor_train.world_size=2" in message
     assert f"model.path={tmp_path / 'old' / 'model'}" in message
+
+
+def _universal(state: Path) -> dict[str, torch.Tensor]:
+    """A DeepSpeed checkpoint as one tensor per parameter and state (fp32 weights, Adam's moments and
+    step), whatever the number of ranks that wrote it: its universal form, converted here."""
+    from reroll.strategies.deepspeed import _TAG, _UNIVERSAL, DeepSpeedStrategy
+
+    strategy = object.__new__(DeepSpeedStrategy)  # only its conversion, done here as rank 0 does it
+    strategy.rank = 0
+    strategy._to_universal(state)
+    zero = state / _UNIVERSAL / _TAG / "zero"  # zero/<parameter>/{fp32,exp_avg,exp_avg_sq,step}.pt
+    return {str(p.relative_to(zero)): torch.load(p, weights_only=False) for p in sorted(zero.glob("*/*.pt"))}
+
+
+@pytest.mark.long
+@pytest.mark.skipif(not strategy_available("deepspeed"), reason="deepspeed is not installed")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_saved_by_2_resumes_on_1(tmp_path, assets, batch, stage):
+    """DeepSpeed's own checkpoint, read by another number of ranks through its universal form: what the
+    1 rank loaded and wrote back is, per parameter, what the 2 ranks wrote, and its next step is theirs."""
+    path = write_config(tmp_path / "c.yaml", assets, optim={"lr": LR, "micro_batch_size": 4})
+    zero = f"strategy.deepspeed.zero_stage={stage}"
+    start_ray(None)
+    two = _group(path, 2, "deepspeed", zero)
+    try:
+        two.train(batch, NextToken())
+        two.save(tmp_path / "saved")
+        weights = two.weight_buckets(1.0).tensors()
+        next_step = two.train(batch, NextToken())
+    finally:
+        two.shutdown()
+    assert len(list((tmp_path / "saved" / "model").glob("*.safetensors"))) == 2  # one file a rank
+    one = _group(path, 1, "deepspeed", zero)
+    try:
+        one.load(tmp_path / "saved")
+        assert all(torch.equal(w, weights[n]) for n, w in one.weight_buckets(1.0).tensors().items())
+        one.save(tmp_path / "again")
+        step = one.train(batch, NextToken())
+    finally:
+        one.shutdown()
+    saved, again = _universal(tmp_path / "saved" / "deepspeed"), _universal(tmp_path / "again" / "deepspeed")
+    assert any(name.endswith("exp_avg_sq.pt") for name in saved)
+    _assert_equal(again, saved)
+    assert step["sft/loss"] == pytest.approx(next_step["sft/loss"], rel=1e-5)
+    assert step["sft/grad_norm"] == pytest.approx(next_step["sft/grad_norm"], rel=1e-5)
