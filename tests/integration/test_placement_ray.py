@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from reroll.pipelines.preflight_machine import Machine
 from reroll.runtime.metrics import read_metrics
 from tests.conftest import reroll_cli, write_config
 
@@ -47,9 +48,17 @@ def test_colocated_and_separate_placement_train_the_same(tmp_path, assets):
 
 
 def test_a_pool_bigger_than_the_cluster_is_refused_with_the_map(tmp_path, assets):
+    # train would start its own Ray cluster on this machine: the check sees this machine before Ray starts
+    cpus = int(Machine.here().cpus)
+    n = cpus + 6
     path = write_config(tmp_path / "run.yaml", assets, algorithm={"kl_coef": 0.0})
-    out = _train(path, "placement.devices=8", "placement.cpus_per_device=1", "roles.actor_infer.devices=[7]")
+    out = _train(
+        path, f"placement.devices={n}", "placement.cpus_per_device=1", f"roles.actor_infer.devices=[{n - 1}]"
+    )
     assert out.returncode == 2
-    assert "placement: the pool needs 8 CPU (8 devices) but the Ray cluster has 2" in out.stderr
-    assert "cpu device 0: actor_train[0]" in out.stderr and "cpu device 7: actor_infer[0]" in out.stderr
+    assert f"placement: on this machine ({cpus} CPUs, " in out.stderr
+    assert f"the pool needs {n} CPU ({n} devices) but the Ray cluster has {cpus}" in out.stderr
+    assert (
+        "cpu device 0: actor_train[0]" in out.stderr and f"cpu device {n - 1}: actor_infer[0]" in out.stderr
+    )
     assert "Traceback" not in out.stderr
