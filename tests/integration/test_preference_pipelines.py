@@ -8,6 +8,7 @@ The full-size runs (the examples, with the acceptance bars) are the ``long`` tes
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -67,18 +68,32 @@ def pref_config(tmp_path: Path, assets, prefs, pipeline: str, **sections) -> Pat
 
 
 def test_reward_model_learns_and_loads_as_a_sequence_classifier(tmp_path, assets, prefs):
-    cfg = pref_config(tmp_path, assets, prefs, "reward_model", total_steps=40, eval={"every": 20})
+    """The reward model fits 16 pairs, all of them in every step's batch, and the checkpoint scores them
+    in Hugging Face as the run did.
+
+    Fitting, not held-out accuracy: this model is untrained, and 40 steps on the 400 training pairs left
+    the loss at ln 2 on one CPU and just under it on another (issue 39, item 10). On 16 pairs it falls
+    steeply: a score head on 64 features separates 16 pairs (16 directions in 64 dimensions), and the
+    body trains too. Measured at four CPU kernel settings alike: mean loss 0.63 over the first ten
+    steps, 0.041 over the last ten, 0.013 at step 40; held-out accuracy is the long example test's."""
+    few = few_pairs(tmp_path, prefs)
+    cfg = pref_config(
+        tmp_path, assets, prefs, "reward_model", total_steps=40, eval={"every": 20},
+        preference={"train_files": [str(few)], "eval_files": [str(few)]},
+    )  # fmt: skip
     out = reroll_cli("train", cfg, "runtime.backend=local")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs" / "reward_model")
     assert rows[0]["eval/accuracy"] == 0.0  # the new head starts at zero: every pair a tie
     losses = [r["rm/loss"] for r in rows if "rm/loss" in r]
-    assert sum(losses[-10:]) < sum(losses[:10]), losses  # it learns
-    # measured on the 2-core dev machine: 0.0 -> 0.5625 (step 20) -> 0.578 (step 40) on 64 held-out pairs
-    assert rows[-1]["eval/accuracy"] > 0.5, rows[-1]
+    assert len(losses) == 40 and losses[0] == pytest.approx(math.log(2), abs=1e-6), losses  # the tie
+    assert sum(losses[-10:]) / 10 < math.log(2) / 4, losses  # it learns: far below the tie
+    # a mean under ln 2 / 16 over the 16 pairs leaves each pair's own loss under ln 2: all ranked right
+    assert losses[-1] < math.log(2) / 16, losses
+    assert rows[-1]["eval/accuracy"] == 1.0, rows[-1]
 
     chosen, rejected = hf_pair_scores(
-        tmp_path / "runs" / "reward_model" / "checkpoints" / "step_000040", prefs
+        tmp_path / "runs" / "reward_model" / "checkpoints" / "step_000040", {"test": few}
     )
     # what the run measured is what a user of the checkpoint measures
     assert float((chosen > rejected).float().mean()) == pytest.approx(rows[-1]["eval/accuracy"])
@@ -87,8 +102,17 @@ def test_reward_model_learns_and_loads_as_a_sequence_classifier(tmp_path, assets
     )
 
 
+def few_pairs(tmp_path: Path, prefs, n: int = 16) -> Path:
+    """The first ``n`` training pairs, for a run that fits them (``preference.batch_size`` 16: all of
+    them in every step)."""
+    path = tmp_path / "few.jsonl"
+    path.write_text("".join(Path(prefs["train"]).read_text().splitlines(keepends=True)[:n]))
+    return path
+
+
 def hf_pair_scores(checkpoint: Path, prefs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The held-out pairs scored by ``checkpoint/model`` loaded as a user would, with Hugging Face alone."""
+    """The pairs of ``prefs["test"]`` scored by ``checkpoint/model`` loaded as a user would, with Hugging
+    Face alone."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     model = AutoModelForSequenceClassification.from_pretrained(checkpoint / "model").eval()
@@ -104,24 +128,30 @@ def hf_pair_scores(checkpoint: Path, prefs) -> tuple[torch.Tensor, torch.Tensor]
 @pytest.mark.parametrize("strategy", ["torch", pytest.param("fsdp2", marks=pytest.mark.long)])
 def test_reward_model_with_lora_trains_adapters_and_the_head(tmp_path, assets, prefs, strategy):
     """LoRA on the body, the new score head trained in full; the checkpoint's model/ has the adapters
-    merged, so Hugging Face alone loads it and scores as the run did; adapter/ holds adapters and head."""
+    merged, so Hugging Face alone loads it and scores as the run did; adapter/ holds adapters and head.
+    It fits 16 pairs as the test above does (measured: mean loss 0.68 over the first five steps, 0.29
+    over the last five, 15 of 16 pairs ranked right; on the 400 pairs 0.69 and 0.66, 39 of 64 held-out
+    pairs right: a margin of the size another CPU's sums took from the test above)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     lora = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "sync": "merged"}
+    few = few_pairs(tmp_path, prefs)
     cfg = pref_config(
         tmp_path, assets, prefs, "reward_model", total_steps=20, eval={"every": 20},
         strategy={"name": strategy, "lora": lora}, optim={"lr": 3e-3, "micro_batch_size": 16},
+        preference={"train_files": [str(few)], "eval_files": [str(few)]},
     )  # fmt: skip
     out = reroll_cli("train", cfg, "runtime.backend=local")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs" / "reward_model")
     losses = [r["rm/loss"] for r in rows if "rm/loss" in r]
-    assert sum(losses[-5:]) < sum(losses[:5]), losses  # it learns
-    assert rows[-1]["eval/accuracy"] > 0.5, rows[-1]
+    assert len(losses) == 20 and losses[0] == pytest.approx(math.log(2), abs=1e-6), losses  # the tie
+    assert sum(losses[-5:]) / 5 < 0.75 * math.log(2), losses  # it learns, by a margin
+    assert rows[-1]["eval/accuracy"] >= 0.75, rows[-1]
 
     ckpt = tmp_path / "runs" / "reward_model" / "checkpoints" / "step_000020"
-    chosen, rejected = hf_pair_scores(ckpt, prefs)
+    chosen, rejected = hf_pair_scores(ckpt, {"test": few})
     assert float((chosen > rejected).float().mean()) == pytest.approx(rows[-1]["eval/accuracy"])
     adapter = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
     assert any(".lora_A." in k for k in adapter) and "base_model.model.score.weight" in adapter
