@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import getpass
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,26 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart" / "arithmetic_grpo.yaml"
+# what switches the CPU kernels torch runs (tests/integration/test_cpu_kernels.py)
+KERNEL_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS")
+
+if "ATEN_CPU_CAPABILITY" in os.environ and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    # torch.compile's kernel cache is not keyed by ATEN_CPU_CAPABILITY: under another setting it reused
+    # kernels built for the last (measured with torch 2.13: a C++ build error at 'default', NaN losses at
+    # 'avx2'). One cache per setting; the variable reaches the Ray workers and CLI runs the tests start.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
+        Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}"
+    )
+
+
+def pytest_report_header(config) -> str:
+    """The CPU kernels this run uses: the equality tests' sums depend on them."""
+    import torch
+
+    switched = " ".join(f"{k}={os.environ[k]}" for k in KERNEL_VARS if k in os.environ)
+    return f"cpu kernels: torch {torch.backends.cpu.get_cpu_capability()}" + (
+        f" ({switched})" if switched else ""
+    )
 
 
 @pytest.fixture(scope="session")
