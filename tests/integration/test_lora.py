@@ -3,8 +3,11 @@ the engine the trainer's policy, checkpoints restore the adapter, and a LoRA GRP
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
@@ -105,7 +108,12 @@ def test_lora_grpo_quickstart_learns_and_syncs_only_adapters(tmp_path):
         "checkpoint.every=0",
         "logging.tensorboard=false",
     ]
-    _train_cli(*common, "pipeline=sft", "name=base", f"model.path={assets}/tiny")
+    # the quickstart's SFT as a run of its own: pipeline sft reads neither algorithm nor total_steps
+    sft = yaml.safe_load(QUICKSTART.read_text()) | {"pipeline": "sft"}
+    del sft["algorithm"], sft["total_steps"]
+    sft_config = tmp_path / "sft.yaml"
+    sft_config.write_text(yaml.safe_dump(sft))
+    _train_cli(*common, "name=base", f"model.path={assets}/tiny", config=sft_config)
     base = tmp_path / "base" / "checkpoints" / "step_000250" / "model"
     _train_cli(
         *common,
@@ -129,6 +137,6 @@ def test_lora_grpo_quickstart_learns_and_syncs_only_adapters(tmp_path):
     assert adapter_bytes < 0.2 * full_bytes
 
 
-def _train_cli(*overrides: str) -> None:
-    out = reroll_cli("train", QUICKSTART, *overrides, timeout=1200)
+def _train_cli(*overrides: str, config: Path = QUICKSTART) -> None:
+    out = reroll_cli("train", config, *overrides, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]

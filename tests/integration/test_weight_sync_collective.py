@@ -186,11 +186,14 @@ def test_rlvr_with_collective_matches_object_store(tmp_path, assets):
         runs[transport] = tmp_path / "runs" / transport
     for step in (1, 2):
         base, coll = (step_metrics(runs[t], step) for t in ("object_store", "collective"))
-        for key in ("rollout/reward_mean", "actor/loss", "actor/grad_norm", "sync/bytes"):
+        for key in ("rollout/reward_mean", "actor/loss", "actor/grad_norm"):
             assert coll[key] == pytest.approx(base[key], rel=1e-4, abs=1e-6), (step, key)
         assert coll["actor/grad_norm"] > 0  # the step moved the policy: the next sync matters
         assert coll["mismatch/logprob_abs_max"] < 1e-4  # the engine sampled with the trainer's weights
-        assert coll["sync/bytes_collective"] >= coll["sync/bytes"] > 0
-        assert "sync/bytes_collective" not in base
-        [row] = [m for m in read_metrics(runs["collective"]) if m["step"] == step]
-        assert row["sync/gb_per_s"] > 0 and row["timing/weight_sync"] > 0
+    # step 2 starts by syncing step 1's update (the run syncs before a step that finds the engine stale)
+    second = {t: next(m for m in read_metrics(runs[t]) if m["step"] == 2) for t in runs}
+    base, coll = second["object_store"], second["collective"]
+    assert coll["sync/bytes"] == base["sync/bytes"] > 0
+    assert coll["sync/bytes_collective"] >= coll["sync/bytes"]
+    assert "sync/bytes_collective" not in base
+    assert coll["sync/gb_per_s"] > 0 and coll["timing/weight_sync"] > 0
