@@ -48,8 +48,13 @@ def register_pipeline_config(model: type[RunConfig]) -> type[RunConfig]:
 
 
 def pipeline_names() -> list[str]:
-    """The registered pipelines, in registration order."""
-    return list(_MODELS)
+    """The pipelines reroll ships, in registration order (one of one's own, named by its import path
+    'package.module:Class', is left out of the lists and docs reroll writes, whichever are imported)."""
+    return [name for name in _MODELS if ":" not in name]
+
+
+def _shipped() -> dict[str, type[RunConfig]]:
+    return {name: _MODELS[name] for name in pipeline_names()}
 
 
 def pipeline_config(name: Any) -> type[RunConfig]:
@@ -143,7 +148,7 @@ class RunConfig(StrictModel):
     def foreign_key(cls, key: str) -> str | None:
         """Why the top-level ``key`` is not this pipeline's: the pipelines that read it (None when none
         does)."""
-        owners = [name for name, model in _MODELS.items() if key in model.model_fields]
+        owners = [name for name, model in _shipped().items() if key in model.model_fields]
         if not owners or key in cls.model_fields:
             return None
         which = " and ".join(f"'{o}'" for o in owners)
@@ -323,6 +328,7 @@ def looks_like_hub_id(path: str) -> bool:
 def config_docs() -> str:
     """``reroll config-docs``: the keys every pipeline reads, then each pipeline's own sections, grouped
     by pipeline (a section several pipelines read is shown once, naming them)."""
+    shipped = _shipped()
     lines = [
         "# `RunConfig` reference",
         "",
@@ -332,21 +338,21 @@ def config_docs() -> str:
         "| pipeline | what it is | its sections |",
         "|---|---|---|",
     ]
-    for name, model in _MODELS.items():
+    for name, model in shipped.items():
         doc = _doc_line(model)
         own = ", ".join(f"`{k}`" for k in model.sections()) or "(none)"
         lines.append(f"| `{name}` | {doc} | {own} |")
     lines += ["", "## Every pipeline", "", *reference_tables(RunConfig, level="###")]
     shown: set[str] = set()
-    for name, model in _MODELS.items():
+    for name, model in shipped.items():
         own = [k for k in model.sections() if k not in shown]
         lines += [f"## Pipeline `{name}`", "", _doc_line(model), ""]
         for key in model.sections():
-            readers = [n for n, m in _MODELS.items() if key in m.model_fields]
+            readers = [n for n, m in shipped.items() if key in m.model_fields]
             if key in shown:
                 lines += [f"- `{key}`: as under pipeline `{readers[0]}`", ""]
         for key in own:
-            readers = [n for n, m in _MODELS.items() if key in m.model_fields]
+            readers = [n for n, m in shipped.items() if key in m.model_fields]
             note = (
                 f"Read by pipeline{'s' if len(readers) > 1 else ''} "
                 + ", ".join(f"`{r}`" for r in readers)

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import importlib.util
 
-from reroll.config.engines import ENGINES, engine_class, engine_spec
+from reroll.config.engines import AUTO, ENGINES, engine_class, engine_spec
 from reroll.config.rollout import RolloutConfig
 from reroll.engines.base import Engine
 from reroll.errors import UserError
 
 
 def engine_available(name: str) -> bool:
-    """Whether ``name``'s backend package can be imported here (an engine class of one's own: its module)."""
+    """Whether ``name``'s backend package can be imported here (an engine class of one's own: its module;
+    'auto' always: it falls back to hf where vLLM is missing)."""
+    if name == AUTO:
+        return True
     if name not in ENGINES:
         return importlib.util.find_spec(name.partition(":")[0]) is not None
     package = ENGINES[name].package

@@ -505,25 +505,34 @@ def test_worker_threads_default_to_the_cores_a_worker_has_to_itself(tmp_path, mo
     assert resolved.roles.reward.torch_threads is None
 
 
-def test_a_worker_process_lets_attention_use_cudnn_only_when_the_config_says_so(tmp_path, monkeypatch):
+def test_a_worker_process_lets_attention_use_cudnn_only_when_the_config_says_so(tmp_path):
     """torch picks cuDNN's attention first on Hopper GPUs, and cuDNN builds a plan per new shape;
-    model.cudnn_attention (default off) sets the process-wide flag, torch threads as before."""
-    import torch
+    model.cudnn_attention (default off) sets the process-wide flag, torch threads as before. Checked in a
+    fresh process, as a worker is one: in the whole suite's process, after the integration tests,
+    CI read 1 thread after set_num_threads(3) (process-wide state an earlier test left)."""
+    import subprocess
+    import sys
 
-    from reroll.runtime.placement import configure_process
-
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
-    was = torch.backends.cuda.cudnn_sdp_enabled(), torch.get_num_threads()
-    try:
-        cpu = {"placement.device_type": "cpu", "roles.actor_infer.torch_threads": 3}
-        configure_process(_cfg(tmp_path, **cpu), "actor_infer")
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.get_num_threads() == 3
-        configure_process(_cfg(tmp_path, **cpu, **{"model.cudnn_attention": True}), "actor_infer")
-        assert torch.backends.cuda.cudnn_sdp_enabled()
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(was[0])
-        torch.set_num_threads(was[1])
+    check = """
+import sys, torch
+from reroll.config.loader import load_config
+from reroll.config.schema import RunConfig
+from reroll.runtime.placement import configure_process
+path, flag = sys.argv[1], sys.argv[2]
+cfg = load_config(path, RunConfig, ["placement.device_type=cpu", "roles.actor_infer.torch_threads=3",
+                                    f"model.cudnn_attention={flag}"])
+configure_process(cfg, "actor_infer")
+print(torch.get_num_threads(), torch.backends.cuda.cudnn_sdp_enabled())
+"""
+    _cfg(tmp_path)  # writes run.yaml
+    seen = [
+        subprocess.run(
+            [sys.executable, "-c", check, str(tmp_path / "run.yaml"), flag],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()
+        for flag in ("false", "true")
+    ]  # fmt: skip
+    assert seen == [["3", "False"], ["3", "True"]]
 
 
 def test_the_moves_report_the_bytes_the_trainers_moved_and_their_rate(tmp_path, monkeypatch):

@@ -279,3 +279,13 @@ def test_packages_the_config_needs_come_with_their_install_line(cfg_for, monkeyp
     assert not [
         k for k in _by_key(cfg_for(reward={"domains": code, "default_domain": "code"})) if "code" in k
     ]
+
+
+def test_engine_auto_needs_no_package_since_it_falls_back_to_hf(cfg_for, monkeypatch):
+    """'auto' (the quickstart's engine) is vLLM only where vLLM is installed: on a machine without it
+    the run takes hf, so validate has nothing to install (it once asked for the package 'None')."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert "rollout.engine" not in _by_key(cfg_for(rollout={"engine": "auto"}))

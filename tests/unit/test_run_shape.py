@@ -161,6 +161,12 @@ def _problems(tmp_path: Path, data: dict[str, Any]) -> dict[str, str]:
 
 
 def test_a_section_of_another_pipeline_is_an_error_naming_its_pipelines(tmp_path):
+    """Only the pipelines reroll ships are named, and the config reference lists only them, whichever
+    pipelines of one's own the process has imported (a test module's did, once the suite collected it)."""
+    import tests.integration.extensions  # noqa: F401  (registers the pipeline 'tests.integration.extensions:Echo')
+    from reroll.config.schema import config_docs
+
+    assert "extensions:Echo" not in config_docs()
     data = {
         "pipeline": "sft",
         "model": {"path": "org/model"},
