@@ -287,5 +287,7 @@ def test_engine_auto_needs_no_package_since_it_falls_back_to_hf(cfg_for, monkeyp
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
     assert "rollout.engine" not in _by_key(cfg_for(rollout={"engine": "auto"}))
