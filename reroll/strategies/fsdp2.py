@@ -258,7 +258,7 @@ class FSDP2Strategy:
             HFNames(self.hf_model, scale),
             state,
             units,
-            lambda names, keep: _gather({n: state[n] for n in names}, keep=keep),
+            lambda names, keep: _gather({n: state[n] for n in names}, keep=keep, copy=False),
             rank=self.rank,
             world_size=self.world_size,
         )
@@ -294,15 +294,16 @@ class FSDP2Strategy:
         return lambda name: is_adapter_key(name) or is_full_key(name, self.full)
 
 
-def _gather(state: dict[str, torch.Tensor], *, keep: bool) -> dict[str, torch.Tensor]:
+def _gather(state: dict[str, torch.Tensor], *, keep: bool, copy: bool = True) -> dict[str, torch.Tensor]:
     """Full CPU copies of a state dict's tensors where ``keep``, else {} (a DTensor is all-gathered, one
-    at a time: a collective every rank joins)."""
+    at a time: a collective every rank joins). ``copy=False``: a tensor already whole on the CPU is
+    returned as it is, not copied (for reading it before the weights change again)."""
     out = {}
     for name, value in state.items():
         value = value.detach()
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if keep:
-            out[name] = full.detach().to("cpu", copy=True)
+            out[name] = full.to("cpu", copy=copy)
     return out
 
 

@@ -191,7 +191,7 @@ class TorchStrategy:
         scale = self.lora.alpha / self.lora.rank if self.lora is not None else None
 
         def gather(names: Sequence[str], keep: bool) -> dict[str, torch.Tensor]:
-            return {n: state[n].detach().to("cpu", copy=True) for n in names} if keep else {}
+            return {n: state[n].detach().to("cpu") for n in names} if keep else {}  # read before any step
 
         write_hf_model(
             directory,

@@ -258,3 +258,35 @@ def test_deepspeed_saved_by_2_resumes_on_1(tmp_path, assets, batch, stage):
     _assert_equal(again, saved)
     assert step["sft/loss"] == pytest.approx(next_step["sft/loss"], rel=1e-5)
     assert step["sft/grad_norm"] == pytest.approx(next_step["sft/grad_norm"], rel=1e-5)
+
+
+@pytest.mark.long
+def test_a_run_resumes_on_another_world_size_through_the_cli(tmp_path, assets):
+    """What a user does: an SFT run on 2 FSDP2 ranks stopped after step 2, ``--resume`` on 1 rank. Its
+    step 3 is the uninterrupted 2-rank run's step 3 (loss and gradient norm, from the loaded weights;
+    1e-5 as above), and no step is lost or logged twice."""
+    from reroll.cli import main
+    from reroll.runtime.metrics import read_metrics
+    from tests.conftest import step_metrics
+
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        assets,
+        pipeline="sft",
+        sft={"steps": 3, "batch_size": 16, "lr": 1e-3},
+        checkpoint={"every": 1},
+        eval={"every": 0},
+        strategy={"name": "fsdp2"},
+    )
+    two = "roles.actor_train.world_size=2"
+    assert main(["train", str(cfg), "name=straight", two]) == 0
+    assert main(["train", str(cfg), "name=stopped", two, "sft.steps=2"]) == 0
+    assert main(["train", str(cfg), "name=stopped", "--resume", "roles.actor_train.world_size=1"]) == 0
+    straight, resumed = (
+        step_metrics(tmp_path / "runs" / "straight", 3),
+        step_metrics(tmp_path / "runs" / "stopped", 3),
+    )
+    for key in ("sft/loss", "sft/grad_norm"):
+        assert resumed[key] == pytest.approx(straight[key], rel=1e-5), key
+    assert resumed["sft/lr"] == straight["sft/lr"]
+    assert [m["step"] for m in read_metrics(tmp_path / "runs" / "stopped")] == [0, 1, 2, 3]
