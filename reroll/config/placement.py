@@ -111,7 +111,8 @@ def role_device(cfg: RunConfig, role: str, device_type: str) -> str:
 def trainer_strategy(cfg: RunConfig, device: str) -> str:
     """``strategy.name`` with 'auto' resolved for trainer ranks on ``device`` ('cuda' or 'cpu'): fsdp2
     where it shards something (actor_train has several GPU ranks) or the user set one of its options
-    (``strategy.fsdp2``: CPU offload, mixed precision); torch otherwise. One fsdp2 rank shards nothing
+    (``strategy.fsdp2``: CPU offload, mixed precision), and on any device with ``strategy.context_parallel``
+    above 1 (only fsdp2 splits sequences); torch otherwise. One fsdp2 rank shards nothing
     and is slower: 1.5x the torch strategy's train and reference time on an H200 (0.5B shape,
     docs/benchmarks.md), about 1.4x on the tiny model on 2 CPU cores. The run resolves it once, in
     ``ResourceManager`` with the device actor_train's ranks get, and writes it to config.yaml;
@@ -119,6 +120,8 @@ def trainer_strategy(cfg: RunConfig, device: str) -> str:
     name = cfg.strategy.name
     if name != "auto":
         return name
+    if cfg.strategy.context_parallel > 1:
+        return "fsdp2"
     if device != "cuda":
         return "torch"
     sharded = cfg.roles.actor_train.world_size > 1

@@ -33,6 +33,7 @@ from reroll.config.runtime import (
     PlacementConfig,
     RuntimeConfig,
 )
+from reroll.config.startable import data_parallel_size
 from reroll.config.training import OptimConfig, StrategyConfig
 
 _MODELS: dict[str, type[RunConfig]] = {}  # pipeline name -> its config model (register_pipeline_config)
@@ -281,14 +282,17 @@ class RunConfig(StrictModel):
                     f"use {max(group, batch - batch % group)} or {batch - batch % group + group}",
                 )
             )
-        per_update = self.optim.mini_batches * self.roles.actor_train.world_size
+        dp = data_parallel_size(self, "actor_train")
+        per_update = self.optim.mini_batches * dp
         if self.trains_on_rollouts and batch % per_update:
+            ranks = f"roles.actor_train.world_size ({self.roles.actor_train.world_size})"
+            if self.strategy.context_parallel > 1:
+                ranks = f"the data-parallel ranks ({ranks} / strategy.context_parallel = {dp})"
             problems.append(
                 ConfigProblem(
                     "optim.mini_batches",
                     f"rollout.batch_size ({batch}) must split into optim.mini_batches ({self.optim.mini_batches}) x "
-                    f"roles.actor_train.world_size ({self.roles.actor_train.world_size}) = {per_update} equal parts: "
-                    f"change one of them",
+                    f"{ranks} = {per_update} equal parts: change one of them",
                 )
             )
         problems += [ConfigProblem(path, m) for path, m in check_placement(self)]

@@ -91,6 +91,97 @@ def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "
     return problems
 
 
+# The roles whose ranks split sequences with strategy.context_parallel (TrainerGroup's): the policy's
+# training and log-prob passes and the reference's; a critic, teacher or reward model keeps whole rows.
+CONTEXT_PARALLEL_ROLES = ("actor_train", "reference")
+
+
+def context_parallel_size(cfg: RunConfig, role: str) -> int:
+    """The size of ``role``'s context-parallel groups: ``strategy.context_parallel`` for the roles that
+    split sequences (``CONTEXT_PARALLEL_ROLES``), else 1."""
+    return cfg.strategy.context_parallel if role in CONTEXT_PARALLEL_ROLES else 1
+
+
+def data_parallel_size(cfg: RunConfig, role: str) -> int:
+    """How many parts a batch is split into for ``role``: its ranks over its context-parallel size."""
+    return max(getattr(cfg.roles, role).world_size // context_parallel_size(cfg, role), 1)
+
+
+def context_parallel_strategy_problem(size: int, name: str) -> str:
+    """Why ``strategy.context_parallel`` cannot run on strategy ``name``."""
+    other = "; megatron has its own, strategy.megatron.context_parallel" if name == "megatron" else ""
+    return (
+        f"strategy.context_parallel={size} is built for strategy.name=fsdp2 (Ulysses sequence "
+        f"parallelism), not {name}{other}: set strategy.name=fsdp2, or strategy.context_parallel=1"
+    )
+
+
+def ulysses_model_problems(c: Any, size: int) -> list[str]:
+    """Why a model of Hugging Face config ``c`` (a ``PretrainedConfig``, or config.json's fields as
+    attributes; its text part where it has one) cannot attend split over ``size`` ranks by Ulysses:
+    each rank takes 1/size of the attention and of the key-value heads."""
+    text = c.get_text_config() if hasattr(c, "get_text_config") else getattr(c, "text_config", None) or c
+    if isinstance(text, dict):
+        text = SimpleNamespace(**text)
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    problems = []
+    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if isinstance(n, int) and n % size:
+            fits = [
+                k for k in range(1, (kv_heads or 1) + 1) if (kv_heads or 1) % k == 0 and (heads or 1) % k == 0
+            ]
+            problems.append(
+                f"strategy.context_parallel={size} must divide the model's {name} ({n}): Ulysses gives each "
+                f"rank of a group 1/{size} of the heads; use one of {fits}"
+            )
+    windowed = getattr(text, "use_sliding_window", False) or any(
+        t != "full_attention" for t in getattr(text, "layer_types", None) or ()
+    )
+    if windowed or getattr(text, "attn_logit_softcapping", None) is not None:
+        problems.append(
+            f"strategy.context_parallel={size}: the model has sliding-window or soft-capped attention, which "
+            "the Ulysses attention does not run; set strategy.context_parallel=1"
+        )
+    return problems
+
+
+def context_parallel_problems(cfg: RunConfig, strategies: dict[str, str]) -> list[tuple[str, str]]:
+    """What ``strategy.context_parallel`` cannot do in this run: ``strategies`` names each started
+    trainer role's backend."""
+    size = cfg.strategy.context_parallel
+    if size == 1:
+        return []
+    problems = []
+    for role in (r for r in CONTEXT_PARALLEL_ROLES if r in strategies):
+        if strategies[role] != "fsdp2":
+            problems.append(
+                ("strategy.context_parallel", context_parallel_strategy_problem(size, strategies[role]))
+            )
+        world = getattr(cfg.roles, role).world_size
+        if world % size:
+            fits = ", ".join(str(size * k) for k in range(1, 4))
+            problems.append(
+                (
+                    f"roles.{role}.world_size",
+                    f"{world} is not a multiple of strategy.context_parallel ({size}): a role's ranks form "
+                    f"groups of {size} that split each sequence; use {fits}, ... or another context_parallel",
+                )
+            )
+    if cfg.policy_head != "causal_lm":
+        problems.append(
+            (
+                "strategy.context_parallel",
+                "a reward model (pipeline reward_model) pools each row to one score, which context "
+                "parallelism does not split: set strategy.context_parallel=1",
+            )
+        )
+    problems += [
+        ("strategy.context_parallel", m) for m in ulysses_model_problems(_model_config(cfg.model.path), size)
+    ]
+    return problems
+
+
 def megatron_model_problem(found: str | None) -> str | None:
     """Why the Megatron strategy cannot convert a model of type ``found`` (None: it can, or unknown)."""
     if found is None or found in MEGATRON_MODEL_TYPES:
@@ -232,6 +323,7 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
         problems += [("model.path", m) for m in megatron_model_problems(_model_config(cfg.model.path))]
     if any(s == "deepspeed" for s in strategies.values()):
         problems += deepspeed_problems(cfg)
+    problems += context_parallel_problems(cfg, strategies)
     compiled_elsewhere = sorted({s for s in strategies.values() if s not in ("torch", "auto")})
     if cfg.model.compile and compiled_elsewhere:
         problems.append(

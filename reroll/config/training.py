@@ -153,6 +153,15 @@ class StrategyConfig(StrictModel):
     fsdp2: FSDP2Config = Field(default_factory=FSDP2Config, description="FSDP2 settings.")
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed settings.")
     megatron: MegatronConfig = Field(default_factory=MegatronConfig, description="Megatron-Core settings.")
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="Context parallelism (fsdp2): groups of this many of actor_train's (and the reference's) "
+        "ranks split every sequence between them, attention by Ulysses all-to-alls over the heads, so a "
+        "rank holds 1/n of a long row's activations; world_size must be a multiple (data-parallel ranks: "
+        "world_size / n) and n must divide the model's attention and key-value heads. optim's micro-batch "
+        "limits are a group's (each rank computes 1/n of their tokens). 1: off.",
+    )
     lora: LoRAConfig | None = Field(
         None,
         description="Train low-rank adapters instead of all weights (fsdp2 and torch strategies); a reward "

@@ -85,19 +85,19 @@ def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(NAME, _attention)
+    AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, _mask)
 
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """``sdpa``'s mask, except for a call without one (a packed row, or rows with no padding): none,
-    and ``_attention`` attends causally (within each row, for a packed call)."""
+    and ``attention`` attends causally (within each row, for a packed call)."""
     from transformers.masking_utils import sdpa_mask
 
     return None if kwargs.get("attention_mask") is None else sdpa_mask(*args, **kwargs)
 
 
-def _attention(
+def attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,

@@ -28,6 +28,7 @@ from reroll.algorithms.logprobs import selected_logprobs_and_entropy
 from reroll.config.memory import forward_only_limits, model_token_shape
 from reroll.config.placement import colocated_engines, colocated_trainer_roles, scaled_peak
 from reroll.config.schema import RunConfig
+from reroll.config.startable import context_parallel_size
 from reroll.data.packing import length_order, micro_batches, pack, unpack
 from reroll.data.types import TrainBatch
 from reroll.errors import UserError
@@ -36,6 +37,7 @@ from reroll.runtime import profiling, quiet
 from reroll.runtime.actors import WorkerGroup, free_address
 from reroll.runtime.placement import configure_process, worker_device
 from reroll.strategies import Head, SavedAtOtherWorldSize, make_strategy
+from reroll.strategies.context_parallel import ContextParallel
 from reroll.strategies.memory import reserved_peak
 
 log = logging.getLogger(__name__)
@@ -97,22 +99,31 @@ def scored_token_stats(
     *,
     entropy: bool,
     chunk_tokens: int | None = None,
+    split: tuple[ContextParallel, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, T)`` fp32 log-probs of the tokens at ``(rows, cols + 1)`` of ``input_ids`` and their entropy
     (zeros unless ``entropy``), 0 elsewhere: ``forward()`` runs ``model`` with its head at the flattened
     input positions ``picked`` alone (``head_at``; one per scored token, in the same order), or, where
     the head cannot be restricted, the whole output is computed and those rows taken. ``chunk_tokens``:
-    as ``token_logprobs``'s."""
+    as ``token_logprobs``'s. ``split``: this rank's context-parallel group and the width of the model's
+    input rows; ``forward()`` then runs this rank's columns, whose scored tokens it computes, and the
+    group's are combined (``ContextParallel.combine``)."""
+    targets = input_ids[rows, cols + 1]
+    local = split[0].picks(picked, split[1]) if split is not None else None
+    if local is not None:
+        picked, targets = local.positions, targets[local.keep]
     with head_at(model, picked) as selected:
         logits = forward()
     logits = logits.reshape(-1, logits.shape[-1])
     if not selected:  # the full output: take the same rows of it
         logits = logits[picked.to(logits.device)]
     dev = logits.device
-    targets = input_ids[rows, cols + 1]
     logp, ent = selected_logprobs_and_entropy(
-        logits, targets, temperature, entropy=entropy, chunk_tokens=chunk_tokens
+        logits, targets.to(dev), temperature, entropy=entropy, chunk_tokens=chunk_tokens
     )
+    if local is not None:
+        cp = split[0]
+        logp, ent = cp.combine(logp, local), cp.combine(ent, local)
     where = (rows.to(dev), cols.to(dev) + 1)  # position t-1 scores column t
     zeros = torch.zeros(input_ids.shape, dtype=torch.float32, device=dev)
     return zeros.index_put(where, logp), zeros.index_put(where, ent)
@@ -144,6 +155,7 @@ class StrategyWorker:
             rank=rank,
             world_size=getattr(cfg.roles, role).world_size,
             head=head,
+            context_parallel=context_parallel_size(cfg, role),
         )
         # forward-only passes on a GPU size from the model's shape (forward_only_limits; None: training's)
         self._shape = model_token_shape(model_path) if self.strategy.device.type == "cuda" else None
@@ -289,11 +301,14 @@ class StrategyWorker:
     def forward(self, mb: TrainBatch) -> torch.Tensor:
         """The model's output on a micro-batch, ``(b, t, ...)`` right-padded like ``mb.input_ids``; with
         ``optim.packing`` its rows run as one packed sequence (no padding computed) and are unpacked."""
+        cp = self.context_parallel
         if not self.packing:
-            return self.strategy.logits(mb.input_ids, mb.attention_mask)
+            out = self.strategy.logits(mb.input_ids, mb.attention_mask)
+            return out if cp is None else cp.gather(out, mb.input_ids.shape[1])
         packed = pack(mb)
         if self.head != "reward":
             out = self.strategy.logits(packed.input_ids, None, packed.position_ids)
+            out = out if cp is None else cp.gather(out, packed.input_ids.shape[1])
             return unpack(out, packed, mb.input_ids.shape[1])
         # a sequence classifier pools its one packed row to one score: take the head's per-token
         # output instead (inside the forward, where a sharded head is gathered), (b, t, 1) unpacked
@@ -309,7 +324,8 @@ class StrategyWorker:
 
         The head runs at the positions before the response tokens alone (``head_at``): prompt and
         padding positions cost no (tokens x vocabulary) work, no logits are unpacked or gathered, and
-        the backward writes the logits' gradient only where a loss reads it."""
+        the backward writes the logits' gradient only where a loss reads it. With context parallelism each
+        rank of a group runs its columns and the group's log-probs come back whole to each."""
         t = mb.input_ids.shape[1]
         before = torch.nn.functional.pad(mb.response_mask[:, 1:].bool(), (0, 1), value=False)
         if self.packing:
@@ -321,6 +337,7 @@ class StrategyWorker:
             rows, cols = before.nonzero(as_tuple=True)
             picked = rows * t + cols
             args = (mb.input_ids, mb.attention_mask)
+        cp = self.context_parallel
         return scored_token_stats(
             self.strategy.model,
             lambda: self.strategy.logits(*args),
@@ -330,7 +347,13 @@ class StrategyWorker:
             mb.input_ids,
             temperature,
             entropy=entropy,
+            split=None if cp is None else (cp, args[0].shape[1]),
         )
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """This rank's context-parallel group, where its strategy splits sequences."""
+        return getattr(self.strategy, "context_parallel", None)
 
     def _limits(self, forward_only: bool, width: int) -> dict[str, int | None]:
         """``micro_batches``' limits for rows ``width`` tokens wide: ``optim.max_tokens_per_micro_batch``

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from reroll.config.schema import RunConfig
+from reroll.config.startable import context_parallel_size
 from reroll.data.preferences import PairBatch
 from reroll.data.types import TrainBatch
 from reroll.errors import RoleError
@@ -32,6 +33,7 @@ from reroll.runtime.weight_sync import (
     share_bucket,
     split_into_buckets,
 )
+from reroll.strategies.context_parallel import data_shards, group_leaders
 from reroll.strategies.lora import AdapterUpdate, payload_bytes
 
 
@@ -152,16 +154,27 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
 
 
 class TrainerGroup(StrategyGroup):
-    """The ranks of actor_train or reference; batches are split by rows across ranks."""
+    """The ranks of actor_train or reference; batches are split by rows across the data-parallel ranks:
+    each rank, or with ``strategy.context_parallel`` each group of ranks that splits the sequences
+    (its ranks get the same rows and return the same results; the first one's are kept)."""
 
     def __init__(self, role: str, cfg: RunConfig, *, trainable: bool) -> None:
         super().__init__(role, TrainerWorker, lambda rank: (role, rank, cfg, trainable), cfg)
         self.weights_version = 0  # counts optimizer steps and loads: an engine holding another is stale
+        self.cp = context_parallel_size(cfg, role)
+
+    def _shards(self, batch: TrainBatch | PairBatch) -> list[Any]:
+        """Each rank's share of ``batch``: a data-parallel rank's part, the same for a group's ranks."""
+        return data_shards(batch.split(self.world_size // self.cp), self.cp)
+
+    def _run(self, calls: list[Any], phase: str) -> list[Any]:
+        """Every rank's result of ``calls`` (one per rank), one per data-parallel rank."""
+        return group_leaders(self._wait(calls, phase), self.cp)
 
     def compute_logprobs(self, batch: TrainBatch, *, base_model: bool = False) -> torch.Tensor:
         """``(B, T)`` log-probs; ``base_model``: with the LoRA adapters disabled (the reference)."""
-        shards = batch.split(self.world_size)
-        parts = self._wait(
+        shards = self._shards(batch)
+        parts = self._run(
             [h.compute_logprobs.remote(s, base_model) for h, s in zip(self.handles, shards)],
             "compute_logprobs",
         )
@@ -171,9 +184,9 @@ class TrainerGroup(StrategyGroup):
         self, batch: TrainBatch | PairBatch, objective: Objective, phase: str = "train"
     ) -> dict[str, float]:
         """One optimizer step minimising ``objective`` on ``batch``, split over the ranks (pairs whole);
-        ``train/tokens_per_s`` is the ranks' sum (they train at the same time)."""
-        shards = batch.split(self.world_size)
-        parts = self._wait([h.train.remote(s, objective) for h, s in zip(self.handles, shards)], phase)
+        ``train/tokens_per_s`` is the data-parallel ranks' sum (they train at the same time)."""
+        shards = self._shards(batch)
+        parts = self._run([h.train.remote(s, objective) for h, s in zip(self.handles, shards)], phase)
         self.weights_version += 1
         speed = sum(p.pop("train/tokens_per_s") for p in parts)
         return objective.combine(parts) | {"train/tokens_per_s": speed}
@@ -183,8 +196,8 @@ class TrainerGroup(StrategyGroup):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(P,)`` scores of the chosen and the rejected responses: rewards (a reward model) or response
         log-probs (summed; ``average``: per token); ``base_model``: LoRA adapters disabled."""
-        shards = batch.split(self.world_size)
-        parts = self._wait(
+        shards = self._shards(batch)
+        parts = self._run(
             [h.score_pairs.remote(s, average, base_model) for h, s in zip(self.handles, shards)],
             "score_pairs",
         )

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 
 from reroll.config.placement import trainer_strategy
+from reroll.config.startable import context_parallel_strategy_problem
 from reroll.errors import UserError
 
 if TYPE_CHECKING:
@@ -138,9 +139,11 @@ def make_strategy(
     rank: int,
     world_size: int,
     head: Head,
+    context_parallel: int = 1,
 ) -> Strategy:
     """The backend ``cfg.strategy.name`` names ('auto' resolved for ``device``, as the run resolves it:
-    ``reroll.config.placement.trainer_strategy``), holding the model at ``model_path``.
+    ``reroll.config.placement.trainer_strategy``), holding the model at ``model_path``;
+    ``context_parallel``: the size of the groups that split each sequence (fsdp2 only).
 
     A backend that is not installed is a ``UserError`` saying what to install.
     """
@@ -149,7 +152,10 @@ def make_strategy(
     missing = strategy_missing(name)
     if missing:
         raise UserError(missing)
+    if context_parallel > 1 and name != "fsdp2":
+        raise UserError(context_parallel_strategy_problem(context_parallel, name))
     cls = getattr(importlib.import_module(module), cls_name)
+    extra = {"context_parallel": context_parallel} if context_parallel > 1 else {}
     return cls(
         model_path,
         cfg=cfg,
@@ -158,4 +164,5 @@ def make_strategy(
         rank=rank,
         world_size=world_size,
         head=head,
+        **extra,
     )

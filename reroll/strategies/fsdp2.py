@@ -14,6 +14,10 @@ weights and optimizer in torch's distributed checkpoint format, which any world 
 by every rank one decoder layer at a time: ``hf_export``) and with LoRA ``adapter/`` (peft's format).
 A checkpoint from before ``state/`` (``model/`` and ``optimizer_rank{r}.pt``, this rank's shard)
 resumes at the world size it was saved at.
+
+With ``context_parallel`` n > 1 (``strategy.context_parallel``) the ranks form groups of n that split
+every sequence between them (Ulysses: ``reroll.strategies.context_parallel``); the model stays sharded
+over all ranks, and gradients are summed over all of them as without.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from reroll.models.loading import (
     use_kernels,
 )
 from reroll.strategies import Head, SavedAtOtherWorldSize
+from reroll.strategies.context_parallel import ContextParallel, group_ranks
 from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
 from reroll.strategies.lora import (
     AdapterUpdate,
@@ -84,9 +89,13 @@ class FSDP2Strategy:
         rank: int = 0,
         world_size: int = 1,
         head: Head = "causal_lm",
+        context_parallel: int = 1,
     ) -> None:
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
+        group_ranks(world_size, context_parallel)  # a ValueError now, not a hang at the first collective
+        self.cp_size = context_parallel
+        self.context_parallel: ContextParallel | None = None  # this rank's group, once joined
         self.settings = cfg.strategy.fsdp2
         self.lora = cfg.strategy.lora if head in ("causal_lm", "reward") else None
         self.full = full_modules(head)  # trained in full beside the adapters
@@ -130,7 +139,21 @@ class FSDP2Strategy:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
         self.mesh = dist.device_mesh.init_device_mesh(self.device.type, (self.world_size,))
+        if self.cp_size > 1:
+            self._join_context_parallel()
         self._shard()
+
+    def _join_context_parallel(self) -> None:
+        """Form the context-parallel groups (every rank creates each, in the same order) and switch the
+        model's attention to Ulysses' over this rank's group."""
+        from reroll.models.ulysses import use_ulysses
+
+        for ranks in group_ranks(self.world_size, self.cp_size):
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = ContextParallel(group, ranks.index(self.rank), self.cp_size)
+        self.context_parallel = mine
+        use_ulysses(self.hf_model, mine.group)
 
     def _shard(self) -> None:
         """``fully_shard`` each decoder layer, then the root; gradients summed (divide factor 1)."""
@@ -171,7 +194,13 @@ class FSDP2Strategy:
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``(B, T, V)`` logits or a critic's ``(B, T, 1)``; a collective: every rank calls it equally often."""
+        """``(B, T, V)`` logits or a critic's ``(B, T, 1)``; a collective: every rank calls it equally often.
+        With context parallelism, every rank of a group passes the same rows and gets its columns' part of
+        the output (``ContextParallel.forward``)."""
+        if self.context_parallel is not None:
+            return self.context_parallel.forward(
+                self.model, self.device, input_ids, attention_mask, position_ids
+            )
         return forward_logits(self.model, self.device, input_ids, attention_mask, position_ids)
 
     def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
