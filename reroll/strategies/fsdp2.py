@@ -153,7 +153,11 @@ class FSDP2Strategy:
             if self.rank in ranks:
                 mine = ContextParallel(group, ranks.index(self.rank), self.cp_size)
         self.context_parallel = mine
-        use_ulysses(self.hf_model, mine.group)
+        name = use_ulysses(self.hf_model, mine.group)
+        log.info(
+            "rank %d: context parallel, rank %d of a group of %d (attention %s)",
+            self.rank, mine.rank, self.cp_size, name,
+        )  # fmt: skip
 
     def _shard(self) -> None:
         """``fully_shard`` each decoder layer, then the root; gradients summed (divide factor 1)."""
