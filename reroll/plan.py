@@ -20,7 +20,7 @@ from reroll.config.engines import engine_spec
 from reroll.config.memory import DTYPE_BYTES, Shape, forward_only_limits, token_bytes, token_shape
 from reroll.config.placement import device_map, offload_between_phases, run_roles, trainer_strategy
 from reroll.config.schema import RunConfig
-from reroll.config.startable import start_problems
+from reroll.config.startable import context_parallel_size, start_problems
 from reroll.errors import UserError
 
 # The plan sizes every model role with the policy's shape: a teacher or reward model of another size is
@@ -136,7 +136,7 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
     everywhere = role == "teacher"  # a teacher's head runs at every position
     rows, budget = forward_only_limits(cfg, shape, seq, every_position=everywhere)
     scored = budget or (rows or 0) * seq
-    per = token_bytes(cfg, shape, seq)
+    per = token_bytes(cfg, shape, seq, context_parallel=context_parallel_size(cfg, role))
     scored_logits = per.scored(everywhere)
     # a rank's larger pass: training (activations kept for backward, the head's output and gradient)
     # or forward-only (one layer's activations at a time, the head's output; optim.logprob_*)
@@ -200,6 +200,9 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
         cfg = cfg.model_copy(update={"placement": cfg.placement.model_copy(update={"devices": pool})})
     chosen = trainer_strategy(cfg, "cuda")  # the plan is for GPUs
     shown = chosen if chosen == cfg.strategy.name else f"{chosen} (strategy.name {cfg.strategy.name})"
+    if cfg.strategy.context_parallel > 1:
+        cp = cfg.strategy.context_parallel
+        shown += f", context parallel {cp} (each rank of actor_train and reference holds 1/{cp} of a row)"
     cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"name": chosen})})
     dmap = device_map(cfg, "cuda")
     plans = {p.role: p for p in estimate(cfg, shape, prompt_tokens=prompt_tokens)}

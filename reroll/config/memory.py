@@ -86,9 +86,10 @@ class TokenBytes:
         return self.all_logits if every_position else self.scored_logits
 
 
-def token_bytes(cfg: RunConfig, shape: Shape, seq: int) -> TokenBytes:
+def token_bytes(cfg: RunConfig, shape: Shape, seq: int, *, context_parallel: int = 1) -> TokenBytes:
     """``TokenBytes`` of a row of ``seq`` tokens whose last ``rollout.max_new_tokens`` (at most all) are
-    the response."""
+    the response; ``context_parallel``: the size of the role's groups that split each row (fsdp2's
+    Ulysses: a rank holds 1/n of a row's activations and runs the head at 1/n of its positions)."""
     p_bytes = DTYPE_BYTES[cfg.compute_dtype]
     layer = _layer_activations(cfg, shape, p_bytes)
     if cfg.model.gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed
@@ -96,6 +97,10 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int) -> TokenBytes:
     else:
         kept = layer * shape.layers
     model_par = 1
+    if cfg.strategy.name == "fsdp2" and context_parallel > 1:
+        model_par = context_parallel
+        kept /= model_par
+        layer /= model_par
     if cfg.strategy.name == "megatron":
         m = cfg.strategy.megatron
         model_par = m.tensor_parallel * m.context_parallel

@@ -5,6 +5,7 @@ batch are laid out over the groups, and which columns and scored tokens each ran
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,26 @@ def test_each_rank_runs_its_columns_and_scores_the_tokens_on_them():
     assert zero.keep.tolist() == [True, False, True, False] and zero.positions.tolist() == [1, 5]
     assert one.keep.tolist() == [False, True, False, True] and one.positions.tolist() == [0, 4]
     assert (zero.keep ^ one.keep).all()  # every scored token on exactly one rank
+
+
+def test_plan_puts_one_nth_of_a_row_on_each_rank():
+    """The 32k example: each of 8 ranks holds 1/8 of a micro-batch's activations and scored logits (its
+    columns), so it fits on 8x80 GB; the same run without context parallelism does not."""
+    from reroll.plan import KNOWN, estimate, plan
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b-32k-rlvr_fsdp2" / "config.yaml"
+    split = load_config(path, RunConfig)
+    whole = load_config(path, RunConfig, ["strategy.context_parallel=1"])
+    shape = KNOWN["qwen3-8b"]
+    trainer = {
+        cp: {p.role: p for p in estimate(cfg, shape, prompt_tokens=512)}["actor_train"]
+        for cp, cfg in ((8, split), (1, whole))
+    }
+
+    def activations(p):
+        return float(re.search(r"activations ([\d.]+)", p.parts).group(1))
+
+    assert activations(trainer[1]) / activations(trainer[8]) == pytest.approx(8, rel=0.02)  # 0.1 GiB rounding
+    assert plan(split, gpus=8, gpu_memory_gib=80)[1]
+    assert not plan(whole, gpus=8, gpu_memory_gib=80)[1]
+    assert trainer[1].gib > 0.9 * 80 > trainer[8].gib  # the trainer is what does not fit
