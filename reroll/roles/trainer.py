@@ -161,15 +161,16 @@ class TrainerGroup(StrategyGroup):
     def __init__(self, role: str, cfg: RunConfig, *, trainable: bool) -> None:
         super().__init__(role, TrainerWorker, lambda rank: (role, rank, cfg, trainable), cfg)
         self.weights_version = 0  # counts optimizer steps and loads: an engine holding another is stale
-        self.cp = context_parallel_size(cfg, role)
+        self.context_parallel = context_parallel_size(cfg, role)  # ranks a group, each the same rows
 
     def _shards(self, batch: TrainBatch | PairBatch) -> list[Any]:
         """Each rank's share of ``batch``: a data-parallel rank's part, the same for a group's ranks."""
-        return data_shards(batch.split(self.world_size // self.cp), self.cp)
+        n = self.context_parallel
+        return data_shards(batch.split(self.world_size // n), n)
 
     def _run(self, calls: list[Any], phase: str) -> list[Any]:
         """Every rank's result of ``calls`` (one per rank), one per data-parallel rank."""
-        return group_leaders(self._wait(calls, phase), self.cp)
+        return group_leaders(self._wait(calls, phase), self.context_parallel)
 
     def compute_logprobs(self, batch: TrainBatch, *, base_model: bool = False) -> torch.Tensor:
         """``(B, T)`` log-probs; ``base_model``: with the LoRA adapters disabled (the reference)."""

@@ -154,3 +154,72 @@ def test_two_context_parallel_ranks_equal_one(tmp_path, gqa_config, batch):
         assert split[key][grad_norm] == pytest.approx(one[key][grad_norm], rel=1e-5), key
     initial = load_causal_lm(cfg.model.path).state_dict()
     assert_same_steps(one["weights"], split["weights"], initial, steps=3)
+
+
+@pytest.mark.long
+def test_two_groups_of_two_equal_one_rank(tmp_path, gqa_config, batch):
+    """The layout a multi-GPU run takes: 4 Ray ranks in 2 context-parallel groups (FSDP2 over all 4, each
+    group a data-parallel rank with half the rows) take the same steps as one rank (about 2 min)."""
+    from reroll.roles.trainer import TrainerGroup
+    from reroll.runtime.actors import start_ray
+    from tests.same_step import on_every_rank, use_sgd_steps
+
+    start_ray(None)
+
+    def steps(*overrides: str) -> tuple[torch.Tensor, dict, dict, dict]:
+        group = TrainerGroup(
+            "actor_train", load_config(gqa_config, RunConfig, [*FSDP2, *overrides]), trainable=True
+        )
+        try:
+            seen = on_every_rank(group, lambda w: w.strategy.hf_model.config._attn_implementation)
+            use_sgd_steps(group, ETA)
+            logprobs = group.compute_logprobs(batch)
+            sft = group.train(batch, NextToken())
+            rl = group.train(batch, PolicyGradient.of(group.cfg))
+            return logprobs, sft, rl, group.weight_buckets(1.0).tensors() | {"attention": seen}
+        finally:
+            group.shutdown()
+
+    one = steps()
+    four = steps("strategy.context_parallel=2", "roles.actor_train.world_size=4", "runtime.backend=ray")
+    assert all(name.startswith("reroll_ulysses") for name in four[3].pop("attention"))
+    one[3].pop("attention")
+    bound = RTOL * float(one[0].abs().max())
+    torch.testing.assert_close(four[0], one[0], rtol=0, atol=bound)
+    assert four[1]["sft/loss"] == pytest.approx(one[1]["sft/loss"], rel=1e-5)
+    assert four[2]["actor/grad_norm"] == pytest.approx(one[2]["actor/grad_norm"], rel=1e-5)
+    assert_same_steps(
+        one[3], four[3], load_causal_lm(load_config(gqa_config, RunConfig).model.path).state_dict(), steps=2
+    )
+
+
+@pytest.mark.long
+def test_reroll_train_with_context_parallel_equals_one_rank(tmp_path):
+    """`reroll train` with roles.actor_train.world_size=2 strategy.context_parallel=2 (2 Ray ranks over gloo)
+    logs the steps one fsdp2 rank logs: the same SFT warm start, samples and losses (about 4 min)."""
+    from reroll.runtime.metrics import read_metrics
+    from tests.conftest import QUICKSTART, quickstart_overrides, reroll_cli, step_metrics
+
+    runs = {}
+    for name, extra in (
+        ("one", []),
+        ("split", ["roles.actor_train.world_size=2", "strategy.context_parallel=2"]),
+    ):
+        out = tmp_path / name
+        args = [
+            *quickstart_overrides(tmp_path, 2),
+            f"output_dir={out}/{{name}}",
+            "sft.steps=2",
+            "rollout.batch_size=64",
+        ]
+        done = reroll_cli("train", QUICKSTART, *args, "strategy.name=fsdp2", *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = out / "quickstart"
+    resolved = (runs["split"] / "config.yaml").read_text()
+    assert "context_parallel: 2" in resolved and "name: fsdp2" in resolved
+    assert len(read_metrics(runs["split"])) == 3  # steps 0, 1, 2
+    for step in (1, 2):
+        one, split = step_metrics(runs["one"], step), step_metrics(runs["split"], step)
+        assert split.keys() == one.keys()
+        for key, value in one.items():
+            assert split[key] == pytest.approx(value, rel=RTOL, abs=1e-7), (step, key)
