@@ -38,7 +38,14 @@ log = logging.getLogger(__name__)
 
 ETA = 0.1  # SGD's learning rate (gradients clipped to norm 1)
 FSDP2 = ["strategy.name=fsdp2", "optim.micro_batch_size=4", "runtime.backend=local"]
-SPLIT = ["strategy.context_parallel=2", "roles.actor_train.world_size=2", "runtime.backend=ray"]
+# the split side with activation checkpointing, as the long-row example runs it: each layer's all-to-alls
+# run again in the backward pass, where the layer is recomputed
+SPLIT = [
+    "strategy.context_parallel=2",
+    "roles.actor_train.world_size=2",
+    "runtime.backend=ray",
+    "model.gradient_checkpointing=true",
+]
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +99,14 @@ def _split_rank(rank: int, address: str, path: str, batch, result_dir: str) -> N
     from reroll.roles.trainer import TrainerWorker
 
     seen: list[tuple[int, int]] = []  # (this rank's tokens, the sequence its heads attended over)
+    recomputed = []  # calls inside a backward pass (a checkpointed layer run again)
     inner = ulysses.sequence_to_heads
 
     def counted(x, group):
         out = inner(x, group)
         seen.append((x.shape[2], out.shape[2]))
+        if torch._C._current_graph_task_id() != -1:
+            recomputed.append(1)
         return out
 
     ulysses.sequence_to_heads = counted
@@ -105,7 +115,7 @@ def _split_rank(rank: int, address: str, path: str, batch, result_dir: str) -> N
     worker.init_distributed(address)
     out = _steps(worker, batch)
     out["attention"] = worker.strategy.hf_model.config._attn_implementation
-    torch.save(out | {"seen": seen}, f"{result_dir}/rank{rank}.pt")
+    torch.save(out | {"seen": seen, "recomputed": len(recomputed)}, f"{result_dir}/rank{rank}.pt")
 
 
 def test_two_context_parallel_ranks_equal_one(tmp_path, gqa_config, batch):
@@ -116,20 +126,25 @@ def test_two_context_parallel_ranks_equal_one(tmp_path, gqa_config, batch):
     with socket.socket() as so:
         so.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{so.getsockname()[1]}"
-    mp.start_processes(
+    pair = mp.start_processes(
         _split_rank,
         args=(address, str(gqa_config), batch, str(tmp_path)),
         nprocs=2,
         start_method="spawn",
+        join=False,
     )
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     cfg = load_config(gqa_config, RunConfig, FSDP2)
-    one = _steps(TrainerWorker("actor_train", 0, cfg, True), batch)
+    one = _steps(TrainerWorker("actor_train", 0, cfg, True), batch)  # while the pair starts
+    while not pair.join():
+        pass
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
-    # the split ran: every attention call exchanged halves of the sequence, on both ranks
+    # the split ran: every attention call exchanged halves of the sequence, on both ranks, and the
+    # training passes' checkpointed layers ran theirs again in the backward pass
     for r in ranks:
         assert r["attention"].startswith("reroll_ulysses"), r["attention"]
         assert r["seen"] and all(n == 2 * s for s, n in r["seen"]), r["seen"][:4]
+        assert r["recomputed"] > 0
     # both ranks of the group hold the same results; rank 1 gathered no weights
     for key in ("padded", "packed"):
         assert torch.equal(ranks[0][key], ranks[1][key])
