@@ -306,3 +306,13 @@ def test_algorithms_config_and_data_import_without_ray_or_engines():
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, f"with {', '.join(HEAVY)} missing:\n{run.stderr[-3000:]}"
+
+
+def test_no_two_test_modules_share_a_name():
+    """The test directories are not packages, so pytest imports each module by its basename: two of the
+    same name stop the whole suite at collection ("import file mismatch"), as two test_context_parallel.py
+    files once did."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (Path(__file__).parents[1]).rglob("test_*.py"))
+    assert not [n for n, k in names.items() if k > 1]
