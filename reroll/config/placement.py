@@ -195,12 +195,14 @@ def device_map(cfg: RunConfig, device_type: str, *, generate_only: bool = False)
 
 
 def check_placement(cfg: RunConfig) -> list[tuple[str, str]]:
-    """Config-level problems as ``(dotted path, message)``: devices outside the pool, uneven splits."""
+    """Config-level problems as ``(dotted path, message)``: devices outside the pool, uneven splits, an
+    engine whose ranks do not each get their span of consecutive pool devices."""
     problems = []
     pool = cfg.placement.devices
     for role in type(cfg.roles).model_fields:
         rc = getattr(cfg.roles, role)
         if rc.devices is None:
+            problems += _span_problems(cfg, role)
             continue
         path = f"roles.{role}.devices"
         if pool is None:
@@ -213,15 +215,8 @@ def check_placement(cfg: RunConfig) -> list[tuple[str, str]]:
             )
         if len(set(rc.devices)) != len(rc.devices):
             problems.append((path, f"{rc.devices} lists a device twice"))
-        k = rank_span(cfg, role)
-        if k > 1 and len(rc.devices) != rc.world_size * k:
-            problems.append(
-                (
-                    path,
-                    f"each of the {rc.world_size} engine ranks takes rollout.vllm.tensor_parallel_size={k} "
-                    f"devices: list exactly {rc.world_size * k} devices, not {len(rc.devices)}",
-                )
-            )
+        if rank_span(cfg, role) > 1:
+            problems += _span_problems(cfg, role)
         elif rc.world_size % len(rc.devices):
             problems.append(
                 (
@@ -232,6 +227,49 @@ def check_placement(cfg: RunConfig) -> list[tuple[str, str]]:
                 )
             )
     return problems
+
+
+def _span_problems(cfg: RunConfig, role: str) -> list[tuple[str, str]]:
+    """A role whose ranks span ``k`` > 1 pool devices each (a tensor-parallel engine): its ``n`` ranks
+    take ``n * k`` devices of the pool, each rank ``k`` consecutive ones (an engine's workers are
+    numbered as its devices are), one engine per ``k`` devices."""
+    k, rc, pool = rank_span(cfg, role), getattr(cfg.roles, role), cfg.placement.devices
+    if k == 1 or not pool or not on_pool(cfg, role):
+        return []
+    key = engine_spec(cfg.rollout.engine).span_key or "the engine's span"
+    need = rc.world_size * k
+    if rc.devices is None:
+        if need <= pool:
+            return []
+        return [
+            (
+                f"roles.{role}.world_size",
+                f"{rc.world_size} engine ranks of {key}={k} devices each need {need} pool devices, but "
+                f"placement.devices is {pool}: lower roles.{role}.world_size to {max(1, pool // k)} or "
+                f"{key}, or raise placement.devices to {need}",
+            )
+        ]
+    path = f"roles.{role}.devices"
+    if len(rc.devices) != need:
+        return [
+            (
+                path,
+                f"each of the {rc.world_size} engine ranks takes {key}={k} devices: list exactly {need} "
+                f"devices, not {len(rc.devices)}",
+            )
+        ]
+    runs = [list(rc.devices[r * k : (r + 1) * k]) for r in range(rc.world_size)]
+    broken = [run for run in runs if run != list(range(run[0], run[0] + k))]
+    if broken:
+        return [
+            (
+                path,
+                f"engine rank {runs.index(broken[0])} would take devices {broken[0]}: each rank of {key}={k} "
+                f"takes {k} consecutive pool devices (its workers on the first and the next), e.g. "
+                f"{list(range(broken[0][0], broken[0][0] + k))}",
+            )
+        ]
+    return []
 
 
 def offload_between_phases(cfg: RunConfig, device_type: str) -> bool:

@@ -4,8 +4,7 @@ the run.
 ``start_problems`` lists, as ``(dotted path, message)``, every reason a run of the config would be refused
 while its roles are created that the config alone decides (with the device type and the model's type where
 they are known): parallel sizes the Megatron strategy does not build, options a strategy or engine does not
-take, an engine rank spanning several pool devices. ``reroll validate`` and ``run()`` (through
-``reroll.pipelines.preflight``), ``reroll plan`` and the run's ``ResourceManager`` (once the device type is
+take. ``reroll validate`` and ``run()`` (through ``reroll.pipelines.preflight``), ``reroll plan`` and the run's ``ResourceManager`` (once the device type is
 known) all call it, and the strategies and engines raise the same messages from the same functions when
 built directly, so a config ``plan`` passes is one the run starts, and what the run refuses ``validate``
 and ``plan`` refuse first, with the same words.
@@ -351,16 +350,6 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
 def engine_problems(cfg: RunConfig, device_type: str | None) -> list[tuple[str, str]]:
     """What actor_infer's engine cannot do that the config asks of it (its ``EngineSpec``)."""
     spec, r, problems = engine_spec(cfg.rollout.engine), cfg.rollout, []
-    if cfg.placement.devices and spec.span(r) > 1:
-        problems.append(
-            (
-                "rollout.vllm.tensor_parallel_size",
-                f"{spec.span(r)} with placement.devices: an engine rank spanning several pool devices is not "
-                "built yet; set rollout.vllm.tensor_parallel_size=1 (one engine rank per device, "
-                "roles.actor_infer.world_size engines), or leave placement.devices unset and give "
-                "roles.actor_infer.num_gpus_per_worker",
-            )
-        )
     lora = cfg.strategy.lora
     if lora is not None and lora.sync == "adapters" and not spec.lora:
         problems.append(

@@ -37,7 +37,7 @@ Checked:
   vLLM / SGLang, DeepSpeed / Megatron-Core, math-verify, bubblewrap, wandb / mlflow).
 - what the roles would refuse when they start, decided by the config alone (``reroll.config.startable``,
   which ``reroll plan`` runs too): Megatron parallel sizes and models not built, options a strategy or
-  engine does not take, an engine rank spanning pool devices; the device-dependent ones (Megatron or
+  engine does not take; the device-dependent ones (Megatron or
   vLLM sleep mode on CPUs) where the device type is known (``placement.device_type``, or the cluster).
 - the Ray cluster holds the roles (``config.placement.cluster_problems``), when this process is
   already connected to one (``ray.is_initialized()``); else, where the run's devices come from this

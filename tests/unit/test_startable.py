@@ -82,11 +82,16 @@ def test_device_dependent_refusals_wait_for_the_device_type(tmp_path):
     assert _paths(start_problems(pinned)) == ["rollout.vllm.enable_sleep_mode"]  # the config says cpu
 
 
-def test_an_engine_spanning_pool_devices_is_refused_only_on_the_pool(tmp_path):
+def test_an_engine_spanning_pool_devices_starts_on_the_pool_and_off_it(tmp_path):
     spans = _cfg(
-        tmp_path, "rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2", "placement.devices=2"
+        tmp_path,
+        "rollout.engine=vllm",
+        "rollout.vllm.tensor_parallel_size=2",
+        "placement.devices=2",
+        "roles.actor_train.world_size=2",
+        "rollout.vllm.in_process=false",
     )
-    assert _paths(start_problems(spans)) == ["rollout.vllm.tensor_parallel_size"]
+    assert start_problems(spans, "cuda") == start_problems(spans, "cpu") == []
     off_pool = _cfg(tmp_path, "rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2")
     assert start_problems(off_pool, "cuda") == []
 
