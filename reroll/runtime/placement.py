@@ -134,7 +134,9 @@ def actor_options(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:
     """Ray actor options for ``role``'s rank ``rank``: its share of its pool device, or its role's
     ``num_cpus/num_gpus_per_worker`` when it is not on the pool; and its ``worker_threads`` as the
     process's ``OMP_NUM_THREADS``."""
-    return _resources(cfg, role, rank) | _threads(worker_threads(cfg, role))
+    options = _resources(cfg, role, rank)
+    env = options.pop("env_vars", {}) | _threads(worker_threads(cfg, role))
+    return options | ({"runtime_env": {"env_vars": env}} if env else {})
 
 
 def worker_threads(cfg: RunConfig, role: str) -> int | None:
@@ -173,14 +175,12 @@ def with_threads(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"roles": cfg.roles.model_copy(update=roles)})
 
 
-def _threads(threads: int | None) -> dict[str, Any]:
+def _threads(threads: int | None) -> dict[str, str]:
     """A worker's torch threads as its process's ``OMP_NUM_THREADS`` too. Ray sets that variable to the
     actor's CPU share (1 for a fraction), and every thread of the process other than the one that
     called ``torch.set_num_threads`` starts from it: vLLM's CPU attention planned a step for 1 thread
     and ran it on 2 ("Check failed: ... thread_num (1 vs. 2)")."""
-    if threads is None:
-        return {}
-    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
+    return {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
 
 
 def _resources(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:
@@ -203,16 +203,64 @@ def _resources(cfg: RunConfig, role: str, rank: int) -> dict[str, Any]:
     )
     if role not in dmap.ranks:  # a role the run does not start (generate's actor_train)
         raise ValueError(f"{role} is not a role of this run: {sorted(specs)}")
-    device = dmap.ranks[role][rank]
+    device, span = dmap.ranks[role][rank], dmap.span.get(role, 1)
     # a role of several groups (a teacher each, in distillation) takes a share per group
     share = sum(specs[r].copies for r, _ in dmap.workers_on(device))
     pg = get_placement_group(_pg_name(cfg))
+    gpus = cfg.placement.device_type == "cuda"
+    spanning = (
+        spanned_gpus(pg, list(range(device, device + span)), 1.0 / share) if gpus and span > 1 else None
+    )
     return {
         "num_cpus": cfg.placement.cpus_per_device / share,
-        "num_gpus": 1.0 / share if cfg.placement.device_type == "cuda" else 0.0,
+        "num_gpus": 1.0 / share if gpus else 0.0,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=device
         ),
+        **({"env_vars": sees_gpus(spanning, role, rank)} if spanning else {}),
+    }
+
+
+def spanned_gpus(pg: Any, bundles: list[int], share: float) -> list[tuple[str, str]]:
+    """``(node id, GPU id)`` of each pool device in ``bundles``, as a task holding ``share`` of it
+    there sees them (``ray.get_gpu_ids``): the GPUs an engine rank spanning those devices must see.
+    The rank's share of each device but its first is otherwise unclaimed (its workers are vLLM's own
+    processes, not Ray's), so the tasks fit. NOT YET RUN ON GPUs: written for a multi-GPU machine."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0, num_gpus=share)
+    def where() -> tuple[str, str]:
+        ids = ray.get_gpu_ids()
+        return ray.get_runtime_context().get_node_id(), str(ids[0])
+
+    refs = [
+        where.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=b
+            )
+        ).remote()
+        for b in bundles
+    ]
+    return ray.get(refs, timeout=120)
+
+
+def sees_gpus(spanned: list[tuple[str, str]], role: str, rank: int) -> dict[str, str]:
+    """The environment of a worker that must see the GPUs ``spanned`` (``spanned_gpus``), in order:
+    Ray shows an actor only its own bundle's GPU unless told not to set ``CUDA_VISIBLE_DEVICES``
+    (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``, as vLLM's own Ray executor does for its
+    workers); vLLM's tensor-parallel worker ``i`` then takes ``cuda:i``, the GPU of the rank's
+    ``i``-th pool device. Its devices must share a node (its workers are processes of it)."""
+    nodes = {node for node, _ in spanned}
+    if len(nodes) > 1:
+        raise UserError(
+            f"placement: {role}[{rank}] spans {len(spanned)} pool devices, which Ray placed on {len(nodes)} "
+            "nodes; an engine's tensor-parallel workers are processes of one node: lower the engine's "
+            "tensor parallel size to the GPUs of a node, or give placement.devices in whole nodes"
+        )
+    return {
+        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+        "CUDA_VISIBLE_DEVICES": ",".join(gpu for _, gpu in spanned),
     }
 
 
