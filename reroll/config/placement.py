@@ -416,41 +416,87 @@ def shares_device(cfg: RunConfig, role: str, device_type: str | None = None) -> 
 
 
 def weight_sync_transport(cfg: RunConfig, device_type: str) -> str:
-    """'cuda_ipc', 'collective' or 'object_store': ``rollout.weight_sync_transport`` with 'auto'
-    resolved, on a pool of ``device_type`` devices.
+    """'ipc', 'collective' or 'object_store': ``rollout.weight_sync_transport`` with 'auto' resolved, on
+    a pool of ``device_type`` devices.
 
-    - cuda_ipc: every actor_infer rank on actor_train rank 0's GPU (it gathers the full weights) and an
-      in-process engine (the tensors are opened in the worker's process).
-    - collective: no actor_infer rank on a GPU any actor_train rank uses (an NCCL group cannot hold
-      two members on one GPU, and both roles stay resident while the buffers stream) and an engine
+    - ipc: every engine worker (each actor_infer rank's span of devices) sits on a pool device where an
+      actor_train rank sits (``ipc_senders``), on Ray, with an engine whose spec ``opens_shared``. Each
+      of those trainer ranks gathers the full weights and hands the worker on its device a handle to
+      each bucket: CUDA IPC on GPUs, POSIX shared memory on CPUs. Not with ``rollout.async_steps``
+      (which needs the engine on devices of its own), nor with LoRA merged by a trainer of several
+      sending ranks (fsdp2 merges on rank 0 alone).
+    - collective: on GPUs, no actor_infer rank on a GPU any actor_train rank uses (an NCCL group cannot
+      hold two members on one GPU, and both roles stay resident while the buffers stream) and an engine
       that receives in the worker's process (hf, or in-process vLLM).
-    - object_store: everything else; always on CPU (the object store is host memory there too;
-      'collective' with gloo is for a CPU cluster of several nodes, or to test the GPU path), and with
-      ``rollout.async_steps`` (its loads queue behind the generations in flight, where a broadcast
-      would hold the trainer until the engine is free)."""
+    - object_store: everything else: no pool, the local backend, ``rollout.async_steps`` (its loads
+      queue behind the generations in flight, where a broadcast would hold the trainer until the
+      engine is free), separate CPU devices ('collective' with gloo is for a CPU cluster of several
+      nodes, or to test the GPU path)."""
     mode = cfg.rollout.weight_sync_transport
     if mode != "auto":
         return mode
-    if device_type != "cuda" or not cfg.placement.devices:
+    if not cfg.placement.devices or cfg.runtime.backend == "local" or cfg.rollout.async_steps:
         return "object_store"
-    if cfg.rollout.async_steps:  # object-store loads queue behind the generations in flight
-        return "object_store"
-    if not engine_spec(cfg.rollout.engine).receives_in_worker(cfg.rollout):
+    if not _ipc_problem(cfg, device_type):
+        return "ipc"
+    if device_type != "cuda" or not engine_spec(cfg.rollout.engine).receives_in_worker(cfg.rollout):
         return "object_store"
     dmap = device_map(cfg, device_type)
-    trainer0 = dmap.ranks["actor_train"][0]
-    if all(d == trainer0 for d in dmap.ranks["actor_infer"]) and dmap.span.get("actor_infer", 1) == 1:
-        return "cuda_ipc"
     return "object_store" if dmap.colocated("actor_train", "actor_infer") else "collective"
 
 
+def ipc_senders(cfg: RunConfig, device_type: str) -> dict[int, int]:
+    """The 'ipc' transport's senders: for each pool device an engine worker sits on, the first
+    actor_train rank on it, as ``{trainer rank: pool device}`` (devices without a trainer rank are left
+    out: ``_ipc_problem`` refuses them)."""
+    dmap = device_map(cfg, device_type)
+    wanted, senders = dmap.covered("actor_infer"), {}
+    for rank, device in enumerate(dmap.ranks["actor_train"]):
+        if device in wanted and device not in senders.values():
+            senders[rank] = device
+    return senders
+
+
+def _ipc_problem(cfg: RunConfig, device_type: str) -> str | None:
+    """Why the 'ipc' transport cannot run with ``cfg`` (None: it can)."""
+    if cfg.runtime.backend == "local":
+        return "it hands buffers between worker processes: it needs runtime.backend=ray"
+    if not cfg.placement.devices:
+        return "it needs a device pool (placement.devices) with actor_infer beside actor_train"
+    spec = engine_spec(cfg.rollout.engine)
+    if not spec.opens_shared:
+        return f"the {spec.name} engine cannot open a trainer's shared buffers: use 'object_store'"
+    dmap = device_map(cfg, device_type)
+    if "actor_train" not in dmap.ranks or "actor_infer" not in dmap.ranks:
+        return "it needs actor_train and actor_infer on the pool"
+    alone = sorted(dmap.covered("actor_infer") - dmap.covered("actor_train"))
+    if alone:
+        return (
+            f"engine workers on pool devices {alone} have no actor_train rank beside them to hand them "
+            f"the weights (train {sorted(dmap.covered('actor_train'))}, infer "
+            f"{sorted(dmap.covered('actor_infer'))}): place actor_infer on actor_train's devices, or use "
+            "'auto'"
+        )
+    lora = cfg.strategy.lora
+    if lora is not None and lora.sync == "merged" and set(ipc_senders(cfg, device_type)) != {0}:
+        return (
+            "with strategy.lora (merged) only actor_train rank 0 holds the merged weights, but engine "
+            "workers sit beside other ranks: use 'object_store', or strategy.lora.sync=adapters"
+        )
+    return None
+
+
 def check_weight_sync(cfg: RunConfig, device_type: str) -> list[tuple[str, str]]:
-    """Problems of an explicit ``rollout.weight_sync_transport: collective`` on a pool of ``device_type``
-    devices ('auto' while not yet resolved): it needs Ray workers, and on GPUs (or with
-    ``placement.offload: always``) actor_infer off actor_train's devices."""
-    if cfg.rollout.weight_sync_transport != "collective":
+    """Problems of an explicit ``rollout.weight_sync_transport`` on a pool of ``device_type`` devices
+    ('auto' while not yet resolved): 'ipc' needs every engine worker beside a trainer rank, on Ray;
+    'collective' needs Ray workers, and on GPUs (or with ``placement.offload: always``) actor_infer off
+    actor_train's devices."""
+    mode, path = cfg.rollout.weight_sync_transport, "rollout.weight_sync_transport"
+    if mode == "ipc":
+        why = None if check_placement(cfg) else _ipc_problem(cfg, device_type)
+        return [(path, f"'ipc': {why}")] if why else []
+    if mode != "collective":
         return []
-    path = "rollout.weight_sync_transport"
     if cfg.runtime.backend == "local":
         return [(path, "'collective' broadcasts between worker processes: it needs runtime.backend=ray")]
     shared_ok = device_type != "cuda" and cfg.placement.offload != "always"
@@ -465,7 +511,7 @@ def check_weight_sync(cfg: RunConfig, device_type: str) -> list[tuple[str, str]]
             f"'collective' needs actor_infer on devices no actor_train rank uses (train "
             f"{sorted(dmap.covered('actor_train'))}, infer {sorted(dmap.covered('actor_infer'))}): both stay "
             "resident while the weights stream, and NCCL cannot hold two members on one GPU. Set "
-            "roles.actor_infer.devices apart, or use 'auto' (cuda_ipc on the trainer's GPU)",
+            "roles.actor_infer.devices apart, or use 'auto' ('ipc' on the trainers' devices)",
         )
     ]
 
@@ -521,11 +567,11 @@ def rollout_source_problems(cfg: RunConfig) -> list[tuple[str, str]]:
                 f"{r.async_steps}, or lower async_steps",
             )
         )
-    if r.weight_sync_transport == "cuda_ipc":
+    if r.weight_sync_transport == "ipc":
         problems.append(
             (
                 "rollout.weight_sync_transport",
-                "'cuda_ipc' shares actor_train's GPU memory with an engine on the same GPU, but "
+                "'ipc' shares actor_train's buffers with the engine workers on the same devices, but "
                 "rollout.async_steps needs actor_infer on devices of its own: use 'auto' or 'object_store'",
             )
         )

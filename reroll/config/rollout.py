@@ -33,8 +33,9 @@ class VLLMConfig(StrictModel):
     in_process: bool = Field(
         True,
         description="Run the engine core in the worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0). False: a "
-        "process of its own, where weights reach it through the object store, not CUDA IPC (on an H200, 0.5B "
-        "shape: generation no faster, 3.06 s vs 2.60 s a step, and 8.6 s per weight sync; docs/benchmarks.md).",
+        "process of its own (needed for tensor_parallel_size > 1 on CPU); its workers open the 'ipc' "
+        "transport's handles themselves (on an H200, 0.5B shape, before that: generation no faster, 3.06 s vs "
+        "2.60 s a step, and 8.6 s per weight sync through the object store; docs/benchmarks.md).",
     )
     enable_sleep_mode: bool | None = Field(
         None,
@@ -74,17 +75,29 @@ class RolloutConfig(StrictModel):
         False, description="hf engine: static KV cache + torch.compile'd decoding (for GPUs)."
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings.")
-    weight_sync_transport: Literal["auto", "object_store", "cuda_ipc", "collective"] = Field(
+    weight_sync_transport: Literal["auto", "object_store", "ipc", "collective"] = Field(
         "auto",
-        description="How weights reach the engine: 'object_store' (host memory, through Ray), 'cuda_ipc' "
-        "(device memory shared with an in-process engine on the same GPU as actor_train rank 0; no "
-        "copy through the host), 'collective' (broadcast from actor_train rank 0 to every engine through "
-        "a process group of their own: NCCL on GPUs, gloo on CPUs; only names, shapes and dtypes go "
-        "through Ray; needs runtime.backend=ray). 'auto': cuda_ipc where placement puts every actor_infer "
-        "rank on actor_train rank 0's GPU; collective where it puts them on GPUs of the pool that no "
-        "actor_train rank uses (hf engine or in-process vLLM); else object_store (always on CPU, and with "
-        "async_steps).",
+        description="How weights reach the engine: 'object_store' (host memory, through Ray), 'ipc' (each "
+        "actor_train rank gathers every bucket and hands the engine worker on its own device a handle to "
+        "it: CUDA IPC on GPUs, POSIX shared memory on CPUs; nothing but handles goes through Ray; needs "
+        "every engine worker on a device of actor_train's and runtime.backend=ray), 'collective' (broadcast "
+        "from actor_train rank 0 to every engine through a process group of their own: NCCL on GPUs, gloo "
+        "on CPUs; only names, shapes and dtypes go through Ray; needs runtime.backend=ray). 'auto': ipc "
+        "where placement puts every engine worker on actor_train's devices; collective where it puts them "
+        "on GPUs of the pool that no actor_train rank uses (hf engine or in-process vLLM); else "
+        "object_store (no pool, separate CPU devices, async_steps). docs/weight_sync.md.",
     )
+
+    @field_validator("weight_sync_transport", mode="before")
+    @classmethod
+    def _renamed_transport(cls, value: object) -> object:
+        if value == "cuda_ipc":
+            raise ValueError(
+                "'cuda_ipc' is now 'ipc' (CUDA IPC on GPUs, shared memory on CPUs, from every actor_train "
+                "rank to the engine worker on its device): set rollout.weight_sync_transport=ipc, or auto"
+            )
+        return value
+
     async_steps: int = Field(
         0,
         ge=0,

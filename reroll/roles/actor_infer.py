@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from reroll.config.engines import engine_spec
-from reroll.config.placement import offload_between_phases, shares_device
+from reroll.config.placement import device_map, offload_between_phases, shares_device
 from reroll.config.schema import RunConfig
 from reroll.data.types import Completion, SamplingParams, TokenDelta
 from reroll.engines import make_engine
@@ -27,14 +27,8 @@ from reroll.errors import RoleError
 from reroll.roles.trainer import TrainerGroup, WeightBuckets
 from reroll.runtime.actors import WorkerGroup, stream_items
 from reroll.runtime.placement import configure_process, worker_device
-from reroll.runtime.weight_sync import (
-    BroadcastGroup,
-    BucketLayout,
-    SharedBucket,
-    WeightBucket,
-    open_bucket,
-    unpack_bucket,
-)
+from reroll.runtime.shared_buckets import SharedBucket, open_shared
+from reroll.runtime.weight_sync import BroadcastGroup, BucketLayout, WeightBucket, unpack_bucket
 
 
 class StaleWeights(RuntimeError):
@@ -46,7 +40,7 @@ class EngineWorker:
 
     def __init__(self, rank: int, cfg: RunConfig) -> None:
         configure_process(cfg, "actor_infer")
-        self.rank = rank
+        self.rank, self.cfg = rank, cfg
         device = worker_device(cfg, "actor_infer")
         spec = engine_spec(cfg.rollout.engine)
         self.sleep_level = spec.sleep_level(cfg.rollout)
@@ -54,6 +48,9 @@ class EngineWorker:
         self.sleeps = device != "cpu" or not spec.sleep_needs_cuda
         self.timeout_s = cfg.runtime.call_timeout_s
         self._weight_group: BroadcastGroup | None = None  # transport 'collective'
+        # bytes of weights loaded by each transport: tensors through the object store, 'ipc', 'collective'
+        self.loaded = {"object_store": 0, "ipc": 0, "collective": 0}
+        self._devices: list[int] | None = None  # the pool devices of its workers (``_pool_devices``)
         # where another role takes this GPU in turn, the engine must be built able to sleep
         shared = device == "cuda" and shares_device(cfg, "actor_infer")
         self.engine = make_engine(
@@ -111,23 +108,58 @@ class EngineWorker:
         """Bytes received through the weight-sync group since it was formed."""
         return 0 if self._weight_group is None else self._weight_group.bytes
 
-    def load_weights(self, bucket: WeightBucket | SharedBucket | BucketLayout) -> None:
-        """One bucket: tensors, a ``SharedBucket`` of the trainer's GPU buffer (``cuda_ipc``), or the
-        ``BucketLayout`` of a buffer actor_train rank 0 broadcasts now through the weight-sync group
-        (``collective``): received into a buffer of that size on the group's device, then loaded."""
+    def load_weights(self, bucket: WeightBucket | BucketLayout) -> None:
+        """One bucket: tensors (through the object store), or the ``BucketLayout`` of a buffer
+        actor_train rank 0 broadcasts now through the weight-sync group (``collective``): received
+        into a buffer of that size on the group's device, then loaded."""
         if isinstance(bucket, BucketLayout):
             if self._weight_group is None:
                 raise RuntimeError("a 'collective' weight bucket before join_weight_group formed the group")
             flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._weight_group.device)
             self._weight_group.broadcast(flat)
             self.engine.load_weights(unpack_bucket(flat, bucket.entries))
-            return
-        if isinstance(bucket, SharedBucket):
-            opened = open_bucket(bucket)
-            self.engine.load_weights(opened)
-            del opened  # the views into the trainer's buffer: it may free it once every rank is done
+            self.loaded["collective"] += bucket.nbytes
             return
         self.engine.load_weights(bucket)
+        self.loaded["object_store"] += sum(t.numel() * t.element_size() for _, t in bucket)
+
+    def load_shared(self, shared: dict[int, SharedBucket]) -> None:
+        """One bucket of an 'ipc' sync, ``{pool device: handle}`` from the trainer ranks: each of this
+        engine's workers opens the one of its own device (``load_shared`` of an engine spanning several
+        devices, e.g. vLLM's tensor-parallel workers; else opened here and given to ``load_weights``)."""
+        devices = self._pool_devices()
+        missing = [d for d in devices if d not in shared]
+        if missing:
+            raise RuntimeError(
+                f"weight sync over ipc: no actor_train rank shared a bucket on pool device(s) {missing}, where "
+                f"this engine's workers sit (shared: {sorted(shared)}); set rollout.weight_sync_transport="
+                "object_store"
+            )
+        buckets = [shared[d] for d in devices]
+        if hasattr(self.engine, "load_shared"):
+            self.engine.load_shared(buckets)
+        elif len(devices) == 1:
+            with open_shared(buckets[0]) as weights:
+                self.engine.load_weights(weights)
+        else:
+            raise RuntimeError(
+                f"the {self.cfg.rollout.engine} engine spans {len(devices)} devices but has no load_shared(buckets) "
+                "to hand each of its workers its own device's bucket: set rollout.weight_sync_transport="
+                "object_store"
+            )
+        self.loaded["ipc"] += sum(b.layout.nbytes for b in buckets)
+
+    def _pool_devices(self) -> list[int]:
+        """The pool devices this engine's workers sit on, worker ``i`` on the ``i``-th."""
+        if self._devices is None:
+            dmap = device_map(self.cfg, self.cfg.placement.device_type)
+            first = dmap.ranks["actor_infer"][self.rank]
+            self._devices = list(range(first, first + dmap.span.get("actor_infer", 1)))
+        return self._devices
+
+    def loaded_bytes(self) -> dict[str, int]:
+        """Bytes of weights loaded since the worker started, by transport."""
+        return dict(self.loaded)
 
     def finish_weight_update(self) -> None:
         self.engine.finish_weight_update()
@@ -262,13 +294,27 @@ class EngineGroup(WorkerGroup):
     def submit_weight_buckets(self, buckets: WeightBuckets | Iterable[WeightBucket]) -> list[Any]:
         """Queue ``load_weight_buckets``' calls on every rank without waiting for them (behind any
         ``generate`` submitted before): the references, to pass to ``wait_loaded``. Iterating waits
-        only for the trainer to make each bucket. Object-store buckets only (not ``cuda_ipc``)."""
+        only for the trainer to make each bucket. Object-store buckets only."""
         refs = [h.load_weights.remote(bucket) for bucket in buckets for h in self.handles]
         return refs + [h.finish_weight_update.remote() for h in self.handles]
 
+    def submit_shared(self, shared: dict[int, SharedBucket]) -> list[Any]:
+        """Start every rank loading one bucket of an 'ipc' sync (``{pool device: handle}``, the whole
+        map to each: its workers pick their own devices'): the references, for ``wait_loaded``."""
+        return [h.load_shared.remote(shared) for h in self.handles]
+
     def wait_loaded(self, refs: Sequence[Any]) -> None:
-        """Wait for the weight loads ``submit_weight_buckets`` queued (a failure names weight_sync)."""
+        """Wait for the weight loads ``submit_weight_buckets`` or ``submit_shared`` started (a failure
+        names weight_sync)."""
         self._wait(refs, "weight_sync")
+
+    def finish_weight_update(self) -> None:
+        """Every rank drops what its old weights computed (prefix cache) after the last bucket."""
+        self._wait([h.finish_weight_update.remote() for h in self.handles], "weight_sync")
+
+    def loaded_bytes(self) -> list[dict[str, int]]:
+        """Each rank's bytes of weights loaded since it started, by transport."""
+        return self._wait([h.loaded_bytes.remote() for h in self.handles], "weight_sync")
 
     def load_weight_buckets(self, buckets: WeightBuckets | Iterable[WeightBucket]) -> None:
         """Load ``TrainerGroup.weight_buckets(...)`` into every rank, one bucket (``rollout.weight_sync_bucket_mb``,
@@ -281,7 +327,7 @@ class EngineGroup(WorkerGroup):
                 if isinstance(buckets, WeightBuckets):  # the trainer may have failed to make it
                     buckets.raise_if_failed(bucket)
                 raise
-        self._wait([h.finish_weight_update.remote() for h in self.handles], "weight_sync")
+        self.finish_weight_update()
 
     def collective_bytes(self) -> list[int]:
         """Bytes each rank has received through the weight-sync group since it was formed."""

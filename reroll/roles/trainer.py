@@ -24,13 +24,12 @@ from reroll.roles.objectives import Objective
 from reroll.roles.preference import PairWorkerMixin
 from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker
 from reroll.runtime.actors import LocalHandle
+from reroll.runtime.shared_buckets import BucketSharer, SharedBucket
 from reroll.runtime.weight_sync import (
     BroadcastGroup,
     BucketLayout,
-    SharedBucket,
     WeightBucket,
     pack_bucket,
-    share_bucket,
     split_into_buckets,
 )
 from reroll.strategies.context_parallel import data_shards, group_leaders
@@ -45,7 +44,8 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         super().__init__(role, rank, cfg, model_path=cfg.model.path, trainable=trainable, head=head)
         self.temperature = cfg.rollout.temperature or 1.0
         self._sync_bytes = 0
-        self._shared: list[torch.Tensor] = []  # cuda_ipc buffers held until the engines loaded them
+        self._sharer: BucketSharer | None = None  # transport 'ipc': this rank's shared buffers
+        self._sharing: Iterator[WeightBucket] | None = None  # transport 'ipc': the buckets still to make
         self._weight_group: BroadcastGroup | None = None  # rank 0, transport 'collective'
         self._collective_bytes = 0  # bytes the last sync broadcast through that group
 
@@ -88,35 +88,22 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
 
     def stream_weights(
         self, bucket_mb: float, transport: str = "object_store"
-    ) -> Iterator[WeightBucket | SharedBucket | BucketLayout]:
+    ) -> Iterator[WeightBucket | BucketLayout]:
         """Rank 0: the full weights (Hugging Face names) in buckets of whole layers, about ``bucket_mb``
         MiB each (a Ray streaming generator: the engines load one bucket while the next is sent). Every
         rank must call it, like ``adapter_update``; the others yield nothing.
 
-        ``transport`` 'object_store': CPU tensors; 'cuda_ipc': each bucket stays on the GPU, copied into
-        one buffer in the engine's dtype and yielded as a ``SharedBucket`` handle; the buffers are held
-        until ``release_shared``; 'collective': each bucket is copied into one buffer in the engine's
-        dtype (on the GPU with nccl), its ``BucketLayout`` yielded, and the buffer broadcast through
-        the weight-sync group while the engines receive it (``EngineWorker.load_weights``). Weights
-        are gathered one at a time where the strategy can (``named_weights``), so the full state dict
-        never sits in host memory."""
+        ``transport`` 'object_store': CPU tensors; 'collective': each bucket is copied into one buffer
+        in the engine's dtype (on the GPU with nccl), its ``BucketLayout`` yielded, and the buffer
+        broadcast through the weight-sync group while the engines receive it
+        (``EngineWorker.load_weights``). ('ipc' goes bucket by bucket through ``share_next``.)"""
         group = self._weight_group
         if transport == "collective" and self.rank == 0 and group is None:
             raise RuntimeError("transport 'collective' before join_weight_group formed the weight-sync group")
-        on_device = transport == "cuda_ipc" or (
-            transport == "collective" and group is not None and group.backend == "nccl"
-        )
+        on_device = transport == "collective" and group is not None and group.backend == "nccl"
         dtype = DTYPES[self.cfg.model.dtype]
-        named_weights = getattr(self.strategy, "named_weights", None)
-        if named_weights is not None and self.cfg.strategy.lora is None:
-            named = named_weights(on_device=on_device)
-        else:  # LoRA (merged into the base) and the strategies that gather all at once
-            named = iter(self.strategy.full_state_dict().items())
-            if on_device:
-                named = ((k, v.to(self.strategy.device)) for k, v in named)
         self._sync_bytes = self._collective_bytes = 0
-        self._shared.clear()
-        for bucket in split_into_buckets(named, int(bucket_mb * 2**20)):
+        for bucket in split_into_buckets(self._full_weights(on_device), int(bucket_mb * 2**20)):
             if transport == "object_store":
                 self._sync_bytes += payload_bytes(dict(bucket))
                 if self.rank == 0:
@@ -124,11 +111,6 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
                 continue
             self._sync_bytes += sum(t.numel() for _, t in bucket) * dtype.itemsize
             if self.rank != 0:
-                continue
-            if transport == "cuda_ipc":
-                shared, buffer = share_bucket(bucket, dtype)
-                self._shared.append(buffer)
-                yield shared
                 continue
             assert group is not None
             layout, flat = pack_bucket(bucket, dtype, group.device)
@@ -138,11 +120,52 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
             group.broadcast(flat)
             self._collective_bytes += group.bytes - sent
 
+    def _full_weights(self, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights one at a time where the strategy can (``named_weights``, every rank gets
+        them), so the full state dict never sits in memory; else (LoRA merged into the base, the
+        strategies that gather all at once) its ``full_state_dict`` (fsdp2 with LoRA: rank 0's only)."""
+        named_weights = getattr(self.strategy, "named_weights", None)
+        if named_weights is not None and self.cfg.strategy.lora is None:
+            return named_weights(on_device=on_device)
+        named = iter(self.strategy.full_state_dict().items())
+        return ((k, v.to(self.strategy.device)) for k, v in named) if on_device else named
+
+    def begin_share(self, bucket_mb: float, device: int | None) -> None:
+        """Start an 'ipc' sync: every rank walks its full weights in buckets of whole layers of about
+        ``bucket_mb`` MiB (``share_next``; a sharded strategy gathers collectively, so every rank takes
+        part); a rank given its pool ``device`` (engine workers sit there) shares each bucket."""
+        self.release_shared()
+        self._sharer = None if device is None else BucketSharer(device, torch.device(self.strategy.device))
+        self._sharing = split_into_buckets(self._full_weights(True), int(bucket_mb * 2**20))
+        self._sync_bytes = 0
+
+    def share_next(self) -> tuple[bool, SharedBucket | None]:
+        """The next bucket of an 'ipc' sync: ``(True, its handle)`` (None on a rank that shares
+        nothing), ``(False, None)`` once every bucket was made. First frees every buffer but the last
+        one shared: the driver asks for the next bucket only once the loads before that one are done."""
+        if self._sharing is None:
+            raise RuntimeError("share_next before begin_share started an 'ipc' weight sync")
+        if self._sharer is not None:
+            self._sharer.release(keep=1)
+        bucket = next(self._sharing, None)
+        if bucket is None:
+            self._sharing = None
+            if self._sharer is not None and self._sharer.bytes == 0:
+                raise RuntimeError(
+                    f"{self.role} rank {self.rank} has no weights to share with the engine worker on its "
+                    "device (its strategy gathers them on rank 0 only: LoRA merged on fsdp2): set "
+                    "rollout.weight_sync_transport=object_store"
+                )
+            return False, None
+        dtype = DTYPES[self.cfg.model.dtype]
+        self._sync_bytes += sum(t.numel() for _, t in bucket) * dtype.itemsize
+        return True, None if self._sharer is None else self._sharer.share(bucket, dtype)
+
     def release_shared(self) -> None:
-        """Drop the GPU buffers of the last ``cuda_ipc`` sync (the engines have loaded them)."""
-        self._shared.clear()
-        if torch.cuda.is_available():
-            torch.cuda.ipc_collect()
+        """Free this rank's shared buffers of the 'ipc' sync (the engines have loaded them, or it failed)."""
+        if self._sharer is not None:
+            self._sharer.release()
+        self._sharing = None
 
     def sync_bytes(self) -> int:
         """Bytes of the last ``stream_weights`` or ``adapter_update`` payload (``sync/bytes``)."""
@@ -214,15 +237,28 @@ class TrainerGroup(StrategyGroup):
 
     def weight_buckets(self, bucket_mb: float, transport: str = "object_store") -> WeightBuckets:
         """Start every rank making its weight buckets (a sharded strategy gathers collectively) now,
-        while the trainer holds its device; the buckets (or, with ``transport`` 'cuda_ipc', handles of
-        GPU buffers the trainer holds until ``release_shared``) wait in Ray's object store until an
-        engine loads them (``EngineGroup.load_weight_buckets``)."""
+        while the trainer holds its device; the buckets (or, with ``transport`` 'collective', their
+        layouts) wait in Ray's object store until an engine loads them
+        (``EngineGroup.load_weight_buckets``)."""
         return WeightBuckets(self, bucket_mb, transport)
 
+    def begin_share(self, bucket_mb: float, senders: dict[int, int]) -> None:
+        """Start an 'ipc' sync on every rank; ``senders``: the ranks that share, with their pool device
+        (``reroll.config.placement.ipc_senders``)."""
+        calls = [h.begin_share.remote(bucket_mb, senders.get(r)) for r, h in enumerate(self.handles)]
+        self._wait(calls, "weight_sync")
+
+    def share_next(self) -> dict[int, SharedBucket] | None:
+        """The next bucket of an 'ipc' sync as ``{pool device: handle}``, or None after the last. Each
+        rank first frees its buffers but the last: call it once the loads before that one are done."""
+        parts = self._wait([h.share_next.remote() for h in self.handles], "weight_sync")
+        if not parts[0][0]:
+            return None
+        return {shared.device: shared for _, shared in parts if shared is not None}
+
     def release_shared(self) -> None:
-        """Free rank 0's ``cuda_ipc`` buffers once every engine has loaded them. Like ``offload``, allowed
-        while the role is offloaded (it frees memory; the model is not used)."""
-        self._wait([self._handles[0].release_shared.remote()], "weight_sync")
+        """Free every rank's 'ipc' buffers. Like ``offload``, allowed whatever the residency."""
+        self._wait([h.release_shared.remote() for h in self._handles], "weight_sync")
 
     def sync_bytes(self) -> int:
         """Bytes of rank 0's last weight-sync payload (full weights or adapters): ``sync/bytes``."""

@@ -1,8 +1,9 @@
 """Weights from actor_train to actor_infer in buckets of a set size, so the engine's extra memory is one bucket.
 
 Three transports (``rollout.weight_sync_transport``): through Ray's object store (host memory); when
-the engine sits on the trainer's GPU, as CUDA IPC handles of device buffers (``share_bucket`` /
-``open_bucket``: nothing crosses the host but a few hundred bytes of handle per bucket); or, when the
+every engine worker sits on a device of actor_train's, as handles to buffers each trainer rank shares
+with the engine worker on its own device (``reroll.runtime.shared_buckets``: CUDA IPC on GPUs, POSIX
+shared memory on CPUs; nothing crosses Ray but a few hundred bytes of handle per bucket); or, when the
 engine sits on other devices, broadcast from actor_train rank 0 to every engine through a process
 group of their own (``BroadcastGroup``: NCCL on GPUs, gloo on CPUs), only each bucket's
 ``BucketLayout`` (names, dtypes, shapes, offsets) going through Ray.
@@ -23,7 +24,6 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 
@@ -63,19 +63,6 @@ def split_into_buckets(
 
 
 @dataclass(frozen=True)
-class SharedBucket:
-    """A bucket of weights left on the trainer's GPU and shared through CUDA IPC: one flat byte buffer
-    (``handle``: what ``torch.multiprocessing.reductions.reduce_tensor`` gives, to rebuild it in
-    another process), where each weight sits at ``(name, dtype, shape, offset)``. ``device_uuid`` names
-    the GPU, since two processes number their visible GPUs each their own way."""
-
-    handle: tuple[Any, tuple[Any, ...]]
-    device_uuid: str
-    entries: tuple[tuple[str, str, tuple[int, ...], int], ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class BucketLayout:
     """Where each weight of a bucket sits in one flat byte buffer: ``(name, dtype, shape, offset)``
     entries and the buffer's size. What a receiver needs to allocate the buffer and read it back."""
@@ -87,20 +74,32 @@ class BucketLayout:
 _ALIGN = 256  # every weight starts at a multiple of this many bytes, so its view is aligned
 
 
+def bucket_layout(bucket: WeightBucket, dtype: torch.dtype) -> BucketLayout:
+    """Where each weight of ``bucket``, cast to ``dtype`` (the engine's), sits in one flat byte buffer."""
+    entries, offset = [], 0
+    for name, t in bucket:
+        entries.append((name, str(dtype).removeprefix("torch."), tuple(t.shape), offset))
+        offset += -(-t.numel() * dtype.itemsize // _ALIGN) * _ALIGN
+    return BucketLayout(tuple(entries), offset)
+
+
+def pack_into(flat: torch.Tensor, bucket: WeightBucket, layout: BucketLayout) -> None:
+    """Copy ``bucket`` into ``flat`` (uint8, ``layout.nbytes`` long) as ``layout`` places it."""
+    for (_, t), (_, dtype_name, _, start) in zip(bucket, layout.entries):
+        dtype = getattr(torch, dtype_name)
+        n = t.numel() * dtype.itemsize
+        flat[start : start + n].view(dtype).copy_(t.detach().reshape(-1))
+
+
 def pack_bucket(
     bucket: WeightBucket, dtype: torch.dtype, device: torch.device | str | None = None
 ) -> tuple[BucketLayout, torch.Tensor]:
     """``bucket`` copied into one flat uint8 buffer on ``device`` (default: the first tensor's), each
     weight cast to ``dtype`` (the engine's): its layout, and the buffer."""
-    entries, offset = [], 0
-    for name, t in bucket:
-        entries.append((name, str(dtype).removeprefix("torch."), tuple(t.shape), offset))
-        offset += -(-t.numel() * dtype.itemsize // _ALIGN) * _ALIGN
-    flat = torch.empty(offset, dtype=torch.uint8, device=device or bucket[0][1].device)
-    for (_, t), (_, _, _, start) in zip(bucket, entries):
-        n = t.numel() * dtype.itemsize
-        flat[start : start + n].view(dtype).copy_(t.detach().reshape(-1))
-    return BucketLayout(tuple(entries), offset), flat
+    layout = bucket_layout(bucket, dtype)
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device or bucket[0][1].device)
+    pack_into(flat, bucket, layout)
+    return layout, flat
 
 
 def unpack_bucket(
@@ -113,38 +112,6 @@ def unpack_bucket(
         n = math.prod(shape) * dtype.itemsize
         out.append((name, flat[start : start + n].view(dtype).view(shape)))
     return out
-
-
-def share_bucket(bucket: WeightBucket, dtype: torch.dtype) -> tuple[SharedBucket, torch.Tensor]:
-    """``bucket`` copied into one flat GPU buffer (in ``dtype``, the engine's) and shared: the handle to
-    send, and the buffer, which the sender must keep alive until the receiver has loaded it."""
-    layout, flat = pack_bucket(bucket, dtype)
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    uuid = str(torch.cuda.get_device_properties(flat.device).uuid)
-    return SharedBucket(reduce_tensor(flat), uuid, layout.entries, layout.nbytes), flat
-
-
-def open_bucket(shared: SharedBucket) -> WeightBucket:
-    """The weights of a ``SharedBucket`` as views of the sender's buffer, opened on this process's
-    index of the same GPU (raises if this process cannot see that GPU)."""
-    index = next(
-        (
-            i
-            for i in range(torch.cuda.device_count())
-            if str(torch.cuda.get_device_properties(i).uuid) == shared.device_uuid
-        ),
-        None,
-    )
-    if index is None:
-        raise RuntimeError(
-            f"weight sync over cuda_ipc: GPU {shared.device_uuid} (actor_train rank 0's) is not visible in "
-            "this process; set rollout.weight_sync_transport=object_store or place actor_infer on that GPU"
-        )
-    rebuild, args = shared.handle
-    args = list(args)
-    args[6] = index  # the device index in the receiving process
-    return unpack_bucket(rebuild(*args), shared.entries)
 
 
 class BroadcastGroup:

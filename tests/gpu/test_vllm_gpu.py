@@ -65,7 +65,7 @@ def test_ipc_sync_gives_the_engine_the_trainers_logprobs(roles, assets):
     from reroll.models.loading import load_tokenizer
     from reroll.pipelines.common import sft_batch
 
-    assert weight_sync_transport(roles.cfg, "cuda") == "cuda_ipc"
+    assert weight_sync_transport(roles.cfg, "cuda") == "ipc"
     tok = load_tokenizer(str(assets["model"]))
     samples = load_samples([str(assets["train"])], template="{question}=")[:16]
     with roles.phase("train", "actor_train"):

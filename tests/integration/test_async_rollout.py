@@ -112,8 +112,8 @@ def test_async_on_separate_cpu_slots_through_ray(tmp_path, assets):
         ),
         (["rollout.max_staleness=0"], "rollout.max_staleness: (0) is below rollout.async_steps (1)"),
         (
-            [*ASYNC_POOL, "rollout.weight_sync_transport=cuda_ipc"],
-            "rollout.weight_sync_transport: 'cuda_ipc'",
+            [*ASYNC_POOL, "rollout.weight_sync_transport=ipc"],
+            "rollout.weight_sync_transport: 'ipc'",
         ),
     ],
 )

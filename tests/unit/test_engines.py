@@ -65,7 +65,7 @@ def test_weight_buckets_keep_layers_whole_and_respect_the_size():
 
 
 def test_packed_bucket_round_trips_in_the_engines_dtype():
-    """``pack_bucket``/``unpack_bucket`` (the collective and cuda_ipc transports' buffer): every weight at
+    """``pack_bucket``/``unpack_bucket`` (the collective and ipc transports' buffer): every weight at
     a 256-byte offset, cast to the engine's dtype, read back as views with its shape."""
     import torch
 

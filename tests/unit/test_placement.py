@@ -400,8 +400,10 @@ def test_weight_sync_transport_auto_rule(tmp_path):
     from reroll.config.placement import weight_sync_transport
 
     colocated = _cfg(tmp_path, **{"placement.devices": 1})
-    assert weight_sync_transport(colocated, "cuda") == "cuda_ipc"
-    assert weight_sync_transport(colocated, "cpu") == "object_store"  # no GPU memory to share
+    assert weight_sync_transport(colocated, "cuda") == "ipc"  # CUDA IPC on the trainer's GPU
+    assert weight_sync_transport(colocated, "cpu") == "ipc"  # shared memory beside the trainer
+    local = _cfg(tmp_path, **{"placement.devices": 1, "runtime.backend": "local"})
+    assert weight_sync_transport(local, "cuda") == "object_store"  # one process: tensors as they are
     apart = _cfg(tmp_path, **{"placement.devices": 2, "roles.actor_infer.devices": "[1]"})
     assert weight_sync_transport(apart, "cuda") == "collective"  # the engine is on another GPU
     assert weight_sync_transport(apart, "cpu") == "object_store"  # host memory either way
@@ -413,7 +415,7 @@ def test_weight_sync_transport_auto_rule(tmp_path):
         tmp_path,
         **{"placement.devices": 2, "roles.actor_infer.world_size": 2, "roles.actor_infer.devices": "[0, 1]"},
     )
-    assert weight_sync_transport(straddles, "cuda") == "object_store"  # one engine on the trainer's GPU
+    assert weight_sync_transport(straddles, "cuda") == "object_store"  # no trainer rank on device 1
     shared = _cfg(
         tmp_path,
         **{
@@ -423,7 +425,7 @@ def test_weight_sync_transport_auto_rule(tmp_path):
             "roles.actor_infer.devices": "[1]",
         },
     )
-    assert weight_sync_transport(shared, "cuda") == "object_store"  # trainer rank 1 shares its GPU
+    assert weight_sync_transport(shared, "cuda") == "ipc"  # trainer rank 1 shares with the engine on its GPU
     apart_mp = _cfg(
         tmp_path,
         **{
@@ -439,9 +441,90 @@ def test_weight_sync_transport_auto_rule(tmp_path):
     multiprocess = _cfg(
         tmp_path, **{"placement.devices": 1, "rollout.engine": "vllm", "rollout.vllm.in_process": "false"}
     )
-    assert weight_sync_transport(multiprocess, "cuda") == "object_store"  # opened in another process
+    assert weight_sync_transport(multiprocess, "cuda") == "ipc"  # each vLLM worker opens its own handle
+    sglang = _cfg(tmp_path, **{"placement.devices": 1, "rollout.engine": "sglang"})
+    assert weight_sync_transport(sglang, "cuda") == "object_store"  # its spec: opens_shared False
     forced = _cfg(tmp_path, **{"rollout.weight_sync_transport": "object_store", "placement.devices": 1})
     assert weight_sync_transport(forced, "cuda") == "object_store"
+
+
+def _spanning(tmp_path, **overrides):
+    """Two fsdp2 ranks of actor_train on a pool of ``placement.devices`` with vLLM engines of TP=2."""
+    base = {
+        "rollout.engine": "vllm",
+        "rollout.vllm.tensor_parallel_size": 2,
+        "roles.actor_train.world_size": 2,
+        "placement.devices": 2,
+    }
+    return _cfg(tmp_path, **(base | overrides))
+
+
+def test_an_engine_of_tp_k_takes_k_consecutive_pool_devices_beside_the_trainers(tmp_path):
+    from reroll.config.placement import check_placement, ipc_senders, weight_sync_transport
+
+    one = _spanning(tmp_path)
+    dmap = device_map(one, "cpu")
+    assert dmap.ranks["actor_infer"] == (0,) and dmap.span["actor_infer"] == 2
+    assert dmap.covered("actor_infer") == {0, 1} == dmap.covered("actor_train")
+    assert dmap.workers_on(1) == [("actor_train", 1), ("actor_infer", 0)]
+    assert check_placement(one) == []
+    assert weight_sync_transport(one, "cpu") == weight_sync_transport(one, "cuda") == "ipc"
+    assert ipc_senders(one, "cpu") == {0: 0, 1: 1}  # each trainer rank to the worker on its device
+
+    # data-parallel engines over the rest: 2 engines of TP=2 beside 4 trainer ranks on 4 devices
+    four = _spanning(
+        tmp_path,
+        **{"placement.devices": 4, "roles.actor_train.world_size": 4, "roles.actor_infer.world_size": 2},
+    )
+    assert device_map(four, "cuda").ranks["actor_infer"] == (0, 2)
+    assert ipc_senders(four, "cuda") == {0: 0, 1: 1, 2: 2, 3: 3}
+
+
+def test_a_spanning_engine_that_does_not_fit_its_devices_is_refused_naming_the_span_key(tmp_path):
+    from reroll.config.loader import ConfigError
+
+    cases = [
+        (
+            {"roles.actor_infer.world_size": 2},
+            "roles.actor_infer.world_size: 2 engine ranks of rollout.vllm.tensor_parallel_size=2 devices "
+            "each need 4 pool devices",
+        ),
+        (
+            {"placement.devices": 3, "roles.actor_infer.devices": "[0, 2]"},
+            "roles.actor_infer.devices: engine rank 0 would take devices [0, 2]: each rank of "
+            "rollout.vllm.tensor_parallel_size=2 takes 2 consecutive pool devices",
+        ),
+        ({"roles.actor_infer.devices": "[1]"}, "list exactly 2 devices, not 1"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError) as refused:
+            _spanning(tmp_path, **overrides)
+        assert message in str(refused.value), overrides
+
+
+def test_an_explicit_ipc_transport_needs_a_trainer_rank_on_every_engine_device(tmp_path):
+    from reroll.config.loader import ConfigError
+    from reroll.config.placement import check_weight_sync
+
+    ipc = {"rollout.weight_sync_transport": "ipc"}
+    cases = [
+        (
+            {"placement.devices": 2, "roles.actor_infer.devices": "[1]"},
+            "rollout.weight_sync_transport: 'ipc': engine workers on pool devices [1] have no actor_train "
+            "rank beside them",
+        ),
+        ({"placement.devices": 1, "runtime.backend": "local"}, "it needs runtime.backend=ray"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError) as refused:
+            _cfg(tmp_path, **ipc, **overrides)
+        assert message in str(refused.value), overrides
+    assert check_weight_sync(_spanning(tmp_path, **ipc), "cpu") == []
+
+
+def test_the_old_cuda_ipc_name_says_what_it_became(tmp_path):
+    with pytest.raises(Exception, match="'cuda_ipc' is now 'ipc'"):
+        _cfg(tmp_path, **{"rollout.weight_sync_transport": "cuda_ipc", "placement.devices": 1})
 
 
 def test_trainer_roles_and_engines_sharing_a_device_are_counted(tmp_path):
@@ -695,3 +778,23 @@ def test_forward_only_passes_hold_no_more_than_a_training_micro_batch(tmp_path, 
     assert (
         forward_only_limits(cfg, shape, seq, every_position=True)[0] < forward_only_limits(cfg, shape, seq)[0]
     )
+
+
+def test_plan_puts_each_engine_worker_on_its_device_with_its_tensor_parallel_share(tmp_path):
+    from reroll.plan import plan
+
+    small = {"model.path": "Qwen/Qwen2.5-0.5B", "model.dtype": "bfloat16", "strategy.name": "fsdp2"}
+    text, _ = plan(_spanning(tmp_path, **small), gpus=2, gpu_memory_gib=80)
+    assert "cannot start" not in text
+    assert "gpu 0:" in text and "gpu 1:" in text
+    lines = [line for line in text.splitlines() if line.lstrip().startswith("gpu ")]
+    assert all("actor_infer" in line and "actor_train" in line for line in lines), lines
+    one, _ = plan(
+        _spanning(tmp_path, **small, **{"rollout.vllm.tensor_parallel_size": 1}), gpus=2, gpu_memory_gib=80
+    )
+
+    def engine_weights(out: str) -> float:
+        row = next(line for line in out.splitlines() if line.lstrip().startswith("actor_infer"))
+        return float(row.split("weights ")[1].split(" ")[0])
+
+    assert engine_weights(text) == pytest.approx(engine_weights(one) / 2, abs=0.06)  # each worker half
