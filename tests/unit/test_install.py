@@ -1,10 +1,17 @@
-"""The README's CPU install takes torch's CPU build: PyPI's torch is the CUDA build on Linux (~530 MB plus
-~3 GB of CUDA libraries). The README's lines and the Makefile's (.ci/torch_source.py) name the same pin
-and index, and a dry-run resolution of the README's line, away from this machine's pip config (whose
-local wheel directory would hide what the index gives), installs no CUDA package."""
+"""The README's CPU install: reroll's own dependencies, no extras, and torch's CPU build.
+
+- What a module imports when it is loaded is one of reroll's dependencies: an optional backend
+  (vLLM, DeepSpeed, wandb, ...) is imported inside the function that needs it, so the quickstart runs
+  without the extras. CI installs every extra, so only this static check sees such an import.
+- PyPI's torch is the CUDA build on Linux (~530 MB plus ~3 GB of CUDA libraries): the README's lines and
+  the Makefile's (.ci/torch_source.py) name the same pin and CPU index, and a dry-run resolution of the
+  README's line, away from this machine's pip config (whose local wheel directory would hide what the
+  index gives), installs no CUDA package.
+"""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -17,11 +24,65 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# modules that are an optional backend themselves, loaded only by name when a config asks for it
+BACKEND_MODULES = {"reroll/strategies/deepspeed.py": "deepspeed"}
+IMPORT_TO_PACKAGE = {"yaml": "pyyaml", "pydantic_core": "pydantic"}  # where the names differ
 _spec = importlib.util.spec_from_file_location("torch_source", ROOT / ".ci" / "torch_source.py")
 torch_source = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(torch_source)
 
 CUDA_NAME = re.compile(r"(nvidia|cuda)[-_]|triton$")  # what PyPI's CUDA torch brings, name by name
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """The top-level names of the packages ``path`` imports when it is loaded: its module body and the
+    ``if``/``try`` blocks in it, not a function's body nor ``if TYPE_CHECKING``."""
+    names, todo = set(), list(ast.parse(path.read_text()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.dump(node.test):
+            todo += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody
+    return names
+
+
+def test_modules_import_only_reroll_s_dependencies_when_loaded():
+    from packaging.requirements import Requirement
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        from pip._vendor import tomli as tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    allowed = {Requirement(r).name.lower() for r in project["dependencies"]}
+    assert {"torch", "ray", "transformers"} <= allowed, allowed
+    checked, bad = 0, []
+    for path in sorted((ROOT / "reroll").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for name in module_level_imports(path) - {"reroll", "__future__", *sys.stdlib_module_names}:
+            checked += 1
+            if IMPORT_TO_PACKAGE.get(name, name).lower() not in allowed | {BACKEND_MODULES.get(rel)}:
+                bad.append(f"{rel}: import {name}")
+    assert checked > 50, f"only {checked} imports found: the parse no longer reads the package"
+    assert not bad, (
+        "imported when the module loads, but not a dependency in pyproject.toml (the quickstart's install "
+        "lacks it): import it inside the function that needs it:\n" + "\n".join(bad)
+    )
+
+
+def test_a_module_level_import_of_an_extra_is_found(tmp_path: Path):
+    (tmp_path / "m.py").write_text(
+        "import torch\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import vllm\n"
+        "try:\n    import wandb\nexcept ImportError:\n    wandb = None\n"
+        "def f():\n    import deepspeed\n"
+    )  # fmt: skip
+    assert module_level_imports(tmp_path / "m.py") == {"torch", "typing", "wandb"}
 
 
 def cuda_packages(report: dict) -> list[str]:
