@@ -81,6 +81,7 @@ class Roles:
     engine_headroom_gb: float | None = None  # GPU memory to spare beside the awake engine (``_staying``)
     resident_headroom_gb: float | None = None  # the same with nothing moved at all
     share_hint_shown: bool = False  # ``share_hint`` is printed once a run
+    host_sync_said: bool = False  # ``_both_fit``'s fallback is said once a run
 
     # -- the roles, typed (None where the run does not start the role) --
     @property
@@ -224,10 +225,10 @@ class Roles:
                 transport = weight_sync_transport(self.cfg, self.cfg.placement.device_type)
                 if transport == "collective":
                     sent, stats = self._broadcast_weights()
-                elif transport == "ipc":
+                elif transport == "ipc" and self._both_fit():
                     sent = self._share_weights()
-                else:
-                    buckets = actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, transport)
+                else:  # object_store, or an 'ipc' sync whose two roles cannot hold the device together
+                    buckets = actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, "object_store")
                     sent = actor.sync_bytes()  # runs once the buckets are made
                     self.hold("actor_infer")
                     engine.load_weight_buckets(buckets)
@@ -254,6 +255,26 @@ class Roles:
             self.weight_group_formed = False
             raise
         return actor.sync_bytes(), {"sync/bytes_collective": float(actor.collective_bytes())}
+
+    def _both_fit(self) -> bool:
+        """Whether actor_train may stay resident beside the awake engine for an 'ipc' sync, which holds
+        both for its length: always where nothing offloads; else where the trainers' measured memory
+        leaves the engine awake beside them (``_staying``; not on the first step, which measures).
+        Otherwise this sync goes through host memory as the trainer leaves the device (said once):
+        on one GPU the 3B shape's trainer did not fit beside the engine."""
+        c = self.colocation
+        if c is None or not c.offloads:
+            return True
+        if c.stays is not None and "actor_infer" in c.stays():
+            return True
+        if not self.host_sync_said and self.engine_headroom_gb is not None:  # measured: say why once
+            self.host_sync_said = True
+            tqdm.write(
+                "weight sync: actor_train and the awake engine do not fit on their device together, so "
+                "the weights go through host memory while the trainer leaves it (rollout."
+                "weight_sync_transport 'ipc' needs both resident)"
+            )
+        return False
 
     def _share_weights(self) -> int:
         """The 'ipc' transport: both roles resident; every trainer rank gathers each bucket and those

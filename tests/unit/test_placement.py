@@ -798,3 +798,32 @@ def test_plan_puts_each_engine_worker_on_its_device_with_its_tensor_parallel_sha
         return float(row.split("weights ")[1].split(" ")[0])
 
     assert engine_weights(text) == pytest.approx(engine_weights(one) / 2, abs=0.06)  # each worker half
+
+
+def test_an_ipc_sync_holds_both_roles_only_where_they_fit_together(tmp_path):
+    """An 'ipc' sync keeps actor_train and the awake engine resident for its length; on a GPU where the
+    trainers' measured memory does not leave room for the awake engine (the 3B shape on one GPU), or
+    before they measured it, the sync goes through host memory as the trainer leaves the device, and
+    the reason is said once."""
+    from reroll.pipelines.roles import Roles
+
+    class Measured(_Group):
+        need = 0
+
+        def memory_need(self):
+            return self.need, 2**30, 80 * 2**30
+
+    cfg = _cfg(
+        tmp_path,
+        **{"placement.devices": 1, "rollout.engine": "vllm", "rollout.vllm.gpu_memory_utilization": 0.35},
+    )
+    groups = {"actor_train": Measured([], "actor_train"), "actor_infer": _Group([], "actor_infer")}
+    colocation = Colocation(groups, device_map(cfg, "cuda"), True)
+    roles = Roles(cfg, {}, colocation=colocation)
+    colocation.let_stay(roles._staying)
+    assert not roles._both_fit() and not roles.host_sync_said  # not measured yet: nothing to say
+    groups["actor_train"].need = 40 * 2**30  # 40 + 0.35 x 80 + 2 GiB of contexts <= 72 GiB
+    assert roles._both_fit()
+    groups["actor_train"].need = 50 * 2**30
+    assert not roles._both_fit() and roles.host_sync_said
+    assert Roles(cfg, {}, colocation=Colocation(groups, device_map(cfg, "cuda"), False))._both_fit()
