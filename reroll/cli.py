@@ -216,7 +216,11 @@ def cmd_env_check(args: argparse.Namespace) -> int:
     from reroll.envs.check import check_env
 
     if args.list:
-        print("\n".join(env_names()))
+        from reroll.envs.gem import gem_ids, gem_missing
+
+        missing = gem_missing()
+        gem = [f"gem:<id> (GEM's environments; {missing})"] if missing else [f"gem:{i}" for i in gem_ids()]
+        print("\n".join(env_names() + gem))
         return 0
     if args.name is None:
         raise UserError("env-check: name an environment, e.g. `reroll env-check nim`; --list shows them all")

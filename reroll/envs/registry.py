@@ -1,4 +1,4 @@
-"""Environments by name: reroll's own, ``gem:<id>`` (GEM, imported only then), or ``package.module:Factory``.
+"""Environments by name: reroll's own, ``gem:<id>`` (``reroll.envs.gem``), or ``package.module:Factory``.
 
 ``make_env(name, config)`` checks ``config`` against the factory's keyword arguments, so a typo is an
 error that lists the accepted keys with their defaults; an unknown name lists the registered ones.
@@ -82,11 +82,6 @@ def _check_config(name: str, factory: Callable[..., Any], config: dict[str, Any]
 
 
 def _make_gem(env_id: str, config: dict[str, Any]) -> Env:
-    try:
-        import gem
-    except ImportError as e:
-        raise UserError(f"environment 'gem:{env_id}' needs GEM: pip install gem-llm") from e
-    try:
-        return gem.make(env_id, **config)
-    except Exception as e:  # GEM's own errors: an unknown id, a bad option
-        raise UserError(f"environment 'gem:{env_id}': {type(e).__name__}: {e}") from e
+    from reroll.envs.gem import make_gem_env  # numpy and GEM only for GEM's environments
+
+    return make_gem_env(env_id, config)

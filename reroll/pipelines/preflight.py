@@ -23,7 +23,8 @@ Checked:
   returning no number or a non-finite one, or hanging on a row's own answer is a problem; raising on
   an empty response, or scoring every own answer 0, a warning.
 - an ``agent:`` environment (``agentic.env``): the function imports and binds ``(base_url, task,
-  **agentic.env_config)``; ``agentic.tasks`` / ``eval_tasks`` read as rows.
+  **agentic.env_config)``; ``agentic.tasks`` / ``eval_tasks`` read as rows. A ``gem:<id>`` one: GEM
+  has the id, and its class takes the options (``reroll.envs.gem.gem_problem``).
 - distillation and RLHF models (``distill.teachers``, ``reward.model``) where their paths are local: a
   teacher has the student's tokenizer; a reward model is a one-label ``...ForSequenceClassification``;
   the data rows route to a teacher (their ``domain``).
@@ -34,7 +35,7 @@ Checked:
   (``preflight_calls.length_warnings``: the share cut and the value that fits), with the tokenizer of a
   local model, of ``model.build_tiny``'s alphabet, or of a hub model in the local cache.
 - packages and programs the config needs, with their install lines (``preflight_machine.package_problems``:
-  vLLM / SGLang, DeepSpeed / Megatron-Core, math-verify, bubblewrap, wandb / mlflow).
+  vLLM / SGLang, DeepSpeed / Megatron-Core, math-verify, bubblewrap, gem-llm, wandb / mlflow).
 - what the roles would refuse when they start, decided by the config alone (``reroll.config.startable``,
   which ``reroll plan`` runs too): Megatron parallel sizes and models not built, options a strategy or
   engine does not take; the device-dependent ones (Megatron or
@@ -130,6 +131,8 @@ def inspect_inputs(
         warnings += trials[1]
     elif agentic is not None and is_agent(agentic.env):
         problems += _check_agent(cfg)
+    elif agentic is not None and agentic.env.startswith("gem:"):
+        problems += _check_gem(cfg)
     problems += _check_lengths(cfg)
     warnings += length_warnings(cfg, *_tokenizer_and_end(cfg))
     problems += package_problems(cfg, generate_only=generate_only)
@@ -233,6 +236,16 @@ def _check_chat_template(cfg: RunConfig) -> list[ConfigProblem]:
     except UserError as e:  # no tokenizer there at all
         return [ConfigProblem("model.path", str(e))]
     return []
+
+
+def _check_gem(cfg: RunConfig) -> list[ConfigProblem]:
+    """A GEM environment's id and options, where gem-llm is installed (``package_problems`` says when not)."""
+    from reroll.envs.gem import gem_problem
+
+    a = cfg.agentic
+    assert a is not None
+    problem = gem_problem(a.env.removeprefix("gem:"), a.env_config)
+    return [ConfigProblem("agentic.env", problem)] if problem else []
 
 
 def _check_agent(cfg: RunConfig) -> list[ConfigProblem]:

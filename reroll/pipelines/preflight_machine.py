@@ -3,7 +3,8 @@
 - ``package_problems``: the packages and programs the config needs, each with its install line: the
   generation engine (vLLM, SGLang) where actor_infer or the judge starts, DeepSpeed or Megatron-Core
   for ``strategy.name``, math-verify for ``math_verify`` rewards, bubblewrap for ``code_tests`` rewards
-  in their default sandbox, and wandb / mlflow for the trackers ``logging`` asks for. Checked in the
+  in their default sandbox, gem-llm for a ``gem:<id>`` environment, and wandb / mlflow for the trackers
+  ``logging`` asks for. Checked in the
   process that runs the check: on a Ray cluster every node needs the same packages.
 - ``Machine``: the CPUs and GPUs of this machine, which ``reroll train`` makes into a Ray cluster of its
   own when it joins none (no ``runtime.ray_address``, no ``RAY_ADDRESS``); ``machine_problems`` checks
@@ -46,6 +47,12 @@ def package_problems(cfg: RunConfig, *, generate_only: bool = False) -> list[Con
         problems.append(ConfigProblem("strategy.name", missing))
     if reward is not None:
         problems += _reward_packages(cfg)
+    agentic = cfg.section("agentic")
+    if agentic is not None and agentic.env.startswith("gem:"):
+        from reroll.envs.gem import gem_missing
+
+        if missing := gem_missing():
+            problems.append(ConfigProblem("agentic.env", f"is {agentic.env!r}: {missing}"))
     lg = cfg.logging
     problems += [ConfigProblem(k, m) for k, m in tracker_missing(wandb=lg.wandb, mlflow=lg.mlflow)]
     return problems

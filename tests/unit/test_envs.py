@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 
 from reroll.envs import make_env
-from reroll.envs.check import check_env
 from reroll.envs.frozenlake import FrozenLake
 from reroll.envs.nim import Nim
 from reroll.envs.sokoban import Sokoban
@@ -125,27 +121,3 @@ def test_registry_is_strict():
         make_env("sokoban", {"boxes": 2})
     with pytest.raises(UserError, match="num_boxes is 0"):
         make_env("sokoban", {"num_boxes": 0})
-
-
-class _GemStyleEnv:
-    """What a GEM environment looks like: reset(seed) / step(action) / sample_random_action()."""
-
-    def reset(self, seed=None):
-        self.n = 0
-        return f"count {seed}", {}
-
-    def step(self, action):
-        self.n += 1
-        return "ok", float(self.n == 2), self.n == 2, False, {}
-
-    def sample_random_action(self):
-        return "x"
-
-
-def test_gem_envs_plug_in_unchanged(monkeypatch):
-    made = []
-    fake = types.SimpleNamespace(make=lambda env_id, **kw: made.append((env_id, kw)) or _GemStyleEnv())
-    monkeypatch.setitem(sys.modules, "gem", fake)
-    report = check_env("gem:game:Count-v0", {"level": 1}, episodes=3)
-    assert report.success_rate == 1.0 and report.total_turns == 6
-    assert made[0] == ("game:Count-v0", {"level": 1})
