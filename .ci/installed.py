@@ -43,6 +43,8 @@ def missing(extras: Sequence[str] = ()) -> list[str]:
     problems = []
     for line in wanted:
         req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate():  # not for this Python (gem-llm on 3.12+)
+            continue
         try:
             version = metadata.version(req.name)
         except metadata.PackageNotFoundError:
