@@ -174,7 +174,12 @@ def test_the_real_guess_the_number_game_and_its_success():
 
 
 @NEEDS_GEM
-def test_env_check_plays_real_gem_games_with_their_random_policy():
+def test_env_check_plays_real_gem_games_with_their_random_policy(capsys):
+    from reroll.cli import main
+
+    assert main(["env-check", "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert "nim" in listed and f"gem:{GUESS}" in listed and "gem:game:Sokoban-v0-hard" in listed
     report = check_env(f"gem:{GUESS}", episodes=20)
     # random guesses find the number in 4 turns far less often than the bare "reward > 0" rule said (0.95)
     assert report.total_turns > 20 and report.success_rate < 0.6
