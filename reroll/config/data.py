@@ -12,10 +12,14 @@ from reroll.config.base import StrictModel
 class SyntheticDataConfig(StrictModel):
     """Generate a synthetic verifiable task into the data files if they do not exist."""
 
-    task: Literal["arithmetic"] = Field("arithmetic", description="Which synthetic task.")
+    task: Literal["arithmetic", "shapes"] = Field(
+        "arithmetic",
+        description="Which synthetic task: 'arithmetic' (a op b), or 'shapes' (count the squares drawn in "
+        "a 32x32 image, 1 to max_operand; rows with images, for a vision-language model).",
+    )
     n_train: int = Field(5000, ge=1, description="Training rows.")
     n_test: int = Field(500, ge=1, description="Held-out rows (disjoint from training).")
-    max_operand: int = Field(99, ge=1, description="Largest operand.")
+    max_operand: int = Field(99, ge=1, description="Largest operand ('shapes': the most shapes, up to 9).")
     ops: str = Field("+", min_length=1, description="Operators to draw from, e.g. '+-'.")
     seed: int = Field(0, description="Seed of the generator.")
 
@@ -86,4 +90,11 @@ class DataConfig(StrictModel):
     shuffle: bool = Field(True, description="Reshuffle training prompts every epoch.")
     synthetic: SyntheticDataConfig | None = Field(
         None, description="If set, generate this task into train_files[0] / eval_files[0] when missing."
+    )
+    image_field: str | None = Field(
+        "images",
+        description="The row field holding a prompt's images (a vision-language model): one image or a "
+        "list, each a file path (relative to the data file), a base64 string or data:image/...;base64 URI, "
+        "or a Hugging Face dataset's Image feature. Rows without it are text only; null: images are not "
+        "read. The prompt places them before the prompt_template's text.",
     )

@@ -53,6 +53,30 @@ class VLLMConfig(StrictModel):
     seed: int = Field(0, description="Engine seed (per-request seeds come from the pipeline).")
 
 
+class ImagesConfig(StrictModel):
+    """How prompts' images are read (a vision-language model): the image processor's size limits, which
+    the engine and the trainers share, and the most images a prompt may hold."""
+
+    max_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="Most images one prompt may hold (vLLM's limit_mm_per_prompt; a row with more "
+        "is refused, naming it).",
+    )
+    min_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="Images smaller than this are scaled up to it (the image processor's "
+        "size.shortest_edge, in pixels); None: the processor's own setting.",
+    )
+    max_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="Images larger than this are scaled down to it (size.longest_edge, in "
+        "pixels; image tokens grow with it); None: the processor's own setting.",
+    )
+
+
 class RolloutConfig(StrictModel):
     """How actor_infer generates."""
 
@@ -75,6 +99,10 @@ class RolloutConfig(StrictModel):
         False, description="hf engine: static KV cache + torch.compile'd decoding (for GPUs)."
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings.")
+    images: ImagesConfig = Field(
+        default_factory=ImagesConfig,
+        description="Prompts' images (data.image_field): the processor's size limits and images per prompt.",
+    )
     weight_sync_transport: Literal["auto", "object_store", "ipc", "collective"] = Field(
         "auto",
         description="How weights reach the engine: 'object_store' (host memory, through Ray), 'ipc' (each "

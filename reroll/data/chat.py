@@ -44,9 +44,16 @@ def uses_chat_template(tokenizer: Any, setting: ChatTemplateSetting) -> bool:
     return bool(setting)
 
 
-def chat_messages(text: str, system_prompt: str | None = None, *, role: str = "user") -> list[dict[str, str]]:
-    """The conversation a prompt starts: an optional system message, then ``text`` as ``role``'s."""
+def chat_messages(
+    text: str, system_prompt: str | None = None, *, role: str = "user", images: int = 0
+) -> list[dict[str, Any]]:
+    """The conversation a prompt starts: an optional system message, then ``text`` as ``role``'s; with
+    ``images``, that message's content is that many image parts and then the text (the form
+    vision-language chat templates place images from)."""
     head = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    if images:
+        parts = [*({"type": "image"} for _ in range(images)), {"type": "text", "text": text}]
+        return [*head, {"role": role, "content": parts}]
     return [*head, {"role": role, "content": text}]
 
 
@@ -113,11 +120,19 @@ class PromptFormat:
         end = end_of_turn_ids(tokenizer)[:1] if self.chat else []
         self.end_of_response: list[int] = end or ([eos] if eos is not None else [])
 
-    def prompt(self, text: str) -> str:
-        """The model input for the user message ``text``."""
+    def prompt(self, text: str, images: int = 0) -> str:
+        """The model input for the user message ``text``, after ``images`` images (the chat template
+        writes a placeholder for each, which the model's processor expands)."""
+        if images and not self.chat:
+            raise ChatTemplateError(
+                "rows with images need a chat template that places them (a vision-language model's), but "
+                "prompts are raw text (data.chat_template is false, or auto and the tokenizer has none): "
+                "set data.chat_template to true or auto with such a model"
+            )
         if not self.chat:
             return text
-        return render_chat(self.tokenizer, chat_messages(text, self.system_prompt), generation_prompt=True)
+        messages = chat_messages(text, self.system_prompt, images=images)
+        return render_chat(self.tokenizer, messages, generation_prompt=True)
 
     def conversation(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None

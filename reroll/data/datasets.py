@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from reroll.config.data import HubDatasetConfig
+from reroll.data.images import row_images
 from reroll.data.types import Sample
 from reroll.errors import UserError
 
@@ -161,28 +162,41 @@ def load_samples(
     files: Sequence[Source],
     *,
     template: str,
-    render: Callable[[str], str] | None = None,
+    render: Callable[..., str] | None = None,
     required: Sequence[str] = (),
     id_field: str = "id",
     domain_field: str = "domain",
     limit: int | None = None,
+    image_field: str | None = None,
 ) -> list[Sample]:
     """Rows of ``files`` made into ``Sample``s; a row lacking a template field or a ``required`` field is an error.
 
     The sample's ``message`` is ``template.format(**row)``; its ``prompt``, what the model reads, is
-    ``render(message)`` (a ``PromptFormat.prompt``; the message itself without ``render``)."""
+    ``render(message, images=k)`` (a ``PromptFormat.prompt``, which places the row's k images; the
+    message itself without ``render``). ``image_field``: the field holding a row's images
+    (``reroll.data.images``: each must open, else the error names the row); they become the sample's
+    ``images`` and leave its ``row``."""
     needed = list(dict.fromkeys([*template_fields(template), *required]))
     samples: list[Sample] = []
     for file in files:
         name = source_name(file)
         stem = Path(file).stem if not isinstance(file, HubDatasetConfig) else name
+        base = Path(file).parent if not isinstance(file, HubDatasetConfig) else None
         for i, row in enumerate(read_rows(file)):
             check_row(name, i, row, needed)
             uid = str(row.get(id_field, f"{stem}-{i}"))
             domain = str(row.get(domain_field, "default"))
             message = template.format(**row)
-            prompt = render(message) if render is not None else message
-            samples.append(Sample(uid=uid, prompt=prompt, row=row, domain=domain, message=message))
+            images = row_images(f"{name}: row {i + 1}", row, image_field, base) if image_field else ()
+            if image_field in row:
+                row = {k: v for k, v in row.items() if k != image_field}
+            if render is None:
+                prompt = message
+            else:
+                prompt = render(message, images=len(images)) if images else render(message)
+            samples.append(
+                Sample(uid=uid, prompt=prompt, row=row, domain=domain, message=message, images=images)
+            )
             if limit is not None and len(samples) >= limit:
                 return samples
     if not samples:

@@ -1,6 +1,7 @@
 """Typed records passed between roles.
 
-``Sample``     one dataset row made into a prompt (driver -> actor_infer).
+``Sample``     one dataset row made into a prompt (driver -> actor_infer), with its images if any.
+``ImagePrompt`` a prompt's text and images, as an engine takes a prompt with images.
 ``Rollout``    one generated response with the engine's token ids and log-probs (actor_infer -> driver).
 ``TrainBatch`` the padded tensors the trainer, the reference and the critic consume (driver -> actor_train).
 
@@ -23,20 +24,66 @@ import torch
 class Sample:
     """A dataset row rendered into a prompt. ``row`` keeps every field for the reward function.
 
-    ``message`` is the row through ``data.prompt_template`` (the user message); ``prompt`` is what the
-    model reads: that message in the chat template when one is used, else the message itself
-    (``message=None``: the same as ``prompt``)."""
+        ``message`` is the row through ``data.prompt_template`` (the user message); ``prompt`` is what the
+        model reads: that message in the chat template when one is used, else the message itself
+        (``message=None``: the same as ``prompt``). ``images``: the row's images, encoded (PNG, JPEG, ...
+    bytes), in the order the prompt places them (one image placeholder each: ``PromptFormat.prompt``); the
+    row keeps its other fields."""
 
     uid: str
     prompt: str
     row: dict[str, Any]
     domain: str = "default"
     message: str | None = None
+    images: tuple[bytes, ...] = ()
 
     @property
     def text(self) -> str:
         """The user message: ``message``, or ``prompt`` where no template wrapped it."""
         return self.message if self.message is not None else self.prompt
+
+    @property
+    def engine_prompt(self) -> str | ImagePrompt:
+        """What an engine takes for this sample: the prompt text, or with images an ``ImagePrompt``."""
+        return ImagePrompt(self.prompt, self.images) if self.images else self.prompt
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt with images: ``text`` holds one image placeholder per image (the chat template's, e.g.
+    Qwen2.5-VL's ``<|image_pad|>``, not yet expanded to the image's token count) and ``images`` their
+    encoded bytes in order. Engines whose spec has ``multimodal`` take it beside text prompts; the
+    processor expands each placeholder (``reroll.models.vision.VisionProcessor``)."""
+
+    text: str
+    images: tuple[bytes, ...]
+
+
+Prompt = str | list[int] | ImagePrompt
+"""A prompt as engines take it: text, token ids used as given, or text with images."""
+
+
+@dataclass
+class ImageInputs:
+    """The vision inputs of some rows, as the Qwen2-VL family's processor makes them: ``pixel_values``
+    ``(N, D)``, every image's patches one after another (D = channels x temporal patch x patch^2), and
+    ``image_grid_thw`` long ``(K, 3)``, each image's patch grid (N = the sum of the grids' products)."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+
+    def to(self, device: torch.device | str) -> ImageInputs:
+        return ImageInputs(self.pixel_values.to(device), self.image_grid_thw.to(device))
+
+    @staticmethod
+    def join(parts: Sequence[ImageInputs | None]) -> ImageInputs | None:
+        """The images of several rows, in row order (None where no row has any)."""
+        kept = [p for p in parts if p is not None]
+        if not kept:
+            return None
+        return ImageInputs(
+            torch.cat([p.pixel_values for p in kept]), torch.cat([p.image_grid_thw for p in kept])
+        )
 
 
 @dataclass(frozen=True)
@@ -138,6 +185,10 @@ class TrainBatch:
     teacher_logprobs: torch.Tensor | None = None  # float (B, T)
     teacher_topk_logprobs: torch.Tensor | None = None  # float (B, T, K)
     teacher_topk_ids: torch.Tensor | None = None  # long (B, T, K)
+    # vision-language rows: each row's images (ImageInputs), zero-padded per row to the batch's most
+    # patches and images; a row without images has all-zero grids (``images()`` joins them back)
+    pixel_values: torch.Tensor | None = None  # (B, P, D), in the model's dtype
+    image_grid_thw: torch.Tensor | None = None  # long (B, K, 3)
     num_tokens: float | None = None
     num_seqs: float | None = None
 
@@ -173,6 +224,18 @@ class TrainBatch:
         ]
         return replace(self, **{name: getattr(self, name)[:, :width] for name in per_token})
 
+    def images(self) -> ImageInputs | None:
+        """The rows' images joined in row order (the model's ``pixel_values`` and ``image_grid_thw``);
+        None where no row has any."""
+        if self.image_grid_thw is None or self.pixel_values is None:
+            return None
+        parts = []
+        for pixels, grids in zip(self.pixel_values, self.image_grid_thw):
+            grids = grids[grids.prod(-1) > 0]
+            n = int(grids.prod(-1).sum())
+            parts.append(ImageInputs(pixels[:n], grids) if n else None)
+        return ImageInputs.join(parts)
+
     @staticmethod
     def concat(parts: Sequence[torch.Tensor], width: int | None = None, pad: float = 0.0) -> torch.Tensor:
         """Concatenate ``(b_i, T_i)`` tensors along rows, right-padded to ``width`` (default: the widest)."""
@@ -181,8 +244,28 @@ class TrainBatch:
         return torch.cat(padded, dim=0)
 
 
-# (B, S) fields indexed by turn, not by token: ``trim`` leaves them whole
-_PER_SEQUENCE = ("step_rewards", "step_states")
+# fields not indexed by token: ``trim`` leaves them whole ((B, S) by turn; each row's image inputs)
+_PER_SEQUENCE = ("step_rewards", "step_states", "pixel_values", "image_grid_thw")
+
+
+def padded_images(
+    rows: Sequence[ImageInputs | None], dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``TrainBatch.pixel_values`` ``(B, P, D)`` and ``image_grid_thw`` ``(B, K, 3)`` of each row's images
+    (None: a row without any), zero-padded per row; ``pixel_values`` in ``dtype``."""
+    kept = [r for r in rows if r is not None]
+    if not kept:
+        raise ValueError("padded_images: no row has images")
+    dim = kept[0].pixel_values.shape[-1]
+    most_patches = max(r.pixel_values.shape[0] for r in kept)
+    most_images = max(r.image_grid_thw.shape[0] for r in kept)
+    pixels = torch.zeros((len(rows), most_patches, dim), dtype=dtype)
+    grids = torch.zeros((len(rows), most_images, 3), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r is not None:
+            pixels[i, : r.pixel_values.shape[0]] = r.pixel_values.to(dtype)
+            grids[i, : r.image_grid_thw.shape[0]] = r.image_grid_thw
+    return pixels, grids
 
 
 @dataclass(frozen=True)
