@@ -73,7 +73,7 @@ class EngineSpec:
     opens_shared: bool = True
     lora: bool = True  # update_lora: LoRA adapters applied over the base weights
     scores: bool = True  # score(input_ids, mask, temperature): log-probs of given sequences
-    multimodal: bool = False  # images in prompts
+    multimodal: bool = False  # images in prompts (``ImagePrompt``: a vision-language model's rows)
     max_model_len: Callable[[RolloutConfig], int | None] = _none  # a context cap of its own setting
 
     def can_sleep(self, rollout: RolloutConfig) -> bool:
@@ -100,7 +100,7 @@ def _vllm_span_problem(r: RolloutConfig, device: str) -> tuple[str, str] | None:
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "hf": EngineSpec(name="hf", streams=True, streams_tokens=True, top_logprobs=True),
+    "hf": EngineSpec(name="hf", streams=True, streams_tokens=True, top_logprobs=True, multimodal=True),
     "vllm": EngineSpec(
         name="vllm",
         package="vllm",
@@ -118,6 +118,7 @@ ENGINES: dict[str, EngineSpec] = {
         streams_tokens=True,
         top_logprobs=True,
         guided_decoding=True,
+        multimodal=True,
         receives_in_worker=lambda r: r.vllm.in_process,
         max_model_len=lambda r: r.vllm.max_model_len,
     ),

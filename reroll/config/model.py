@@ -29,6 +29,12 @@ class TinyModelConfig(StrictModel):
         description="Give the tokenizer a chat template ('<|user|>...<|assistant|>', turns ending with "
         "'<eos>'); false: none, as a base model's tokenizer.",
     )
+    vision: bool = Field(
+        False,
+        description="Build a vision-language model of Qwen2.5-VL's architecture (a 2-block vision tower "
+        "on 4-pixel patches, its merger, the text model above) with an image processor for images up to "
+        "32x32 pixels, instead of a text-only Qwen2.",
+    )
 
 
 class ModelConfig(StrictModel):
@@ -56,6 +62,12 @@ class ModelConfig(StrictModel):
         "ones, and fewer activations kept for backward. Only norm classes whose own forward computes the "
         "plain weight * x / rms(x) are switched (checked on a probe at load; Gemma's 1 + weight is not); "
         "results differ by bf16 rounding, none in fp32. false: the model's own code.",
+    )
+    train_vision: bool = Field(
+        False,
+        description="A vision-language model's vision tower (and its merger into the text model) trains "
+        "with the rest; false: it keeps its loaded weights (no gradients or optimizer state, and weight "
+        "sync sends only what trains). Ignored for text-only models.",
     )
     cudnn_attention: bool = Field(
         False,

@@ -27,6 +27,7 @@ from reroll.config.placement import (
     run_roles,
     shares_device,
 )
+from reroll.config.vision import vision_model_problems
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 MEGATRON_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 # Hugging Face model types of the known families by name prefix, for hub ids that are not on disk.
 KNOWN_MODEL_TYPES = {
+    "qwen2.5-vl-": "qwen2_5_vl",
+    "qwen2-vl-": "qwen2_vl",
     "qwen2.5-": "qwen2",
     "qwen2-": "qwen2",
     "qwen3-30b-a3b": "qwen3_moe",
@@ -344,6 +347,7 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
         )
     if "actor_infer" in specs:
         problems += engine_problems(cfg, device_type)
+    problems += vision_model_problems(cfg, model_type(cfg.model.path))
     return list(dict.fromkeys(problems))  # a problem of both megatron roles once
 
 

@@ -65,6 +65,7 @@ def make_engine(
             device=device,
             batch_size=rollout.generate_batch_size,
             static_cache=rollout.hf_static_cache,
+            images=rollout.images,
         )
     if name == "vllm":
         from reroll.engines.vllm import VLLMEngine

@@ -17,10 +17,13 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from reroll.data.types import Completion, SamplingParams, TokenDelta
+from reroll.config.rollout import ImagesConfig
+from reroll.data.types import Completion, ImageInputs, ImagePrompt, Prompt, SamplingParams, TokenDelta
 from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prompt_order
 from reroll.engines.lora import lora_pairs, lora_scale, merge_lora
+from reroll.errors import UserError
 from reroll.models.loading import load_causal_lm, load_tokenizer
+from reroll.models.vision import VisionProcessor, is_vision_language, model_inputs
 
 
 class _AbortCriterion(StoppingCriteria):
@@ -88,11 +91,18 @@ class HFEngine:
         device: str = "cpu",
         batch_size: int = 256,
         static_cache: bool = False,
+        images: ImagesConfig | None = None,
     ):
         """``static_cache``: a fixed-shape KV cache, which lets transformers compile the decode step
-        (``torch.compile``; worth it on GPUs, where it removes per-token Python overhead)."""
+        (``torch.compile``; worth it on GPUs, where it removes per-token Python overhead). ``images``:
+        the image processor's limits, for a vision-language model (``ImagePrompt`` prompts)."""
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_causal_lm(model_path, dtype, device).eval()
+        self.vision = (
+            VisionProcessor.for_rollout(model_path, self.tokenizer, images)
+            if is_vision_language(self.model)
+            else None
+        )
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.static_cache = static_cache
@@ -106,16 +116,14 @@ class HFEngine:
         self._lora_base: dict[str, torch.Tensor] = {}  # the base values of weights a LoRA adapts
 
     @engine_call
-    def generate(
-        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
-    ) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions per prompt; rows are generated ``batch_size`` at a time."""
         return in_prompt_order(self.stream(prompts, params), len(prompts))
 
     @engine_call
     def stream(
         self,
-        prompts: Sequence[str] | Sequence[list[int]],
+        prompts: Sequence[Prompt],
         params: SamplingParams,
         budgets: Sequence[int] | None = None,
     ) -> Iterator[tuple[int, list[Completion]]]:
@@ -124,27 +132,47 @@ class HFEngine:
         micro-batch in flight stops at its next token and the rows not started come back empty."""
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        # a prompt is text (encoded without special tokens) or token ids, used exactly as given
-        encoded = [
-            p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in prompts
-        ]
+        encoded = self._encode(prompts)  # once per prompt: its group's samples share it
         limits = list(budgets) if budgets is not None else [params.max_new_tokens] * len(prompts)
-        rows = [(i, ids, limits[i]) for i, ids in enumerate(encoded) for _ in range(params.n)]
+        rows = [(i, *encoded[i], limits[i]) for i in range(len(prompts)) for _ in range(params.n)]
         done: dict[int, list[Completion]] = {}
         for start in range(0, len(rows), self.batch_size):
             chunk = rows[start : start + self.batch_size]
             if self._interrupt.is_set():  # not started: nothing generated yet
-                made = [Completion(ids, [], "", [], "abort") for _, ids, _ in chunk]
+                made = [Completion(ids, [], "", [], "abort") for _, ids, _, _ in chunk]
             else:
                 began = time.perf_counter()
-                made = self._generate_batch([ids for _, ids, _ in chunk], [b for *_, b in chunk], params)
+                made = self._generate_batch(
+                    [ids for _, ids, _, _ in chunk],
+                    [b for *_, b in chunk],
+                    params,
+                    images=[im for _, _, im, _ in chunk],
+                )
                 self._seconds += time.perf_counter() - began
                 self._tokens += sum(len(c.response_ids) for c in made)
-            for (i, _, _), c in zip(chunk, made):
+            for (i, *_), c in zip(chunk, made):
                 done.setdefault(i, []).append(c)
-            for i in sorted({i for i, _, _ in chunk}):
+            for i in sorted({i for i, *_ in chunk}):
                 if len(done[i]) == params.n:
                     yield i, done.pop(i)
+
+    def _encode(self, prompts: Sequence[Prompt]) -> list[tuple[list[int], ImageInputs | None]]:
+        """Each prompt's token ids and images: text encoded without special tokens, token ids used
+        exactly as given, an ``ImagePrompt`` through the model's processor (placeholders expanded)."""
+        out: list[tuple[list[int], ImageInputs | None]] = []
+        for p in prompts:
+            if isinstance(p, ImagePrompt):
+                if self.vision is None:
+                    raise UserError(
+                        "a prompt with images reached the hf engine, whose model reads text only: use a "
+                        "vision-language model (model.path)"
+                    )
+                out.append(self.vision.encode(p.text, p.images))
+            else:
+                out.append(
+                    (p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False), None)
+                )
+        return out
 
     @torch.no_grad()
     def _generate_batch(
@@ -153,9 +181,10 @@ class HFEngine:
         budgets: list[int],
         params: SamplingParams,
         step_hook: _StepHook | None = None,
+        images: Sequence[ImageInputs | None] = (),
     ) -> list[Completion]:
         """One micro-batch, decoded to its largest budget; each row is cut at its own. ``step_hook``
-        sees every decoding step (``stream_tokens``)."""
+        sees every decoding step (``stream_tokens``); ``images``: each row's (a vision-language model)."""
         self._stats.observe(running=len(rows))
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(len(r) for r in rows)
@@ -169,6 +198,9 @@ class HFEngine:
         extra = {"stop_strings": list(params.stop), "tokenizer": self.tokenizer} if params.stop else {}
         if self.static_cache and step_hook is None:  # a compiled step would bypass the forward hook
             extra["cache_implementation"] = "static"
+        extra |= model_inputs(self.model, input_ids, ImageInputs.join(images))  # positions: the model's own
+        if self.vision is not None:  # log-probs stay the raw logits'; only sampling skips them
+            extra["suppress_tokens"] = self.vision.not_generated
         hook = self.model.register_forward_hook(step_hook.capture) if step_hook is not None else None
         try:
             out = self.model.generate(
@@ -247,24 +279,20 @@ class HFEngine:
         return Completion(prompt, ids, text, logprobs[:length].tolist(), reason)
 
     @engine_call
-    def stream_tokens(
-        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
-    ) -> Iterator[TokenDelta]:
+    def stream_tokens(self, prompts: Sequence[Prompt], params: SamplingParams) -> Iterator[TokenDelta]:
         """Each response's tokens as they are decoded: ``generate``'s micro-batches, seeded as it seeds
         them, each run in a thread whose per-step callback puts every live response's new token (its
         log-prob, its top log-probs) on a queue that this generator empties. A response ends at
         ``_cut``, as in ``generate``. Closing the generator stops the micro-batch in flight."""
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        encoded = [
-            p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in prompts
-        ]
-        rows = [(i, j, ids) for i, ids in enumerate(encoded) for j in range(params.n)]
+        encoded = self._encode(prompts)
+        rows = [(i, j, *encoded[i]) for i in range(len(prompts)) for j in range(params.n)]
         for start in range(0, len(rows), self.batch_size):
             yield from self._stream_batch(rows[start : start + self.batch_size], params)
 
     def _stream_batch(
-        self, chunk: list[tuple[int, int, list[int]]], params: SamplingParams
+        self, chunk: list[tuple[int, int, list[int], ImageInputs | None]], params: SamplingParams
     ) -> Iterator[TokenDelta]:
         """One micro-batch of ``stream_tokens``, generated in a thread."""
         budget, temp = params.max_new_tokens, params.temperature or 1.0
@@ -282,18 +310,22 @@ class HFEngine:
                 cut = self._cut(made[r], params, budget, since=len(made[r]))
                 live[r] = cut is None
                 top = [_pairs(top_ids[r], top_vals[r])] if top_ids is not None else []
-                i, j, _ = chunk[r]
+                i, j, *_ = chunk[r]
                 deltas.put(TokenDelta(i, j, [token], [lp], top, cut and cut[1]))
 
         def run() -> None:
             try:
                 began = time.perf_counter()
                 done = self._generate_batch(
-                    [ids for *_, ids in chunk], [budget] * len(chunk), params, _StepHook(on_step, closed)
+                    [ids for _, _, ids, _ in chunk],
+                    [budget] * len(chunk),
+                    params,
+                    _StepHook(on_step, closed),
+                    images=[im for *_, im in chunk],
                 )
                 self._seconds += time.perf_counter() - began
                 self._tokens += sum(len(c.response_ids) for c in done)
-                for (i, j, _), c, on in zip(chunk, done, live):
+                for (i, j, *_), c, on in zip(chunk, done, live):
                     if on:  # generate ended it without a cut of its own (an interrupt): it ends here
                         deltas.put(TokenDelta(i, j, [], [], [], c.finish_reason))
             except BaseException as e:  # handed to the consumer

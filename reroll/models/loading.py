@@ -19,6 +19,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
@@ -54,12 +55,23 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def load_causal_lm(
     path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"
 ) -> PreTrainedModel:
-    """A Hugging Face causal LM from a local directory or hub id, in ``dtype`` on ``device``."""
+    """A Hugging Face causal LM from a local directory or hub id, in ``dtype`` on ``device``; a
+    vision-language model (``reroll.models.vision``) as ``AutoModelForImageTextToText``."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+        auto = AutoModelForImageTextToText if _is_vision_language(path) else AutoModelForCausalLM
+        model = auto.from_pretrained(str(path), dtype=DTYPES[dtype])
     except OSError as e:
         raise UserError(f"cannot load a model from model.path {str(path)!r}: {e}") from e
     return model.to(device)
+
+
+def _is_vision_language(path: str | Path) -> bool:
+    from reroll.models.vision import is_vision_language
+
+    try:
+        return is_vision_language(AutoConfig.from_pretrained(str(path)))
+    except (OSError, ValueError):  # from_pretrained's own error says what is wrong
+        return False
 
 
 def load_value_model(

@@ -72,7 +72,19 @@ def resolve_alphabet(name_or_chars: str) -> str:
 
 def build_tiny_from_config(path: str | Path, tiny: TinyModelConfig) -> Path:
     """Build the model ``tiny`` (a ``model.build_tiny`` section) describes at ``path``: its alphabet,
-    sizes and seed; returns ``path``."""
+    sizes and seed (``vision``: a Qwen2.5-VL-architecture model, ``reroll.models.tiny_vision``); returns
+    ``path``."""
+    if tiny.vision:
+        from reroll.models.tiny_vision import build_tiny_vl_model
+
+        return build_tiny_vl_model(
+            path,
+            alphabet=resolve_alphabet(tiny.alphabet),
+            hidden_size=tiny.hidden_size,
+            num_layers=tiny.num_layers,
+            num_heads=tiny.num_heads,
+            seed=tiny.seed,
+        )
     return build_tiny_model(
         path,
         alphabet=resolve_alphabet(tiny.alphabet),

@@ -15,19 +15,24 @@ from tqdm import tqdm
 
 from reroll.algorithms.aggregation import count_tokens_and_seqs
 from reroll.config.schema import RunConfig
+from reroll.config.startable import model_type
+from reroll.config.vision import image_problems
 from reroll.data.chat import ChatTemplateError, PromptFormat
 from reroll.data.datasets import DomainSampler, PromptSampler, load_samples
 from reroll.data.lengths import LengthFit, answer_template, length_fit, reference_text
 from reroll.data.types import (
     Completion,
+    ImageInputs,
     RewardItem,
     Sample,
     SamplingParams,
     TrainBatch,
+    padded_images,
     prompt_response_batch,
 )
 from reroll.errors import UserError
-from reroll.models.loading import load_tokenizer
+from reroll.models.loading import DTYPES, load_tokenizer
+from reroll.models.vision import VisionProcessor
 from reroll.pipelines.roles import Roles
 from reroll.rewards import routing
 from reroll.roles.objectives import NextToken
@@ -46,8 +51,10 @@ def write_synthetic_data(cfg: RunConfig) -> None:
     # RunConfig.check guarantees these entries are paths when data.synthetic is set
     targets = [Path(str(cfg.data.train_files[0])), *(Path(str(f)) for f in cfg.data.eval_files[:1])]
     from reroll.data.arithmetic import write_arithmetic_dataset
+    from reroll.data.shapes import write_shapes_dataset
 
-    write_synthetic_files(write_arithmetic_dataset, syn, targets, "data")
+    writer = write_shapes_dataset if syn.task == "shapes" else write_arithmetic_dataset
+    write_synthetic_files(writer, syn, targets, "data")
 
 
 def write_synthetic_files(
@@ -102,11 +109,19 @@ class Rows:
                 template=data.prompt_template,
                 render=self.format.prompt,
                 required=[data.answer_field],
+                image_field=data.image_field,
             )
+        targets = self.targets if self.targets is not self.train else []
+        self.vision = image_reader(cfg, self.tokenizer, [*self.train, *self.held_out, *targets])
 
     def target_batch(self, samples: Sequence[Sample]) -> TrainBatch:
-        """Prompt + target rows of ``samples`` (``sft_batch``) in the run's prompt format."""
-        return sft_batch(samples, self.format, self.target)
+        """Prompt + target rows of ``samples`` (``sft_batch``) in the run's prompt format, with their
+        images."""
+        return sft_batch(samples, self.format, self.target, self.vision)
+
+    def with_images(self, batch: TrainBatch, samples: Sequence[Sample]) -> TrainBatch:
+        """``batch`` (row i answering ``samples[i]``) with its rows' images (``with_images``)."""
+        return with_images(batch, samples, self.vision, self.cfg.model.dtype)
 
     def target_sampler(self, batch_size: int, seed: int) -> PromptSampler:
         """Batches of the rows whose targets are learned, in ``data.shuffle``'s order."""
@@ -139,6 +154,52 @@ class Rows:
         sft_warm_start(self.cfg, roles, lambda i: self.target_batch(rows.next_batch()), "the rows' targets")
 
 
+def image_reader(cfg: RunConfig, tokenizer: Any, samples: Sequence[Sample]) -> VisionProcessor | None:
+    """The model's image processor where ``samples`` have images (None where none has), after the checks
+    of a run with images (``image_problems``: the first is raised), each sample's image count against
+    ``rollout.images.max_per_prompt`` and its prompt's placeholders (one per image)."""
+    with_images = [s for s in samples if s.images]
+    if not with_images:
+        return None
+    problems = image_problems(cfg, model_type(cfg.model.path))
+    if problems:
+        key, message = problems[0]
+        raise UserError(f"{key}: {message}")
+    most = cfg.rollout.images.max_per_prompt
+    over = next((s for s in with_images if len(s.images) > most), None)
+    if over is not None:
+        raise UserError(
+            f"row {over.uid!r} has {len(over.images)} images, more than rollout.images.max_per_prompt "
+            f"({most}): raise it, or drop images from the row"
+        )
+    vision = VisionProcessor.for_rollout(cfg.model.path, tokenizer, cfg.rollout.images)
+    bad = next((s for s in with_images if s.prompt.count(vision.placeholder) != len(s.images)), None)
+    if bad is not None:
+        raise UserError(
+            f"row {bad.uid!r}: its prompt holds {bad.prompt.count(vision.placeholder)} image placeholders "
+            f"({vision.placeholder!r}) for {len(bad.images)} images: the chat template must write one per "
+            "image part of a message (a vision-language model's template does), and the prompt template "
+            "must not write the placeholder itself"
+        )
+    log.info("%d of %d rows have images", len(with_images), len(samples))
+    return vision
+
+
+def with_images(
+    batch: TrainBatch, samples: Sequence[Sample], vision: VisionProcessor | None, dtype: str
+) -> TrainBatch:
+    """``batch`` with ``pixel_values`` / ``image_grid_thw`` of each row's sample's images (row i answers
+    ``samples[i]``), processed once per sample (a group's rows share them), in the model's ``dtype`` (the
+    vision tower casts to it first): the same pixels the engine's processor made for its prompt. The
+    batch itself where no sample has images."""
+    if vision is None or not any(s.images for s in samples):
+        return batch
+    done: dict[int, ImageInputs | None] = {}
+    rows = [done.setdefault(id(s), vision.images(s.images)) for s in samples]
+    batch.pixel_values, batch.image_grid_thw = padded_images(rows, DTYPES[dtype])
+    return batch
+
+
 def prompt_format(cfg: RunConfig, tokenizer: Any) -> PromptFormat:
     """The run's ``PromptFormat``: ``data.chat_template`` and ``data.system_prompt`` over ``tokenizer``;
     one that cannot be built is a ``UserError`` naming the keys."""
@@ -161,6 +222,7 @@ def load_data(cfg: RunConfig, fmt: PromptFormat | None = None) -> tuple[list[Sam
         "render": fmt.prompt if fmt is not None else None,
         "required": [] if cfg.reward_domains else [cfg.data.answer_field],
         "id_field": cfg.data.id_field,
+        "image_field": cfg.data.image_field,
     }
     train = load_samples(cfg.data.train_files, **kw)
     held_out = (
@@ -208,21 +270,34 @@ def _with_answer(sample: Sample, field_name: str) -> Sample:
     return replace(sample, row={**sample.row, "answer": sample.row[field_name]})
 
 
-def sft_batch(samples: Sequence[Sample], fmt: PromptFormat | Any, target_template: str) -> TrainBatch:
+def sft_batch(
+    samples: Sequence[Sample],
+    fmt: PromptFormat | Any,
+    target_template: str,
+    vision: VisionProcessor | None = None,
+) -> TrainBatch:
     """Prompt + target + end-of-response rows; the loss covers the target and its end only.
 
-    The prompt is the sample's, as rollouts see it (chat template and system prompt included); the
+    The prompt is the sample's, as rollouts see it (chat template and system prompt included; with
+    ``vision``, its image placeholders expanded and its images on the batch, as an engine reads it); the
     response ends with ``fmt.end_of_response`` (the template's end-of-turn token, or eos). A tokenizer
     in place of ``fmt`` means raw prompts (ending with eos)."""
     if not isinstance(fmt, PromptFormat):
         fmt = PromptFormat(fmt, chat_template=False)
     tokenizer = fmt.tokenizer
-    rows = []
+    rows, images = [], []
     for s in samples:
-        prompt = tokenizer.encode(s.prompt, add_special_tokens=False)
+        if s.images and vision is not None:
+            prompt, inputs = vision.encode(s.prompt, s.images)
+        else:
+            prompt, inputs = tokenizer.encode(s.prompt, add_special_tokens=False), None
         target = tokenizer.encode(target_template.format(**s.row), add_special_tokens=False)
         rows.append((prompt, [*target, *fmt.end_of_response]))
-    return prompt_response_batch(rows, tokenizer.pad_token_id)
+        images.append(inputs)
+    batch = prompt_response_batch(rows, tokenizer.pad_token_id)
+    if any(i is not None for i in images):
+        batch.pixel_values, batch.image_grid_thw = padded_images(images)
+    return batch
 
 
 def sft_warm_start(cfg: RunConfig, roles: Roles, next_batch: Callable[[int], TrainBatch], what: str) -> None:
@@ -286,7 +361,7 @@ def evaluate(cfg: RunConfig, roles: Roles, samples: list[Sample]) -> dict[str, f
         return {}
     assert roles.reward is not None
     groups = roles.actor_infer.generate(
-        [s.prompt for s in samples], sampling(cfg, n=1, greedy=True), "evaluate"
+        [s.engine_prompt for s in samples], sampling(cfg, n=1, greedy=True), "evaluate"
     )
     completions = [g[0] for g in groups]
     items = [RewardItem.answering(s, c) for s, c in zip(samples, completions)]

@@ -109,7 +109,9 @@ class Distill(Pipeline):
         assert roles.teacher is not None and cfg.distill is not None
         scored, source_metrics = self.source.next(roles, step)  # the generate phase (async, tail, ...)
         rollouts = scored.rollouts
-        batch = build_train_batch(rollouts, self.tokenizer.pad_token_id)
+        batch = self.rows.with_images(
+            build_train_batch(rollouts, self.tokenizer.pad_token_id), [r.sample for r in rollouts]
+        )
         owners = [self._route(r.sample) for r in rollouts]
         with roles.phase("teacher", "teacher"):
             if cfg.distill.on_policy_loss == "topk":

@@ -156,7 +156,7 @@ def _generate_missing(cfg: RunConfig, samples: list[Sample], done: set[int], out
                     continue
                 with roles.phase("generate", "actor_infer"):
                     params = sampling(cfg, n=n, seed=step_seed(cfg, batch_no))
-                    groups = roles.actor_infer.generate([samples[i].prompt for i in idx], params)
+                    groups = roles.actor_infer.generate([samples[i].engine_prompt for i in idx], params)
                 with roles.phase("reward"):
                     items = [RewardItem.answering(samples[i], c) for i, g in zip(idx, groups) for c in g]
                     results = roles.reward.score(items)

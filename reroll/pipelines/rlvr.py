@@ -127,6 +127,7 @@ class RLVR(Pipeline):
         """The rollouts' tensors with their rewards (normalised per domain where the config says)."""
         domains = [routing.route(self.cfg.reward, r.sample.domain) for r in rollouts]
         batch = build_train_batch(rollouts, self.tokenizer.pad_token_id)
+        batch = self.rows.with_images(batch, [r.sample for r in rollouts])
         raw = torch.tensor([r.score for r in results], dtype=torch.float32)
         batch.rewards = routing.normalize_by_domain(raw, domains, self.cfg.reward)
         return batch, domains
@@ -166,7 +167,8 @@ class RLVR(Pipeline):
         with roles.phase("baseline", "actor_infer"):
             params = sampling(self.cfg, n=1, greedy=True)
             greedy = [
-                g[0] for g in roles.actor_infer.generate([s.prompt for s in prompts], params, "baseline")
+                g[0]
+                for g in roles.actor_infer.generate([s.engine_prompt for s in prompts], params, "baseline")
             ]
             results = roles.reward.score(
                 [RewardItem.answering(s, c) for s, c in zip(prompts, greedy)], "baseline"

@@ -205,7 +205,9 @@ class RolloutSource:
             return self._streamed_round(roles, step, round_)
         prompts = self.sampler.next_batch()
         with roles.phase("generate", "actor_infer"):
-            groups = roles.actor_infer.generate([s.prompt for s in prompts], self._params(step, round_))
+            groups = roles.actor_infer.generate(
+                [s.engine_prompt for s in prompts], self._params(step, round_)
+            )
             self.engine_metrics = roles.actor_infer.metrics()
         parts = partials(prompts, groups, self.engine_version)
         if self.tail.enabled:
@@ -221,7 +223,7 @@ class RolloutSource:
         kept: list[Partial] = []
         pending, dropped = [], []
         with roles.phase("generate", "actor_infer"):
-            stream = roles.actor_infer.stream([s.prompt for s in prompts], self._params(step, round_))
+            stream = roles.actor_infer.stream([s.engine_prompt for s in prompts], self._params(step, round_))
             for i, group in stream:
                 if len(kept) == want or any(c.finish_reason == "abort" for c in group):
                     dropped += group
@@ -337,7 +339,9 @@ class RolloutSource:
     def _submit(self, roles: Roles, step: int) -> _Queued:
         prompts = self.sampler.next_batch()
         # generated ahead on purpose: the weights loads queued behind it keep it within async_steps
-        refs = roles.actor_infer.submit([s.prompt for s in prompts], self._params(step, 0), stale_ok=True)
+        refs = roles.actor_infer.submit(
+            [s.engine_prompt for s in prompts], self._params(step, 0), stale_ok=True
+        )
         queued = _Queued(step, prompts, self.engine_version, refs, self.loads)
         self.loads = []
         return queued
@@ -370,7 +374,7 @@ class RolloutSource:
             return scored, 0
         prompts = [groups[i].rollouts[0].sample for i in old]
         with roles.phase("generate", "actor_infer"):
-            fresh = roles.actor_infer.generate([s.prompt for s in prompts], self._params(step, 0))
+            fresh = roles.actor_infer.generate([s.engine_prompt for s in prompts], self._params(step, 0))
         redone = self._score(roles, partials(prompts, fresh, self.engine_version)).groups()
         for i, group in zip(old, redone):
             groups[i] = group

@@ -29,10 +29,12 @@ from reroll.config.memory import forward_only_limits, model_token_shape
 from reroll.config.placement import colocated_engines, colocated_trainer_roles, scaled_peak
 from reroll.config.schema import RunConfig
 from reroll.config.startable import context_parallel_size
+from reroll.config.vision import PACKING_REFUSED
 from reroll.data.packing import length_order, micro_batches, pack, unpack
 from reroll.data.types import TrainBatch
 from reroll.errors import UserError
 from reroll.models.packed_attention import uses_packed_attention
+from reroll.models.vision import is_vision_language
 from reroll.runtime import profiling, quiet
 from reroll.runtime.actors import WorkerGroup, free_address
 from reroll.runtime.placement import configure_process, worker_device
@@ -129,6 +131,11 @@ def scored_token_stats(
     return zeros.index_put(where, logp), zeros.index_put(where, ent)
 
 
+def _refuse_packed_images(mb: TrainBatch) -> None:
+    if mb.image_grid_thw is not None:
+        raise UserError(PACKING_REFUSED)
+
+
 class StrategyWorker:
     """One rank of a role that holds a model in a training strategy (``roles.<role>`` places it)."""
 
@@ -164,7 +171,9 @@ class StrategyWorker:
         self.packing = (
             packing
             if packing is not None
-            else head == "causal_lm" and uses_packed_attention(self.strategy.model)
+            else head == "causal_lm"
+            and uses_packed_attention(self.strategy.model)
+            and not is_vision_language(self.strategy.model)
         )
 
     def rendezvous_address(self) -> str:
@@ -303,8 +312,9 @@ class StrategyWorker:
         ``optim.packing`` its rows run as one packed sequence (no padding computed) and are unpacked."""
         cp = self.context_parallel
         if not self.packing:
-            out = self.strategy.logits(mb.input_ids, mb.attention_mask)
+            out = self.strategy.logits(mb.input_ids, mb.attention_mask, images=mb.images())
             return out if cp is None else cp.gather(out, mb.input_ids.shape[1])
+        _refuse_packed_images(mb)
         packed = pack(mb)
         if self.head != "reward":
             out = self.strategy.logits(packed.input_ids, None, packed.position_ids)
@@ -329,6 +339,7 @@ class StrategyWorker:
         t = mb.input_ids.shape[1]
         before = torch.nn.functional.pad(mb.response_mask[:, 1:].bool(), (0, 1), value=False)
         if self.packing:
+            _refuse_packed_images(mb)
             packed = pack(mb)
             picked = before[packed.rows, packed.cols].nonzero().squeeze(-1)  # packed positions
             rows, cols = packed.rows[picked], packed.cols[picked]
@@ -336,7 +347,7 @@ class StrategyWorker:
         else:
             rows, cols = before.nonzero(as_tuple=True)
             picked = rows * t + cols
-            args = (mb.input_ids, mb.attention_mask)
+            args = (mb.input_ids, mb.attention_mask, None, mb.images())
         cp = self.context_parallel
         return scored_token_stats(
             self.strategy.model,

@@ -48,6 +48,10 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         self._sharing: Iterator[WeightBucket] | None = None  # transport 'ipc': the buckets still to make
         self._weight_group: BroadcastGroup | None = None  # rank 0, transport 'collective'
         self._collective_bytes = 0  # bytes the last sync broadcast through that group
+        # weights that never change (a frozen vision tower): sent at the first sync only (which also
+        # covers a checkpoint whose tower was trained), skipped at the others
+        self._frozen = {n for n, p in self.strategy.model.named_parameters() if not p.requires_grad}
+        self._frozen_sent = not trainable
 
     def compute_logprobs(self, batch: TrainBatch, base_model: bool = False) -> torch.Tensor:
         """``(B, T)`` log-probs of ``batch.input_ids`` at the sampling temperature on the response tokens
@@ -123,10 +127,13 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
     def _full_weights(self, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """The full weights one at a time where the strategy can (``named_weights``, every rank gets
         them), so the full state dict never sits in memory; else (LoRA merged into the base, the
-        strategies that gather all at once) its ``full_state_dict`` (fsdp2 with LoRA: rank 0's only)."""
+        strategies that gather all at once) its ``full_state_dict`` (fsdp2 with LoRA: rank 0's only).
+        Weights that never change (a frozen vision tower) only at the first call (``_frozen``)."""
         named_weights = getattr(self.strategy, "named_weights", None)
         if named_weights is not None and self.cfg.strategy.lora is None:
-            return named_weights(on_device=on_device)
+            named = named_weights(on_device=on_device)
+            skip, self._frozen_sent = self._frozen if self._frozen_sent else set(), True
+            return ((k, v) for k, v in named if k not in skip) if skip else named
         named = iter(self.strategy.full_state_dict().items())
         return ((k, v.to(self.strategy.device)) for k, v in named) if on_device else named
 

@@ -19,6 +19,7 @@ from reroll.errors import UserError
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
+    from reroll.data.types import ImageInputs
 
 Head = Literal["causal_lm", "value", "reward"]
 
@@ -55,11 +56,13 @@ class Strategy(Protocol):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
+        images: ImageInputs | None = None,
     ) -> torch.Tensor:
         """The model's output for ``(B, T)`` rows: ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``.
 
         ``position_ids`` given and ``attention_mask`` None means packed rows (positions restart at 0
-        at each sequence start; attention stays within a sequence)."""
+        at each sequence start; attention stays within a sequence). ``images``: the rows' images, for a
+        vision-language model (right-padded rows only; the model computes its own positions)."""
         ...
 
     def backward(self, loss: torch.Tensor) -> None: ...

@@ -42,12 +42,13 @@ import torch.distributed as dist
 from deepspeed.runtime import constants as ds_constants
 
 from reroll.config.startable import deepspeed_problems
+from reroll.data.types import ImageInputs
 from reroll.errors import UserError
 from reroll.models.loading import load_causal_lm, load_sequence_classifier, load_value_model, use_kernels
 from reroll.strategies import Head
 from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
 from reroll.strategies.memory import peak_memory_gb
-from reroll.strategies.training import forward_logits, warmup_schedule
+from reroll.strategies.training import forward_logits, set_trainable, warmup_schedule
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -146,11 +147,10 @@ class DeepSpeedStrategy:
         # The model is loaded on CPU; DeepSpeed places it (ZeRO-3 partitions it first).
         model = self._load(model_path, self.cfg.model.dtype, "cpu")
         use_kernels(model, self.cfg, self.device)
-        model.train(self.trainable)
-        model.requires_grad_(self.trainable)
+        set_trainable(model, self.cfg, self.trainable)
         if self.cfg.model.gradient_checkpointing and self.trainable:
             model.gradient_checkpointing_enable()
-        if model.config.use_cache is not None:
+        if getattr(model.config, "use_cache", None) is not None:
             model.config.use_cache = False
         self.model = model
         if not self.trainable and self.ds.zero_stage == 2:  # nothing to shard: a plain copy
@@ -203,13 +203,14 @@ class DeepSpeedStrategy:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
+        images: ImageInputs | None = None,
     ) -> torch.Tensor:
         """What the model's forward gives: ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``.
 
         Right-padded rows pass ``attention_mask``; packed rows pass ``position_ids`` and no mask."""
         device = self.engine.device if self.engine is not None else self.device
         forward = self.engine if self.engine is not None else self.model
-        return forward_logits(forward, device, input_ids, attention_mask, position_ids)
+        return forward_logits(forward, device, input_ids, attention_mask, position_ids, images)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate this micro-batch's gradient; ``* world_size`` undoes DeepSpeed's rank average."""

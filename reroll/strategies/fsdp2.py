@@ -33,6 +33,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from reroll.config.vision import CONTEXT_PARALLEL_REFUSED
+from reroll.data.types import ImageInputs
+from reroll.errors import UserError
 from reroll.models.loading import (
     DTYPES,
     load_causal_lm,
@@ -62,6 +65,7 @@ from reroll.strategies.training import (
     adapters_disabled,
     forward_logits,
     optimizer_step,
+    set_trainable,
 )
 
 if TYPE_CHECKING:
@@ -102,9 +106,8 @@ class FSDP2Strategy:
         self._load = _LOADERS[head]
         model = self._load(model_path, cfg.model.dtype, "cpu")  # fully_shard moves each shard to the device
         use_kernels(model, cfg, self.device)
-        model.train(trainable)
-        model.requires_grad_(trainable)
-        if model.config.use_cache is not None:
+        set_trainable(model, cfg, trainable)
+        if getattr(model.config, "use_cache", None) is not None:
             model.config.use_cache = False
         if cfg.model.gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -197,15 +200,18 @@ class FSDP2Strategy:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
+        images: ImageInputs | None = None,
     ) -> torch.Tensor:
         """``(B, T, V)`` logits or a critic's ``(B, T, 1)``; a collective: every rank calls it equally often.
         With context parallelism, every rank of a group passes the same rows and gets its columns' part of
         the output (``ContextParallel.forward``)."""
         if self.context_parallel is not None:
+            if images is not None:
+                raise UserError(CONTEXT_PARALLEL_REFUSED)
             return self.context_parallel.forward(
                 self.model, self.device, input_ids, attention_mask, position_ids
             )
-        return forward_logits(self.model, self.device, input_ids, attention_mask, position_ids)
+        return forward_logits(self.model, self.device, input_ids, attention_mask, position_ids, images)
 
     def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
         """The base model inside: forward passes skip the LoRA adapters (the reference policy)."""

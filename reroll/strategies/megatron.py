@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -290,9 +290,14 @@ class MegatronStrategy:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
+        images: Any = None,
     ) -> torch.Tensor:
         """``(B, T, V)`` logits of right-padded rows, gathered over the TP ranks' vocabulary shards."""
         model = self._require()
+        if images is not None:
+            raise UserError(
+                "the megatron strategy converts text models only: rows with images need fsdp2 or torch"
+            )
         if attention_mask is None:
             raise UserError(
                 "the megatron strategy takes right-padded rows with an attention_mask, not packed rows"

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from reroll.data.types import ImageInputs
 from reroll.models.loading import load_causal_lm, load_sequence_classifier, load_value_model, use_kernels
 from reroll.strategies import Head
 from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
@@ -38,6 +39,7 @@ from reroll.strategies.training import (
     compile_model,
     forward_logits,
     optimizer_step,
+    set_trainable,
 )
 
 if TYPE_CHECKING:
@@ -73,11 +75,10 @@ class TorchStrategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self._parked = HostParking()  # the state's host memory while a colocated role has the GPU
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-        self.model.train(trainable)
-        self.model.requires_grad_(trainable)
+        set_trainable(self.model, cfg, trainable)
         if cfg.model.gradient_checkpointing and trainable:
             self.model.gradient_checkpointing_enable()
-        if self.model.config.use_cache is not None:
+        if getattr(self.model.config, "use_cache", None) is not None:
             self.model.config.use_cache = False
         self.lora = cfg.strategy.lora if head in ("causal_lm", "reward") else None
         self.full = full_modules(head)  # trained in full beside the adapters
@@ -110,11 +111,12 @@ class TorchStrategy:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
+        images: ImageInputs | None = None,
     ) -> torch.Tensor:
         """What the model's forward gives: ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``.
 
         Right-padded rows pass ``attention_mask``; packed rows pass ``position_ids`` and no mask."""
-        return forward_logits(self.model, self.device, input_ids, attention_mask, position_ids)
+        return forward_logits(self.model, self.device, input_ids, attention_mask, position_ids, images)
 
     def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
         """The base model inside: forward passes skip the LoRA adapters (the reference policy)."""

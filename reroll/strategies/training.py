@@ -9,13 +9,19 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from reroll.config.vision import PACKING_REFUSED
+from reroll.data.types import ImageInputs
 from reroll.models.loading import position_ids_from
 from reroll.models.packed_attention import packed_kwargs
+from reroll.models.vision import freeze_vision, model_inputs
 from reroll.strategies.memory import alloc_retries, peak_memory_gb
+
+if TYPE_CHECKING:
+    from reroll.config.schema import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +58,37 @@ def adamw_with_warmup(
     return optimizer, warmup_schedule(optimizer, warmup_steps)
 
 
+def set_trainable(model: torch.nn.Module, cfg: RunConfig, trainable: bool) -> None:
+    """Train mode and gradients for a role's model: all of it where ``trainable``, except a
+    vision-language model's vision tower unless ``model.train_vision``; nothing for a scoring role."""
+    model.train(trainable)
+    model.requires_grad_(trainable)
+    if trainable and not cfg.model.train_vision:
+        frozen = freeze_vision(model)
+        if frozen:
+            logger.info("model.train_vision is false: the vision tower's %d parameters are frozen", frozen)
+
+
 def forward_logits(
     model: Any,
     device: torch.device,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
+    images: ImageInputs | None = None,
 ) -> torch.Tensor:
     """``model``'s output for right-padded rows (``attention_mask``) or packed rows (``position_ids``, no
     mask; the rows' bounds go along for attention that keeps them apart: ``packed_attention``):
-    ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``."""
+    ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``. ``images``: the rows' images (a vision-language
+    model), whose positions the model computes itself (3D, from the image grids: none are passed)."""
     input_ids = input_ids.to(device)
     packed: dict[str, Any] = {}
+    if images is not None:
+        if attention_mask is None:
+            raise ValueError(PACKING_REFUSED)
+        attention_mask = attention_mask.to(device)
+        vision = model_inputs(model, input_ids, images)
+        return model(input_ids=input_ids, attention_mask=attention_mask, **vision).logits
     if attention_mask is not None:
         attention_mask = attention_mask.to(device)
         if position_ids is None:
