@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from reroll.config.data import HubDatasetConfig
-from reroll.data.images import row_images
+from reroll.data.images import row_images, without_images
 from reroll.data.types import Sample
 from reroll.errors import UserError
 
@@ -188,8 +188,7 @@ def load_samples(
             domain = str(row.get(domain_field, "default"))
             message = template.format(**row)
             images = row_images(f"{name}: row {i + 1}", row, image_field, base) if image_field else ()
-            if image_field in row:
-                row = {k: v for k, v in row.items() if k != image_field}
+            row = without_images(row, image_field)
             if render is None:
                 prompt = message
             else:

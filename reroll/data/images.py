@@ -71,6 +71,25 @@ def row_images(where: str, row: dict[str, Any], field: str | None, base: Path | 
     return tuple(out)
 
 
+def check_images(
+    name: str, rows: list[dict[str, Any]], field: str | None, base: Path | None, most: int
+) -> None:
+    """Every image of ``rows`` (of the file ``name``) opens, and no row holds more than ``most``; the first
+    that fails is an ``ImageError`` naming its row (``reroll validate``)."""
+    for i, row in enumerate(rows):
+        images = row_images(f"{name}: row {i + 1}", row, field, base)
+        if len(images) > most:
+            raise ImageError(
+                f"{name}: row {i + 1} has {len(images)} images, more than rollout.images.max_per_prompt "
+                f"({most}): raise it, or drop images from the row"
+            )
+
+
+def without_images(row: dict[str, Any], field: str | None) -> dict[str, Any]:
+    """``row`` as a reward sees it: without its image field (its images travel with the sample)."""
+    return {k: v for k, v in row.items() if k != field} if field in row else row
+
+
 def _image_bytes(what: str, value: Any, base: Path | None) -> bytes:
     """One image value's encoded bytes (see the module docstring for the forms taken)."""
     if isinstance(value, bytes | bytearray):

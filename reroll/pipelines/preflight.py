@@ -4,6 +4,9 @@ each naming its config key or file and the fix; warnings (``Findings.warnings``)
 
 Checked:
 
+- images (``data.image_field``): every image of every row of a file whose first rows have images opens
+  (the first that does not is named with its row), no row holds more than
+  ``rollout.images.max_per_prompt``, and the model and engine take images (``config.vision``).
 - data files (``data.train_files`` / ``eval_files``, ``sft.files``): exist, are files (or a ``datasets``
   save directory), are readable as UTF-8 JSONL / JSON / Parquet, hold rows, and their first
   ``PEEK_ROWS`` rows have the fields the prompt template, the answer field, the SFT target and the
@@ -68,10 +71,12 @@ from reroll.config.loader import ConfigError, ConfigProblem
 from reroll.config.placement import cluster_problems
 from reroll.config.run import loadable
 from reroll.config.schema import RunConfig
-from reroll.config.startable import start_problems
+from reroll.config.startable import model_type, start_problems
 from reroll.config.teacher import teacher_for
+from reroll.config.vision import image_problems
 from reroll.data.chat import ChatTemplateError, PromptFormat
 from reroll.data.datasets import Source, check_row, read_rows, source_name, template_fields
+from reroll.data.images import check_images, image_values, without_images
 from reroll.data.preferences import check_preference_row
 from reroll.envs.agent import is_agent, load_agent
 from reroll.errors import UserError
@@ -195,6 +200,8 @@ def _check_data(cfg: RunConfig, train_rows: list[tuple[str, int, dict[str, Any]]
     synthetic, data = set(), cfg.section("data")
     if data is not None and data.synthetic is not None:  # paths only (RunConfig.check)
         synthetic = {str(data.train_files[0]), *map(str, data.eval_files[:1])}
+    field = data.image_field if data is not None else None
+    with_images = False
     for key, file, needed in _data_files(cfg):
         name = source_name(file)
         if isinstance(file, str) and file in synthetic and not Path(file).exists():
@@ -209,10 +216,17 @@ def _check_data(cfg: RunConfig, train_rows: list[tuple[str, int, dict[str, Any]]
                 _check_domains(cfg, name, rows)
             if cfg.section("distill") is not None:
                 _check_teacher_routes(cfg, name, rows)
+            if any(image_values(row, field) for row in rows):
+                with_images = True
+                base = Path(file).parent if isinstance(file, str) else None
+                most = cfg.rollout.images.max_per_prompt
+                check_images(name, read_rows(file), field, base, most)  # every row
             if key.startswith("data.train_files"):
-                train_rows += [(name, i, row) for i, row in enumerate(rows)]
+                train_rows += [(name, i, without_images(row, field)) for i, row in enumerate(rows)]
         except UserError as e:
             problems.append(ConfigProblem(key, str(e)))
+    if with_images:
+        problems += [ConfigProblem(k, m) for k, m in image_problems(cfg, model_type(cfg.model.path))]
     return problems
 
 

@@ -1,0 +1,177 @@
+"""Rows with images: every form a row may give them in, the errors that name a bad one, how they sit on a
+batch, and what a run with images refuses (a text-only model, engine or option)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+import torch
+
+from reroll.config.schema import RunConfig
+from reroll.config.vision import image_problems, vision_model_problems
+from reroll.data.chat import ChatTemplateError, PromptFormat
+from reroll.data.datasets import load_samples
+from reroll.data.images import ImageError, encode_image, open_image, pil, row_images
+from reroll.data.shapes import draw_shapes
+from reroll.data.types import ImageInputs, ImagePrompt, TrainBatch, padded_images, prompt_response_batch
+from reroll.pipelines.preflight import check_inputs
+
+
+@pytest.fixture(scope="module")
+def png() -> bytes:
+    import random
+
+    return encode_image(draw_shapes(2, random.Random(0), 16))
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory) -> str:
+    from reroll.models.tiny_vision import build_tiny_vl_model
+
+    return str(build_tiny_vl_model(tmp_path_factory.mktemp("vl") / "m", alphabet="0123456789 abc?"))
+
+
+def test_each_form_of_a_row_image_gives_the_same_image(tmp_path, png):
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(png)
+    b64 = base64.b64encode(png).decode()
+    forms = {
+        "path relative to the data file": "img/a.png",
+        "absolute path": str(tmp_path / "img" / "a.png"),
+        "base64": b64,
+        "data URI": f"data:image/png;base64,{b64}",
+        "datasets Image, undecoded": {"bytes": png, "path": None},
+        "datasets Image, decoded": open_image(png),
+    }
+    want = open_image(png).tobytes()
+    for what, value in forms.items():
+        [got] = row_images("t.jsonl: row 1", {"images": value}, "images", tmp_path)
+        assert open_image(got).tobytes() == want, what
+    two = row_images("t.jsonl: row 1", {"images": ["img/a.png", b64]}, "images", tmp_path)
+    assert len(two) == 2
+    assert row_images("t.jsonl: row 1", {"question": "q"}, "images", tmp_path) == ()
+
+
+def test_a_bad_image_is_named_by_file_row_and_image(tmp_path, png):
+    (tmp_path / "broken.png").write_bytes(png[: len(png) // 2])  # truncated: the header reads, the data not
+    cases = {
+        "broken.png": "does not open as an image",
+        "missing.png": "no file",
+        "https://example.com/a.png": "is a URL",
+        "data:image/png,abc": "must be base64",
+    }
+    for value, why in cases.items():
+        with pytest.raises(ImageError, match=why) as e:
+            row_images("train.jsonl: row 7", {"images": ["img/ok.png", value][1:]}, "images", tmp_path)
+        assert "train.jsonl: row 7: image 1 of field 'images'" in str(e.value)
+    with pytest.raises(ImageError, match="is int, not an image"):
+        row_images("t: row 1", {"images": 3}, "images", tmp_path)
+
+
+def test_samples_carry_their_images_out_of_the_row(tmp_path, png, tiny_vl):
+    rows = [
+        {"question": "how many?", "answer": "2", "images": base64.b64encode(png).decode()},
+        {"question": "no picture", "answer": "0"},
+    ]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from reroll.models.loading import load_tokenizer
+
+    fmt = PromptFormat(load_tokenizer(tiny_vl))
+    with_image, text_only = load_samples(
+        [str(data)], template="{question}", render=fmt.prompt, image_field="images"
+    )
+    assert with_image.images == (png,) and "images" not in with_image.row  # the reward's row: no pixels
+    assert with_image.prompt == "<|user|><|vision_start|><|image_pad|><|vision_end|>how many?<|assistant|>"
+    assert with_image.engine_prompt == ImagePrompt(with_image.prompt, (png,))
+    assert text_only.images == () and text_only.engine_prompt == "<|user|>no picture<|assistant|>"
+    (tmp_path / "bad.jsonl").write_text(json.dumps({**rows[0], "images": "bm90IGFuIGltYWdl"}) + "\n")
+    with pytest.raises(ImageError, match=r"bad\.jsonl: row 1: image 1"):
+        load_samples([str(tmp_path / "bad.jsonl")], template="{question}", image_field="images")
+
+
+def test_raw_prompts_cannot_place_images(tiny_vl):
+    from reroll.models.loading import load_tokenizer
+
+    raw = PromptFormat(load_tokenizer(tiny_vl), chat_template=False)
+    with pytest.raises(ChatTemplateError, match="need a chat template that places them"):
+        raw.prompt("how many?", images=1)
+
+
+def test_the_processor_expands_each_placeholder_to_its_image_tokens(tiny_vl, png):
+    from reroll.models.loading import load_tokenizer
+    from reroll.models.vision import VisionProcessor
+
+    tok = load_tokenizer(tiny_vl)
+    vision = VisionProcessor(tiny_vl, tok, max_pixels=32 * 32)
+    text = PromptFormat(tok).prompt("how many?", images=2)
+    big = encode_image(pil().new("RGB", (32, 32), "white"))
+    ids, inputs = vision.encode(text, [png, big])
+    # a 16x16 image is 4x4 patches of 4 pixels (2x2 tokens after the 2x2 merge), a 32x32 one 8x8 (16)
+    assert inputs.image_grid_thw.tolist() == [[1, 4, 4], [1, 8, 8]]
+    assert inputs.pixel_values.shape == (16 + 64, 3 * 2 * 4 * 4)
+    assert ids.count(vision.image_token_id) == 4 + 16
+    with pytest.raises(Exception, match="1 image placeholders"):
+        vision.encode(PromptFormat(tok).prompt("x", images=1), [png, png])
+
+
+def test_a_batch_keeps_each_rows_images_through_select_and_trim():
+    a = ImageInputs(torch.arange(8.0).reshape(4, 2), torch.tensor([[1, 2, 2]]))
+    b = ImageInputs(torch.arange(4.0).reshape(2, 2) + 100, torch.tensor([[1, 1, 2]]))
+    batch = prompt_response_batch([([1, 2, 3], [4]), ([5], [6, 7]), ([8, 9], [1])], pad_token_id=0)
+    batch.pixel_values, batch.image_grid_thw = padded_images([a, None, b])
+    assert batch.pixel_values.shape == (3, 4, 2) and batch.image_grid_thw.shape == (3, 1, 3)
+    joined = batch.images()
+    assert torch.equal(joined.pixel_values, torch.cat([a.pixel_values, b.pixel_values]))
+    assert joined.image_grid_thw.tolist() == [[1, 2, 2], [1, 1, 2]]
+    last = batch.select(torch.tensor([2])).trim()  # one row, 3 tokens wide: the image fields stay whole
+    assert torch.equal(last.images().pixel_values, b.pixel_values)
+    assert batch.select(torch.tensor([1])).images() is None
+    assert TrainBatch.images(prompt_response_batch([([1], [2])], 0)) is None
+
+
+def _cfg(tmp_path, **sections) -> RunConfig:
+    train = tmp_path / "train.jsonl"
+    if not train.exists():
+        train.write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
+    data = {
+        "pipeline": "rlvr",
+        "output_dir": str(tmp_path / "runs" / "{name}"),
+        "model": {"path": "Qwen/Qwen2.5-VL-7B-Instruct"},
+        "data": {"train_files": [str(train)]},
+        "rollout": {"batch_size": 4, "group_size": 4},
+    }
+    for key, value in sections.items():
+        data[key] = {**data[key], **value} if isinstance(data.get(key), dict) else value
+    return RunConfig.model_validate(data)
+
+
+def test_what_a_run_with_images_refuses(tmp_path):
+    assert image_problems(_cfg(tmp_path), "qwen2_5_vl") == []  # hf's spec is multimodal
+    found = dict(image_problems(_cfg(tmp_path, model={"path": "Qwen/Qwen2.5-7B"}), "qwen2"))
+    assert "reads text only" in found["model.path"] and "data.image_field=null" in found["model.path"]
+    found = dict(image_problems(_cfg(tmp_path, rollout={"engine": "sglang"}), "qwen2_5_vl"))
+    assert "takes text prompts only" in found["rollout.engine"] and "hf, vllm" in found["rollout.engine"]
+    found = dict(image_problems(_cfg(tmp_path, rollout={"partial_rollouts": True}), None))
+    assert "do not carry the images" in found["rollout.partial_rollouts"]
+    assert (
+        "not packed"
+        in dict(vision_model_problems(_cfg(tmp_path, optim={"packing": True}), "qwen2_5_vl"))["optim.packing"]
+    )
+    assert vision_model_problems(_cfg(tmp_path, optim={"packing": True}), "qwen2") == []
+
+
+def test_validate_names_the_row_whose_image_does_not_open(tmp_path, png):
+    b64 = base64.b64encode(png).decode()
+    rows = [{"question": "q", "answer": "1", "images": [b64]} for _ in range(150)]
+    rows[120]["images"] = ["img/none.png"]  # past the first 100 rows validate reads for the fields
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = {p.path: p.message for p in check_inputs(_cfg(tmp_path))}
+    assert "train.jsonl: row 121: image 1 of field 'images': no file" in found["data.train_files[0]"]
+    rows[120]["images"] = [b64]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "data.train_files[0]" not in {p.path for p in check_inputs(_cfg(tmp_path))}
+    found = {p.path: p.message for p in check_inputs(_cfg(tmp_path, model={"path": "Qwen/Qwen2.5-7B"}))}
+    assert "reads text only" in found["model.path"]
