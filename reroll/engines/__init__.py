@@ -74,7 +74,9 @@ def make_engine(
         if vllm.enable_sleep_mode is None:  # auto: able to sleep where another role takes the GPU in turn
             vllm = vllm.model_copy(update={"enable_sleep_mode": shared_device})
         keep_cut = rollout.partial_rollouts or rollout.oversample is not None
-        return VLLMEngine(model_path, vllm, dtype=dtype, device=device, keep_cut=keep_cut)
+        return VLLMEngine(
+            model_path, vllm, dtype=dtype, device=device, keep_cut=keep_cut, images=rollout.images
+        )
     if name == "sglang":
         from reroll.engines.sglang import SGLangEngine
 

