@@ -42,6 +42,9 @@ KNOWN = {
     "qwen2.5-14b": Shape(14.7e9, 48, 5120, 8, 128, 152064, intermediate=13824),
     "qwen2.5-32b": Shape(32.5e9, 64, 5120, 8, 128, 152064, intermediate=27648),
     "qwen2.5-72b": Shape(72.7e9, 80, 8192, 8, 128, 152064, intermediate=29568),
+    # vision-language: the vision tower's parameters (0.67B) counted with the rest
+    "qwen2.5-vl-3b": Shape(3.75e9, 36, 2048, 2, 128, 151936, intermediate=11008),
+    "qwen2.5-vl-7b": Shape(8.29e9, 28, 3584, 4, 128, 152064, intermediate=18944),
     "qwen3-8b": Shape(8.19e9, 36, 4096, 8, 128, 151936, intermediate=12288),
     # MoE: 8 routed experts a token of 768 / 1536 each
     "qwen3-30b-a3b": Shape(30.5e9, 48, 2048, 4, 128, 151936, expert_params=28.9e9, intermediate=6144),
@@ -66,10 +69,14 @@ def model_shape(path: str) -> Shape:
 
 def _shape_from_config(c: dict, path: Path) -> Shape:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from reroll.models.vision import is_vision_language
+
+    config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        model = auto.from_config(config)
     params = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     return token_shape(c, params=float(params), expert_params=float(experts))

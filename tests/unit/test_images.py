@@ -175,3 +175,26 @@ def test_validate_names_the_row_whose_image_does_not_open(tmp_path, png):
     assert "data.train_files[0]" not in {p.path for p in check_inputs(_cfg(tmp_path))}
     found = {p.path: p.message for p in check_inputs(_cfg(tmp_path, model={"path": "Qwen/Qwen2.5-7B"}))}
     assert "reads text only" in found["model.path"]
+
+
+def test_the_vision_example_validates_with_image_rows(tmp_path, png):
+    """examples/qwen2.5-vl-7b-rlvr_fsdp2 with rows of one's own that carry images (the hub data is not
+    read here): validate finds nothing on the 8 GPUs it names; a text-only engine there is refused."""
+    from reroll.config.loader import load_config
+    from reroll.pipelines import preflight
+    from reroll.pipelines.preflight_machine import Machine
+
+    (tmp_path / "fig.png").write_bytes(png)
+    (tmp_path / "rows.jsonl").write_text(
+        json.dumps({"question": "q", "answer": "2", "images": ["fig.png"]}) + "\n"
+    )
+    path = "examples/qwen2.5-vl-7b-rlvr_fsdp2/config.yaml"
+    rows = [f"data.train_files=[{tmp_path}/rows.jsonl]", f"data.eval_files=[{tmp_path}/rows.jsonl]"]
+    args = [*rows, f"output_dir={tmp_path}/run"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(preflight, "package_problems", lambda cfg, **kw: [])
+        assert check_inputs(load_config(path, RunConfig, args), Machine(cpus=128.0, gpus=8)) == []
+        found = check_inputs(
+            load_config(path, RunConfig, [*args, "rollout.engine=sglang"]), Machine(cpus=128.0, gpus=8)
+        )
+    assert [p.path for p in found] == ["rollout.engine"]
