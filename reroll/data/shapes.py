@@ -1,7 +1,7 @@
 """A synthetic visual task drawn locally: count the shapes in a small image (1 to ``max_count``).
 
-Each image is ``size`` x ``size`` pixels, white, with ``n`` black squares of random sizes (4-6 pixels)
-at random places that do not touch; the answer is ``n`` as a digit. Rows are
+Each image is ``size`` x ``size`` pixels, white, with ``n`` black 5x5 squares at random places that do
+not touch (so the dark area alone tells the count: a tiny model learns it in minutes); the answer is ``n`` as a digit. Rows are
 ``{"id", "question": "how many shapes?", "answer": "3", "images": [<base64 PNG>], "domain": "shapes"}``
 (base64, so a row file is self-contained where it is copied). The same arguments give the same rows;
 train and test rows are drawn from disjoint seeds.
@@ -28,7 +28,7 @@ def draw_shapes(n: int, rng: random.Random, size: int = 32) -> Any:
     image = pil().new("RGB", (size, size), "white")
     placed: list[tuple[int, int, int, int]] = []
     while len(placed) < n:
-        side = rng.randint(4, 6)
+        side = 5
         x, y = rng.randint(1, size - side - 1), rng.randint(1, size - side - 1)
         box = (x, y, x + side, y + side)
         if all(
