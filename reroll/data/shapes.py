@@ -1,7 +1,7 @@
 """A synthetic visual task drawn locally: count the shapes in a small image (1 to ``max_count``).
 
-Each image is ``size`` x ``size`` pixels, white, with ``n`` black 5x5 squares at random places that do
-not touch (so the dark area alone tells the count: a tiny model learns it in minutes); the answer is ``n`` as a digit. Rows are
+Each image is ``size`` x ``size`` pixels, white, with ``n`` black squares in ``n`` cells of a 4 x 4 grid
+drawn at random (so the count is the number of dark image tokens: a tiny model learns it in minutes); the answer is ``n`` as a digit. Rows are
 ``{"id", "question": "how many shapes?", "answer": "3", "images": [<base64 PNG>], "domain": "shapes"}``
 (base64, so a row file is self-contained where it is copied). The same arguments give the same rows;
 train and test rows are drawn from disjoint seeds.
@@ -24,21 +24,16 @@ QUESTION = "how many shapes?"
 
 
 def draw_shapes(n: int, rng: random.Random, size: int = 32) -> Any:
-    """A ``size`` x ``size`` white PIL image with ``n`` black squares that do not touch."""
+    """A ``size`` x ``size`` white PIL image with ``n`` black squares, each filling most of its own cell
+    of a 4 x 4 grid (cells of 8 pixels at 32: one image token each for the tiny model, whose tokens are
+    8 x 8 pixels), the cells drawn at random."""
     image = pil().new("RGB", (size, size), "white")
-    placed: list[tuple[int, int, int, int]] = []
-    while len(placed) < n:
-        side = 5
-        x, y = rng.randint(1, size - side - 1), rng.randint(1, size - side - 1)
-        box = (x, y, x + side, y + side)
-        if all(
-            box[2] + 1 < b[0] or b[2] + 1 < box[0] or box[3] + 1 < b[1] or b[3] + 1 < box[1] for b in placed
-        ):
-            placed.append(box)
+    cell = size // 4
     pixels = image.load()
-    for x0, y0, x1, y1 in placed:
-        for x in range(x0, x1):
-            for y in range(y0, y1):
+    for k in rng.sample(range(16), n):
+        x0, y0 = (k % 4) * cell + 1, (k // 4) * cell + 1
+        for x in range(x0, x0 + cell - 2):
+            for y in range(y0, y0 + cell - 2):
                 pixels[x, y] = (0, 0, 0)
     return image
 

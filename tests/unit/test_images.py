@@ -198,3 +198,16 @@ def test_the_vision_example_validates_with_image_rows(tmp_path, png):
             load_config(path, RunConfig, [*args, "rollout.engine=sglang"]), Machine(cpus=128.0, gpus=8)
         )
     assert [p.path for p in found] == ["rollout.engine"]
+
+
+def test_a_datasets_image_column_gives_the_rows_images(tmp_path, png):
+    """A Hugging Face dataset with an Image feature (here saved with save_to_disk, read as the hub path
+    reads it): each row's decoded image becomes the sample's, as PNG bytes of the same pixels."""
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict(
+        {"question": ["q1", "q2"], "answer": ["2", "2"], "images": [[png], [png]]}
+    )
+    ds.cast_column("images", datasets.Sequence(datasets.Image())).save_to_disk(str(tmp_path / "ds"))
+    samples = load_samples([str(tmp_path / "ds")], template="{question}", image_field="images")
+    assert [len(s.images) for s in samples] == [1, 1] and "images" not in samples[0].row
+    assert open_image(samples[0].images[0]).tobytes() == open_image(png).tobytes()
