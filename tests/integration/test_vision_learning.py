@@ -1,7 +1,11 @@
 """The tiny vision-language example learns: GRPO lifts held-out accuracy at counting the squares in an
 image by at least 15 points over the SFT warm start (examples/vision/shapes_grpo.yaml, through the real
 CLI and Ray, offline). Its short sibling, tests/integration/test_vision.py, checks the mechanics every
-run: the engine's log-probs for image prompts equal the trainers', weight sync carries the tower."""
+run: the engine's log-probs for image prompts equal the trainers', weight sync carries the tower.
+
+Measured once (2 shared cores, ~8 minutes): held-out 0.270 after the 12 SFT steps, 0.490 at steps 10, 20,
+30 and 40 of GRPO (+22 points; the sampled training accuracy stays near 0.1 at temperature 1 over the
+48-token vocabulary, so the gain shows in greedy decoding)."""
 
 from __future__ import annotations
 
