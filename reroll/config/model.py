@@ -4,14 +4,52 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from reroll.config.alphabet import Alphabet
 from reroll.config.base import StrictModel
 
 
+class TinyMoEConfig(StrictModel):
+    """Make the tiny model a mixture of experts: a Qwen3-MoE (transformers' ``Qwen3MoeForCausalLM``, the
+    architecture of Qwen3-30B-A3B and -235B-A22B) whose every decoder layer's MLP is ``experts`` expert
+    MLPs, each token sent to the ``top_k`` that a linear router scores highest, their outputs weighted by
+    the router's probabilities renormalised over those ``top_k``."""
+
+    experts: int = Field(4, ge=2, le=64, description="Experts per decoder layer (num_experts).")
+    top_k: int = Field(
+        2, ge=1, description="Experts each token is routed to (num_experts_per_tok), at most `experts`."
+    )
+    expert_hidden_size: int | None = Field(
+        None,
+        ge=32,
+        multiple_of=32,
+        description="Each expert's MLP width (moe_intermediate_size), a multiple of 32 (vLLM's CPU MoE "
+        "kernel's alignment); unset: 2 * hidden_size (with top_k 2, a token's experts together are as wide "
+        "as the dense tiny model's MLP).",
+    )
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="Written to config.json as router_aux_loss_coef with output_router_logits true: the "
+        "model trains with the router's load-balancing loss at this weight unless model.router_aux_loss_coef "
+        "says otherwise. Unset: Qwen3-MoE's 0.001 with output_router_logits false, as Qwen3-30B-A3B ships "
+        "(no load-balancing loss by default).",
+    )
+
+    @model_validator(mode="after")
+    def _top_k_within_experts(self) -> TinyMoEConfig:
+        if self.top_k > self.experts:
+            raise ValueError(
+                f"top_k ({self.top_k}) must be at most experts ({self.experts}): a token is routed to top_k "
+                f"distinct experts; lower top_k or raise experts"
+            )
+        return self
+
+
 class TinyModelConfig(StrictModel):
-    """Build a small random-init Qwen2 model offline (for tests and the quickstart)."""
+    """Build a small random-init model offline (for tests and the quickstart): a Qwen2, or with ``moe`` a
+    Qwen3-MoE."""
 
     alphabet: Alphabet = Field(
         "arithmetic",
@@ -35,6 +73,20 @@ class TinyModelConfig(StrictModel):
         "on 4-pixel patches, its merger, the text model above) with an image processor for images up to "
         "32x32 pixels, instead of a text-only Qwen2.",
     )
+    moe: TinyMoEConfig | None = Field(
+        None,
+        description="Build a mixture-of-experts model (Qwen3-MoE) instead of a dense Qwen2, e.g. "
+        "{experts: 4, top_k: 2}.",
+    )
+
+    @model_validator(mode="after")
+    def _one_architecture(self) -> TinyModelConfig:
+        if self.vision and self.moe is not None:
+            raise ValueError(
+                "vision and moe are both set: the tiny builder makes a vision-language Qwen2.5-VL or a "
+                "text-only Qwen3-MoE, not both; drop one of them"
+            )
+        return self
 
 
 class ModelConfig(StrictModel):

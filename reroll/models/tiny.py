@@ -1,8 +1,9 @@
-"""Tiny models built locally: a character-level tokenizer and a random-init Qwen2 causal LM.
+"""Tiny models built locally: a character-level tokenizer and a random-init Qwen2 causal LM, or a
+Qwen3-MoE one (mixture of experts).
 
 Used by tests, examples and the quickstart, so that nothing is downloaded from the Hugging Face hub.
-The model is a real ``Qwen2ForCausalLM``: the HF training path and vLLM both load it like any other
-checkpoint.
+The model is a real ``Qwen2ForCausalLM`` (``Qwen3MoeForCausalLM``): the HF training path and vLLM both
+load it like any other checkpoint.
 """
 
 from __future__ import annotations
@@ -14,14 +15,21 @@ from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3MoeConfig,
+)
 from transformers.utils import logging as hf_logging
 
 from reroll.config.alphabet import parse_alphabet
 from reroll.data.arithmetic import ARITHMETIC_ALPHABET
 
 if TYPE_CHECKING:
-    from reroll.config.model import ModelConfig, TinyModelConfig
+    from reroll.config.model import ModelConfig, TinyModelConfig, TinyMoEConfig
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +101,7 @@ def build_tiny_from_config(path: str | Path, tiny: TinyModelConfig) -> Path:
         num_heads=tiny.num_heads,
         seed=tiny.seed,
         chat_template=tiny.chat_template,
+        moe=tiny.moe,
     )
 
 
@@ -104,7 +113,8 @@ def ensure_tiny_model(model: ModelConfig) -> Path | None:
     """
     if model.build_tiny is None or Path(model.path).exists():
         return None
-    log.info("building a tiny model in %s (alphabet %r)", model.path, model.build_tiny.alphabet)
+    kind = "mixture-of-experts model" if model.build_tiny.moe else "model"
+    log.info("building a tiny %s in %s (alphabet %r)", kind, model.path, model.build_tiny.alphabet)
     return build_tiny_from_config(model.path, model.build_tiny)
 
 
@@ -181,6 +191,7 @@ def build_tiny_model(
     seed: int = 0,
     for_cpu_engine: bool = True,
     chat_template: bool = True,
+    moe: TinyMoEConfig | None = None,
 ) -> Path:
     """Save a random-init ``Qwen2ForCausalLM`` (fp32 unless ``dtype``) and its ``char_tokenizer(alphabet)`` to ``out_dir``.
 
@@ -189,16 +200,17 @@ def build_tiny_model(
     real model for speed measurements; ids past the tokenizer decode to nothing). The same ``seed``
     gives the same weights. ``for_cpu_engine`` checks the head size against vLLM's CPU backend (turn it
     off for a model meant for GPUs, e.g. Qwen2.5-3B's head size 128); ``chat_template=False`` saves a
-    tokenizer without one. Returns ``out_dir`` as a ``Path``,
+    tokenizer without one. ``moe`` (a ``model.build_tiny.moe`` section) makes it a
+    ``Qwen3MoeForCausalLM`` whose every decoder layer's MLP is ``moe.experts`` experts
+    (``intermediate_size`` is then unused). Returns ``out_dir`` as a ``Path``,
     loadable offline with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check_dims(hidden_size, num_heads, num_kv_heads, for_cpu_engine)
     tokenizer = char_tokenizer(alphabet, chat_template=chat_template)
-    config = Qwen2Config(
+    shape = dict(
         vocab_size=max(vocab_size or 0, len(tokenizer)),
         hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -207,11 +219,16 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
-        use_sliding_window=False,
         dtype=dtype,
     )
+    if moe is None:
+        config: PretrainedConfig = Qwen2Config(
+            **shape, intermediate_size=intermediate_size or 4 * hidden_size, use_sliding_window=False
+        )
+    else:
+        config = moe_config(shape, moe)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -230,6 +247,28 @@ def build_tiny_model(
             hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
     return out
+
+
+def moe_config(shape: dict[str, object], moe: TinyMoEConfig) -> Qwen3MoeConfig:
+    """A Qwen3-MoE config of ``shape`` (``build_tiny_model``'s dense keys) with ``moe``'s experts (a
+    validated ``model.build_tiny.moe``): every layer sparse, the top-k probabilities renormalised
+    (``norm_topk_prob``, as Qwen3-30B-A3B), head size ``hidden_size // num_attention_heads``."""
+    hidden, heads = int(shape["hidden_size"]), int(shape["num_attention_heads"])  # type: ignore[call-overload]
+    aux = moe.router_aux_loss_coef
+    return Qwen3MoeConfig(
+        **shape,
+        head_dim=hidden // heads,
+        intermediate_size=4 * hidden,  # the dense MLP of layers listed in mlp_only_layers: none here
+        moe_intermediate_size=moe.expert_hidden_size or 2 * hidden,
+        num_experts=moe.experts,
+        num_experts_per_tok=moe.top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001 if aux is None else aux,
+        output_router_logits=aux is not None,
+        use_sliding_window=False,
+    )
 
 
 def build_tiny_reward_model(
