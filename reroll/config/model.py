@@ -97,6 +97,16 @@ class ModelConfig(StrictModel):
     build_tiny: TinyModelConfig | None = Field(
         None, description="If set and `path` does not exist yet, build a tiny random model there first."
     )
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="Mixture-of-experts models: the router's load-balancing loss (Switch Transformer's, as "
+        "transformers computes it; an even load gives top_k) times this is added to every training loss "
+        "(policy, SFT, distillation, DPO). Unset: the model's own setting, config.json's "
+        "router_aux_loss_coef where its output_router_logits is true, else 0 (Qwen3-30B-A3B ships false). "
+        "0 turns it off. The router statistics (<prefix>/router_aux_loss, /expert_load_max, /expert_load_min, "
+        "/expert_load_entropy) are logged either way; ignored for dense models.",
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory."
     )

@@ -64,7 +64,9 @@ class Loss:
 
 class Objective(Protocol):
     """A loss family. ``prefix`` names the optimizer's metrics (``<prefix>/grad_norm``, ``/lr``) and
-    ``skipped`` the count of steps skipped for a non-finite loss."""
+    ``skipped`` the count of steps skipped for a non-finite loss. ``share``: a micro-batch's weight in
+    the step (the shares of every micro-batch of every rank add up to 1), by which a term computed per
+    micro-batch, such as a mixture-of-experts router's load-balancing loss, joins its loss."""
 
     prefix: str
     skipped: str
@@ -72,6 +74,8 @@ class Objective(Protocol):
     def micro_batches(self, policy: Policy, batch: Any) -> Iterable[Any]: ...
 
     def loss(self, policy: Policy, mb: Any, batch: Any) -> Loss: ...
+
+    def share(self, mb: Any, batch: Any) -> float: ...
 
     def reduce(self, parts: list[dict[str, float]], batch: Any) -> dict[str, float]: ...
 
@@ -94,6 +98,11 @@ class TokenObjective:
 
     def micro_batches(self, policy: Policy, batch: TrainBatch) -> Iterable[TrainBatch]:
         return policy.micro_batches(batch)
+
+    def share(self, mb: TrainBatch, batch: TrainBatch) -> float:
+        """The micro-batch's response tokens over the step's (``batch.num_tokens``)."""
+        assert batch.num_tokens is not None
+        return float(mb.response_mask.sum()) / batch.num_tokens
 
     def reduce(self, parts: list[dict[str, float]], batch: TrainBatch) -> dict[str, float]:
         return mean_metrics(parts) | {self.loss_key: sum(p[self.loss_key] for p in parts)}
@@ -211,6 +220,11 @@ class PairObjective:
 
     def micro_batches(self, policy: Policy, batch: PairBatch) -> Iterable[PairBatch]:
         return policy.pair_micro_batches(batch)
+
+    def share(self, mb: PairBatch, batch: PairBatch) -> float:
+        """The micro-batch's pairs over the step's (``batch.num_pairs``)."""
+        assert batch.num_pairs is not None
+        return len(mb) / batch.num_pairs
 
     def pair_loss(self, policy: Policy, mb: PairBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError

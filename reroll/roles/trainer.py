@@ -20,6 +20,7 @@ from reroll.data.preferences import PairBatch
 from reroll.data.types import TrainBatch
 from reroll.errors import RoleError
 from reroll.models.loading import DTYPES
+from reroll.models.moe import Routers, StepRouting
 from reroll.roles.objectives import Objective
 from reroll.roles.preference import PairWorkerMixin
 from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker
@@ -52,6 +53,7 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         # covers a checkpoint whose tower was trained), skipped at the others
         self._frozen = {n for n, p in self.strategy.model.named_parameters() if not p.requires_grad}
         self._frozen_sent = not trainable
+        self.routers = Routers.of(self.strategy.model) if trainable else None  # a mixture of experts'
 
     def compute_logprobs(self, batch: TrainBatch, base_model: bool = False) -> torch.Tensor:
         """``(B, T)`` log-probs of ``batch.input_ids`` at the sampling temperature on the response tokens
@@ -66,14 +68,28 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         over the seconds of forward, backward and step."""
         start = time.perf_counter()
         parts = []
+        routing = self._routing()
         for mb in objective.micro_batches(self, batch):
-            loss = objective.loss(self, mb, batch)
-            self._backward(loss.value, loss.inputs)
+            with self.routers.capture() if routing else contextlib.nullcontext() as routed:
+                loss = objective.loss(self, mb, batch)
+            value = loss.value
+            if routing is not None:  # a mixture of experts: its load-balancing loss, statistics
+                term = routing.term(routed, objective.share(mb, batch))
+                value = value if term is None else value + term.to(value.device)
+            self._backward(value, loss.inputs)
             parts.append(loss.metrics)
         out = objective.reduce(parts, batch) | self._step(objective.prefix, objective.skipped)
+        out |= routing.metrics(objective.prefix) if routing is not None else {}
         rows = [batch] if isinstance(batch, TrainBatch) else [batch.chosen, batch.rejected]
         tokens = float(sum(r.attention_mask.sum() for r in rows))
         return out | {"train/tokens_per_s": tokens / (time.perf_counter() - start)}
+
+    def _routing(self) -> StepRouting | None:
+        """A mixture of experts' router term for a step (``model.router_aux_loss_coef``, else the model's
+        own); None for a dense model."""
+        if self.routers is None:
+            return None
+        return StepRouting(self.routers, self.routers.coef(self.cfg.model.router_aux_loss_coef))
 
     def adapter_update(self) -> AdapterUpdate | None:
         """Rank 0: the LoRA adapters and their config (``strategy.lora.sync: adapters``). Every rank must
