@@ -16,10 +16,11 @@ layers: ``reroll.runtime.weight_sync``) to each vLLM worker: on a GPU to the mod
 ``load_weights`` (per-parameter loaders that copy in place into the fused layers, so CUDA graphs stay
 valid and no "weights were not loaded" warning fires for a partial bucket; the tensors may be views of
 the buffer the worker received through the weight-sync group, ``collective``), on CPU to
-``reload_weights``, which also redoes the CPU kernels' weight repacking for the layers in the bucket.
-With the ``ipc`` transport (``load_shared``) each worker, in its own process, opens the handle of
-the trainer rank on its own device (CUDA IPC, or shared memory on CPU) and loads those views the same
-way: a tensor-parallel worker takes its slice of each full tensor. ``finish_weight_update`` then resets the
+``reload_weights``, which also redoes the CPU kernels' weight repacking for the layers in the bucket
+(a mixture of experts' experts too: ``vllm_cpu_moe``). With the ``ipc`` transport (``load_shared``)
+each worker, in its own process, opens the handle of the trainer rank on its own device (CUDA IPC, or
+shared memory on CPU) and loads those views the same way: a tensor-parallel worker takes its slice of
+each full tensor. ``finish_weight_update`` then resets the
 prefix cache so no KV computed with the old weights is reused. Nothing is written to disk. LoRA adapters are merged into
 the base weights (``reroll.engines.lora``; the base is read from the checkpoint) and loaded the same way.
 
@@ -82,6 +83,7 @@ from reroll.data.images import open_image
 from reroll.data.types import Completion, ImagePrompt, Prompt, SamplingParams, TokenDelta
 from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prompt_order
 from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merge_lora
+from reroll.engines.vllm_cpu_moe import repack_experts
 from reroll.errors import UserError
 from reroll.models.vision import VisionProcessor, is_vision_language
 from reroll.runtime import quiet
@@ -529,10 +531,15 @@ def _load_into(worker: Any, items: Sequence[tuple[str, torch.Tensor]], on_gpu: b
     quiet_loader = logging.getLogger("vllm.model_executor.model_loader.reload")
     level = quiet_loader.level
     quiet_loader.setLevel(logging.ERROR)
+    items = list(items)
     try:
         worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
     finally:
         quiet_loader.setLevel(level)
+    runner = worker.model_runner  # a mixture of experts: vLLM 0.32 leaves its experts unpacked
+    repack_experts(
+        runner.get_model() if hasattr(runner, "get_model") else runner.model, [n for n, _ in items]
+    )
 
 
 def _multimodal_args(images: ImagesConfig | None) -> dict[str, Any]:
