@@ -18,7 +18,7 @@ from reroll.config.schema import RunConfig
 from reroll.config.startable import context_parallel_size
 from reroll.data.preferences import PairBatch
 from reroll.data.types import TrainBatch
-from reroll.errors import RoleError
+from reroll.errors import RoleError, UserError
 from reroll.models.loading import DTYPES
 from reroll.models.moe import Routers, StepRouting
 from reroll.roles.objectives import Objective
@@ -89,6 +89,13 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         own); None for a dense model."""
         if self.routers is None:
             return None
+        cp = self.context_parallel
+        if cp is not None and cp.size > 1:  # each rank's routers see 1/n of a row's tokens
+            raise UserError(
+                f"strategy.context_parallel={cp.size} with a mixture-of-experts model: its router's "
+                "load-balancing loss and statistics are built for whole rows (not yet for rows split "
+                "over ranks); set strategy.context_parallel=1"
+            )
         return StepRouting(self.routers, self.routers.coef(self.cfg.model.router_aux_loss_coef))
 
     def adapter_update(self) -> AdapterUpdate | None:
