@@ -26,7 +26,7 @@ from reroll.config.schema import RunConfig
 from reroll.data.types import RewardItem, Sample
 from reroll.errors import UserError
 from reroll.models.loading import load_tokenizer
-from reroll.models.tiny import ensure_tiny_model
+from reroll.models.tiny_build import ensure_tiny_model
 from reroll.pipelines.common import (
     load_data,
     prompt_format,

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from reroll.config.run import RunConfig
 from reroll.errors import RewardFailure, RoleError, UserError
-from reroll.models.tiny import ensure_tiny_model
+from reroll.models.tiny_build import ensure_tiny_model
 from reroll.pipelines.pipeline import Checkpointed, Pipeline, every
 from reroll.pipelines.preflight import preflight
 from reroll.pipelines.roles import Roles

@@ -23,7 +23,7 @@ from reroll.config.schema import RunConfig
 from reroll.data.chat import ChatTemplateError, PromptFormat
 from reroll.errors import UserError
 from reroll.models.loading import load_tokenizer
-from reroll.models.tiny import ensure_tiny_model
+from reroll.models.tiny_build import ensure_tiny_model
 from reroll.pipelines.common import prompt_format, sampling, with_checkpoint
 from reroll.roles.actor_infer import EngineGroup
 from reroll.roles.chat_server import ChatServer

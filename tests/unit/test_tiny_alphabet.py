@@ -14,7 +14,8 @@ from reroll.config.loader import ConfigError, load_config
 from reroll.config.model import ModelConfig, TinyModelConfig
 from reroll.config.schema import RunConfig
 from reroll.data.arithmetic import ARITHMETIC_ALPHABET
-from reroll.models.tiny import ALPHABETS, GAME_ALPHABET, ensure_tiny_model, resolve_alphabet
+from reroll.models.tiny import ALPHABETS, GAME_ALPHABET, resolve_alphabet
+from reroll.models.tiny_build import ensure_tiny_model
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "arithmetic_grpo.yaml"
 SMALL = {"hidden_size": 32, "num_heads": 1, "num_layers": 1}  # head dim 32: the smallest valid model
