@@ -20,27 +20,18 @@ def build_tiny_from_config(path: str | Path, tiny: TinyModelConfig) -> Path:
     """Build the model ``tiny`` (a ``model.build_tiny`` section) describes at ``path``: its alphabet,
     sizes and seed (``vision``: a Qwen2.5-VL-architecture model, ``reroll.models.tiny_vision``); returns
     ``path``."""
+    shape = {
+        "alphabet": resolve_alphabet(tiny.alphabet),
+        "hidden_size": tiny.hidden_size,
+        "num_layers": tiny.num_layers,
+        "num_heads": tiny.num_heads,
+        "seed": tiny.seed,
+    }
     if tiny.vision:
-        from reroll.models.tiny_vision import build_tiny_vl_model
+        from reroll.models.tiny_vision import build_tiny_vl_model  # transformers' VL classes: when asked
 
-        return build_tiny_vl_model(
-            path,
-            alphabet=resolve_alphabet(tiny.alphabet),
-            hidden_size=tiny.hidden_size,
-            num_layers=tiny.num_layers,
-            num_heads=tiny.num_heads,
-            seed=tiny.seed,
-        )
-    return build_tiny_model(
-        path,
-        alphabet=resolve_alphabet(tiny.alphabet),
-        hidden_size=tiny.hidden_size,
-        num_layers=tiny.num_layers,
-        num_heads=tiny.num_heads,
-        seed=tiny.seed,
-        chat_template=tiny.chat_template,
-        moe=tiny.moe,
-    )
+        return build_tiny_vl_model(path, **shape)
+    return build_tiny_model(path, **shape, chat_template=tiny.chat_template, moe=tiny.moe)
 
 
 def ensure_tiny_model(model: ModelConfig) -> Path | None:

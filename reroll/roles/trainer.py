@@ -7,6 +7,7 @@ The loss comes from ``reroll.algorithms``; the strategy only runs forward, backw
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,11 +50,20 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         self._sharing: Iterator[WeightBucket] | None = None  # transport 'ipc': the buckets still to make
         self._weight_group: BroadcastGroup | None = None  # rank 0, transport 'collective'
         self._collective_bytes = 0  # bytes the last sync broadcast through that group
-        # weights that never change (a frozen vision tower): sent at the first sync only (which also
-        # covers a checkpoint whose tower was trained), skipped at the others
-        self._frozen = {n for n, p in self.strategy.model.named_parameters() if not p.requires_grad}
         self._frozen_sent = not trainable
-        self.routers = Routers.of(self.strategy.model) if trainable else None  # a mixture of experts'
+        self._trainable = trainable
+
+    # DeepSpeed and Megatron build their model in init_distributed: what is read from it, at first use
+    @functools.cached_property
+    def _frozen(self) -> set[str]:
+        """Weights that never change (a frozen vision tower): sent at the first sync only (which also
+        covers a checkpoint whose tower was trained), skipped at the others."""
+        return {n for n, p in self.strategy.model.named_parameters() if not p.requires_grad}
+
+    @functools.cached_property
+    def routers(self) -> Routers | None:
+        """A mixture of experts' routers (None for a dense model, or a rank that does not train)."""
+        return Routers.of(self.strategy.model) if self._trainable else None
 
     def compute_logprobs(self, batch: TrainBatch, base_model: bool = False) -> torch.Tensor:
         """``(B, T)`` log-probs of ``batch.input_ids`` at the sampling temperature on the response tokens
