@@ -45,6 +45,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.long  # a Ray cluster declaring 4 GPUs and two engines: ~35 s, kept out of CI for its length
 def test_each_engine_sees_the_gpus_of_its_pool_devices_in_order(tmp_path, assets):
     from tests.conftest import write_config
 
