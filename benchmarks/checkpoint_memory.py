@@ -38,25 +38,17 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.grpo_step import QWEN25_05B, TINY, device_name  # noqa: E402
+from benchmarks.grpo_step import QWEN25_05B, TINY, device_name, qwen2_config  # noqa: E402
 
 SHAPES = {"0.5b": (QWEN25_05B, 151936), "tiny": (TINY, 64)}
 WAYS = ["gathered save", "sharded save", "sharded load"]
 
 
 def build_model(root: Path, shape: str) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     s, vocab = SHAPES[shape]
-    cfg = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=s["hidden_size"],
-        num_hidden_layers=s["num_layers"],
-        num_attention_heads=s["num_heads"],
-        num_key_value_heads=s["num_kv_heads"],
-        intermediate_size=s["intermediate_size"],
-        tie_word_embeddings=True,
-    )
+    cfg = qwen2_config(s, vocab)
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).save_pretrained(root / "model")
     return root / "model"

@@ -64,6 +64,25 @@ sys.path.insert(0, str(ROOT))
 QWEN25_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
 QWEN25_3B = dict(hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2, intermediate_size=11008)
 TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128)
+
+
+def qwen2_config(shape: dict, vocab_size: int, **extra: object) -> object:
+    """A Qwen2 ``transformers`` config of ``shape`` (one of the dicts above), tied embeddings; ``extra``
+    config fields pass through (``max_position_embeddings``)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=shape["hidden_size"],
+        num_hidden_layers=shape["num_layers"],
+        num_attention_heads=shape["num_heads"],
+        num_key_value_heads=shape["num_kv_heads"],
+        intermediate_size=shape["intermediate_size"],
+        tie_word_embeddings=True,
+        **extra,
+    )
+
+
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz "
 PHASES = (
     "generate",

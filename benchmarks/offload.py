@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.grpo_step import QWEN25_05B, QWEN25_3B, TINY, device_name  # noqa: E402
+from benchmarks.grpo_step import QWEN25_05B, QWEN25_3B, TINY, device_name, qwen2_config  # noqa: E402
 from reroll.strategies.training import HostParking  # noqa: E402
 
 
@@ -43,17 +43,9 @@ def trained_model(
     shape: dict, device: str, dtype: torch.dtype
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model after one AdamW step (its moments made), gradients dropped as the trainer drops them."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    cfg = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=shape["hidden_size"],
-        num_hidden_layers=shape["num_layers"],
-        num_attention_heads=shape["num_heads"],
-        num_key_value_heads=shape["num_kv_heads"],
-        intermediate_size=shape["intermediate_size"],
-        tie_word_embeddings=True,
-    )
+    cfg = qwen2_config(shape, 151936)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg).to(dtype)

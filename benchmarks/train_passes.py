@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.grpo_step import QWEN25_05B, TINY, device_name  # noqa: E402
+from benchmarks.grpo_step import QWEN25_05B, TINY, device_name, qwen2_config  # noqa: E402
 from reroll.algorithms.logprobs import chunk_rows, token_logprobs_and_entropy  # noqa: E402
 from reroll.models.loading import fuse_rms_norms  # noqa: E402
 from reroll.roles.strategy_worker import scored_token_stats  # noqa: E402
@@ -41,21 +41,12 @@ from reroll.strategies.training import compile_model  # noqa: E402
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     shape = dict(TINY if args.tiny else QWEN25_05B)
     if args.layers:
         shape["num_layers"] = args.layers
-    cfg = Qwen2Config(
-        vocab_size=args.vocab,
-        hidden_size=shape["hidden_size"],
-        num_hidden_layers=shape["num_layers"],
-        num_attention_heads=shape["num_heads"],
-        num_key_value_heads=shape["num_kv_heads"],
-        intermediate_size=shape["intermediate_size"],
-        max_position_embeddings=args.seq + 8,
-        tie_word_embeddings=True,
-    )
+    cfg = qwen2_config(shape, args.vocab, max_position_embeddings=args.seq + 8)
     torch.manual_seed(0)
     with torch.device(args.device):
         return Qwen2ForCausalLM(cfg).to(getattr(torch, args.dtype))
