@@ -3,6 +3,7 @@
     python benchmarks/grpo_step.py                        # Qwen2.5-0.5B shape, bf16, on the GPU
     python benchmarks/grpo_step.py --model-size 3b        # and a Qwen2.5-3B-shaped row
     python benchmarks/grpo_step.py --tiny --device cpu --skip-trl   # a smoke run of the script
+    python benchmarks/grpo_step.py --sizes moe --skip-trl    # a small Qwen3-MoE (experts), reroll's rows
 
 Rows, all in the same run on the same random-init model (Qwen2.5's shape, built locally, nothing
 downloaded), the same prompts (``--prompts`` x ``--group`` samples of ``--prompt-len`` prompt tokens
@@ -64,6 +65,15 @@ sys.path.insert(0, str(ROOT))
 QWEN25_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
 QWEN25_3B = dict(hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2, intermediate_size=11008)
 TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128)
+# A small Qwen3-MoE (37 item 3's "small MoE shape"): 16 layers of 32 experts, 4 routed a token, ~1.3B
+# parameters of which ~0.3B a token passes through (Qwen3-30B-A3B's proportions at a twentieth of its size)
+MOE_SMALL = dict(
+    hidden_size=1024,
+    num_layers=16,
+    num_heads=16,
+    num_kv_heads=4,
+    moe={"experts": 32, "top_k": 4, "expert_hidden_size": 768},
+)
 
 
 def qwen2_config(shape: dict, vocab_size: int, **extra: object) -> object:
@@ -106,9 +116,12 @@ def device_name(device: str) -> str:
 
 
 def build_inputs(root: Path, args: argparse.Namespace, size: str) -> tuple[Path, list[str]]:
+    from reroll.config.model import TinyMoEConfig
     from reroll.models.tiny import build_tiny_model
 
-    shape = TINY if args.tiny else {"0.5b": QWEN25_05B, "3b": QWEN25_3B}[size]
+    shape = dict(TINY if args.tiny else {"0.5b": QWEN25_05B, "3b": QWEN25_3B, "moe": MOE_SMALL}[size])
+    if "moe" in shape:
+        shape["moe"] = TinyMoEConfig(**shape["moe"])
     model = build_tiny_model(
         root / f"model-{size}",
         alphabet=ALPHABET,
@@ -376,7 +389,9 @@ def main() -> None:
     ap.add_argument("--vllm-memory", type=float, default=0.35, help="the engine's share of the GPU")
     ap.add_argument("--model-size", default="0.5b", choices=["0.5b", "3b"], help="3b: adds a 3B-shaped row")
     ap.add_argument(
-        "--sizes", default=None, help="model shapes to run, e.g. '3b' alone (default: 0.5b and --model-size)"
+        "--sizes",
+        default=None,
+        help="model shapes to run, e.g. '3b' alone, 'moe' (a small Qwen3-MoE; default: 0.5b and --model-size)",
     )
     ap.add_argument(
         "--rows",

@@ -44,15 +44,32 @@ def build_tiny_vl_model(
     vision_depth: int = 2,
     max_pixels: int = 32 * 32,
     seed: int = 0,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 256,
+    vision_intermediate_size: int | None = None,
+    vision_num_heads: int | None = None,
+    patch_size: int = PATCH,
+    dtype: str = "float32",
+    for_cpu_engine: bool = True,
 ) -> Path:
-    """Save a random-init ``Qwen2_5_VLForConditionalGeneration`` (fp32), its tokenizer and image
-    processor to ``out_dir``. The vision tower embeds 4x4-pixel patches (two frames each, as Qwen2-VL's
-    temporal patch: a still image is repeated), runs ``vision_depth`` blocks (the last with full
-    attention, the others windowed) and merges 2x2 patches into one token of the text model's width: a
-    32x32 image is 16 image tokens. Images are scaled to between 16x16 and ``max_pixels`` pixels."""
+    """Save a random-init ``Qwen2_5_VLForConditionalGeneration`` (fp32 unless ``dtype``), its tokenizer
+    and image processor to ``out_dir``. The vision tower embeds ``patch_size``-pixel patches (4 by
+    default; two frames each, as Qwen2-VL's temporal patch: a still image is repeated), runs
+    ``vision_depth`` blocks (every eighth and the last with full attention, the others windowed) and
+    merges 2x2 patches into one token of the text model's width: a 32x32 image is 16 image tokens.
+    Images are scaled to between 16x16 and ``max_pixels`` pixels.
+
+    The defaults are the tiny model of the CPU tests; the other arguments give a real model's shape for
+    speed measurements (``benchmarks/vision_step.py``: Qwen2.5-VL-3B's), with ``num_kv_heads`` (default
+    ``num_heads``), ``intermediate_size`` (default ``2 * hidden_size``), ``vocab_size`` larger than the
+    tokenizer's (padding the embedding, as ``build_tiny_model`` does), and ``for_cpu_engine=False`` for
+    head sizes vLLM's CPU backend lacks."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    _check_dims(hidden_size, num_heads, num_heads)
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _check_dims(hidden_size, num_heads, num_kv_heads, for_cpu_engine)
     tokenizer = char_tokenizer(alphabet)
     tokenizer.add_tokens(list(VISION_TOKENS), special_tokens=True)
     tokenizer.chat_template = VISION_CHAT_TEMPLATE
@@ -62,13 +79,13 @@ def build_tiny_vl_model(
     section[0] += head_dim // 2 - sum(section)
     config = Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": len(tokenizer),
+            "vocab_size": max(vocab_size or 0, len(tokenizer)),
             "hidden_size": hidden_size,
-            "intermediate_size": 2 * hidden_size,
+            "intermediate_size": intermediate_size or 2 * hidden_size,
             "num_hidden_layers": num_layers,
             "num_attention_heads": num_heads,
-            "num_key_value_heads": num_heads,
-            "max_position_embeddings": 256,
+            "num_key_value_heads": num_kv_heads,
+            "max_position_embeddings": max_position_embeddings,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
             "pad_token_id": tokenizer.pad_token_id,
             "eos_token_id": tokenizer.eos_token_id,
@@ -77,14 +94,15 @@ def build_tiny_vl_model(
         vision_config={
             "depth": vision_depth,
             "hidden_size": vision_hidden_size,
-            "intermediate_size": 2 * vision_hidden_size,
-            "num_heads": max(1, vision_hidden_size // 16),
-            "patch_size": PATCH,
+            "intermediate_size": vision_intermediate_size or 2 * vision_hidden_size,
+            "num_heads": vision_num_heads or max(1, vision_hidden_size // 16),
+            "patch_size": patch_size,
             "spatial_merge_size": MERGE,
             "temporal_patch_size": 2,
-            "window_size": 4 * PATCH * MERGE,
+            "window_size": 4 * patch_size * MERGE,
             "out_hidden_size": hidden_size,
-            "fullatt_block_indexes": [vision_depth - 1],
+            # Qwen2.5-VL-3B's 32 blocks attend fully at 7, 15, 23, 31; the tiny two blocks at 1
+            "fullatt_block_indexes": sorted({*range(7, vision_depth, 8), vision_depth - 1}),
         },
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -93,7 +111,7 @@ def build_tiny_vl_model(
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).float()
+    model = Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -101,7 +119,11 @@ def build_tiny_vl_model(
         do_sample=False,
     )
     processor = Qwen2VLImageProcessorPil(
-        patch_size=PATCH, temporal_patch_size=2, merge_size=MERGE, min_pixels=16 * 16, max_pixels=max_pixels
+        patch_size=patch_size,
+        temporal_patch_size=2,
+        merge_size=MERGE,
+        min_pixels=16 * 16,
+        max_pixels=max_pixels,
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
