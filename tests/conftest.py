@@ -8,9 +8,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import yaml
+
+if TYPE_CHECKING:
+    from reroll.config.schema import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart" / "arithmetic_grpo.yaml"
@@ -107,15 +111,31 @@ def write_config(path: Path, assets: dict[str, Path], **sections) -> Path:
         "roles": {r: {"torch_threads": 1} for r in ("actor_train", "actor_infer", "reference", "reward")},
         "logging": {"tensorboard": False},
     }
-    for key, value in sections.items():
-        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
-            cfg[key] = {**cfg[key], **value}
-        else:
-            cfg[key] = value
+    cfg = merge_sections(cfg, sections)
     if cfg["pipeline"] == "sft" and "total_steps" not in sections:
         del cfg["total_steps"]  # an SFT run takes sft.steps steps (a total_steps there is an error)
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def merge_sections(cfg: dict, sections: dict) -> dict:
+    """``cfg`` with ``sections`` over it: a section given as a dict replaces only the keys it names."""
+    out = dict(cfg)
+    for key, value in sections.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = {**out[key], **value} if both else value
+    return out
+
+
+def load_sections(tmp_path: Path, cfg: dict, sections: dict) -> RunConfig:
+    """The ``RunConfig`` of ``cfg`` with ``sections`` merged over it (``merge_sections``), through a YAML
+    file in ``tmp_path`` as a user's run reads it."""
+    from reroll.config.loader import load_config
+    from reroll.config.schema import RunConfig
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(merge_sections(cfg, sections)))
+    return load_config(path, RunConfig, [])
 
 
 def assert_kill_mid_generation_is_reported(rollout) -> None:

@@ -6,11 +6,10 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
 from reroll.runtime.metrics import read_metrics
+from tests.conftest import load_sections
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,11 +77,7 @@ def _config(tmp_path: Path, model: Path, **over) -> RunConfig:
         "logging": {"tensorboard": False, "sample_every": 0},
         "runtime": {"backend": "local"},
     }  # fmt: skip
-    for key, value in over.items():
-        cfg[key] = {**cfg[key], **value} if isinstance(cfg.get(key), dict) else value
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return load_config(path, RunConfig, [])
+    return load_sections(tmp_path, cfg, over)
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["lockstep", "streaming"])
