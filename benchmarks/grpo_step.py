@@ -1,6 +1,7 @@
-"""One GRPO step on one GPU: reroll as users run it (Ray roles colocated) against TRL, as a table.
+"""One GRPO step on one GPU: reroll as users run it (Ray roles colocated) against its peers, as a table.
 
     python benchmarks/grpo_step.py                        # Qwen2.5-0.5B shape, bf16, on the GPU
+    python benchmarks/grpo_step.py --peers trl-vllm,verl  # against TRL with vLLM colocated, and verl
     python benchmarks/grpo_step.py --model-size 3b        # and a Qwen2.5-3B-shaped row
     python benchmarks/grpo_step.py --tiny --device cpu --skip-trl   # a smoke run of the script
 
@@ -32,11 +33,25 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   default since 2026-12-06, where the other rows take ``--logprob-micro-batch``).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
-- ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
+
+The peers (``--peers``, run first, each in a process of its own: ``benchmarks/peers/``), with the same
+model, prompts, lengths, KL, learning rate and micro-batch (at 3B: activation checkpointing and
+``--peer-micro-batch-3b`` rows):
+
+- ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation (the default peer).
+- ``trl-vllm``: TRL's documented fast setup, vLLM colocated in the trainer's process (``use_vllm=True,
+  vllm_mode="colocate"``, ``--vllm-memory`` of the GPU), TRL's defaults otherwise (its importance-sampling
+  correction against vLLM's log-probs adds a forward pass); ``trl-vllm-nois`` turns that correction off,
+  the work reroll's on-policy step does.
+- ``verl``: verl's GRPO, FSDP actor and its vLLM rollout on one GPU (``benchmarks/peers/verl_grpo.py``).
 
 Per reroll row it prints each phase's seconds (offload/reload included), the step's wall time
-(``timing/step``: the whole step, not a sum of phases), new tokens per second and the ratio to TRL
-(of the means, and of the medians: one slow step moves a mean of five).
+(``timing/step``: the whole step, not a sum of phases), the engine's new tokens per second
+(``tokens/generated`` over ``timing/generate``), training and reference MFU (model FLOPs: 6·N per
+trained token, 2·N per scored one, N the parameters a token multiplies through, over the phase's wall
+time and the card's peak dense bf16 TFLOP/s, ``--peak-tflops`` for a card not in ``PEAK_TFLOPS``), and
+for every row the ratio to the fastest peer of its model size, named (of the means, and of the
+medians: one slow step moves a mean of five).
 The first ``--warmup`` steps (compilation, allocator growth) are left out of the means.
 ``--json PATH`` also writes every step's metrics of every row (to see which phase moved in a slow step).
 """
@@ -318,11 +333,11 @@ def add_rates(rows: list[dict], n_params: int, peak: float | None) -> None:
                 r[key] = flops * n_params * tokens / seconds / (peak * 1e12)
 
 
-# per-step rates of the reroll rows (add_rates): (key, label, scale)
+# per-step rates of the reroll rows (add_rates): (key, label, scale, digits)
 RATES = (
-    ("engine_tok_s", "engine tok/s", 1),
-    ("train_mfu", "train MFU %", 100),
-    ("ref_mfu", "ref MFU %", 100),
+    ("engine_tok_s", "engine tok/s", 1, 0),
+    ("train_mfu", "train MFU %", 100, 1),
+    ("ref_mfu", "ref MFU %", 100, 1),
 )
 
 
@@ -339,12 +354,10 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
     for p in PHASES:  # each step's phases: a slow step shows which phase moved
         if any(r.get(p) for r in rows):
             print(f"[{name}]   {p:<12} {[round(r[p], 2) for r in rows]}", flush=True)
-    for key, label, scale in RATES:  # the engine's speed and the trainers' MFU, each step
+    for key, label, scale, digits in RATES:  # the engine's speed and the trainers' MFU, each step
         if any(key in r for r in rows):
-            print(
-                f"[{name}]   {label:<12} {[round(r[key] * scale) if key in r else '-' for r in rows]}",
-                flush=True,
-            )
+            shown = [round(r[key] * scale, digits or None) if key in r else "-" for r in rows]
+            print(f"[{name}]   {label:<12} {shown}", flush=True)
 
     def series(key: str) -> list:
         return [r.get("metrics", {}).get(key) for r in rows]
@@ -484,13 +497,13 @@ def main() -> None:
         print(
             f"{p:<14}" + "".join(f"{mean_after(results[k], p, args.warmup):>{width}.2f}" for k in reroll_rows)
         )
-    for key, label, scale in RATES:
+    for key, label, scale, digits in RATES:
         cells = [mean_after(results[k], key, args.warmup) * scale for k in reroll_rows]
-        print(f"{label:<14}" + "".join(f"{c:>{width}.0f}" if c else f"{'-':>{width}}" for c in cells))
+        print(f"{label:<14}" + "".join(f"{c:>{width}.{digits}f}" if c else f"{'-':>{width}}" for c in cells))
     if reroll_rows and not peak:
         print("(MFU: unknown card; give --peak-tflops)")
     elif reroll_rows:
-        n = ", ".join(f"{k.split()[-1]} {matmul_params(m) / 1e9:.2f}B" for k, m in models.items())
+        n = ", ".join(f"{label} {matmul_params(m) / 1e6:.1f}M" for label, m in models.items())
         print(
             f"(MFU: model FLOPs, 6·N per trained token, 2·N per reference token, N = {n}; peak {peak:.0f} TFLOP/s)"
         )
@@ -519,6 +532,9 @@ def print_ratios(results: dict[str, list[dict]], warmup: int) -> None:
         f"{'median / peer median':>22}"
     )
     for name, rows in results.items():
+        if not rows:
+            print(f"{name:<{width}}  failed: see its log above")
+            continue
         step, toks = mean_after(rows, "step", warmup), mean_after(rows, "new_tokens", warmup)
         median = mean_after(rows, "step", warmup, statistics.median)
         peer = fastest.get(name.split()[-1])
