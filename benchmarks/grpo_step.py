@@ -475,7 +475,7 @@ def main() -> None:
             print_row(f"{row} {label}", results[f"{row} {label}"], args.warmup)
             save_json(args, results)
         n_params = matmul_params(model)
-        for mode in args.rows.split(","):
+        for mode in filter(None, args.rows.split(",")):  # --rows "": the peers alone
             results[f"reroll {mode} {label}"] = run_reroll(root, model, prompts, args, mode)
             add_rates(results[f"reroll {mode} {label}"], n_params, peak)
             print_row(f"reroll {mode} {label}", results[f"reroll {mode} {label}"], args.warmup)
