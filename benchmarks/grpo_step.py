@@ -1,6 +1,7 @@
-"""One GRPO step on one GPU: reroll as users run it (Ray roles colocated) against TRL, as a table.
+"""One GRPO step on one GPU: reroll as users run it (Ray roles colocated) against its peers, as a table.
 
     python benchmarks/grpo_step.py                        # Qwen2.5-0.5B shape, bf16, on the GPU
+    python benchmarks/grpo_step.py --peers trl-vllm,verl  # against TRL with vLLM colocated, and verl
     python benchmarks/grpo_step.py --model-size 3b        # and a Qwen2.5-3B-shaped row
     python benchmarks/grpo_step.py --tiny --device cpu --skip-trl   # a smoke run of the script
     python benchmarks/grpo_step.py --sizes moe --skip-trl    # a small Qwen3-MoE (experts), reroll's rows
@@ -33,11 +34,25 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   default since 2026-12-06, where the other rows take ``--logprob-micro-batch``).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
-- ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation.
+
+The peers (``--peers``, run first, each in a process of its own: ``benchmarks/peers/``), with the same
+model, prompts, lengths, KL, learning rate and micro-batch (at 3B: activation checkpointing and
+``--peer-micro-batch-3b`` rows):
+
+- ``trl``: TRL's ``GRPOTrainer`` with its ``transformers`` generation (the default peer).
+- ``trl-vllm``: TRL's documented fast setup, vLLM colocated in the trainer's process (``use_vllm=True,
+  vllm_mode="colocate"``, ``--vllm-memory`` of the GPU), TRL's defaults otherwise (its importance-sampling
+  correction against vLLM's log-probs adds a forward pass); ``trl-vllm-nois`` turns that correction off,
+  the work reroll's on-policy step does.
+- ``verl``: verl's GRPO, FSDP actor and its vLLM rollout on one GPU (``benchmarks/peers/verl_grpo.py``).
 
 Per reroll row it prints each phase's seconds (offload/reload included), the step's wall time
-(``timing/step``: the whole step, not a sum of phases), new tokens per second and the ratio to TRL
-(of the means, and of the medians: one slow step moves a mean of five).
+(``timing/step``: the whole step, not a sum of phases), the engine's new tokens per second
+(``tokens/generated`` over ``timing/generate``), training and reference MFU (model FLOPs: 6·N per
+trained token, 2·N per scored one, N the parameters a token multiplies through, over the phase's wall
+time and the card's peak dense bf16 TFLOP/s, ``--peak-tflops`` for a card not in ``PEAK_TFLOPS``), and
+for every row the ratio to the fastest peer of its model size, named (of the means, and of the
+medians: one slow step moves a mean of five).
 The first ``--warmup`` steps (compilation, allocator growth) are left out of the means.
 ``--json PATH`` also writes every step's metrics of every row (to see which phase moved in a slow step).
 """
@@ -45,14 +60,13 @@ The first ``--warmup`` steps (compilation, allocator growth) are left out of the
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -135,11 +149,6 @@ def build_inputs(root: Path, args: argparse.Namespace, size: str) -> tuple[Path,
     n = args.prompts * (args.steps + 1)
     prompts = ["".join(rng.choice(ALPHABET) for _ in range(args.prompt_len)) for _ in range(n)]
     return model, prompts
-
-
-def length_reward(text: str) -> float:
-    """A model-free reward with spread within a group: the share of digits in the response."""
-    return sum(c.isdigit() for c in text) / max(len(text), 1)
 
 
 def run_reroll(
@@ -252,72 +261,103 @@ def run_reroll(
     return out
 
 
-def run_trl(root: Path, model: Path, prompts: list[str], args: argparse.Namespace) -> list[dict]:
-    import dataclasses
+PEERS = ("trl", "trl-vllm", "trl-vllm-nois", "verl")
+PEER_SCRIPTS = {"verl": "verl_grpo.py"}  # the others: trl_grpo.py
 
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
-    times: list[float] = []
-    tokens: list[float] = []
+def run_peer(root: Path, model: Path, prompts: list[str], args: argparse.Namespace, row: str) -> list[dict]:
+    """A peer library's GRPO steps (``PEERS``), in a process of its own (``benchmarks/peers/``): its engine's
+    GPU memory goes back when it ends, before the reroll rows start. The same model, prompts, group,
+    lengths, KL, learning rate, dtype and micro-batch as the reroll rows (at 3B: activation checkpointing
+    and ``--peer-micro-batch-3b`` rows per micro-batch, as TRL fits there)."""
+    from benchmarks.peers.spec import PeerSpec
 
-    class StepClock(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.t)
-
-        def on_log(self, _args, _state, _control, logs=None, **k):
-            if logs and "completions/mean_length" in logs:
-                tokens.append(logs["completions/mean_length"] * args.prompts * args.group)
-
-    n = args.prompts * args.group
-    micro = min(args.micro_batch, n)
-    wanted = dict(
-        output_dir=str(root / "trl"),
-        per_device_train_batch_size=micro,
-        gradient_accumulation_steps=n // micro,
-        num_generations=args.group,
-        max_completion_length=args.new_tokens,
-        max_prompt_length=args.prompt_len + 8,
-        temperature=1.0,
-        beta=0.04,
-        learning_rate=1e-6,
-        max_steps=args.steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        bf16=args.dtype == "bfloat16",
-        use_cpu=args.device == "cpu",
-        use_vllm=False,
-        seed=0,
-        dataloader_num_workers=0,
+    big = "3b" in model.name
+    spec = PeerSpec(
+        row=row,
+        model=str(model),
+        prompts_file=str(root / "peer-prompts.json"),
+        out=str(root / f"peer-{row}-{model.name}.json"),
+        prompts=args.prompts,
+        group=args.group,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        steps=args.steps,
+        micro_batch=args.peer_micro_batch_3b if big else args.micro_batch,
+        dtype=args.dtype,
+        device=args.device,
+        vllm_memory=args.vllm_memory,
+        gradient_checkpointing=big or args.gradient_checkpointing,
     )
-    known = {f.name for f in dataclasses.fields(GRPOConfig)}
-    config = GRPOConfig(**{k: v for k, v in wanted.items() if k in known})
-    tok = AutoTokenizer.from_pretrained(model)
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype))
-    trainer = GRPOTrainer(
-        model=policy,
-        reward_funcs=[lambda completions, **_: [length_reward(c) for c in completions]],
-        args=config,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
-        processing_class=tok,
-        callbacks=[StepClock()],
-    )
-    trainer.train()
-    return [{"step": t, "new_tokens": tok_n} for t, tok_n in zip(times, tokens or [0.0] * len(times))]
+    Path(spec.prompts_file).write_text(json.dumps(prompts))
+    script = ROOT / "benchmarks" / "peers" / PEER_SCRIPTS.get(row, "trl_grpo.py")
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    }
+    done = subprocess.run([sys.executable, str(script), str(spec.write(root / f"peer-{row}.json"))], env=env)
+    if done.returncode:
+        print(f"[{row}] failed (exit {done.returncode}): the row is left out", flush=True)
+        return []
+    return json.loads(Path(spec.out).read_text())
+
+
+# peak dense bf16 TFLOP/s by the name torch gives the card (without sparsity); others: --peak-tflops
+PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+
+
+def peak_tflops(args: argparse.Namespace) -> float | None:
+    """``--peak-tflops``, else the card's from ``PEAK_TFLOPS`` (None: unknown card, or no GPU)."""
+    if args.peak_tflops:
+        return args.peak_tflops
+    if args.device != "cuda":
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((tflops for key, tflops in PEAK_TFLOPS if key in name), None)
+
+
+def matmul_params(model: Path) -> int:
+    """N of the model-FLOPs count (6·N per trained token, 2·N per scored one): the parameters a token
+    multiplies through, the non-embedding ones and the LM head (counted even where it is tied to the
+    embedding, whose lookup costs nothing); attention's own FLOPs (about 2 % at 384 tokens) are left out."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    embedding = m.get_input_embeddings().weight
+    head = m.get_output_embeddings().weight
+    total = sum(p.numel() for p in m.parameters())  # a tied head counted once, as the embedding
+    return total - embedding.numel() + (head.numel() if head is embedding else 0)
+
+
+def add_rates(rows: list[dict], n_params: int, peak: float | None) -> None:
+    """Each reroll step's engine new tokens/s (``tokens/generated`` over ``timing/generate``) and, with a
+    known peak, its training and reference MFU (6·N·``tokens/trained`` over ``timing/train``, 2·N·
+    ``tokens/reference`` over ``timing/reference``; the phase's wall time, optimizer step included)."""
+    for r in rows:
+        m = r.get("metrics", {})
+        if m.get("timing/generate"):
+            r["engine_tok_s"] = m.get("tokens/generated", r["new_tokens"]) / m["timing/generate"]
+        for key, phase, flops in (("train_mfu", "train", 6), ("ref_mfu", "reference", 2)):
+            tokens, seconds = (
+                m.get(f"tokens/{'trained' if phase == 'train' else phase}"),
+                m.get(f"timing/{phase}"),
+            )
+            if peak and tokens and seconds:
+                r[key] = flops * n_params * tokens / seconds / (peak * 1e12)
+
+
+# per-step rates of the reroll rows (add_rates): (key, label, scale, digits)
+RATES = (
+    ("engine_tok_s", "engine tok/s", 1, 0),
+    ("train_mfu", "train MFU %", 100, 1),
+    ("ref_mfu", "ref MFU %", 100, 1),
+)
 
 
 def mean_after(rows: list[dict], key: str, warmup: int, average=statistics.mean) -> float:
-    kept = rows[warmup:] or rows
-    return average(r.get(key, 0.0) for r in kept)
+    """``average`` of ``key`` over the steps after the first ``warmup`` (0 where no step has it)."""
+    kept = [r[key] for r in (rows[warmup:] or rows) if key in r]
+    return average(kept) if kept else 0.0
 
 
 def print_row(name: str, rows: list[dict], warmup: int) -> None:
@@ -327,6 +367,10 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
     for p in PHASES:  # each step's phases: a slow step shows which phase moved
         if any(r.get(p) for r in rows):
             print(f"[{name}]   {p:<12} {[round(r[p], 2) for r in rows]}", flush=True)
+    for key, label, scale, digits in RATES:  # the engine's speed and the trainers' MFU, each step
+        if any(key in r for r in rows):
+            shown = [round(r[key] * scale, digits or None) if key in r else "-" for r in rows]
+            print(f"[{name}]   {label:<12} {shown}", flush=True)
 
     def series(key: str) -> list:
         return [r.get("metrics", {}).get(key) for r in rows]
@@ -407,25 +451,48 @@ def main() -> None:
         help="reroll rows: logging.profile_steps, e.g. '3,4' (tables and traces under each run's profile/)",
     )
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of Qwen2.5's shape")
-    ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument(
+        "--peers",
+        default="trl",
+        help=f"peer rows, run first, each in a process of its own: {', '.join(PEERS)} (e.g. 'trl-vllm,verl'); "
+        "the table's ratios are to the fastest of them",
+    )
+    ap.add_argument("--skip-trl", action="store_true", help="no peer rows (the same as --peers '')")
+    ap.add_argument(
+        "--peer-micro-batch-3b",
+        type=int,
+        default=16,
+        help="the peers' training rows per micro-batch at 3B (with activation checkpointing; TRL fits 16)",
+    )
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the card's peak dense bf16 TFLOP/s for MFU (default: from the card's name, H100 SXM and H200 989)",
+    )
     args = ap.parse_args()
+    peers = [] if args.skip_trl else [p for p in args.peers.split(",") if p]
+    if unknown := [p for p in peers if p not in PEERS]:
+        ap.error(f"unknown peer rows {unknown}; the peers are {', '.join(PEERS)}")
+    peak = peak_tflops(args)
 
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
     sizes = args.sizes.split(",") if args.sizes else ["0.5b"] + (["3b"] if args.model_size == "3b" else [])
     results: dict[str, list[dict]] = {}
+    models: dict[str, Path] = {}
     for size in sizes:
         model, prompts = build_inputs(root, args, size)
         label = "tiny" if args.tiny else size
-        # TRL first: once a reroll row has started Ray, its processes stay up beside the next rows
-        if not args.skip_trl and size == "0.5b":
-            results[f"trl {label}"] = run_trl(root, model, prompts, args)
-            print_row(f"trl {label}", results[f"trl {label}"], args.warmup)
+        models[label] = model
+        # the peers first: once a reroll row has started Ray, its processes stay up beside the next rows
+        for row in peers:
+            results[f"{row} {label}"] = run_peer(root, model, prompts, args, row)
+            print_row(f"{row} {label}", results[f"{row} {label}"], args.warmup)
             save_json(args, results)
-            gc.collect()  # the trainer's model and optimizer: their GPU memory back before Ray's roles start
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-        for mode in args.rows.split(","):
+        n_params = matmul_params(model)
+        for mode in filter(None, args.rows.split(",")):  # --rows "": the peers alone
             results[f"reroll {mode} {label}"] = run_reroll(root, model, prompts, args, mode)
+            add_rates(results[f"reroll {mode} {label}"], n_params, peak)
             print_row(f"reroll {mode} {label}", results[f"reroll {mode} {label}"], args.warmup)
             save_json(args, results)
             if args.device == "cuda":
@@ -445,21 +512,50 @@ def main() -> None:
         print(
             f"{p:<14}" + "".join(f"{mean_after(results[k], p, args.warmup):>{width}.2f}" for k in reroll_rows)
         )
-    trl_row = next((k for k in results if k.startswith("trl")), None)
-    # the median beside the mean: one slow step (TRL's moved 8.0-11.2 s within one run) moves the mean
-    trl = mean_after(results[trl_row], "step", args.warmup) if trl_row else None
-    trl_median = mean_after(results[trl_row], "step", args.warmup, statistics.median) if trl_row else None
+    for key, label, scale, digits in RATES:
+        cells = [mean_after(results[k], key, args.warmup) * scale for k in reroll_rows]
+        print(f"{label:<14}" + "".join(f"{c:>{width}.{digits}f}" if c else f"{'-':>{width}}" for c in cells))
+    if reroll_rows and not peak:
+        print("(MFU: unknown card; give --peak-tflops)")
+    elif reroll_rows:
+        n = ", ".join(f"{label} {matmul_params(m) / 1e6:.1f}M" for label, m in models.items())
+        print(
+            f"(MFU: model FLOPs, 6·N per trained token, 2·N per reference token, N = {n}; peak {peak:.0f} TFLOP/s)"
+        )
+    print_ratios(results, args.warmup)
+    save_json(args, results)
+
+
+def print_ratios(results: dict[str, list[dict]], warmup: int) -> None:
+    """Every row's step against the fastest peer row of its model: of the means, and of the medians (one
+    slow step moves a mean of five; TRL's moved 8.0-11.2 s within one run), each peer named."""
+    width = max(20, *(len(k) + 2 for k in results))
+    fastest: dict[str, tuple[str, float, str, float]] = {}  # size: (by mean, its mean, by median, its median)
+    for size in {k.split()[-1] for k in results}:
+        peers = [k for k, rows in results.items() if k.split()[0] in PEERS and k.split()[-1] == size and rows]
+        if peers:
+            means = {k: mean_after(results[k], "step", warmup) for k in peers}
+            medians = {k: mean_after(results[k], "step", warmup, statistics.median) for k in peers}
+            by_mean, by_median = min(means, key=means.get), min(medians, key=medians.get)
+            fastest[size] = (by_mean, means[by_mean], by_median, medians[by_median])
+            print(
+                f"\nfastest peer at {size}: {by_mean} by mean ({means[by_mean]:.2f} s), {by_median} by median "
+                f"({medians[by_median]:.2f} s), of {', '.join(peers)}"
+            )
     print(
-        f"\n{'row':<{width}}{'s/step':>10}{'median':>10}{'new tokens':>12}{'tokens/s':>10}{'/ TRL':>8}"
-        f"{'median / TRL median':>22}"
+        f"\n{'row':<{width}}{'s/step':>10}{'median':>10}{'new tokens':>12}{'tokens/s':>10}{'/ peer':>8}"
+        f"{'median / peer median':>22}"
     )
     for name, rows in results.items():
-        step, toks = mean_after(rows, "step", args.warmup), mean_after(rows, "new_tokens", args.warmup)
-        median = mean_after(rows, "step", args.warmup, statistics.median)
-        same_model = trl_row is not None and name.split()[-1] == trl_row.split()[-1]
-        ratio = f"{step / trl:>8.2f}{median / trl_median:>22.2f}" if trl and same_model else ""
-        print(f"{name:<{width}}{step:>10.2f}{median:>10.2f}{toks:>12.0f}{toks / step:>10.0f}{ratio}")
-    save_json(args, results)
+        if not rows:
+            print(f"{name:<{width}}  failed: see its log above")
+            continue
+        step, toks = mean_after(rows, "step", warmup), mean_after(rows, "new_tokens", warmup)
+        median = mean_after(rows, "step", warmup, statistics.median)
+        peer = fastest.get(name.split()[-1])
+        ratio = f"{step / peer[1]:>8.2f}{median / peer[3]:>22.2f}" if peer and step else ""
+        rate = toks / step if step else 0.0
+        print(f"{name:<{width}}{step:>10.2f}{median:>10.2f}{toks:>12.0f}{rate:>10.0f}{ratio}")
 
 
 def save_json(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:

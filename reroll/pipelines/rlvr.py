@@ -115,6 +115,7 @@ class RLVR(Pipeline):
         return (
             metrics
             | _rollout_metrics(rollouts, results, batch)
+            | _token_metrics(cfg, batch, kept)
             | routing.domain_metrics(domains, results, per_domain=bool(cfg.reward.domains))
             | {k: float(v) for k, v in adv.metrics.items()}
             | source_metrics
@@ -196,6 +197,23 @@ def _needs_old_logprobs(cfg: RunConfig) -> bool:
     alg = cfg.algorithm
     on_policy = cfg.optim.ppo_epochs == 1 and cfg.optim.mini_batches == 1
     return not on_policy or (alg.kl_in == "reward" and alg.kl_coef > 0)
+
+
+def _token_metrics(cfg: RunConfig, batch: TrainBatch, kept: TrainBatch) -> dict[str, float]:
+    """The step's token counts, for throughput and model-FLOPs utilisation: ``tokens/generated`` (the
+    engine's new tokens), ``tokens/reference`` and ``tokens/old_logprobs`` (prompt and response tokens
+    through each forward-only pass that ran) and ``tokens/trained`` (through actor_train's forward and
+    backward passes: the rows the advantages kept, once per PPO epoch). Padding is not counted."""
+    scored = float(batch.attention_mask.sum())
+    out = {
+        "tokens/generated": float(batch.response_mask.sum()),
+        "tokens/trained": float(kept.attention_mask.sum()) * cfg.optim.ppo_epochs,
+    }
+    if cfg.needs_reference:
+        out["tokens/reference"] = scored
+    if _needs_old_logprobs(cfg):
+        out["tokens/old_logprobs"] = scored
+    return out
 
 
 def _rollout_metrics(
