@@ -76,7 +76,9 @@ def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "
     if m.context_parallel > 1:
         problems.append(
             f"strategy.megatron.context_parallel={m.context_parallel}: context parallelism is not yet "
-            "supported by reroll's megatron strategy (it needs Transformer Engine); set it to 1"
+            "supported by reroll's megatron strategy (Megatron-Core runs it in Transformer Engine's attention "
+            "only; its local attention asserts context_parallel_size 1); set it to 1, or use fsdp2 with "
+            "strategy.context_parallel"
         )
     model_parallel = m.tensor_parallel * m.pipeline_parallel * m.context_parallel
     if world_size % model_parallel:
