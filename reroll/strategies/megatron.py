@@ -1,8 +1,13 @@
-"""The Megatron-Core strategy: a ``GPTModel`` split by tensor parallelism, gradients summed over data parallelism.
+"""The Megatron-Core strategy: a ``GPTModel`` split by tensor parallelism, a mixture of experts' experts
+spread by expert parallelism, gradients summed over data parallelism.
 
 The role's ``world_size`` ranks are ``tensor_parallel x data_parallel`` (pipeline and context parallel
-sizes must be 1 for now). Weights come from the Hugging Face checkpoint through
-``reroll.models.megatron_convert`` and go back in Hugging Face names for weight sync and export.
+sizes must be 1 for now: not built). A Qwen3-MoE (at tensor_parallel 1) spreads its experts over groups of
+``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
+to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
+logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face
+checkpoint through ``reroll.models.megatron_convert`` and go back in Hugging Face names for weight sync
+and export (experts gathered over the EP ranks).
 
 The role splits a batch by rows across *all* its ranks, as for the other strategies. Tensor
 parallelism needs the same rows on the ranks of one TP group, so ``logits`` gathers the group's rows,
