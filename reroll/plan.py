@@ -120,7 +120,9 @@ def _shards(cfg: RunConfig, world: int, shape: Shape) -> tuple[float, float, flo
         frac = shape.expert_params / shape.params if shape.params else 0.0
         eff = model_par / (1 - frac + frac / m.expert_parallel)
         dp = max(world // (model_par * m.context_parallel), 1)
-        return eff, eff, eff * (dp if m.distributed_optimizer else 1)
+        # the distributed optimizer shards a dense weight's state over the dp ranks, an expert's over the
+        # dp / expert_parallel ranks that hold the same experts: every weight's state over tp x pp x dp
+        return eff, eff, (model_par * dp if m.distributed_optimizer else eff)
     return 1, world, 1  # torch: full copy; gradients reduced in place
 
 

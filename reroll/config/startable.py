@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
     from reroll.config.training import MegatronConfig
 
-# Model types the Megatron strategy converts (reroll.models.megatron_convert); MoE models are not among them.
-MEGATRON_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+# Model types the Megatron strategy converts (reroll.models.megatron_convert).
+MEGATRON_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")
 # Hugging Face model types of the known families by name prefix, for hub ids that are not on disk.
 KNOWN_MODEL_TYPES = {
     "qwen2.5-vl-": "qwen2_5_vl",
@@ -76,12 +76,9 @@ def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "
     if m.context_parallel > 1:
         problems.append(
             f"strategy.megatron.context_parallel={m.context_parallel}: context parallelism is not yet "
-            "supported by reroll's megatron strategy (it needs Transformer Engine); set it to 1"
-        )
-    if m.expert_parallel > 1:
-        problems.append(
-            f"strategy.megatron.expert_parallel={m.expert_parallel}: the megatron strategy converts dense "
-            "models only (no experts); set it to 1"
+            "supported by reroll's megatron strategy (Megatron-Core runs it in Transformer Engine's attention "
+            "only; its local attention asserts context_parallel_size 1); set it to 1, or use fsdp2 with "
+            "strategy.context_parallel"
         )
     model_parallel = m.tensor_parallel * m.pipeline_parallel * m.context_parallel
     if world_size % model_parallel:
@@ -89,6 +86,39 @@ def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "
             f"the role's world_size ({world_size}) must be divisible by strategy.megatron tensor_parallel "
             f"({m.tensor_parallel}) x pipeline_parallel ({m.pipeline_parallel}) x context_parallel "
             f"({m.context_parallel}) = {model_parallel}: change roles.{role}.world_size or the parallel sizes"
+        )
+    elif (world_size // model_parallel) % m.expert_parallel:  # EP groups lie within the data-parallel ranks
+        problems.append(
+            f"strategy.megatron.expert_parallel ({m.expert_parallel}) must divide the data-parallel size "
+            f"(roles.{role}.world_size {world_size} / (tensor_parallel x pipeline_parallel x "
+            f"context_parallel) = {world_size // model_parallel}): change expert_parallel or the world_size"
+        )
+    return problems
+
+
+def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
+    """What the Megatron strategy cannot do with the model of config ``c`` under ``m``'s sizes: expert
+    parallelism needs experts, and a mixture of experts trains with tensor_parallel 1 for now (its router
+    loss is taken per rank's rows; under TP the ranks of a group route the group's rows together)."""
+    kind = getattr(c, "model_type", None)
+    moe = kind == "qwen3_moe"
+    experts = int(getattr(c, "num_experts", 0) or 0) if moe else 0  # 0 also where only the name is known
+    problems = []
+    if m.expert_parallel > 1 and kind in MEGATRON_MODEL_TYPES and not moe:
+        problems.append(
+            f"strategy.megatron.expert_parallel={m.expert_parallel} needs a mixture-of-experts model; "
+            f"model.path is a dense {c.model_type!r} model: set expert_parallel to 1"
+        )
+    if experts and experts % m.expert_parallel:
+        problems.append(
+            f"strategy.megatron.expert_parallel ({m.expert_parallel}) must divide the model's num_experts "
+            f"({experts}): pick an expert_parallel that does"
+        )
+    if moe and m.tensor_parallel > 1:
+        problems.append(
+            f"strategy.megatron.tensor_parallel={m.tensor_parallel} with a mixture-of-experts model is not "
+            "yet supported (the router's load-balancing loss is built per rank's rows, and a TP group routes "
+            "its rows together): set tensor_parallel to 1 and spread the experts with expert_parallel"
         )
     return problems
 
@@ -188,10 +218,9 @@ def megatron_model_problem(found: str | None) -> str | None:
     """Why the Megatron strategy cannot convert a model of type ``found`` (None: it can, or unknown)."""
     if found is None or found in MEGATRON_MODEL_TYPES:
         return None
-    moe = " (mixture-of-experts conversion is not built)" if "moe" in found else ""
     return (
         f"strategy.name=megatron converts {', '.join(MEGATRON_MODEL_TYPES)} models; model.path is a "
-        f"{found!r} model{moe}: use strategy.name=fsdp2 for it"
+        f"{found!r} model: use strategy.name=fsdp2 for it"
     )
 
 
@@ -205,6 +234,14 @@ def megatron_model_problems(c: Any) -> list[str]:
     if why is not None:
         return [why]
     problems = []
+    if c.model_type == "qwen3_moe" and (
+        getattr(c, "mlp_only_layers", None) or getattr(c, "decoder_sparse_step", 1) != 1
+    ):
+        problems.append(
+            "strategy.name=megatron converts Qwen3-MoE models whose every layer is sparse "
+            f"(decoder_sparse_step 1, no mlp_only_layers); this one has decoder_sparse_step "
+            f"{getattr(c, 'decoder_sparse_step', 1)}, mlp_only_layers {getattr(c, 'mlp_only_layers', None)}"
+        )
     if getattr(c, "use_sliding_window", False):
         problems.append(
             "strategy.name=megatron does not support sliding-window attention (use_sliding_window)"
@@ -322,7 +359,11 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
             if devices[role] == "cpu":
                 problems.append((f"roles.{role}", MEGATRON_NEEDS_GPUS.replace("<role>", role)))
         problems += megatron_option_problems(cfg, "value" if "critic" in megatron else "causal_lm")
-        problems += [("model.path", m) for m in megatron_model_problems(_model_config(cfg.model.path))]
+        model_config = _model_config(cfg.model.path)
+        problems += [("model.path", m) for m in megatron_model_problems(model_config)]
+        problems += [
+            ("strategy.megatron", m) for m in megatron_moe_problems(model_config, cfg.strategy.megatron)
+        ]
     if any(s == "deepspeed" for s in strategies.values()):
         problems += deepspeed_problems(cfg)
     problems += context_parallel_problems(cfg, strategies)

@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron-Core ``GPTModel`` weights for Qwen2/Qwen2.5, Qwen3 and Llama: pure functions.
+"""Hugging Face <-> Megatron-Core ``GPTModel`` weights for Qwen2/Qwen2.5, Qwen3, Qwen3-MoE and Llama: pure
+functions.
 
 Megatron-Core's layout, per decoder layer ``i`` (``decoder.layers.{i}.``):
 
@@ -14,14 +15,23 @@ Megatron-Core's layout, per decoder layer ``i`` (``decoder.layers.{i}.``):
 - Tied embeddings have no ``output_layer.weight``; the vocabulary may be padded to a multiple of the
   tensor-parallel size (padding rows are zero, and are dropped on the way back).
 
+- Qwen3-MoE's layers (``qwen3_moe``, every layer sparse): the router ``mlp.gate`` is ``mlp.router``;
+  expert ``e``'s slices of transformers' fused ``mlp.experts.gate_up_proj`` ``(E, 2I, H)`` (gate rows,
+  then up) and ``down_proj`` ``(E, H, I)`` are ``mlp.experts.local_experts.{e}.linear_fc1`` and
+  ``linear_fc2`` (Megatron-Core's ``SequentialMLP``; the local spec without grouped GEMM).
+
 Tensor parallelism splits column-parallel weights (qkv, fc1, embedding, output layer) along dim 0 and
 row-parallel ones (``linear_proj``, ``linear_fc2``) along dim 1; ``linear_fc1`` is split as gate and
-up separately, so rank ``r`` holds ``[gate_r; up_r]``. ``shard``/``merge`` do that for rank ``r`` of ``t``.
+up separately, so rank ``r`` holds ``[gate_r; up_r]``. ``shard``/``merge`` do that for rank ``r`` of ``t``
+(experts' linear layers split as the dense MLP's; the router is replicated). Expert parallelism gives
+rank ``r`` of ``ep`` the experts ``r*E/ep .. (r+1)*E/ep - 1``, numbered from 0 on that rank
+(``shard_experts``/``merge_experts``).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +65,10 @@ class GPTShape:
     rope_theta: float
     llama3_rope_factor: float | None
     max_positions: int
+    num_experts: int = 0  # 0: a dense model
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = False
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary rounded up to a multiple of ``tp`` (Megatron splits it evenly across TP ranks)."""
@@ -83,11 +97,21 @@ def gpt_shape(hf_config: Any) -> GPTShape:
         vocab_size=c.vocab_size,
         tied=bool(c.tie_word_embeddings),
         qkv_bias=c.model_type == "qwen2",
-        qk_norm=c.model_type == "qwen3",
+        qk_norm=c.model_type in ("qwen3", "qwen3_moe"),
         eps=float(c.rms_norm_eps),
         rope_theta=float(theta),
         llama3_rope_factor=factor,
         max_positions=c.max_position_embeddings,
+        **(
+            {
+                "num_experts": int(c.num_experts),
+                "moe_top_k": int(c.num_experts_per_tok),
+                "moe_ffn_hidden_size": int(c.moe_intermediate_size),
+                "norm_topk_prob": bool(c.norm_topk_prob),
+            }
+            if c.model_type == "qwen3_moe"
+            else {}
+        ),
     )
 
 
@@ -147,6 +171,13 @@ def hf_to_megatron(
             out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
             out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
         out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
+        if s.num_experts:
+            out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
+            gate_up, down = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.down_proj"]
+            for e in range(s.num_experts):
+                out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
+                out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+            continue
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]
         )
@@ -182,6 +213,16 @@ def megatron_to_hf(
             out[a + "q_norm.weight"] = mc[m + "self_attention.q_layernorm.weight"]
             out[a + "k_norm.weight"] = mc[m + "self_attention.k_layernorm.weight"]
         out[a + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
+        if s.num_experts:
+            out[h + "mlp.gate.weight"] = mc[m + "mlp.router.weight"]
+            e = m + "mlp.experts.local_experts.{}."
+            out[h + "mlp.experts.gate_up_proj"] = torch.stack(
+                [mc[e.format(i) + "linear_fc1.weight"] for i in range(s.num_experts)]
+            )
+            out[h + "mlp.experts.down_proj"] = torch.stack(
+                [mc[e.format(i) + "linear_fc2.weight"] for i in range(s.num_experts)]
+            )
+            continue
         gate, up = mc[m + "mlp.linear_fc1.weight"].chunk(2)
         out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
         out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
@@ -204,7 +245,7 @@ def tp_split_dim(name: str) -> int | None:
 
 def _check_tp(s: GPTShape, tp: int) -> None:
     for what, n in (("num_attention_heads", s.num_heads), ("num_key_value_heads", s.num_kv_heads),
-                    ("intermediate_size", s.ffn_hidden_size)):  # fmt: skip
+                    ("intermediate_size", s.ffn_hidden_size), ("moe_intermediate_size", s.moe_ffn_hidden_size)):  # fmt: skip
         if n % tp:
             raise UserError(
                 f"strategy.megatron.tensor_parallel ({tp}) must divide the model's {what} ({n}): "
@@ -245,7 +286,53 @@ def merge(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return out
 
 
-def transformer_config(s: GPTShape, **parallel: Any) -> TransformerConfig:
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def is_expert(name: str) -> bool:
+    """Whether a Megatron-Core parameter belongs to one expert (split by expert parallelism)."""
+    return _EXPERT.match(name) is not None
+
+
+def shard_experts(mc: dict[str, torch.Tensor], s: GPTShape, rank: int, ep: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s share at expert-parallel size ``ep``: every weight but the experts, and experts
+    ``rank*E/ep .. (rank+1)*E/ep - 1`` renumbered from 0 (Megatron-Core's local expert numbering)."""
+    if ep == 1:
+        return dict(mc)
+    if not s.num_experts or s.num_experts % ep:
+        raise UserError(
+            f"strategy.megatron.expert_parallel ({ep}) must divide the model's num_experts "
+            f"({s.num_experts}): pick an expert_parallel that does"
+        )
+    per_rank = s.num_experts // ep
+    out = {}
+    for name, w in mc.items():
+        match = _EXPERT.match(name)
+        if match is None:
+            out[name] = w
+            continue
+        local = int(match[2]) - rank * per_rank
+        if 0 <= local < per_rank:
+            out[f"{match[1]}{local}{match[3]}"] = w
+    return out
+
+
+def merge_experts(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The inverse of ``shard_experts``: ranks 0..ep-1's state dicts -> one with every expert (the
+    non-expert weights taken from rank 0)."""
+    per_rank = 1 + max((int(m[2]) for m in map(_EXPERT.match, shards[0]) if m), default=-1)
+    out = {}
+    for rank, sd in enumerate(shards):
+        for name, w in sd.items():
+            match = _EXPERT.match(name)
+            if match is not None:
+                out[f"{match[1]}{rank * per_rank + int(match[2])}{match[3]}"] = w
+            elif rank == 0:
+                out[name] = w
+    return out
+
+
+def transformer_config(s: GPTShape, ep: int = 1, **parallel: Any) -> TransformerConfig:
     """A Megatron-Core ``TransformerConfig`` for ``s``; ``parallel`` adds fields such as
     ``tensor_model_parallel_size``, ``params_dtype``, ``bf16`` or ``use_cpu_initialization``.
 
@@ -277,8 +364,28 @@ def transformer_config(s: GPTShape, **parallel: Any) -> TransformerConfig:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        **parallel,
+        **((moe_config(s, ep) if s.num_experts else {}) | parallel),
     )
+
+
+def moe_config(s: GPTShape, ep: int = 1) -> dict[str, Any]:
+    """``TransformerConfig`` fields of a Qwen3-MoE shape: every layer sparse, dropless top-k routing
+    (``norm_topk_prob``: the top k logits' softmax, which renormalises the chosen probabilities; else the
+    softmax over all experts before the top k), ``SequentialMLP`` experts (no grouped GEMM, so no
+    Transformer Engine or grouped_gemm package); tokens reach the experts of other EP ranks by
+    all-to-all, and by the all-gather dispatcher at ``ep`` 1 (which also runs on CPU). Megatron's own
+    load-balancing loss is off: the trainer adds reroll's (``reroll.algorithms.router``), the same term
+    the other strategies train with, from the router logits ``MegatronRouters`` records."""
+    return {
+        "num_moe_experts": s.num_experts,
+        "moe_router_topk": s.moe_top_k,
+        "moe_ffn_hidden_size": s.moe_ffn_hidden_size,
+        "moe_router_pre_softmax": not s.norm_topk_prob,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_grouped_gemm": False,
+        "moe_token_dispatcher_type": "alltoall" if ep > 1 else "allgather",
+    }
 
 
 def gpt_model_kwargs(s: GPTShape, tp: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from reroll.runtime.weight_sync import (
     split_into_buckets,
 )
 from reroll.strategies.context_parallel import data_shards, group_leaders
+
+if TYPE_CHECKING:
+    from reroll.strategies.megatron_moe import MegatronRouters
 from reroll.strategies.lora import AdapterUpdate, payload_bytes
 
 
@@ -61,9 +64,13 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         return {n for n, p in self.strategy.model.named_parameters() if not p.requires_grad}
 
     @functools.cached_property
-    def routers(self) -> Routers | None:
-        """A mixture of experts' routers (None for a dense model, or a rank that does not train)."""
-        return Routers.of(self.strategy.model) if self._trainable else None
+    def routers(self) -> Routers | MegatronRouters | None:
+        """A mixture of experts' routers (None for a dense model, or a rank that does not train): the
+        strategy's own where its model is not a transformers one (``moe_routers``: Megatron-Core)."""
+        if not self._trainable:
+            return None
+        own = getattr(self.strategy, "moe_routers", None)
+        return own if own is not None else Routers.of(self.strategy.model)
 
     def compute_logprobs(self, batch: TrainBatch, base_model: bool = False) -> torch.Tensor:
         """``(B, T)`` log-probs of ``batch.input_ids`` at the sampling temperature on the response tokens

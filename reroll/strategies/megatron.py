@@ -1,8 +1,13 @@
-"""The Megatron-Core strategy: a ``GPTModel`` split by tensor parallelism, gradients summed over data parallelism.
+"""The Megatron-Core strategy: a ``GPTModel`` split by tensor parallelism, a mixture of experts' experts
+spread by expert parallelism, gradients summed over data parallelism.
 
 The role's ``world_size`` ranks are ``tensor_parallel x data_parallel`` (pipeline and context parallel
-sizes must be 1 for now). Weights come from the Hugging Face checkpoint through
-``reroll.models.megatron_convert`` and go back in Hugging Face names for weight sync and export.
+sizes must be 1 for now: not built). A Qwen3-MoE (at tensor_parallel 1) spreads its experts over groups of
+``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
+to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
+logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face
+checkpoint through ``reroll.models.megatron_convert`` and go back in Hugging Face names for weight sync
+and export (experts gathered over the EP ranks).
 
 The role splits a batch by rows across *all* its ranks, as for the other strategies. Tensor
 parallelism needs the same rows on the ranks of one TP group, so ``logits`` gathers the group's rows,
@@ -32,6 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from reroll.config.startable import (
     MEGATRON_NEEDS_GPUS,
+    megatron_moe_problems,
     megatron_option_problems,
     megatron_parallel_problems,
 )
@@ -39,6 +45,11 @@ from reroll.errors import UserError
 from reroll.models import megatron_convert as mc
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
+from reroll.strategies.megatron_moe import (
+    MegatronRouters,
+    allow_routers_without_transformer_engine,
+    gather_experts,
+)
 from reroll.strategies.training import HostParking, warmup_factor
 
 if TYPE_CHECKING:
@@ -135,14 +146,18 @@ class MegatronStrategy:
         _check_device(self.device)
         self.mcfg = cfg.strategy.megatron
         self.dp = check_parallel_sizes(world_size, self.mcfg)
-        self.tp = self.mcfg.tensor_parallel
+        self.tp, self.ep = self.mcfg.tensor_parallel, self.mcfg.expert_parallel
         self.model_path, self.dtype, self.seed = model_path, cfg.model.dtype, cfg.seed
         self.trainable, self.rank, self.world_size = trainable, rank, world_size
         self.recompute = cfg.model.gradient_checkpointing and trainable
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.shape = mc.gpt_shape(self.hf_config)
+        moe_problems = megatron_moe_problems(self.hf_config, self.mcfg)
+        if moe_problems:
+            raise UserError("; ".join(moe_problems))
         self.te = use_transformer_engine(self.mcfg.transformer_engine)
         self.module: torch.nn.Module | None = None  # the GPTModel
+        self.moe_routers: MegatronRouters | None = None  # a trainable mixture of experts' routers
         self.model: torch.nn.Module | None = None  # what forward runs: DDP-wrapped when trainable
         self.optimizer = None
         self._restore: list[Callable[[], None]] = []  # what reload runs after offload
@@ -179,10 +194,17 @@ class MegatronStrategy:
                 f"megatron role has world_size {self.world_size}: give roles sharing a process one size"
             )
         if ps.model_parallel_is_initialized():
-            if ps.get_tensor_model_parallel_world_size() != self.tp:
-                raise UserError("roles sharing a process must use the same strategy.megatron.tensor_parallel")
+            if (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()) != (
+                self.tp,
+                self.ep,
+            ):
+                raise UserError(
+                    "roles sharing a process must use the same strategy.megatron tensor_parallel and "
+                    "expert_parallel"
+                )
             return
-        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        # expert parallelism: groups of `ep` of the data-parallel ranks hold different experts
+        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, expert_model_parallel_size=self.ep)
         tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
 
     def _build(self, init_method: str | None) -> None:
@@ -196,15 +218,25 @@ class MegatronStrategy:
         self._init_groups(init_method)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.ep_group = ps.get_expert_model_parallel_group() if self.ep > 1 else None
+        self.ep_rank = ps.get_expert_model_parallel_rank()
         dtype = DTYPES[self.dtype]
-        recompute = (
-            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-            if self.recompute
-            else {}
-        )
+        recompute = {}
+        if self.recompute and self.shape.num_experts:
+            # a full-layer recompute runs the router under no_grad, and its load-balancing loss would
+            # reach no weight: a mixture of experts recomputes attention only
+            recompute = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+        elif self.recompute:
+            recompute = {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            }
         config = mc.transformer_config(
             self.shape,
+            ep=self.ep,
             tensor_model_parallel_size=self.tp,
+            expert_model_parallel_size=self.ep,
             sequence_parallel=self.mcfg.sequence_parallel and self.tp > 1,
             params_dtype=dtype,
             bf16=dtype == torch.bfloat16,
@@ -214,8 +246,15 @@ class MegatronStrategy:
             # next), it marks the TP-split parameters, which the gradient norm needs
             **recompute,
         )
+        if self.shape.num_experts:
+            allow_routers_without_transformer_engine()
         spec_fn = get_gpt_layer_with_transformer_engine_spec if self.te else get_gpt_layer_local_spec
-        spec = spec_fn(qk_layernorm=self.shape.qk_norm, **({} if self.te else {"normalization": "RMSNorm"}))
+        spec = spec_fn(
+            num_experts=self.shape.num_experts or None,
+            moe_grouped_gemm=False,
+            qk_layernorm=self.shape.qk_norm,
+            **({} if self.te else {"normalization": "RMSNorm"}),
+        )
         self.module = GPTModel(
             config, spec, parallel_output=False, **mc.gpt_model_kwargs(self.shape, self.tp)
         )
@@ -224,6 +263,8 @@ class MegatronStrategy:
         self.module.to(device=self.device, dtype=dtype)
         self._load_hf(self.model_path)
         self.module.requires_grad_(self.trainable)
+        if self.shape.num_experts and self.trainable:
+            self.moe_routers = MegatronRouters(self.module, self.shape, self.hf_config)
         self.module.train(self.trainable)
         self.model = self.module
         if self.trainable:
@@ -234,7 +275,8 @@ class MegatronStrategy:
             )
             self.model = DistributedDataParallel(config=config, ddp_config=ddp, module=self.module)
         log.info(
-            "megatron: %s layers, TP %d x DP %d, %s spec, rank %d", self.shape.num_layers, self.tp, self.dp,
+            "megatron: %s layers, TP %d x DP %d (EP %d), %s spec, rank %d", self.shape.num_layers, self.tp,
+            self.dp, self.ep,
             "transformer_engine" if self.te else "local", self.rank,
         )  # fmt: skip
 
@@ -244,7 +286,9 @@ class MegatronStrategy:
         full = mc.hf_to_megatron(
             hf, self.shape, fused_norms=self.te, padded_vocab=self.shape.padded_vocab(self.tp)
         )
-        ours = mc.shard(full, self.shape, self.tp_rank, self.tp)
+        ours = mc.shard(
+            mc.shard_experts(full, self.shape, self.ep_rank, self.ep), self.shape, self.tp_rank, self.tp
+        )
         with torch.no_grad():
             result = self.module.load_state_dict(ours, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
@@ -319,6 +363,8 @@ class MegatronStrategy:
                 torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device), 1
             )
             causal = causal[None, None]
+        if self.moe_routers is not None:
+            self.moe_routers.start_forward(torch.nn.functional.pad(mask, (0, ids.shape[1] - mask.shape[1])))
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         out = model(ids, positions, causal)[:, :t, : self.shape.vocab_size]
         if self.tp > 1:
@@ -361,9 +407,11 @@ class MegatronStrategy:
     # -- weights out and in ----------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every weight, gathered over the TP ranks, on CPU, in Hugging Face names (all ranks must call)."""
+        """Every weight, gathered over the TP ranks and (experts) the EP ranks, on CPU, in Hugging Face
+        names (all ranks must call)."""
         self._require()
         local = {k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
+        local = gather_experts(local, self.ep, self.ep_group)  # experts on CPU (MoE runs at TP 1)
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
         for name, w in local.items():
             if self.tp == 1 or mc.tp_split_dim(name) is None:
@@ -383,10 +431,16 @@ class MegatronStrategy:
         if self.rank == 0:
             self._export_hf(weights, directory / "model")
         if with_optimizer and self.optimizer is not None:
-            inner = self.optimizer.optimizer  # torch Adam over this rank's fp32 main params (shards)
-            main = [p.detach().cpu() for g in inner.param_groups for p in g["params"]]
-            state = {"optimizer": inner.state_dict(), "main_params": main, "steps": self.steps}
+            # torch Adam over this rank's fp32 main params (shards); a mixture of experts chains two
+            inners = self._inner_optimizers()
+            main = [[p.detach().cpu() for g in o.param_groups for p in g["params"]] for o in inners]
+            state = {"optimizers": [o.state_dict() for o in inners], "main_params": main, "steps": self.steps}
             torch.save(state, directory / f"optimizer_rank{self.rank}.pt")
+
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers inside Megatron's (one per chained optimizer: dense and experts' params)."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [o.optimizer for o in chained if o is not None and o.optimizer is not None]
 
     def _export_hf(self, weights: dict[str, torch.Tensor], out: Path) -> None:
         with torch.device("meta"):
@@ -409,12 +463,17 @@ class MegatronStrategy:
         path = directory / f"optimizer_rank{self.rank}.pt"
         if path.exists():
             state = torch.load(path, map_location="cpu", weights_only=False)
-            inner = self.optimizer.optimizer
-            params = [p for g in inner.param_groups for p in g["params"]]
-            with torch.no_grad():
-                for p, saved in zip(params, state["main_params"], strict=True):
-                    p.copy_(saved)
-            inner.load_state_dict(state["optimizer"])
+            inners = self._inner_optimizers()
+            if "optimizer" in state:  # written before mixtures of experts: one optimizer
+                state["optimizers"], state["main_params"] = [state["optimizer"]], [state["main_params"]]
+            for inner, main, saved_state in zip(
+                inners, state["main_params"], state["optimizers"], strict=True
+            ):
+                params = [p for g in inner.param_groups for p in g["params"]]
+                with torch.no_grad():
+                    for p, saved in zip(params, main, strict=True):
+                        p.copy_(saved)
+                inner.load_state_dict(saved_state)
             self.steps = state["steps"]
 
     # -- colocation ------------------------------------------------------------------------------
@@ -429,7 +488,10 @@ class MegatronStrategy:
         self._require()
         if self._restore:
             return  # already offloaded
-        buffers = list(self.model.buffers) if self.trainable else []  # DDP's contiguous param/grad buffers
+        # DDP's contiguous param/grad buffers (experts' apart: reduced over the expert-data-parallel ranks)
+        buffers = (
+            list(self.model.buffers) + list(self.model.expert_parallel_buffers) if self.trainable else []
+        )
         views = {
             t.untyped_storage().data_ptr()
             for b in buffers

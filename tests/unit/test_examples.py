@@ -96,9 +96,11 @@ def test_only_the_235b_example_is_refused():
     assert refused == {"qwen3-235b-a22b-rlvr_megatron"}
 
 
-def test_a_local_moe_config_is_refused_for_megatron_by_both(tmp_path):
+def test_a_local_moe_config_is_checked_for_megatron_by_both(tmp_path):
     """model.path a local directory: validate and plan read its config.json (plan's shape on the meta
-    device, the model type for the Megatron check) and refuse a mixture-of-experts model the same way."""
+    device, the model type for the Megatron check). A mixture of experts converts now; at the example's
+    tensor_parallel 2 both refuse it (not built for MoE yet), at tensor_parallel 1 with experts spread by
+    expert_parallel 2 neither does."""
     from transformers import Qwen3MoeConfig
 
     model = tmp_path / "moe"
@@ -118,12 +120,17 @@ def test_a_local_moe_config_is_refused_for_megatron_by_both(tmp_path):
     path = ROOT / "examples" / "qwen3-8b-rlvr_megatron" / "config.yaml"
     problems, report, fits = _validate_and_plan(path, tmp_path, f"model.path={model}")
     assert not fits
-    refused = [p for p in problems if p.startswith("model.path")]
+    refused = [p for p in problems if p.startswith("strategy.megatron")]
     assert refused == [
-        "model.path: strategy.name=megatron converts qwen2, qwen3, llama models; model.path is a 'qwen3_moe' "
-        "model (mixture-of-experts conversion is not built): use strategy.name=fsdp2 for it"
+        "strategy.megatron: strategy.megatron.tensor_parallel=2 with a mixture-of-experts model is not yet "
+        "supported (the router's load-balancing loss is built per rank's rows, and a TP group routes its rows "
+        "together): set tensor_parallel to 1 and spread the experts with expert_parallel"
     ]
     assert refused[0] in report and "B parameters" in report
+    ep = ["strategy.megatron.tensor_parallel=1", "strategy.megatron.expert_parallel=2"]
+    problems, report, _ = _validate_and_plan(path, tmp_path, f"model.path={model}", *ep)
+    assert not [p for p in problems if p.startswith(("strategy.megatron", "model.path"))], problems
+    assert "strategy.megatron" not in report
 
 
 def test_start_refuses_what_validate_refuses(tmp_path):

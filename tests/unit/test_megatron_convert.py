@@ -174,3 +174,119 @@ def test_converted_weights_load_strictly_and_give_hf_logits(name, megatron_one_r
         ours = gpt(ids, torch.arange(10).expand(2, 10), causal)
         theirs = model(input_ids=ids).logits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)  # measured: <= 2e-7
+
+
+def _moe(experts: int = 4, norm_topk_prob: bool = True, tied: bool = False):
+    """A tiny Qwen3-MoE (every layer sparse, top-2) with weights away from their init."""
+    from transformers import Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=37, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=experts, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+        max_position_embeddings=64, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return model, mc.gpt_shape(config)
+
+
+def test_moe_round_trip_is_exact_and_names_each_expert():
+    model, s = _moe()
+    assert (s.num_experts, s.moe_top_k, s.moe_ffn_hidden_size, s.qk_norm) == (4, 2, 16, True)
+    hf = model.state_dict()
+    megatron = mc.hf_to_megatron(hf, s)
+    p = "decoder.layers.1.mlp."
+    assert torch.equal(megatron[p + "router.weight"], hf["model.layers.1.mlp.gate.weight"])
+    gate_up = hf["model.layers.1.mlp.experts.gate_up_proj"]  # (E, 2I, H): gate rows, then up
+    assert megatron[p + "experts.local_experts.3.linear_fc1.weight"].shape == (32, 32)
+    assert torch.equal(megatron[p + "experts.local_experts.3.linear_fc1.weight"], gate_up[3])
+    assert torch.equal(
+        megatron[p + "experts.local_experts.2.linear_fc2.weight"],
+        hf["model.layers.1.mlp.experts.down_proj"][2],
+    )
+    assert not any("linear_fc1" in k and "experts" not in k for k in megatron)  # no dense MLP
+    back = mc.megatron_to_hf(megatron, s)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], v) for k, v in hf.items())
+
+
+@pytest.mark.parametrize(("ep", "tp"), [(2, 1), (4, 1), (2, 2)])
+def test_moe_expert_and_tensor_shards_merge_back_exactly(ep, tp):
+    """EP rank r holds experts r*E/ep.. numbered from 0; TP splits each expert as the dense MLP; merging
+    the TP shards, then the EP shards, gives the unsharded dict back."""
+    model, s = _moe()
+    full = mc.hf_to_megatron(model.state_dict(), s, padded_vocab=s.padded_vocab(tp))
+    per_ep = [mc.shard_experts(full, s, r, ep) for r in range(ep)]
+    expert = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
+    for r, part in enumerate(per_ep):
+        assert {k for k in part if "local_experts" in k and k.startswith("decoder.layers.0.")} == {
+            f"decoder.layers.0.mlp.experts.local_experts.{i}.linear_fc{n}.weight"
+            for i in range(4 // ep)
+            for n in (1, 2)
+        }
+        assert torch.equal(part[expert.format(0)], full[expert.format(r * 4 // ep)])
+    tp_shards = [[mc.shard(part, s, t, tp) for t in range(tp)] for part in per_ep]
+    fc1 = tp_shards[0][0][expert.format(0)]
+    assert fc1.shape == (2 * 16 // tp, 32)  # [gate_t; up_t] of expert 0
+    assert tp_shards[0][0]["decoder.layers.0.mlp.router.weight"].shape == (4, 32)  # replicated
+    merged = mc.merge_experts([mc.merge(ranks) for ranks in tp_shards])
+    assert merged.keys() == full.keys() and all(torch.equal(merged[k], v) for k, v in full.items())
+
+
+def test_moe_sizes_are_checked():
+    _, s = _moe(experts=6)
+    with pytest.raises(UserError, match=r"expert_parallel \(4\) must divide the model's num_experts \(6\)"):
+        mc.shard_experts({}, s, 0, 4)
+
+
+def test_moe_converted_weights_load_strictly_and_give_hf_logits(megatron_one_rank, monkeypatch):
+    """A CPU-built Megatron-Core MoE GPTModel (local spec, SequentialMLP experts, all-gather dispatcher)
+    takes the converted weights strictly and gives Hugging Face's logits, for both routings
+    (``norm_topk_prob`` on: softmax over the top k; off: top k of the softmax over all experts); the
+    router logits MegatronRouters records give the load-balancing loss of Hugging Face's logits."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from reroll.algorithms.router import load_balance_loss
+    from reroll.strategies.megatron_moe import MegatronRouters, allow_routers_without_transformer_engine
+
+    allow_routers_without_transformer_engine()  # what MegatronStrategy does before building a MoE
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    no_fork = types.SimpleNamespace(fork=contextlib.nullcontext)
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: no_fork)
+    for norm_topk_prob in (True, False):
+        model, s = _moe(norm_topk_prob=norm_topk_prob)
+        config = mc.transformer_config(s, use_cpu_initialization=True)
+        spec = get_gpt_layer_local_spec(
+            num_experts=s.num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+        )
+        gpt = GPTModel(config, spec, **mc.gpt_model_kwargs(s, 1))
+        converted = mc.hf_to_megatron(model.state_dict(), s)
+        extra = {k: v for k, v in gpt.state_dict().items() if k.endswith("_extra_state")}
+        assert {k: v.shape for k, v in converted.items()} == {
+            k: v.shape for k, v in gpt.state_dict().items() if k not in extra
+        }
+        gpt.load_state_dict(converted | extra, strict=True)
+
+        ids = torch.randint(0, s.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones(2, 10, dtype=torch.long)
+        mask[1, 6:] = 0
+        causal = torch.triu(torch.ones(10, 10, dtype=torch.bool), 1)[None, None]
+        routers = MegatronRouters(gpt, s, model.config)
+        assert len(routers.modules) == 2
+        with torch.no_grad(), routers.capture() as routed:
+            routers.start_forward(mask)
+            ours = gpt(ids, torch.arange(10).expand(2, 10), causal)
+        with torch.no_grad():
+            out = model(input_ids=ids, output_router_logits=True)
+        torch.testing.assert_close(ours, out.logits, atol=1e-5, rtol=0)
+        aux, counts = routed.loss(2)
+        theirs = torch.stack(out.router_logits)  # (L, B*T, E), batch-major
+        expected, expected_counts = load_balance_loss(theirs, mask.reshape(-1).bool(), top_k=2)
+        torch.testing.assert_close(aux, expected)
+        assert torch.equal(counts, expected_counts)
+        assert not hasattr(routers.modules[0], "gating") or "gating" not in vars(routers.modules[0])

@@ -37,6 +37,27 @@ def test_a_plain_config_starts_anywhere(tmp_path):
     assert start_problems(cfg) == start_problems(cfg, "cpu") == start_problems(cfg, "cuda") == []
 
 
+def test_megatron_expert_parallel_needs_experts_tp1_and_divides_the_data_parallel_ranks(tmp_path):
+    def messages(*overrides: str, model: str) -> str:
+        base = ["strategy.name=megatron", "roles.actor_train.world_size=4", "roles.reference.world_size=4"]
+        return " | ".join(m for _, m in start_problems(_cfg(tmp_path, *base, *overrides, model=model)))
+
+    assert messages("strategy.megatron.expert_parallel=4", model="Qwen/Qwen3-30B-A3B") == ""
+    assert "needs a mixture-of-experts model; model.path is a dense 'qwen3'" in messages(
+        "strategy.megatron.expert_parallel=2", model="Qwen/Qwen3-8B"
+    )
+    assert "tensor_parallel=2 with a mixture-of-experts model is not yet supported" in messages(
+        "strategy.megatron.tensor_parallel=2",
+        "strategy.megatron.expert_parallel=2",
+        model="Qwen/Qwen3-30B-A3B",
+    )
+    assert "expert_parallel (4) must divide the data-parallel size" in messages(
+        "strategy.megatron.tensor_parallel=2",
+        "strategy.megatron.expert_parallel=4",
+        model="Qwen/Qwen3-30B-A3B",
+    )
+
+
 def test_megatron_sizes_and_options_not_built_are_listed_at_once(tmp_path):
     cfg = _cfg(
         tmp_path,
@@ -50,10 +71,9 @@ def test_megatron_sizes_and_options_not_built_are_listed_at_once(tmp_path):
     problems = start_problems(cfg)
     messages = " | ".join(m for _, m in problems)
     assert "pipeline parallelism is not yet supported" in messages
-    assert "expert_parallel=2" in messages
     assert "world_size (3) must be divisible by" in messages and "roles.reference.world_size" in messages
     assert "trains in bfloat16 or float32" in messages
-    assert "'qwen3_moe' model (mixture-of-experts conversion is not built)" in messages
+    assert "qwen3_moe" not in messages and "expert_parallel" not in messages  # MoE with EP 2 converts
     # actor_train and the reference share the PP and EP problems: each is listed once
     assert len(problems) == len(set(problems))
 
