@@ -35,10 +35,10 @@ from reroll.runtime.weight_sync import (
     split_into_buckets,
 )
 from reroll.strategies.context_parallel import data_shards, group_leaders
+from reroll.strategies.lora import AdapterUpdate, payload_bytes
 
 if TYPE_CHECKING:
     from reroll.strategies.megatron_moe import MegatronRouters
-from reroll.strategies.lora import AdapterUpdate, payload_bytes
 
 
 class TrainerWorker(PairWorkerMixin, StrategyWorker):

@@ -388,17 +388,26 @@ class MegatronStrategy:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
         self.optimizer.prepare_grads()
-        if grad_clip > 0:
-            grad_norm = float(self.optimizer.clip_grad_norm(grad_clip))
-        else:
-            grad_norm = float(self.optimizer.get_grad_norm())
+        grad_norm = float(self.optimizer.get_grad_norm())  # over every chained optimizer's grads
         if not math.isfinite(grad_norm):  # skipped: no update, the schedule does not advance
             self._zero_grad()
             return {"grad_norm": grad_norm, "lr": float(lr), "skipped": 1.0}
+        if grad_clip > 0:
+            self._clip(grad_clip, grad_norm)
         self.optimizer.step_with_ready_grads()
         self._zero_grad()
         self.steps += 1
         return {"grad_norm": grad_norm, "lr": float(lr), "skipped": 0.0}
+
+    def _clip(self, max_norm: float, total_norm: float) -> None:
+        """Scale the gradients of every chained optimizer (a mixture of experts chains the dense weights'
+        and the experts': ``clip_grad_norm`` of the chain reaches for a single optimizer) to ``max_norm``."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            params = [] if getattr(o, "is_stub_optimizer", False) else o.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm)
 
     def _zero_grad(self) -> None:
         self.model.zero_grad_buffer()

@@ -418,7 +418,7 @@ def test_small_moe_ep1_fp32_trains_as_the_torch_strategy(tmp_path, assets):
     the lr (1e-5) bounds how far Adam's noise moves a router logit (~1e-5 x sqrt(256) x |x| ~ 1e-3), so
     a token whose top-2 choice sits within that of a tie may route differently; with 8 rows x 48 tokens x
     4 layers that is rare and moves one token's output: rel 2e-3 on the loss, 2e-2 on the grad norm;
-    router_aux_loss (a mean over all tokens) rel 1e-3; the expert-load maximum (a share of a layer's
+    router_aux_loss rel 2e-3 (one moved assignment of ~400 changes E x f x P by ~8 x 1/400 x 0.1); the expert-load maximum (a share of a layer's
     top-k assignments, times k) within 2 moved assignments."""
     from reroll.models.moe import Routers
     from reroll.strategies.megatron import MegatronStrategy
@@ -442,7 +442,7 @@ def test_small_moe_ep1_fp32_trains_as_the_torch_strategy(tmp_path, assets):
     assert got[0][1] == pytest.approx(expected[0][1], rel=1e-3)
     for (loss, norm, aux, load), (loss_e, norm_e, aux_e, load_e) in zip(got, expected):
         assert loss == pytest.approx(loss_e, rel=2e-3) and norm == pytest.approx(norm_e, rel=2e-2)
-        assert aux == pytest.approx(aux_e, rel=1e-3)
+        assert aux == pytest.approx(aux_e, rel=2e-3)
         assert load == pytest.approx(load_e, abs=2 * 2 / assignments)
     assert expected[-1][0] < expected[0][0]
 

@@ -255,3 +255,19 @@ def test_a_local_model_megatron_cannot_convert_is_refused_before_start(tmp_path)
     with pytest.raises(UserError) as e:
         gpt_shape(SimpleNamespace(**fields))
     assert str(e.value) == "; ".join(problems)
+
+
+def test_plan_shards_a_moe_by_expert_parallel_and_its_optimizer_state_over_tp_pp_dp(tmp_path):
+    """8 ranks at EP 4: a dense weight is on every rank, an expert on 1 of 4; the distributed optimizer
+    shards a dense weight's state over the 8 data-parallel ranks and an expert's over the 2 that hold
+    it, so every weight's state is split 8 ways (not once more by EP)."""
+    from reroll.config.memory import Shape
+    from reroll.plan import _shards
+
+    shape = Shape(params=100.0, layers=1, hidden=8, kv_heads=1, head_dim=8, vocab=8, expert_params=80.0)
+    cfg = _cfg(tmp_path, "strategy.name=megatron", "strategy.megatron.expert_parallel=4")
+    weights, grads, optim = _shards(cfg, 8, shape)
+    assert 100.0 / weights == pytest.approx(
+        20.0 + 80.0 / 4
+    )  # per-rank weights: dense + a quarter of the experts
+    assert weights == grads and optim == 8
