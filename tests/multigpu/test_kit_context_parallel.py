@@ -32,10 +32,11 @@ def _steps(config, batch, *overrides: str):
     from reroll.roles.trainer import TrainerGroup
     from tests.same_step import on_every_rank, use_sgd_steps
 
-    where = lambda w: (  # noqa: E731
-        w.strategy.hf_model.config._attn_implementation,
-        str(torch.cuda.get_device_properties(w.strategy.device).uuid),
-    )
+    def where(w) -> tuple[str, str]:  # in the rank's process (Ray pickles a function of a function by value)
+        device = w.strategy.device
+        uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else device.type
+        return w.strategy.hf_model.config._attn_implementation, uuid
+
     group = TrainerGroup("actor_train", load_config(config, RunConfig, [*FSDP2, *overrides]), trainable=True)
     try:
         seen = on_every_rank(group, where)
@@ -62,7 +63,6 @@ def test_two_context_parallel_ranks_on_two_gpus_equal_one(gqa_config, batch, kit
     two = _steps(gqa_config, batch, *ON_GPUS, "strategy.context_parallel=2", "roles.actor_train.world_size=2")
     assert not one[4][0][0].startswith("reroll_ulysses")
     assert all(attention.startswith("reroll_ulysses") for attention, _ in two[4]), two[4]
-    assert len({gpu for _, gpu in two[4]}) == 2  # two GPUs
 
     bound = RTOL * float(one[0].abs().max())
     gap = float((two[0] - one[0]).abs().max())
@@ -73,3 +73,5 @@ def test_two_context_parallel_ranks_on_two_gpus_equal_one(gqa_config, batch, kit
     assert two[2]["actor/grad_norm"] == pytest.approx(one[2]["actor/grad_norm"], rel=1e-5)
     initial = load_causal_lm(load_config(gqa_config, RunConfig).model.path).state_dict()
     assert_same_steps(one[3], two[3], initial, steps=2)
+    # where it ran (checked last, so that a run on CPUs checks everything else): two GPUs
+    assert len({gpu for _, gpu in two[4]}) == 2 and "cpu" not in {gpu for _, gpu in two[4]}, two[4]

@@ -65,34 +65,35 @@ def test_trainer_and_engine_on_separate_gpus_sync_over_nccl(tmp_path, assets, ki
     try:
         assert weight_sync_transport(roles.cfg, "cuda") == "collective"
         engine, actor = roles.actor_infer, roles.actor_train
-        uuid = lambda _: str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)  # noqa: E731
-        [trainer_gpu] = ray.get([h.__ray_call__.remote(uuid) for h in actor.handles], timeout=60)
-        [engine_gpu] = ray.get([h.__ray_call__.remote(uuid) for h in engine.handles], timeout=60)
-        assert trainer_gpu != engine_gpu
 
         tok = load_tokenizer(str(model))
         samples = load_samples([str(assets["train"])], template="{question}=")[:16]
         batch = sft_batch(samples, tok, "{answer}")
-        actor.configure_optimizer(1e-4, 0)
         rates = []
-        for _ in range(2):  # the first sync forms the group; the second is the rate of a step's sync
-            actor.train(batch, NextToken())
+        for i in range(2):  # the first sync forms the group; the second is the rate of a step's sync
+            with roles.phase("train", "actor_train"):
+                if i == 0:
+                    actor.configure_optimizer(1e-4, 0)
+                actor.train(batch, NextToken())
             began = time.perf_counter()
             sent = roles.sync_weights()
             seconds = time.perf_counter() - began
             stats = roles.pop_timings()
             assert stats["sync/bytes_collective"] >= sent > 0.9e9  # every byte through the group
             rates.append((seconds, stats["sync/gb_per_s"]))
-        assert engine.collective_bytes() == [actor.collective_bytes()]
+        assert engine.collective_bytes() == [2 * actor.collective_bytes()]  # both syncs, all of each
         [loaded] = engine.loaded_bytes()
         assert loaded["object_store"] == 0
 
         params = SamplingParams(n=2, max_new_tokens=8, seed=1)
-        groups = engine.generate([s.prompt for s in samples], params)
+        with roles.phase("generate", "actor_infer"):
+            groups = engine.generate([s.prompt for s in samples], params)
         rollouts = [Rollout(s, i, c) for i, (s, cs) in enumerate(zip(samples, groups)) for c in cs]
         sampled = build_train_batch(rollouts, tok.pad_token_id)
+        with roles.phase("logprobs", "actor_train"):
+            trainer = actor.compute_logprobs(sampled)
         m = sampled.response_mask
-        diff = (sampled.rollout_logprobs[m] - actor.compute_logprobs(sampled)[m]).abs()
+        diff = (sampled.rollout_logprobs[m] - trainer[m]).abs()
         (first_s, _), (seconds, rate) = rates
         print(f"sync of {sent / 1e9:.2f} GB: first {first_s:.2f} s (forms the group), then {seconds:.2f} s")
         kit_record("sync rate", rate, "GB/s")
@@ -100,5 +101,10 @@ def test_trainer_and_engine_on_separate_gpus_sync_over_nccl(tmp_path, assets, ki
         kit_record("first sync (forms the group)", first_s, "s")
         kit_record("log-prob max diff", float(diff.max()), "nats")
         assert float(diff.mean()) < MEAN_GAP and float(diff.max()) < MAX_GAP, diff
+        # where it ran (checked last, so that a run on CPUs checks everything else): two GPUs
+        uuid = lambda _: str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)  # noqa: E731
+        [trainer_gpu] = ray.get([h.__ray_call__.remote(uuid) for h in actor.handles], timeout=60)
+        [engine_gpu] = ray.get([h.__ray_call__.remote(uuid) for h in engine.handles], timeout=60)
+        assert trainer_gpu != engine_gpu
     finally:
         roles.shutdown()

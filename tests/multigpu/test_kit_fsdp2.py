@@ -23,30 +23,23 @@ batch, initial = cpu_test.batch, cpu_test.initial  # the CPU test's fixtures: it
 ON_GPUS = ["strategy.name=fsdp2", "runtime.backend=ray", "roles.actor_train.num_gpus_per_worker=1"]
 
 
-def _where(worker) -> tuple[str, str, bool]:
-    """A rank's device, its GPU's uuid, and whether its float32 matmuls may use TF32."""
-    import torch
-
-    device = worker.strategy.device
-    uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
-    return device.type, uuid, torch.backends.cuda.matmul.allow_tf32
-
-
-def test_two_fsdp2_ranks_on_two_gpus_equal_one(
-    tmp_path,
-    assets,
-    batch,
-    initial,
-    kit_record,
-    monkeypatch,
-):
+def test_two_fsdp2_ranks_on_two_gpus_equal_one(tmp_path, assets, batch, initial, kit_record, monkeypatch):
     from reroll.runtime.actors import start_ray
     from tests.conftest import write_config
+
+    def where(worker) -> tuple[str, str, bool]:
+        """A rank's device, its GPU's uuid, whether its float32 matmuls may use TF32 (run in the rank's
+        process: a function of the test, which Ray pickles by value)."""
+        import torch
+
+        device = worker.strategy.device
+        uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+        return device.type, uuid, torch.backends.cuda.matmul.allow_tf32
 
     placed = []  # each run's ranks, read as _step configures their optimizer
 
     def sgd_steps_noting_devices(group, eta):
-        placed.append(on_every_rank(group, _where))
+        placed.append(on_every_rank(group, where))
         use_sgd_steps(group, eta)
 
     monkeypatch.setattr(cpu_test, "use_sgd_steps", sgd_steps_noting_devices)
@@ -54,11 +47,6 @@ def test_two_fsdp2_ranks_on_two_gpus_equal_one(
     start_ray(None)
     one = _step(path, batch, *ON_GPUS, "roles.actor_train.world_size=1")
     two = _step(path, batch, *ON_GPUS, "roles.actor_train.world_size=2")  # 5 rows a rank
-    [[(kind, _, tf32)], ranks] = placed
-    assert kind == "cuda" and not tf32
-    assert [r[0] for r in ranks] == ["cuda", "cuda"] and ranks[0][1] != ranks[1][1], ranks  # two GPUs
-    assert not any(r[2] for r in ranks)
-
     (_, _, w_one), (_, _, w_two) = one, two
     used = max(
         float((w_two[k] - w_one[k]).norm())
@@ -71,3 +59,8 @@ def test_two_fsdp2_ranks_on_two_gpus_equal_one(
     _assert_same_step(one, two, initial)
     # the sum over ranks, not FSDP2's default mean: a mean would halve every gradient
     assert two[0]["sft/grad_norm"] > 0.9 * one[0]["sft/grad_norm"]
+    # where it ran (checked last, so that a run on CPUs checks everything else): one GPU, then two
+    [[(kind, _, tf32)], ranks] = placed
+    assert kind == "cuda" and not tf32
+    assert [r[0] for r in ranks] == ["cuda", "cuda"] and ranks[0][1] != ranks[1][1], ranks
+    assert not any(r[2] for r in ranks)

@@ -4,8 +4,9 @@ role, loads the latest checkpoint, redoes the steps since and finishes. The GPU 
 path users run: two GPUs, actor_train and two vLLM engines colocated, weights over CUDA IPC.
 
 Asserted: every step 0-4 logged once, one restart counted (``recovery/restarts``), the run's exit
-normal, the engines synced after the restart (``sync/bytes`` of the redone step). Measured: the redone
-step's seconds (its second attempt, after the restart and the checkpoint load) against a plain step's.
+normal, actor_train restarted and then the engines synced (the checkpoint's weights), the redone step
+trained. Measured: the redone step's seconds (its second attempt, after the restart and the
+checkpoint load) against a plain step's.
 """
 
 from __future__ import annotations
@@ -47,11 +48,15 @@ def test_a_killed_trainer_rank_is_restarted_and_the_run_finishes(tmp_path, asset
     from reroll.config.schema import RunConfig
     from reroll.pipelines import run as run_module
     from reroll.pipelines.rlvr import RLVR
+    from reroll.pipelines.roles import Roles
     from reroll.runtime.metrics import read_metrics
     from tests.conftest import write_config
 
-    cfg = load_config(write_config(tmp_path / "c.yaml", assets), RunConfig, ON_GPUS)
-    real_step, killed = RLVR.step, []
+    # a reward the untrained tiny model scores 0 and 1 on: every step has advantages to train on
+    reward = {"fn": "tests.integration.test_weight_sync_collective:starts_with_digit"}
+    cfg = load_config(write_config(tmp_path / "c.yaml", assets, reward=reward), RunConfig, ON_GPUS)
+    real_step, real_restart, real_sync = RLVR.step, Roles.restart, Roles.sync_weights
+    killed, events = [], []  # what the run did after the kill: restarts and syncs, in order
 
     def step(self, roles, n):
         if n == KILLED_AT and not killed:
@@ -59,14 +64,26 @@ def test_a_killed_trainer_rank_is_restarted_and_the_run_finishes(tmp_path, asset
             ray.kill(killed[0], no_restart=True)
         return real_step(self, roles, n)
 
+    def restart(self, role):
+        events.append(f"restart {role}")
+        return real_restart(self, role)
+
+    def sync_weights(self):
+        if killed:
+            events.append("sync")
+        return real_sync(self)
+
     monkeypatch.setattr(RLVR, "step", step)
+    monkeypatch.setattr(Roles, "restart", restart)
+    monkeypatch.setattr(Roles, "sync_weights", sync_weights)
     run_module.run(RLVR, cfg)
     assert killed  # the kill happened
     rows = read_metrics(cfg.run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # the redone step logged once
     assert rows[-1]["recovery/restarts"] == 1
+    assert events[:2] == ["restart actor_train", "sync"], events  # the engines got the checkpoint's weights
     redone = rows[KILLED_AT]
-    assert redone["sync/bytes"] > 0  # the restarted trainer's weights reached the engines
+    assert redone["actor/grad_norm"] > 0  # the redone step trained
     plain = [r["timing/step"] for r in rows[1:] if r["step"] not in (1, KILLED_AT)]
     kit_record("redone step", redone["timing/step"], "s")
     kit_record("plain step", sum(plain) / len(plain), "s")
