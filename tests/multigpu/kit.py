@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -87,9 +88,7 @@ class Collector:
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         for item in session.items:  # what is left after the -m selection
-            mark = item.get_closest_marker("multigpu")
-            gpus = mark.kwargs.get("gpus") if mark is not None else None
-            self.outcomes[item.nodeid] = Outcome(item.nodeid, gpus)
+            self.outcomes[item.nodeid] = Outcome(item.nodeid, gpus_needed(item))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         out = self.outcomes.get(report.nodeid)
@@ -103,6 +102,22 @@ class Collector:
             out.reason = _failure_line(report)
         elif report.when == "call" and out.result == "not run":
             out.result = "passed"
+
+
+COUNTS = {"two": 2, "four": 4, "eight": 8}
+
+
+def gpus_needed(item: pytest.Item) -> int | None:
+    """The GPUs a kit test needs: its ``multigpu(gpus=n)`` mark's, else the count its skip reason names
+    ("needs two GPUs", "needs 4 CUDA GPUs"); None where neither says."""
+    mark = item.get_closest_marker("multigpu")
+    if mark is not None and "gpus" in mark.kwargs:
+        return int(mark.kwargs["gpus"])
+    for skip in item.iter_markers("skipif"):
+        found = re.search(r"needs (\d+|two|four|eight) (?:CUDA )?GPUs", str(skip.kwargs.get("reason", "")))
+        if found:
+            return COUNTS.get(found[1]) or int(found[1])
+    return None
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
