@@ -1,4 +1,4 @@
-.PHONY: install install-quickstart deps deps-quickstart bwrap test test-fast test-long lint format quickstart
+.PHONY: install install-quickstart deps deps-quickstart bwrap test test-fast test-long multigpu lint format quickstart
 
 PYTHON ?= python
 # torch's CPU build, from PyTorch's CPU wheel index (PyPI's is the CUDA build): .ci/torch_source.py prints
@@ -46,6 +46,12 @@ test-fast: deps
 
 test-long: deps
 	$(PYTHON) -m pytest -q -m long
+
+# The multi-GPU acceptance kit (docs/scale.md): every test marked multigpu, then a table of what each
+# needs, how it ended and what it measured (also in runs/multigpu-kit/table.txt). Below a test's GPU
+# count it is skipped and the table says so. Extra pytest arguments: make multigpu KIT_ARGS="-k fsdp2".
+multigpu:
+	$(PYTHON) -m tests.multigpu $(KIT_ARGS)
 
 lint:
 	ruff check . && ruff format --check .

@@ -18,7 +18,13 @@ from pathlib import Path
 
 from reroll.config.engines import engine_spec
 from reroll.config.memory import DTYPE_BYTES, Shape, forward_only_limits, token_bytes, token_shape
-from reroll.config.placement import device_map, offload_between_phases, run_roles, trainer_strategy
+from reroll.config.placement import (
+    device_map,
+    offload_between_phases,
+    run_roles,
+    trainer_strategy,
+    weight_sync_transport,
+)
 from reroll.config.schema import RunConfig
 from reroll.config.startable import context_parallel_size, start_problems
 from reroll.errors import UserError
@@ -236,6 +242,7 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
         flag = "" if peak <= 0.9 * gpu_memory_gib else "  <- does not fit"
         fits &= not flag
         lines.append(f"  gpu {d}: {peak:8.1f} GiB  {' '.join(roles) or '(unused)'}{flag}")
+    lines += _phase_lines(cfg, dmap, plans, pool, offload, usable=0.9 * gpu_memory_gib)
     lines += _host_lines(dmap, plans, pool) if offload else []
     lines += _forward_only_lines(cfg, shape, prompt_tokens + cfg.rollout.max_new_tokens, list(plans))
     if pool > gpus:
@@ -253,6 +260,85 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
             "optim.micro_batch_size or rollout.generate_batch_size, or train LoRA adapters (strategy.lora)"
         )
     return "\n".join(lines), fits
+
+
+# A step's phases in the order a step runs them, each with the pool role it calls (its peak is the
+# phase's: the training role's covers its forward-only passes, old log-probs and values).
+PHASES = (
+    ("generate", "actor_infer"),
+    ("teacher log-probs", "teacher"),
+    ("reward model", "learned_reward"),
+    ("reference log-probs", "reference"),
+    ("values, critic step", "critic"),
+    ("train, old log-probs", "actor_train"),
+)
+
+
+def _phase_lines(
+    cfg: RunConfig, dmap, plans: dict[str, RolePlan], pool: int, offload: bool, *, usable: float
+) -> list[str]:
+    """Per GPU, per phase of a step: the phase's role at its peak, alone where colocated roles offload
+    between phases, else beside every other role on the GPU (each at its own peak: their sum, as the
+    per-GPU lines count it). Then the weight sync, which holds actor_train and the awake engine at once
+    (``ipc``, ``collective``) or one after the other (``object_store``), each with two buckets in flight;
+    an ``ipc`` sync whose two roles do not fit together (``usable`` GiB) goes through host memory
+    instead (``Roles._both_fit``): that line says so, and is not counted against the fit."""
+
+    def on(d: int) -> set[str]:
+        return {r for r, _ in dmap.workers_on(d) if r in plans}
+
+    rows = []
+    for name, role in PHASES:
+        if role in plans:
+            rows.append((name, [_held(plans, on(d), role, offload) for d in range(pool)], role))
+    if "actor_train" in plans and "actor_infer" in plans:
+        transport = weight_sync_transport(cfg, "cuda")
+        bucket = 2 * cfg.rollout.weight_sync_bucket_mb / 1024
+        held = {
+            "actor_train": plans["actor_train"].parked_gib + bucket,
+            "actor_infer": plans["actor_infer"].gib + bucket,
+        }
+        together = transport != "object_store"
+        need = []
+        for d in range(pool):
+            parts = [held[r] for r in on(d) if r in held]
+            rest = sum(plans[r].gib for r in on(d) - held.keys()) if not offload else 0.0
+            need.append(((sum(parts) if together else max(parts, default=0.0)) if parts else 0.0) + rest)
+        roles = "actor_train, actor_infer"
+        if transport == "ipc" and max(need) > usable:
+            roles += "; above 90% of a GPU: this sync goes through host memory as the trainer leaves"
+        rows.append((f"weight sync ({transport})", need, roles))
+    why = (
+        "a phase holds its own roles"
+        if offload
+        else "colocated roles stay resident: every phase holds them all"
+    )
+    lines = ["", f"per GPU, per phase ({why}):"]
+    width = max(len(name) for name, _, _ in rows) if rows else 0
+    for name, need, roles in rows:
+        lines.append(f"  {name:<{width}}  {_by_gpu(need)}  ({roles})")
+    return lines if rows else []
+
+
+def _held(plans: dict[str, RolePlan], here: set[str], role: str, offload: bool) -> float:
+    """GiB on a GPU holding ``here`` while ``role``'s phase runs."""
+    if offload:
+        return plans[role].gib if role in here else 0.0
+    return sum(plans[r].gib for r in here)
+
+
+def _by_gpu(need: list[float]) -> str:
+    """``31.7 GiB on gpus 0-7`` or, where GPUs differ, each run of equal ones: ``16.7 GiB on gpus 0-3,
+    0.0 GiB on gpus 4-7``."""
+    runs: list[tuple[float, int, int]] = []
+    for d, gib in enumerate(need):
+        if runs and f"{runs[-1][0]:.1f}" == f"{gib:.1f}" and runs[-1][2] == d - 1:
+            runs[-1] = (runs[-1][0], runs[-1][1], d)
+        else:
+            runs.append((gib, d, d))
+    return ", ".join(
+        f"{gib:.1f} GiB on gpu{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}" for gib, a, b in runs
+    )
 
 
 def _host_lines(dmap, plans: dict[str, RolePlan], pool: int) -> list[str]:

@@ -54,6 +54,15 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     return {"model": Path(model), "train": Path(data["train"]), "test": Path(data["test"])}
 
 
+@pytest.fixture
+def kit_record(request):
+    """``kit_record(name, value, unit="")``: a number a multi-GPU kit test measured, for the kit's table
+    (``python -m tests.multigpu``; tests/multigpu/kit.py)."""
+    from tests.multigpu.kit import recorder
+
+    return recorder(request.node.nodeid)
+
+
 def step_metrics(run_dir: Path, step: int) -> dict[str, float]:
     """A step's metrics without the measured ones (times, speeds, memory), which differ run to run, and
     the weight sync's (``sync/*``): the run syncs the engine before a step that finds it stale, which
