@@ -144,10 +144,12 @@ def _recover(
 
     ``snapshots``: the pipeline's state before ``step`` and at the start of the loop. Most roles hold
     nothing the run cannot give back (``Roles.restart``): the pipeline rewinds to the first and the step is retried with the same prompts. actor_train and critic lose their weights
-    and optimizer: both go back to the latest complete checkpoint, as ``--resume`` would (before the
-    first, to the start of the run, warm start included), and the steps since are redone. So does
-    any death after actor_train ``trained`` on ``step`` (in the weight sync or the evaluation): retrying
-    the step would train on its samples twice. A worker that dies during the
+    and optimizer (one rank's death takes its group's process group: every rank is new): both go back
+    to the latest complete checkpoint, as ``--resume`` would (before the first, to the start of the
+    run, warm start included), and the steps since are redone; of the two, only the dead one's group
+    is rebuilt where a checkpoint exists, and no other role is (the engine gets the weights loaded).
+    So does any death after actor_train ``trained`` on ``step`` (in the weight sync or the
+    evaluation): retrying the step would train on its samples twice. A worker that dies during the
     recovery is recovered in turn; ``runtime.max_restarts`` bounds them all."""
     cfg, limit = pipeline.cfg, pipeline.cfg.runtime.max_restarts
     (before, initial), back_to_checkpoint = snapshots, trained
@@ -165,27 +167,30 @@ def _recover(
         log.warning("step %d: %s; restarting %s (%d of %d)", step, e, e.role, len(roles.restarted), limit)
         roles.pop_timings()  # the failed attempt's
         try:
+            found = checkpoint.latest(cfg.run_dir)
+            roles.restart(e.role)
             if e.role in ("actor_train", "critic"):
                 back_to_checkpoint = True
-                roles.restart("actor_train")
-                if roles.critic is not None:
-                    roles.restart("critic")
-            else:
-                roles.restart(e.role)
+                # the other of the two goes back with it: it loads the checkpoint (``_begin``) where
+                # there is one; without, only a fresh group holds the run's starting weights
+                other = roles.groups.get("critic" if e.role == "actor_train" else "actor_train")
+                if found is None and other is not None:
+                    roles.restart(other.role)
             if not back_to_checkpoint:
                 pipeline.rewind(before)
                 return step - 1
-            found = checkpoint.latest(cfg.run_dir)
             if found is None:
                 pipeline.rewind(initial)
             log.warning("step %d: the run continues from %s", step, found or "its start")
-            return _begin(pipeline, roles, found)
+            return _begin(pipeline, roles, found, recovering=True)
         except RoleError as again:
             e = again
 
 
-def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None) -> int:
+def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None, *, recovering: bool = False) -> int:
     """Resume from a checkpoint, or warm-start; then snapshot the reference and sync the engine.
+    ``recovering``: after a dead trainer's restart (``_recover``), where the reference already holds its
+    snapshot (a restarted one loads it itself) and is left as it is.
 
     Returns the step the loop continues after."""
     cfg, start = pipeline.cfg, 0
@@ -202,7 +207,8 @@ def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None) -> int:
             log.info("resumed from %s (step %d)", resume_from, start)
     if resume_from is None:
         pipeline.warm_start(roles)
-    if roles.reference is not None:  # the reference is the policy the loop starts from (after any warm start)
+    # the reference is the policy the loop starts from (after any warm start)
+    if roles.reference is not None and not recovering:
         ref_dir = cfg.run_dir / "reference"
         if resume_from is None:
             with roles.phase("start", "actor_train"):
