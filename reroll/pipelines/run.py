@@ -150,7 +150,9 @@ def _recover(
     is rebuilt where a checkpoint exists, and no other role is (the engine gets the weights loaded).
     So does any death after actor_train ``trained`` on ``step`` (in the weight sync or the
     evaluation): retrying the step would train on its samples twice. A worker that dies during the
-    recovery is recovered in turn; ``runtime.max_restarts`` bounds them all."""
+    recovery is recovered in turn; ``runtime.max_restarts`` bounds them all. A Ray node lost with the
+    worker: the run goes on if the nodes left hold it (``ResourceManager.check_nodes``), else stops
+    with an error naming what no longer fits and the fix."""
     cfg, limit = pipeline.cfg, pipeline.cfg.runtime.max_restarts
     (before, initial), back_to_checkpoint = snapshots, trained
     while True:
@@ -166,6 +168,8 @@ def _recover(
         roles.restarted.append(f"{e.role} at step {step}")
         log.warning("step %d: %s; restarting %s (%d of %d)", step, e, e.role, len(roles.restarted), limit)
         roles.pop_timings()  # the failed attempt's
+        if roles.placement is not None:  # a lost node: the run goes on where the rest still holds it
+            roles.placement.check_nodes(step, checkpoint.latest(cfg.run_dir))
         try:
             found = checkpoint.latest(cfg.run_dir)
             roles.restart(e.role)

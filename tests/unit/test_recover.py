@@ -1,13 +1,16 @@
 """Which groups ``_recover`` rebuilds after a worker died, on stand-in roles: only the dead role's, and
-the trainer's partner (critic, actor_train) only where no checkpoint holds its state. The runs
-themselves: tests/integration/test_rank_recovery.py and test_recovery.py (``long``)."""
+the trainer's partner (critic, actor_train) only where no checkpoint holds its state; a lost node is
+checked before anything restarts. The runs themselves: tests/integration/test_rank_recovery.py and
+test_recovery.py (``long``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
 
-from reroll.errors import RoleError
+import pytest
+
+from reroll.errors import RoleError, UserError
 from reroll.pipelines import run as run_module
 
 CKPT = Path("/runs/x/checkpoints/step_000004")
@@ -19,13 +22,22 @@ class _Group:
 
 
 class _Roles:
-    """What ``_recover`` uses of ``Roles``: its groups and the restarts it makes."""
+    """What ``_recover`` uses of ``Roles``: its groups, the restarts it makes, the placement check."""
 
-    def __init__(self, *names: str) -> None:
+    def __init__(self, *names: str, lost_node: bool = False) -> None:
         self.groups = {n: _Group(n) for n in names}
         self.restarted: list[str] = []  # what the run counts (one per death)
         self.rebuilt: list[str] = []  # the groups rebuilt
-        self.placement = None
+        self.checked: list[tuple[int, Path | None]] = []
+        self.lost_node = lost_node
+        self.placement = SimpleNamespace(check_nodes=self._check_nodes)
+
+    def _check_nodes(self, step: int, checkpoint: Path | None) -> None:
+        self.checked.append((step, checkpoint))
+        if self.lost_node:
+            raise UserError(
+                "placement: 1 Ray node died at step 5, and the rest of the cluster no longer fits"
+            )
 
     def restart(self, role: str) -> None:
         self.rebuilt.append(role)
@@ -66,7 +78,7 @@ def test_a_dead_trainer_rank_rebuilds_its_group_alone_and_goes_back_to_the_check
     assert roles.rebuilt == ["actor_train"]  # the critic loads the checkpoint with it, in _begin
     assert begun == [(CKPT, True)]  # recovering: the reference keeps the snapshot it holds
     assert after == 4 and pipeline.rewound == []  # step 5 redone after the checkpoint's step 4
-    assert roles.restarted == ["actor_train at step 5"]
+    assert roles.restarted == ["actor_train at step 5"] and roles.checked == [(5, CKPT)]
 
 
 def test_a_dead_critic_rebuilds_only_the_critic_where_a_checkpoint_holds_the_trainer(monkeypatch):
@@ -89,3 +101,10 @@ def test_a_dead_engine_rank_rebuilds_the_engine_and_retries_the_step(monkeypatch
     after, pipeline, begun = _recover(monkeypatch, roles, "actor_infer", CKPT)
     assert roles.rebuilt == ["actor_infer"] and begun == []
     assert after == 4 and pipeline.rewound == ["before"]  # step 5 again, with its prompts
+
+
+def test_a_lost_node_that_no_longer_fits_stops_before_anything_restarts(monkeypatch):
+    roles = _Roles("actor_train", "actor_infer", lost_node=True)
+    with pytest.raises(UserError, match="no longer fits"):
+        _recover(monkeypatch, roles, "actor_train", CKPT)
+    assert roles.rebuilt == [] and roles.checked == [(5, CKPT)]
