@@ -168,18 +168,20 @@ def _recover(
         roles.restarted.append(f"{e.role} at step {step}")
         log.warning("step %d: %s; restarting %s (%d of %d)", step, e, e.role, len(roles.restarted), limit)
         roles.pop_timings()  # the failed attempt's
-        if roles.placement is not None:  # a lost node: the run goes on where the rest still holds it
-            roles.placement.check_nodes(step, checkpoint.latest(cfg.run_dir))
+        found = checkpoint.latest(cfg.run_dir)
+        # a lost node: the run goes on where the rest still holds it, with every role the node held
+        dead = {e.role} | (roles.placement.check_nodes(step, found) if roles.placement is not None else set())
+        if len(dead) > 1:
+            log.warning("step %d: a lost node held %s: restarting them all", step, ", ".join(sorted(dead)))
         try:
-            found = checkpoint.latest(cfg.run_dir)
-            roles.restart(e.role)
-            if e.role in ("actor_train", "critic"):
+            if dead & {"actor_train", "critic"}:
                 back_to_checkpoint = True
                 # the other of the two goes back with it: it loads the checkpoint (``_begin``) where
                 # there is one; without, only a fresh group holds the run's starting weights
-                other = roles.groups.get("critic" if e.role == "actor_train" else "actor_train")
-                if found is None and other is not None:
-                    roles.restart(other.role)
+                if found is None:
+                    dead |= {role for role in ("actor_train", "critic") if role in roles.groups}
+            for role in _restart_order(roles, dead):
+                roles.restart(role)
             if not back_to_checkpoint:
                 pipeline.rewind(before)
                 return step - 1
@@ -189,6 +191,13 @@ def _recover(
             return _begin(pipeline, roles, found, recovering=True)
         except RoleError as again:
             e = again
+
+
+def _restart_order(roles: Roles, dead: set[str]) -> list[str]:
+    """``dead`` in the run's role order with the engine last (its restart syncs actor_train's weights);
+    judge, which restarts the reward workers that hold it, first."""
+    own = [role for role in roles.groups if role in dead and role != "actor_infer"]
+    return [r for r in dead if r not in roles.groups] + own + ["actor_infer"] * ("actor_infer" in dead)
 
 
 def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None, *, recovering: bool = False) -> int:

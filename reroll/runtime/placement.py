@@ -67,6 +67,7 @@ class ResourceManager:
     def __init__(self, cfg: RunConfig, *, generate_only: bool = False) -> None:
         self.pg = None
         self.nodes: set[str] = set()  # the Ray nodes alive when the run started
+        self.bundle_nodes: dict[int, str] = {}  # pool device -> the node its bundle is on
         self.device_type = _resolve_device_type(cfg)
         cfg = self.cfg = resolved(cfg, self.device_type)
         pool = cfg.placement.devices
@@ -97,22 +98,29 @@ class ResourceManager:
                 f"placement: Ray could not reserve {bundles} within 60 s (other jobs hold the "
                 f"resources?):\n{self.map.table()}"
             )
+        self.bundle_nodes = self._bundle_nodes()
         log.info("placement (%s):\n%s", self.device_type, self.map.table())
 
-    def check_nodes(self, step: int, checkpoint: Path | None) -> None:
+    def _bundle_nodes(self) -> dict[int, str]:
+        from ray.util import placement_group_table
+
+        return dict(placement_group_table(self.pg)["bundles_to_node_id"])
+
+    def check_nodes(self, step: int, checkpoint: Path | None) -> set[str]:
         """After a worker died at ``step``: if Ray nodes the run started on are gone, whether the run
         still fits the nodes left (``unplaced``). It does: wait until Ray has placed the pool's bundles
-        of the lost nodes again (its GCS does that by itself), so that the restarted workers start there.
-        It does not: a ``UserError`` naming what no longer fits and the fix (resume from ``checkpoint``
+        of the lost nodes again (its GCS does that by itself), so that the restarted workers start there,
+        and return the roles with ranks on those bundles (all dead: the run restarts them at once). It
+        does not: a ``UserError`` naming what no longer fits and the fix (resume from ``checkpoint``
         later, or on fewer ranks). Ray's nodes are asked each time: a run that lost none pays one call."""
         if self.cfg.runtime.backend == "local":
-            return
+            return set()
         import ray
 
         alive = [n for n in ray.nodes() if n.get("Alive")]
         lost = self.nodes - {n["NodeID"] for n in alive}
         if not lost:
-            return
+            return set()
         nodes = [n.get("Resources", {}) for n in alive]
         missing = unplaced(run_demands(self.cfg, self.specs, self.map), nodes)
         if missing:
@@ -127,6 +135,11 @@ class ResourceManager:
                 "pool's bundles, but Ray did not place them again within 120 s (other jobs took the room?):"
                 f"\n{self.map.table() if self.map else ''}\nfix: {resume_hint(checkpoint)}"
             )
+        if self.map is None:
+            return set()
+        moved = [d for d, node in self.bundle_nodes.items() if node in lost]
+        self.bundle_nodes = self._bundle_nodes()
+        return {role for d in moved for role, _ in self.map.workers_on(d)}
 
     def shutdown(self) -> None:
         _STARTED.pop(_pg_name(self.cfg), None)

@@ -24,20 +24,21 @@ class _Group:
 class _Roles:
     """What ``_recover`` uses of ``Roles``: its groups, the restarts it makes, the placement check."""
 
-    def __init__(self, *names: str, lost_node: bool = False) -> None:
+    def __init__(self, *names: str, lost_node: bool = False, node_held: tuple[str, ...] = ()) -> None:
         self.groups = {n: _Group(n) for n in names}
         self.restarted: list[str] = []  # what the run counts (one per death)
         self.rebuilt: list[str] = []  # the groups rebuilt
         self.checked: list[tuple[int, Path | None]] = []
-        self.lost_node = lost_node
+        self.lost_node, self.node_held = lost_node, set(node_held)
         self.placement = SimpleNamespace(check_nodes=self._check_nodes)
 
-    def _check_nodes(self, step: int, checkpoint: Path | None) -> None:
+    def _check_nodes(self, step: int, checkpoint: Path | None) -> set[str]:
         self.checked.append((step, checkpoint))
-        if self.lost_node:
+        if self.lost_node and not self.node_held:
             raise UserError(
                 "placement: 1 Ray node died at step 5, and the rest of the cluster no longer fits"
             )
+        return self.node_held
 
     def restart(self, role: str) -> None:
         self.rebuilt.append(role)
@@ -108,3 +109,14 @@ def test_a_lost_node_that_no_longer_fits_stops_before_anything_restarts(monkeypa
     with pytest.raises(UserError, match="no longer fits"):
         _recover(monkeypatch, roles, "actor_train", CKPT)
     assert roles.rebuilt == [] and roles.checked == [(5, CKPT)]
+
+
+def test_every_role_a_lost_node_held_restarts_at_once_the_engine_last(monkeypatch):
+    """The node held actor_train, reference and the engine (one pool device): one recovery restarts the
+    three (the engine after the trainer, whose weights its restart syncs) and goes back to the checkpoint."""
+    held = ("actor_infer", "reference", "actor_train")
+    roles = _Roles("actor_train", "actor_infer", "reference", "reward", lost_node=True, node_held=held)
+    after, _, begun = _recover(monkeypatch, roles, "actor_infer", CKPT)
+    assert roles.rebuilt == ["actor_train", "reference", "actor_infer"]
+    assert roles.restarted == ["actor_infer at step 5"]  # one death counted, not three
+    assert begun == [(CKPT, True)] and after == 4
