@@ -39,11 +39,11 @@ def run_demands(cfg: RunConfig, specs: dict[str, RoleSpec], dmap: DeviceMap | No
     """Every bundle of the pool (``dmap``; None: no pool) and every worker off it that the run of
     ``cfg`` with the roles ``specs`` holds on the cluster."""
     demands = []
-    for device in range(dmap.num_devices if dmap is not None else 0):
-        workers = dmap.workers_on(device)  # type: ignore[union-attr]
+    for device in range(dmap.num_devices) if dmap is not None else ():
+        workers = dmap.workers_on(device)
         held = " ".join(f"{role}[{rank}]" for role, rank in workers) or "unused"
         roles = tuple(dict.fromkeys(role for role, _ in workers))
-        demands.append(Demand(f"pool device {device} ({held})", pool_bundle(cfg, dmap, device), roles))  # type: ignore[arg-type]
+        demands.append(Demand(f"pool device {device} ({held})", pool_bundle(cfg, dmap, device), roles))
     for spec in specs.values():
         if spec.on_pool:
             continue

@@ -54,7 +54,7 @@ def _run(tmp_path, assets, name: str, workers: int) -> tuple[dict, str]:
     return json.loads(out.read_text()), done.stderr
 
 
-@pytest.mark.long  # ~2 min on 2 shared cores: a three-node cluster's start and a run that recovers
+@pytest.mark.long  # 52 s on 2 cores (120 s shared): a three-node cluster's start and a run that recovers
 def test_a_lost_nodes_bundle_is_placed_again_on_the_rest_and_the_run_finishes(tmp_path, assets):
     result, stderr = _run(tmp_path, assets, "fits", workers=2)  # the bundle on one, the other stands by
     assert "error" not in result, result["error"]
@@ -68,7 +68,7 @@ def test_a_lost_nodes_bundle_is_placed_again_on_the_rest_and_the_run_finishes(tm
     assert (tmp_path / "runs" / "fits" / f"checkpoints/step_{STEPS:06d}/COMPLETE").exists()
 
 
-@pytest.mark.long  # ~100 s on 2 shared cores, most of it the cluster's start
+@pytest.mark.long  # 41 s on 2 cores (100 s shared), most of it the cluster's start; CI keeps test_replacement
 def test_a_lost_node_that_no_other_can_stand_in_for_stops_the_run_naming_the_fix(tmp_path, assets):
     result, _ = _run(tmp_path, assets, "nofit", workers=1)  # the only node that may hold the pool
     message = result["error"]

@@ -65,7 +65,7 @@ def _run(path, name, monkeypatch, kill: tuple[int, str, int] | None):
     return cfg.run_dir, seen
 
 
-@pytest.mark.long  # ~60 s on 2 cores: two runs of 2 FSDP2 ranks; CI keeps the unit tests of _recover
+@pytest.mark.long  # 77 s on 2 cores (204 s shared): two runs of 2 FSDP2 ranks; CI keeps test_recover
 def test_a_dead_fsdp2_rank_rebuilds_its_group_alone_and_the_run_matches_an_uninterrupted_one(
     tmp_path, assets, monkeypatch
 ):

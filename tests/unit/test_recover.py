@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -67,9 +68,10 @@ def _recover(monkeypatch, roles: _Roles, role: str, checkpoint: Path | None, *, 
 
     monkeypatch.setattr(run_module, "_begin", begin)
     monkeypatch.setattr(run_module.checkpoint, "latest", lambda run_dir: checkpoint)
-    pipeline = _Pipeline()
+    pipeline: Any = _Pipeline()
     died = RoleError(role, 1, "train", "the worker process died (ActorDiedError)", died=True)
-    after = run_module._recover(died, 5, pipeline, roles, ("before", "initial"), trained=trained)  # type: ignore[arg-type]
+    snapshots = ("before", "initial")
+    after = run_module._recover(died, 5, pipeline, cast(Any, roles), snapshots, trained=trained)
     return after, pipeline, begun
 
 
