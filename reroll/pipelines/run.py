@@ -144,11 +144,15 @@ def _recover(
 
     ``snapshots``: the pipeline's state before ``step`` and at the start of the loop. Most roles hold
     nothing the run cannot give back (``Roles.restart``): the pipeline rewinds to the first and the step is retried with the same prompts. actor_train and critic lose their weights
-    and optimizer: both go back to the latest complete checkpoint, as ``--resume`` would (before the
-    first, to the start of the run, warm start included), and the steps since are redone. So does
-    any death after actor_train ``trained`` on ``step`` (in the weight sync or the evaluation): retrying
-    the step would train on its samples twice. A worker that dies during the
-    recovery is recovered in turn; ``runtime.max_restarts`` bounds them all."""
+    and optimizer (one rank's death takes its group's process group: every rank is new): both go back
+    to the latest complete checkpoint, as ``--resume`` would (before the first, to the start of the
+    run, warm start included), and the steps since are redone; of the two, only the dead one's group
+    is rebuilt where a checkpoint exists, and no other role is (the engine gets the weights loaded).
+    So does any death after actor_train ``trained`` on ``step`` (in the weight sync or the
+    evaluation): retrying the step would train on its samples twice. A worker that dies during the
+    recovery is recovered in turn; ``runtime.max_restarts`` bounds them all. A Ray node lost with the
+    worker: the run goes on if the nodes left hold it (``ResourceManager.check_nodes``), else stops
+    with an error naming what no longer fits and the fix."""
     cfg, limit = pipeline.cfg, pipeline.cfg.runtime.max_restarts
     (before, initial), back_to_checkpoint = snapshots, trained
     while True:
@@ -164,28 +168,42 @@ def _recover(
         roles.restarted.append(f"{e.role} at step {step}")
         log.warning("step %d: %s; restarting %s (%d of %d)", step, e, e.role, len(roles.restarted), limit)
         roles.pop_timings()  # the failed attempt's
+        found = checkpoint.latest(cfg.run_dir)
+        # a lost node: the run goes on where the rest still holds it, with every role the node held
+        dead = {e.role} | (roles.placement.check_nodes(step, found) if roles.placement is not None else set())
+        if len(dead) > 1:
+            log.warning("step %d: a lost node held %s: restarting them all", step, ", ".join(sorted(dead)))
         try:
-            if e.role in ("actor_train", "critic"):
+            if dead & {"actor_train", "critic"}:
                 back_to_checkpoint = True
-                roles.restart("actor_train")
-                if roles.critic is not None:
-                    roles.restart("critic")
-            else:
-                roles.restart(e.role)
+                # the other of the two goes back with it: it loads the checkpoint (``_begin``) where
+                # there is one; without, only a fresh group holds the run's starting weights
+                if found is None:
+                    dead |= {role for role in ("actor_train", "critic") if role in roles.groups}
+            for role in _restart_order(roles, dead):
+                roles.restart(role)
             if not back_to_checkpoint:
                 pipeline.rewind(before)
                 return step - 1
-            found = checkpoint.latest(cfg.run_dir)
             if found is None:
                 pipeline.rewind(initial)
             log.warning("step %d: the run continues from %s", step, found or "its start")
-            return _begin(pipeline, roles, found)
+            return _begin(pipeline, roles, found, recovering=True)
         except RoleError as again:
             e = again
 
 
-def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None) -> int:
+def _restart_order(roles: Roles, dead: set[str]) -> list[str]:
+    """``dead`` in the run's role order with the engine last (its restart syncs actor_train's weights);
+    judge, which restarts the reward workers that hold it, first."""
+    own = [role for role in roles.groups if role in dead and role != "actor_infer"]
+    return [r for r in dead if r not in roles.groups] + own + ["actor_infer"] * ("actor_infer" in dead)
+
+
+def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None, *, recovering: bool = False) -> int:
     """Resume from a checkpoint, or warm-start; then snapshot the reference and sync the engine.
+    ``recovering``: after a dead trainer's restart (``_recover``), where the reference already holds its
+    snapshot (a restarted one loads it itself) and is left as it is.
 
     Returns the step the loop continues after."""
     cfg, start = pipeline.cfg, 0
@@ -202,7 +220,8 @@ def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None) -> int:
             log.info("resumed from %s (step %d)", resume_from, start)
     if resume_from is None:
         pipeline.warm_start(roles)
-    if roles.reference is not None:  # the reference is the policy the loop starts from (after any warm start)
+    # the reference is the policy the loop starts from (after any warm start)
+    if roles.reference is not None and not recovering:
         ref_dir = cfg.run_dir / "reference"
         if resume_from is None:
             with roles.phase("start", "actor_train"):

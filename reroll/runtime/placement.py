@@ -14,13 +14,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reroll.config.engines import resolve_engine
 from reroll.config.placement import (
     DeviceMap,
     RoleSpec,
-    bundle_resources,
     check_weight_sync,
     cluster_problems,
     device_map,
@@ -29,6 +29,7 @@ from reroll.config.placement import (
     run_roles,
     trainer_strategy,
 )
+from reroll.config.replacement import lost_node_message, pool_bundle, resume_hint, run_demands, unplaced
 from reroll.config.roles import ROLES
 from reroll.config.startable import start_problems
 from reroll.errors import UserError
@@ -65,6 +66,8 @@ class ResourceManager:
 
     def __init__(self, cfg: RunConfig, *, generate_only: bool = False) -> None:
         self.pg = None
+        self.nodes: set[str] = set()  # the Ray nodes alive when the run started
+        self.bundle_nodes: dict[int, str] = {}  # pool device -> the node its bundle is on
         self.device_type = _resolve_device_type(cfg)
         cfg = self.cfg = resolved(cfg, self.device_type)
         pool = cfg.placement.devices
@@ -83,21 +86,60 @@ class ResourceManager:
         problems += check_weight_sync(cfg, self.device_type)  # the device type is known only now
         if problems:
             raise UserError("\n".join(f"{path}: {message}" for path, message in problems))
+        self.nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}  # what a lost node is missed from
         if self.map is None:
             return
         from ray.util.placement_group import placement_group
 
-        kind = "GPU" if self.device_type == "cuda" else "CPU"
-        per = 1.0 if kind == "GPU" else cfg.placement.cpus_per_device
-        bundle = {"GPU": 1.0, "CPU": cfg.placement.cpus_per_device} if kind == "GPU" else {"CPU": per}
-        bundles = [bundle | bundle_resources(cfg, self.map, d) for d in range(pool)]
+        bundles = [pool_bundle(cfg, self.map, d) for d in range(pool)]
         self.pg = placement_group(bundles, strategy="PACK", name=_pg_name(cfg))
         if not self.pg.wait(timeout_seconds=60):
             raise UserError(
                 f"placement: Ray could not reserve {bundles} within 60 s (other jobs hold the "
                 f"resources?):\n{self.map.table()}"
             )
+        self.bundle_nodes = self._bundle_nodes()
         log.info("placement (%s):\n%s", self.device_type, self.map.table())
+
+    def _bundle_nodes(self) -> dict[int, str]:
+        from ray.util import placement_group_table
+
+        return dict(placement_group_table(self.pg)["bundles_to_node_id"])
+
+    def check_nodes(self, step: int, checkpoint: Path | None) -> set[str]:
+        """After a worker died at ``step``: if Ray nodes the run started on are gone, whether the run
+        still fits the nodes left (``unplaced``). It does: wait until Ray has placed the pool's bundles
+        of the lost nodes again (its GCS does that by itself), so that the restarted workers start there,
+        and return the roles with ranks on those bundles (all dead: the run restarts them at once). It
+        does not: a ``UserError`` naming what no longer fits and the fix (resume from ``checkpoint``
+        later, or on fewer ranks). Ray's nodes are asked each time: a run that lost none pays one call."""
+        if self.cfg.runtime.backend == "local":
+            return set()
+        import ray
+
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        lost = self.nodes - {n["NodeID"] for n in alive}
+        if not lost:
+            return set()
+        nodes = [n.get("Resources", {}) for n in alive]
+        missing = unplaced(run_demands(self.cfg, self.specs, self.map), nodes)
+        if missing:
+            raise UserError(lost_node_message(missing, nodes, len(lost), step, checkpoint))
+        self.nodes -= lost
+        log.warning(
+            "placement: %d Ray node(s) died at step %d; the run fits the %d left", len(lost), step, len(alive)
+        )
+        if self.pg is not None and not self.pg.wait(timeout_seconds=120):
+            raise UserError(
+                f"placement: {len(lost)} Ray node(s) died at step {step}; the nodes left have room for the "
+                "pool's bundles, but Ray did not place them again within 120 s (other jobs took the room?):"
+                f"\n{self.map.table() if self.map else ''}\nfix: {resume_hint(checkpoint)}"
+            )
+        if self.map is None:
+            return set()
+        moved = [d for d, node in self.bundle_nodes.items() if node in lost]
+        self.bundle_nodes = self._bundle_nodes()
+        return {role for d in moved for role, _ in self.map.workers_on(d)}
 
     def shutdown(self) -> None:
         _STARTED.pop(_pg_name(self.cfg), None)
