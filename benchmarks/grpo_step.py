@@ -318,15 +318,20 @@ def peak_tflops(args: argparse.Namespace) -> float | None:
 def matmul_params(model: Path) -> int:
     """N of the model-FLOPs count (6·N per trained token, 2·N per scored one): the parameters a token
     multiplies through, the non-embedding ones and the LM head (counted even where it is tied to the
-    embedding, whose lookup costs nothing); attention's own FLOPs (about 2 % at 384 tokens) are left out."""
+    embedding, whose lookup costs nothing); attention's own FLOPs (about 2 % at 384 tokens) are left out.
+    A mixture of experts counts the experts a token is routed to (``num_experts_per_tok`` of
+    ``num_experts``), not all of them: the small MoE shape's 1.3B parameters are ~0.4B a token."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+        m = AutoModelForCausalLM.from_config(config)
     embedding = m.get_input_embeddings().weight
     head = m.get_output_embeddings().weight
     total = sum(p.numel() for p in m.parameters())  # a tied head counted once, as the embedding
-    return total - embedding.numel() + (head.numel() if head is embedding else 0)
+    experts = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)
+    routed = experts * getattr(config, "num_experts_per_tok", 1) // max(getattr(config, "num_experts", 1), 1)
+    return total - experts + routed - embedding.numel() + (head.numel() if head is embedding else 0)
 
 
 def add_rates(rows: list[dict], n_params: int, peak: float | None) -> None:
