@@ -354,6 +354,10 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
     for p in PHASES:  # each step's phases: a slow step shows which phase moved
         if any(r.get(p) for r in rows):
             print(f"[{name}]   {p:<12} {[round(r[p], 2) for r in rows]}", flush=True)
+    for key in sorted({k for r in rows for k in r.get("phases", {})}):  # a peer's own phase names (verl's)
+        print(
+            f"[{name}]   {key:<12} {[round(r.get('phases', {}).get(key, 0.0), 2) for r in rows]}", flush=True
+        )
     for key, label, scale, digits in RATES:  # the engine's speed and the trainers' MFU, each step
         if any(key in r for r in rows):
             shown = [round(r[key] * scale, digits or None) if key in r else "-" for r in rows]
