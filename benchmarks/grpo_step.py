@@ -62,6 +62,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -281,9 +282,19 @@ def run_peer(root: Path, model: Path, prompts: list[str], args: argparse.Namespa
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     }
-    done = subprocess.run([sys.executable, str(script), str(spec.write(root / f"peer-{row}.json"))], env=env)
-    if done.returncode:
-        print(f"[{row}] failed (exit {done.returncode}): the row is left out", flush=True)
+    cmd = [sys.executable, str(script), str(spec.write(root / f"peer-{row}.json"))]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: stopped whole below
+    try:
+        code = proc.wait(timeout=args.peer_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # with what it started (verl's Ray, an engine's processes)
+        proc.wait()
+        print(
+            f"[{row}] stopped after --peer-timeout {args.peer_timeout:.0f} s: the row is left out", flush=True
+        )
+        return []
+    if code:
+        print(f"[{row}] failed (exit {code}): the row is left out", flush=True)
         return []
     return json.loads(Path(spec.out).read_text())
 
@@ -452,6 +463,12 @@ def main() -> None:
         type=int,
         default=16,
         help="the peers' training rows per micro-batch at 3B (with activation checkpointing; TRL fits 16)",
+    )
+    ap.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=None,
+        help="seconds a peer row may take (start included); past them it is stopped and left out",
     )
     ap.add_argument(
         "--peak-tflops",
