@@ -108,18 +108,6 @@ def overrides(spec: PeerSpec, work: Path, data: Path) -> list[str]:
         "trainer.project_name=bench",
         "trainer.experiment_name=verl",
         f"trainer.default_local_dir={work / 'ckpt'}",
-        # a CPU smoke run: no sleep mode or CUDA graphs there; Ray told of more CPUs than a small machine has,
-        # since verl's actors each ask for one
-        *(
-            []
-            if spec.device == "cuda"
-            else [
-                "trainer.device=cpu",
-                f"{r}.enforce_eager=true",
-                f"{r}.free_cache_engine=false",
-                "ray_kwargs.ray_init.num_cpus=32",
-            ]
-        ),
     ]
 
 
