@@ -63,6 +63,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -294,9 +295,19 @@ def run_peer(root: Path, model: Path, prompts: list[str], args: argparse.Namespa
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     }
-    done = subprocess.run([sys.executable, str(script), str(spec.write(root / f"peer-{row}.json"))], env=env)
-    if done.returncode:
-        print(f"[{row}] failed (exit {done.returncode}): the row is left out", flush=True)
+    cmd = [sys.executable, str(script), str(spec.write(root / f"peer-{row}.json"))]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: stopped whole below
+    try:
+        code = proc.wait(timeout=args.peer_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # with what it started (verl's Ray, an engine's processes)
+        proc.wait()
+        print(
+            f"[{row}] stopped after --peer-timeout {args.peer_timeout:.0f} s: the row is left out", flush=True
+        )
+        return []
+    if code:
+        print(f"[{row}] failed (exit {code}): the row is left out", flush=True)
         return []
     return json.loads(Path(spec.out).read_text())
 
@@ -372,6 +383,10 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
     for p in PHASES:  # each step's phases: a slow step shows which phase moved
         if any(r.get(p) for r in rows):
             print(f"[{name}]   {p:<12} {[round(r[p], 2) for r in rows]}", flush=True)
+    for key in sorted({k for r in rows for k in r.get("phases", {})}):  # a peer's own phase names (verl's)
+        print(
+            f"[{name}]   {key:<12} {[round(r.get('phases', {}).get(key, 0.0), 2) for r in rows]}", flush=True
+        )
     for key, label, scale, digits in RATES:  # the engine's speed and the trainers' MFU, each step
         if any(key in r for r in rows):
             shown = [round(r[key] * scale, digits or None) if key in r else "-" for r in rows]
@@ -468,6 +483,12 @@ def main() -> None:
         type=int,
         default=16,
         help="the peers' training rows per micro-batch at 3B (with activation checkpointing; TRL fits 16)",
+    )
+    ap.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=None,
+        help="seconds a peer row may take (start included); past them it is stopped and left out",
     )
     ap.add_argument(
         "--peak-tflops",

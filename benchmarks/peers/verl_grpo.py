@@ -13,7 +13,7 @@ is ``sdpa`` over padded rows (``use_remove_padding: false``), since verl's packe
 ``flash-attn`` package, which is not in the image and too large to carry (verl's fastest setup packs), and
 activation checkpointing is off at 0.5B as in reroll's row (verl's default turns it on).
 
-Its needs beyond the vLLM bundle (``hydra-core``, ``omegaconf``, ``tensordict``, ...) come in
+Its needs beyond the vLLM bundle (``hydra-core``, ``omegaconf``, ``tensordict``, ``transferqueue``, ``trl==0.27.0``, ...) come in
 ``.devbundle/verl.tar.xz``. Pins verl declares and the GPU image does not meet: ``transformers<5.11`` (the
 image has 5.17) and, for its vllm extra, ``vllm==0.24.0`` (the bundle has 0.25.0).
 Writes ``spec.out``: one ``{"step": seconds, "new_tokens": n, "phases": {...}}`` per step, from verl's
@@ -124,6 +124,18 @@ def read_steps(log: Path, spec: PeerSpec) -> list[dict]:
     return out
 
 
+def verl_first(pythonpath: str) -> str:
+    """``pythonpath`` with verl's bundle first: it holds the TRL verl imports (0.27.0, verl's pin, whose
+    ``trl.experimental.ppo`` TRL 1.16 in the vLLM bundle no longer has), ahead of the TRL rows' 1.16."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or spec.origin is None:
+        return pythonpath
+    site = str(Path(spec.origin).parents[1])
+    return os.pathsep.join([site, *(p for p in pythonpath.split(os.pathsep) if p and p != site)])
+
+
 def run(spec: PeerSpec) -> list[dict]:
     work = Path(spec.out).parent / "verl-work"
     work.mkdir(parents=True, exist_ok=True)
@@ -131,6 +143,8 @@ def run(spec: PeerSpec) -> list[dict]:
     data = write_data(spec, work)
     log = work / "verl.jsonl"
     env = os.environ | {"VERL_FILE_LOGGER_PATH": str(log), "WANDB_MODE": "disabled"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # reroll's setting for its in-process engine: verl's own
+    env["PYTHONPATH"] = verl_first(env.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(spec, work, data)]
     print("verl:", " ".join(cmd), flush=True)
     done = subprocess.run(cmd, env=env, cwd=work)
