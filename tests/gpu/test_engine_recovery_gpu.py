@@ -18,22 +18,35 @@ from tests.conftest import QUICKSTART, quickstart_overrides
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not engine_available("vllm"), reason="needs vllm"),
 ]
 
 STEPS = 4
 COLOCATED = [  # test_vllm_gpu's: every role on GPU 0, weights over CUDA IPC
     "placement.devices=1",
     "placement.device_type=cuda",
-    "rollout.engine=vllm",
-    "rollout.vllm.gpu_memory_utilization=0.3",
-    "rollout.vllm.max_model_len=64",
     "model.dtype=bfloat16",
     "strategy.name=fsdp2",
 ]
+ENGINES = {  # the engine's own settings; hf: the same path where vLLM is not installed
+    "vllm": [
+        "rollout.engine=vllm",
+        "rollout.vllm.gpu_memory_utilization=0.3",
+        "rollout.vllm.max_model_len=64",
+    ],
+    "hf": ["rollout.engine=hf"],
+}
 
 
-def test_a_killed_engine_is_recreated_with_the_trainers_weights_and_the_run_finishes(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param("vllm", marks=pytest.mark.skipif(not engine_available("vllm"), reason="needs vllm")),
+        "hf",
+    ],
+)
+def test_a_killed_engine_is_recreated_with_the_trainers_weights_and_the_run_finishes(
+    tmp_path, monkeypatch, engine
+):
     import ray
 
     from reroll.config.loader import load_config
@@ -45,6 +58,7 @@ def test_a_killed_engine_is_recreated_with_the_trainers_weights_and_the_run_fini
     overrides = [
         *quickstart_overrides(tmp_path, total_steps=STEPS),
         *COLOCATED,
+        *ENGINES[engine],
         "sft.steps=100",  # a warm start: weights a stale engine would not hold
         "rollout.batch_size=128",
         "optim.micro_batch_size=128",
