@@ -49,6 +49,9 @@ class EngineSpec:
     # why a span of several devices cannot start on a device type ('cpu' or 'cuda'), as (dotted path,
     # message), or None
     span_problem: Callable[[RolloutConfig, str], tuple[str, str] | None] | None = None
+    # what the engine's own settings need of the model (its config.json as attributes, or only its
+    # model_type where it is not on disk): (dotted path, message), or None
+    model_problem: Callable[[RolloutConfig, Any], tuple[str, str] | None] | None = None
     # sleep(level) frees device memory; the levels it takes, and which the run uses
     sleep_levels: tuple[int, ...] = (1, 2)
     sleep_level: Callable[[RolloutConfig], int] = _one
@@ -99,6 +102,20 @@ def _vllm_span_problem(r: RolloutConfig, device: str) -> tuple[str, str] | None:
     )
 
 
+def _vllm_model_problem(r: RolloutConfig, model: Any) -> tuple[str, str] | None:
+    """rollout.vllm.expert_parallel needs experts to split: refused for a model known to be dense."""
+    kind = getattr(model, "model_type", None)
+    if not r.vllm.expert_parallel or kind is None or not hasattr(model, "architectures"):
+        return None  # not asked, or only the model's name is known (a hub id): the engine will say
+    if getattr(model, "num_experts", None) or getattr(model, "num_local_experts", None):
+        return None
+    return (
+        "rollout.vllm.expert_parallel",
+        f"true, but model.path is a dense {kind!r} model (no num_experts in its config.json): expert "
+        "parallelism splits a mixture of experts' experts over the engine's ranks; set it to false",
+    )
+
+
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec(name="hf", streams=True, streams_tokens=True, top_logprobs=True, multimodal=True),
     "vllm": EngineSpec(
@@ -108,6 +125,7 @@ ENGINES: dict[str, EngineSpec] = {
         span=lambda r: r.vllm.tensor_parallel_size,
         span_key="rollout.vllm.tensor_parallel_size",
         span_problem=_vllm_span_problem,
+        model_problem=_vllm_model_problem,
         sleep_level=lambda r: r.vllm.sleep_level,
         sleep_switch=lambda r: r.vllm.enable_sleep_mode,
         sleep_switch_key="rollout.vllm.enable_sleep_mode",

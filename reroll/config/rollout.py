@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from reroll.config.base import StrictModel
 from reroll.config.engines import check_engine_name
@@ -21,6 +21,13 @@ class VLLMConfig(StrictModel):
         ge=1,
         description="GPUs (or CPU processes) one engine spans. On CPU, tested with 2: set in_process=false "
         "and cpu_omp_threads_bind to one core list per rank ('0|1').",
+    )
+    expert_parallel: bool = Field(
+        False,
+        description="A mixture of experts' experts split whole over the engine's tensor_parallel_size "
+        "ranks (vLLM's enable_expert_parallel) instead of every expert's matrices sliced across them: "
+        "fewer, larger expert matmuls a rank. Needs tensor_parallel_size > 1 and a MoE model; weight sync "
+        "hands every rank the full tensors and vLLM's loader keeps its own experts.",
     )
     enforce_eager: bool = Field(True, description="Skip CUDA-graph capture (slower decode, faster start).")
     cpu_kvcache_space_gb: int = Field(
@@ -51,6 +58,15 @@ class VLLMConfig(StrictModel):
         None, ge=1, description="Longest prompt + response (default: the model's context length)."
     )
     seed: int = Field(0, description="Engine seed (per-request seeds come from the pipeline).")
+
+    @model_validator(mode="after")
+    def _experts_need_ranks(self) -> VLLMConfig:
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError(
+                "expert_parallel splits the experts over the engine's tensor-parallel ranks, and "
+                "tensor_parallel_size is 1: raise tensor_parallel_size, or set expert_parallel=false"
+            )
+        return self
 
 
 class ImagesConfig(StrictModel):

@@ -406,6 +406,8 @@ def engine_problems(cfg: RunConfig, device_type: str | None) -> list[tuple[str, 
     infer = role_device(cfg, "actor_infer", device_type) if device_type else None
     spanning = spec.span_problem(r, infer) if spec.span_problem is not None and infer else None
     problems += [spanning] if spanning else []
+    modelled = spec.model_problem(r, _model_config(cfg.model.path)) if spec.model_problem else None
+    problems += [modelled] if modelled else []
     switch = spec.sleep_switch(r) if spec.sleep_switch is not None else None
     if switch and spec.sleep_needs_cuda and infer == "cpu":
         problems.append((spec.sleep_switch_key, SLEEP_NEEDS_CUDA.format(key=spec.sleep_switch_key)))

