@@ -163,7 +163,6 @@ def run_reroll(
     from reroll.pipelines.rlvr import RLVR
     from reroll.pipelines.roles import Roles
     from reroll.pipelines.run import run
-    from reroll.runtime.metrics import read_metrics
 
     rows = root / "prompts.jsonl"
     rows.write_text("".join(json.dumps({"question": p, "answer": "0"}) + "\n" for p in prompts))
@@ -253,11 +252,19 @@ def run_reroll(
             run(RLVR, load_config(path, RunConfig))
     else:
         run(RLVR, load_config(path, RunConfig))
+    return read_steps(root / name, args.prompts * args.group)
+
+
+def read_steps(run_dir: Path, samples: int) -> list[dict]:
+    """A bench run's steps from its ``metrics.jsonl``: each phase's seconds, the step's wall time, its new
+    tokens (``samples`` responses) and, under "metrics", all the step logged (for ``--json``). Step 0 (the
+    first evaluation) and the last step (which also evaluates and checkpoints) are left out."""
+    from reroll.runtime.metrics import read_metrics
+
     out = []
-    for row in read_metrics(root / name)[1:-1]:
+    for row in read_metrics(run_dir)[1:-1]:
         phases = {p: row.get(f"timing/{p}", 0.0) for p in PHASES}
-        tokens = row["rollout/response_length"] * args.prompts * args.group
-        # the step's wall time; "metrics": all the step logged, for --json
+        tokens = row["rollout/response_length"] * samples
         out.append({**phases, "step": row["timing/step"], "new_tokens": tokens, "metrics": row})
     return out
 

@@ -30,7 +30,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.grpo_step import PHASES, device_name, mean_after, print_row  # noqa: E402
+from benchmarks.grpo_step import PHASES, device_name, mean_after, print_row, read_steps  # noqa: E402
 
 # Qwen2.5-VL-3B-Instruct's config.json, the parts that set the cost of a step
 QWEN25_VL_3B = dict(
@@ -76,7 +76,6 @@ def run_steps(root: Path, model: Path, rows: Path, args: argparse.Namespace) -> 
     from reroll.config.schema import RunConfig
     from reroll.pipelines.rlvr import RLVR
     from reroll.pipelines.run import run
-    from reroll.runtime.metrics import read_metrics
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     gpu = args.device == "cuda"
@@ -118,12 +117,7 @@ def run_steps(root: Path, model: Path, rows: Path, args: argparse.Namespace) -> 
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run(RLVR, load_config(path, RunConfig))
-    out = []
-    for row in read_metrics(root / name)[1:-1]:
-        phases = {p: row.get(f"timing/{p}", 0.0) for p in PHASES}
-        tokens = row["rollout/response_length"] * args.prompts * args.group
-        out.append({**phases, "step": row["timing/step"], "new_tokens": tokens, "metrics": row})
-    return out
+    return read_steps(root / name, args.prompts * args.group)
 
 
 def main() -> None:

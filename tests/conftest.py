@@ -127,6 +127,24 @@ def write_config(path: Path, assets: dict[str, Path], **sections) -> Path:
     return path
 
 
+def small_config(tmp_path: Path, *overrides: str, model: str | None = None) -> RunConfig:
+    """The smallest RLVR config a placement or start check reads (nothing is built or loaded), with
+    dotted ``overrides``; ``model.path`` is ``tmp_path`` unless ``model`` names another."""
+    from reroll.config.loader import load_config
+    from reroll.config.schema import RunConfig
+
+    base = {
+        "pipeline": "rlvr",
+        "model": {"path": model or str(tmp_path)},
+        "data": {"train_files": ["x.jsonl"]},
+        "rollout": {"batch_size": 8, "group_size": 4},
+        "algorithm": {"kl_coef": 0.1},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return load_config(path, RunConfig, list(overrides))
+
+
 def merge_sections(cfg: dict, sections: dict) -> dict:
     """``cfg`` with ``sections`` over it: a section given as a dict replaces only the keys it names."""
     out = dict(cfg)

@@ -6,9 +6,8 @@ import re
 
 import pytest
 import torch
-import yaml
 
-from reroll.config.loader import ConfigError, load_config
+from reroll.config.loader import ConfigError
 from reroll.config.placement import (
     device_map,
     engine_headroom,
@@ -16,22 +15,13 @@ from reroll.config.placement import (
     scaled_peak,
     trainer_strategy,
 )
-from reroll.config.schema import RunConfig
 from reroll.pipelines.residency import ENGINE_AWAKE_OOM
 from reroll.runtime.placement import Colocation, ResourceManager
+from tests.conftest import small_config
 
 
 def _cfg(tmp_path, **overrides):
-    base = {
-        "pipeline": "rlvr",
-        "model": {"path": str(tmp_path)},
-        "data": {"train_files": ["x.jsonl"]},
-        "rollout": {"batch_size": 8, "group_size": 4},
-        "algorithm": {"kl_coef": 0.1},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(base))
-    return load_config(path, RunConfig, [f"{k}={v}" for k, v in overrides.items()])
+    return small_config(tmp_path, *(f"{k}={v}" for k, v in overrides.items()))
 
 
 def test_default_pool_colocates_every_model_role_on_device_0(tmp_path):

@@ -5,25 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
-from reroll.config.loader import load_config
 from reroll.config.placement import device_map, run_roles
 from reroll.config.replacement import Demand, lost_node_message, run_demands, unplaced
 from reroll.config.schema import RunConfig
+from tests.conftest import small_config
 
 
 def _cfg(tmp_path: Path, *overrides: str) -> RunConfig:
-    base = {
-        "pipeline": "rlvr",
-        "model": {"path": str(tmp_path)},
-        "data": {"train_files": ["x.jsonl"]},
-        "rollout": {"batch_size": 8, "group_size": 4},
-        "algorithm": {"kl_coef": 0.1},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(base))
-    return load_config(path, RunConfig, list(overrides))
+    return small_config(tmp_path, *overrides)
 
 
 def _demands(cfg: RunConfig) -> list[Demand]:

@@ -7,25 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
-from reroll.config.loader import load_config
 from reroll.config.placement import cluster_problems
 from reroll.config.schema import RunConfig
 from reroll.config.startable import model_type, start_problems
+from tests.conftest import small_config
 
 
 def _cfg(tmp_path: Path, *overrides: str, model: str | None = None) -> RunConfig:
-    base = {
-        "pipeline": "rlvr",
-        "model": {"path": model or str(tmp_path)},
-        "data": {"train_files": ["x.jsonl"]},
-        "rollout": {"batch_size": 8, "group_size": 4},
-        "algorithm": {"kl_coef": 0.1},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(base))
-    return load_config(path, RunConfig, list(overrides))
+    return small_config(tmp_path, *overrides, model=model)
 
 
 def _paths(problems: list[tuple[str, str]]) -> list[str]:
