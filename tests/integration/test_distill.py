@@ -95,7 +95,11 @@ def test_offline_distillation_caches_the_teacher_and_resumes(tmp_path, assets, t
     assert [r["step"] for r in rows] == list(range(61))
     fkl = [r["distill/forward_kl"] for r in rows[1:]]
     assert fkl[-1] < 0.6 * fkl[0], fkl
-    assert rows[-1]["eval/accuracy"] > rows[0]["eval/accuracy"]  # from 0: the random student
+    # the random student never ends an answer (every held-out response cut at the cap); the distilled one
+    # ends them as the teacher does. Not held-out accuracy: 60 steps leave it at 0-3 of the 64 rows, which
+    # the CPU's kernels decide (0.047 at step 30 and 0.000 at step 60 with ATEN_CPU_CAPABILITY=avx2)
+    assert rows[0]["eval/truncated"] == 1.0
+    assert rows[-1]["eval/truncated"] < 0.5, rows[-1]
 
 
 def test_rows_go_to_their_teacher_by_domain(tmp_path, assets, teacher):
