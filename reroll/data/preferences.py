@@ -111,8 +111,9 @@ def render_pair(
             if images:
                 raise DatasetError(
                     f"the prompt has {images} images, which only a chat template places (a vision-language "
-                    "model's), and these pairs are rendered as written (data.chat_template false, or no data "
-                    "section): set data.chat_template to auto or true (pipeline dpo: add a data section)"
+                    "model's), and these pairs are rendered as written (data.chat_template false, or auto "
+                    "and the tokenizer has none, or no data section): use such a model with "
+                    "data.chat_template auto or true (pipeline dpo without a data section: add one)"
                 )
             return prompt, row["chosen"], row["rejected"]
         prompt, images = chat_messages(prompt, fmt.system_prompt, images=images), 0  # placed
@@ -184,7 +185,8 @@ class PairBatch:
     """Pairs as two right-padded ``TrainBatch``es, row i of ``chosen`` against row i of ``rejected``
     (prompt + response + eos; ``response_mask`` on the response and eos). ``ref_chosen`` /
     ``ref_rejected``: the reference's sequence log-probs ``(P,)`` where the loss needs them;
-    ``num_pairs``: the pairs of the whole optimizer step (all micro-batches, all ranks);
+    ``num_pairs``: the pairs of the whole optimizer step (all micro-batches, all ranks); a prompt's
+    images sit on both of its rows (``pixel_values`` / ``image_grid_thw`` of each side, padded alike);
     ``pad_token_id`` fills the padding (a sequence-classification head reads the last non-pad token)."""
 
     chosen: TrainBatch
