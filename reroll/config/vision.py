@@ -1,6 +1,7 @@
 """What a run with images asks of its model, engine and options: one list of problems, read by
-``reroll validate`` (``preflight``, once it has seen image rows or pairs), the run (``image_reader``, after
-loading its rows or pairs) and the start checks (``startable``: a vision-language model's own limits, whatever the rows hold)."""
+``reroll validate`` (``preflight``, once it has seen image rows or pairs), the run (``image_reader``,
+after loading its rows or pairs) and the start checks (``startable``: a vision-language model's own
+limits, whatever the rows hold)."""
 
 from __future__ import annotations
 
