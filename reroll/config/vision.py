@@ -1,11 +1,13 @@
 """What a run with images asks of its model, engine and options: one list of problems, read by
-``reroll validate`` (``preflight``, once it has seen image rows), the run (``Rows``, after loading them)
-and the start checks (``startable``: a vision-language model's own limits, whatever the rows hold)."""
+``reroll validate`` (``preflight``, once it has seen image rows or pairs), the run (``image_reader``,
+after loading its rows or pairs) and the start checks (``startable``: a vision-language model's own
+limits, whatever the rows hold)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from reroll.config.data import DataConfig
 from reroll.config.engines import engine_spec, engines_with
 
 if TYPE_CHECKING:
@@ -42,21 +44,38 @@ def vision_model_problems(cfg: RunConfig, model_type: str | None) -> list[tuple[
     return problems
 
 
+REWARD_HEAD_REFUSED = (
+    "the rows have images, and pipeline reward_model trains a sequence-classification head, which "
+    "transformers does not build on a vision-language model (no Qwen2-VL class for it): train the reward "
+    "model on text pairs, or score image responses with a reward function"
+)
+
+
+def image_field(cfg: RunConfig) -> str | None:
+    """The row field a run reads images from: ``data.image_field``, or where the run has no data section
+    (pipeline reward_model, dpo without one) that field's default, so that pair rows holding images are
+    never read as text alone."""
+    data = cfg.section("data")
+    return data.image_field if data is not None else DataConfig.model_fields["image_field"].default
+
+
 def image_problems(cfg: RunConfig, model_type: str | None) -> list[tuple[str, str]]:
     """Why a run of ``cfg`` cannot take rows with images (the policy a ``model_type`` model, None where not
-    known), as ``(dotted path, message)``."""
+    known), as ``(dotted path, message)``. The engine is asked where the run starts one (actor_infer)."""
     problems = []
+    if cfg.policy_head == "reward":
+        problems.append(("pipeline", REWARD_HEAD_REFUSED))
     if is_vision_model_type(model_type) is False:
         problems.append(
             (
                 "model.path",
-                f"the rows have images (field {cfg.data.image_field!r}) but model.path "  # type: ignore[attr-defined]
+                f"the rows have images (field {image_field(cfg)!r}) but model.path "
                 f"{cfg.model.path!r} is a {model_type!r} model, which reads text only: use a vision-language "
                 f"model ({', '.join(VISION_MODEL_TYPES)}), or set data.image_field=null to train on the text",
             )
         )
     spec = engine_spec(cfg.rollout.engine)
-    if not spec.multimodal:
+    if "actor_infer" in cfg.started_roles() and not spec.multimodal:
         problems.append(
             (
                 "rollout.engine",

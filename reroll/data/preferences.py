@@ -6,6 +6,12 @@ prompt's messages, and the assistant turn(s) of each response. ``render_pair`` i
 becomes text (message lists through the tokenizer's chat template). A bad row (a missing field, an
 empty text, chosen equal to rejected) is a ``DatasetError`` naming its file and row.
 
+A row's prompt may carry images (the run's image field, ``reroll.data.images``: each must open, else the
+error names the row), shared by its chosen and its rejected response: the chat template places them
+before the prompt's text (a vision-language model's), and ``pair_batch`` gives both batch rows of the
+pair the prompt's expanded image tokens and its pixels, so the policy and the reference score each
+response with the image it answers.
+
 ``write_arithmetic_preferences`` makes synthetic pairs from the arithmetic task: the correct answer is
 preferred to a near miss (one digit or the carry wrong, as a partly trained model errs).
 """
@@ -17,26 +23,32 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from reroll.data.arithmetic import make_arithmetic_rows, write_splits
 from reroll.data.chat import PromptFormat, chat_messages
 from reroll.data.datasets import DatasetError, read_rows
-from reroll.data.types import TrainBatch, prompt_response_batch
+from reroll.data.images import row_images
+from reroll.data.types import ImageInputs, TrainBatch, padded_images, prompt_response_batch
+
+if TYPE_CHECKING:
+    from reroll.models.vision import VisionProcessor
 
 FIELDS = ("prompt", "chosen", "rejected")
 
 
 @dataclass(frozen=True)
 class PreferencePair:
-    """One rendered pair: the prompt text and the two responses' text (``uid``: file and row, or the id)."""
+    """One rendered pair: the prompt text and the two responses' text (``uid``: file and row, or the id);
+    ``images``: the prompt's images, encoded, in the order its placeholders stand (none: text only)."""
 
     uid: str
     prompt: str
     chosen: str
     rejected: str
+    images: tuple[bytes, ...] = ()
 
 
 def check_preference_row(file: str, index: int, row: dict[str, Any]) -> None:
@@ -84,24 +96,34 @@ def _short(value: Any) -> str:
 
 
 def render_pair(
-    row: dict[str, Any], tokenizer: Any = None, fmt: PromptFormat | None = None
+    row: dict[str, Any], tokenizer: Any = None, fmt: PromptFormat | None = None, images: int = 0
 ) -> tuple[str, str, str]:
     """``(prompt, chosen, rejected)`` text of a checked row: strings as they are, unless ``fmt`` (the
     run's ``PromptFormat``) uses the chat template, which then wraps them as a user message (with the
     system prompt) and an assistant reply, as rlvr and sft render prompts; message lists through the
     tokenizer's chat template (the prompt with the generation prompt, each response as the text the
-    template adds after it). The one place preference rows become text."""
+    template adds after it). ``images``: how many images the prompt carries, placed as image parts
+    before the (first) user message's text, where the chat template writes their placeholders, as
+    ``PromptFormat.prompt`` places a row's. The one place preference rows become text."""
     prompt = row["prompt"]
     if isinstance(prompt, str) and isinstance(row["chosen"], str) and isinstance(row["rejected"], str):
         if fmt is None or not fmt.chat:
+            if images:
+                raise DatasetError(
+                    f"the prompt has {images} images, which only a chat template places (a vision-language "
+                    "model's), and these pairs are rendered as written (data.chat_template false, or auto "
+                    "and the tokenizer has none, or no data section): use such a model with "
+                    "data.chat_template auto or true (pipeline dpo without a data section: add one)"
+                )
             return prompt, row["chosen"], row["rejected"]
-        prompt = chat_messages(prompt, fmt.system_prompt)
+        prompt, images = chat_messages(prompt, fmt.system_prompt, images=images), 0  # placed
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise DatasetError(
-            "preference rows with chat message lists need a tokenizer with a chat template: the model's "
-            "tokenizer has none; give the fields as strings"
+            "preference rows with chat message lists or images need a tokenizer with a chat template: "
+            "the model's tokenizer has none; give the fields as strings, without images"
         )
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    messages = _with_image_parts(messages, images) if images else messages
     head = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def response(value: str | list[dict[str, str]]) -> str:
@@ -116,6 +138,15 @@ def render_pair(
     return head, response(row["chosen"]), response(row["rejected"])
 
 
+def _with_image_parts(messages: list[dict[str, Any]], images: int) -> list[dict[str, Any]]:
+    """``messages`` with ``images`` image parts before the first user message's text."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first is None:
+        raise DatasetError("a pair's prompt has images but no user message to place them in: add one")
+    parts = chat_messages(messages[first]["content"], images=images)[0]
+    return [*messages[:first], parts, *messages[first + 1 :]]
+
+
 def load_pairs(
     files: Sequence[str],
     tokenizer: Any = None,
@@ -123,14 +154,23 @@ def load_pairs(
     fmt: PromptFormat | None = None,
     id_field: str = "id",
     limit: int | None = None,
+    image_field: str | None = None,
 ) -> list[PreferencePair]:
-    """Every row of ``files`` checked (``check_preference_row``) and rendered (``render_pair``)."""
+    """Every row of ``files`` checked (``check_preference_row``) and rendered (``render_pair``), with its
+    prompt's images from ``image_field`` (None: none read), each checked to open (``row_images``: paths
+    are read relative to the file's directory)."""
     pairs: list[PreferencePair] = []
     for file in files:
         for i, row in enumerate(read_rows(file)):
             check_preference_row(file, i, row)
-            prompt, chosen, rejected = render_pair(row, tokenizer, fmt)
-            pairs.append(PreferencePair(str(row.get(id_field, f"{file}:{i + 1}")), prompt, chosen, rejected))
+            where = f"{file}: row {i + 1}"
+            images = row_images(where, row, image_field, Path(file).parent) if image_field else ()
+            try:
+                prompt, chosen, rejected = render_pair(row, tokenizer, fmt, images=len(images))
+            except DatasetError as e:
+                raise DatasetError(f"{where}: {e}") from e
+            uid = str(row.get(id_field, f"{file}:{i + 1}"))
+            pairs.append(PreferencePair(uid, prompt, chosen, rejected, images))
             if limit is not None and len(pairs) >= limit:
                 return pairs
     if not pairs:
@@ -145,7 +185,8 @@ class PairBatch:
     """Pairs as two right-padded ``TrainBatch``es, row i of ``chosen`` against row i of ``rejected``
     (prompt + response + eos; ``response_mask`` on the response and eos). ``ref_chosen`` /
     ``ref_rejected``: the reference's sequence log-probs ``(P,)`` where the loss needs them;
-    ``num_pairs``: the pairs of the whole optimizer step (all micro-batches, all ranks);
+    ``num_pairs``: the pairs of the whole optimizer step (all micro-batches, all ranks); a prompt's
+    images sit on both of its rows (``pixel_values`` / ``image_grid_thw`` of each side, padded alike);
     ``pad_token_id`` fills the padding (a sequence-classification head reads the last non-pad token)."""
 
     chosen: TrainBatch
@@ -178,11 +219,14 @@ class PairBatch:
         width = max(self.chosen.input_ids.shape[1], self.rejected.input_ids.shape[1])
         cat = lambda a, b, pad: TrainBatch.concat([a, b], width, pad)  # noqa: E731
         c, r = self.chosen, self.rejected
+        both = lambda a, b: None if a is None or b is None else torch.cat([a, b])  # noqa: E731
         return TrainBatch(
             input_ids=cat(c.input_ids, r.input_ids, self.pad_token_id).long(),
             attention_mask=cat(c.attention_mask, r.attention_mask, False).bool(),
             response_mask=cat(c.response_mask, r.response_mask, False).bool(),
             group_ids=torch.cat([c.group_ids, r.group_ids]),
+            pixel_values=both(c.pixel_values, r.pixel_values),  # the sides share their padded shapes
+            image_grid_thw=both(c.image_grid_thw, r.image_grid_thw),
         )
 
     def proxy(self) -> TrainBatch:
@@ -197,24 +241,44 @@ class PairBatch:
         )
 
 
-def pair_batch(pairs: Sequence[PreferencePair], tokenizer: Any) -> PairBatch:
-    """Tokenised pairs: prompt + response + eos, the loss and the reward on the response and eos."""
+def pair_batch(
+    pairs: Sequence[PreferencePair],
+    tokenizer: Any,
+    vision: VisionProcessor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> PairBatch:
+    """Tokenised pairs: prompt + response + eos, the loss and the reward on the response and eos. With
+    ``vision`` (the model's ``VisionProcessor``; needed where a pair has images), each prompt's image
+    placeholders are expanded and its images processed once, and both rows of the pair, chosen and
+    rejected, carry them (``pixel_values`` in ``dtype``, ``image_grid_thw``), as ``sft_batch`` and
+    ``with_images`` give a row its sample's."""
+    if vision is None and any(p.images for p in pairs):
+        raise ValueError("pair_batch: the pairs have images, so it needs the model's VisionProcessor")
+    prompts: list[tuple[list[int], ImageInputs | None]] = [
+        vision.encode(p.prompt, p.images)
+        if p.images and vision is not None
+        else (tokenizer.encode(p.prompt, add_special_tokens=False), None)
+        for p in pairs
+    ]
+    found = [i for _, i in prompts]
+    images = padded_images(found, dtype) if any(i is not None for i in found) else None
 
-    def side(texts: list[tuple[str, str]]) -> TrainBatch:
+    def side(responses: list[str]) -> TrainBatch:
         rows = []
-        for prompt, response in texts:
-            p = tokenizer.encode(prompt, add_special_tokens=False)
+        for (p, _), response in zip(prompts, responses):
             r = tokenizer.encode(response, add_special_tokens=False)
             rows.append((p, [*r, tokenizer.eos_token_id]))
-        return prompt_response_batch(rows, tokenizer.pad_token_id)
+        batch = prompt_response_batch(rows, tokenizer.pad_token_id)
+        if images is not None:
+            batch.pixel_values, batch.image_grid_thw = images
+        return batch
 
-    batch = PairBatch(
-        chosen=side([(p.prompt, p.chosen) for p in pairs]),
-        rejected=side([(p.prompt, p.rejected) for p in pairs]),
+    return PairBatch(
+        chosen=side([p.chosen for p in pairs]),
+        rejected=side([p.rejected for p in pairs]),
         num_pairs=float(len(pairs)),
         pad_token_id=int(tokenizer.pad_token_id),
     )
-    return batch
 
 
 def near_miss(answer: int, rng: random.Random) -> int:

@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from tqdm import tqdm
@@ -154,7 +154,20 @@ class Rows:
         sft_warm_start(self.cfg, roles, lambda i: self.target_batch(rows.next_batch()), "the rows' targets")
 
 
-def image_reader(cfg: RunConfig, tokenizer: Any, samples: Sequence[Sample]) -> VisionProcessor | None:
+class ImageRow(Protocol):
+    """What ``image_reader`` reads of a row: a ``Sample``, or a ``PreferencePair`` (its prompt's images)."""
+
+    @property
+    def uid(self) -> str: ...
+
+    @property
+    def prompt(self) -> str: ...
+
+    @property
+    def images(self) -> tuple[bytes, ...]: ...
+
+
+def image_reader(cfg: RunConfig, tokenizer: Any, samples: Sequence[ImageRow]) -> VisionProcessor | None:
     """The model's image processor where ``samples`` have images (None where none has), after the checks
     of a run with images (``image_problems``: the first is raised), each sample's image count against
     ``rollout.images.max_per_prompt`` and its prompt's placeholders (one per image)."""

@@ -7,6 +7,10 @@ reference is the policy the loop starts from (after the optional SFT warm start 
 ``dpo.reference: cached`` it scores every training pair once, before step 1, and the cache is saved
 in checkpoints; with ``on_the_fly`` it scores each step's pairs. SimPO needs no reference.
 
+Images: a pair's prompt may carry images (``data.image_field``), which its chosen and rejected rows
+share; the policy and the reference score both with the prompt's pixels and the model's own 3D positions
+(``pair_encoder``), as rlvr's trainer passes do. Rows are not packed for a vision-language model.
+
 Evaluation: with ``data.eval_files``, greedy generations scored by the reward (``eval/accuracy``, as
 in sft and rlvr, so the runs compare); with ``preference.eval_files``, the implicit rewards on held-out
 pairs (``eval/pair_accuracy``, ``eval/margins``, ``eval/rewards/chosen`` / ``rejected``).
@@ -23,14 +27,20 @@ import torch
 from reroll.algorithms.preference import dpo_loss
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import PromptSampler
-from reroll.data.preferences import PairBatch, PreferencePair, pair_batch
+from reroll.data.preferences import PairBatch, PreferencePair
 from reroll.data.types import Sample
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import (
     Rows,
     evaluate,
 )
-from reroll.pipelines.pairs import batches, load_preference_data, pair_texts, write_synthetic_pairs
+from reroll.pipelines.pairs import (
+    batches,
+    load_preference_data,
+    pair_encoder,
+    pair_texts,
+    write_synthetic_pairs,
+)
 from reroll.pipelines.pipeline import Checkpointed, Pipeline, register_pipeline
 from reroll.pipelines.roles import Roles
 from reroll.roles.objectives import DirectPreference
@@ -51,6 +61,7 @@ class DPO(Pipeline):
         write_synthetic_pairs(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.pairs, self.held_out_pairs = load_preference_data(cfg, self.tokenizer)
+        self.encode = pair_encoder(cfg, self.tokenizer, [*self.pairs, *self.held_out_pairs])
         self.rows = Rows(cfg) if cfg.data is not None else None  # the warm start's, and the held-out
         self.held_out: list[Sample] = self.rows.held_out if self.rows is not None else []
         assert cfg.preference is not None
@@ -86,7 +97,7 @@ class DPO(Pipeline):
 
     def step(self, roles: Roles, step: int) -> dict[str, float]:
         index = torch.tensor(self.sampler.next_batch())
-        batch = pair_batch([self.pairs[i] for i in index], self.tokenizer)
+        batch = self.encode([self.pairs[i] for i in index])
         on_the_fly = self.settings.reference == "on_the_fly"
         if self.cfg.needs_reference and (on_the_fly or self.ref_cache is None):
             with roles.phase("reference", self._reference(roles).role):
@@ -114,7 +125,7 @@ class DPO(Pipeline):
 
     def _reference_cache(self, roles: Roles, pairs: list[PreferencePair]) -> torch.Tensor:
         """``(N, 2)``: the reference's log-probs of every pair's chosen and rejected response."""
-        chosen, rejected = self._reference_scores(roles, batches(pairs, self.tokenizer, SCORE_BATCH))
+        chosen, rejected = self._reference_scores(roles, batches(pairs, self.encode, SCORE_BATCH))
         return torch.stack([chosen, rejected], dim=-1)
 
     def evaluate(self, roles: Roles) -> dict[str, float]:
@@ -126,7 +137,7 @@ class DPO(Pipeline):
             roles.hold(self._reference(roles).role)
             self.held_out_ref = self._reference_cache(roles, self.held_out_pairs)
         roles.hold("actor_train")
-        parts = batches(self.held_out_pairs, self.tokenizer, SCORE_BATCH)
+        parts = batches(self.held_out_pairs, self.encode, SCORE_BATCH)
         scores = [roles.actor_train.score_pairs(b, average=simpo) for b in parts]
         chosen, rejected = torch.cat([c for c, _ in scores]), torch.cat([r for _, r in scores])
         ref = self.held_out_ref

@@ -1,9 +1,11 @@
-"""What the preference pipelines (reward_model, dpo) share: the pairs, their sampler, and held-out pair metrics."""
+"""What the preference pipelines (reward_model, dpo) share: the pairs (with their prompts' images), their
+sampler and batches, and held-out pair metrics."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +13,11 @@ import torch
 
 from reroll.algorithms.preference import bradley_terry_loss
 from reroll.config.schema import RunConfig
+from reroll.config.vision import image_field
 from reroll.data.datasets import PromptSampler
 from reroll.data.preferences import PairBatch, PreferencePair, load_pairs, pair_batch
-from reroll.pipelines.common import prompt_format, write_synthetic_files
+from reroll.models.loading import DTYPES
+from reroll.pipelines.common import image_reader, prompt_format, write_synthetic_files
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +30,6 @@ def write_synthetic_pairs(cfg: RunConfig) -> None:
     targets = [Path(prefs.train_files[0]), *(Path(f) for f in prefs.eval_files[:1])]
     if syn is None:
         return
-    from functools import partial
-
     from reroll.data.preferences import write_arithmetic_preferences
 
     writer = partial(write_arithmetic_preferences, negatives=syn.negatives)
@@ -41,13 +43,24 @@ def load_preference_data(cfg: RunConfig, tokenizer: Any) -> tuple[list[Preferenc
     prefs = cfg.preference
     assert prefs is not None
     fmt = prompt_format(cfg, tokenizer) if cfg.section("data") is not None else None
-    train = load_pairs(prefs.train_files, tokenizer, fmt=fmt, id_field=prefs.id_field)
+    kw = {"fmt": fmt, "id_field": prefs.id_field, "image_field": image_field(cfg)}
+    train = load_pairs(prefs.train_files, tokenizer, **kw)
     held_out = (
-        load_pairs(prefs.eval_files, tokenizer, fmt=fmt, id_field=prefs.id_field, limit=prefs.eval_limit)
-        if prefs.eval_files
-        else []
+        load_pairs(prefs.eval_files, tokenizer, **kw, limit=prefs.eval_limit) if prefs.eval_files else []
     )
     return train, held_out
+
+
+PairEncoder = Callable[[Sequence[PreferencePair]], PairBatch]
+"""Pairs to the batch a trainer takes (``pair_batch`` with the run's tokenizer and image processor)."""
+
+
+def pair_encoder(cfg: RunConfig, tokenizer: Any, pairs: Sequence[PreferencePair]) -> PairEncoder:
+    """``pair_batch`` for the run's ``pairs``: where they have images, after the checks of a run with images
+    (``image_reader``: the model reads them, the placeholders match), with the model's image processor
+    and the pixels in ``model.dtype``."""
+    vision = image_reader(cfg, tokenizer, pairs)
+    return partial(pair_batch, tokenizer=tokenizer, vision=vision, dtype=DTYPES[cfg.model.dtype])
 
 
 def pair_sampler(cfg: RunConfig, pairs: list[PreferencePair]) -> PromptSampler:
@@ -61,10 +74,10 @@ def pair_texts(pairs: Iterable[PreferencePair]) -> Iterable[str]:
         yield from (p.prompt, p.chosen, p.rejected)
 
 
-def batches(pairs: Sequence[PreferencePair], tokenizer: Any, size: int) -> Iterable[PairBatch]:
+def batches(pairs: Sequence[PreferencePair], encode: PairEncoder, size: int) -> Iterable[PairBatch]:
     """``pairs`` in order as batches of at most ``size`` (scoring many pairs without one huge padding)."""
     for start in range(0, len(pairs), size):
-        yield pair_batch(pairs[start : start + size], tokenizer)
+        yield encode(pairs[start : start + size])
 
 
 def reward_pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor, prefix: str) -> dict[str, float]:

@@ -17,8 +17,9 @@ Checked:
   one, checked where ``model.path`` is a local directory.
 - preference files (``preference.train_files`` / ``eval_files``): readable the same way, and every row
   a valid pair (``check_preference_row``: prompt, chosen and rejected present, non-empty strings or
-  message lists, chosen different from rejected). Files ``preference.synthetic`` will write are skipped
-  while they do not exist.
+  message lists, chosen different from rejected); where rows carry images, every image opens and the
+  run takes them, as for data rows. Files ``preference.synthetic`` will write are skipped while they do
+  not exist.
 - rewards: every ``fn`` imports (a registered name or ``package.module:function``) and binds its call
   form with the configured ``args``: ``fn(prompt, response, row, **args)``, or the row's fields as
   keywords against the fields of the first training rows (``reroll.rewards.calling``); then each reward
@@ -73,7 +74,7 @@ from reroll.config.run import loadable
 from reroll.config.schema import RunConfig
 from reroll.config.startable import model_type, start_problems
 from reroll.config.teacher import teacher_for
-from reroll.config.vision import image_problems
+from reroll.config.vision import image_field, image_problems
 from reroll.data.chat import ChatTemplateError, PromptFormat
 from reroll.data.datasets import Source, check_row, read_rows, source_name, template_fields
 from reroll.data.images import check_images, image_values, without_images
@@ -125,7 +126,8 @@ def inspect_inputs(
     train_rows: list[tuple[str, int, dict[str, Any]]] = []  # the first training rows that passed
     problems = _check_output_dir(cfg)
     problems += _check_data(cfg, train_rows)
-    problems += _check_preferences(cfg)
+    # what a run with images cannot do is found again where both its rows and its pairs have images
+    problems += [p for p in _check_preferences(cfg) if p not in problems]
     problems += _check_chat_template(cfg)
     warnings: list[ConfigProblem] = []
     agentic = cfg.section("agentic")
@@ -295,6 +297,7 @@ def _check_preferences(cfg: RunConfig) -> list[ConfigProblem]:
     problems = []
     files = [(f"preference.train_files[{i}]", f) for i, f in enumerate(prefs.train_files)]
     files += [(f"preference.eval_files[{i}]", f) for i, f in enumerate(prefs.eval_files)]
+    field, with_images = image_field(cfg), False
     for key, file in files:
         if file in synthetic and not Path(file).exists():
             continue  # preference.synthetic writes it at start
@@ -304,8 +307,13 @@ def _check_preferences(cfg: RunConfig) -> list[ConfigProblem]:
                 raise UserError(f"{file}: has no rows: add pairs, or remove it from {key.split('[')[0]}")
             for i, row in enumerate(rows):
                 check_preference_row(file, i, row)
+            if any(image_values(row, field) for row in rows):  # a prompt's, shared by its two responses
+                with_images = True
+                check_images(file, rows, field, Path(file).parent, cfg.rollout.images.max_per_prompt)
         except UserError as e:
             problems.append(ConfigProblem(key, str(e)))
+    if with_images:
+        problems += [ConfigProblem(k, m) for k, m in image_problems(cfg, model_type(cfg.model.path))]
     return problems
 
 

@@ -6,7 +6,9 @@ score of each row's last non-pad token, a new head at zero) and takes one optimi
 ``center_coef``). No engine runs. The held-out evaluation scores ``preference.eval_files``:
 ``eval/accuracy`` is the pairwise accuracy (chosen scored above rejected). Checkpoints hold the model
 in Hugging Face form (``<checkpoint>/model``, with the tokenizer): ``AutoModelForSequenceClassification``
-loads it, and the ``reward_model`` reward scores with it.
+loads it, and the ``reward_model`` reward scores with it. Pairs with images are refused
+(``config.vision.image_problems``): transformers builds no sequence-classification head on a
+vision-language model.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from typing import Any
 import torch
 
 from reroll.config.schema import RunConfig
-from reroll.data.preferences import pair_batch
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.pairs import (
     batches,
     load_preference_data,
+    pair_encoder,
     pair_sampler,
     pair_texts,
     reward_pair_metrics,
@@ -45,6 +47,7 @@ class RewardModel(Pipeline):
         write_synthetic_pairs(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.train, self.held_out = load_preference_data(cfg, self.tokenizer)
+        self.encode = pair_encoder(cfg, self.tokenizer, [*self.train, *self.held_out])
         self.sampler = pair_sampler(cfg, self.train)
         self.objective = BradleyTerry(cfg.reward_model)
 
@@ -63,14 +66,12 @@ class RewardModel(Pipeline):
 
     def step(self, roles: Roles, step: int) -> dict[str, float]:
         with roles.phase("train", "actor_train"):
-            batch = pair_batch(self.sampler.next_batch(), self.tokenizer)  # type: ignore[arg-type]
+            batch = self.encode(self.sampler.next_batch())  # type: ignore[arg-type]
             return roles.actor_train.train(batch, self.objective)
 
     def evaluate(self, roles: Roles) -> dict[str, float]:
         if not self.held_out:
             return {}
-        scores = [
-            roles.actor_train.score_pairs(b) for b in batches(self.held_out, self.tokenizer, EVAL_BATCH)
-        ]
+        scores = [roles.actor_train.score_pairs(b) for b in batches(self.held_out, self.encode, EVAL_BATCH)]
         chosen, rejected = torch.cat([c for c, _ in scores]), torch.cat([r for _, r in scores])
         return reward_pair_metrics(chosen, rejected, "eval")

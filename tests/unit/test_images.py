@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 
 import pytest
 import torch
@@ -21,8 +22,6 @@ from reroll.pipelines.preflight import check_inputs
 
 @pytest.fixture(scope="module")
 def png() -> bytes:
-    import random
-
     return encode_image(draw_shapes(2, random.Random(0), 16))
 
 
@@ -211,3 +210,96 @@ def test_a_datasets_image_column_gives_the_rows_images(tmp_path, png):
     samples = load_samples([str(tmp_path / "ds")], template="{question}", image_field="images")
     assert [len(s.images) for s in samples] == [1, 1] and "images" not in samples[0].row
     assert open_image(samples[0].images[0]).tobytes() == open_image(png).tobytes()
+
+
+def test_a_pair_rows_image_reaches_both_of_its_batch_rows(tmp_path, png, tiny_vl):
+    """Preference pairs (pipelines dpo, reward_model): the prompt's image, shared by the chosen and the
+    rejected response, is placed as a data row's prompt places it, and both batch rows of the pair carry
+    its expanded image tokens and its pixels, through the stacked forward and the cuts by rank."""
+    from reroll.data.datasets import DatasetError
+    from reroll.data.preferences import load_pairs, pair_batch
+    from reroll.models.loading import load_tokenizer
+    from reroll.models.vision import VisionProcessor
+
+    big = encode_image(draw_shapes(3, random.Random(1), 32))
+    (tmp_path / "fig.png").write_bytes(big)
+    rows = [
+        {"prompt": "abc?", "chosen": "2", "rejected": "1", "images": [base64.b64encode(png).decode()]},
+        {"prompt": "c?", "chosen": "3", "rejected": "4"},  # text only
+        {"prompt": "b?", "chosen": "3", "rejected": "2", "images": "fig.png"},  # beside the file
+    ]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = load_tokenizer(tiny_vl)
+    fmt, vision = PromptFormat(tok), VisionProcessor(tiny_vl, tok, max_pixels=32 * 32)
+    pairs = load_pairs([str(tmp_path / "pairs.jsonl")], tok, fmt=fmt, image_field="images")
+    assert [p.images for p in pairs] == [(png,), (), (big,)]
+    assert pairs[0].prompt == fmt.prompt("abc?", images=1) and pairs[1].prompt == fmt.prompt("c?")
+
+    batch = pair_batch(pairs, tok, vision)
+    want = [vision.images(p.images) for p in pairs]  # 16x16: 4 image tokens, 32x32: 16
+    for i, tokens in enumerate([4, 0, 16]):
+        for side in (batch.chosen, batch.rejected):
+            row = side.select([i])
+            ids = row.input_ids[0][row.attention_mask[0] & ~row.response_mask[0]]
+            assert int((ids == vision.image_token_id).sum()) == tokens, (i, side)
+            got = row.images()
+            if want[i] is None:
+                assert got is None
+            else:
+                assert torch.equal(got.pixel_values, want[i].pixel_values)
+                assert torch.equal(got.image_grid_thw, want[i].image_grid_thw)
+    stacked = batch.stacked().images()  # one forward: the chosen rows, then the rejected
+    order = [want[0], want[2], want[0], want[2]]
+    assert torch.equal(stacked.pixel_values, torch.cat([w.pixel_values for w in order]))
+    assert torch.equal(stacked.image_grid_thw, torch.cat([w.image_grid_thw for w in order]))
+    second = batch.split(2)[1].stacked().images()  # a rank's share keeps its pairs' images
+    assert second is not None and torch.equal(second.pixel_values, torch.cat([want[2].pixel_values] * 2))
+
+    with pytest.raises(ValueError, match="needs the model's VisionProcessor"):
+        pair_batch(pairs, tok)
+    with pytest.raises(
+        DatasetError, match=r"pairs\.jsonl: row 1: the prompt has 1 images, which only a chat"
+    ):
+        load_pairs(
+            [str(tmp_path / "pairs.jsonl")],
+            tok,
+            fmt=PromptFormat(tok, chat_template=False),
+            image_field="images",
+        )
+    chat = [{"role": "user", "content": "abc?"}]  # a message list: the images go before its text
+    (tmp_path / "chat.jsonl").write_text(json.dumps({**rows[0], "prompt": chat}) + "\n")
+    [listed] = load_pairs([str(tmp_path / "chat.jsonl")], tok, image_field="images")
+    assert listed.prompt == pairs[0].prompt and listed.images == (png,)
+
+
+def test_validate_checks_the_images_of_preference_pairs(tmp_path, png):
+    """Pairs with images: the first that does not open is named by file and row, a text-only model is
+    refused, so is a reward model (no sequence-classification head on a vision-language model) and
+    packing; a run without an engine is not asked for a multimodal one."""
+    b64 = base64.b64encode(png).decode()
+    rows = [{"prompt": "q", "chosen": "2", "rejected": "1", "images": [b64]} for _ in range(3)]
+    rows[2]["images"] = ["none.png"]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def found(pipeline: str, **sections) -> dict[str, str]:
+        cfg = {
+            "pipeline": pipeline,
+            "output_dir": str(tmp_path / "runs" / "{name}"),
+            "model": {"path": "Qwen/Qwen2.5-VL-7B-Instruct"},
+            "preference": {"train_files": [str(pairs)]},
+            "rollout": {"engine": "sglang"},  # text only, but no pipeline here starts an engine
+            **sections,
+        }
+        return {p.path: p.message for p in check_inputs(RunConfig.model_validate(cfg))}
+
+    assert (
+        "pairs.jsonl: row 3: image 1 of field 'images': no file" in found("dpo")["preference.train_files[0]"]
+    )
+    rows[2]["images"] = [b64]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dpo = found("dpo")
+    assert "preference.train_files[0]" not in dpo and "rollout.engine" not in dpo and "pipeline" not in dpo
+    assert "reads text only" in found("dpo", model={"path": "Qwen/Qwen2.5-7B"})["model.path"]
+    assert "sequence-classification head" in found("reward_model")["pipeline"]
+    assert "not packed" in found("dpo", optim={"packing": True})["optim.packing"]
