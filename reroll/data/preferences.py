@@ -23,7 +23,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -31,10 +31,13 @@ from reroll.data.arithmetic import make_arithmetic_rows, write_splits
 from reroll.data.chat import PromptFormat, chat_messages
 from reroll.data.datasets import DatasetError, read_rows
 from reroll.data.images import row_images
-from reroll.data.types import ImageInputs, TrainBatch, padded_images, prompt_response_batch
-
-if TYPE_CHECKING:
-    from reroll.models.vision import VisionProcessor
+from reroll.data.types import (
+    ImageInputs,
+    ImagePromptEncoder,
+    TrainBatch,
+    padded_images,
+    prompt_response_batch,
+)
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -244,7 +247,7 @@ class PairBatch:
 def pair_batch(
     pairs: Sequence[PreferencePair],
     tokenizer: Any,
-    vision: VisionProcessor | None = None,
+    vision: ImagePromptEncoder | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> PairBatch:
     """Tokenised pairs: prompt + response + eos, the loss and the reward on the response and eos. With

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -84,6 +84,13 @@ class ImageInputs:
         return ImageInputs(
             torch.cat([p.pixel_values for p in kept]), torch.cat([p.image_grid_thw for p in kept])
         )
+
+
+class ImagePromptEncoder(Protocol):
+    """What the data layer needs of a model's image processor (``reroll.models.vision.VisionProcessor``):
+    a prompt's token ids with its image placeholders expanded, and its images' inputs."""
+
+    def encode(self, text: str, images: Sequence[bytes]) -> tuple[list[int], ImageInputs | None]: ...
 
 
 @dataclass(frozen=True)
