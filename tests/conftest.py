@@ -145,6 +145,22 @@ def small_config(tmp_path: Path, *overrides: str, model: str | None = None) -> R
     return load_config(path, RunConfig, list(overrides))
 
 
+def engine_samples_scored(roles, samples, tokenizer, max_new_tokens: int, *, stale_ok: bool = False):
+    """The engine's samples of ``samples``' prompts (2 each, seed 1) as a train batch, and the trainer's
+    log-probs of them: what the sync checks compare (``batch.rollout_logprobs`` against the trainer's on
+    ``batch.response_mask``). ``stale_ok``: generate on weights older than the trainer's (the check before
+    a sync)."""
+    from reroll.data.types import Rollout, SamplingParams, build_train_batch
+
+    params = SamplingParams(n=2, max_new_tokens=max_new_tokens, seed=1)
+    with roles.phase("generate", "actor_infer"):
+        groups = roles.actor_infer.generate([s.prompt for s in samples], params, stale_ok=stale_ok)
+    rollouts = [Rollout(s, i, c) for i, (s, cs) in enumerate(zip(samples, groups)) for c in cs]
+    batch = build_train_batch(rollouts, tokenizer.pad_token_id)
+    with roles.phase("logprobs", "actor_train"):
+        return batch, roles.actor_train.compute_logprobs(batch)
+
+
 def merge_sections(cfg: dict, sections: dict) -> dict:
     """``cfg`` with ``sections`` over it: a section given as a dict replaces only the keys it names."""
     out = dict(cfg)

@@ -26,12 +26,11 @@ from reroll.config.loader import load_config
 from reroll.config.placement import weight_sync_transport
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import load_samples
-from reroll.data.types import Rollout, SamplingParams, build_train_batch
 from reroll.engines import engine_available
 from reroll.models.loading import load_tokenizer
 from reroll.pipelines.common import sft_batch
 from reroll.roles.objectives import NextToken
-from tests.conftest import write_config
+from tests.conftest import engine_samples_scored, write_config
 
 pytestmark = [
     pytest.mark.integration,
@@ -85,13 +84,7 @@ def test_two_fsdp2_ranks_sync_a_tp2_vllm_engine_on_their_own_devices(tmp_path, a
         assert roles.engine_stale
 
         def sampled() -> tuple:
-            params = SamplingParams(n=2, max_new_tokens=4, seed=1)
-            with roles.phase("generate", "actor_infer"):
-                groups = engine.generate([s.prompt for s in samples], params, stale_ok=True)
-            rollouts = [Rollout(s, i, c) for i, (s, cs) in enumerate(zip(samples, groups)) for c in cs]
-            batch = build_train_batch(rollouts, tok.pad_token_id)
-            with roles.phase("logprobs", "actor_train"):
-                return batch, actor.compute_logprobs(batch)
+            return engine_samples_scored(roles, samples, tok, 4, stale_ok=True)
 
         batch, trainer = sampled()
         mask = batch.response_mask

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from reroll.engines import engine_available
+from tests.conftest import engine_samples_scored
 from tests.multigpu.kit import needs_gpus
 
 pytestmark = [
@@ -50,7 +51,6 @@ def test_trainer_and_engine_on_separate_gpus_sync_over_nccl(tmp_path, assets, ki
     from reroll.config.placement import weight_sync_transport
     from reroll.config.schema import RunConfig
     from reroll.data.datasets import load_samples
-    from reroll.data.types import Rollout, SamplingParams, build_train_batch
     from reroll.models.loading import load_tokenizer
     from reroll.pipelines.common import sft_batch
     from reroll.pipelines.roles import Roles
@@ -85,13 +85,7 @@ def test_trainer_and_engine_on_separate_gpus_sync_over_nccl(tmp_path, assets, ki
         [loaded] = engine.loaded_bytes()
         assert loaded["object_store"] == 0
 
-        params = SamplingParams(n=2, max_new_tokens=8, seed=1)
-        with roles.phase("generate", "actor_infer"):
-            groups = engine.generate([s.prompt for s in samples], params)
-        rollouts = [Rollout(s, i, c) for i, (s, cs) in enumerate(zip(samples, groups)) for c in cs]
-        sampled = build_train_batch(rollouts, tok.pad_token_id)
-        with roles.phase("logprobs", "actor_train"):
-            trainer = actor.compute_logprobs(sampled)
+        sampled, trainer = engine_samples_scored(roles, samples, tok, 8)
         m = sampled.response_mask
         diff = (sampled.rollout_logprobs[m] - trainer[m]).abs()
         (first_s, _), (seconds, rate) = rates

@@ -21,6 +21,7 @@ import time
 import pytest
 
 from reroll.engines import engine_available
+from tests.conftest import engine_samples_scored
 from tests.multigpu.kit import needs_gpus
 
 pytestmark = [
@@ -56,7 +57,6 @@ def test_a_tp2_engine_on_the_trainers_gpus_takes_their_weights_over_cuda_ipc(tmp
     from reroll.config.placement import weight_sync_transport
     from reroll.config.schema import RunConfig
     from reroll.data.datasets import load_samples
-    from reroll.data.types import Rollout, SamplingParams, build_train_batch
     from reroll.models.loading import load_tokenizer
     from reroll.pipelines.common import sft_batch
     from reroll.pipelines.roles import Roles
@@ -82,13 +82,7 @@ def test_a_tp2_engine_on_the_trainers_gpus_takes_their_weights_over_cuda_ipc(tmp
         assert roles.engine_stale
 
         def gap() -> tuple[float, float]:
-            params = SamplingParams(n=2, max_new_tokens=6, seed=1)
-            with roles.phase("generate", "actor_infer"):
-                groups = engine.generate([s.prompt for s in samples], params, stale_ok=True)
-            rollouts = [Rollout(s, i, c) for i, (s, cs) in enumerate(zip(samples, groups)) for c in cs]
-            batch = build_train_batch(rollouts, tok.pad_token_id)
-            with roles.phase("logprobs", "actor_train"):
-                trainer = actor.compute_logprobs(batch)
+            batch, trainer = engine_samples_scored(roles, samples, tok, 6, stale_ok=True)
             m = batch.response_mask
             diff = (batch.rollout_logprobs[m] - trainer[m]).abs()
             return float(diff.mean()), float(diff.max())
