@@ -13,31 +13,27 @@ the examples use.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-from reroll.config.engines import engine_spec
-from reroll.config.memory import DTYPE_BYTES, Shape, forward_only_limits, token_bytes, token_shape
+from reroll.config.memory import Shape, forward_only_limits, token_shape
 from reroll.config.placement import (
     device_map,
     offload_between_phases,
-    run_roles,
     trainer_strategy,
     weight_sync_transport,
 )
+from reroll.config.role_memory import (
+    USABLE,
+    RolePlan,
+    checkpoint_counts,
+    estimate,
+    held,
+    planned,
+    with_checkpointing,
+)
 from reroll.config.schema import RunConfig
-from reroll.config.startable import context_parallel_size, start_problems
+from reroll.config.startable import start_problems
 from reroll.errors import UserError
-
-# The plan sizes every model role with the policy's shape: a teacher or reward model of another size is
-# estimated as the policy's.
-
-GIB = 1024**3
-
-# fp32 chunks that per-token log-probs use at once on a GPU (about 4 of CHUNK_ELEMENTS_CUDA in
-# reroll.algorithms.logprobs, not imported here: the plan needs no torch)
-LOGPROB_WORKSPACE = 4 * 2**26 * 4
-
 
 # Published shapes of the model families the example configs use (parameters from the model cards).
 KNOWN = {
@@ -88,88 +84,6 @@ def _shape_from_config(c: dict, path: Path) -> Shape:
     return token_shape(c, params=float(params), expert_params=float(experts))
 
 
-@dataclass
-class RolePlan:
-    role: str
-    ranks: int
-    gib: float  # per GPU, at this role's peak
-    parts: str  # what the estimate is made of
-    parked_gib: float = 0.0  # per rank, what it keeps in host memory while offloaded
-
-
-def estimate(cfg: RunConfig, shape: Shape, *, prompt_tokens: int) -> list[RolePlan]:
-    """Per-GPU memory of each role of ``cfg`` that holds a model on the pool, at its own peak (the roles
-    ``run_roles`` says the run starts, and only those)."""
-    seq = prompt_tokens + cfg.rollout.max_new_tokens
-    plans = []
-    for spec in run_roles(cfg, "cuda").values():
-        if spec.name == "actor_infer":
-            plans.append(_engine(cfg, shape, seq, spec.world_size))
-        elif spec.holds == "strategy":
-            plans.append(
-                _trainer(cfg, shape, seq, spec.name, spec.world_size * spec.copies, trainable=spec.trainable)
-            )
-    return plans
-
-
-def _shards(cfg: RunConfig, world: int, shape: Shape) -> tuple[float, float, float]:
-    """Divisors of (weights, gradients, optimizer state) per rank under the strategy."""
-    s = cfg.strategy
-    if s.name == "fsdp2":
-        return world, world, world
-    if s.name == "deepspeed":
-        return (world if s.deepspeed.zero_stage == 3 else 1), world, world
-    if s.name == "megatron":
-        m = s.megatron
-        model_par = m.tensor_parallel * m.pipeline_parallel
-        # routed experts are split by expert parallel on top of tensor/pipeline parallel
-        frac = shape.expert_params / shape.params if shape.params else 0.0
-        eff = model_par / (1 - frac + frac / m.expert_parallel)
-        dp = max(world // (model_par * m.context_parallel), 1)
-        # the distributed optimizer shards a dense weight's state over the dp ranks, an expert's over the
-        # dp / expert_parallel ranks that hold the same experts: every weight's state over tp x pp x dp
-        return eff, eff, (model_par * dp if m.distributed_optimizer else eff)
-    return 1, world, 1  # torch: full copy; gradients reduced in place
-
-
-def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trainable: bool) -> RolePlan:
-    w_div, g_div, o_div = _shards(cfg, world, shape)
-    weights = shape.params * DTYPE_BYTES[cfg.model.dtype] / w_div
-    grads = optim = 0.0
-    lora = cfg.strategy.lora
-    if trainable:
-        trained = shape.params
-        if lora is not None:  # adapters on every target projection: about r * (in + out) each
-            trained = 7 * shape.layers * lora.rank * 2 * shape.hidden * 2
-        grads = trained * DTYPE_BYTES[cfg.model.dtype] / (g_div if lora is None else 1)
-        # AdamW moments in the parameters' dtype (torch, fsdp2); deepspeed and megatron keep fp32
-        # master weights and fp32 moments
-        per_param = 12 if cfg.strategy.name in ("deepspeed", "megatron") else 2 * DTYPE_BYTES[cfg.model.dtype]
-        optim = trained * per_param / (o_div if lora is None else 1)
-    o = cfg.optim
-    tokens = o.max_tokens_per_micro_batch or o.micro_batch_size * seq
-    everywhere = role == "teacher"  # a teacher's head runs at every position
-    rows, budget = forward_only_limits(cfg, shape, seq, every_position=everywhere)
-    scored = budget or (rows or 0) * seq
-    per = token_bytes(cfg, shape, seq, context_parallel=context_parallel_size(cfg, role))
-    scored_logits = per.scored(everywhere)
-    # a rank's larger pass: training (activations kept for backward, the head's output and gradient)
-    # or forward-only (one layer's activations at a time, the head's output; optim.logprob_*)
-    acts, logits = (tokens * per.kept, tokens * per.train_logits) if trainable else (0.0, 0.0)
-    if scored * (per.layer + scored_logits) > acts + logits:
-        acts, logits = scored * per.layer, scored * scored_logits
-    logits += LOGPROB_WORKSPACE
-    total = weights + grads + optim + acts + logits
-    parts = (
-        f"weights {weights / GIB:.1f} + grads {grads / GIB:.1f} + adam {optim / GIB:.1f} + "
-        f"activations {acts / GIB:.1f} + logits {logits / GIB:.1f}"
-    )
-    # offloaded between phases (after the optimizer step has dropped the gradients, which deepspeed and
-    # megatron keep in buffers of their own)
-    parked = weights + optim + (grads if cfg.strategy.name in ("deepspeed", "megatron") else 0.0)
-    return RolePlan(role, world, total / GIB, parts, parked / GIB)
-
-
 def _forward_only_lines(cfg: RunConfig, shape: Shape, seq: int, roles: list[str]) -> list[str]:
     """What ``forward_only_limits`` gives the run's forward-only passes, and why (none in SFT)."""
     if not any(r in roles for r in ("reference", "critic", "teacher")) and not cfg.trains_on_rollouts:
@@ -192,35 +106,20 @@ def _forward_only_lines(cfg: RunConfig, shape: Shape, seq: int, roles: list[str]
     return ["", line]
 
 
-def _engine(cfg: RunConfig, shape: Shape, seq: int, world: int) -> RolePlan:
-    spec = engine_spec(cfg.rollout.engine)
-    tp = spec.span(cfg.rollout)
-    weights = shape.params * DTYPE_BYTES[cfg.model.dtype] / tp
-    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * DTYPE_BYTES[cfg.model.dtype] / tp
-    seqs = min(cfg.rollout.batch_size // world, cfg.rollout.generate_batch_size)
-    kv = seqs * seq * kv_per_token
-    parts = f"weights {weights / GIB:.1f} + kv cache {kv / GIB:.1f} ({seqs} seqs x {seq} tokens)"
-    asleep = (
-        weights if spec.memory_share(cfg.rollout) is not None and spec.parks_weights(cfg.rollout) else 0.0
-    )
-    return RolePlan("actor_infer", world * tp, (weights + kv) / GIB, parts, asleep / GIB)
-
-
 def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 512) -> tuple[str, bool]:
     """The printed plan and whether it fits ``gpus`` GPUs of ``gpu_memory_gib`` each."""
     shape = model_shape(cfg.model.path)
     refused = start_problems(cfg, "cuda")  # the check `reroll validate` and the run's start make
     pool = cfg.placement.devices or gpus
-    if cfg.placement.devices is None:
-        cfg = cfg.model_copy(update={"placement": cfg.placement.model_copy(update={"devices": pool})})
     chosen = trainer_strategy(cfg, "cuda")  # the plan is for GPUs
     shown = chosen if chosen == cfg.strategy.name else f"{chosen} (strategy.name {cfg.strategy.name})"
     if cfg.strategy.context_parallel > 1:
         cp = cfg.strategy.context_parallel
         shown += f", context parallel {cp} (each rank of actor_train and reference holds 1/{cp} of a row)"
-    cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"name": chosen})})
+    cfg = planned(cfg, pool)
     dmap = device_map(cfg, "cuda")
-    plans = {p.role: p for p in estimate(cfg, shape, prompt_tokens=prompt_tokens)}
+    counts = checkpoint_counts(cfg, shape, prompt_tokens=prompt_tokens, gpu_memory_gib=gpu_memory_gib)
+    plans = {p.role: p for p in estimate(cfg, shape, prompt_tokens=prompt_tokens, checkpointed=counts)}
     offload = offload_between_phases(cfg, "cuda")
     lines = [
         f"model {cfg.model.path}: {shape.params / 1e9:.2f}B parameters, {cfg.model.dtype}, "
@@ -231,6 +130,7 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
         "per role, per GPU at its peak:",
     ]
     lines += [f"  {p.role:<12} {p.ranks:>3} ranks  {p.gib:8.1f} GiB  ({p.parts})" for p in plans.values()]
+    lines += _checkpointing_lines(cfg, shape, counts)
     lines += ["", "per GPU:"]
     fits = pool <= gpus
     worst = 0.0
@@ -239,12 +139,13 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
         need = [plans[r].gib for r in roles]
         peak = (max(need) if offload else sum(need)) if need else 0.0
         worst = max(worst, peak)
-        flag = "" if peak <= 0.9 * gpu_memory_gib else "  <- does not fit"
+        flag = "" if peak <= USABLE * gpu_memory_gib else "  <- does not fit"
         fits &= not flag
         lines.append(f"  gpu {d}: {peak:8.1f} GiB  {' '.join(roles) or '(unused)'}{flag}")
-    lines += _phase_lines(cfg, dmap, plans, pool, offload, usable=0.9 * gpu_memory_gib)
+    lines += _phase_lines(cfg, dmap, plans, pool, offload, usable=USABLE * gpu_memory_gib)
     lines += _host_lines(dmap, plans, pool) if offload else []
-    lines += _forward_only_lines(cfg, shape, prompt_tokens + cfg.rollout.max_new_tokens, list(plans))
+    policy = with_checkpointing(cfg, counts["actor_train"]) if "actor_train" in counts else cfg
+    lines += _forward_only_lines(policy, shape, prompt_tokens + cfg.rollout.max_new_tokens, list(plans))
     if pool > gpus:
         lines.append(f"\nthe pool needs {pool} GPUs but only {gpus} are available")
     verdict = "fits" if fits else "does NOT fit"
@@ -256,10 +157,20 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     if not fits and not refused:
         lines.append(
             "to fit: add GPUs (placement.devices, roles.<role>.devices), shard more (strategy.name=fsdp2 "
-            "or megatron parallel sizes), turn on model.gradient_checkpointing, lower "
+            "or megatron parallel sizes), set model.gradient_checkpointing=auto (torch, fsdp2) or true, lower "
             "optim.micro_batch_size or rollout.generate_batch_size, or train LoRA adapters (strategy.lora)"
         )
     return "\n".join(lines), fits
+
+
+def _checkpointing_lines(cfg: RunConfig, shape: Shape, counts: dict[str, int]) -> list[str]:
+    """The decoder layers each training role checkpoints (``model.gradient_checkpointing``), where any."""
+    if not any(counts.values()):
+        return []
+    setting = cfg.model.gradient_checkpointing
+    why = " (auto: the fewest first layers whose phase fits)" if setting == "auto" else ""
+    each = ", ".join(f"{role} {n} of {shape.layers}" for role, n in counts.items())
+    return [f"activation checkpointing, first layers recomputed in backward{why}: {each}"]
 
 
 # A step's phases in the order a step runs them, each with the pool role it calls (its peak is the
@@ -290,19 +201,19 @@ def _phase_lines(
     rows = []
     for name, role in PHASES:
         if role in plans:
-            rows.append((name, [_held(plans, on(d), role, offload) for d in range(pool)], role))
+            rows.append((name, [held(plans, on(d), role, offload) for d in range(pool)], role))
     if "actor_train" in plans and "actor_infer" in plans:
         transport = weight_sync_transport(cfg, "cuda")
         bucket = 2 * cfg.rollout.weight_sync_bucket_mb / 1024
-        held = {
+        syncing = {
             "actor_train": plans["actor_train"].parked_gib + bucket,
             "actor_infer": plans["actor_infer"].gib + bucket,
         }
         together = transport != "object_store"
         need = []
         for d in range(pool):
-            parts = [held[r] for r in on(d) if r in held]
-            rest = sum(plans[r].gib for r in on(d) - held.keys()) if not offload else 0.0
+            parts = [syncing[r] for r in on(d) if r in syncing]
+            rest = sum(plans[r].gib for r in on(d) - syncing.keys()) if not offload else 0.0
             need.append(((sum(parts) if together else max(parts, default=0.0)) if parts else 0.0) + rest)
         roles = "actor_train, actor_infer"
         if transport == "ipc" and max(need) > usable:
@@ -318,13 +229,6 @@ def _phase_lines(
     for name, need, roles in rows:
         lines.append(f"  {name:<{width}}  {_by_gpu(need)}  ({roles})")
     return lines if rows else []
-
-
-def _held(plans: dict[str, RolePlan], here: set[str], role: str, offload: bool) -> float:
-    """GiB on a GPU holding ``here`` while ``role``'s phase runs."""
-    if offload:
-        return plans[role].gib if role in here else 0.0
-    return sum(plans[r].gib for r in here)
 
 
 def _by_gpu(need: list[float]) -> str:

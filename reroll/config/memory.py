@@ -92,10 +92,8 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int, *, context_parallel: int
     Ulysses: a rank holds 1/n of a row's activations and runs the head at 1/n of its positions)."""
     p_bytes = DTYPE_BYTES[cfg.compute_dtype]
     layer = _layer_activations(cfg, shape, p_bytes)
-    if cfg.model.gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed
-        kept = shape.hidden * p_bytes * shape.layers + layer
-    else:
-        kept = layer * shape.layers
+    checkpointed = checkpointed_layers(cfg.model.gradient_checkpointing, shape.layers)
+    kept = kept_activations(shape.layers, checkpointed, layer=layer, layer_input=shape.hidden * p_bytes)
     model_par = 1
     if cfg.strategy.name == "fsdp2" and context_parallel > 1:
         model_par = context_parallel
@@ -111,6 +109,35 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int, *, context_parallel: int
     every = shape.vocab * p_bytes / model_par
     head = min(cfg.rollout.max_new_tokens / seq, 1.0) * every
     return TokenBytes(kept=kept, layer=layer, train_logits=2 * head, scored_logits=head, all_logits=every)
+
+
+def checkpointed_layers(setting: bool | int | str, layers: int) -> int:
+    """The decoder layers ``model.gradient_checkpointing`` checkpoints in a model of ``layers``: true all,
+    false none, a count that many (at most all). 'auto' before a role has chosen its count (one that
+    does not train, or a trainer before its first pass): all, the least its training passes can hold,
+    which sizes its forward-only passes (``forward_only_limits``) no larger than the chosen count's."""
+    if setting == "auto" or setting is True:
+        return layers
+    return min(int(setting), layers)
+
+
+def kept_activations(layers: int, checkpointed: int, *, layer: float, layer_input: float) -> float:
+    """Bytes a token's decoder layers hold at a training pass's peak when the first ``checkpointed`` of
+    ``layers`` keep only their input (``layer_input``) and recompute the rest of their activations
+    (``layer``, which includes the input) in backward, the others keep all of theirs:
+    ``min(n, L - 1) * input + max(L - n, 1) * layer``.
+
+    Why the first layers: backward runs from the last layer to the first, so by the time it reaches
+    a checkpointed first layer every later layer has freed its activations, and the one layer being
+    recomputed is the only full set alive beside the checkpointed inputs. The peak is at the start of
+    backward (the uncheckpointed layers' full activations beside the checkpointed inputs), or, with
+    every layer checkpointed, while the last layer is recomputed (its input is the stored one, not a
+    second copy). Checkpointing the last N instead would recompute each of them while the first
+    layers' activations are all still held: one layer's activations more at the peak for the same
+    recompute time. So the estimate falls with each layer checkpointed, to its least at L - 1 (the
+    last layer's recompute then saves nothing: it runs first in backward); 0 gives ``L * layer``."""
+    n = min(max(checkpointed, 0), layers)
+    return min(n, layers - 1) * layer_input + max(layers - n, 1) * layer
 
 
 def forward_only_limits(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from reroll.config.alphabet import Alphabet
 from reroll.config.base import StrictModel
@@ -107,8 +107,13 @@ class ModelConfig(StrictModel):
         "0 turns it off. The router statistics (<prefix>/router_aux_loss, /expert_load_max, /expert_load_min, "
         "/expert_load_entropy) are logged either way; ignored for dense models.",
     )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward to save memory."
+    gradient_checkpointing: bool | int | Literal["auto"] = Field(
+        False,
+        description="Recompute decoder layers' activations in backward to save memory: true every layer, "
+        "false none, a count N the first N (what each keeps and why the first: "
+        "reroll.config.memory.kept_activations), 'auto' the fewest first layers that make a training "
+        "role's phase fit its GPU by `reroll plan`'s estimate (chosen from the longest prompt seen, on "
+        "GPUs; none on CPUs). A count or 'auto': torch and fsdp2 strategies only.",
     )
     compile: bool = Field(
         False,
@@ -139,3 +144,13 @@ class ModelConfig(StrictModel):
         "bring new lengths every step; off, torch runs flash attention (no padding) or its memory-efficient "
         "kernel (padding), which need no build. vLLM's attention is its own. Ignored on CPU.",
     )
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_value(cls, value: object) -> object:
+        if isinstance(value, bool) or value == "auto" or (isinstance(value, int) and value >= 0):
+            return value
+        raise ValueError(
+            f"{value!r} is not a checkpointing setting: use true (every decoder layer), false (none), "
+            "a count of layers >= 0 (the first ones), or 'auto' (the fewest that fit the GPU)"
+        )

@@ -274,7 +274,7 @@ def test_plan_shards_a_moe_by_expert_parallel_and_its_optimizer_state_over_tp_pp
     shards a dense weight's state over the 8 data-parallel ranks and an expert's over the 2 that hold
     it, so every weight's state is split 8 ways (not once more by EP)."""
     from reroll.config.memory import Shape
-    from reroll.plan import _shards
+    from reroll.config.role_memory import shards as _shards
 
     shape = Shape(params=100.0, layers=1, hidden=8, kv_heads=1, head_dim=8, vocab=8, expert_params=80.0)
     cfg = _cfg(tmp_path, "strategy.name=megatron", "strategy.megatron.expert_parallel=4")

@@ -1,0 +1,201 @@
+"""Per-GPU memory of a run's roles at their peaks, from the model's shape (``reroll.config.memory``'s
+per-token arithmetic and the state's size): what ``reroll plan`` prints, and what a training role's
+``model.gradient_checkpointing: auto`` chooses its count of checkpointed layers from
+(``auto_checkpointed_layers``), so that both read the one estimate. No torch: the plan runs without it.
+
+The estimate is arithmetic on the model's shape, not a measurement: weights, gradients and AdamW
+state per training rank after sharding (fsdp2 / deepspeed / megatron), activations of one micro-batch
+and the logits at its response positions, or a forward-only pass's at the size the run takes where
+larger (``forward_only_limits``), the engine's weights and KV cache, and the reference's weights.
+Every model role is sized with the policy's shape: a teacher or reward model of another size is
+estimated as the policy's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reroll.config.engines import engine_spec
+from reroll.config.memory import DTYPE_BYTES, Shape, checkpointed_layers, forward_only_limits, token_bytes
+from reroll.config.placement import device_map, offload_between_phases, run_roles, trainer_strategy
+from reroll.config.schema import RunConfig
+from reroll.config.startable import context_parallel_size
+
+GIB = 1024**3
+
+# The share of a GPU the plan counts as usable (the rest: the CUDA context, the allocator's fragments).
+USABLE = 0.9
+
+# fp32 chunks that per-token log-probs use at once on a GPU (about 4 of CHUNK_ELEMENTS_CUDA in
+# reroll.algorithms.logprobs, not imported here: the plan needs no torch)
+LOGPROB_WORKSPACE = 4 * 2**26 * 4
+
+
+@dataclass
+class RolePlan:
+    role: str
+    ranks: int
+    gib: float  # per GPU, at this role's peak
+    parts: str  # what the estimate is made of
+    parked_gib: float = 0.0  # per rank, what it keeps in host memory while offloaded
+
+
+def estimate(
+    cfg: RunConfig, shape: Shape, *, prompt_tokens: int, checkpointed: dict[str, int] | None = None
+) -> list[RolePlan]:
+    """Per-GPU memory of each role of ``cfg`` that holds a model on the pool, at its own peak (the roles
+    ``run_roles`` says the run starts, and only those). ``checkpointed``: a training role's count of
+    checkpointed layers where it has chosen one (``model.gradient_checkpointing: auto``)."""
+    seq = prompt_tokens + cfg.rollout.max_new_tokens
+    plans = []
+    for spec in run_roles(cfg, "cuda").values():
+        if spec.name == "actor_infer":
+            plans.append(_engine(cfg, shape, seq, spec.world_size))
+        elif spec.holds == "strategy":
+            own = cfg
+            if checkpointed and spec.name in checkpointed:
+                own = with_checkpointing(cfg, checkpointed[spec.name])
+            plans.append(
+                _trainer(own, shape, seq, spec.name, spec.world_size * spec.copies, trainable=spec.trainable)
+            )
+    return plans
+
+
+def with_checkpointing(cfg: RunConfig, layers: int) -> RunConfig:
+    """``cfg`` with ``model.gradient_checkpointing`` set to a count of layers."""
+    model = cfg.model.model_copy(update={"gradient_checkpointing": layers})
+    return cfg.model_copy(update={"model": model})
+
+
+def planned(cfg: RunConfig, pool: int | None) -> RunConfig:
+    """``cfg`` as the plan sizes it: the pool of ``pool`` GPUs where ``placement.devices`` is unset
+    (None: as set), the trainer strategy resolved for GPUs."""
+    if pool is not None and cfg.placement.devices is None:
+        cfg = cfg.model_copy(update={"placement": cfg.placement.model_copy(update={"devices": pool})})
+    chosen = trainer_strategy(cfg, "cuda")
+    return cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"name": chosen})})
+
+
+def held(plans: dict[str, RolePlan], here: set[str], role: str, offload: bool) -> float:
+    """GiB on a GPU holding ``here`` while ``role``'s phase runs: the role alone where colocated roles
+    offload between phases, else every role on the GPU (each at its own peak)."""
+    if offload:
+        return plans[role].gib if role in here else 0.0
+    return sum(plans[r].gib for r in here)
+
+
+def phase_peak(cfg: RunConfig, plans: dict[str, RolePlan], role: str) -> float:
+    """GiB on the fullest GPU while ``role``'s phase runs (its own peak where it is off the pool)."""
+    dmap, offload = device_map(cfg, "cuda"), offload_between_phases(cfg, "cuda")
+    peaks = [
+        held(plans, {r for r, _ in dmap.workers_on(d) if r in plans}, role, offload)
+        for d in range(cfg.placement.devices or 0)
+        if role in {r for r, _ in dmap.workers_on(d)}
+    ]
+    return max(peaks, default=plans[role].gib)
+
+
+def auto_checkpointed_layers(
+    cfg: RunConfig, shape: Shape, role: str, *, prompt_tokens: int, gpu_memory_gib: float
+) -> int:
+    """``model.gradient_checkpointing: auto``'s count for training role ``role``: the fewest first decoder
+    layers whose checkpointing brings the GPU that ``role``'s phase fills most under ``USABLE`` of
+    ``gpu_memory_gib``, by ``estimate`` at rows of ``prompt_tokens`` plus ``rollout.max_new_tokens``
+    (every training role evaluated at the same count). Where none does, ``shape.layers - 1``: the
+    least the estimate can hold (``kept_activations``)."""
+    best = max(shape.layers - 1, 0)
+    for n in range(best + 1):
+        plans = {p.role: p for p in estimate(with_checkpointing(cfg, n), shape, prompt_tokens=prompt_tokens)}
+        if phase_peak(cfg, plans, role) <= USABLE * gpu_memory_gib:
+            return n
+    return best
+
+
+def checkpoint_counts(
+    cfg: RunConfig, shape: Shape, *, prompt_tokens: int, gpu_memory_gib: float
+) -> dict[str, int]:
+    """Each training role's count of checkpointed decoder layers: ``model.gradient_checkpointing``'s,
+    'auto' chosen per role (``auto_checkpointed_layers``)."""
+    setting = cfg.model.gradient_checkpointing
+    return {
+        spec.name: (
+            auto_checkpointed_layers(
+                cfg, shape, spec.name, prompt_tokens=prompt_tokens, gpu_memory_gib=gpu_memory_gib
+            )
+            if setting == "auto"
+            else checkpointed_layers(setting, shape.layers)
+        )
+        for spec in run_roles(cfg, "cuda").values()
+        if spec.holds == "strategy" and spec.trainable
+    }
+
+
+def shards(cfg: RunConfig, world: int, shape: Shape) -> tuple[float, float, float]:
+    """Divisors of (weights, gradients, optimizer state) per rank under the strategy."""
+    s = cfg.strategy
+    if s.name == "fsdp2":
+        return world, world, world
+    if s.name == "deepspeed":
+        return (world if s.deepspeed.zero_stage == 3 else 1), world, world
+    if s.name == "megatron":
+        m = s.megatron
+        model_par = m.tensor_parallel * m.pipeline_parallel
+        # routed experts are split by expert parallel on top of tensor/pipeline parallel
+        frac = shape.expert_params / shape.params if shape.params else 0.0
+        eff = model_par / (1 - frac + frac / m.expert_parallel)
+        dp = max(world // (model_par * m.context_parallel), 1)
+        # the distributed optimizer shards a dense weight's state over the dp ranks, an expert's over the
+        # dp / expert_parallel ranks that hold the same experts: every weight's state over tp x pp x dp
+        return eff, eff, (model_par * dp if m.distributed_optimizer else eff)
+    return 1, world, 1  # torch: full copy; gradients reduced in place
+
+
+def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trainable: bool) -> RolePlan:
+    w_div, g_div, o_div = shards(cfg, world, shape)
+    weights = shape.params * DTYPE_BYTES[cfg.model.dtype] / w_div
+    grads = optim = 0.0
+    lora = cfg.strategy.lora
+    if trainable:
+        trained = shape.params
+        if lora is not None:  # adapters on every target projection: about r * (in + out) each
+            trained = 7 * shape.layers * lora.rank * 2 * shape.hidden * 2
+        grads = trained * DTYPE_BYTES[cfg.model.dtype] / (g_div if lora is None else 1)
+        # AdamW moments in the parameters' dtype (torch, fsdp2); deepspeed and megatron keep fp32
+        # master weights and fp32 moments
+        per_param = 12 if cfg.strategy.name in ("deepspeed", "megatron") else 2 * DTYPE_BYTES[cfg.model.dtype]
+        optim = trained * per_param / (o_div if lora is None else 1)
+    o = cfg.optim
+    tokens = o.max_tokens_per_micro_batch or o.micro_batch_size * seq
+    everywhere = role == "teacher"  # a teacher's head runs at every position
+    rows, budget = forward_only_limits(cfg, shape, seq, every_position=everywhere)
+    scored = budget or (rows or 0) * seq
+    per = token_bytes(cfg, shape, seq, context_parallel=context_parallel_size(cfg, role))
+    scored_logits = per.scored(everywhere)
+    # a rank's larger pass: training (activations kept for backward, the head's output and gradient)
+    # or forward-only (one layer's activations at a time, the head's output; optim.logprob_*)
+    acts, logits = (tokens * per.kept, tokens * per.train_logits) if trainable else (0.0, 0.0)
+    if scored * (per.layer + scored_logits) > acts + logits:
+        acts, logits = scored * per.layer, scored * scored_logits
+    logits += LOGPROB_WORKSPACE
+    total = weights + grads + optim + acts + logits
+    parts = (
+        f"weights {weights / GIB:.1f} + grads {grads / GIB:.1f} + adam {optim / GIB:.1f} + "
+        f"activations {acts / GIB:.1f} + logits {logits / GIB:.1f}"
+    )
+    # offloaded between phases (after the optimizer step has dropped the gradients, which deepspeed and
+    # megatron keep in buffers of their own)
+    parked = weights + optim + (grads if cfg.strategy.name in ("deepspeed", "megatron") else 0.0)
+    return RolePlan(role, world, total / GIB, parts, parked / GIB)
+
+
+def _engine(cfg: RunConfig, shape: Shape, seq: int, world: int) -> RolePlan:
+    spec = engine_spec(cfg.rollout.engine)
+    tp = spec.span(cfg.rollout)
+    weights = shape.params * DTYPE_BYTES[cfg.model.dtype] / tp
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * DTYPE_BYTES[cfg.model.dtype] / tp
+    seqs = min(cfg.rollout.batch_size // world, cfg.rollout.generate_batch_size)
+    kv = seqs * seq * kv_per_token
+    parts = f"weights {weights / GIB:.1f} + kv cache {kv / GIB:.1f} ({seqs} seqs x {seq} tokens)"
+    asleep = (
+        weights if spec.memory_share(cfg.rollout) is not None and spec.parks_weights(cfg.rollout) else 0.0
+    )
+    return RolePlan("actor_infer", world * tp, (weights + kv) / GIB, parts, asleep / GIB)
