@@ -73,15 +73,15 @@ def _shape_from_config(c: dict, path: Path) -> Shape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from reroll.models.loading import parameter_counts
     from reroll.models.vision import is_vision_language
 
     config = AutoConfig.from_pretrained(path)
     auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(config)
-    params = sum(p.numel() for p in model.parameters())
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    return token_shape(c, params=float(params), expert_params=float(experts))
+    params, experts = parameter_counts(model)
+    return token_shape(c, params=params, expert_params=experts)
 
 
 def _forward_only_lines(cfg: RunConfig, shape: Shape, seq: int, roles: list[str]) -> list[str]:

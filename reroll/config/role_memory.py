@@ -43,8 +43,9 @@ def estimate(
     cfg: RunConfig, shape: Shape, *, prompt_tokens: int, checkpointed: dict[str, int] | None = None
 ) -> list[RolePlan]:
     """Per-GPU memory of each role of ``cfg`` that holds a model on the pool, at its own peak (the roles
-    ``run_roles`` says the run starts, and only those). ``checkpointed``: a training role's count of
-    checkpointed layers where it has chosen one (``model.gradient_checkpointing: auto``)."""
+    ``run_roles`` says the run starts, and only those). ``checkpointed``: each training role's count of
+    checkpointed layers (``checkpoint_counts``); a role that does not train sizes its forward-only
+    passes from actor_train's training micro-batch (``forward_only_limits``), so with its count."""
     seq = prompt_tokens + cfg.rollout.max_new_tokens
     plans = []
     for spec in run_roles(cfg, "cuda").values():
@@ -52,8 +53,9 @@ def estimate(
             plans.append(_engine(cfg, shape, seq, spec.world_size))
         elif spec.holds == "strategy":
             own = cfg
-            if checkpointed and spec.name in checkpointed:
-                own = with_checkpointing(cfg, checkpointed[spec.name])
+            count = (checkpointed or {}).get(spec.name if spec.trainable else "actor_train")
+            if count is not None:
+                own = with_checkpointing(cfg, count)
             plans.append(
                 _trainer(own, shape, seq, spec.name, spec.world_size * spec.copies, trainable=spec.trainable)
             )

@@ -274,9 +274,24 @@ def _model_config(path: str) -> Any:
     return SimpleNamespace(model_type=model_type(path))
 
 
+def all_or_nothing_checkpointing(cfg: RunConfig, strategy: str) -> list[tuple[str, str]]:
+    """A count of checkpointed layers or 'auto' under a strategy that checkpoints every layer or none."""
+    setting = cfg.model.gradient_checkpointing
+    if isinstance(setting, bool):
+        return []
+    return [
+        (
+            "model.gradient_checkpointing",
+            f"model.gradient_checkpointing={setting!r} (a count of layers, or 'auto') is for the torch and "
+            f"fsdp2 strategies; strategy.name={strategy} checkpoints every layer or none: set true or false, "
+            "or strategy.name=fsdp2",
+        )
+    ]
+
+
 def megatron_option_problems(cfg: RunConfig, head: str = "causal_lm") -> list[tuple[str, str]]:
     """Options the Megatron strategy does not take."""
-    problems = []
+    problems = all_or_nothing_checkpointing(cfg, "megatron")
     if head != "causal_lm":
         problems.append(
             (
@@ -307,7 +322,7 @@ MEGATRON_NEEDS_GPUS = (
 
 def deepspeed_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     """Options the DeepSpeed strategy does not take."""
-    problems = []
+    problems = all_or_nothing_checkpointing(cfg, "deepspeed")
     if cfg.strategy.lora is not None:
         problems.append(
             (

@@ -52,6 +52,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tok
 
 
+def parameter_counts(model: torch.nn.Module) -> tuple[float, float]:
+    """``(all parameters, those in routed experts)`` of ``model`` (sharded ones at their full size, as
+    FSDP2's DTensors report it): what ``reroll.config.memory.Shape`` needs of a model's state."""
+    params = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return float(params), float(experts)
+
+
 def load_causal_lm(
     path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"
 ) -> PreTrainedModel:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from reroll.algorithms.logprobs import selected_logprobs_and_entropy
 from reroll.config.memory import forward_only_limits, model_token_shape
 from reroll.config.placement import colocated_engines, colocated_trainer_roles, scaled_peak
+from reroll.config.role_memory import with_checkpointing
 from reroll.config.schema import RunConfig
 from reroll.config.startable import context_parallel_size
 from reroll.config.vision import PACKING_REFUSED
@@ -35,6 +36,7 @@ from reroll.data.types import TrainBatch
 from reroll.errors import UserError
 from reroll.models.packed_attention import uses_packed_attention
 from reroll.models.vision import is_vision_language
+from reroll.roles.checkpointing import auto_checkpointing
 from reroll.runtime import profiling, quiet
 from reroll.runtime.actors import WorkerGroup, free_address
 from reroll.runtime.placement import configure_process, worker_device
@@ -131,6 +133,11 @@ def scored_token_stats(
     return zeros.index_put(where, logp), zeros.index_put(where, ent)
 
 
+def _longest_prompt(batch: TrainBatch) -> int:
+    """The most tokens before a row's response in ``batch`` (0 for no rows)."""
+    return int((batch.attention_mask.sum(1) - batch.response_mask.sum(1)).max()) if len(batch) else 0
+
+
 def _refuse_packed_images(mb: TrainBatch) -> None:
     if mb.image_grid_thw is not None:
         raise UserError(PACKING_REFUSED)
@@ -166,6 +173,8 @@ class StrategyWorker:
         )
         # forward-only passes on a GPU size from the model's shape (forward_only_limits; None: training's)
         self._shape = model_token_shape(model_path) if self.strategy.device.type == "cuda" else None
+        # model.gradient_checkpointing 'auto': the count chosen at each pass from the longest prompt seen
+        self._checkpointing = auto_checkpointing(cfg, role, self.strategy, model_path, trainable=trainable)
         # optim.packing; None: where the model's attention keeps packed rows apart (a causal LM on CUDA)
         packing = cfg.optim.packing
         self.packing = (
@@ -285,6 +294,8 @@ class StrategyWorker:
         with ``optim.group_by_length``), in the batch's order with ``by_length=False``. With several
         ranks, every rank gets as many as the rank with the most (a sharded strategy's forward is a
         collective), as far as its rows allow."""
+        if self._checkpointing is not None:  # before the limits: forward-only ones scale from its count
+            self._checkpointing.fit(max(self._widest[1], _longest_prompt(batch)))
         if by_length:
             batch = batch.select(self._row_order(batch, forward_only=forward_only))
         limits = self._limits(forward_only, batch.input_ids.shape[1])
@@ -304,8 +315,7 @@ class StrategyWorker:
         """Keep the widest micro-batch's tokens a row and the longest prompt part of a row seen so far
         (what ``memory_need`` scales the measured peak from)."""
         width = max((p.input_ids.shape[1] for p in parts), default=0)
-        prompt = int((batch.attention_mask.sum(1) - batch.response_mask.sum(1)).max()) if len(batch) else 0
-        self._widest = (max(self._widest[0], width), max(self._widest[1], prompt))
+        self._widest = (max(self._widest[0], width), max(self._widest[1], _longest_prompt(batch)))
 
     def forward(self, mb: TrainBatch) -> torch.Tensor:
         """The model's output on a micro-batch, ``(b, t, ...)`` right-padded like ``mb.input_ids``; with
@@ -374,9 +384,10 @@ class StrategyWorker:
         o = self.cfg.optim
         rows, budget = o.micro_batch_size, o.max_tokens_per_micro_batch
         if forward_only:
-            rows, budget = forward_only_limits(
-                self.cfg, self._shape, width, every_position=self.head_everywhere
-            )
+            cfg = self.cfg
+            if self._checkpointing is not None:  # 'auto': the count training checkpoints now
+                cfg = with_checkpointing(cfg, self._checkpointing.count)
+            rows, budget = forward_only_limits(cfg, self._shape, width, every_position=self.head_everywhere)
         return {"max_rows": None if budget else rows, "max_tokens": budget}
 
     def _row_order(self, batch: TrainBatch, *, forward_only: bool = False) -> torch.Tensor:

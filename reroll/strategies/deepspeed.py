@@ -148,7 +148,7 @@ class DeepSpeedStrategy:
         model = self._load(model_path, self.cfg.model.dtype, "cpu")
         use_kernels(model, self.cfg, self.device)
         set_trainable(model, self.cfg, self.trainable)
-        if self.cfg.model.gradient_checkpointing and self.trainable:
+        if self.cfg.model.gradient_checkpointing is True and self.trainable:  # a count: start_problems
             model.gradient_checkpointing_enable()
         if getattr(model.config, "use_cache", None) is not None:
             model.config.use_cache = False

@@ -63,9 +63,11 @@ from reroll.strategies.training import (
     HostParking,
     adamw_with_warmup,
     adapters_disabled,
+    checkpoint_first_layers,
     forward_logits,
     optimizer_step,
     set_trainable,
+    start_checkpointing,
 )
 
 if TYPE_CHECKING:
@@ -109,8 +111,7 @@ class FSDP2Strategy:
         set_trainable(model, cfg, trainable)
         if getattr(model.config, "use_cache", None) is not None:
             model.config.use_cache = False
-        if cfg.model.gradient_checkpointing and trainable:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        start_checkpointing(model, cfg.model.gradient_checkpointing, trainable)  # before fully_shard
         self.hf_model = model  # the Hugging Face model inside any peft wrapper
         self.model: torch.nn.Module = (
             apply_lora(model, self.lora, trainable=trainable, full=self.full) if self.lora else model
@@ -212,6 +213,11 @@ class FSDP2Strategy:
                 self.model, self.device, input_ids, attention_mask, position_ids
             )
         return forward_logits(self.model, self.device, input_ids, attention_mask, position_ids, images)
+
+    def checkpoint_layers(self, count: int) -> None:
+        """Recompute the first ``count`` decoder layers in backward from now on (``checkpoint_first_layers``;
+        'auto''s count, which the worker chooses)."""
+        checkpoint_first_layers(self.hf_model, count)
 
     def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
         """The base model inside: forward passes skip the LoRA adapters (the reference policy)."""

@@ -149,7 +149,7 @@ class MegatronStrategy:
         self.tp, self.ep = self.mcfg.tensor_parallel, self.mcfg.expert_parallel
         self.model_path, self.dtype, self.seed = model_path, cfg.model.dtype, cfg.seed
         self.trainable, self.rank, self.world_size = trainable, rank, world_size
-        self.recompute = cfg.model.gradient_checkpointing and trainable
+        self.recompute = cfg.model.gradient_checkpointing is True and trainable  # a count: start_problems
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.shape = mc.gpt_shape(self.hf_config)
         moe_problems = megatron_moe_problems(self.hf_config, self.mcfg)

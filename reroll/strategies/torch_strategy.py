@@ -36,10 +36,12 @@ from reroll.strategies.training import (
     HostParking,
     adamw_with_warmup,
     adapters_disabled,
+    checkpoint_first_layers,
     compile_model,
     forward_logits,
     optimizer_step,
     set_trainable,
+    start_checkpointing,
 )
 
 if TYPE_CHECKING:
@@ -76,8 +78,7 @@ class TorchStrategy:
         self._parked = HostParking()  # the state's host memory while a colocated role has the GPU
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         set_trainable(self.model, cfg, trainable)
-        if cfg.model.gradient_checkpointing and trainable:
-            self.model.gradient_checkpointing_enable()
+        start_checkpointing(self.model, cfg.model.gradient_checkpointing, trainable)
         if getattr(self.model.config, "use_cache", None) is not None:
             self.model.config.use_cache = False
         self.lora = cfg.strategy.lora if head in ("causal_lm", "reward") else None
@@ -117,6 +118,11 @@ class TorchStrategy:
 
         Right-padded rows pass ``attention_mask``; packed rows pass ``position_ids`` and no mask."""
         return forward_logits(self.model, self.device, input_ids, attention_mask, position_ids, images)
+
+    def checkpoint_layers(self, count: int) -> None:
+        """Recompute the first ``count`` decoder layers in backward from now on (``checkpoint_first_layers``;
+        'auto''s count, which the worker chooses)."""
+        checkpoint_first_layers(self.hf_model, count)
 
     def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
         """The base model inside: forward passes skip the LoRA adapters (the reference policy)."""

@@ -15,6 +15,7 @@ import torch
 
 from reroll.config.vision import PACKING_REFUSED
 from reroll.data.types import ImageInputs
+from reroll.errors import UserError
 from reroll.models.loading import position_ids_from
 from reroll.models.packed_attention import packed_kwargs
 from reroll.models.vision import freeze_vision, model_inputs
@@ -65,6 +66,52 @@ def fused_adamw(params: list[torch.nn.Parameter]) -> bool:
     default's several per group): where every parameter is a floating-point CUDA tensor (FSDP2's
     shards too). Its step counters then stay on the GPU, which ``HostParking`` leaves in place."""
     return bool(params) and all(p.device.type == "cuda" and p.dtype.is_floating_point for p in params)
+
+
+def text_decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """A Hugging Face model's language-model decoder layers, in order (a vision-language model's text
+    model's, not its vision tower's blocks): those of the ``layers`` list of its decoder
+    (``get_decoder()``) that can be checkpointed (``GradientCheckpointingLayer``)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None) or getattr(getattr(decoder, "model", None), "layers", None)
+    return [m for m in layers or () if isinstance(m, GradientCheckpointingLayer)]
+
+
+def checkpoint_first_layers(model: Any, count: int) -> None:
+    """Recompute the first ``count`` decoder layers' activations in backward, each keeping only its input
+    (non-reentrant ``torch.utils.checkpoint`` through Hugging Face's per-layer flag, which runs inside
+    the layer's ``__call__`` and so inside FSDP2's hooks on it: FSDP2 leaves the recompute's unshard to
+    its pre-backward hook); the others keep their activations. 0: none. Other checkpointable modules
+    (a vision tower's blocks) are checkpointed where any decoder layer is. Why the first layers:
+    ``reroll.config.memory.kept_activations``. Can be called again to change the count."""
+    layers = text_decoder_layers(model)
+    if count > len(layers):
+        raise UserError(
+            f"model.gradient_checkpointing is {count}, but the model has {len(layers)} decoder layers: "
+            f"set at most {len(layers)} (or true for all)"
+        )
+    if count == 0:
+        if getattr(model, "is_gradient_checkpointing", False):
+            model.gradient_checkpointing_disable()
+        return
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in layers[count:]:
+        layer.gradient_checkpointing = False
+
+
+def start_checkpointing(model: Any, setting: bool | int | str, trainable: bool) -> None:
+    """``model.gradient_checkpointing`` at a trainer's start: true every checkpointable module (Hugging
+    Face's ``gradient_checkpointing_enable``, non-reentrant), a count the first that many decoder
+    layers, false none; 'auto' none until the role's worker chooses its count from its first pass
+    (``StrategyWorker``). Nothing for a role that does not train (it runs no backward)."""
+    if not trainable or setting is False or setting == "auto":
+        return
+    if setting is True:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        checkpoint_first_layers(model, int(setting))
 
 
 def set_trainable(model: torch.nn.Module, cfg: RunConfig, trainable: bool) -> None:
