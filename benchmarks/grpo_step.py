@@ -190,7 +190,7 @@ def run_reroll(
         "model": {
             "path": str(model),
             "dtype": args.dtype,
-            "gradient_checkpointing": args.gradient_checkpointing or "3b" in model.name,
+            "gradient_checkpointing": checkpointing(args, model.name),
             "compile": args.compile or mode == "ray-compile",
             "cudnn_attention": mode == "ray-cudnn",
             "fused_norm": mode != "ray-ownnorm",
@@ -273,6 +273,15 @@ PEERS = ("trl", "trl-vllm", "trl-vllm-nois", "verl")
 PEER_SCRIPTS = {"verl": "verl_grpo.py"}  # the others: trl_grpo.py
 
 
+def checkpointing(args: argparse.Namespace, model_name: str) -> bool | int | str:
+    """``model.gradient_checkpointing`` of a row: ``--gradient-checkpointing``'s value, else true at 3B."""
+    value = args.gradient_checkpointing
+    if value is None:
+        return "3b" in model_name
+    named = {"true": True, "false": False, "auto": "auto"}
+    return named[value.lower()] if value.lower() in named else int(value)
+
+
 def run_peer(root: Path, model: Path, prompts: list[str], args: argparse.Namespace, row: str) -> list[dict]:
     """A peer library's GRPO steps (``PEERS``), in a process of its own (``benchmarks/peers/``): its engine's
     GPU memory goes back when it ends, before the reroll rows start. The same model, prompts, group,
@@ -295,7 +304,7 @@ def run_peer(root: Path, model: Path, prompts: list[str], args: argparse.Namespa
         dtype=args.dtype,
         device=args.device,
         vllm_memory=args.vllm_memory,
-        gradient_checkpointing=big or args.gradient_checkpointing,
+        gradient_checkpointing=bool(checkpointing(args, model.name)),  # peers: every layer or none
     )
     Path(spec.prompts_file).write_text(json.dumps(prompts))
     script = ROOT / "benchmarks" / "peers" / PEER_SCRIPTS.get(row, "trl_grpo.py")
@@ -441,9 +450,13 @@ def main() -> None:
     )
     ap.add_argument(
         "--gradient-checkpointing",
-        action="store_true",
-        help="activation checkpointing in reroll's trainer (always on for the 3B row: 64 rows of 384 tokens "
-        "through a 3B model do not fit beside the engine without it)",
+        nargs="?",
+        const="true",
+        default=None,
+        help="reroll's model.gradient_checkpointing: true (the flag alone), false, a count of first layers, or "
+        "auto (the fewest that fit, by reroll plan's estimate); the peers checkpoint every layer for any "
+        "but false and 0. Default: true for the 3B row (64 rows of 384 tokens through a 3B model do not "
+        "fit beside the engine without it), false otherwise",
     )
     ap.add_argument(
         "--compile",

@@ -2,6 +2,7 @@
 
     python benchmarks/train_step.py                          # fsdp2 and torch, 0.5B shape, bf16, GPU
     python benchmarks/train_step.py --tiny --device cpu      # a smoke run
+    python benchmarks/train_step.py --strategies torch --ckpt false 8 16 23 true   # per checkpointed count
 
 Builds a random-init model of Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 heads, 2 KV heads, MLP
 4864, vocab 151936; nothing downloaded), then times optimizer steps of ``--micro-batches`` micro-batches
@@ -9,7 +10,10 @@ of ``--batch`` x ``--seq`` tokens (next-token loss over every token) through eac
 ``--warmup`` steps. Model FLOPs per token are 6 x (non-embedding parameters + the LM head) plus the
 attention's 12 x layers x hidden x seq (the causal half counted, as PaLM's MFU does it); the peak
 is measured in the same run as a bf16 8192^3 matmul (torch.matmul), so MFU is against what this
-GPU actually reaches, not its datasheet.
+GPU actually reaches, not its datasheet. Beside the measured peak (``torch.cuda.max_memory_allocated``)
+each row prints ``reroll plan``'s estimate of the trainer's peak for the same shape and micro-batch
+(``reroll.config.role_memory.estimate``, the head at every position), the one ``model.gradient_checkpointing:
+auto`` chooses its count from.
 """
 
 from __future__ import annotations
@@ -54,7 +58,16 @@ def flops_per_token(model: torch.nn.Module, seq: int) -> float:
     return 6 * params + 6 * cfg.num_hidden_layers * cfg.hidden_size * seq
 
 
-def time_strategy(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+def estimated_gib(cfg, model_dir: Path, seq: int) -> float:
+    """``reroll plan``'s estimate of the trainer's peak for this config (its head at every position)."""
+    from reroll.config.role_memory import estimate
+    from reroll.plan import model_shape
+
+    plans = estimate(cfg, model_shape(str(model_dir)), prompt_tokens=0)
+    return next(p.gib for p in plans if p.role == "actor_train")
+
+
+def time_strategy(name: str, model_dir: Path, args: argparse.Namespace, ckpt) -> dict[str, float]:
     from reroll.algorithms.logprobs import token_logprobs
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
@@ -65,14 +78,17 @@ def time_strategy(name: str, model_dir: Path, args: argparse.Namespace) -> dict[
         yaml.safe_dump(
             {
                 "pipeline": "sft",
-                "model": {"path": str(model_dir), "dtype": args.dtype, "gradient_checkpointing": args.ckpt},
+                "model": {"path": str(model_dir), "dtype": args.dtype, "gradient_checkpointing": ckpt},
                 "data": {"train_files": ["unused.jsonl"]},
                 "sft": {},
                 "strategy": {"name": name},
+                "rollout": {"max_new_tokens": args.seq},  # the estimate's head at every position
+                "optim": {"micro_batch_size": args.batch},
             }
         )
     )
     cfg = load_config(path, RunConfig)
+    est = estimated_gib(cfg, model_dir, args.seq)
     s = make_strategy(
         cfg,
         model_path=str(model_dir),
@@ -112,7 +128,13 @@ def time_strategy(name: str, model_dir: Path, args: argparse.Namespace) -> dict[
     del s
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return {"tokens_per_s": tokens / secs, "tflops": fpt * tokens / secs / 1e12, "peak_gib": peak, "s": secs}
+    return {
+        "tokens_per_s": tokens / secs,
+        "tflops": fpt * tokens / secs / 1e12,
+        "peak_gib": peak,
+        "est_gib": est,
+        "s": secs,
+    }
 
 
 def main() -> None:
@@ -125,7 +147,13 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--ckpt", action="store_true", help="activation checkpointing")
+    ap.add_argument(
+        "--ckpt",
+        nargs="*",
+        default=["false"],
+        help="model.gradient_checkpointing settings, a row each: true (the flag alone), false, a count of "
+        "first layers (e.g. --ckpt false 8 16 23 true)",
+    )
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
 
@@ -140,18 +168,22 @@ def main() -> None:
         **(TINY if args.tiny else QWEN25_05B),
     )
     peak = measured_peak_tflops(args.device)
-    rows = {name: time_strategy(name, model_dir, args) for name in args.strategies}
+    settings = [yaml.safe_load(v) for v in args.ckpt] or [True]
+    rows = [(name, c, time_strategy(name, model_dir, args, c)) for name in args.strategies for c in settings]
     shape = "tiny" if args.tiny else "Qwen2.5-0.5B-shaped"
     print(
         f"\ntraining step, {shape} random init, {args.dtype}, {args.micro_batches} x {args.batch} x "
         f"{args.seq} tokens per step, 1 rank, on {device_name(args.device)}; measured matmul peak "
         f"{peak:.0f} TFLOP/s"
     )
-    print(f"{'strategy':<10}{'s/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}")
-    for name, r in rows.items():
+    print(
+        f"{'strategy':<10}{'ckpt':>6}{'s/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}"
+        f"{'plan GiB':>10}"
+    )
+    for name, c, r in rows:
         print(
-            f"{name:<10}{r['s']:>9.3f}{r['tokens_per_s']:>11.0f}{r['tflops']:>9.1f}"
-            f"{r['tflops'] / peak:>7.1%}{r['peak_gib']:>10.1f}"
+            f"{name:<10}{str(c).lower():>6}{r['s']:>9.3f}{r['tokens_per_s']:>11.0f}{r['tflops']:>9.1f}"
+            f"{r['tflops'] / peak:>7.1%}{r['peak_gib']:>10.1f}{r['est_gib']:>10.1f}"
         )
 
 
