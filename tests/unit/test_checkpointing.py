@@ -166,9 +166,12 @@ def four_layers(tmp_path_factory):
     )
 
 
-def _gradients(tmp_path, model_path, strategy: str, setting) -> tuple[dict[str, torch.Tensor], list[int]]:
+def _gradients(
+    tmp_path, model_path, strategy: str, setting, later: int | None = None
+) -> tuple[dict[str, torch.Tensor], list[int]]:
     """The strategy's gradients of a summed log-softmax on fixed rows, and how many times each decoder layer
-    ran (twice: recomputed in backward)."""
+    ran (twice: recomputed in backward). ``later``: a count set after the strategy started (and fsdp2
+    sharded), as 'auto' sets it on a GPU."""
     from reroll.strategies.fsdp2 import FSDP2Strategy
     from reroll.strategies.torch_strategy import TorchStrategy
     from reroll.strategies.training import text_decoder_layers
@@ -180,6 +183,8 @@ def _gradients(tmp_path, model_path, strategy: str, setting) -> tuple[dict[str, 
         model=str(model_path),
     )
     s = {"torch": TorchStrategy, "fsdp2": FSDP2Strategy}[strategy](cfg.model.path, cfg=cfg)
+    if later is not None:
+        s.checkpoint_layers(later)
     layers = text_decoder_layers(s.hf_model)
     runs = [0] * len(layers)
     for i, layer in enumerate(layers):
@@ -207,10 +212,13 @@ def test_gradients_with_the_first_layers_checkpointed_equal_none(tmp_path, four_
     assert runs == [2, 2, 1, 1]  # the first two recomputed in backward, the others not
     every, runs = _gradients(tmp_path, four_layers, strategy, True)
     assert runs == [2, 2, 2, 2]
-    assert plain.keys() == some.keys() == every.keys() and len(plain) > 0
+    raised, runs = _gradients(tmp_path, four_layers, strategy, "auto", later=3)  # auto: none on CPU, then 3
+    assert runs == [2, 2, 2, 1]
+    assert plain.keys() == some.keys() == every.keys() == raised.keys() and len(plain) > 0
     for name in plain:
         assert torch.equal(plain[name], some[name]), name
         assert torch.equal(plain[name], every[name]), name
+        assert torch.equal(plain[name], raised[name]), name
 
 
 def test_a_count_above_the_models_layers_is_refused_at_start(tmp_path, four_layers):
@@ -233,3 +241,15 @@ def test_auto_raises_the_count_with_longer_prompts_and_never_lowers_it(tmp_path)
     assert auto.fit(64) == applied[-1] > 10  # kept
     assert applied == sorted(set(applied))  # applied once per raise
     assert dataclasses.asdict(SHAPE) == dataclasses.asdict(KNOWN["qwen2.5-3b"])
+
+
+def test_a_rank_estimates_with_the_shape_the_plan_reads(four_layers):
+    """'auto' on a rank sizes from the loaded model's parameters and its config's token shape; the plan
+    from config.json and a model built on the meta device: the same Shape, so the same count."""
+    from reroll.config.memory import model_token_shape
+    from reroll.models.loading import load_causal_lm, parameter_counts
+    from reroll.plan import model_shape
+
+    params, experts = parameter_counts(load_causal_lm(four_layers))
+    on_rank = dataclasses.replace(model_token_shape(str(four_layers)), params=params, expert_params=experts)
+    assert on_rank == model_shape(str(four_layers))
