@@ -113,7 +113,8 @@ class ModelConfig(StrictModel):
         "false none, a count N the first N (what each keeps and why the first: "
         "reroll.config.memory.kept_activations), 'auto' the fewest first layers that make a training "
         "role's phase fit its GPU by `reroll plan`'s estimate (chosen from the longest prompt seen, on "
-        "GPUs; none on CPUs). A count or 'auto': torch and fsdp2 strategies only.",
+        "GPUs; none on CPUs). 'auto': torch and fsdp2 strategies; a count: those and megatron (dense models, "
+        "pipeline_parallel 1); deepspeed: true or false.",
     )
     compile: bool = Field(
         False,

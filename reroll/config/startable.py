@@ -289,9 +289,47 @@ def all_or_nothing_checkpointing(cfg: RunConfig, strategy: str) -> list[tuple[st
     ]
 
 
+def megatron_checkpointing_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """``model.gradient_checkpointing`` values Megatron does not take: 'auto' (chosen at a rank's first
+    pass, where Megatron builds its recompute into the model), a count with pipeline parallel (Megatron's
+    ``recompute_num_layers`` counts per pipeline stage)."""
+    setting, path = cfg.model.gradient_checkpointing, "model.gradient_checkpointing"
+    if setting == "auto":
+        return [
+            (
+                path,
+                "model.gradient_checkpointing='auto' chooses at a rank's first pass, but Megatron builds its "
+                "recompute into the model: set a count of first layers (`reroll plan` with "
+                "model.gradient_checkpointing=auto and strategy.name=fsdp2 prints the one 'auto' picks), true "
+                "or false",
+            )
+        ]
+    if not isinstance(setting, bool) and cfg.strategy.megatron.pipeline_parallel > 1:
+        return [
+            (
+                path,
+                f"model.gradient_checkpointing={setting} (a count of layers) with strategy.megatron."
+                f"pipeline_parallel={cfg.strategy.megatron.pipeline_parallel}: Megatron counts recomputed "
+                "layers per pipeline stage; set true or false, or pipeline_parallel=1",
+            )
+        ]
+    return []
+
+
+def megatron_moe_checkpointing_problem(c: Any, setting: bool | int | str) -> str | None:
+    """A count of layers for a mixture of experts, which Megatron recomputes attention of only (true)."""
+    if isinstance(setting, bool) or setting == "auto" or getattr(c, "model_type", None) != "qwen3_moe":
+        return None
+    return (
+        f"model.gradient_checkpointing={setting} (a count of layers) with a mixture-of-experts model: "
+        "Megatron recomputes a mixture of experts' attention only, in every layer (a full-layer recompute "
+        "would lose the router's load-balancing loss); set true or false"
+    )
+
+
 def megatron_option_problems(cfg: RunConfig, head: str = "causal_lm") -> list[tuple[str, str]]:
     """Options the Megatron strategy does not take."""
-    problems = all_or_nothing_checkpointing(cfg, "megatron")
+    problems = megatron_checkpointing_problems(cfg)
     if head != "causal_lm":
         problems.append(
             (
@@ -379,6 +417,8 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
         problems += [
             ("strategy.megatron", m) for m in megatron_moe_problems(model_config, cfg.strategy.megatron)
         ]
+        counted = megatron_moe_checkpointing_problem(model_config, cfg.model.gradient_checkpointing)
+        problems += [("model.gradient_checkpointing", counted)] if counted else []
     if any(s == "deepspeed" for s in strategies.values()):
         problems += deepspeed_problems(cfg)
     problems += context_parallel_problems(cfg, strategies)

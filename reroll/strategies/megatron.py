@@ -37,6 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from reroll.config.startable import (
     MEGATRON_NEEDS_GPUS,
+    megatron_moe_checkpointing_problem,
     megatron_moe_problems,
     megatron_option_problems,
     megatron_parallel_problems,
@@ -149,10 +150,19 @@ class MegatronStrategy:
         self.tp, self.ep = self.mcfg.tensor_parallel, self.mcfg.expert_parallel
         self.model_path, self.dtype, self.seed = model_path, cfg.model.dtype, cfg.seed
         self.trainable, self.rank, self.world_size = trainable, rank, world_size
-        self.recompute = cfg.model.gradient_checkpointing is True and trainable  # a count: start_problems
+        # model.gradient_checkpointing: True every layer, a count the first that many (block), 0 / False none
+        setting = cfg.model.gradient_checkpointing if trainable else False
+        self.recompute: bool | int = setting if isinstance(setting, bool) else int(setting)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.shape = mc.gpt_shape(self.hf_config)
         moe_problems = megatron_moe_problems(self.hf_config, self.mcfg)
+        counted = megatron_moe_checkpointing_problem(self.hf_config, self.recompute)
+        moe_problems += [counted] if counted else []
+        if not isinstance(self.recompute, bool) and self.recompute > self.shape.num_layers:
+            moe_problems.append(
+                f"model.gradient_checkpointing is {self.recompute}, but the model has {self.shape.num_layers} "
+                f"decoder layers: set at most {self.shape.num_layers} (or true for all)"
+            )
         if moe_problems:
             raise UserError("; ".join(moe_problems))
         self.te = use_transformer_engine(self.mcfg.transformer_engine)
@@ -222,15 +232,21 @@ class MegatronStrategy:
         self.ep_rank = ps.get_expert_model_parallel_rank()
         dtype = DTYPES[self.dtype]
         recompute = {}
-        if self.recompute and self.shape.num_experts:
+        if self.recompute is True and self.shape.num_experts:
             # a full-layer recompute runs the router under no_grad, and its load-balancing loss would
             # reach no weight: a mixture of experts recomputes attention only
             recompute = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
-        elif self.recompute:
+        elif self.recompute is True:
             recompute = {
                 "recompute_granularity": "full",
                 "recompute_method": "uniform",
                 "recompute_num_layers": 1,
+            }
+        elif self.recompute:  # the first N layers (of the one pipeline stage: a count refuses pp > 1)
+            recompute = {
+                "recompute_granularity": "full",
+                "recompute_method": "block",
+                "recompute_num_layers": self.recompute,
             }
         config = mc.transformer_config(
             self.shape,

@@ -550,3 +550,24 @@ def test_moe_ep2_equals_torch_on_the_whole_batch(tmp_path, assets):
     for k, v in ref.full_state_dict().items():
         assert torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]), k
         torch.testing.assert_close(ranks[0]["weights"][k], v, atol=1e-4, rtol=0)
+
+
+def test_first_layers_recomputed_train_as_none(tmp_path, assets):
+    """fp32, TP=1: model.gradient_checkpointing 1 (the first of the 2 layers recomputed, Megatron's block
+    method) and true give the losses and grad norms of no recompute: the recompute replays the same
+    kernels on the same inputs, so equal up to rel 1e-6."""
+    from reroll.strategies.megatron import MegatronStrategy
+
+    ids, mask = _batch()
+    results = {}
+    for setting in (False, 1, True):
+        cfg = _cfg(
+            tmp_path, assets, "model.dtype=float32", f"model.gradient_checkpointing={str(setting).lower()}"
+        )
+        s = MegatronStrategy(str(assets["model"]), cfg=cfg, device="cuda")
+        s.configure_optimizer(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
+        results[setting] = _train(s, ids, mask, 2)
+        del s
+        torch.cuda.empty_cache()
+    _assert_same_steps(results[1], results[False])
+    _assert_same_steps(results[True], results[False])

@@ -137,19 +137,40 @@ def test_a_wrong_value_names_the_field_and_the_settings(tmp_path):
         assert "true (every decoder layer), false (none), a count of layers" in str(e.value)
 
 
-@pytest.mark.parametrize("strategy", ["deepspeed", "megatron"])
 @pytest.mark.parametrize("setting", [4, "auto"])
-def test_all_or_nothing_strategies_refuse_a_count(tmp_path, strategy, setting):
+def test_deepspeed_refuses_a_count(tmp_path, setting):
     from reroll.config.startable import start_problems
 
-    cfg = _cfg(tmp_path, **{"strategy.name": strategy, "model.gradient_checkpointing": setting})
+    cfg = _cfg(tmp_path, **{"strategy.name": "deepspeed", "model.gradient_checkpointing": setting})
     problems = dict(start_problems(cfg, "cuda"))
     assert (
-        f"strategy.name={strategy} checkpoints every layer or none"
-        in problems["model.gradient_checkpointing"]
+        "strategy.name=deepspeed checkpoints every layer or none" in problems["model.gradient_checkpointing"]
     )
-    ok = _cfg(tmp_path, **{"strategy.name": strategy, "model.gradient_checkpointing": True})
+    ok = _cfg(tmp_path, **{"strategy.name": "deepspeed", "model.gradient_checkpointing": True})
     assert "model.gradient_checkpointing" not in dict(start_problems(ok, "cuda"))
+
+
+def test_megatron_takes_a_count_of_a_dense_models_layers_at_one_pipeline_stage(tmp_path):
+    """Megatron's block recompute checkpoints the first N layers of each pipeline stage: a count is taken
+    at pipeline_parallel 1 for a dense model; 'auto' (chosen after the model is built) never."""
+    from types import SimpleNamespace
+
+    from reroll.config.startable import megatron_moe_checkpointing_problem, megatron_option_problems
+
+    def problems(setting, *more):
+        more = dict(more)
+        cfg = _cfg(tmp_path, **{"strategy.name": "megatron", "model.gradient_checkpointing": setting, **more})
+        return dict(megatron_option_problems(cfg)).get("model.gradient_checkpointing", "")
+
+    assert problems(4) == "" and problems(True) == ""
+    assert "Megatron builds its recompute into the model: set a count" in problems("auto")
+    assert "counts recomputed layers per pipeline stage" in problems(
+        4, ("strategy.megatron.pipeline_parallel", 2)
+    )
+    moe, dense = SimpleNamespace(model_type="qwen3_moe"), SimpleNamespace(model_type="qwen2")
+    assert "recomputes a mixture of experts' attention only" in megatron_moe_checkpointing_problem(moe, 4)
+    assert megatron_moe_checkpointing_problem(moe, True) is None
+    assert megatron_moe_checkpointing_problem(dense, 4) is None
 
 
 # ---- the strategies: gradients with the first N of L layers checkpointed ----
