@@ -1,10 +1,11 @@
 """``reroll plan``: where a config's roles go on N GPUs and how much memory each takes, before launching.
 
-The estimate is arithmetic on the model's shape, not a measurement: weights, gradients and AdamW
+The estimate is arithmetic on the model's shape, not a measurement (``reroll.config.role_memory``,
+which a rank's ``model.gradient_checkpointing: auto`` reads too): weights, gradients and AdamW
 state per training rank after sharding (fsdp2 / deepspeed / megatron), activations of one micro-batch
-and the logits at its response positions, or a forward-only pass's at the size the run takes where
-larger (``reroll.config.memory``), the engine's weights and KV cache, and the reference's weights.
-Colocated roles that offload between phases need the largest of them on a GPU; without offloading,
+(with each training role's count of checkpointed layers) and the logits at its response positions,
+or a forward-only pass's at the size the run takes where larger (``reroll.config.memory``), the
+engine's weights and KV cache, and the reference's weights. Colocated roles that offload between phases need the largest of them on a GPU; without offloading,
 their sum, and host memory for what they park there (``_host_lines``). The shape comes from
 ``model.path``'s config.json where it is a local directory, else from a table of the model families
 the examples use.

@@ -1,7 +1,7 @@
 """``model.gradient_checkpointing: auto`` for one rank on a GPU: the count of first decoder layers a
 training role recomputes in backward, chosen by ``reroll plan``'s estimate (``auto_checkpointed_layers``)
-for rows of the longest prompt seen so far plus ``rollout.max_new_tokens``, and raised (never lowered)
-as longer prompts come. A role that does not train follows actor_train's count (computed the same
+for rows of the longest prompt seen so far plus ``rollout.max_new_tokens`` (wider where rows were:
+an SFT target longer than that), and raised (never lowered) as longer rows come. A role that does not train follows actor_train's count (computed the same
 way, not applied): its forward-only passes are sized from actor_train's training micro-batch."""
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ class StrategyWorker:
         )
         # forward-only passes on a GPU size from the model's shape (forward_only_limits; None: training's)
         self._shape = model_token_shape(model_path) if self.strategy.device.type == "cuda" else None
-        # model.gradient_checkpointing 'auto': the count chosen at each pass from the longest prompt seen
+        # model.gradient_checkpointing 'auto': the count chosen at each pass from the widest rows seen
         self._checkpointing = auto_checkpointing(cfg, role, self.strategy, model_path, trainable=trainable)
         # optim.packing; None: where the model's attention keeps packed rows apart (a causal LM on CUDA)
         packing = cfg.optim.packing
@@ -295,7 +295,9 @@ class StrategyWorker:
         ranks, every rank gets as many as the rank with the most (a sharded strategy's forward is a
         collective), as far as its rows allow."""
         if self._checkpointing is not None:  # before the limits: forward-only ones scale from its count
-            self._checkpointing.fit(max(self._widest[1], _longest_prompt(batch)))
+            # rows of the longest prompt seen plus rollout.max_new_tokens, or as wide as the widest seen
+            width = max(self._widest[0], batch.input_ids.shape[1]) - self.cfg.rollout.max_new_tokens
+            self._checkpointing.fit(max(self._widest[1], _longest_prompt(batch), width))
         if by_length:
             batch = batch.select(self._row_order(batch, forward_only=forward_only))
         limits = self._limits(forward_only, batch.input_ids.shape[1])
