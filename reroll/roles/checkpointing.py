@@ -94,7 +94,8 @@ def auto_checkpointing(
     apply = getattr(strategy, "checkpoint_layers", None) if trainable else None
     if cfg.model.gradient_checkpointing != "auto" or device.type != "cuda" or model is None:
         return None
-    if (trainable and apply is None) or (not trainable and "actor_train" not in run_roles(cfg, "cuda")):
+    target = role if trainable else "actor_train"  # whose train phase the count fits
+    if (trainable and apply is None) or target not in run_roles(cfg, "cuda"):
         return None
     token = model_token_shape(model_path)
     if token is None:
@@ -105,4 +106,4 @@ def auto_checkpointing(
     params, experts = parameter_counts(model)
     shape = dataclasses.replace(token, params=params, expert_params=experts)
     gib = torch.cuda.get_device_properties(device).total_memory / GIB
-    return AutoCheckpointing(cfg, role if trainable else "actor_train", shape, gib, apply)
+    return AutoCheckpointing(cfg, target, shape, gib, apply)

@@ -261,6 +261,8 @@ def test_auto_raises_the_count_with_longer_prompts_and_never_lowers_it(tmp_path)
     assert auto.fit(2048) > 10
     assert auto.fit(64) == applied[-1] > 10  # kept
     assert applied == sorted(set(applied))  # applied once per raise
+    follower = AutoCheckpointing(cfg, "actor_train", SHAPE, gpu, None)  # a reference's: sizing only
+    assert follower.fit(512) == 10 and follower.fit(2048) == applied[-1]
     assert dataclasses.asdict(SHAPE) == dataclasses.asdict(KNOWN["qwen2.5-3b"])
 
 
