@@ -131,7 +131,7 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
         "per role, per GPU at its peak:",
     ]
     lines += [f"  {p.role:<12} {p.ranks:>3} ranks  {p.gib:8.1f} GiB  ({p.parts})" for p in plans.values()]
-    lines += _checkpointing_lines(cfg, shape, counts)
+    lines += _checkpointing_lines(cfg, shape, counts, prompt_tokens)
     lines += ["", "per GPU:"]
     fits = pool <= gpus
     worst = 0.0
@@ -164,12 +164,18 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     return "\n".join(lines), fits
 
 
-def _checkpointing_lines(cfg: RunConfig, shape: Shape, counts: dict[str, int]) -> list[str]:
+def _checkpointing_lines(
+    cfg: RunConfig, shape: Shape, counts: dict[str, int], prompt_tokens: int
+) -> list[str]:
     """The decoder layers each training role checkpoints (``model.gradient_checkpointing``), where any."""
     if not any(counts.values()):
         return []
-    setting = cfg.model.gradient_checkpointing
-    why = " (auto: the fewest first layers whose phase fits)" if setting == "auto" else ""
+    why = ""
+    if cfg.model.gradient_checkpointing == "auto":
+        why = (
+            f" (auto: the fewest first layers whose phase fits, at {prompt_tokens}-token prompts; a run "
+            "chooses from its own)"
+        )
     each = ", ".join(f"{role} {n} of {shape.layers}" for role, n in counts.items())
     return [f"activation checkpointing, first layers recomputed in backward{why}: {each}"]
 
