@@ -57,7 +57,31 @@ def write_data(spec: PeerSpec, work: Path) -> Path:
     return path
 
 
-def overrides(spec: PeerSpec, work: Path, data: Path) -> list[str]:
+def verl_model(spec: PeerSpec, work: Path) -> Path:
+    """``spec.model`` as verl can open it: the same weights (linked) and a tokenizer that also knows a
+    newline and ``<|im_end|>``. verl's agent loop picks its Qwen turn handling from ``model_type: qwen2``
+    and refuses a tokenizer without those two tokens ("Expected Qwen newline to tokenize to one
+    token"); the bench's character tokenizer has neither. Both ids are new (above the characters', below
+    the model's vocabulary size, so no row of the weights changes), and the prompts, which hold neither,
+    tokenize as they do for the other rows."""
+    from transformers import AutoTokenizer
+
+    src, out = Path(spec.model), work / "model"
+    out.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    tok = AutoTokenizer.from_pretrained(src)
+    tok.add_tokens(["\n"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    for f in out.iterdir():  # the tokenizer's files are written anew, not through the links
+        if f.is_symlink() and ("token" in f.name or f.name == "chat_template.jinja"):
+            f.unlink()
+    tok.save_pretrained(out)
+    return out
+
+
+def overrides(spec: PeerSpec, work: Path, data: Path, model: Path) -> list[str]:
     """verl's Hydra overrides for ``spec``."""
     a, r, m = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.model"
     micro = min(spec.micro_batch, spec.prompts * spec.group)
@@ -73,7 +97,7 @@ def overrides(spec: PeerSpec, work: Path, data: Path) -> list[str]:
         "data.dataloader_num_workers=0",
         "data.filter_overlong_prompts=false",
         "data.truncation=error",
-        f"{m}.path={spec.model}",
+        f"{m}.path={model}",
         f"+{m}.override_config.attn_implementation=sdpa",
         f"{m}.use_remove_padding=false",
         f"{m}.enable_gradient_checkpointing={str(spec.gradient_checkpointing).lower()}",
@@ -145,7 +169,12 @@ def run(spec: PeerSpec) -> list[dict]:
     env = os.environ | {"VERL_FILE_LOGGER_PATH": str(log), "WANDB_MODE": "disabled"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # reroll's setting for its in-process engine: verl's own
     env["PYTHONPATH"] = verl_first(env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(spec, work, data)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        *overrides(spec, work, data, verl_model(spec, work)),
+    ]
     print("verl:", " ".join(cmd), flush=True)
     done = subprocess.run(cmd, env=env, cwd=work)
     if done.returncode:
