@@ -162,7 +162,7 @@ def fused_head_at(
         logp, out.ent = linear_logprobs_and_entropy(
             rows, head.weight, head.bias, targets, temperature, entropy=entropy, chunk_tokens=chunk_tokens
         )
-        out.logp = logp[None]
+        out.logp = logp[None].clone()  # not a view: FSDP2 warns of hooks on a module's view outputs
         return out.logp
 
     head.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
