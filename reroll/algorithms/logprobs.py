@@ -123,15 +123,21 @@ def linear_logprobs_and_entropy(
     logits: ``(K, H)`` hidden states, a ``(V, H)`` head (``bias`` ``(V,)`` or None), ``(K,)`` targets ->
     log p(target) and the entropy (zeros unless ``entropy``), ``(K,)`` fp32 each.
 
-    The logits are made ``chunk_tokens`` rows at a time (default ``chunk_rows``'s count) in the head's
-    dtype, as ``F.linear`` makes them, and reduced like ``selected_logprobs_and_entropy``'s chunks (the
-    same functions). Autograd keeps ``hidden`` and ``weight`` (which it holds anyway: the head's input and
-    parameter) and the entropy; backward recomputes each chunk's logits and their gradient, casts it to
-    the head's dtype (as the logits' gradient is) and writes ``grad_hidden[chunk] = g @ W`` and adds
-    ``g^T @ hidden[chunk]`` into an fp32 ``(V, H)`` sum for the weight (a sum of per-chunk products in bf16
-    would round once per chunk), cast to the weight's dtype at the end. Gradients only for the inputs
-    that need them (a frozen head: none for the weight); the entropy's backward only when its gradient
-    is used."""
+    Forward makes the logits ``chunk_tokens`` rows at a time (default ``chunk_rows``'s count) in the
+    head's dtype, as ``F.linear`` makes them, and reduces each chunk as ``selected_logprobs_and_entropy``
+    does (the same function), keeping each row's log-sum-exp too. Autograd keeps ``hidden`` and ``weight``
+    (which it holds anyway: the head's input and parameter), the entropy and the log-sum-exp (``K``
+    floats each). Backward goes over blocks of the vocabulary with all ``K`` rows (as many elements a
+    block as a chunk): it makes the block's logits again, their softmax from the log-sum-exp and their
+    gradient by the logits path's formulas (``(onehot - p) / T``, ``-p (log p + H) / T``: the same
+    function), cast to the head's dtype as the logits' gradient is; then writes the block's rows of the
+    weight's gradient, ``g^T @ hidden`` (one product over all ``K`` rows, in the weight's dtype), and adds
+    ``g @ W[block]`` into an fp32 ``(K, H)`` sum for the hidden states' gradient. Extra memory, forward
+    and backward: a few fp32 blocks and that ``(K, H)`` sum, against ``K x V`` logits and their gradient
+    in the logits path. Blocks of the vocabulary rather than chunks of rows in backward: each chunk
+    would add a ``(V, H)`` product into an fp32 sum of the weight's gradient (``4 V H`` bytes, 2.2 GB
+    for a 7B model's head, read and written once a chunk). Gradients only for the inputs that need them
+    (a frozen head: none for the weight); the entropy's backward only when its gradient is used."""
     scale = temperature if temperature > 0 else 1.0
     rows = chunk_tokens or _rows_of(weight.shape[0], weight.is_cuda)
     return _LinearNextToken.apply(hidden, weight, bias, targets.to(hidden.device), scale, entropy, rows)
@@ -223,8 +229,8 @@ class _ChunkedNextToken(torch.autograd.Function):
 
 
 class _LinearNextToken(torch.autograd.Function):
-    """``(K, H)`` hidden states and a linear head -> per-row fp32 log p(target) and entropy, chunk by chunk
-    (``linear_logprobs_and_entropy``)."""
+    """``(K, H)`` hidden states and a linear head -> per-row fp32 log p(target) and entropy
+    (``linear_logprobs_and_entropy``): forward by chunks of rows, backward by blocks of the vocabulary."""
 
     @staticmethod
     def forward(
@@ -240,10 +246,11 @@ class _LinearNextToken(torch.autograd.Function):
         k = hidden.shape[0]
         logp = torch.zeros(k, dtype=torch.float32, device=hidden.device)
         ent = torch.zeros(k, dtype=torch.float32, device=hidden.device)
+        lse = torch.zeros(k, dtype=torch.float32, device=hidden.device)
         for s in _chunks(k, rows, None):
-            _chunk_stats(F.linear(hidden[s], weight, bias), targets, scale, entropy, logp, ent, s)
-        ctx.save_for_backward(hidden, weight, bias, targets, ent)
-        ctx.scale, ctx.rows = scale, rows
+            _chunk_stats(F.linear(hidden[s], weight, bias), targets, scale, entropy, logp, ent, s, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, ent, lse)
+        ctx.scale, ctx.cols = scale, max(1, rows * weight.shape[0] // max(k, 1))  # as many elements a block
         ctx.set_materialize_grads(False)
         if not entropy:
             ctx.mark_non_differentiable(ent)
@@ -252,26 +259,36 @@ class _LinearNextToken(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp: Tensor | None, grad_ent: Tensor | None):
-        hidden, weight, bias, targets, ent = ctx.saved_tensors
+        """By blocks of ``cols`` vocabulary entries, all ``K`` rows at a time: each block's logits again
+        (``h W[block]^T``), their softmax from the forward's log-sum-exp, their gradient ``g``; then
+        ``grad_W[block] = g^T h`` (one product over all rows, written once in the weight's dtype) and
+        ``grad_h += g W[block]`` (summed over the blocks in fp32, ``K x H``)."""
+        hidden, weight, bias, targets, ent, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        if (grad_logp is None and grad_ent is None) or not (need_h or need_w or need_b):
+        if grad_logp is None and grad_ent is None:
             return None, None, None, None, None, None, None
-        grad_h = torch.empty_like(hidden) if need_h else None
-        sum_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        sum_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        for s in _chunks(hidden.shape[0], ctx.rows, None):
-            g = _chunk_grad(
-                F.linear(hidden[s], weight, bias), targets, ent, grad_logp, grad_ent, ctx.scale, s
-            )
-            if sum_b is not None:
-                sum_b += g.sum(0)
+        sum_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        grad_b = torch.empty_like(bias) if need_b else None
+        for a in range(0, weight.shape[0], ctx.cols):
+            vb = slice(a, a + ctx.cols)
+            x = F.linear(hidden, weight[vb], None if bias is None else bias[vb])
+            logq = x.to(torch.float32, copy=True).div_(ctx.scale).sub_(lse[:, None])  # log q in the block
+            p = logq.exp() if grad_ent is not None else logq.exp_()
+            g = _grad_of(p, logq, ent, grad_logp, grad_ent)
+            if grad_logp is not None:  # + onehot(y) g_y, for the targets in this block
+                col = targets - a
+                row = ((col >= 0) & (col < x.shape[1])).nonzero().squeeze(-1)
+                g.index_put_((row, col[row]), grad_logp[row], accumulate=True)
+            g = g if ctx.scale == 1.0 else g.div_(ctx.scale)
+            if grad_b is not None:
+                grad_b[vb] = g.sum(0)
             g = g.to(weight.dtype)  # the logits' gradient, in their dtype (a no-op in fp32)
-            if grad_h is not None:
-                grad_h[s] = g @ weight
-            if sum_w is not None:
-                _add_product(sum_w, g.T, hidden[s])
-        grad_w = None if sum_w is None else sum_w.to(weight.dtype)
-        grad_b = None if sum_b is None else sum_b.to(bias.dtype)
+            if grad_w is not None:
+                torch.mm(g.T, hidden, out=grad_w[vb])
+            if sum_h is not None:
+                _add_product(sum_h, g, weight[vb])
+        grad_h = None if sum_h is None else sum_h.to(hidden.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None
 
 
@@ -292,14 +309,18 @@ def _chunk_stats(
     logp: Tensor,
     ent: Tensor,
     s: slice | Tensor,
+    lse: Tensor | None = None,
 ) -> None:
-    """Writes rows ``s`` of ``logp`` (where ``targets``, per row) and ``ent`` (where ``entropy``) from those
-    rows' logits ``chunk`` ``(rows, V)``: one fp32 log-softmax, read at the targets and reduced to the entropy."""
+    """Writes rows ``s`` of ``logp`` (where ``targets``, per row), ``ent`` (where ``entropy``) and ``lse``
+    (the log-sum-exp of the scaled logits, where given) from those rows' logits ``chunk`` ``(rows, V)``:
+    one fp32 log-softmax, read at the targets and reduced to the entropy."""
     logq = _log_softmax(chunk, scale)
     if targets is not None:
         logp[s] = logq.gather(-1, targets[s, None]).squeeze(-1)
     if entropy:
         ent[s] = -logq.exp().mul_(logq).sum(-1)
+    if lse is not None:  # log q_y = x_y / T - lse
+        lse[s] = chunk.gather(-1, targets[s, None]).squeeze(-1).to(torch.float32).div_(scale) - logp[s]
 
 
 def _chunk_grad(
@@ -313,19 +334,31 @@ def _chunk_grad(
 ) -> Tensor:
     """The fp32 gradient of rows ``s``'s logits ``chunk`` ``(rows, V)``, recomputed from them: ``targets``,
     ``ent`` and the incoming gradients are per row (at least one gradient not None)."""
-    if grad_ent is None:  # d log p_y / dx = onehot(y) - p
-        g = _softmax(chunk, scale).mul_(-grad_logp[s, None])
-    else:  # dH/dx = -p (log p + H); with the log-prob's: -p ((log p + H) g_H + g_y) + onehot(y) g_y
-        logq = _log_softmax(chunk, scale)
-        p = logq.exp()
-        g = logq.add_(ent[s, None]).mul_(grad_ent[s, None])
-        if grad_logp is not None:
-            g.add_(grad_logp[s, None])
-        g = g.mul_(p).neg_()
-        del p
+    logq = _log_softmax(chunk, scale) if grad_ent is not None else None
+    p = _softmax(chunk, scale) if logq is None else logq.exp()
+    g = _grad_of(p, logq, ent[s], _rows(grad_logp, s), _rows(grad_ent, s))
     if grad_logp is not None:
         g.scatter_add_(-1, targets[s, None], grad_logp[s, None])
     return g if scale == 1.0 else g.div_(scale)
+
+
+def _rows(x: Tensor | None, s: slice | Tensor) -> Tensor | None:
+    return None if x is None else x[s]
+
+
+def _grad_of(
+    p: Tensor, logq: Tensor | None, ent: Tensor, grad_logp: Tensor | None, grad_ent: Tensor | None
+) -> Tensor:
+    """Of logits whose (fp32) softmax is ``p`` (and log-softmax ``logq``, needed where ``grad_ent``): the
+    gradient times ``T``, but the ``onehot(y) g_y`` term, which the caller adds (it knows where the
+    targets are). Works in ``p`` and ``logq``; ``ent`` and the gradients are per row."""
+    if grad_ent is None:  # d log p_y / dx = onehot(y) - p
+        return p.mul_(-grad_logp[:, None])
+    # dH/dx = -p (log p + H); with the log-prob's: -p ((log p + H) g_H + g_y) + onehot(y) g_y
+    g = logq.add_(ent[:, None]).mul_(grad_ent[:, None])
+    if grad_logp is not None:
+        g.add_(grad_logp[:, None])
+    return g.mul_(p).neg_()
 
 
 def _log_softmax(chunk: Tensor, scale: float) -> Tensor:
