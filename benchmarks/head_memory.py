@@ -13,20 +13,23 @@ passes); ``fwd+bwd`` computes the log-probs and the entropy, detached (a metric,
 ``algorithm.entropy_coef`` 0), and backpropagates the log-probs' loss into the hidden states and the
 weight, whose gradient ``(V, H)`` both paths make. On CUDA each case runs once to warm up first.
 
-Measured (CPU: AMD EPYC, 2 cores shared with other jobs, torch 2.13; Qwen2.5-0.5B's head, H 896,
-V 151936, K 1024 scored tokens, temperature 0.7; GiB above the inputs, seconds)::
+Measured 2026-12-06 on the CPU (AMD EPYC, 2 cores shared with other jobs: load average 5 to 8, so the
+seconds are rough), torch 2.13, Qwen2.5-0.5B's head (H 896, V 151936), temperature 0.7; GiB above the
+inputs, seconds::
 
-    dtype     pass      logits GiB   logits s   fused GiB    fused s
-    float32   forward         0.60       4.7        0.07        4.1
-    float32   fwd+bwd         2.02      14.2        1.06       16.0
-    bfloat16  forward         0.35       5.3        0.07        4.6
-    bfloat16  fwd+bwd         1.56       8.7        0.85       10.9
+    K     dtype     pass      logits GiB   logits s   fused GiB    fused s
+    1024  float32   forward         0.72       9.2        0.20       12.7
+    1024  float32   fwd+bwd         1.30      21.0        0.68       33.2
+    1024  bfloat16  forward         0.43       5.3        0.17        5.5
+    1024  bfloat16  fwd+bwd         0.76      12.1        0.46       13.1
+    4096  bfloat16  forward         1.30      25.9        0.20       20.7
+    4096  bfloat16  fwd+bwd         2.49      45.2        0.54       58.6
 
-The logits path keeps ``K x V`` logits for backward and writes their gradient (``2 K V`` bytes each in
-bf16); the fused one keeps none and holds an fp32 ``V x H`` sum of the weight's gradient instead (0.51
-GiB here, ``4 V H`` bytes whatever ``K``), so its saving grows with ``K``: at ``K`` = 16384 (64 rows of 256
-response tokens) the logits and their gradient are 9.3 GiB in bf16. Backward costs one more matmul
-with the vocabulary (the logits recomputed): about 4/3 of the logits path's head FLOPs.
+Both ``fwd+bwd`` columns include the weight's ``(V, H)`` gradient (0.25 GiB in bf16). The logits path
+keeps ``K x V`` logits for backward and writes their gradient, ``2 K V`` bytes each in bf16 (1.16 GiB at
+``K`` 4096, 9.3 at 16384: 64 rows of 256 response tokens); the fused path keeps ``K`` floats a row and
+works in blocks of about ``2**24`` elements (``2**26`` on a GPU). Its backward makes the logits again:
+one more ``K x V x H`` matmul, 4/3 of the logits path's head FLOPs (1.30x the seconds at ``K`` 4096).
 """
 
 from __future__ import annotations
