@@ -68,7 +68,7 @@ def _run(fused: bool, h, w, b, y, t, g_lp, g_ent, chunk):
 
 def _bounds(h, w, b, y, t, g_lp, g_ent, u: float, chunk: int | None) -> dict[str, torch.Tensor]:
     """How far the two paths may differ, elementwise (module docstring)."""
-    rows = chunk or logprobs._rows_of(V, False)
+    rows = chunk or logprobs._rows_of(V, h.is_cuda)
     cols = max(1, rows * V // K)  # the backward's blocks of the vocabulary (as many elements)
     full = F.linear(h, w, b)
     chunked = torch.cat([F.linear(h[a : a + rows], w, b) for a in range(0, K, rows)])
@@ -89,7 +89,7 @@ def _bounds(h, w, b, y, t, g_lp, g_ent, u: float, chunk: int | None) -> dict[str
     d_lse = F32_U * (V + 4 * z_max + 2 * lse.abs())
     d_logq = margin * (dz + s + d_lse)
     d_ent = margin * (p * (logq + ent).abs() * dz).sum(-1, keepdim=True)
-    zero = torch.zeros(K)
+    zero = torch.zeros(K, device=h.device)
     gl = (g_lp if g_lp is not None else zero).abs()[:, None]
     ge = (g_ent if g_ent is not None else zero).abs()[:, None]
     onehot = F.one_hot(y, V).float()
