@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.grpo_step import QWEN25_05B, TINY, device_name, qwen2_config  # noqa: E402
 from reroll.algorithms.logprobs import chunk_rows, token_logprobs_and_entropy  # noqa: E402
 from reroll.models.loading import fuse_rms_norms  # noqa: E402
-from reroll.roles.strategy_worker import scored_token_stats  # noqa: E402
+from reroll.roles.scored_tokens import scored_token_stats  # noqa: E402
 from reroll.strategies.training import compile_model  # noqa: E402
 
 

@@ -27,7 +27,7 @@ forward + backward 1.32 -> 1.05 s; bf16 forward 0.73 -> 0.65 s, forward + backwa
 
 The trainer does not even make the logits where it can: ``linear_logprobs_and_entropy`` takes the head's
 input (the hidden states of the scored positions) and its weight, makes the logits a chunk at a time
-and keeps none for backward, which makes them again (``reroll.roles.strategy_worker.fused_head_at``
+and keeps none for backward, which makes them again (``reroll.roles.scored_tokens.fused_head_at``
 says which models take it). On CPU (``benchmarks/head_memory.py``, a 0.5B head, 4096 tokens, bf16) the
 forward + backward's peak above its inputs went 2.49 -> 0.54 GiB, for 1.3x the seconds.
 """

@@ -43,7 +43,7 @@ class Strategy(Protocol):
 
     fused_head: bool
     """Whether the model's head is a plain module whose weight its forward sees whole, so that it may
-    compute the scored tokens' log-probs itself (``reroll.roles.strategy_worker.fused_head_at``)."""
+    compute the scored tokens' log-probs itself (``reroll.roles.scored_tokens.fused_head_at``)."""
 
     def init_distributed(self, address: str) -> None:
         """Join the role's process group at ``tcp://address`` (a no-op for one rank)."""

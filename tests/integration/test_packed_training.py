@@ -318,7 +318,7 @@ def test_head_at_the_response_positions_equals_the_full_head(tmp_path, assets, b
     computes their log-probs and entropy itself (``fused_head_at``: its output is ``(1, K)``, no logits),
     else their ``(1, K, V)`` logits (``head_at``, as with ``fused_head`` off). Both give the log-probs,
     loss, entropy, gradient norm and step read off the full head's logits, padded and packed."""
-    from reroll.roles import strategy_worker
+    from reroll.roles import scored_tokens
     from reroll.strategies.torch_strategy import TorchStrategy
 
     def full_head(model, positions):
@@ -329,7 +329,7 @@ def test_head_at_the_response_positions_equals_the_full_head(tmp_path, assets, b
         cfg = _cfg(tmp_path, assets, overrides)
         with monkeypatch.context() as m:
             m.setattr(TorchStrategy, "fused_head", False)
-            m.setattr(strategy_worker, "head_at", contextlib.contextmanager(full_head))
+            m.setattr(scored_tokens, "head_at", contextlib.contextmanager(full_head))
             lp_a, m_a, w_a = _actor_step(cfg, batch)
         for fused in (False, True):
             with monkeypatch.context() as m:

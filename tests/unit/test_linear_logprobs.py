@@ -179,7 +179,7 @@ def _tiny_lm(*, tie: bool):
 def _scored(model, call=None, *, fused: bool):
     """Log-probs and entropy of a few response columns through ``scored_token_stats``, their loss's
     gradients, and the shapes the head returned."""
-    from reroll.roles.strategy_worker import scored_token_stats
+    from reroll.roles.scored_tokens import scored_token_stats
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 50, (3, 7), generator=g)
@@ -206,7 +206,7 @@ def test_the_fused_head_gives_the_logits_paths_values_and_gradients(tie):
     """The trainer's fused head (``fused_head_at``) against ``head_at``'s logits in a tiny model, tied
     embedding or not. They differ in the head's summation order alone (its matmuls in chunks), float32
     noise of ~1e-7 relative that assert_close's float32 defaults (rtol 1.3e-6, atol 1e-5) hold."""
-    from reroll.roles.strategy_worker import fused_head_problem
+    from reroll.roles.scored_tokens import fused_head_problem
 
     model = _tiny_lm(tie=tie)
     assert fused_head_problem(model) is None
@@ -224,7 +224,7 @@ def test_the_fused_head_gives_the_logits_paths_values_and_gradients(tie):
 def test_a_model_that_changes_its_heads_output_keeps_the_logits_path(caplog):
     """A forward that rescales what its head returns (as a logit soft-cap does) would rescale the fused
     log-probs too: the first call sees it, runs again on the logits, warns, and the model keeps them."""
-    from reroll.roles.strategy_worker import fused_head_problem
+    from reroll.roles.scored_tokens import fused_head_problem
 
     class Capped(torch.nn.Module):
         def __init__(self) -> None:
@@ -257,7 +257,7 @@ def test_heads_the_fused_path_leaves_alone():
     """A compiled model, a LoRA-wrapped head, a head whose forward another library replaced: no fused head."""
     from peft import LoraConfig, get_peft_model
 
-    from reroll.roles.strategy_worker import fused_head_at, fused_head_problem
+    from reroll.roles.scored_tokens import fused_head_at, fused_head_problem
 
     model = _tiny_lm(tie=False)
     model.lm_head.forward = model.lm_head.forward  # as accelerate's hooks set it
