@@ -1,9 +1,10 @@
 """The scored tokens' log-probs and entropy off a causal LM's head, computed at their positions alone.
 
 ``scored_token_stats`` runs a model's forward with its ``lm_head`` at the positions before the scored
-(response) tokens: by default the head computes their log-probs and entropy from its input and weight
-itself (``fused_head_at``: no ``(tokens, vocabulary)`` logits kept for backward), else it makes those
-positions' logits (``head_at``), else the whole output is computed and those rows taken.
+(response) tokens: where the strategy and the model allow it (``Strategy.fused_head``, the torch and
+FSDP2 strategies; ``fused_head_problem``) the head computes their log-probs and entropy from its input
+and weight itself (``fused_head_at``: no ``(tokens, vocabulary)`` logits kept for backward), else it
+makes those positions' logits (``head_at``), else the whole output is computed and those rows taken.
 """
 
 from __future__ import annotations
