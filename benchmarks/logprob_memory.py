@@ -42,16 +42,21 @@ def plain(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> tuple[
     return pad(logp, (1, 0), value=0.0), pad(ent, (1, 0), value=0.0)
 
 
-def chunked(
-    logits: torch.Tensor, ids: torch.Tensor, temperature: float, chunk_tokens: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_module():
+    """``reroll/algorithms/logprobs.py`` loaded as a file: torch alone needed."""
     spec = importlib.util.spec_from_file_location("logprobs", ROOT / "reroll" / "algorithms" / "logprobs.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.token_logprobs_and_entropy(logits, ids, temperature, chunk_tokens=chunk_tokens)
+    return module
 
 
-def _peak_bytes(device: str) -> int:
+def chunked(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, chunk_tokens: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return logprobs_module().token_logprobs_and_entropy(logits, ids, temperature, chunk_tokens=chunk_tokens)
+
+
+def peak_bytes(device: str) -> int:
     if device == "cuda":
         return torch.cuda.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
@@ -89,10 +94,10 @@ def one_case(
         run()  # warm-up
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    base = _peak_bytes(device)
+    base = peak_bytes(device)
     start = time.perf_counter()
     run()
-    return {"peak": _peak_bytes(device) - base, "seconds": time.perf_counter() - start}
+    return {"peak": peak_bytes(device) - base, "seconds": time.perf_counter() - start}
 
 
 def main() -> None:

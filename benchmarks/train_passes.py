@@ -7,11 +7,14 @@ One batch as `benchmarks/grpo_step.py` makes it (256 rows of 128 prompt + 256 re
 the rows padded at the end), random token ids, a Qwen2.5-0.5B-shaped model with random init (nothing
 downloaded). Timed, per batch: the reference pass (forward + the response tokens' log-probs, no grad) and
 the training pass (forward + their log-probs and entropy + backward), as the trainer runs them (the head
-at the positions before the response tokens alone), at several rows per pass (``--micro-batches``, what
+at the positions before the response tokens alone, computing their log-probs and entropy itself:
+``fused_head_at``), at several rows per pass (``--micro-batches``, what
 ``optim.logprob_micro_batch_size`` and ``optim.micro_batch_size`` set), first with the model's own RMSNorm
-layers and then fused (``model.fused_norm``, the default; every later row has it); then at 64 rows with the head at
+layers and then fused (``model.fused_norm``, the default; every later row has it); then at 64 rows with the
+head's ``(K, V)`` logits at those positions (``head_at``, the trainer before the fused head), with the head at
 every position (the trainer before 2026-12-05) and with several log-prob chunk sizes (tokens upcast to
-fp32 at a time), then both passes with ``model.compile`` (the model
+fp32 at a time), at 2 and 4 times 64 rows a pass (what the fused head's memory may allow; the peak
+column says), then both passes with ``model.compile`` (the model
 through ``torch.compile``, dynamic shapes). Those batches have one shape; an RL step's micro-batches have
 new lengths every step, so on a GPU the last rows run ``--new-shapes`` batches whose rows have random
 response lengths (sorted longest first and cut into micro-batches trimmed to their longest row, as the
@@ -36,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.grpo_step import QWEN25_05B, TINY, device_name, qwen2_config  # noqa: E402
 from reroll.algorithms.logprobs import chunk_rows, token_logprobs_and_entropy  # noqa: E402
 from reroll.models.loading import fuse_rms_norms  # noqa: E402
-from reroll.roles.strategy_worker import scored_token_stats  # noqa: E402
+from reroll.roles.scored_tokens import scored_token_stats  # noqa: E402
 from reroll.strategies.training import compile_model  # noqa: E402
 
 
@@ -61,10 +64,12 @@ def scored_stats(
     *,
     entropy: bool,
     full_head: bool,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (and entropy) of the ``scored`` columns, as the trainer computes them: the head at the
-    positions before those columns alone (``head_at``), or with ``full_head`` the logits of every
-    position read at those columns (the trainer before the head was restricted)."""
+    positions before those columns alone, computing their log-probs itself (``fused_head_at``, the torch
+    and FSDP2 strategies' default) or with ``fused`` off their logits (``head_at``); or with ``full_head``
+    the logits of every position read at those columns (the trainer before the head was restricted)."""
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
 
     def forward() -> torch.Tensor:
@@ -75,23 +80,39 @@ def scored_stats(
     rows, cols = torch.nn.functional.pad(scored[:, 1:].bool(), (0, 1), value=False).nonzero(as_tuple=True)
     picked = rows * ids.shape[1] + cols
     return scored_token_stats(
-        model, forward, picked, rows, cols, ids, 1.0, entropy=entropy, chunk_tokens=chunk
+        model, forward, picked, rows, cols, ids, 1.0, entropy=entropy, chunk_tokens=chunk, fused=fused
     )
 
 
 def reference_pass(
-    model: torch.nn.Module, ids, mask, scored, chunk: int | None = None, *, full_head: bool = False
+    model: torch.nn.Module,
+    ids,
+    mask,
+    scored,
+    chunk: int | None = None,
+    *,
+    full_head: bool = False,
+    fused=True,
 ) -> None:
     """One forward-only pass over a micro-batch: the log-probs of the ``scored`` columns."""
     with torch.no_grad():
-        scored_stats(model, ids, mask, scored, chunk, entropy=False, full_head=full_head)
+        scored_stats(model, ids, mask, scored, chunk, entropy=False, full_head=full_head, fused=fused)
 
 
 def train_pass(
-    model: torch.nn.Module, ids, mask, scored, chunk: int | None = None, *, full_head: bool = False
+    model: torch.nn.Module,
+    ids,
+    mask,
+    scored,
+    chunk: int | None = None,
+    *,
+    full_head: bool = False,
+    fused=True,
 ) -> None:
     """One training pass over a micro-batch: log-probs and entropy of the ``scored`` columns, backward."""
-    logp, entropy = scored_stats(model, ids, mask, scored, chunk, entropy=True, full_head=full_head)
+    logp, entropy = scored_stats(
+        model, ids, mask, scored, chunk, entropy=True, full_head=full_head, fused=fused
+    )
     (logp.mean() * 1e-3).backward()
     float(entropy.detach().mean())  # the metric's sync, as the trainer has it
 
@@ -187,19 +208,25 @@ def main() -> None:
         _sync(dev)
         return (time.perf_counter() - start) / args.repeat
 
-    def passes(one_pass: Callable[..., None], mb: int, chunk: int | None, full: bool) -> Callable[[], None]:
+    def passes(
+        one_pass: Callable[..., None], mb: int, chunk: int | None, full: bool, fused: bool
+    ) -> Callable[[], None]:
         def run() -> None:
             for a in range(0, b, mb):
                 s = slice(a, a + mb)
-                one_pass(model, ids[s], mask[s], scored[s], chunk, full_head=full)
+                one_pass(model, ids[s], mask[s], scored[s], chunk, full_head=full, fused=fused)
 
         return run
 
-    def reference(mb: int, chunk: int | None = None, full: bool = False) -> Callable[[], None]:
-        return passes(reference_pass, mb, chunk, full)
+    def reference(
+        mb: int, chunk: int | None = None, full: bool = False, fused: bool = True
+    ) -> Callable[[], None]:
+        return passes(reference_pass, mb, chunk, full, fused)
 
-    def train(mb: int, chunk: int | None = None, full: bool = False) -> Callable[[], None]:
-        return passes(train_pass, mb, chunk, full)
+    def train(
+        mb: int, chunk: int | None = None, full: bool = False, fused: bool = True
+    ) -> Callable[[], None]:
+        return passes(train_pass, mb, chunk, full, fused)
 
     print(
         f"Trainer passes over {b} rows x {t} tokens, {'tiny' if args.tiny else 'Qwen2.5-0.5B'}-shaped model, "
@@ -223,6 +250,11 @@ def main() -> None:
         add(f"{mb} rows a pass, chunk {default_chunk} (default)", timed(reference(mb)), timed(train(mb)))
     mb = max(args.micro_batches)
     add(
+        f"{mb} rows a pass, scored positions' logits",
+        timed(reference(mb, fused=False)),
+        timed(train(mb, fused=False)),
+    )
+    add(
         f"{mb} rows a pass, head at every position",
         timed(reference(mb, full=True)),
         timed(train(mb, full=True)),
@@ -231,6 +263,16 @@ def main() -> None:
         profile(train(mb), dev, args.profile)
     for chunk in args.chunks:
         add(f"{mb} rows a pass, chunk {chunk}", timed(reference(mb, chunk)), timed(train(mb, chunk)))
+    for grow in (2, 4):  # what the fused head's memory may allow
+        big = mb * grow
+        if b % big:
+            continue
+        try:
+            add(f"{big} rows a pass, chunk {default_chunk}", timed(reference(big)), timed(train(big)))
+        except torch.OutOfMemoryError:
+            print(f"{big} rows a pass: out of memory", flush=True)
+            torch.cuda.empty_cache()
+            break
     if args.new_shapes:
         mb = min(args.micro_batches)
         for cudnn in (True, False):  # on CPU the flag changes nothing: both rows run the same kernels

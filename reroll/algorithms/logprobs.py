@@ -24,11 +24,18 @@ third of the training pass (``logging.profile_steps``). On CPU (``benchmarks/log
 --temperature 1.0``, 8 x 512 x 32000 logits, log-probs and entropy) fp32 forward 0.69 -> 0.41 s and
 forward + backward 1.32 -> 1.05 s; bf16 forward 0.73 -> 0.65 s, forward + backward 1.33 -> 1.39 s
 (the CPU's bf16-to-fp32 softmax is the slower kernel there).
+
+The trainer does not even make the logits where it can: ``linear_logprobs_and_entropy`` takes the head's
+input (the hidden states of the scored positions) and its weight, makes the logits a chunk at a time
+and keeps none for backward, which makes them again (``reroll.roles.scored_tokens.fused_head_at``
+says which models take it). On CPU (``benchmarks/head_memory.py``, a 0.5B head, 4096 tokens, bf16) the
+forward + backward's peak above its inputs went 2.49 -> 0.54 GiB, for 1.3x the seconds.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -41,8 +48,11 @@ CHUNK_ELEMENTS_CUDA = 2**26
 
 def chunk_rows(logits: Tensor) -> int:
     """Rows of ``(N, V)`` logits to upcast at a time on their device."""
-    elements = CHUNK_ELEMENTS_CUDA if logits.is_cuda else CHUNK_ELEMENTS
-    return max(1, elements // logits.shape[-1])
+    return _rows_of(logits.shape[-1], logits.is_cuda)
+
+
+def _rows_of(vocab: int, cuda: bool) -> int:
+    return max(1, (CHUNK_ELEMENTS_CUDA if cuda else CHUNK_ELEMENTS) // vocab)
 
 
 def token_logprobs(
@@ -105,6 +115,40 @@ def selected_logprobs_and_entropy(
     return _ChunkedNextToken.apply(logits, targets.to(logits.device), scale, entropy, rows, None)
 
 
+def linear_logprobs_and_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = True,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``selected_logprobs_and_entropy(F.linear(hidden, weight, bias), targets, ...)`` without the ``(K, V)``
+    logits: ``(K, H)`` hidden states, a ``(V, H)`` head (``bias`` ``(V,)`` or None), ``(K,)`` targets ->
+    log p(target) and the entropy (zeros unless ``entropy``), ``(K,)`` fp32 each.
+
+    Forward makes the logits ``chunk_tokens`` rows at a time (default ``chunk_rows``'s count) in the
+    head's dtype, as ``F.linear`` makes them, and reduces each chunk as ``selected_logprobs_and_entropy``
+    does (the same function), keeping each row's log-sum-exp too. Autograd keeps ``hidden`` and ``weight``
+    (which it holds anyway: the head's input and parameter), the entropy and the log-sum-exp (``K``
+    floats each). Backward goes over blocks of the vocabulary with all ``K`` rows (as many elements a
+    block as a chunk): it makes the block's logits again, their softmax from the log-sum-exp and their
+    gradient by the logits path's formulas (``(onehot - p) / T``, ``-p (log p + H) / T``: the same
+    function), cast to the head's dtype as the logits' gradient is; then writes the block's rows of the
+    weight's gradient, ``g^T @ hidden`` (one product over all ``K`` rows, in the weight's dtype), and adds
+    ``g @ W[block]`` into an fp32 ``(K, H)`` sum for the hidden states' gradient. Extra memory, forward
+    and backward: a few fp32 blocks and that ``(K, H)`` sum, against ``K x V`` logits and their gradient
+    in the logits path. Blocks of the vocabulary rather than chunks of rows in backward: each chunk
+    would add a ``(V, H)`` product into an fp32 sum of the weight's gradient (``4 V H`` bytes, 2.2 GB
+    for a 7B model's head, read and written once a chunk). Gradients only for the inputs that need them
+    (a frozen head: none for the weight); the entropy's backward only when its gradient is used."""
+    scale = temperature if temperature > 0 else 1.0
+    rows = chunk_tokens or _rows_of(weight.shape[0], weight.is_cuda)
+    return _LinearNextToken.apply(hidden, weight, bias, targets.to(hidden.device), scale, entropy, rows)
+
+
 def _next_token_stats(
     logits: Tensor,
     input_ids: Tensor | None,
@@ -165,11 +209,7 @@ class _ChunkedNextToken(torch.autograd.Function):
         logp = torch.zeros(n, dtype=torch.float32, device=logits.device)
         ent = torch.zeros(n, dtype=torch.float32, device=logits.device)
         for s in _chunks(n, rows, scored):
-            logq = _log_softmax(logits[s], scale)
-            if targets is not None:
-                logp[s] = logq.gather(-1, targets[s, None]).squeeze(-1)
-            if entropy:
-                ent[s] = -logq.exp().mul_(logq).sum(-1)
+            _chunk_stats(logits[s], targets, scale, entropy, logp, ent, s)
         ctx.save_for_backward(logits, targets, ent, scored)
         ctx.scale, ctx.rows = scale, rows
         ctx.set_materialize_grads(False)
@@ -189,21 +229,142 @@ class _ChunkedNextToken(torch.autograd.Function):
             return None, None, None, None, None, None
         grad = torch.empty_like(logits) if scored is None else torch.zeros_like(logits)
         for s in _chunks(logits.shape[0], ctx.rows, scored):
-            if grad_ent is None:  # d log p_y / dx = onehot(y) - p
-                g = _softmax(logits[s], ctx.scale).mul_(-grad_logp[s, None])
-            else:  # dH/dx = -p (log p + H); with the log-prob's: -p ((log p + H) g_H + g_y) + onehot(y) g_y
-                logq = _log_softmax(logits[s], ctx.scale)
-                p = logq.exp()
-                g = logq.add_(ent[s, None]).mul_(grad_ent[s, None])
-                if grad_logp is not None:
-                    g.add_(grad_logp[s, None])
-                g = g.mul_(p).neg_()
-                del p
-            if grad_logp is not None:
-                g.scatter_add_(-1, targets[s, None], grad_logp[s, None])
-            g = g if ctx.scale == 1.0 else g.div_(ctx.scale)
+            g = _chunk_grad(logits[s], targets, ent, grad_logp, grad_ent, ctx.scale, s)
             grad[s] = g if isinstance(s, slice) else g.to(grad.dtype)  # index_put wants the dtype
         return grad, None, None, None, None, None
+
+
+class _LinearNextToken(torch.autograd.Function):
+    """``(K, H)`` hidden states and a linear head -> per-row fp32 log p(target) and entropy
+    (``linear_logprobs_and_entropy``): forward by chunks of rows, backward by blocks of the vocabulary."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        scale: float,
+        entropy: bool,
+        rows: int,
+    ) -> tuple[Tensor, Tensor]:
+        k = hidden.shape[0]
+        logp = torch.zeros(k, dtype=torch.float32, device=hidden.device)
+        ent = torch.zeros(k, dtype=torch.float32, device=hidden.device)
+        lse = torch.zeros(k, dtype=torch.float32, device=hidden.device)
+        for s in _chunks(k, rows, None):
+            _chunk_stats(F.linear(hidden[s], weight, bias), targets, scale, entropy, logp, ent, s, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, ent, lse)
+        ctx.scale, ctx.cols = scale, max(1, rows * weight.shape[0] // max(k, 1))  # as many elements a block
+        ctx.set_materialize_grads(False)
+        if not entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp: Tensor | None, grad_ent: Tensor | None):
+        """By blocks of ``cols`` vocabulary entries, all ``K`` rows at a time: each block's logits again
+        (``h W[block]^T``), their softmax from the forward's log-sum-exp, their gradient ``g``; then
+        ``grad_W[block] = g^T h`` (one product over all rows, written once in the weight's dtype) and
+        ``grad_h += g W[block]`` (summed over the blocks in fp32, ``K x H``)."""
+        hidden, weight, bias, targets, ent, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if grad_logp is None and grad_ent is None:
+            return None, None, None, None, None, None, None
+        sum_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        grad_b = torch.empty_like(bias) if need_b else None
+        for a in range(0, weight.shape[0], ctx.cols):
+            vb = slice(a, a + ctx.cols)
+            x = F.linear(hidden, weight[vb], None if bias is None else bias[vb])
+            logq = x.to(torch.float32, copy=True).div_(ctx.scale).sub_(lse[:, None])  # log q in the block
+            p = logq.exp() if grad_ent is not None else logq.exp_()
+            g = _grad_of(p, logq, ent, grad_logp, grad_ent)
+            if grad_logp is not None:  # + onehot(y) g_y, for the targets in this block
+                col = targets - a
+                row = ((col >= 0) & (col < x.shape[1])).nonzero().squeeze(-1)
+                g.index_put_((row, col[row]), grad_logp[row], accumulate=True)
+            g = g if ctx.scale == 1.0 else g.div_(ctx.scale)
+            if grad_b is not None:
+                grad_b[vb] = g.sum(0)
+            g = g.to(weight.dtype)  # the logits' gradient, in their dtype (a no-op in fp32)
+            if grad_w is not None:
+                torch.mm(g.T, hidden, out=grad_w[vb])
+            if sum_h is not None:
+                _add_product(sum_h, g, weight[vb])
+        grad_h = None if sum_h is None else sum_h.to(hidden.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += a @ b`` into fp32 ``out``: in place for fp32 factors, else their product (in their dtype,
+    accumulated in fp32 inside the kernel) rounded once and added."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    else:
+        out += a @ b
+
+
+def _chunk_stats(
+    chunk: Tensor,
+    targets: Tensor | None,
+    scale: float,
+    entropy: bool,
+    logp: Tensor,
+    ent: Tensor,
+    s: slice | Tensor,
+    lse: Tensor | None = None,
+) -> None:
+    """Writes rows ``s`` of ``logp`` (where ``targets``, per row), ``ent`` (where ``entropy``) and ``lse``
+    (the log-sum-exp of the scaled logits, where given) from those rows' logits ``chunk`` ``(rows, V)``:
+    one fp32 log-softmax, read at the targets and reduced to the entropy."""
+    logq = _log_softmax(chunk, scale)
+    if targets is not None:
+        logp[s] = logq.gather(-1, targets[s, None]).squeeze(-1)
+    if entropy:
+        ent[s] = -logq.exp().mul_(logq).sum(-1)
+    if lse is not None:  # log q_y = x_y / T - lse
+        lse[s] = chunk.gather(-1, targets[s, None]).squeeze(-1).to(torch.float32).div_(scale) - logp[s]
+
+
+def _chunk_grad(
+    chunk: Tensor,
+    targets: Tensor | None,
+    ent: Tensor,
+    grad_logp: Tensor | None,
+    grad_ent: Tensor | None,
+    scale: float,
+    s: slice | Tensor,
+) -> Tensor:
+    """The fp32 gradient of rows ``s``'s logits ``chunk`` ``(rows, V)``, recomputed from them: ``targets``,
+    ``ent`` and the incoming gradients are per row (at least one gradient not None)."""
+    logq = _log_softmax(chunk, scale) if grad_ent is not None else None
+    p = _softmax(chunk, scale) if logq is None else logq.exp()
+    g = _grad_of(p, logq, ent[s], _rows(grad_logp, s), _rows(grad_ent, s))
+    if grad_logp is not None:
+        g.scatter_add_(-1, targets[s, None], grad_logp[s, None])
+    return g if scale == 1.0 else g.div_(scale)
+
+
+def _rows(x: Tensor | None, s: slice | Tensor) -> Tensor | None:
+    return None if x is None else x[s]
+
+
+def _grad_of(
+    p: Tensor, logq: Tensor | None, ent: Tensor, grad_logp: Tensor | None, grad_ent: Tensor | None
+) -> Tensor:
+    """Of logits whose (fp32) softmax is ``p`` (and log-softmax ``logq``, needed where ``grad_ent``): the
+    gradient times ``T``, but the ``onehot(y) g_y`` term, which the caller adds (it knows where the
+    targets are). Works in ``p`` and ``logq``; ``ent`` and the gradients are per row."""
+    if grad_ent is None:  # d log p_y / dx = onehot(y) - p
+        return p.mul_(-grad_logp[:, None])
+    # dH/dx = -p (log p + H); with the log-prob's: -p ((log p + H) g_H + g_y) + onehot(y) g_y
+    g = logq.add_(ent[:, None]).mul_(grad_ent[:, None])
+    if grad_logp is not None:
+        g.add_(grad_logp[:, None])
+    return g.mul_(p).neg_()
 
 
 def _log_softmax(chunk: Tensor, scale: float) -> Tensor:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reroll.algorithms.logprobs import selected_logprobs_and_entropy
 from reroll.config.memory import forward_only_limits, model_token_shape
 from reroll.config.placement import colocated_engines, colocated_trainer_roles, scaled_peak
 from reroll.config.role_memory import with_checkpointing
@@ -37,6 +36,7 @@ from reroll.errors import UserError
 from reroll.models.packed_attention import uses_packed_attention
 from reroll.models.vision import is_vision_language
 from reroll.roles.checkpointing import auto_checkpointing
+from reroll.roles.scored_tokens import scored_token_stats
 from reroll.runtime import profiling, quiet
 from reroll.runtime.actors import WorkerGroup, free_address
 from reroll.runtime.placement import configure_process, worker_device
@@ -66,71 +66,6 @@ def per_token_head(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
         yield out
     finally:
         handle.remove()
-
-
-@contextlib.contextmanager
-def head_at(model: torch.nn.Module, positions: torch.Tensor) -> Iterator[bool]:
-    """Inside the block, ``model``'s ``lm_head`` computes only the rows ``positions`` of its input
-    flattened to ``(N, hidden)``: the forward's logits are ``(1, K, V)``. The rows are selected by a
-    pre-hook on the head (inside the forward, where a sharded head is gathered), so hidden states of
-    the other positions never meet the vocabulary. Yields False, changing nothing, where there is not
-    exactly one ``lm_head`` or the model is compiled (a hook that changes per call would recompile it)."""
-    heads = [m for name, m in model.named_modules() if name.split(".")[-1] == "lm_head"]
-    if len(heads) != 1 or getattr(model, "_compiled_call_impl", None) is not None:
-        yield False
-        return
-
-    def select(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        hidden = args[0]
-        rows = hidden.reshape(-1, hidden.shape[-1])[positions.to(hidden.device)]
-        return (rows[None], *args[1:])
-
-    handle = heads[0].register_forward_pre_hook(select)
-    try:
-        yield True
-    finally:
-        handle.remove()
-
-
-def scored_token_stats(
-    model: torch.nn.Module,
-    forward: Callable[[], torch.Tensor],
-    picked: torch.Tensor,
-    rows: torch.Tensor,
-    cols: torch.Tensor,
-    input_ids: torch.Tensor,
-    temperature: float,
-    *,
-    entropy: bool,
-    chunk_tokens: int | None = None,
-    split: tuple[ContextParallel, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, T)`` fp32 log-probs of the tokens at ``(rows, cols + 1)`` of ``input_ids`` and their entropy
-    (zeros unless ``entropy``), 0 elsewhere: ``forward()`` runs ``model`` with its head at the flattened
-    input positions ``picked`` alone (``head_at``; one per scored token, in the same order), or, where
-    the head cannot be restricted, the whole output is computed and those rows taken. ``chunk_tokens``:
-    as ``token_logprobs``'s. ``split``: this rank's context-parallel group and the width of the model's
-    input rows; ``forward()`` then runs this rank's columns, whose scored tokens it computes, and the
-    group's are combined (``ContextParallel.combine``)."""
-    targets = input_ids[rows, cols + 1]
-    local = split[0].picks(picked, split[1]) if split is not None else None
-    if local is not None:
-        picked, targets = local.positions, targets[local.keep]
-    with head_at(model, picked) as selected:
-        logits = forward()
-    logits = logits.reshape(-1, logits.shape[-1])
-    if not selected:  # the full output: take the same rows of it
-        logits = logits[picked.to(logits.device)]
-    dev = logits.device
-    logp, ent = selected_logprobs_and_entropy(
-        logits, targets.to(dev), temperature, entropy=entropy, chunk_tokens=chunk_tokens
-    )
-    if local is not None:
-        cp = split[0]
-        logp, ent = cp.combine(logp, local), cp.combine(ent, local)
-    where = (rows.to(dev), cols.to(dev) + 1)  # position t-1 scores column t
-    zeros = torch.zeros(input_ids.shape, dtype=torch.float32, device=dev)
-    return zeros.index_put(where, logp), zeros.index_put(where, ent)
 
 
 def _longest_prompt(batch: TrainBatch) -> int:
@@ -371,6 +306,7 @@ class StrategyWorker:
             temperature,
             entropy=entropy,
             split=None if cp is None else (cp, args[0].shape[1]),
+            fused=self.strategy.fused_head,
         )
 
     @property

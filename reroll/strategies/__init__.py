@@ -41,6 +41,10 @@ class Strategy(Protocol):
     step (all micro-batches, all ranks): a backend must *sum* gradients over micro-batches and ranks.
     """
 
+    fused_head: bool
+    """Whether the model's head is a plain module whose weight its forward sees whole, so that it may
+    compute the scored tokens' log-probs itself (``reroll.roles.scored_tokens.fused_head_at``)."""
+
     def init_distributed(self, address: str) -> None:
         """Join the role's process group at ``tcp://address`` (a no-op for one rank)."""
         ...

@@ -68,6 +68,8 @@ class DeepSpeedStrategy:
     ``optim``'s settings and no warm-up.
     """
 
+    fused_head = False  # ZeRO-3 gathers a module's parameters by hooks of its own: not proven with it
+
     def __init__(
         self,
         model_path: str,

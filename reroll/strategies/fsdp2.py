@@ -85,6 +85,8 @@ class FSDP2Strategy:
     LoRA (``strategy.lora``) applies to the policy and to a reward model (its ``score`` head trains in full).
     """
 
+    fused_head = True  # the head's call is inside its FSDP unit's forward, where its weight is gathered
+
     def __init__(
         self,
         model_path: str,

@@ -129,6 +129,8 @@ class MegatronStrategy:
     groups before the model). ``head`` must be ``"causal_lm"``: critics need another strategy.
     """
 
+    fused_head = False  # its output layer is split over the TP ranks' vocabulary shards
+
     def __init__(
         self,
         model_path: str,

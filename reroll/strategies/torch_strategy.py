@@ -58,6 +58,8 @@ class TorchStrategy:
     the policy is wrapped with peft and only its adapters train (``reroll.strategies.lora``).
     """
 
+    fused_head = True  # the Hugging Face model as it is: its lm_head's weight is whole
+
     def __init__(
         self,
         model_path: str,

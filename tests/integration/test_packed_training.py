@@ -314,10 +314,12 @@ def test_teacher_topk_comes_back_in_row_order(tmp_path, assets, batch):
 
 
 def test_head_at_the_response_positions_equals_the_full_head(tmp_path, assets, batch, initial, monkeypatch):
-    """The trainer runs the head at the positions before the response tokens alone (``head_at``); the
-    log-probs, loss, gradient norm and step equal those read off the full head's logits, padded and
-    packed, and the head's output has one row per response token."""
-    from reroll.roles import strategy_worker
+    """The trainer runs the head at the positions before the response tokens alone: by default the head
+    computes their log-probs and entropy itself (``fused_head_at``: its output is ``(1, K)``, no logits),
+    else their ``(1, K, V)`` logits (``head_at``, as with ``fused_head`` off). Both give the log-probs,
+    loss, entropy, gradient norm and step read off the full head's logits, padded and packed."""
+    from reroll.roles import scored_tokens
+    from reroll.strategies.torch_strategy import TorchStrategy
 
     def full_head(model, positions):
         yield False  # as where no single lm_head is found: the whole output, rows taken after
@@ -326,26 +328,35 @@ def test_head_at_the_response_positions_equals_the_full_head(tmp_path, assets, b
     for overrides in (BASELINE, VARIANTS["packed"]):
         cfg = _cfg(tmp_path, assets, overrides)
         with monkeypatch.context() as m:
-            m.setattr(strategy_worker, "head_at", contextlib.contextmanager(full_head))
+            m.setattr(TorchStrategy, "fused_head", False)
+            m.setattr(scored_tokens, "head_at", contextlib.contextmanager(full_head))
             lp_a, m_a, w_a = _actor_step(cfg, batch)
-        group = TrainerGroup("actor_train", cfg, trainable=True)
-        head = group.handles[0]._obj.strategy.model.get_output_embeddings()
-        hook = head.register_forward_hook(lambda _m, _i, out: heads.append(tuple(out.shape)))
-        use_sgd_steps(group, ETA)
-        lp_b = group.compute_logprobs(batch)
-        m_b = group.train(batch, PolicyGradient.of(group.cfg))
-        w_b = group.weight_buckets(1.0).tensors()
-        hook.remove()
-        mask = batch.attention_mask
-        torch.testing.assert_close(lp_b[mask], lp_a[mask], atol=1e-5, rtol=0, msg=str(overrides))
-        assert m_b["actor/loss"] == pytest.approx(m_a["actor/loss"], rel=1e-5)
-        assert m_b["actor/grad_norm"] == pytest.approx(m_a["actor/grad_norm"], rel=1e-5)
-        assert m_b["actor/entropy"] == pytest.approx(m_a["actor/entropy"], rel=1e-5)
-        assert_same_steps(w_a, w_b, initial, steps=1)
+        for fused in (False, True):
+            with monkeypatch.context() as m:
+                m.setattr(TorchStrategy, "fused_head", fused)
+                group = TrainerGroup("actor_train", cfg, trainable=True)
+                head = group.handles[0]._obj.strategy.model.get_output_embeddings()
+                hook = head.register_forward_hook(lambda _m, _i, out: heads.append(tuple(out.shape)))
+                use_sgd_steps(group, ETA)
+                lp_b = group.compute_logprobs(batch)
+                m_b = group.train(batch, PolicyGradient.of(group.cfg))
+                w_b = group.weight_buckets(1.0).tensors()
+                hook.remove()
+            mask = batch.attention_mask
+            torch.testing.assert_close(lp_b[mask], lp_a[mask], atol=1e-5, rtol=0, msg=str(overrides))
+            assert m_b["actor/loss"] == pytest.approx(m_a["actor/loss"], rel=1e-5)
+            assert m_b["actor/grad_norm"] == pytest.approx(m_a["actor/grad_norm"], rel=1e-5)
+            assert m_b["actor/entropy"] == pytest.approx(m_a["actor/entropy"], rel=1e-5)
+            assert_same_steps(w_a, w_b, initial, steps=1)
     responses = int(batch.response_mask.sum())
-    vocab = heads[0][-1]
-    assert sum(s[1] for s in heads) == 4 * responses  # two passes each, padded and packed
-    assert all(s[0] == 1 and s[2] == vocab for s in heads)
+    vocab = head.out_features
+    logits = [s for s in heads if len(s) == 3]  # head_at's
+    fused = [s for s in heads if len(s) == 2]  # the fused head's log-probs
+    assert len(logits) + len(fused) == len(heads)
+    for shapes in (logits, fused):  # two passes each, padded and packed
+        assert sum(s[1] for s in shapes) == 4 * responses
+    assert all(s[0] == 1 and s[2] == vocab for s in logits)
+    assert all(s[0] == 1 for s in fused)
 
 
 def test_a_trainer_keeps_the_widest_micro_batch_it_ran_for_its_memory_need(tmp_path, assets, batch):

@@ -151,7 +151,7 @@ def test_head_at_runs_the_head_on_the_chosen_positions_alone():
     rows of the full output; a model without one lm_head, or a compiled one, is left as it is."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from reroll.roles.strategy_worker import head_at
+    from reroll.roles.scored_tokens import head_at
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
