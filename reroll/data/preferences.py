@@ -45,13 +45,16 @@ FIELDS = ("prompt", "chosen", "rejected")
 @dataclass(frozen=True)
 class PreferencePair:
     """One rendered pair: the prompt text and the two responses' text (``uid``: file and row, or the id);
-    ``images``: the prompt's images, encoded, in the order its placeholders stand (none: text only)."""
+    ``images``: the prompt's images, encoded, in the order its placeholders stand (none: text only);
+    ``written``: the row's text as written (each field's string, or each message's content), what the
+    start-of-run coverage check reads (the rendered prompt holds the chat template's special tokens)."""
 
     uid: str
     prompt: str
     chosen: str
     rejected: str
     images: tuple[bytes, ...] = ()
+    written: tuple[str, ...] = ()
 
 
 def check_preference_row(file: str, index: int, row: dict[str, Any]) -> None:
@@ -141,6 +144,13 @@ def render_pair(
     return head, response(row["chosen"]), response(row["rejected"])
 
 
+def _written(value: str | list[dict[str, Any]]) -> tuple[str, ...]:
+    """A field's text as the row writes it: the string, or each message's string content."""
+    if isinstance(value, str):
+        return (value,)
+    return tuple(m["content"] for m in value if isinstance(m.get("content"), str))
+
+
 def _with_image_parts(messages: list[dict[str, Any]], images: int) -> list[dict[str, Any]]:
     """``messages`` with ``images`` image parts before the first user message's text."""
     first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
@@ -173,7 +183,8 @@ def load_pairs(
             except DatasetError as e:
                 raise DatasetError(f"{where}: {e}") from e
             uid = str(row.get(id_field, f"{file}:{i + 1}"))
-            pairs.append(PreferencePair(uid, prompt, chosen, rejected, images))
+            written = tuple(_written(row[k]) for k in FIELDS)
+            pairs.append(PreferencePair(uid, prompt, chosen, rejected, images, sum(written, ())))
             if limit is not None and len(pairs) >= limit:
                 return pairs
     if not pairs:

@@ -70,8 +70,9 @@ def pair_sampler(cfg: RunConfig, pairs: list[PreferencePair]) -> PromptSampler:
 
 
 def pair_texts(pairs: Iterable[PreferencePair]) -> Iterable[str]:
+    """The pairs' text as written (what the coverage check at start reads), else as rendered."""
     for p in pairs:
-        yield from (p.prompt, p.chosen, p.rejected)
+        yield from p.written or (p.prompt, p.chosen, p.rejected)
 
 
 def batches(pairs: Sequence[PreferencePair], encode: PairEncoder, size: int) -> Iterable[PairBatch]:

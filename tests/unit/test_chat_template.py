@@ -230,3 +230,23 @@ def test_every_warm_start_follows_data_shuffle(tmp_path, assets, chat_model):
         first = trainer.batches[0]
         in_order = pipeline.rows.target_batch(pipeline.rows.targets[: len(first)])
         assert first.input_ids.tolist() == in_order.input_ids.tolist(), pipeline.name
+
+
+def test_preference_pairs_are_checked_for_coverage_as_written(tmp_path):
+    """DPO and the reward model render a pair's prompt through the chat template; the start-of-run
+    character check reads the rows as written (strings and messages' contents), so a character
+    tokenizer is not warned about the template's '<', '|' of its special tokens."""
+    from reroll.data.preferences import load_pairs
+    from reroll.pipelines.pairs import pair_texts
+
+    tok = char_tokenizer(ALPHABET)
+    rows = tmp_path / "pairs.jsonl"
+    row = {"prompt": [{"role": "user", "content": "2+3="}], "chosen": "5.", "rejected": "6."}
+    rows.write_text(
+        json.dumps(row) + "\n" + json.dumps({"prompt": "4+4=", "chosen": "8.", "rejected": "9."}) + "\n"
+    )
+    pairs = load_pairs([str(rows)], tok)
+    assert pairs[0].prompt.startswith("<|user|>")  # rendered
+    assert list(pair_texts(pairs)) == ["2+3=", "5.", "6.", "4+4=", "8.", "9."]
+    assert lost_characters_warning(tok, pair_texts(pairs)) is None
+    assert lost_characters_warning(tok, [pairs[0].prompt]) is not None  # what it read before
