@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -219,9 +220,30 @@ def _get(ref: Any, rank: int, fail: Callable[..., RoleError], phase: str) -> Any
         raise fail(rank, phase, f"{type(cause).__name__}: {cause}") from e
     except RayActorError as e:
         if getattr(e, "actor_init_failed", False):  # keep the constructor's own error (e.g. a UserError)
-            cause = str(getattr(e, "error_msg", e)).strip().splitlines()[-1]
+            cause = constructor_error(str(getattr(e, "error_msg", e)))
             raise fail(rank, phase, f"the worker failed to start: {cause}") from e
         raise fail(rank, phase, f"the worker process died ({e.__class__.__name__})", died=True) from e
+
+
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b.*")
+
+
+def constructor_error(text: str, limit: int = 600) -> str:
+    """The error a worker's constructor raised, from the traceback Ray reports: the last line that
+    names an exception (``ValueError: ...``), with the indented lines that continue it (a pydantic
+    validation error's reason), but not a pointer to documentation; the last line where none does."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return text.strip()
+    at = next((i for i in range(len(lines) - 1, -1, -1) if _RAISED.match(lines[i].strip())), None)
+    if at is None:
+        return lines[-1].strip()[:limit]
+    parts = [lines[at].strip()]
+    for ln in lines[at + 1 :]:
+        if not ln.startswith((" ", "\t")) or ln.strip().startswith("For further information"):
+            break
+        parts.append(ln.strip())
+    return " ".join(parts)[:limit]
 
 
 def free_address() -> str:
