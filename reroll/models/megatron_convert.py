@@ -26,6 +26,12 @@ up separately, so rank ``r`` holds ``[gate_r; up_r]``. ``shard``/``merge`` do th
 (experts' linear layers split as the dense MLP's; the router is replicated). Expert parallelism gives
 rank ``r`` of ``ep`` the experts ``r*E/ep .. (r+1)*E/ep - 1``, numbered from 0 on that rank
 (``shard_experts``/``merge_experts``).
+
+Pipeline parallelism gives stage ``p`` of ``pp`` the decoder layers ``p*L/pp .. (p+1)*L/pp - 1``, numbered
+from 0 on that stage as Megatron-Core's ``GPTModel`` built with ``pre_process``/``post_process`` names
+them; the embedding lives on the first stage, the final norm and the output layer on the last, and a
+tied model's last stage holds a copy of the embedding as ``output_layer.weight`` (Megatron keeps the
+two copies equal by summing their gradients). ``shard_stage``/``merge_stages`` do that.
 """
 
 from __future__ import annotations
@@ -328,6 +334,62 @@ def merge_experts(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
             if match is not None:
                 out[f"{match[1]}{rank * per_rank + int(match[2])}{match[3]}"] = w
             elif rank == 0:
+                out[name] = w
+    return out
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def stage_layers(num_layers: int, stage: int, pp: int) -> range:
+    """The (global) decoder layers of pipeline stage ``stage`` of ``pp``: an even split."""
+    if num_layers % pp:
+        raise UserError(
+            f"strategy.megatron.pipeline_parallel ({pp}) must divide the model's num_hidden_layers "
+            f"({num_layers}): pick a pipeline_parallel that does"
+        )
+    per_stage = num_layers // pp
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def shard_stage(mc: dict[str, torch.Tensor], s: GPTShape, stage: int, pp: int) -> dict[str, torch.Tensor]:
+    """Stage ``stage``'s share of a Megatron-Core state dict (unsharded or one TP/EP rank's) at pipeline
+    size ``pp``: its layers numbered from 0, the embedding on the first stage, the final norm and output
+    layer on the last (a tied model's last stage gets the embedding as ``output_layer.weight``)."""
+    if pp == 1:
+        return dict(mc)
+    layers = stage_layers(s.num_layers, stage, pp)
+    first, last = stage == 0, stage == pp - 1
+    out = {}
+    for name, w in mc.items():
+        match = _LAYER.match(name)
+        if match is not None:
+            if int(match[1]) in layers:
+                out[f"decoder.layers.{int(match[1]) - layers.start}.{match[2]}"] = w
+        elif name == "embedding.word_embeddings.weight":
+            if first:
+                out[name] = w
+            if last and s.tied:
+                out["output_layer.weight"] = w
+        elif last:  # decoder.final_layernorm.*, output_layer.weight
+            out[name] = w
+    return out
+
+
+def merge_stages(stages: list[dict[str, torch.Tensor]], s: GPTShape) -> dict[str, torch.Tensor]:
+    """The inverse of ``shard_stage``: stages 0..pp-1's state dicts -> one with every layer numbered
+    globally (a tied model's copy of the embedding on the last stage dropped)."""
+    pp = len(stages)
+    if pp == 1:
+        return dict(stages[0])
+    out = {}
+    for stage, sd in enumerate(stages):
+        offset = stage_layers(s.num_layers, stage, pp).start
+        for name, w in sd.items():
+            match = _LAYER.match(name)
+            if match is not None:
+                out[f"decoder.layers.{int(match[1]) + offset}.{match[2]}"] = w
+            elif not (s.tied and name == "output_layer.weight"):
                 out[name] = w
     return out
 
