@@ -68,11 +68,6 @@ def model_type(path: str) -> str | None:
 def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "<role>") -> list[str]:
     """What the Megatron strategy cannot do with ``world_size`` ranks under ``m``'s parallel sizes."""
     problems = []
-    if m.pipeline_parallel > 1:
-        problems.append(
-            f"strategy.megatron.pipeline_parallel={m.pipeline_parallel}: pipeline parallelism is not yet "
-            "supported by reroll's megatron strategy; set it to 1 and use tensor_parallel"
-        )
     if m.context_parallel > 1:
         problems.append(
             f"strategy.megatron.context_parallel={m.context_parallel}: context parallelism is not yet "
@@ -97,13 +92,20 @@ def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "
 
 
 def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
-    """What the Megatron strategy cannot do with the model of config ``c`` under ``m``'s sizes: expert
-    parallelism needs experts, and a mixture of experts trains with tensor_parallel 1 for now (its router
-    loss is taken per rank's rows; under TP the ranks of a group route the group's rows together)."""
+    """What the Megatron strategy cannot do with the model of config ``c`` under ``m``'s sizes: pipeline
+    stages need an even share of the layers, expert parallelism needs experts, and a mixture of experts
+    trains with tensor_parallel and pipeline_parallel 1 for now (its router loss is taken per rank's rows;
+    under TP or PP the ranks of a group route the group's rows together)."""
     kind = getattr(c, "model_type", None)
     moe = kind == "qwen3_moe"
     experts = int(getattr(c, "num_experts", 0) or 0) if moe else 0  # 0 also where only the name is known
     problems = []
+    layers = int(getattr(c, "num_hidden_layers", 0) or 0)
+    if layers and layers % m.pipeline_parallel:
+        problems.append(
+            f"strategy.megatron.pipeline_parallel ({m.pipeline_parallel}) must divide the model's "
+            f"num_hidden_layers ({layers}): pick a pipeline_parallel that does"
+        )
     if m.expert_parallel > 1 and kind in MEGATRON_MODEL_TYPES and not moe:
         problems.append(
             f"strategy.megatron.expert_parallel={m.expert_parallel} needs a mixture-of-experts model; "
@@ -113,6 +115,13 @@ def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
         problems.append(
             f"strategy.megatron.expert_parallel ({m.expert_parallel}) must divide the model's num_experts "
             f"({experts}): pick an expert_parallel that does"
+        )
+    if moe and m.pipeline_parallel > 1:
+        problems.append(
+            f"strategy.megatron.pipeline_parallel={m.pipeline_parallel} with a mixture-of-experts model is not "
+            "yet supported (the router's load-balancing loss is built per rank's rows, and a pipeline group "
+            "runs its rows together, each stage routing them through its own layers): set pipeline_parallel "
+            "to 1 and spread the experts with expert_parallel"
         )
     if moe and m.tensor_parallel > 1:
         problems.append(

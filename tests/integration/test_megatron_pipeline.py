@@ -1,0 +1,123 @@
+"""Megatron pipeline parallelism on CPU ranks over gloo (CUDA calls pointed at the CPU,
+``tests/integration/megatron_cpu.py``): two stages train as one rank does.
+
+Each pipeline rank is given half the rows, as the role splits a batch; the stages run the group's rows
+together and each rank computes the loss of its own rows. The one-rank run takes the whole batch in one
+micro-batch, with the same padding (zeros past each row's end), so both compute every position from the
+same inputs in the same shapes: what can differ is only where sums are split differently.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from reroll.algorithms.logprobs import token_logprobs
+from reroll.config.loader import load_config
+from reroll.config.schema import RunConfig
+from tests.conftest import write_config
+from tests.integration.megatron_cpu import patch_cuda_for_cpu, run_ranks
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core (pip install 'reroll[megatron]')",
+)
+
+LR, STEPS, ROWS = 1e-3, 2, 8
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded rows of random tokens (zeros past each row's end), lengths 24 down to 3."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (ROWS, 24), generator=g)
+    mask = (torch.arange(24) < torch.linspace(24, 3, ROWS).long()[:, None]).long()
+    return ids * mask, mask
+
+
+def _train_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str, pp: int, tp: int) -> None:
+    """``STEPS`` optimizer steps of next-token loss (token mean over the whole batch) on this rank's share
+    of the rows; saves the losses, grad norms and the weights gathered to Hugging Face names."""
+    torch.set_num_threads(1)
+    patch_cuda_for_cpu()
+    from reroll.strategies.megatron import MegatronStrategy
+
+    overrides = [
+        "strategy.name=megatron",
+        f"strategy.megatron.pipeline_parallel={pp}",
+        f"strategy.megatron.tensor_parallel={tp}",
+    ]
+    cfg = load_config(cfg_path, RunConfig, overrides)
+    s = MegatronStrategy(cfg.model.path, cfg=cfg, device="cpu", rank=rank, world_size=world_size)
+    s.init_distributed(address)
+    s.configure_optimizer(lr=LR, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
+    ids, mask = _batch(s.shape.vocab_size)
+    n_tokens = mask[:, 1:].sum()
+    share = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
+    width = int(mask[share].sum(-1).max())
+    ids, mask = ids[share, :width], mask[share, :width]
+    steps = []
+    for _ in range(STEPS):
+        logits = s.logits(ids, mask)
+        loss = -(token_logprobs(logits, ids) * mask).sum() / n_tokens
+        s.backward(loss)
+        steps.append((float(loss), s.step(1.0)["grad_norm"]))
+    with torch.no_grad():  # a forward-only pass (reference/old log-probs) after the steps
+        scored = token_logprobs(s.logits(ids, mask), ids) * mask
+    torch.save({"steps": steps, "scored": scored, "weights": s.full_state_dict()}, f"{out}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory) -> Path:
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+    from reroll.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("pp")
+    model = build_tiny_model(
+        root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=4, num_heads=2
+    )
+    data = root / "rows.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    assets = {"model": Path(model), "train": data, "test": data}
+    return write_config(root / "c.yaml", assets, model={"path": str(model), "dtype": "float32"})
+
+
+def _run(tmp_path: Path, cfg_path: Path, world_size: int, pp: int, tp: int = 1) -> list[dict]:
+    out = tmp_path / f"pp{pp}tp{tp}"
+    out.mkdir()
+    return run_ranks(_train_rank, world_size, out, str(cfg_path), pp, tp)
+
+
+@pytest.mark.long  # three spawned ranks importing megatron-core: 40-95 s on 2 CPU cores; the CI sibling is
+# tests/unit/test_megatron_convert.py::test_pipeline_stages_split_and_merge_are_exact
+def test_two_pipeline_stages_train_as_one_rank(tmp_path, four_layers):
+    """PP=2 (tied embedding: its copy on the last stage kept equal by summed gradients) against one rank:
+    losses (the two ranks' summed), the gradient norm (clipped at 1.0), the log-probs of a forward-only
+    pass after the steps and the weights gathered from both stages after ``STEPS`` Adam steps.
+
+    The stages compute every position from the same inputs in the same shapes as the one rank, and each
+    rank's rows' logit gradients reach the last stage unchanged, so the gradients are the one rank's;
+    what differs is summation order: the loss is two partial sums (fp32, ~200 terms: relative error
+    below 200 * 2**-24 ~ 1e-5), and the gradient norm's squares are summed per stage then across stages
+    (the same bound). The norm scales every gradient alike when clipping, which Adam's m / sqrt(v)
+    cancels but for its eps; so the weights agree far below lr (measured: losses to 1e-7, norm to 5e-8,
+    log-probs and weights bit-equal), to 1e-6 against lr 1e-3."""
+    one = _run(tmp_path, four_layers, 1, 1)[0]
+    two = _run(tmp_path, four_layers, 2, 2)
+    assert all("model.layers.3.mlp.down_proj.weight" in r["weights"] for r in two)  # both stages gathered
+    for step, (loss, norm) in enumerate(one["steps"]):
+        assert two[0]["steps"][step][0] + two[1]["steps"][step][0] == pytest.approx(loss, rel=1e-5)
+        assert two[0]["steps"][step][1] == two[1]["steps"][step][1] == pytest.approx(norm, rel=1e-5)
+    assert one["steps"][0][1] > 1.0  # the clip acted
+    torch.testing.assert_close(
+        torch.cat([two[0]["scored"], _pad(two[1]["scored"], 24)]), one["scored"], atol=1e-5, rtol=0
+    )
+    for name, w in one["weights"].items():
+        assert torch.equal(two[0]["weights"][name], two[1]["weights"][name]), name
+        torch.testing.assert_close(two[0]["weights"][name], w, atol=1e-6, rtol=0)
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
