@@ -130,7 +130,13 @@ class MegatronConfig(StrictModel):
     """Megatron-Core (pip install 'reroll[megatron]', GPUs only): model parallel sizes and options."""
 
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size.")
-    pipeline_parallel: int = Field(1, ge=1, description="Pipeline-parallel size.")
+    pipeline_parallel: int = Field(
+        1,
+        ge=1,
+        description="Pipeline-parallel size: stages of an even share of the layers (it must divide the model's "
+        "layers), a micro-batch crossing them in turn (no interleaving, no virtual stages); dense models "
+        "(a mixture of experts at 1 for now).",
+    )
     context_parallel: int = Field(1, ge=1, description="Context-parallel size (long sequences).")
     expert_parallel: int = Field(1, ge=1, description="Expert-parallel size (MoE models).")
     sequence_parallel: bool = Field(False, description="Shard activations along the sequence in TP regions.")

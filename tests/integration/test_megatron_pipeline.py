@@ -37,19 +37,14 @@ def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids * mask, mask
 
 
-def _train_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str, pp: int, tp: int) -> None:
+def _train_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str]) -> None:
     """``STEPS`` optimizer steps of next-token loss (token mean over the whole batch) on this rank's share
     of the rows; saves the losses, grad norms and the weights gathered to Hugging Face names."""
     torch.set_num_threads(1)
     patch_cuda_for_cpu()
     from reroll.strategies.megatron import MegatronStrategy
 
-    overrides = [
-        "strategy.name=megatron",
-        f"strategy.megatron.pipeline_parallel={pp}",
-        f"strategy.megatron.tensor_parallel={tp}",
-    ]
-    cfg = load_config(cfg_path, RunConfig, overrides)
+    cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", *sizes])
     s = MegatronStrategy(cfg.model.path, cfg=cfg, device="cpu", rank=rank, world_size=world_size)
     s.init_distributed(address)
     s.configure_optimizer(lr=LR, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
@@ -84,10 +79,12 @@ def four_layers(tmp_path_factory) -> Path:
     return write_config(root / "c.yaml", assets, model={"path": str(model), "dtype": "float32"})
 
 
-def _run(tmp_path: Path, cfg_path: Path, world_size: int, pp: int, tp: int = 1) -> list[dict]:
-    out = tmp_path / f"pp{pp}tp{tp}"
+def _run(tmp_path: Path, cfg_path: Path, world_size: int, *sizes: str) -> list[dict]:
+    """Each rank's steps, log-probs and gathered weights at ``world_size`` ranks, ``sizes`` the
+    ``strategy.megatron`` overrides."""
+    out = tmp_path / f"ranks{world_size}_{len(list(tmp_path.iterdir()))}"
     out.mkdir()
-    return run_ranks(_train_rank, world_size, out, str(cfg_path), pp, tp)
+    return run_ranks(_train_rank, world_size, out, str(cfg_path), [f"strategy.megatron.{s}" for s in sizes])
 
 
 @pytest.mark.long  # three spawned ranks importing megatron-core: 40-95 s on 2 CPU cores; the CI sibling is
@@ -104,8 +101,8 @@ def test_two_pipeline_stages_train_as_one_rank(tmp_path, four_layers):
     (the same bound). The norm scales every gradient alike when clipping, which Adam's m / sqrt(v)
     cancels but for its eps; so the weights agree far below lr (measured: losses to 1e-7, norm to 5e-8,
     log-probs and weights bit-equal), to 1e-6 against lr 1e-3."""
-    one = _run(tmp_path, four_layers, 1, 1)[0]
-    two = _run(tmp_path, four_layers, 2, 2)
+    one = _run(tmp_path, four_layers, 1)[0]
+    two = _run(tmp_path, four_layers, 2, "pipeline_parallel=2")
     assert all("model.layers.3.mlp.down_proj.weight" in r["weights"] for r in two)  # both stages gathered
     for step, (loss, norm) in enumerate(one["steps"]):
         assert two[0]["steps"][step][0] + two[1]["steps"][step][0] == pytest.approx(loss, rel=1e-5)
@@ -121,3 +118,29 @@ def test_two_pipeline_stages_train_as_one_rank(tmp_path, four_layers):
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+@pytest.mark.long  # five spawned ranks: about 4 minutes on 2 CPU cores
+@pytest.mark.parametrize(
+    "sizes",
+    [("pipeline_parallel=2", "tensor_parallel=2", "sequence_parallel=true"), ("pipeline_parallel=2",)],
+    ids=["pp2-tp2-sp", "pp2-dp2"],
+)
+def test_four_ranks_with_pipeline_stages_train_as_one_rank(tmp_path, four_layers, sizes):
+    """Four ranks, each a quarter of the rows: two stages of TP 2 with sequence parallelism (hidden states
+    cross stages split along the sequence), or two stages of two data-parallel ranks (their gradients
+    summed, the optimizer state sharded over them). Losses and norms as for two stages; a TP split sums
+    each matmul in two parts, so gradients differ from one rank's by rounding, and Adam can turn that
+    into up to lr per step where a gradient is near zero: weights within 2 * lr * steps (measured at
+    pp2-tp2: 6e-6)."""
+    one = _run(tmp_path, four_layers, 1)[0]
+    four = _run(tmp_path, four_layers, 4, *sizes)
+    for step, (loss, norm) in enumerate(one["steps"]):
+        assert sum(r["steps"][step][0] for r in four) == pytest.approx(loss, rel=1e-5)
+        assert all(r["steps"][step][1] == pytest.approx(norm, rel=1e-5) for r in four)
+    torch.testing.assert_close(
+        torch.cat([_pad(r["scored"], 24) for r in four]), one["scored"], atol=1e-5, rtol=0
+    )
+    for name, w in one["weights"].items():
+        assert all(torch.equal(four[0]["weights"][name], r["weights"][name]) for r in four), name
+        torch.testing.assert_close(four[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
