@@ -101,14 +101,18 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int, *, context_parallel: int
         model_par = context_parallel
         kept /= model_par
         layer /= model_par
+    stage_rows = 1
     if cfg.strategy.name == "megatron":
         m = cfg.strategy.megatron
         model_par = m.tensor_parallel * m.context_parallel
-        kept /= model_par * m.pipeline_parallel
-        layer /= model_par
+        # a pipeline stage runs the rows of its pipeline_parallel ranks through 1/pipeline_parallel of the
+        # layers (reroll.strategies.megatron_pipeline): per rank, as many layer-rows as without stages
+        kept /= model_par
+        layer *= m.pipeline_parallel / model_par
+        stage_rows = m.pipeline_parallel  # the last stage computes those rows' logits
     # the head runs at the positions before response tokens alone: their logits in the compute dtype
     # (and their gradient when training); log-probs take fp32 chunks of them
-    every = shape.vocab * p_bytes / model_par
+    every = shape.vocab * p_bytes / model_par * stage_rows
     head = min(cfg.rollout.max_new_tokens / seq, 1.0) * every
     return TokenBytes(kept=kept, layer=layer, train_logits=2 * head, scored_logits=head, all_logits=every)
 

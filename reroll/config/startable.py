@@ -94,8 +94,9 @@ def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "
 def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
     """What the Megatron strategy cannot do with the model of config ``c`` under ``m``'s sizes: pipeline
     stages need an even share of the layers, expert parallelism needs experts, and a mixture of experts
-    trains with tensor_parallel and pipeline_parallel 1 for now (its router loss is taken per rank's rows;
-    under TP or PP the ranks of a group route the group's rows together)."""
+    trains with tensor_parallel 1 for now (its router loss is taken per rank's rows; under TP the ranks
+    of a group route the group's rows together, and Megatron-Core trains a mixture of experts at TP > 1
+    with sequence parallelism only, which needs Transformer Engine)."""
     kind = getattr(c, "model_type", None)
     moe = kind == "qwen3_moe"
     experts = int(getattr(c, "num_experts", 0) or 0) if moe else 0  # 0 also where only the name is known
@@ -115,13 +116,6 @@ def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
         problems.append(
             f"strategy.megatron.expert_parallel ({m.expert_parallel}) must divide the model's num_experts "
             f"({experts}): pick an expert_parallel that does"
-        )
-    if moe and m.pipeline_parallel > 1:
-        problems.append(
-            f"strategy.megatron.pipeline_parallel={m.pipeline_parallel} with a mixture-of-experts model is not "
-            "yet supported (the router's load-balancing loss is built per rank's rows, and a pipeline group "
-            "runs its rows together, each stage routing them through its own layers): set pipeline_parallel "
-            "to 1 and spread the experts with expert_parallel"
         )
     if moe and m.tensor_parallel > 1:
         problems.append(

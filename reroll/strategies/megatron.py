@@ -161,6 +161,12 @@ class MegatronStrategy:
         if moe_problems:
             raise UserError("; ".join(moe_problems))
         self.te = use_transformer_engine(self.mcfg.transformer_engine)
+        if self.mcfg.sequence_parallel and self.tp > 1 and not self.te:
+            raise UserError(
+                "strategy.megatron.sequence_parallel needs Transformer Engine's layer spec (Megatron-Core's "
+                "local spec builds torch norms, which refuse it): install transformer_engine, or set "
+                "sequence_parallel=false"
+            )
         self.module: torch.nn.Module | None = None  # the GPTModel
         self.moe_routers: MegatronRouters | None = None  # a trainable mixture of experts' routers
         self.model: torch.nn.Module | None = None  # what forward runs: DDP-wrapped when trainable
@@ -291,7 +297,7 @@ class MegatronStrategy:
         self._load_hf(self.model_path)
         self.module.requires_grad_(self.trainable)
         if self.shape.num_experts and self.trainable:
-            self.moe_routers = MegatronRouters(self.module, self.shape, self.hf_config)
+            self.moe_routers = MegatronRouters(self.module, self.shape, self.hf_config, self.pipe)
         self.module.train(self.trainable)
         self.model = self.module
         if self.trainable:
@@ -394,11 +400,13 @@ class MegatronStrategy:
                 torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device), 1
             )
             causal = causal[None, None]
+        spans = None if self.pipe is None else self._spans(rows_of)
         if self.moe_routers is not None:
-            self.moe_routers.start_forward(torch.nn.functional.pad(mask, (0, ids.shape[1] - mask.shape[1])))
+            padded = torch.nn.functional.pad(mask, (0, ids.shape[1] - mask.shape[1]))
+            self.moe_routers.start_forward(padded, spans)
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         if self.pipe is not None:
-            return self._pipelined(ids, positions, causal, rows_of, t)[:, :width]
+            return self._pipelined(ids, positions, causal, spans, t)[:, :width]
         out = model(ids, positions, causal)[:, :t, : self.shape.vocab_size]
         if self.tp > 1:
             out = _SumGradOverGroup.apply(out, self.tp_group)[offset : offset + rows, :width]
@@ -409,11 +417,12 @@ class MegatronStrategy:
         ids: torch.Tensor,
         positions: torch.Tensor,
         causal: torch.Tensor | None,
-        rows_of: list[int],
+        spans: list[tuple[int, int]],
         t: int,
     ) -> torch.Tensor:
-        """This rank's rows' ``(rows, t, V)`` logits of the model-parallel group's rows ``ids`` (``rows_of``:
-        each group rank's count), through this rank's stage (``reroll.strategies.megatron_pipeline``)."""
+        """This rank's rows' ``(rows, t, V)`` logits of the model-parallel group's rows ``ids`` (``spans``:
+        each stage's rank's ``(first row, rows)``), through this rank's stage
+        (``reroll.strategies.megatron_pipeline``)."""
         pipe, dtype, vocab = self.pipe, DTYPES[self.dtype], self.shape.vocab_size
         assert pipe is not None
         if not pipe.first:
@@ -423,11 +432,17 @@ class MegatronStrategy:
         out = self._require()(ids, positions, causal)
         if pipe.last:
             out = out[:, :t, :vocab].to(dtype)
+        return pipe.output(out, spans, (t, vocab), dtype)
+
+    def _spans(self, rows_of: list[int]) -> list[tuple[int, int]]:
+        """The ``(first row, rows)`` of each stage's rank of this rank's pipeline group among the
+        model-parallel group's gathered rows (``rows_of``: each group rank's count)."""
+        assert self.pipe is not None
         spans = []
-        for rank in pipe.ranks:
+        for rank in self.pipe.ranks:
             member = dist.get_group_rank(self.mp_group, rank)
             spans.append((sum(rows_of[:member]), rows_of[member]))
-        return pipe.output(out, spans, (t, vocab), dtype)
+        return spans
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.optimizer is None:

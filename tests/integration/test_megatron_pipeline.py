@@ -123,12 +123,12 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
 @pytest.mark.long  # five spawned ranks: about 4 minutes on 2 CPU cores
 @pytest.mark.parametrize(
     "sizes",
-    [("pipeline_parallel=2", "tensor_parallel=2", "sequence_parallel=true"), ("pipeline_parallel=2",)],
-    ids=["pp2-tp2-sp", "pp2-dp2"],
+    [("pipeline_parallel=2", "tensor_parallel=2"), ("pipeline_parallel=2",)],
+    ids=["pp2-tp2", "pp2-dp2"],
 )
 def test_four_ranks_with_pipeline_stages_train_as_one_rank(tmp_path, four_layers, sizes):
-    """Four ranks, each a quarter of the rows: two stages of TP 2 with sequence parallelism (hidden states
-    cross stages split along the sequence), or two stages of two data-parallel ranks (their gradients
+    """Four ranks, each a quarter of the rows: two stages of TP 2 (sequence parallelism needs Transformer
+    Engine's norms, so it is left to the GPU), or two stages of two data-parallel ranks (their gradients
     summed, the optimizer state sharded over them). Losses and norms as for two stages; a TP split sums
     each matmul in two parts, so gradients differ from one rank's by rounding, and Adam can turn that
     into up to lr per step where a gradient is near zero: weights within 2 * lr * steps (measured at
@@ -144,3 +144,87 @@ def test_four_ranks_with_pipeline_stages_train_as_one_rank(tmp_path, four_layers
     for name, w in one["weights"].items():
         assert all(torch.equal(four[0]["weights"][name], r["weights"][name]) for r in four), name
         torch.testing.assert_close(four[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
+
+
+def _train_routed_rank(
+    rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str], parts: int
+) -> None:
+    """As ``_train_rank`` for a mixture of experts, the router's load-balancing term added as the trainer
+    adds it (``StepRouting``, each micro-batch's share its rows over the batch's); this rank's rows cut
+    into ``parts`` micro-batches. Saves the steps, the router metrics and the gathered weights."""
+    torch.set_num_threads(1)
+    patch_cuda_for_cpu()
+    from reroll.models.moe import StepRouting
+    from reroll.strategies.megatron import MegatronStrategy
+
+    cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", *sizes])
+    s = MegatronStrategy(cfg.model.path, cfg=cfg, device="cpu", rank=rank, world_size=world_size)
+    s.init_distributed(address)
+    s.configure_optimizer(lr=LR, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
+    ids, mask = _batch(s.shape.vocab_size)
+    n_tokens = mask[:, 1:].sum()
+    mine = ROWS // world_size
+    cuts = [
+        slice(rank * mine + i * mine // parts, rank * mine + (i + 1) * mine // parts) for i in range(parts)
+    ]
+    steps, metrics = [], []
+    for _ in range(STEPS):
+        routing, total = StepRouting(s.moe_routers, ROUTER_COEF), 0.0
+        for cut in cuts:
+            width = int(mask[cut].sum(-1).max())
+            i, m = ids[cut, :width], mask[cut, :width]
+            with s.moe_routers.capture() as routed:
+                logits = s.logits(i, m)
+            loss = -(token_logprobs(logits, i) * m).sum() / n_tokens
+            loss = loss + routing.term(routed, len(i) / ROWS)
+            s.backward(loss)
+            total += float(loss)
+        steps.append((total, s.step(1.0)["grad_norm"]))
+        metrics.append(routing.metrics("actor"))
+    torch.save({"steps": steps, "metrics": metrics, "weights": s.full_state_dict()}, f"{out}/rank{rank}.pt")
+
+
+ROUTER_COEF = 0.1
+
+
+@pytest.fixture(scope="module")
+def small_moe(tmp_path_factory) -> Path:
+    from reroll.config.model import TinyMoEConfig
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+    from reroll.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("pp_moe")
+    moe = TinyMoEConfig(experts=4, top_k=2, expert_hidden_size=64)
+    model = build_tiny_model(
+        root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=4, num_heads=2, moe=moe
+    )
+    data = root / "rows.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    assets = {"model": Path(model), "train": data, "test": data}
+    return write_config(root / "c.yaml", assets, model={"path": str(model), "dtype": "float32"})
+
+
+@pytest.mark.long  # three spawned ranks of a mixture of experts: about 2 minutes on 2 CPU cores
+def test_a_mixture_of_experts_on_two_stages_trains_as_two_ranks_do(tmp_path, small_moe):
+    """A Qwen3-MoE on two stages, each rank given half the rows, against one rank taking the same halves
+    as two micro-batches (the router's loss is each rank's rows', pooled over every layer: what two
+    data-parallel ranks compute). Each stage sees both ranks' rows through its own layers; the loss each
+    rank reports and the gradient of the sum must be the unsplit ones. The one rank runs 4 rows where the
+    stages run 8, so their sums differ by rounding: losses and norm within 1e-5 (fp32, a few hundred
+    terms), the router's mean loss within 1e-5 (a top-k choice flips only at a near tie), weights within
+    2 * lr * steps (Adam on near-zero gradients)."""
+    out = tmp_path / "one"
+    out.mkdir()
+    one = run_ranks(_train_routed_rank, 1, out, str(small_moe), [], 2)[0]
+    out = tmp_path / "two"
+    out.mkdir()
+    two = run_ranks(_train_routed_rank, 2, out, str(small_moe), ["strategy.megatron.pipeline_parallel=2"], 1)
+    assert one["metrics"][0]["actor/router_aux_loss"] > 0
+    for step, (loss, norm) in enumerate(one["steps"]):
+        assert two[0]["steps"][step][0] + two[1]["steps"][step][0] == pytest.approx(loss, rel=1e-5)
+        assert two[0]["steps"][step][1] == two[1]["steps"][step][1] == pytest.approx(norm, rel=1e-5)
+        aux = [r["metrics"][step]["actor/router_aux_loss"] for r in two]
+        assert sum(aux) / 2 == pytest.approx(one["metrics"][step]["actor/router_aux_loss"], rel=1e-5)
+    for name, w in one["weights"].items():
+        assert torch.equal(two[0]["weights"][name], two[1]["weights"][name]), name
+        torch.testing.assert_close(two[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
