@@ -91,6 +91,27 @@ def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "
     return problems
 
 
+def pipeline_stage_sizes(num_layers: int, pp: int) -> list[int]:
+    """The decoder layers of each of ``pp`` pipeline stages, as Megatron-Core splits them: evenly where
+    ``pp`` divides ``num_layers``, else ``ceil(num_layers / pp)`` on each middle stage and the rest
+    shared by the first and last (fewer there: they also hold the embedding and the head); empty where
+    that leaves the first stage no layer."""
+    if pp == 1 or num_layers % pp == 0:
+        return [num_layers // pp] * pp
+    middle = -(-num_layers // pp)
+    rest = num_layers - (pp - 2) * middle
+    first = rest // 2
+    return [] if first < 1 else [first, *[middle] * (pp - 2), rest - first]
+
+
+def pipeline_split_problem(num_layers: int, pp: int) -> str:
+    """Why ``pipeline_stage_sizes`` cannot split ``num_layers`` over ``pp`` stages."""
+    return (
+        f"strategy.megatron.pipeline_parallel ({pp}) leaves a pipeline stage no layer of the model's "
+        f"{num_layers} (num_hidden_layers): pick a smaller pipeline_parallel"
+    )
+
+
 def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
     """What the Megatron strategy cannot do with the model of config ``c`` under ``m``'s sizes: pipeline
     stages need an even share of the layers, expert parallelism needs experts, and a mixture of experts
@@ -102,11 +123,8 @@ def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
     experts = int(getattr(c, "num_experts", 0) or 0) if moe else 0  # 0 also where only the name is known
     problems = []
     layers = int(getattr(c, "num_hidden_layers", 0) or 0)
-    if layers and layers % m.pipeline_parallel:
-        problems.append(
-            f"strategy.megatron.pipeline_parallel ({m.pipeline_parallel}) must divide the model's "
-            f"num_hidden_layers ({layers}): pick a pipeline_parallel that does"
-        )
+    if layers and not pipeline_stage_sizes(layers, m.pipeline_parallel):
+        problems.append(pipeline_split_problem(layers, m.pipeline_parallel))
     if m.expert_parallel > 1 and kind in MEGATRON_MODEL_TYPES and not moe:
         problems.append(
             f"strategy.megatron.expert_parallel={m.expert_parallel} needs a mixture-of-experts model; "

@@ -27,7 +27,8 @@ up separately, so rank ``r`` holds ``[gate_r; up_r]``. ``shard``/``merge`` do th
 rank ``r`` of ``ep`` the experts ``r*E/ep .. (r+1)*E/ep - 1``, numbered from 0 on that rank
 (``shard_experts``/``merge_experts``).
 
-Pipeline parallelism gives stage ``p`` of ``pp`` the decoder layers ``p*L/pp .. (p+1)*L/pp - 1``, numbered
+Pipeline parallelism gives each stage a run of consecutive decoder layers (evenly where ``pp`` divides
+them, else fewer on the first and last stage: ``reroll.config.startable.pipeline_stage_sizes``), numbered
 from 0 on that stage as Megatron-Core's ``GPTModel`` built with ``pre_process``/``post_process`` names
 them; the embedding lives on the first stage, the final norm and the output layer on the last, and a
 tied model's last stage holds a copy of the embedding as ``output_layer.weight`` (Megatron keeps the
@@ -43,7 +44,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reroll.config.startable import MEGATRON_MODEL_TYPES, megatron_model_problems
+from reroll.config.startable import (
+    MEGATRON_MODEL_TYPES,
+    megatron_model_problems,
+    pipeline_split_problem,
+    pipeline_stage_sizes,
+)
 from reroll.errors import UserError
 
 if TYPE_CHECKING:
@@ -342,14 +348,22 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
 def stage_layers(num_layers: int, stage: int, pp: int) -> range:
-    """The (global) decoder layers of pipeline stage ``stage`` of ``pp``: an even split."""
-    if num_layers % pp:
-        raise UserError(
-            f"strategy.megatron.pipeline_parallel ({pp}) must divide the model's num_hidden_layers "
-            f"({num_layers}): pick a pipeline_parallel that does"
-        )
-    per_stage = num_layers // pp
-    return range(stage * per_stage, (stage + 1) * per_stage)
+    """The (global) decoder layers of pipeline stage ``stage`` of ``pp`` (``pipeline_stage_sizes``)."""
+    sizes = pipeline_stage_sizes(num_layers, pp)
+    if not sizes:
+        raise UserError(pipeline_split_problem(num_layers, pp))
+    return range(sum(sizes[:stage]), sum(sizes[: stage + 1]))
+
+
+def pipeline_config(num_layers: int, pp: int) -> dict[str, Any]:
+    """``TransformerConfig`` fields of a split over ``pp`` stages that is not even (first and last
+    stage sizes; Megatron-Core splits the rest evenly, as ``pipeline_stage_sizes``)."""
+    sizes = pipeline_stage_sizes(num_layers, pp)
+    if not sizes:
+        raise UserError(pipeline_split_problem(num_layers, pp))
+    if len(set(sizes)) == 1:
+        return {}
+    return {"num_layers_in_first_pipeline_stage": sizes[0], "num_layers_in_last_pipeline_stage": sizes[-1]}
 
 
 def shard_stage(mc: dict[str, torch.Tensor], s: GPTShape, stage: int, pp: int) -> dict[str, torch.Tensor]:

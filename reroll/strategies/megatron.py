@@ -264,6 +264,7 @@ class MegatronStrategy:
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
             pipeline_dtype=dtype,
+            **mc.pipeline_config(self.shape.num_layers, self.pp),
             expert_model_parallel_size=self.ep,
             sequence_parallel=self.mcfg.sequence_parallel and self.tp > 1,
             params_dtype=dtype,

@@ -101,9 +101,9 @@ def test_tp2_split_and_merge_are_exact(name):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("pp", [2, 3])
+@pytest.mark.parametrize("pp", [2, 3, 4])
 def test_pipeline_stages_split_and_merge_are_exact(name, pp):
-    """Stage p holds layers p*L/pp.. numbered from 0, the embedding on the first stage, the final norm
+    """Stage p holds its run of layers numbered from 0 (6 layers over 4 stages: 1, 2, 2, 1), the embedding on the first stage, the final norm
     and output layer on the last (a tied model's last stage a copy of the embedding); with TP shards
     inside each stage, every stage's shards merged and the stages merged give the checkpoint back."""
     torch.manual_seed(0)
@@ -114,8 +114,11 @@ def test_pipeline_stages_split_and_merge_are_exact(name, pp):
     s = mc.gpt_shape(config)
     full = mc.hf_to_megatron(model.state_dict(), s, padded_vocab=s.padded_vocab(2))
     stages = [mc.shard_stage(full, s, p, pp) for p in range(pp)]
-    per = 6 // pp
+    per = 6 // pp if pp < 4 else 1  # the first and last stage's layers
     last = stages[-1]
+    assert [len({k.split(".")[2] for k in st if k.startswith("decoder.layers.")}) for st in stages] == (
+        [per] * pp if pp < 4 else [1, 2, 2, 1]
+    )
     assert torch.equal(
         last["decoder.layers.0.mlp.linear_fc2.weight"],
         full[f"decoder.layers.{6 - per}.mlp.linear_fc2.weight"],
@@ -134,9 +137,27 @@ def test_pipeline_stages_split_and_merge_are_exact(name, pp):
     back = mc.megatron_to_hf(merged, s)
     assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
     with pytest.raises(
-        UserError, match=r"pipeline_parallel \(4\) must divide the model's num_hidden_layers \(6\)"
+        UserError, match=r"pipeline_parallel \(5\) leaves a pipeline stage no layer of the model's 6"
     ):
-        mc.shard_stage(full, s, 0, 4)
+        mc.shard_stage(full, s, 0, 5)
+
+
+def test_pipeline_stage_sizes_split_as_megatron_core_does():
+    """Even where the stages divide the layers; else the middle stages ceil(L / pp) each and the first and
+    last the rest (Megatron-Core's num_layers_in_first/last_pipeline_stage); Qwen3-235B-A22B's 94 layers
+    over 4 and 8 stages."""
+    from reroll.config.startable import pipeline_stage_sizes
+
+    assert pipeline_stage_sizes(28, 4) == [7, 7, 7, 7]
+    assert pipeline_stage_sizes(94, 4) == [23, 24, 24, 23]
+    assert pipeline_stage_sizes(94, 8) == [11] + [12] * 6 + [11]
+    assert pipeline_stage_sizes(5, 2) == [2, 3]
+    assert pipeline_stage_sizes(5, 4) == []  # the first stage would hold none
+    assert mc.pipeline_config(28, 4) == {}
+    assert mc.pipeline_config(94, 4) == {
+        "num_layers_in_first_pipeline_stage": 23,
+        "num_layers_in_last_pipeline_stage": 23,
+    }
 
 
 def test_unsupported_models_and_sizes_are_user_errors():
