@@ -207,42 +207,57 @@ def megatron_to_hf(
 
     Vocabulary padding is dropped. A tied model gets ``lm_head.weight`` (the embedding) when
     ``with_tied_head``, as ``PreTrainedModel.state_dict()`` lists it."""
-    fused_norms = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in mc
-    embed = mc["embedding.word_embeddings.weight"][: s.vocab_size]
-    out = {"model.embed_tokens.weight": embed}
+    out = embedding_to_hf(mc, s)
     for i in range(s.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn_norm, mlp_norm = _norm_names(i, fused_norms)
-        out[h + "input_layernorm.weight"] = mc[attn_norm]
-        out[h + "post_attention_layernorm.weight"] = mc[mlp_norm]
-        a = h + "self_attn."
-        q, k, v = _split_qkv(mc[m + "self_attention.linear_qkv.weight"], s)
-        out |= {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v}
-        if s.qkv_bias:
-            q, k, v = _split_qkv(mc[m + "self_attention.linear_qkv.bias"], s)
-            out |= {a + "q_proj.bias": q, a + "k_proj.bias": k, a + "v_proj.bias": v}
-        if s.qk_norm:
-            out[a + "q_norm.weight"] = mc[m + "self_attention.q_layernorm.weight"]
-            out[a + "k_norm.weight"] = mc[m + "self_attention.k_layernorm.weight"]
-        out[a + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
-        if s.num_experts:
-            out[h + "mlp.gate.weight"] = mc[m + "mlp.router.weight"]
-            e = m + "mlp.experts.local_experts.{}."
-            out[h + "mlp.experts.gate_up_proj"] = torch.stack(
-                [mc[e.format(i) + "linear_fc1.weight"] for i in range(s.num_experts)]
-            )
-            out[h + "mlp.experts.down_proj"] = torch.stack(
-                [mc[e.format(i) + "linear_fc2.weight"] for i in range(s.num_experts)]
-            )
-            continue
-        gate, up = mc[m + "mlp.linear_fc1.weight"].chunk(2)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-        out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = mc["decoder.final_layernorm.weight"]
+        out |= layer_to_hf(mc, s, i)
+    return out | head_to_hf(mc, s, embedding=out["model.embed_tokens.weight"] if with_tied_head else None)
+
+
+def embedding_to_hf(mc: dict[str, torch.Tensor], s: GPTShape) -> dict[str, torch.Tensor]:
+    """``model.embed_tokens.weight`` from a state dict holding ``embedding.word_embeddings.weight``."""
+    return {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"][: s.vocab_size]}
+
+
+def head_to_hf(
+    mc: dict[str, torch.Tensor], s: GPTShape, *, embedding: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The final norm and ``lm_head.weight`` (a tied model's: ``embedding``, where given)."""
+    out = {"model.norm.weight": mc["decoder.final_layernorm.weight"]}
     if not s.tied:
         out["lm_head.weight"] = mc["output_layer.weight"][: s.vocab_size]
-    elif with_tied_head:
-        out["lm_head.weight"] = embed
+    elif embedding is not None:
+        out["lm_head.weight"] = embedding
+    return out
+
+
+def layer_to_hf(mc: dict[str, torch.Tensor], s: GPTShape, i: int) -> dict[str, torch.Tensor]:
+    """Decoder layer ``i`` of a state dict holding its ``decoder.layers.{i}.*`` weights (either spec)."""
+    h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    attn_norm, mlp_norm = _norm_names(i, m + "self_attention.linear_qkv.layer_norm_weight" in mc)
+    out = {h + "input_layernorm.weight": mc[attn_norm], h + "post_attention_layernorm.weight": mc[mlp_norm]}
+    a = h + "self_attn."
+    q, k, v = _split_qkv(mc[m + "self_attention.linear_qkv.weight"], s)
+    out |= {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v}
+    if s.qkv_bias:
+        q, k, v = _split_qkv(mc[m + "self_attention.linear_qkv.bias"], s)
+        out |= {a + "q_proj.bias": q, a + "k_proj.bias": k, a + "v_proj.bias": v}
+    if s.qk_norm:
+        out[a + "q_norm.weight"] = mc[m + "self_attention.q_layernorm.weight"]
+        out[a + "k_norm.weight"] = mc[m + "self_attention.k_layernorm.weight"]
+    out[a + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
+    if s.num_experts:
+        out[h + "mlp.gate.weight"] = mc[m + "mlp.router.weight"]
+        e = m + "mlp.experts.local_experts.{}."
+        out[h + "mlp.experts.gate_up_proj"] = torch.stack(
+            [mc[e.format(x) + "linear_fc1.weight"] for x in range(s.num_experts)]
+        )
+        out[h + "mlp.experts.down_proj"] = torch.stack(
+            [mc[e.format(x) + "linear_fc2.weight"] for x in range(s.num_experts)]
+        )
+        return out
+    gate, up = mc[m + "mlp.linear_fc1.weight"].chunk(2)
+    out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+    out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
     return out
 
 

@@ -114,23 +114,21 @@ class _StageOutput(torch.autograd.Function):
         return full, None, None, None, None
 
 
-def gather_stages(
-    local: dict[str, torch.Tensor], pipe: Pipeline, device: torch.device
-) -> list[dict[str, torch.Tensor]]:
-    """Every stage's state dict (``local`` is this stage's, on CPU), on CPU, on every rank of the group:
-    names and shapes, then each tensor, broadcast from its stage through ``device``."""
-    stages = []
-    for stage, src in enumerate(pipe.ranks):
-        layout = [[(k, tuple(v.shape), v.dtype) for k, v in local.items()] if stage == pipe.stage else None]
-        dist.broadcast_object_list(layout, src=src, group=pipe.group, device=device)
-        sd = {}
-        for name, shape, dtype in layout[0]:
-            buf = (
-                local[name].to(device)
-                if stage == pipe.stage
-                else torch.empty(shape, dtype=dtype, device=device)
-            )
-            dist.broadcast(buf, src=src, group=pipe.group)
-            sd[name] = local[name] if stage == pipe.stage else buf.cpu()
-        stages.append(sd)
-    return stages
+def broadcast_from(
+    part: dict[str, torch.Tensor] | None, stage: int, pipe: Pipeline, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Stage ``stage``'s ``part`` (given there, on CPU; None elsewhere) on every rank of the pipeline group,
+    on CPU: names and shapes, then each tensor, broadcast through ``device``."""
+    src, mine = pipe.ranks[stage], stage == pipe.stage
+    layout = [[(k, tuple(v.shape), v.dtype) for k, v in part.items()] if mine and part is not None else None]
+    dist.broadcast_object_list(layout, src=src, group=pipe.group, device=device)
+    out = {}
+    for name, shape, dtype in layout[0]:
+        buf = (
+            part[name].to(device)
+            if mine and part is not None
+            else torch.empty(shape, dtype=dtype, device=device)
+        )
+        dist.broadcast(buf, src=src, group=pipe.group)
+        out[name] = part[name] if mine and part is not None else buf.cpu()
+    return out
