@@ -133,9 +133,9 @@ class MegatronConfig(StrictModel):
     pipeline_parallel: int = Field(
         1,
         ge=1,
-        description="Pipeline-parallel size: stages of an even share of the layers (it must divide the model's "
-        "layers), a micro-batch crossing them in turn (no interleaving, no virtual stages); dense models "
-        "(a mixture of experts at 1 for now).",
+        description="Pipeline-parallel size: stages of consecutive layers (evenly where it divides them, "
+        "else fewer on the first and last stage, as Megatron-Core splits them), a micro-batch crossing them "
+        "in turn (no interleaving, no virtual stages).",
     )
     context_parallel: int = Field(1, ge=1, description="Context-parallel size (long sequences).")
     expert_parallel: int = Field(1, ge=1, description="Expert-parallel size (MoE models).")

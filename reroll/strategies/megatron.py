@@ -549,7 +549,10 @@ class MegatronStrategy:
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """Hugging Face weights into ``directory/model`` (rank 0) and optimizer state per rank."""
         directory.mkdir(parents=True, exist_ok=True)
-        weights = self.full_state_dict()
+        weights = {}
+        for name, w in self.named_weights(on_device=False):  # a collective; rank 0 keeps the weights
+            if self.rank == 0:
+                weights[name] = w
         if self.rank == 0:
             self._export_hf(weights, directory / "model")
         if with_optimizer and self.optimizer is not None:
