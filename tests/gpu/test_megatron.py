@@ -538,20 +538,22 @@ def test_pp2_equals_torch_on_the_whole_batch(tmp_path, assets):
         torch.testing.assert_close(ranks[0]["weights"][k], v, atol=1e-4, rtol=0)
 
 
-def _ep2_rank(rank: int, address: str, model_path: str, cfg_path: str, result_dir: str) -> None:
+def _moe2_rank(rank: int, address: str, model_path: str, cfg_path: str, result_dir: str, size: str) -> None:
     from reroll.strategies.megatron import MegatronStrategy
 
     torch.cuda.set_device(rank)
     cfg = load_config(
-        cfg_path,
-        RunConfig,
-        ["strategy.name=megatron", "strategy.megatron.expert_parallel=2", "model.dtype=float32"],
+        cfg_path, RunConfig, ["strategy.name=megatron", f"strategy.megatron.{size}", "model.dtype=float32"]
     )
     s = MegatronStrategy(model_path, cfg=cfg, device=f"cuda:{rank}", rank=rank, world_size=2)
     s.init_distributed(address)
     s.configure_optimizer(lr=1e-5, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
     mine = [n for n, _ in s.module.named_parameters() if n.startswith("decoder.layers.0.mlp.experts.")]
-    assert len(mine) == 4 * 2, mine  # this rank's 4 of the 8 experts, fc1 and fc2 each
+    layers = {n.split(".")[2] for n, _ in s.module.named_parameters() if n.startswith("decoder.layers.")}
+    if size == "expert_parallel=2":
+        assert len(mine) == 4 * 2, mine  # this rank's 4 of the 8 experts, fc1 and fc2 each
+    else:
+        assert len(mine) == 8 * 2 and layers == {"0", "1"}, (mine, layers)  # 2 of the 4 layers
     ids, mask = _batch(rows=8, width=48, vocab=2048)
     n_tokens = mask[:, 1:].sum()
     half = slice(0, 4) if rank == 0 else slice(4, 8)  # the role splits rows over all ranks
@@ -584,6 +586,19 @@ def test_moe_ep2_equals_torch_on_the_whole_batch(tmp_path, assets):
     (router term included), grad norms and the gathered weights equal the torch strategy's on the whole
     batch in two micro-batches (rel 1e-4 on step 0, 2e-3 later, as the EP=1 test; weights 1e-4 after
     3 steps at lr 1e-5)."""
+    _moe_two_ranks_equal_torch(tmp_path, assets, "expert_parallel=2")
+
+
+@pytest.mark.multigpu(gpus=2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two pipeline stages of a MoE need two GPUs")
+def test_moe_pp2_equals_torch_on_the_whole_batch(tmp_path, assets):
+    """As the EP=2 test, on two pipeline stages of 2 layers each (every expert on both): each stage
+    routes both ranks' rows through its layers, and each rank's router loss is its own rows' over every
+    layer (``StageRouted``); same tolerances."""
+    _moe_two_ranks_equal_torch(tmp_path, assets, "pipeline_parallel=2")
+
+
+def _moe_two_ranks_equal_torch(tmp_path, assets, size: str) -> None:
     import torch.multiprocessing as mp
 
     from reroll.models.moe import Routers
@@ -595,7 +610,10 @@ def test_moe_ep2_equals_torch_on_the_whole_batch(tmp_path, assets):
         so.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{so.getsockname()[1]}"
     mp.start_processes(
-        _ep2_rank, args=(address, model_path, str(cfg_path), str(tmp_path)), nprocs=2, start_method="spawn"
+        _moe2_rank,
+        args=(address, model_path, str(cfg_path), str(tmp_path), size),
+        nprocs=2,
+        start_method="spawn",
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
