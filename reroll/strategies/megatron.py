@@ -47,12 +47,9 @@ from reroll.errors import UserError
 from reroll.models import megatron_convert as mc
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
-from reroll.strategies.megatron_moe import (
-    MegatronRouters,
-    allow_routers_without_transformer_engine,
-    gather_experts,
-)
-from reroll.strategies.megatron_pipeline import Pipeline, broadcast_from
+from reroll.strategies.megatron_moe import MegatronRouters, allow_routers_without_transformer_engine
+from reroll.strategies.megatron_pipeline import Pipeline
+from reroll.strategies.megatron_weights import Groups, hf_weights
 from reroll.strategies.training import HostParking, warmup_factor
 
 if TYPE_CHECKING:
@@ -495,56 +492,15 @@ class MegatronStrategy:
         return dict(self.named_weights(on_device=False))
 
     def named_weights(self, *, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight in Hugging Face names, one decoder layer at a time (the embedding first, the final
-        norm and head last), gathered over the TP ranks, the EP ranks and from the stage that holds it: on
-        the device (``on_device``) or on CPU. A collective: every rank iterates to the end, and gets all."""
+        """Every weight in Hugging Face names, one decoder layer at a time, gathered over the TP and EP
+        ranks and the pipeline stages (``reroll.strategies.megatron_weights``): on the device
+        (``on_device``) or on CPU. A collective: every rank iterates to the end, and gets all."""
         self._require()
         weights = {
             k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")
         }
-        s, stage, stages = self.shape, 0 if self.pipe is None else self.pipe.stage, self.pp
-        where = [mc.stage_layers(s.num_layers, p, stages) for p in range(stages)]
-
-        def unit(
-            owner: int, prefixes: tuple[str, ...], local: str = "", named: str = ""
-        ) -> dict[str, torch.Tensor]:
-            """The weights whose names start with ``prefixes`` (``local`` renamed ``named``), gathered on
-            stage ``owner`` and broadcast from it."""
-            part = None
-            if owner == stage:
-                part = self._gathered(
-                    {named + k[len(local) :]: w for k, w in weights.items() if k.startswith(prefixes)}
-                )
-            return part if self.pipe is None else broadcast_from(part, owner, self.pipe, self.device)
-
-        def put(hf: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-            for name, w in hf.items():
-                yield name, w.to(self.device) if on_device else w
-
-        embedding = mc.embedding_to_hf(unit(0, ("embedding.",)), s)
-        yield from put(embedding)
-        for owner, layers in enumerate(where):
-            for i in layers:
-                here = f"decoder.layers.{i - layers.start}."
-                yield from put(mc.layer_to_hf(unit(owner, (here,), here, f"decoder.layers.{i}."), s, i))
-        head = unit(stages - 1, ("decoder.final_layernorm.", "output_layer."))
-        yield from put(mc.head_to_hf(head, s, embedding=embedding["model.embed_tokens.weight"]))
-
-    def _gathered(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``part`` of this rank's weights gathered over the EP ranks (experts) and the TP ranks, merged, on
-        CPU (every rank of this stage's TP and EP groups must call it with the same names)."""
-        part = gather_experts(part, self.ep, self.ep_group)  # experts on CPU (MoE runs at TP 1)
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
-        for name, w in part.items():
-            if self.tp == 1 or mc.tp_split_dim(name) is None:
-                for shard in shards:
-                    shard[name] = w.to("cpu", copy=True)
-                continue
-            parts = [torch.empty_like(w) for _ in range(self.tp)]
-            dist.all_gather(parts, w.contiguous(), group=self.tp_group)
-            for shard, p in zip(shards, parts):
-                shard[name] = p.cpu()
-        return mc.merge(shards)
+        groups = Groups(self.tp, self.tp_group, self.ep, self.ep_group, self.pipe, self.device)
+        return hf_weights(weights, self.shape, groups, on_device=on_device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """Hugging Face weights into ``directory/model`` (rank 0) and optimizer state per rank."""
