@@ -1,14 +1,21 @@
 """Memory arithmetic of a model's passes from its shape: what one token of a micro-batch holds at a
 training pass's peak and at a forward-only pass's (``token_bytes``), and the size of the forward-only
 passes that follows (``forward_only_limits``). ``reroll plan`` estimates a run from it; the trainers
-size their forward-only passes on GPUs with it. No torch: the plan runs without it."""
+size their forward-only passes on GPUs with it. A model's shape comes from its config.json, or from
+the table of known families for a hub id (``model_shape``). No torch: the plan runs without it."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from reroll.config.placement import offload_between_phases
-from reroll.config.schema import RunConfig
+from reroll.errors import UserError
+
+if TYPE_CHECKING:
+    from reroll.config.schema import RunConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -152,3 +159,60 @@ def _layer_activations(cfg: RunConfig, shape: Shape, p_bytes: int) -> float:
     with the model's own norms) on an H100 (docs/benchmarks.md, run K); the estimate: 41.3 (45.3)."""
     per_hidden = 9 if cfg.model.fused_norm else 13
     return p_bytes * (per_hidden * shape.hidden + 4 * shape.mlp)
+
+
+# Published shapes of the model families the example configs use (parameters from the model cards).
+KNOWN = {
+    "qwen2.5-0.5b": Shape(0.494e9, 24, 896, 2, 64, 151936, intermediate=4864),
+    "qwen2.5-1.5b": Shape(1.54e9, 28, 1536, 2, 128, 151936, intermediate=8960),
+    "qwen2.5-3b": Shape(3.09e9, 36, 2048, 2, 128, 151936, intermediate=11008),
+    "qwen2.5-7b": Shape(7.62e9, 28, 3584, 4, 128, 152064, intermediate=18944),
+    "qwen2.5-14b": Shape(14.7e9, 48, 5120, 8, 128, 152064, intermediate=13824),
+    "qwen2.5-32b": Shape(32.5e9, 64, 5120, 8, 128, 152064, intermediate=27648),
+    "qwen2.5-72b": Shape(72.7e9, 80, 8192, 8, 128, 152064, intermediate=29568),
+    # vision-language: the vision tower's parameters (0.67B) counted with the rest
+    "qwen2.5-vl-3b": Shape(3.75e9, 36, 2048, 2, 128, 151936, intermediate=11008),
+    "qwen2.5-vl-7b": Shape(8.29e9, 28, 3584, 4, 128, 152064, intermediate=18944),
+    "qwen3-8b": Shape(8.19e9, 36, 4096, 8, 128, 151936, intermediate=12288),
+    # MoE: 8 routed experts a token of 768 / 1536 each
+    "qwen3-30b-a3b": Shape(30.5e9, 48, 2048, 4, 128, 151936, expert_params=28.9e9, intermediate=6144),
+    "qwen3-235b-a22b": Shape(235e9, 94, 4096, 4, 128, 151936, expert_params=226e9, intermediate=12288),
+}
+
+
+def model_shape(path: str) -> Shape:
+    """The shape of ``path``: its config.json when local, else the known family its name contains."""
+    config = Path(path) / "config.json"
+    if config.exists():
+        return _shape_from_config(json.loads(config.read_text()), Path(path))
+    known = known_shape(path)
+    if known is not None:
+        return known
+    raise UserError(
+        f"plan: cannot tell the size of model.path {path!r}: it is not a local directory with a "
+        f"config.json and not one of the known families ({', '.join(KNOWN)}); download the model first"
+    )
+
+
+def known_shape(path: str) -> Shape | None:
+    """The shape of the known family whose name ``path``'s last part starts with (the longest), or None."""
+    name = path.lower().rsplit("/", 1)[-1]
+    for key in sorted(KNOWN, key=len, reverse=True):
+        if name.startswith(key):
+            return KNOWN[key]
+    return None
+
+
+def _shape_from_config(c: dict, path: Path) -> Shape:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from reroll.models.vision import is_vision_language
+
+    config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return token_shape(c, params=float(params), expert_params=float(experts))

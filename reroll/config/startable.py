@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from reroll.config.engines import engine_spec
+from reroll.config.memory import known_shape
 from reroll.config.placement import (
     offload_between_phases,
     role_device,
@@ -284,15 +285,16 @@ def megatron_model_problems(c: Any) -> list[str]:
 
 
 def _model_config(path: str) -> Any:
-    """``model.path``'s config.json as attributes when it is a local directory, else an object with only
-    the known family's ``model_type`` (None when neither tells)."""
+    """``model.path``'s config.json as attributes when it is a local directory, else an object with the
+    known family's ``model_type`` and ``num_hidden_layers`` (None when neither tells)."""
     try:
         fields = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
         if isinstance(fields, dict):
             return SimpleNamespace(**fields)
     except (OSError, ValueError):
         pass
-    return SimpleNamespace(model_type=model_type(path))
+    known = known_shape(path)  # a hub id of a known family: its layers too (pipeline stages)
+    return SimpleNamespace(model_type=model_type(path), num_hidden_layers=known.layers if known else None)
 
 
 def megatron_option_problems(cfg: RunConfig, head: str = "causal_lm") -> list[tuple[str, str]]:

@@ -34,6 +34,10 @@ def test_megatron_expert_parallel_needs_experts_tp1_and_divides_the_data_paralle
 
     assert messages("strategy.megatron.expert_parallel=4", model="Qwen/Qwen3-30B-A3B") == ""
     assert messages("strategy.megatron.pipeline_parallel=2", model="Qwen/Qwen3-8B") == ""  # dense: built
+    # a hub id's layers come from the known families' shapes: 36 layers leave 40 stages empty
+    assert "pipeline_parallel (40) leaves a pipeline stage no layer of the model's 36" in messages(
+        "strategy.megatron.pipeline_parallel=40", model="Qwen/Qwen3-8B"
+    )
     assert "needs a mixture-of-experts model; model.path is a dense 'qwen3'" in messages(
         "strategy.megatron.expert_parallel=2", model="Qwen/Qwen3-8B"
     )
