@@ -12,10 +12,20 @@ the examples use.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from reroll.config.engines import engine_spec
-from reroll.config.memory import DTYPE_BYTES, Shape, forward_only_limits, model_shape, token_bytes
+from reroll.config.memory import (
+    DTYPE_BYTES,
+    KNOWN,
+    Shape,
+    forward_only_limits,
+    known_shape,
+    token_bytes,
+    token_shape,
+)
 from reroll.config.placement import (
     device_map,
     offload_between_phases,
@@ -25,6 +35,7 @@ from reroll.config.placement import (
 )
 from reroll.config.schema import RunConfig
 from reroll.config.startable import context_parallel_size, start_problems
+from reroll.errors import UserError
 
 # The plan sizes every model role with the policy's shape: a teacher or reward model of another size is
 # estimated as the policy's.
@@ -34,6 +45,35 @@ GIB = 1024**3
 # fp32 chunks that per-token log-probs use at once on a GPU (about 4 of CHUNK_ELEMENTS_CUDA in
 # reroll.algorithms.logprobs, not imported here: the plan needs no torch)
 LOGPROB_WORKSPACE = 4 * 2**26 * 4
+
+
+def model_shape(path: str) -> Shape:
+    """The shape of ``path``: its config.json when local, else the known family its name contains."""
+    config = Path(path) / "config.json"
+    if config.exists():
+        return _shape_from_config(json.loads(config.read_text()), Path(path))
+    known = known_shape(path)
+    if known is not None:
+        return known
+    raise UserError(
+        f"plan: cannot tell the size of model.path {path!r}: it is not a local directory with a "
+        f"config.json and not one of the known families ({', '.join(KNOWN)}); download the model first"
+    )
+
+
+def _shape_from_config(c: dict, path: Path) -> Shape:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from reroll.models.vision import is_vision_language
+
+    config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return token_shape(c, params=float(params), expert_params=float(experts))
 
 
 @dataclass

@@ -2,17 +2,14 @@
 training pass's peak and at a forward-only pass's (``token_bytes``), and the size of the forward-only
 passes that follows (``forward_only_limits``). ``reroll plan`` estimates a run from it; the trainers
 size their forward-only passes on GPUs with it. A model's shape comes from its config.json, or from
-the table of known families for a hub id (``model_shape``). No torch: the plan runs without it."""
+the table of known families for a hub id (``known_shape``). No torch: the plan runs without it."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from reroll.config.placement import offload_between_phases
-from reroll.errors import UserError
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -180,20 +177,6 @@ KNOWN = {
 }
 
 
-def model_shape(path: str) -> Shape:
-    """The shape of ``path``: its config.json when local, else the known family its name contains."""
-    config = Path(path) / "config.json"
-    if config.exists():
-        return _shape_from_config(json.loads(config.read_text()), Path(path))
-    known = known_shape(path)
-    if known is not None:
-        return known
-    raise UserError(
-        f"plan: cannot tell the size of model.path {path!r}: it is not a local directory with a "
-        f"config.json and not one of the known families ({', '.join(KNOWN)}); download the model first"
-    )
-
-
 def known_shape(path: str) -> Shape | None:
     """The shape of the known family whose name ``path``'s last part starts with (the longest), or None."""
     name = path.lower().rsplit("/", 1)[-1]
@@ -201,18 +184,3 @@ def known_shape(path: str) -> Shape | None:
         if name.startswith(key):
             return KNOWN[key]
     return None
-
-
-def _shape_from_config(c: dict, path: Path) -> Shape:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from reroll.models.vision import is_vision_language
-
-    config = AutoConfig.from_pretrained(path)
-    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(config)
-    params = sum(p.numel() for p in model.parameters())
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    return token_shape(c, params=float(params), expert_params=float(experts))
