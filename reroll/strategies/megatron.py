@@ -2,14 +2,14 @@
 experts' experts spread by expert parallelism, gradients summed over data parallelism.
 
 The role's ``world_size`` ranks are ``tensor_parallel x pipeline_parallel x data_parallel`` (context
-parallel must be 1: not built). Pipeline stages hold an even share of the layers each and run a
-micro-batch one after the other (``reroll.strategies.megatron_pipeline``). A Qwen3-MoE (at
-tensor_parallel and pipeline_parallel 1) spreads its experts over groups of
+parallel must be 1: not built). Pipeline stages hold consecutive layers (split as Megatron-Core splits
+them) and run a micro-batch one after the other (``reroll.strategies.megatron_pipeline``). A Qwen3-MoE
+(at tensor_parallel 1; on pipeline stages too) spreads its experts over groups of
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
 to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
 logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face
 checkpoint through ``reroll.models.megatron_convert`` and go back in Hugging Face names for weight sync
-and export (experts gathered over the EP ranks).
+and export, one layer at a time (``reroll.strategies.megatron_weights``).
 
 The role splits a batch by rows across *all* its ranks, as for the other strategies. Tensor
 parallelism needs the same rows on the ranks of one TP group, so ``logits`` gathers the group's rows,
@@ -19,7 +19,7 @@ summed loss. Data-parallel gradients are then *summed* (``calculate_per_token_lo
 normalised by the whole step's token counts). The optimizer is Megatron-Core's (its
 ``DistributedOptimizer`` when ``strategy.megatron.distributed_optimizer``), Adam with decoupled weight
 decay on every parameter (as ``torch.optim.AdamW``) and fp32 main weights for bf16 models; the lr
-follows our linear warm-up. Every TP rank must make the same number of ``logits``/``backward`` calls.
+follows our linear warm-up. Every rank of a TP x PP group must make the same ``logits``/``backward`` calls.
 """
 
 from __future__ import annotations
