@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reroll.config.memory import Shape, forward_only_limits, token_shape
+from reroll.config.memory import KNOWN, Shape, forward_only_limits, known_shape, token_shape
 from reroll.config.placement import (
     device_map,
     offload_between_phases,
@@ -36,34 +36,15 @@ from reroll.config.schema import RunConfig
 from reroll.config.startable import start_problems
 from reroll.errors import UserError
 
-# Published shapes of the model families the example configs use (parameters from the model cards).
-KNOWN = {
-    "qwen2.5-0.5b": Shape(0.494e9, 24, 896, 2, 64, 151936, intermediate=4864),
-    "qwen2.5-1.5b": Shape(1.54e9, 28, 1536, 2, 128, 151936, intermediate=8960),
-    "qwen2.5-3b": Shape(3.09e9, 36, 2048, 2, 128, 151936, intermediate=11008),
-    "qwen2.5-7b": Shape(7.62e9, 28, 3584, 4, 128, 152064, intermediate=18944),
-    "qwen2.5-14b": Shape(14.7e9, 48, 5120, 8, 128, 152064, intermediate=13824),
-    "qwen2.5-32b": Shape(32.5e9, 64, 5120, 8, 128, 152064, intermediate=27648),
-    "qwen2.5-72b": Shape(72.7e9, 80, 8192, 8, 128, 152064, intermediate=29568),
-    # vision-language: the vision tower's parameters (0.67B) counted with the rest
-    "qwen2.5-vl-3b": Shape(3.75e9, 36, 2048, 2, 128, 151936, intermediate=11008),
-    "qwen2.5-vl-7b": Shape(8.29e9, 28, 3584, 4, 128, 152064, intermediate=18944),
-    "qwen3-8b": Shape(8.19e9, 36, 4096, 8, 128, 151936, intermediate=12288),
-    # MoE: 8 routed experts a token of 768 / 1536 each
-    "qwen3-30b-a3b": Shape(30.5e9, 48, 2048, 4, 128, 151936, expert_params=28.9e9, intermediate=6144),
-    "qwen3-235b-a22b": Shape(235e9, 94, 4096, 4, 128, 151936, expert_params=226e9, intermediate=12288),
-}
-
 
 def model_shape(path: str) -> Shape:
     """The shape of ``path``: its config.json when local, else the known family its name contains."""
     config = Path(path) / "config.json"
     if config.exists():
         return _shape_from_config(json.loads(config.read_text()), Path(path))
-    name = path.lower().rsplit("/", 1)[-1]
-    for key in sorted(KNOWN, key=len, reverse=True):
-        if name.startswith(key):
-            return KNOWN[key]
+    known = known_shape(path)
+    if known is not None:
+        return known
     raise UserError(
         f"plan: cannot tell the size of model.path {path!r}: it is not a local directory with a "
         f"config.json and not one of the known families ({', '.join(KNOWN)}); download the model first"

@@ -1,14 +1,18 @@
 """Memory arithmetic of a model's passes from its shape: what one token of a micro-batch holds at a
 training pass's peak and at a forward-only pass's (``token_bytes``), and the size of the forward-only
 passes that follows (``forward_only_limits``). ``reroll plan`` estimates a run from it; the trainers
-size their forward-only passes on GPUs with it. No torch: the plan runs without it."""
+size their forward-only passes on GPUs with it. A model's shape comes from its config.json, or from
+the table of known families for a hub id (``known_shape``). No torch: the plan runs without it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from reroll.config.placement import offload_between_phases
-from reroll.config.schema import RunConfig
+
+if TYPE_CHECKING:
+    from reroll.config.schema import RunConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -99,14 +103,18 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int, *, context_parallel: int
         model_par = context_parallel
         kept /= model_par
         layer /= model_par
+    stage_rows = 1
     if cfg.strategy.name == "megatron":
         m = cfg.strategy.megatron
         model_par = m.tensor_parallel * m.context_parallel
-        kept /= model_par * m.pipeline_parallel
-        layer /= model_par
+        # a pipeline stage runs the rows of its pipeline_parallel ranks through 1/pipeline_parallel of the
+        # layers (reroll.strategies.megatron_pipeline): per rank, as many layer-rows as without stages
+        kept /= model_par
+        layer *= m.pipeline_parallel / model_par
+        stage_rows = m.pipeline_parallel  # the last stage computes those rows' logits
     # the head runs at the positions before response tokens alone: their logits in the compute dtype
     # (and their gradient when training); log-probs take fp32 chunks of them
-    every = shape.vocab * p_bytes / model_par
+    every = shape.vocab * p_bytes / model_par * stage_rows
     head = min(cfg.rollout.max_new_tokens / seq, 1.0) * every
     return TokenBytes(kept=kept, layer=layer, train_logits=2 * head, scored_logits=head, all_logits=every)
 
@@ -175,3 +183,31 @@ def _layer_activations(cfg: RunConfig, shape: Shape, p_bytes: int) -> float:
     with the model's own norms) on an H100 (docs/benchmarks.md, run K); the estimate: 41.3 (45.3)."""
     per_hidden = 9 if cfg.model.fused_norm else 13
     return p_bytes * (per_hidden * shape.hidden + 4 * shape.mlp)
+
+
+# Published shapes of the model families the example configs use (parameters from the model cards).
+KNOWN = {
+    "qwen2.5-0.5b": Shape(0.494e9, 24, 896, 2, 64, 151936, intermediate=4864),
+    "qwen2.5-1.5b": Shape(1.54e9, 28, 1536, 2, 128, 151936, intermediate=8960),
+    "qwen2.5-3b": Shape(3.09e9, 36, 2048, 2, 128, 151936, intermediate=11008),
+    "qwen2.5-7b": Shape(7.62e9, 28, 3584, 4, 128, 152064, intermediate=18944),
+    "qwen2.5-14b": Shape(14.7e9, 48, 5120, 8, 128, 152064, intermediate=13824),
+    "qwen2.5-32b": Shape(32.5e9, 64, 5120, 8, 128, 152064, intermediate=27648),
+    "qwen2.5-72b": Shape(72.7e9, 80, 8192, 8, 128, 152064, intermediate=29568),
+    # vision-language: the vision tower's parameters (0.67B) counted with the rest
+    "qwen2.5-vl-3b": Shape(3.75e9, 36, 2048, 2, 128, 151936, intermediate=11008),
+    "qwen2.5-vl-7b": Shape(8.29e9, 28, 3584, 4, 128, 152064, intermediate=18944),
+    "qwen3-8b": Shape(8.19e9, 36, 4096, 8, 128, 151936, intermediate=12288),
+    # MoE: 8 routed experts a token of 768 / 1536 each
+    "qwen3-30b-a3b": Shape(30.5e9, 48, 2048, 4, 128, 151936, expert_params=28.9e9, intermediate=6144),
+    "qwen3-235b-a22b": Shape(235e9, 94, 4096, 4, 128, 151936, expert_params=226e9, intermediate=12288),
+}
+
+
+def known_shape(path: str) -> Shape | None:
+    """The shape of the known family whose name ``path``'s last part starts with (the longest), or None."""
+    name = path.lower().rsplit("/", 1)[-1]
+    for key in sorted(KNOWN, key=len, reverse=True):
+        if name.startswith(key):
+            return KNOWN[key]
+    return None

@@ -160,7 +160,9 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
         trained = shape.params
         if lora is not None:  # adapters on every target projection: about r * (in + out) each
             trained = 7 * shape.layers * lora.rank * 2 * shape.hidden * 2
-        grads = trained * DTYPE_BYTES[cfg.model.dtype] / (g_div if lora is None else 1)
+        # megatron's DDP keeps fp32 gradient buffers (grad_reduce_in_fp32, reroll.strategies.megatron)
+        grad_bytes = 4 if cfg.strategy.name == "megatron" else DTYPE_BYTES[cfg.model.dtype]
+        grads = trained * grad_bytes / (g_div if lora is None else 1)
         # AdamW moments in the parameters' dtype (torch, fsdp2); deepspeed and megatron keep fp32
         # master weights and fp32 moments
         per_param = 12 if cfg.strategy.name in ("deepspeed", "megatron") else 2 * DTYPE_BYTES[cfg.model.dtype]

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from reroll.config.engines import engine_spec
+from reroll.config.memory import known_shape
 from reroll.config.placement import (
     offload_between_phases,
     role_device,
@@ -68,11 +69,6 @@ def model_type(path: str) -> str | None:
 def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "<role>") -> list[str]:
     """What the Megatron strategy cannot do with ``world_size`` ranks under ``m``'s parallel sizes."""
     problems = []
-    if m.pipeline_parallel > 1:
-        problems.append(
-            f"strategy.megatron.pipeline_parallel={m.pipeline_parallel}: pipeline parallelism is not yet "
-            "supported by reroll's megatron strategy; set it to 1 and use tensor_parallel"
-        )
     if m.context_parallel > 1:
         problems.append(
             f"strategy.megatron.context_parallel={m.context_parallel}: context parallelism is not yet "
@@ -96,14 +92,40 @@ def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "
     return problems
 
 
+def pipeline_stage_sizes(num_layers: int, pp: int) -> list[int]:
+    """The decoder layers of each of ``pp`` pipeline stages, as Megatron-Core splits them: evenly where
+    ``pp`` divides ``num_layers``, else ``ceil(num_layers / pp)`` on each middle stage and the rest
+    shared by the first and last (fewer there: they also hold the embedding and the head); empty where
+    that leaves the first stage no layer."""
+    if pp == 1 or num_layers % pp == 0:
+        return [num_layers // pp] * pp
+    middle = -(-num_layers // pp)
+    rest = num_layers - (pp - 2) * middle
+    first = rest // 2
+    return [] if first < 1 else [first, *[middle] * (pp - 2), rest - first]
+
+
+def pipeline_split_problem(num_layers: int, pp: int) -> str:
+    """Why ``pipeline_stage_sizes`` cannot split ``num_layers`` over ``pp`` stages."""
+    return (
+        f"strategy.megatron.pipeline_parallel ({pp}) leaves a pipeline stage no layer of the model's "
+        f"{num_layers} (num_hidden_layers): pick a smaller pipeline_parallel"
+    )
+
+
 def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
-    """What the Megatron strategy cannot do with the model of config ``c`` under ``m``'s sizes: expert
-    parallelism needs experts, and a mixture of experts trains with tensor_parallel 1 for now (its router
-    loss is taken per rank's rows; under TP the ranks of a group route the group's rows together)."""
+    """What the Megatron strategy cannot do with the model of config ``c`` under ``m``'s sizes: pipeline
+    stages need an even share of the layers, expert parallelism needs experts, and a mixture of experts
+    trains with tensor_parallel 1 for now (its router loss is taken per rank's rows; under TP the ranks
+    of a group route the group's rows together, and Megatron-Core trains a mixture of experts at TP > 1
+    with sequence parallelism only, which needs Transformer Engine)."""
     kind = getattr(c, "model_type", None)
     moe = kind == "qwen3_moe"
     experts = int(getattr(c, "num_experts", 0) or 0) if moe else 0  # 0 also where only the name is known
     problems = []
+    layers = int(getattr(c, "num_hidden_layers", 0) or 0)
+    if layers and not pipeline_stage_sizes(layers, m.pipeline_parallel):
+        problems.append(pipeline_split_problem(layers, m.pipeline_parallel))
     if m.expert_parallel > 1 and kind in MEGATRON_MODEL_TYPES and not moe:
         problems.append(
             f"strategy.megatron.expert_parallel={m.expert_parallel} needs a mixture-of-experts model; "
@@ -263,15 +285,16 @@ def megatron_model_problems(c: Any) -> list[str]:
 
 
 def _model_config(path: str) -> Any:
-    """``model.path``'s config.json as attributes when it is a local directory, else an object with only
-    the known family's ``model_type`` (None when neither tells)."""
+    """``model.path``'s config.json as attributes when it is a local directory, else an object with the
+    known family's ``model_type`` and ``num_hidden_layers`` (None when neither tells)."""
     try:
         fields = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
         if isinstance(fields, dict):
             return SimpleNamespace(**fields)
     except (OSError, ValueError):
         pass
-    return SimpleNamespace(model_type=model_type(path))
+    known = known_shape(path)  # a hub id of a known family: its layers too (pipeline stages)
+    return SimpleNamespace(model_type=model_type(path), num_hidden_layers=known.layers if known else None)
 
 
 def all_or_nothing_checkpointing(cfg: RunConfig, strategy: str) -> list[tuple[str, str]]:

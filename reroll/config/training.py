@@ -130,7 +130,13 @@ class MegatronConfig(StrictModel):
     """Megatron-Core (pip install 'reroll[megatron]', GPUs only): model parallel sizes and options."""
 
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size.")
-    pipeline_parallel: int = Field(1, ge=1, description="Pipeline-parallel size.")
+    pipeline_parallel: int = Field(
+        1,
+        ge=1,
+        description="Pipeline-parallel size: stages of consecutive layers (evenly where it divides them, "
+        "else fewer on the first and last stage, as Megatron-Core splits them), a micro-batch crossing them "
+        "in turn (no interleaving, no virtual stages).",
+    )
     context_parallel: int = Field(1, ge=1, description="Context-parallel size (long sequences).")
     expert_parallel: int = Field(1, ge=1, description="Expert-parallel size (MoE models).")
     sequence_parallel: bool = Field(False, description="Shard activations along the sequence in TP regions.")

@@ -26,6 +26,13 @@ up separately, so rank ``r`` holds ``[gate_r; up_r]``. ``shard``/``merge`` do th
 (experts' linear layers split as the dense MLP's; the router is replicated). Expert parallelism gives
 rank ``r`` of ``ep`` the experts ``r*E/ep .. (r+1)*E/ep - 1``, numbered from 0 on that rank
 (``shard_experts``/``merge_experts``).
+
+Pipeline parallelism gives each stage a run of consecutive decoder layers (evenly where ``pp`` divides
+them, else fewer on the first and last stage: ``reroll.config.startable.pipeline_stage_sizes``), numbered
+from 0 on that stage as Megatron-Core's ``GPTModel`` built with ``pre_process``/``post_process`` names
+them; the embedding lives on the first stage, the final norm and the output layer on the last, and a
+tied model's last stage holds a copy of the embedding as ``output_layer.weight`` (Megatron keeps the
+two copies equal by summing their gradients). ``shard_stage``/``merge_stages`` do that.
 """
 
 from __future__ import annotations
@@ -37,7 +44,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reroll.config.startable import MEGATRON_MODEL_TYPES, megatron_model_problems
+from reroll.config.startable import (
+    MEGATRON_MODEL_TYPES,
+    megatron_model_problems,
+    pipeline_split_problem,
+    pipeline_stage_sizes,
+)
 from reroll.errors import UserError
 
 if TYPE_CHECKING:
@@ -195,42 +207,57 @@ def megatron_to_hf(
 
     Vocabulary padding is dropped. A tied model gets ``lm_head.weight`` (the embedding) when
     ``with_tied_head``, as ``PreTrainedModel.state_dict()`` lists it."""
-    fused_norms = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in mc
-    embed = mc["embedding.word_embeddings.weight"][: s.vocab_size]
-    out = {"model.embed_tokens.weight": embed}
+    out = embedding_to_hf(mc, s)
     for i in range(s.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn_norm, mlp_norm = _norm_names(i, fused_norms)
-        out[h + "input_layernorm.weight"] = mc[attn_norm]
-        out[h + "post_attention_layernorm.weight"] = mc[mlp_norm]
-        a = h + "self_attn."
-        q, k, v = _split_qkv(mc[m + "self_attention.linear_qkv.weight"], s)
-        out |= {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v}
-        if s.qkv_bias:
-            q, k, v = _split_qkv(mc[m + "self_attention.linear_qkv.bias"], s)
-            out |= {a + "q_proj.bias": q, a + "k_proj.bias": k, a + "v_proj.bias": v}
-        if s.qk_norm:
-            out[a + "q_norm.weight"] = mc[m + "self_attention.q_layernorm.weight"]
-            out[a + "k_norm.weight"] = mc[m + "self_attention.k_layernorm.weight"]
-        out[a + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
-        if s.num_experts:
-            out[h + "mlp.gate.weight"] = mc[m + "mlp.router.weight"]
-            e = m + "mlp.experts.local_experts.{}."
-            out[h + "mlp.experts.gate_up_proj"] = torch.stack(
-                [mc[e.format(i) + "linear_fc1.weight"] for i in range(s.num_experts)]
-            )
-            out[h + "mlp.experts.down_proj"] = torch.stack(
-                [mc[e.format(i) + "linear_fc2.weight"] for i in range(s.num_experts)]
-            )
-            continue
-        gate, up = mc[m + "mlp.linear_fc1.weight"].chunk(2)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-        out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = mc["decoder.final_layernorm.weight"]
+        out |= layer_to_hf(mc, s, i)
+    return out | head_to_hf(mc, s, embedding=out["model.embed_tokens.weight"] if with_tied_head else None)
+
+
+def embedding_to_hf(mc: dict[str, torch.Tensor], s: GPTShape) -> dict[str, torch.Tensor]:
+    """``model.embed_tokens.weight`` from a state dict holding ``embedding.word_embeddings.weight``."""
+    return {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"][: s.vocab_size]}
+
+
+def head_to_hf(
+    mc: dict[str, torch.Tensor], s: GPTShape, *, embedding: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The final norm and ``lm_head.weight`` (a tied model's: ``embedding``, where given)."""
+    out = {"model.norm.weight": mc["decoder.final_layernorm.weight"]}
     if not s.tied:
         out["lm_head.weight"] = mc["output_layer.weight"][: s.vocab_size]
-    elif with_tied_head:
-        out["lm_head.weight"] = embed
+    elif embedding is not None:
+        out["lm_head.weight"] = embedding
+    return out
+
+
+def layer_to_hf(mc: dict[str, torch.Tensor], s: GPTShape, i: int) -> dict[str, torch.Tensor]:
+    """Decoder layer ``i`` of a state dict holding its ``decoder.layers.{i}.*`` weights (either spec)."""
+    h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    attn_norm, mlp_norm = _norm_names(i, m + "self_attention.linear_qkv.layer_norm_weight" in mc)
+    out = {h + "input_layernorm.weight": mc[attn_norm], h + "post_attention_layernorm.weight": mc[mlp_norm]}
+    a = h + "self_attn."
+    q, k, v = _split_qkv(mc[m + "self_attention.linear_qkv.weight"], s)
+    out |= {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v}
+    if s.qkv_bias:
+        q, k, v = _split_qkv(mc[m + "self_attention.linear_qkv.bias"], s)
+        out |= {a + "q_proj.bias": q, a + "k_proj.bias": k, a + "v_proj.bias": v}
+    if s.qk_norm:
+        out[a + "q_norm.weight"] = mc[m + "self_attention.q_layernorm.weight"]
+        out[a + "k_norm.weight"] = mc[m + "self_attention.k_layernorm.weight"]
+    out[a + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
+    if s.num_experts:
+        out[h + "mlp.gate.weight"] = mc[m + "mlp.router.weight"]
+        e = m + "mlp.experts.local_experts.{}."
+        out[h + "mlp.experts.gate_up_proj"] = torch.stack(
+            [mc[e.format(x) + "linear_fc1.weight"] for x in range(s.num_experts)]
+        )
+        out[h + "mlp.experts.down_proj"] = torch.stack(
+            [mc[e.format(x) + "linear_fc2.weight"] for x in range(s.num_experts)]
+        )
+        return out
+    gate, up = mc[m + "mlp.linear_fc1.weight"].chunk(2)
+    out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+    out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
     return out
 
 
@@ -328,6 +355,70 @@ def merge_experts(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
             if match is not None:
                 out[f"{match[1]}{rank * per_rank + int(match[2])}{match[3]}"] = w
             elif rank == 0:
+                out[name] = w
+    return out
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def stage_layers(num_layers: int, stage: int, pp: int) -> range:
+    """The (global) decoder layers of pipeline stage ``stage`` of ``pp`` (``pipeline_stage_sizes``)."""
+    sizes = pipeline_stage_sizes(num_layers, pp)
+    if not sizes:
+        raise UserError(pipeline_split_problem(num_layers, pp))
+    return range(sum(sizes[:stage]), sum(sizes[: stage + 1]))
+
+
+def pipeline_config(num_layers: int, pp: int) -> dict[str, Any]:
+    """``TransformerConfig`` fields of a split over ``pp`` stages that is not even (first and last
+    stage sizes; Megatron-Core splits the rest evenly, as ``pipeline_stage_sizes``)."""
+    sizes = pipeline_stage_sizes(num_layers, pp)
+    if not sizes:
+        raise UserError(pipeline_split_problem(num_layers, pp))
+    if len(set(sizes)) == 1:
+        return {}
+    return {"num_layers_in_first_pipeline_stage": sizes[0], "num_layers_in_last_pipeline_stage": sizes[-1]}
+
+
+def shard_stage(mc: dict[str, torch.Tensor], s: GPTShape, stage: int, pp: int) -> dict[str, torch.Tensor]:
+    """Stage ``stage``'s share of a Megatron-Core state dict (unsharded or one TP/EP rank's) at pipeline
+    size ``pp``: its layers numbered from 0, the embedding on the first stage, the final norm and output
+    layer on the last (a tied model's last stage gets the embedding as ``output_layer.weight``)."""
+    if pp == 1:
+        return dict(mc)
+    layers = stage_layers(s.num_layers, stage, pp)
+    first, last = stage == 0, stage == pp - 1
+    out = {}
+    for name, w in mc.items():
+        match = _LAYER.match(name)
+        if match is not None:
+            if int(match[1]) in layers:
+                out[f"decoder.layers.{int(match[1]) - layers.start}.{match[2]}"] = w
+        elif name == "embedding.word_embeddings.weight":
+            if first:
+                out[name] = w
+            if last and s.tied:
+                out["output_layer.weight"] = w
+        elif last:  # decoder.final_layernorm.*, output_layer.weight
+            out[name] = w
+    return out
+
+
+def merge_stages(stages: list[dict[str, torch.Tensor]], s: GPTShape) -> dict[str, torch.Tensor]:
+    """The inverse of ``shard_stage``: stages 0..pp-1's state dicts -> one with every layer numbered
+    globally (a tied model's copy of the embedding on the last stage dropped)."""
+    pp = len(stages)
+    if pp == 1:
+        return dict(stages[0])
+    out = {}
+    for stage, sd in enumerate(stages):
+        offset = stage_layers(s.num_layers, stage, pp).start
+        for name, w in sd.items():
+            match = _LAYER.match(name)
+            if match is not None:
+                out[f"decoder.layers.{int(match[1]) + offset}.{match[2]}"] = w
+            elif not (s.tied and name == "output_layer.weight"):
                 out[name] = w
     return out
 

@@ -42,6 +42,14 @@ class Routed:
         ]
         return load_balance_loss(torch.cat(logits, 1), torch.cat(masks), top_k=top_k)
 
+    def term(self, top_k: int, share: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(share * loss, loss, counts)``: what this rank backpropagates of the micro-batch's
+        load-balancing loss (its ``share`` of the step), the loss of its rows, and their ``(L, E)`` counts
+        (``loss``). A strategy whose ranks hold different layers overrides it
+        (``reroll.strategies.megatron_moe``)."""
+        aux, counts = self.loss(top_k)
+        return share * aux, aux, counts
+
 
 class Routers:
     """The router modules of ``model`` (any wrapper around a Hugging Face MoE model) and its routing
@@ -111,11 +119,11 @@ class StepRouting:
     def term(self, routed: Routed, share: float) -> torch.Tensor | None:
         """What joins the micro-batch's loss (None where ``coef`` is 0: the statistics only)."""
         with contextlib.nullcontext() if self.coef else torch.no_grad():
-            aux, counts = routed.loss(self.routers.top_k)
+            weighted, aux, counts = routed.term(self.routers.top_k, share)
         self._aux += float(aux.detach()) * share
         self._shares += share
         self._counts = counts if self._counts is None else self._counts + counts
-        return self.coef * share * aux if self.coef else None
+        return self.coef * weighted if self.coef else None
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """``<prefix>/router_aux_loss`` (the micro-batches' mean, weighted by their shares; ``top_k`` for

@@ -1,13 +1,15 @@
-"""The Megatron-Core strategy: a ``GPTModel`` split by tensor parallelism, a mixture of experts' experts
-spread by expert parallelism, gradients summed over data parallelism.
+"""The Megatron-Core strategy: a ``GPTModel`` split by tensor and pipeline parallelism, a mixture of
+experts' experts spread by expert parallelism, gradients summed over data parallelism.
 
-The role's ``world_size`` ranks are ``tensor_parallel x data_parallel`` (pipeline and context parallel
-sizes must be 1 for now: not built). A Qwen3-MoE (at tensor_parallel 1) spreads its experts over groups of
+The role's ``world_size`` ranks are ``tensor_parallel x pipeline_parallel x data_parallel`` (context
+parallel must be 1: not built). Pipeline stages hold consecutive layers (split as Megatron-Core splits
+them) and run a micro-batch one after the other (``reroll.strategies.megatron_pipeline``). A Qwen3-MoE
+(at tensor_parallel 1; on pipeline stages too) spreads its experts over groups of
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
 to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
 logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face
 checkpoint through ``reroll.models.megatron_convert`` and go back in Hugging Face names for weight sync
-and export (experts gathered over the EP ranks).
+and export, one layer at a time (``reroll.strategies.megatron_weights``).
 
 The role splits a batch by rows across *all* its ranks, as for the other strategies. Tensor
 parallelism needs the same rows on the ranks of one TP group, so ``logits`` gathers the group's rows,
@@ -17,7 +19,7 @@ summed loss. Data-parallel gradients are then *summed* (``calculate_per_token_lo
 normalised by the whole step's token counts). The optimizer is Megatron-Core's (its
 ``DistributedOptimizer`` when ``strategy.megatron.distributed_optimizer``), Adam with decoupled weight
 decay on every parameter (as ``torch.optim.AdamW``) and fp32 main weights for bf16 models; the lr
-follows our linear warm-up. Every TP rank must make the same number of ``logits``/``backward`` calls.
+follows our linear warm-up. Every rank of a TP x PP group must make the same ``logits``/``backward`` calls.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import contextlib
 import importlib.util
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,11 +48,9 @@ from reroll.errors import UserError
 from reroll.models import megatron_convert as mc
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
-from reroll.strategies.megatron_moe import (
-    MegatronRouters,
-    allow_routers_without_transformer_engine,
-    gather_experts,
-)
+from reroll.strategies.megatron_moe import MegatronRouters, allow_routers_without_transformer_engine
+from reroll.strategies.megatron_pipeline import Pipeline
+from reroll.strategies.megatron_weights import Groups, hf_weights
 from reroll.strategies.training import HostParking, warmup_factor
 
 if TYPE_CHECKING:
@@ -102,9 +102,10 @@ class _SumGradOverGroup(torch.autograd.Function):
 
 
 def _gather_rows(
-    ids: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup, rank: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """All rows of the ranks in ``group``, right-padded to one width: ``(ids, mask, first row of ours)``."""
+    ids: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """All rows of the ranks in ``group``, right-padded to one width: ``(ids, mask, rows of each group
+    rank)``."""
     size = dist.get_world_size(group)
     shape = torch.tensor(ids.shape, device=ids.device)
     shapes = [torch.empty_like(shape) for _ in range(size)]
@@ -119,7 +120,7 @@ def _gather_rows(
         dist.all_gather(parts, padded, group=group)
         return torch.cat([p[:n] for p, n in zip(parts, rows)])
 
-    return gather(ids), gather(mask), sum(rows[:rank])
+    return gather(ids), gather(mask), rows
 
 
 class MegatronStrategy:
@@ -150,6 +151,7 @@ class MegatronStrategy:
         self.mcfg = cfg.strategy.megatron
         self.dp = check_parallel_sizes(world_size, self.mcfg)
         self.tp, self.ep = self.mcfg.tensor_parallel, self.mcfg.expert_parallel
+        self.pp = self.mcfg.pipeline_parallel
         self.model_path, self.dtype, self.seed = model_path, cfg.model.dtype, cfg.seed
         self.trainable, self.rank, self.world_size = trainable, rank, world_size
         # model.gradient_checkpointing: True every layer, a count the first that many (block), 0 / False none
@@ -168,9 +170,16 @@ class MegatronStrategy:
         if moe_problems:
             raise UserError("; ".join(moe_problems))
         self.te = use_transformer_engine(self.mcfg.transformer_engine)
+        if self.mcfg.sequence_parallel and self.tp > 1 and not self.te:
+            raise UserError(
+                "strategy.megatron.sequence_parallel needs Transformer Engine's layer spec (Megatron-Core's "
+                "local spec builds torch norms, which refuse it): install transformer_engine, or set "
+                "sequence_parallel=false"
+            )
         self.module: torch.nn.Module | None = None  # the GPTModel
         self.moe_routers: MegatronRouters | None = None  # a trainable mixture of experts' routers
         self.model: torch.nn.Module | None = None  # what forward runs: DDP-wrapped when trainable
+        self.pipe: Pipeline | None = None  # this rank's pipeline stage (pipeline_parallel > 1)
         self.optimizer = None
         self._restore: list[Callable[[], None]] = []  # what reload runs after offload
         self._parked = HostParking()  # page-locked host buffers of the optimizer's storages, kept
@@ -206,17 +215,23 @@ class MegatronStrategy:
                 f"megatron role has world_size {self.world_size}: give roles sharing a process one size"
             )
         if ps.model_parallel_is_initialized():
-            if (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()) != (
-                self.tp,
-                self.ep,
-            ):
+            sizes = (
+                ps.get_tensor_model_parallel_world_size(),
+                ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size(),
+            )
+            if sizes != (self.tp, self.pp, self.ep):
                 raise UserError(
-                    "roles sharing a process must use the same strategy.megatron tensor_parallel and "
-                    "expert_parallel"
+                    "roles sharing a process must use the same strategy.megatron tensor_parallel, "
+                    "pipeline_parallel and expert_parallel"
                 )
             return
         # expert parallelism: groups of `ep` of the data-parallel ranks hold different experts
-        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, expert_model_parallel_size=self.ep)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            expert_model_parallel_size=self.ep,
+        )
         tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
 
     def _build(self, init_method: str | None) -> None:
@@ -232,7 +247,15 @@ class MegatronStrategy:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.ep_group = ps.get_expert_model_parallel_group() if self.ep > 1 else None
         self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.mp_group = ps.get_model_parallel_group()  # tp x pp: the ranks that run their rows together
         dtype = DTYPES[self.dtype]
+        if self.pp > 1:
+            self.pipe = Pipeline(
+                stage=ps.get_pipeline_model_parallel_rank(),
+                ranks=tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())),
+                group=ps.get_pipeline_model_parallel_group(),
+                tp_group=self.tp_group if self.tp > 1 else None,
+            )
         recompute = {}
         if self.recompute is True and self.shape.num_experts:
             # a full-layer recompute runs the router under no_grad, and its load-balancing loss would
@@ -254,6 +277,9 @@ class MegatronStrategy:
             self.shape,
             ep=self.ep,
             tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            pipeline_dtype=dtype,
+            **mc.pipeline_config(self.shape.num_layers, self.pp),
             expert_model_parallel_size=self.ep,
             sequence_parallel=self.mcfg.sequence_parallel and self.tp > 1,
             params_dtype=dtype,
@@ -274,7 +300,12 @@ class MegatronStrategy:
             **({} if self.te else {"normalization": "RMSNorm"}),
         )
         self.module = GPTModel(
-            config, spec, parallel_output=False, **mc.gpt_model_kwargs(self.shape, self.tp)
+            config,
+            spec,
+            parallel_output=False,
+            pre_process=self.pipe is None or self.pipe.first,
+            post_process=self.pipe is None or self.pipe.last,
+            **mc.gpt_model_kwargs(self.shape, self.tp),
         )
         # Without Apex the local spec's norms are torch.nn.RMSNorm, built on the CPU in fp32 whatever the
         # config says; Megatron's own training casts the whole module (Float16Module), so do we.
@@ -282,7 +313,7 @@ class MegatronStrategy:
         self._load_hf(self.model_path)
         self.module.requires_grad_(self.trainable)
         if self.shape.num_experts and self.trainable:
-            self.moe_routers = MegatronRouters(self.module, self.shape, self.hf_config)
+            self.moe_routers = MegatronRouters(self.module, self.shape, self.hf_config, self.pipe)
         self.module.train(self.trainable)
         self.model = self.module
         if self.trainable:
@@ -293,17 +324,19 @@ class MegatronStrategy:
             )
             self.model = DistributedDataParallel(config=config, ddp_config=ddp, module=self.module)
         log.info(
-            "megatron: %s layers, TP %d x DP %d (EP %d), %s spec, rank %d", self.shape.num_layers, self.tp,
-            self.dp, self.ep,
+            "megatron: %s layers, TP %d x PP %d x DP %d (EP %d), %s spec, rank %d", self.shape.num_layers,
+            self.tp, self.pp, self.dp, self.ep,
             "transformer_engine" if self.te else "local", self.rank,
         )  # fmt: skip
 
     def _load_hf(self, path: str | Path) -> None:
-        """This rank's TP shard of the Hugging Face weights at ``path`` into the ``GPTModel``."""
+        """This rank's stage and TP shard of the Hugging Face weights at ``path`` into the ``GPTModel``."""
         hf = load_causal_lm(path, self.dtype, "cpu").state_dict()
         full = mc.hf_to_megatron(
             hf, self.shape, fused_norms=self.te, padded_vocab=self.shape.padded_vocab(self.tp)
         )
+        if self.pipe is not None:
+            full = mc.shard_stage(full, self.shape, self.pipe.stage, self.pp)
         ours = mc.shard(
             mc.shard_experts(full, self.shape, self.ep_rank, self.ep), self.shape, self.tp_rank, self.tp
         )
@@ -369,9 +402,11 @@ class MegatronStrategy:
         right_padded = torch.arange(width, device=mask.device) < mask.sum(-1, keepdim=True)
         if not torch.equal(right_padded, mask.bool()):
             raise UserError("the megatron strategy needs right-padded rows (real tokens first, then padding)")
-        offset = 0
-        if self.tp > 1:
-            ids, mask, offset = _gather_rows(ids, mask, self.tp_group, self.tp_rank)
+        offset, rows_of = 0, [rows]
+        if self.tp * self.pp > 1:  # the group's ranks run their rows together
+            group = self.tp_group if self.pipe is None else self.mp_group
+            ids, mask, rows_of = _gather_rows(ids, mask, group)
+            offset = sum(rows_of[: dist.get_rank(group)])
         t = ids.shape[1]
         if self.mcfg.sequence_parallel and self.tp > 1 and t % self.tp:  # the sequence splits evenly
             ids = torch.nn.functional.pad(ids, (0, self.tp - t % self.tp))
@@ -381,13 +416,49 @@ class MegatronStrategy:
                 torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device), 1
             )
             causal = causal[None, None]
+        spans = None if self.pipe is None else self._spans(rows_of)
         if self.moe_routers is not None:
-            self.moe_routers.start_forward(torch.nn.functional.pad(mask, (0, ids.shape[1] - mask.shape[1])))
+            padded = torch.nn.functional.pad(mask, (0, ids.shape[1] - mask.shape[1]))
+            self.moe_routers.start_forward(padded, spans)
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        if self.pipe is not None:
+            return self._pipelined(ids, positions, causal, spans, t)[:, :width]
         out = model(ids, positions, causal)[:, :t, : self.shape.vocab_size]
         if self.tp > 1:
             out = _SumGradOverGroup.apply(out, self.tp_group)[offset : offset + rows, :width]
         return out
+
+    def _pipelined(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        causal: torch.Tensor | None,
+        spans: list[tuple[int, int]],
+        t: int,
+    ) -> torch.Tensor:
+        """This rank's rows' ``(rows, t, V)`` logits of the model-parallel group's rows ``ids`` (``spans``:
+        each stage's rank's ``(first row, rows)``), through this rank's stage
+        (``reroll.strategies.megatron_pipeline``)."""
+        pipe, dtype, vocab = self.pipe, DTYPES[self.dtype], self.shape.vocab_size
+        assert pipe is not None
+        if not pipe.first:
+            seq = ids.shape[1] // self.tp if self.mcfg.sequence_parallel and self.tp > 1 else ids.shape[1]
+            x = pipe.receive((seq, ids.shape[0], self.shape.hidden_size), dtype, self.device)
+            self.module.set_input_tensor(x)
+        out = self._require()(ids, positions, causal)
+        if pipe.last:
+            out = out[:, :t, :vocab].to(dtype)
+        return pipe.output(out, spans, (t, vocab), dtype)
+
+    def _spans(self, rows_of: list[int]) -> list[tuple[int, int]]:
+        """The ``(first row, rows)`` of each stage's rank of this rank's pipeline group among the
+        model-parallel group's gathered rows (``rows_of``: each group rank's count)."""
+        assert self.pipe is not None
+        spans = []
+        for rank in self.pipe.ranks:
+            member = dist.get_group_rank(self.mp_group, rank)
+            spans.append((sum(rows_of[:member]), rows_of[member]))
+        return spans
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.optimizer is None:
@@ -434,27 +505,28 @@ class MegatronStrategy:
     # -- weights out and in ----------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every weight, gathered over the TP ranks and (experts) the EP ranks, on CPU, in Hugging Face
-        names (all ranks must call)."""
+        """Every weight, gathered over the TP ranks, (experts) the EP ranks and the pipeline stages, on CPU,
+        in Hugging Face names (all ranks must call)."""
+        return dict(self.named_weights(on_device=False))
+
+    def named_weights(self, *, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight in Hugging Face names, one decoder layer at a time, gathered over the TP and EP
+        ranks and the pipeline stages (``reroll.strategies.megatron_weights``): on the device
+        (``on_device``) or on CPU. A collective: every rank iterates to the end, and gets all."""
         self._require()
-        local = {k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
-        local = gather_experts(local, self.ep, self.ep_group)  # experts on CPU (MoE runs at TP 1)
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
-        for name, w in local.items():
-            if self.tp == 1 or mc.tp_split_dim(name) is None:
-                for s in shards:
-                    s[name] = w.to("cpu", copy=True)
-                continue
-            parts = [torch.empty_like(w) for _ in range(self.tp)]
-            dist.all_gather(parts, w.contiguous(), group=self.tp_group)
-            for s, p in zip(shards, parts):
-                s[name] = p.cpu()
-        return mc.megatron_to_hf(mc.merge(shards), self.shape)
+        weights = {
+            k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")
+        }
+        groups = Groups(self.tp, self.tp_group, self.ep, self.ep_group, self.pipe, self.device)
+        return hf_weights(weights, self.shape, groups, on_device=on_device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """Hugging Face weights into ``directory/model`` (rank 0) and optimizer state per rank."""
         directory.mkdir(parents=True, exist_ok=True)
-        weights = self.full_state_dict()
+        weights = {}
+        for name, w in self.named_weights(on_device=False):  # a collective; rank 0 keeps the weights
+            if self.rank == 0:
+                weights[name] = w
         if self.rank == 0:
             self._export_hf(weights, directory / "model")
         if with_optimizer and self.optimizer is not None:

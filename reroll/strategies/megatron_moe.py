@@ -7,12 +7,20 @@ transformers' form: every layer and real token pooled) and logs the same statist
 strategy. Megatron-Core's ``TopKRouter.gating`` gives a forward's logits ``[s, b, E]``, sequence-major
 (Megatron's activations are ``[s, b, h]``), so the strategy hands over the forward's ``attention_mask``
 in that order (``start_forward``). Megatron's own auxiliary loss is off (``megatron_convert.moe_config``).
+
+Under pipeline parallelism a stage's routers see the rows of every rank of its pipeline group, through
+its own layers only. ``StageRouted`` then gives each rank what it would backpropagate without stages:
+the loss of each member's rows pools all layers (``f``, the top-k share, summed over the stages; ``P``,
+the mean probability, a sum of the stages' parts), so each stage backpropagates the part ``E * sum_e
+f_e * P_e`` owes to its layers (``f`` fixed: it has no gradient), weighted by each member's share of the
+step; the members' losses and loads are reported to their own ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +28,7 @@ import torch.distributed as dist
 
 from reroll.models import megatron_convert as mc
 from reroll.models.moe import Routed
+from reroll.strategies.megatron_pipeline import Pipeline
 
 
 def allow_routers_without_transformer_engine() -> None:
@@ -36,10 +45,13 @@ class MegatronRouters:
     """The ``TopKRouter`` modules of a Megatron-Core ``GPTModel`` and the model's routing settings
     (``model_coef``: config.json's ``router_aux_loss_coef`` where ``output_router_logits``, else 0)."""
 
-    def __init__(self, module: torch.nn.Module, shape: mc.GPTShape, hf_config: Any) -> None:
+    def __init__(
+        self, module: torch.nn.Module, shape: mc.GPTShape, hf_config: Any, pipe: Pipeline | None = None
+    ) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.modules = [m for m in module.modules() if isinstance(m, TopKRouter)]
+        self.pipe, self.num_layers = pipe, shape.num_layers
         self.top_k, self.experts = shape.moe_top_k, shape.num_experts
         on = getattr(hf_config, "output_router_logits", False)
         self.model_coef = float(getattr(hf_config, "router_aux_loss_coef", 0.0)) if on else 0.0
@@ -53,7 +65,7 @@ class MegatronRouters:
     def capture(self) -> Iterator[Routed]:
         """Inside the block, every forward records each router's logits (with their graph) into the
         yielded ``Routed``, after ``start_forward`` gave it the forward's real tokens."""
-        routed = Routed()
+        routed = Routed() if self.pipe is None else StageRouted(pipe=self.pipe, num_layers=self.num_layers)
 
         def recording(original: Any, x: torch.Tensor) -> torch.Tensor:
             logits = original(x)
@@ -72,11 +84,71 @@ class MegatronRouters:
             for router in self.modules:
                 del router.gating
 
-    def start_forward(self, attention_mask: torch.Tensor) -> None:
-        """A forward of ``(B, T)`` rows with ``attention_mask`` begins (nothing outside ``capture``)."""
+    def start_forward(self, attention_mask: torch.Tensor, spans: list[tuple[int, int]] | None = None) -> None:
+        """A forward of ``(B, T)`` rows with ``attention_mask`` begins (nothing outside ``capture``);
+        ``spans``: under pipeline parallelism, the ``(first row, rows)`` of each stage's rank."""
         if self._routed is not None:
             self._routed.logits.append([])
             self._routed.real.append(attention_mask.t().reshape(-1).bool())  # [s, b] order
+            if isinstance(self._routed, StageRouted):
+                assert spans is not None
+                self._routed.spans.append((attention_mask.shape[0], spans))
+
+
+@dataclass
+class StageRouted(Routed):
+    """A pipeline stage's routed logits: its layers', of its pipeline group's rows (``spans``: per
+    forward, the rows and each member's ``(first row, rows)``); ``num_layers``: the model's, all stages."""
+
+    pipe: Pipeline | None = None
+    num_layers: int = 0
+    spans: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
+
+    def term(self, top_k: int, share: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(this stage's part of every member's share-weighted loss, the loss of this rank's rows, their
+        (L, E) counts over every layer)``; every rank of the pipeline group must call it."""
+        pipe = self.pipe
+        assert pipe is not None
+        members = range(len(pipe.ranks))
+        sums = [self._member_sums(m, top_k) for m in members]
+        probs = torch.stack([p for p, _, _ in sums])  # (M, E), this stage's layers
+        counts = torch.stack([c for _, c, _ in sums])  # (M, L_stage, E)
+        real = torch.stack([r for _, _, r in sums]).clamp_min(1) * self.num_layers  # (M,) token-layers
+        stages = [torch.empty_like(counts) for _ in members]
+        dist.all_gather(stages, counts, group=pipe.group)
+        every_layer = torch.cat(stages, 1)  # (M, L, E): stages hold consecutive layers
+        f = every_layer.sum(1) / real[:, None]
+        total_p = probs.detach().clone()
+        dist.all_reduce(total_p, group=pipe.group)
+        shares = [torch.zeros(1, device=probs.device) for _ in members]
+        dist.all_gather(
+            shares, torch.tensor([share], device=probs.device, dtype=torch.float32), group=pipe.group
+        )
+        experts, own = probs.shape[-1], pipe.stage
+        weighted = (torch.cat(shares)[:, None] * experts * f * probs / real[:, None]).sum()
+        aux = experts * (f[own] * total_p[own] / real[own]).sum()
+        return weighted, aux, every_layer[own]
+
+    def _member_sums(self, member: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Over the forwards, member ``member``'s real tokens through this stage's layers: the router
+        probabilities summed ``(E,)``, the top-k counts ``(L_stage, E)`` and the tokens counted."""
+        p_sum = counts = tokens = 0
+        for layers, real, (rows, spans) in zip(self.logits, self.real, self.spans, strict=True):
+            logits = torch.stack(layers).float()  # (L_stage, N, E), N = s * rows in [s, b] order
+            first, n = spans[member]
+            row = torch.arange(logits.shape[1], device=logits.device) % rows
+            mask = (real.to(logits.device) & (row >= first) & (row < first + n)).float()
+            probs = torch.softmax(logits, dim=-1)
+            chosen = torch.topk(probs.detach(), top_k, dim=-1).indices
+            c = torch.zeros(logits.shape[0], logits.shape[2], device=logits.device)
+            c.scatter_add_(
+                1,
+                chosen.reshape(logits.shape[0], -1),
+                mask.repeat_interleave(top_k).expand(logits.shape[0], -1),
+            )
+            p_sum = p_sum + (probs * mask[None, :, None]).sum((0, 1))
+            counts, tokens = counts + c, tokens + mask.sum()
+        return p_sum, counts, tokens
 
 
 def gather_experts(

@@ -1,7 +1,7 @@
 """The Megatron-Core strategy on a GPU: the same numbers as the torch strategy, and a quickstart-shaped run.
 
 Megatron-Core's forward runs on CUDA only, so everything here skips without a GPU or without
-megatron-core (pip install 'reroll[megatron]'). The TP=2 test also needs two GPUs. Run alone with
+megatron-core (pip install 'reroll[megatron]'). The TP=2, PP=2 and EP=2 tests also need two GPUs. Run alone with
 ``python -m pytest -q tests/gpu/test_megatron.py``.
 """
 
@@ -475,23 +475,85 @@ def test_small_moe_full_state_dict_save_and_export_round_trip(tmp_path, assets):
     assert all(torch.equal(exported[k], v) for k, v in trained.items())
 
 
-# -- two GPUs: expert parallelism (the TP=2 test is above); pipeline parallelism is not built yet ---------
+# -- two GPUs: pipeline and expert parallelism (the TP=2 test is above) ---------------------------------
 
 
-def _ep2_rank(rank: int, address: str, model_path: str, cfg_path: str, result_dir: str) -> None:
+def _pp2_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
     from reroll.strategies.megatron import MegatronStrategy
 
     torch.cuda.set_device(rank)
     cfg = load_config(
-        cfg_path,
-        RunConfig,
-        ["strategy.name=megatron", "strategy.megatron.expert_parallel=2", "model.dtype=float32"],
+        cfg_path, RunConfig, ["strategy.name=megatron", "strategy.megatron.pipeline_parallel=2"]
+    )
+    s = MegatronStrategy(cfg.model.path, cfg=cfg, device=f"cuda:{rank}", rank=rank, world_size=2)
+    s.init_distributed(address)
+    s.configure_optimizer(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
+    layers = {n.split(".")[2] for n, _ in s.module.named_parameters() if n.startswith("decoder.layers.")}
+    assert layers == {"0"}, layers  # one of the two layers on each stage
+    ids, mask = _batch()
+    half = slice(0, 4) if rank == 0 else slice(4, 8)  # the role splits rows over all ranks
+    width = int(mask[half].sum(-1).max())
+    ids, mask = ids[half, :width], mask[half, :width]
+    n_tokens = _batch()[1][:, 1:].sum()
+    out = []
+    for _ in range(3):
+        logits = s.logits(ids, mask)
+        loss = -(token_logprobs(logits, ids.to(logits.device)) * mask.to(logits.device)).sum() / n_tokens
+        s.backward(loss)
+        out.append((float(loss), s.step(1.0)["grad_norm"]))
+    torch.save({"steps": out, "weights": s.full_state_dict()}, f"{result_dir}/rank{rank}.pt")
+
+
+@pytest.mark.multigpu(gpus=2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="PP=2 needs two GPUs")
+def test_pp2_equals_torch_on_the_whole_batch(tmp_path, assets):
+    """Two pipeline stages (one layer each; the tied embedding's copy on the last stage), each rank given
+    half the rows: summed losses, grad norms and the weights gathered from both stages equal the torch
+    strategy's on the whole batch, to the TP=2 test's tolerances (on CPU over gloo two stages equal one
+    Megatron rank bit for bit: tests/integration/test_megatron_pipeline.py)."""
+    import torch.multiprocessing as mp
+
+    from reroll.strategies.torch_strategy import TorchStrategy
+
+    cfg_path = write_config(
+        tmp_path / "c.yaml", assets, model={"path": str(assets["model"]), "dtype": "float32"}
+    )
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{so.getsockname()[1]}"
+    mp.start_processes(
+        _pp2_rank, args=(address, str(cfg_path), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+    ref = TorchStrategy(str(assets["model"]), cfg=load_config(cfg_path, RunConfig), device="cuda")
+    ref.configure_optimizer(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
+    ids, mask = _batch()
+    expected = _train(ref, ids, mask, 3, micro=8)
+    for i, (loss, norm) in enumerate(expected):
+        assert ranks[0]["steps"][i][0] + ranks[1]["steps"][i][0] == pytest.approx(loss, rel=1e-4)
+        assert ranks[0]["steps"][i][1] == ranks[1]["steps"][i][1] == pytest.approx(norm, rel=1e-4)
+    for k, v in ref.full_state_dict().items():
+        assert torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]), k
+        torch.testing.assert_close(ranks[0]["weights"][k], v, atol=1e-4, rtol=0)
+
+
+def _moe2_rank(rank: int, address: str, model_path: str, cfg_path: str, result_dir: str, size: str) -> None:
+    from reroll.strategies.megatron import MegatronStrategy
+
+    torch.cuda.set_device(rank)
+    cfg = load_config(
+        cfg_path, RunConfig, ["strategy.name=megatron", f"strategy.megatron.{size}", "model.dtype=float32"]
     )
     s = MegatronStrategy(model_path, cfg=cfg, device=f"cuda:{rank}", rank=rank, world_size=2)
     s.init_distributed(address)
     s.configure_optimizer(lr=1e-5, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
     mine = [n for n, _ in s.module.named_parameters() if n.startswith("decoder.layers.0.mlp.experts.")]
-    assert len(mine) == 4 * 2, mine  # this rank's 4 of the 8 experts, fc1 and fc2 each
+    layers = {n.split(".")[2] for n, _ in s.module.named_parameters() if n.startswith("decoder.layers.")}
+    if size == "expert_parallel=2":
+        assert len(mine) == 4 * 2, mine  # this rank's 4 of the 8 experts, fc1 and fc2 each
+    else:
+        assert len(mine) == 8 * 2 and layers == {"0", "1"}, (mine, layers)  # 2 of the 4 layers
     ids, mask = _batch(rows=8, width=48, vocab=2048)
     n_tokens = mask[:, 1:].sum()
     half = slice(0, 4) if rank == 0 else slice(4, 8)  # the role splits rows over all ranks
@@ -524,6 +586,19 @@ def test_moe_ep2_equals_torch_on_the_whole_batch(tmp_path, assets):
     (router term included), grad norms and the gathered weights equal the torch strategy's on the whole
     batch in two micro-batches (rel 1e-4 on step 0, 2e-3 later, as the EP=1 test; weights 1e-4 after
     3 steps at lr 1e-5)."""
+    _moe_two_ranks_equal_torch(tmp_path, assets, "expert_parallel=2")
+
+
+@pytest.mark.multigpu(gpus=2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two pipeline stages of a MoE need two GPUs")
+def test_moe_pp2_equals_torch_on_the_whole_batch(tmp_path, assets):
+    """As the EP=2 test, on two pipeline stages of 2 layers each (every expert on both): each stage
+    routes both ranks' rows through its layers, and each rank's router loss is its own rows' over every
+    layer (``StageRouted``); same tolerances."""
+    _moe_two_ranks_equal_torch(tmp_path, assets, "pipeline_parallel=2")
+
+
+def _moe_two_ranks_equal_torch(tmp_path, assets, size: str) -> None:
     import torch.multiprocessing as mp
 
     from reroll.models.moe import Routers
@@ -535,7 +610,10 @@ def test_moe_ep2_equals_torch_on_the_whole_batch(tmp_path, assets):
         so.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{so.getsockname()[1]}"
     mp.start_processes(
-        _ep2_rank, args=(address, model_path, str(cfg_path), str(tmp_path)), nprocs=2, start_method="spawn"
+        _moe2_rank,
+        args=(address, model_path, str(cfg_path), str(tmp_path), size),
+        nprocs=2,
+        start_method="spawn",
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 

@@ -1,5 +1,5 @@
 """Random-init models of the examples' shapes, built on the machine that runs the kit (a GPU machine
-lent to this project has no internet): ``reroll.plan.KNOWN``'s shape of the family, the tiny kit's
+lent to this project has no internet): ``reroll.config.memory.KNOWN``'s shape of the family, the tiny kit's
 character tokenizer and chat template, the embedding padded to the family's vocabulary, bf16."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from pathlib import Path
 
 
 def build_shaped(out_dir: Path, family: str, *, max_position_embeddings: int = 4096) -> Path:
-    """A random-init Qwen2 model of ``family``'s shape (``reroll.plan.KNOWN``: layers, width, heads,
+    """A random-init Qwen2 model of ``family``'s shape (``reroll.config.memory.KNOWN``: layers, width, heads,
     key-value heads, MLP width, vocabulary) in ``out_dir``. Embeddings are tied, as the tiny builder
     ties them: Qwen2.5-7B's untied head (0.54B parameters) is left out, 7.1B of its 7.6B."""
+    from reroll.config.memory import KNOWN
     from reroll.models.tiny import build_tiny_model
-    from reroll.plan import KNOWN
 
     s = KNOWN[family]
     assert not s.expert_params, f"{family}: a mixture of experts (this builds dense models)"

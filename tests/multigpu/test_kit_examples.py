@@ -66,7 +66,7 @@ def test_the_example_runs_three_steps_on_the_gpus_present(example, tmp_path, kit
     overrides = [*files, f"output_dir={tmp_path}/{{name}}", *pool, *SMALLER]
     memory = torch.cuda.get_device_properties(0).total_memory / 2**30
     report, fits = plan(load_config(config, RunConfig, overrides), gpus=gpus, gpu_memory_gib=memory)
-    if not fits:  # the example's model name gives the plan its shape (reroll.plan.KNOWN)
+    if not fits:  # the example's model name gives the plan its shape (reroll.config.memory.KNOWN)
         pytest.skip(f"reroll plan: {example} does not fit {gpus} GPUs of {memory:.0f} GiB:\n{report}")
 
     model = build_shaped(tmp_path / "model", EXAMPLES[example])

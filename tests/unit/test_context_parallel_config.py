@@ -132,7 +132,8 @@ def test_each_rank_runs_its_columns_and_scores_the_tokens_on_them():
 def test_plan_puts_one_nth_of_a_row_on_each_rank():
     """The 32k example: each of 8 ranks holds 1/8 of a micro-batch's activations and scored logits (its
     columns), so it fits on 8x80 GB; the same run without context parallelism does not."""
-    from reroll.plan import KNOWN, estimate, plan
+    from reroll.config.memory import KNOWN
+    from reroll.plan import estimate, plan
 
     path = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b-32k-rlvr_fsdp2" / "config.yaml"
     split = load_config(path, RunConfig)

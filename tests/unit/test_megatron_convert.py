@@ -100,6 +100,66 @@ def test_tp2_split_and_merge_are_exact(name):
     assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_pipeline_stages_split_and_merge_are_exact(name, pp):
+    """Stage p holds its run of layers numbered from 0 (6 layers over 4 stages: 1, 2, 2, 1), the embedding on the first stage, the final norm
+    and output layer on the last (a tied model's last stage a copy of the embedding); with TP shards
+    inside each stage, every stage's shards merged and the stages merged give the checkpoint back."""
+    torch.manual_seed(0)
+    fields = CONFIGS[name]().to_dict() | {"num_hidden_layers": 6}
+    fields.pop("layer_types", None)  # per layer: rebuilt for 6
+    config = type(CONFIGS[name]())(**fields)
+    model = AutoModelForCausalLM.from_config(config).float()
+    s = mc.gpt_shape(config)
+    full = mc.hf_to_megatron(model.state_dict(), s, padded_vocab=s.padded_vocab(2))
+    stages = [mc.shard_stage(full, s, p, pp) for p in range(pp)]
+    per = 6 // pp if pp < 4 else 1  # the first and last stage's layers
+    last = stages[-1]
+    assert [len({k.split(".")[2] for k in st if k.startswith("decoder.layers.")}) for st in stages] == (
+        [per] * pp if pp < 4 else [1, 2, 2, 1]
+    )
+    assert torch.equal(
+        last["decoder.layers.0.mlp.linear_fc2.weight"],
+        full[f"decoder.layers.{6 - per}.mlp.linear_fc2.weight"],
+    )
+    assert f"decoder.layers.{per}.mlp.linear_fc2.weight" not in stages[0]
+    assert "embedding.word_embeddings.weight" in stages[0] and "embedding.word_embeddings.weight" not in last
+    assert "decoder.final_layernorm.weight" in last and "decoder.final_layernorm.weight" not in stages[0]
+    assert torch.equal(
+        last["output_layer.weight"],
+        full["output_layer.weight" if not s.tied else "embedding.word_embeddings.weight"],
+    )
+    sharded = [[mc.shard(st, s, r, 2) for r in range(2)] for st in stages]
+    merged = mc.merge_stages([mc.merge(tp) for tp in sharded], s)
+    assert merged.keys() == full.keys()
+    assert all(torch.equal(merged[k], full[k]) for k in full)
+    back = mc.megatron_to_hf(merged, s)
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(
+        UserError, match=r"pipeline_parallel \(5\) leaves a pipeline stage no layer of the model's 6"
+    ):
+        mc.shard_stage(full, s, 0, 5)
+
+
+def test_pipeline_stage_sizes_split_as_megatron_core_does():
+    """Even where the stages divide the layers; else the middle stages ceil(L / pp) each and the first and
+    last the rest (Megatron-Core's num_layers_in_first/last_pipeline_stage); Qwen3-235B-A22B's 94 layers
+    over 4 and 8 stages."""
+    from reroll.config.startable import pipeline_stage_sizes
+
+    assert pipeline_stage_sizes(28, 4) == [7, 7, 7, 7]
+    assert pipeline_stage_sizes(94, 4) == [23, 24, 24, 23]
+    assert pipeline_stage_sizes(94, 8) == [11] + [12] * 6 + [11]
+    assert pipeline_stage_sizes(5, 2) == [2, 3]
+    assert pipeline_stage_sizes(5, 4) == []  # the first stage would hold none
+    assert mc.pipeline_config(28, 4) == {}
+    assert mc.pipeline_config(94, 4) == {
+        "num_layers_in_first_pipeline_stage": 23,
+        "num_layers_in_last_pipeline_stage": 23,
+    }
+
+
 def test_unsupported_models_and_sizes_are_user_errors():
     with pytest.raises(UserError, match=r"'gpt2' model: use strategy\.name=fsdp2"):
         mc.gpt_shape(GPT2Config())
@@ -117,8 +177,9 @@ def test_parallel_sizes_are_checked():
     assert check_parallel_sizes(8, MegatronConfig(tensor_parallel=2)) == 4
     with pytest.raises(UserError, match=r"world_size \(6\) must be divisible by .* = 4"):
         check_parallel_sizes(6, MegatronConfig(tensor_parallel=4))
-    with pytest.raises(UserError, match="pipeline parallelism is not yet supported"):
-        check_parallel_sizes(2, MegatronConfig(pipeline_parallel=2))
+    assert check_parallel_sizes(8, MegatronConfig(tensor_parallel=2, pipeline_parallel=2)) == 2
+    with pytest.raises(UserError, match=r"world_size \(6\) must be divisible by .* = 4"):
+        check_parallel_sizes(6, MegatronConfig(pipeline_parallel=4))
 
 
 @pytest.fixture(scope="module")

@@ -340,7 +340,8 @@ def test_the_plans_trainer_peak_is_the_measured_one(tmp_path):
     tokens in bf16 peaked at 41.6 GiB with fused RMSNorm, 45.6 GiB with the model's own, without the
     optimizer's state (benchmarks/train_passes.py). The plan's parts but Adam's and the log-prob
     workspace are that peak."""
-    from reroll.plan import KNOWN, estimate
+    from reroll.config.memory import KNOWN
+    from reroll.plan import estimate
 
     def trainer_gib(fused: bool) -> float:
         cfg = _cfg(
@@ -746,8 +747,7 @@ def test_forward_only_passes_hold_no_more_than_a_training_micro_batch(tmp_path, 
     """``forward_only_limits``: the rows a forward-only pass takes hold at most what a training
     micro-batch holds (activations for backward, the head's output and its gradient) and one row more
     would not; a teacher's pass, its head at every position, takes fewer rows."""
-    from reroll.config.memory import forward_only_limits, token_bytes
-    from reroll.plan import KNOWN
+    from reroll.config.memory import KNOWN, forward_only_limits, token_bytes
 
     cfg = _cfg(
         tmp_path,

@@ -13,10 +13,11 @@ import pytest
 import yaml
 
 from reroll.config.loader import ConfigError, load_config
+from reroll.config.memory import KNOWN
 from reroll.config.placement import run_roles
 from reroll.config.roles import ROLES
 from reroll.config.schema import RunConfig, pipeline_names
-from reroll.plan import KNOWN, estimate
+from reroll.plan import estimate
 from tests.conftest import write_config
 
 ROOT = Path(__file__).resolve().parents[2]

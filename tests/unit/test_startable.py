@@ -33,6 +33,11 @@ def test_megatron_expert_parallel_needs_experts_tp1_and_divides_the_data_paralle
         return " | ".join(m for _, m in start_problems(_cfg(tmp_path, *base, *overrides, model=model)))
 
     assert messages("strategy.megatron.expert_parallel=4", model="Qwen/Qwen3-30B-A3B") == ""
+    assert messages("strategy.megatron.pipeline_parallel=2", model="Qwen/Qwen3-8B") == ""  # dense: built
+    # a hub id's layers come from the known families' shapes: 36 layers leave 40 stages empty
+    assert "pipeline_parallel (40) leaves a pipeline stage no layer of the model's 36" in messages(
+        "strategy.megatron.pipeline_parallel=40", model="Qwen/Qwen3-8B"
+    )
     assert "needs a mixture-of-experts model; model.path is a dense 'qwen3'" in messages(
         "strategy.megatron.expert_parallel=2", model="Qwen/Qwen3-8B"
     )
@@ -60,11 +65,16 @@ def test_megatron_sizes_and_options_not_built_are_listed_at_once(tmp_path):
     )
     problems = start_problems(cfg)
     messages = " | ".join(m for _, m in problems)
-    assert "pipeline parallelism is not yet supported" in messages
+    assert "mixture-of-experts" not in messages  # a mixture of experts takes pipeline stages
     assert "world_size (3) must be divisible by" in messages and "roles.reference.world_size" in messages
     assert "trains in bfloat16 or float32" in messages
-    assert "qwen3_moe" not in messages and "expert_parallel" not in messages  # MoE with EP 2 converts
-    # actor_train and the reference share the PP and EP problems: each is listed once
+    # MoE with EP 2 converts
+    assert (
+        "qwen3_moe" not in messages
+        and "expert_parallel (" not in messages
+        and "expert_parallel=" not in messages
+    )
+    # actor_train and the reference share the megatron problems: each is listed once
     assert len(problems) == len(set(problems))
 
 

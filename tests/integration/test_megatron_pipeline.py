@@ -1,0 +1,232 @@
+"""Megatron pipeline parallelism on CPU ranks over gloo (CUDA calls pointed at the CPU,
+``tests/integration/megatron_cpu.py``): two stages train as one rank does.
+
+Each pipeline rank is given half the rows, as the role splits a batch; the stages run the group's rows
+together and each rank computes the loss of its own rows. The one-rank run takes the whole batch in one
+micro-batch, with the same padding (zeros past each row's end), so both compute every position from the
+same inputs in the same shapes: what can differ is only where sums are split differently.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from reroll.algorithms.logprobs import token_logprobs
+from reroll.config.loader import load_config
+from reroll.config.schema import RunConfig
+from tests.conftest import write_config
+from tests.integration.megatron_cpu import patch_cuda_for_cpu, run_ranks
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core (pip install 'reroll[megatron]')",
+)
+
+LR, STEPS, ROWS = 1e-3, 2, 8
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded rows of random tokens (zeros past each row's end), lengths 24 down to 3."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (ROWS, 24), generator=g)
+    mask = (torch.arange(24) < torch.linspace(24, 3, ROWS).long()[:, None]).long()
+    return ids * mask, mask
+
+
+def _train_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str]) -> None:
+    """``STEPS`` optimizer steps of next-token loss (token mean over the whole batch) on this rank's share
+    of the rows; saves the losses, grad norms and the weights gathered to Hugging Face names."""
+    torch.set_num_threads(1)
+    patch_cuda_for_cpu()
+    from reroll.strategies.megatron import MegatronStrategy
+
+    cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", *sizes])
+    s = MegatronStrategy(cfg.model.path, cfg=cfg, device="cpu", rank=rank, world_size=world_size)
+    s.init_distributed(address)
+    s.configure_optimizer(lr=LR, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
+    ids, mask = _batch(s.shape.vocab_size)
+    n_tokens = mask[:, 1:].sum()
+    share = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
+    width = int(mask[share].sum(-1).max())
+    ids, mask = ids[share, :width], mask[share, :width]
+    steps = []
+    for _ in range(STEPS):
+        logits = s.logits(ids, mask)
+        loss = -(token_logprobs(logits, ids) * mask).sum() / n_tokens
+        s.backward(loss)
+        steps.append((float(loss), s.step(1.0)["grad_norm"]))
+    with torch.no_grad():  # a forward-only pass (reference/old log-probs) after the steps
+        scored = token_logprobs(s.logits(ids, mask), ids) * mask
+    torch.save({"steps": steps, "scored": scored, "weights": s.full_state_dict()}, f"{out}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory) -> Path:
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+    from reroll.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("pp")
+    model = build_tiny_model(
+        root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=4, num_heads=2
+    )
+    data = root / "rows.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    assets = {"model": Path(model), "train": data, "test": data}
+    return write_config(root / "c.yaml", assets, model={"path": str(model), "dtype": "float32"})
+
+
+def _run(tmp_path: Path, cfg_path: Path, world_size: int, *sizes: str) -> list[dict]:
+    """Each rank's steps, log-probs and gathered weights at ``world_size`` ranks, ``sizes`` the
+    ``strategy.megatron`` overrides."""
+    out = tmp_path / f"ranks{world_size}_{len(list(tmp_path.iterdir()))}"
+    out.mkdir()
+    return run_ranks(_train_rank, world_size, out, str(cfg_path), [f"strategy.megatron.{s}" for s in sizes])
+
+
+@pytest.mark.long  # three spawned ranks importing megatron-core: 40-95 s on 2 CPU cores; the CI sibling is
+# tests/unit/test_megatron_convert.py::test_pipeline_stages_split_and_merge_are_exact
+def test_two_pipeline_stages_train_as_one_rank(tmp_path, four_layers):
+    """PP=2 (tied embedding: its copy on the last stage kept equal by summed gradients) against one rank:
+    losses (the two ranks' summed), the gradient norm (clipped at 1.0), the log-probs of a forward-only
+    pass after the steps and the weights gathered from both stages after ``STEPS`` Adam steps.
+
+    The stages compute every position from the same inputs in the same shapes as the one rank, and each
+    rank's rows' logit gradients reach the last stage unchanged, so the gradients are the one rank's;
+    what differs is summation order: the loss is two partial sums (fp32, ~200 terms: relative error
+    below 200 * 2**-24 ~ 1e-5), and the gradient norm's squares are summed per stage then across stages
+    (the same bound). The norm scales every gradient alike when clipping, which Adam's m / sqrt(v)
+    cancels but for its eps: a norm off in its last bits moves a weight (at most about 1 in size here)
+    by a few ulps (1.2e-7 at 1.0) per step, so weights within 1e-6 after 2 steps, log-probs within 1e-5
+    (measured: losses to 1e-7, norm to 5e-8, log-probs and weights bit-equal; with 5 layers split 2/3,
+    weights to 5e-7)."""
+    one = _run(tmp_path, four_layers, 1)[0]
+    two = _run(tmp_path, four_layers, 2, "pipeline_parallel=2")
+    assert all("model.layers.3.mlp.down_proj.weight" in r["weights"] for r in two)  # both stages gathered
+    for step, (loss, norm) in enumerate(one["steps"]):
+        assert two[0]["steps"][step][0] + two[1]["steps"][step][0] == pytest.approx(loss, rel=1e-5)
+        assert two[0]["steps"][step][1] == two[1]["steps"][step][1] == pytest.approx(norm, rel=1e-5)
+    assert one["steps"][0][1] > 1.0  # the clip acted
+    torch.testing.assert_close(
+        torch.cat([two[0]["scored"], _pad(two[1]["scored"], 24)]), one["scored"], atol=1e-5, rtol=0
+    )
+    for name, w in one["weights"].items():
+        assert torch.equal(two[0]["weights"][name], two[1]["weights"][name]), name
+        torch.testing.assert_close(two[0]["weights"][name], w, atol=1e-6, rtol=0)
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+@pytest.mark.long  # five spawned ranks: about 4 minutes on 2 CPU cores
+@pytest.mark.parametrize(
+    "sizes",
+    [("pipeline_parallel=2", "tensor_parallel=2"), ("pipeline_parallel=2",)],
+    ids=["pp2-tp2", "pp2-dp2"],
+)
+def test_four_ranks_with_pipeline_stages_train_as_one_rank(tmp_path, four_layers, sizes):
+    """Four ranks, each a quarter of the rows: two stages of TP 2 (sequence parallelism needs Transformer
+    Engine's norms, so it is left to the GPU), or two stages of two data-parallel ranks (their gradients
+    summed, the optimizer state sharded over them). Losses and norms as for two stages; a TP split sums
+    each matmul in two parts, so gradients differ from one rank's by rounding, and Adam can turn that
+    into up to lr per step where a gradient is near zero: weights within 2 * lr * steps (measured at
+    pp2-tp2: 6e-6)."""
+    one = _run(tmp_path, four_layers, 1)[0]
+    four = _run(tmp_path, four_layers, 4, *sizes)
+    for step, (loss, norm) in enumerate(one["steps"]):
+        assert sum(r["steps"][step][0] for r in four) == pytest.approx(loss, rel=1e-5)
+        assert all(r["steps"][step][1] == pytest.approx(norm, rel=1e-5) for r in four)
+    torch.testing.assert_close(
+        torch.cat([_pad(r["scored"], 24) for r in four]), one["scored"], atol=1e-5, rtol=0
+    )
+    for name, w in one["weights"].items():
+        assert all(torch.equal(four[0]["weights"][name], r["weights"][name]) for r in four), name
+        torch.testing.assert_close(four[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
+
+
+def _train_routed_rank(
+    rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str], parts: int
+) -> None:
+    """As ``_train_rank`` for a mixture of experts, the router's load-balancing term added as the trainer
+    adds it (``StepRouting``, each micro-batch's share its rows over the batch's); this rank's rows cut
+    into ``parts`` micro-batches. Saves the steps, the router metrics and the gathered weights."""
+    torch.set_num_threads(1)
+    patch_cuda_for_cpu()
+    from reroll.models.moe import StepRouting
+    from reroll.strategies.megatron import MegatronStrategy
+
+    cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", *sizes])
+    s = MegatronStrategy(cfg.model.path, cfg=cfg, device="cpu", rank=rank, world_size=world_size)
+    s.init_distributed(address)
+    s.configure_optimizer(lr=LR, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
+    ids, mask = _batch(s.shape.vocab_size)
+    n_tokens = mask[:, 1:].sum()
+    mine = ROWS // world_size
+    cuts = [
+        slice(rank * mine + i * mine // parts, rank * mine + (i + 1) * mine // parts) for i in range(parts)
+    ]
+    steps, metrics = [], []
+    for _ in range(STEPS):
+        routing, total = StepRouting(s.moe_routers, ROUTER_COEF), 0.0
+        for cut in cuts:
+            width = int(mask[cut].sum(-1).max())
+            i, m = ids[cut, :width], mask[cut, :width]
+            with s.moe_routers.capture() as routed:
+                logits = s.logits(i, m)
+            loss = -(token_logprobs(logits, i) * m).sum() / n_tokens
+            loss = loss + routing.term(routed, len(i) / ROWS)
+            s.backward(loss)
+            total += float(loss)
+        steps.append((total, s.step(1.0)["grad_norm"]))
+        metrics.append(routing.metrics("actor"))
+    torch.save({"steps": steps, "metrics": metrics, "weights": s.full_state_dict()}, f"{out}/rank{rank}.pt")
+
+
+ROUTER_COEF = 0.1
+
+
+@pytest.fixture(scope="module")
+def small_moe(tmp_path_factory) -> Path:
+    from reroll.config.model import TinyMoEConfig
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+    from reroll.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("pp_moe")
+    moe = TinyMoEConfig(experts=4, top_k=2, expert_hidden_size=64)
+    model = build_tiny_model(
+        root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=4, num_heads=2, moe=moe
+    )
+    data = root / "rows.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    assets = {"model": Path(model), "train": data, "test": data}
+    return write_config(root / "c.yaml", assets, model={"path": str(model), "dtype": "float32"})
+
+
+@pytest.mark.long  # three spawned ranks of a mixture of experts: about 2 minutes on 2 CPU cores
+def test_a_mixture_of_experts_on_two_stages_trains_as_two_ranks_do(tmp_path, small_moe):
+    """A Qwen3-MoE on two stages, each rank given half the rows, against one rank taking the same halves
+    as two micro-batches (the router's loss is each rank's rows', pooled over every layer: what two
+    data-parallel ranks compute). Each stage sees both ranks' rows through its own layers; the loss each
+    rank reports and the gradient of the sum must be the unsplit ones. The one rank runs 4 rows where the
+    stages run 8, so their sums differ by rounding: losses and norm within 1e-5 (fp32, a few hundred
+    terms), the router's mean loss within 1e-5 (a top-k choice flips only at a near tie), weights within
+    2 * lr * steps (Adam on near-zero gradients)."""
+    out = tmp_path / "one"
+    out.mkdir()
+    one = run_ranks(_train_routed_rank, 1, out, str(small_moe), [], 2)[0]
+    out = tmp_path / "two"
+    out.mkdir()
+    two = run_ranks(_train_routed_rank, 2, out, str(small_moe), ["strategy.megatron.pipeline_parallel=2"], 1)
+    assert one["metrics"][0]["actor/router_aux_loss"] > 0
+    for step, (loss, norm) in enumerate(one["steps"]):
+        assert two[0]["steps"][step][0] + two[1]["steps"][step][0] == pytest.approx(loss, rel=1e-5)
+        assert two[0]["steps"][step][1] == two[1]["steps"][step][1] == pytest.approx(norm, rel=1e-5)
+        aux = [r["metrics"][step]["actor/router_aux_loss"] for r in two]
+        assert sum(aux) / 2 == pytest.approx(one["metrics"][step]["actor/router_aux_loss"], rel=1e-5)
+    for name, w in one["weights"].items():
+        assert torch.equal(two[0]["weights"][name], two[1]["weights"][name]), name
+        torch.testing.assert_close(two[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)

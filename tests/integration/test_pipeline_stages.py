@@ -1,0 +1,139 @@
+"""The Megatron strategy's pipeline plumbing without Megatron-Core, on two gloo ranks in seconds (the CI
+sibling of ``test_megatron_pipeline.py``): ``Pipeline``'s stage-to-stage autograd functions on a toy
+two-stage model, and ``StageRouted``'s router loss split over stages, each against one process computing
+the unsplit thing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.integration.megatron_cpu import run_ranks
+
+ROWS, T, H, V = 4, 5, 8, 11  # the group's rows (2 a rank), tokens, width, vocabulary
+SPANS = [(0, 2), (2, 2)]  # each stage's rank's rows among the group's
+
+
+def _toy() -> tuple[torch.Tensor, torch.nn.Linear, torch.nn.Linear, torch.nn.Linear, torch.Tensor]:
+    """The group's input ``(ROWS, T, H)``, stage 0's layer, stage 1's layer and head, and each row's
+    weights of the logits in the loss: the same in every process."""
+    torch.manual_seed(0)
+    x = torch.randn(ROWS, T, H)
+    first, second, head = torch.nn.Linear(H, H), torch.nn.Linear(H, H), torch.nn.Linear(H, V)
+    return x, first, second, head, torch.randn(ROWS, T, V)
+
+
+def _pipe():
+    from reroll.strategies.megatron_pipeline import Pipeline
+
+    return Pipeline(stage=dist.get_rank(), ranks=(0, 1), group=dist.group.WORLD, tp_group=None)
+
+
+def _stage_forward(pipe, x, first, second, head) -> torch.Tensor:
+    """This rank's rows' logits through its stage: stage 0's layer, or stage 1's layer and head."""
+    if pipe.first:
+        out = torch.tanh(first(x))
+    else:
+        out = head(torch.tanh(second(pipe.receive((ROWS, T, H), torch.float32, torch.device("cpu")))))
+    return pipe.output(out, SPANS, (T, V), torch.float32)
+
+
+def _stage_rank(rank: int, world_size: int, address: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=world_size)
+    x, first, second, head, c = _toy()
+    pipe = _pipe()
+    mine = _stage_forward(pipe, x, first, second, head)
+    start, n = SPANS[rank]
+    loss = (mine * c[start : start + n]).sum()
+    loss.backward()
+    modules = {"first": first, "second": second, "head": head}
+    grads = {f"{m}.{n}": p.grad for m, module in modules.items() for n, p in module.named_parameters()}
+    with torch.no_grad():  # a forward-only pass: no graph, the same logits
+        again = _stage_forward(pipe, x, first, second, head)
+    saved = {"logits": mine.detach(), "again": again, "loss": float(loss.detach()), "grads": grads}
+    torch.save(saved, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_stages_give_each_rank_its_logits_and_the_unsplit_gradients(tmp_path: Path):
+    """Stage 0 runs its layer on the group's rows and sends them on; stage 1 runs the rest and hands
+    rank 0 its rows' logits; each rank's loss of its own rows backpropagates through both stages. The
+    logits equal one process's on the whole model exactly (the same operations on the same tensors),
+    the losses and every weight's gradient to fp32 summation order (each rank's rows' logit gradients
+    land in disjoint rows; a weight's sum over the rows is split where the loss is)."""
+    ranks = run_ranks(_stage_rank, 2, tmp_path)
+    x, first, second, head, c = _toy()
+    logits = head(torch.tanh(second(torch.tanh(first(x)))))
+    (logits * c).sum().backward()
+    for rank, (start, n) in enumerate(SPANS):
+        assert torch.equal(ranks[rank]["logits"], logits[start : start + n].detach())
+        assert torch.equal(ranks[rank]["again"], ranks[rank]["logits"])
+    total = float((logits * c).sum().detach())
+    assert abs(ranks[0]["loss"] + ranks[1]["loss"] - total) <= 1e-6 * abs(total)  # two partial sums
+    owned = {0: ("first",), 1: ("second", "head")}  # the weights each stage trains
+    for rank, names in owned.items():
+        for name, module in zip(("first", "second", "head"), (first, second, head)):
+            for pn, p in module.named_parameters():
+                got = ranks[rank]["grads"][f"{name}.{pn}"]
+                if name in names:
+                    torch.testing.assert_close(got, p.grad, atol=1e-6, rtol=0)  # two partial sums
+                else:
+                    assert got is None, (rank, name)
+
+
+LAYERS, TOKENS, EXPERTS, TOP_K = 4, 6, 4, 2  # the router logits of a 4-layer MoE, 2 layers a stage
+SHARES = (0.25, 0.75)
+
+
+def _router_logits() -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's ``(L, N, E)`` logits of the group's tokens (``[s, b]`` order: token ``j`` is row
+    ``j % ROWS``) and which are real."""
+    torch.manual_seed(1)
+    logits = torch.randn(LAYERS, TOKENS * ROWS, EXPERTS)
+    real = torch.rand(TOKENS * ROWS) > 0.2
+    return logits, real
+
+
+def _router_rank(rank: int, world_size: int, address: str, out: str) -> None:
+    from reroll.strategies.megatron_moe import StageRouted
+
+    dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=world_size)
+    logits, real = _router_logits()
+    mine = logits[2 * rank : 2 * rank + 2].clone().requires_grad_()
+    routed = StageRouted(pipe=_pipe(), num_layers=LAYERS)
+    routed.logits.append(list(mine))
+    routed.real.append(real)
+    routed.spans.append((ROWS, SPANS))
+    weighted, aux, counts = routed.term(TOP_K, SHARES[rank])
+    weighted.backward()
+    saved = {"weighted": float(weighted), "aux": float(aux), "counts": counts, "grad": mine.grad}
+    torch.save(saved, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_the_router_loss_on_stages_is_each_ranks_own_over_every_layer(tmp_path: Path):
+    """Each stage holds 2 of the 4 layers' router logits of both ranks' rows. Each rank reports the load-
+    balancing loss and the (L, E) load of its own rows over all 4 layers, and the stages' backpropagated
+    parts add up to the share-weighted sum of the ranks' losses, with its gradient (against ``Routed``,
+    what a rank computes without stages; fp32 sums in another order: 1e-6)."""
+    from reroll.models.moe import Routed
+
+    ranks = run_ranks(_router_rank, 2, tmp_path)
+    logits, real = _router_logits()
+    logits.requires_grad_()
+    rows = torch.arange(TOKENS * ROWS) % ROWS
+    total = 0.0
+    for rank, (start, n) in enumerate(SPANS):
+        own = real & (rows >= start) & (rows < start + n)
+        aux, counts = Routed(logits=[list(logits)], real=[own]).loss(TOP_K)
+        torch.testing.assert_close(ranks[rank]["aux"], float(aux.detach()), atol=1e-6, rtol=0)
+        assert torch.equal(ranks[rank]["counts"], counts)
+        total = total + SHARES[rank] * aux
+    total.backward()
+    assert abs(ranks[0]["weighted"] + ranks[1]["weighted"] - float(total)) < 1e-6
+    for rank in range(2):
+        torch.testing.assert_close(
+            ranks[rank]["grad"], logits.grad[2 * rank : 2 * rank + 2], atol=1e-7, rtol=0
+        )
