@@ -1,0 +1,133 @@
+"""A Qwen2.5-VL vision tower's forward and backward with transformers' per-window sdpa loop against
+reroll's windows batched by length (``reroll.models.vision_attention``).
+
+    python benchmarks/vision_attention.py --device cpu                       # the narrow tower below
+    python benchmarks/vision_attention.py --device cuda --hidden 1280 --heads 16 --depth 32 --images 16
+
+The tower is Qwen2.5-VL's (``Qwen2_5_VisionTransformerPretrainedModel``, random init): 14-pixel patches,
+2x2 merge, 112-pixel windows (64 patches), every fourth block (and the last) attending over the whole
+image, the others within windows. ``--images`` images of ``--size`` pixels a side (448: 1024 patches, 16
+windows an image); random pixels. One step is the forward of all images at once, as the trainer's
+micro-batch runs it, and the backward of the merged features' sum. Seconds per step, median of
+``--repeat`` after one warm-up, for each attention; the largest difference of the features and of the
+input gradients from the loop's is printed as a check.
+
+Measured (2026-12-06, 8 images of 448 px, hidden 128, 2 heads, 4 blocks, fp32; 2 cores shared with
+other jobs, so the absolute seconds are noisy, the ratio less so):
+
+| device | sdpa loop, s | batched, s | speed-up |
+|---|---|---|---|
+| AMD EPYC (CPU) | FILL | FILL | FILL |
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.grpo_step import device_name  # noqa: E402
+from reroll.models.vision_attention import switch_vision_config  # noqa: E402
+
+PATCH, MERGE, TEMPORAL = 14, 2, 2
+
+
+def tower(args: argparse.Namespace) -> torch.nn.Module:
+    """Qwen2.5-VL's vision tower at ``args``' width and depth, on ``args.device`` in ``args.dtype``."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    config = Qwen2_5_VLVisionConfig(
+        depth=args.depth,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        intermediate_size=args.hidden * 2,
+        out_hidden_size=args.hidden,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+        window_size=112,
+        fullatt_block_indexes=sorted({*range(3, args.depth, 4), args.depth - 1}),
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Qwen2_5_VisionTransformerPretrainedModel(config).to(args.device, getattr(torch, args.dtype))
+
+
+def step(model: torch.nn.Module, pixels: torch.Tensor, grids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One forward and backward; the merged features and the pixels' gradient."""
+    leaf = pixels.clone().requires_grad_()
+    out = model(leaf, grid_thw=grids).pooler_output
+    out.float().sum().backward()
+    return out.detach().float(), leaf.grad.float()
+
+
+def timed(model: torch.nn.Module, pixels: torch.Tensor, grids: torch.Tensor, repeat: int) -> list[float]:
+    step(model, pixels, grids)  # warm-up
+    seconds = []
+    for _ in range(repeat):
+        _sync(pixels.device)
+        start = time.perf_counter()
+        step(model, pixels, grids)
+        _sync(pixels.device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--images", type=int, default=8)
+    ap.add_argument("--size", type=int, default=448, help="pixels a side, a multiple of 28")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    device = torch.device(args.device)
+
+    model = tower(args)
+    side = args.size // PATCH
+    grids = torch.tensor([[1, side, side]] * args.images, device=device)
+    gen = torch.Generator().manual_seed(1)
+    pixels = torch.randn(args.images * side * side, 3 * TEMPORAL * PATCH * PATCH, generator=gen)
+    pixels = pixels.to(device, getattr(torch, args.dtype))
+
+    want = step(model, pixels, grids)
+    loop = timed(model, pixels, grids, args.repeat)
+    model.zero_grad()
+    assert switch_vision_config(model.config)
+    got = step(model, pixels, grids)
+    batched = timed(model, pixels, grids, args.repeat)
+
+    windows = args.images * ((side // MERGE + 3) // 4) ** 2
+    print(
+        f"Qwen2.5-VL vision tower, hidden {args.hidden}, {args.heads} heads, {args.depth} blocks, {args.dtype}; "
+        f"{args.images} images of {args.size} px ({side * side} patches, {windows} windows in all); "
+        f"forward + backward on {device_name(args.device)}; median of {args.repeat}"
+    )
+    a, b = statistics.median(loop), statistics.median(batched)
+    print(f"{'attention':<22}{'seconds':>10}")
+    print(f"{'sdpa, per window':<22}{a:>10.3f}")
+    print(f"{'batched by length':<22}{b:>10.3f}")
+    print(f"speed-up {a / b:.2f}x")
+    for name, x, y in zip(("features", "pixel grads"), want, got):
+        print(f"largest difference, {name}: {float((x - y).abs().max()):.2e} (of {float(x.abs().max()):.2e})")
+
+
+if __name__ == "__main__":
+    main()
