@@ -9,7 +9,7 @@ The tower is Qwen2.5-VL's (``Qwen2_5_VisionTransformerPretrainedModel``, random 
 image, the others within windows. ``--images`` images of ``--size`` pixels a side (448: 1024 patches, 16
 windows an image); random pixels. One step is the forward of all images at once, as the trainer's
 micro-batch runs it, and the backward of the merged features' sum. Seconds per step, median of
-``--repeat`` after one warm-up, for each attention; the largest difference of the features and of the
+``--repeat`` taking turns after one warm-up, for each attention; the largest difference of the features and of the
 input gradients from the loop's is printed as a check.
 
 Measured (2026-12-06, 8 images of 448 px, hidden 128, 2 heads, 4 blocks, fp32; 2 cores shared with
@@ -34,9 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.grpo_step import device_name  # noqa: E402
-from reroll.models.vision_attention import switch_vision_config  # noqa: E402
+from reroll.models.vision_attention import NAME, switch_vision_config  # noqa: E402
 
 PATCH, MERGE, TEMPORAL = 14, 2, 2
+ATTENTION = {"sdpa, per window": "sdpa", "batched by length": NAME}
 
 
 def tower(args: argparse.Namespace) -> torch.nn.Module:
@@ -69,15 +70,19 @@ def step(model: torch.nn.Module, pixels: torch.Tensor, grids: torch.Tensor) -> t
     return out.detach().float(), leaf.grad.float()
 
 
-def timed(model: torch.nn.Module, pixels: torch.Tensor, grids: torch.Tensor, repeat: int) -> list[float]:
-    step(model, pixels, grids)  # warm-up
-    seconds = []
+def timed(
+    model: torch.nn.Module, pixels: torch.Tensor, grids: torch.Tensor, repeat: int
+) -> dict[str, list[float]]:
+    """Seconds of ``repeat`` steps on each attention, taking turns (a busy machine slows both alike)."""
+    seconds: dict[str, list[float]] = {name: [] for name in ATTENTION}
     for _ in range(repeat):
-        _sync(pixels.device)
-        start = time.perf_counter()
-        step(model, pixels, grids)
-        _sync(pixels.device)
-        seconds.append(time.perf_counter() - start)
+        for name, implementation in ATTENTION.items():
+            model.config._attn_implementation = implementation
+            _sync(pixels.device)
+            start = time.perf_counter()
+            step(model, pixels, grids)
+            _sync(pixels.device)
+            seconds[name].append(time.perf_counter() - start)
     return seconds
 
 
@@ -107,12 +112,11 @@ def main() -> None:
     pixels = torch.randn(args.images * side * side, 3 * TEMPORAL * PATCH * PATCH, generator=gen)
     pixels = pixels.to(device, getattr(torch, args.dtype))
 
-    want = step(model, pixels, grids)
-    loop = timed(model, pixels, grids, args.repeat)
-    model.zero_grad()
+    want = step(model, pixels, grids)  # transformers' loop; also the warm-up
     assert switch_vision_config(model.config)
+    model.zero_grad()
     got = step(model, pixels, grids)
-    batched = timed(model, pixels, grids, args.repeat)
+    seconds = timed(model, pixels, grids, args.repeat)
 
     windows = args.images * ((side // MERGE + 3) // 4) ** 2
     print(
@@ -120,10 +124,10 @@ def main() -> None:
         f"{args.images} images of {args.size} px ({side * side} patches, {windows} windows in all); "
         f"forward + backward on {device_name(args.device)}; median of {args.repeat}"
     )
-    a, b = statistics.median(loop), statistics.median(batched)
     print(f"{'attention':<22}{'seconds':>10}")
-    print(f"{'sdpa, per window':<22}{a:>10.3f}")
-    print(f"{'batched by length':<22}{b:>10.3f}")
+    for name, times in seconds.items():
+        print(f"{name:<22}{statistics.median(times):>10.3f}")
+    a, b = (statistics.median(t) for t in seconds.values())
     print(f"speed-up {a / b:.2f}x")
     for name, x, y in zip(("features", "pixel grads"), want, got):
         print(f"largest difference, {name}: {float((x - y).abs().max()):.2e} (of {float(x.abs().max()):.2e})")

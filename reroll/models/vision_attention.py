@@ -49,13 +49,17 @@ def attend_segments_batched(model: torch.nn.Module) -> bool:
     did (``switch_vision_config``; False for a model without a vision config). Call it after anything
     that sets the whole model's attention (``attend_rows_apart``): transformers' setter passes a model
     config's implementation on to its vision config."""
+    from reroll.models.vision import vision_tower
+
     config = getattr(getattr(model, "config", None), "vision_config", None)
-    return config is not None and switch_vision_config(config)
+    if config is None:
+        return False
+    tower = getattr(vision_tower(model), "config", config)  # the same object in transformers 5.x
+    return all([switch_vision_config(c) for c in {id(config): config, id(tower): tower}.values()])
 
 
 def switch_vision_config(config: Any) -> bool:
-    """Set a vision tower's own config (``model.visual.config``, the same object as the model config's
-    ``vision_config``) to ``attention``, where it runs sdpa; one on another implementation (eager,
+    """Set a vision tower's config (``model.visual.config``, which its blocks read) to ``attention``, where it runs sdpa; one on another implementation (eager,
     flash-attn) is left as it is. Returns whether it runs ``attention`` now."""
     from reroll.models.packed_attention import NAME as PACKED
 

@@ -21,6 +21,8 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionAttention
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
 
 from reroll.algorithms.logprobs import token_logprobs
 from reroll.models import vision_attention
@@ -87,12 +89,21 @@ def test_a_wrong_boundary_is_seen():
     assert not torch.allclose(segments_attention(q, k, v, _bounds([4, 8]), scale=None), want, **TOL)
 
 
-def test_the_vision_block_attention_equals_transformers_sdpa_loop():
-    """Through transformers' own ``Qwen2_5_VLVisionAttention``: its flash branch (chosen by our name)
-    calling ours, against its sdpa branch's loop; the plan is built once for the tensor and reused."""
-    config = Qwen2_5_VLVisionConfig(hidden_size=32, num_heads=4)
+def _qwen25_vl_block():
+    return Qwen2_5_VLVisionAttention(Qwen2_5_VLVisionConfig(hidden_size=32, num_heads=4))
+
+
+def _qwen2_vl_block():
+    return VisionAttention(Qwen2VLVisionConfig(embed_dim=32, num_heads=4))
+
+
+@pytest.mark.parametrize("make", [_qwen25_vl_block, _qwen2_vl_block], ids=["qwen2_5_vl", "qwen2_vl"])
+def test_the_vision_block_attention_equals_transformers_sdpa_loop(make):
+    """Through transformers' own vision attention (Qwen2.5-VL's, Qwen2-VL's): its flash branch (chosen
+    by our name) calling ours, against its sdpa branch's loop; the plan is built once for the tensor."""
     torch.manual_seed(0)
-    block = Qwen2_5_VLVisionAttention(config)
+    block = make()
+    config = block.config
     cu = _bounds(LENGTHS)
     n, head_dim = int(cu[-1]), 8
     x = torch.randn(n, 32)
@@ -110,7 +121,7 @@ def test_the_vision_block_attention_equals_transformers_sdpa_loop():
         out.square().sum().backward()
         results.append((out.detach(), leaf.grad, *(p.grad.clone() for p in block.parameters())))
     assert config._attn_implementation == NAME
-    assert id(cu) in vision_attention._PLANS  # ours ran: it planned this tensor's segments
+    assert vision_attention._PLANS[id(cu)][0]() is cu  # ours ran: it planned this tensor's segments
     for want, got in zip(*results):
         torch.testing.assert_close(got, want, **TOL)
 
