@@ -24,7 +24,6 @@ from reroll.engines.lora import lora_pairs, lora_scale, merge_lora
 from reroll.errors import UserError
 from reroll.models.loading import load_causal_lm, load_tokenizer
 from reroll.models.vision import VisionProcessor, is_vision_language, model_inputs
-from reroll.models.vision_attention import attend_segments_batched
 
 
 class _AbortCriterion(StoppingCriteria):
@@ -99,7 +98,6 @@ class HFEngine:
         the image processor's limits, for a vision-language model (``ImagePrompt`` prompts)."""
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_causal_lm(model_path, dtype, device).eval()
-        attend_segments_batched(self.model)  # the trainers' vision attention (reroll.models.loading)
         self.vision = (
             VisionProcessor.for_rollout(model_path, self.tokenizer, images)
             if is_vision_language(self.model)

@@ -157,12 +157,13 @@ def use_kernels(model: torch.nn.Module, cfg: RunConfig, device: torch.device) ->
     """Swap in, in place, the kernels ``cfg`` asks for on ``device`` (where the model will run): torch's
     fused RMSNorm (``model.fused_norm``), where ``optim.packing`` resolves on, attention that keeps
     packed rows apart at each row's own cost (``packed_attention``), and in a vision tower, attention over
-    its images and windows batched by length (``vision_attention``: sdpa's per-window loop's numbers)."""
+    its images and windows batched by length (``model.batched_vision_attention``: ``vision_attention``)."""
     if cfg.model.fused_norm:
         fuse_rms_norms(model)
     if wants_packing(cfg.optim.packing, device, DTYPES[cfg.compute_dtype]) and not attend_rows_apart(model):
         log.info("optim.packing: this model keeps sdpa's attention over the whole packed row (block mask)")
-    attend_segments_batched(model)  # after attend_rows_apart, whose setting reaches the vision config
+    if cfg.model.batched_vision_attention:  # after attend_rows_apart, whose setting reaches the vision config
+        attend_segments_batched(model)
 
 
 def fuse_rms_norms(model: torch.nn.Module) -> int:

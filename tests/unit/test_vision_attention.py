@@ -189,18 +189,21 @@ def test_the_text_model_keeps_its_attention(tiny_vl):
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_the_strategies_kernels_switch_the_vision_tower_alone(tiny_vl, packing):
-    """``use_kernels``, as every HF strategy calls it after loading: the vision tower batched, the text
-    model on what it would run without us (sdpa, or packed attention where packing is on, whose setting
-    also reaches the vision config and must not win there)."""
+@pytest.mark.parametrize("batched", [True, False])
+def test_the_strategies_kernels_switch_the_vision_tower_alone(tiny_vl, packing, batched):
+    """``use_kernels``, as every HF strategy calls it after loading: the vision tower batched (unless
+    ``model.batched_vision_attention`` is false), the text model on what it would run without us (sdpa,
+    or packed attention where packing is on, whose setting also reaches the vision config and must not
+    win there)."""
     from reroll.models.packed_attention import NAME as PACKED
 
     model = load_causal_lm(tiny_vl)
     cfg = SimpleNamespace(
-        model=SimpleNamespace(fused_norm=False),
+        model=SimpleNamespace(fused_norm=False, batched_vision_attention=batched),
         optim=SimpleNamespace(packing=packing),
         compute_dtype="float32",
     )
     use_kernels(model, cfg, torch.device("cpu"))
-    assert model.model.visual.config._attn_implementation == NAME
-    assert model.config.text_config._attn_implementation == (PACKED if packing else "sdpa")
+    text = PACKED if packing else "sdpa"
+    assert model.model.visual.config._attn_implementation == (NAME if batched else text)
+    assert model.config.text_config._attn_implementation == text
