@@ -6,8 +6,8 @@ reroll's windows batched by length (``reroll.models.vision_attention``).
         --intermediate 3420 --images 16                               # Qwen2.5-VL-3B's tower
 
 The tower is Qwen2.5-VL's (``Qwen2_5_VisionTransformerPretrainedModel``, random init): 14-pixel patches,
-2x2 merge, 112-pixel windows (64 patches), every fourth block (and the last) attending over the whole
-image, the others within windows. ``--images`` images of ``--size`` pixels a side (448: 1024 patches, 16
+2x2 merge, 112-pixel windows (64 patches), every eighth block (7, 15, 23, 31 of the 3B's 32) and the
+last attending over the whole image, the others within windows. ``--images`` images of ``--size`` pixels a side (448: 1024 patches, 16
 windows an image); random pixels. One step is the forward of all images at once, as the trainer's
 micro-batch runs it, and the backward of the merged features' sum. Seconds per step, median of
 ``--repeat`` taking turns after one warm-up, for each attention; the largest difference of the features
@@ -71,7 +71,7 @@ def tower(args: argparse.Namespace) -> torch.nn.Module:
         spatial_merge_size=MERGE,
         temporal_patch_size=TEMPORAL,
         window_size=112,
-        fullatt_block_indexes=sorted({*range(3, args.depth, 4), args.depth - 1}),
+        fullatt_block_indexes=sorted({*range(7, args.depth, 8), args.depth - 1}),  # 3B: 7, 15, 23, 31
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
