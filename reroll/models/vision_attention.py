@@ -10,7 +10,8 @@ attention hands those bounds to a flash-attention (varlen) implementation; for a
 block, ~7,000 a forward of Qwen2.5-VL-3B's tower, again in the recompute and the backward.
 
 ``attend_segments_batched(model)`` registers ``attention`` below and sets it on the model's vision config
-only (the text model keeps its own). It does, with torch's SDPA and no flash-attn package, what the loop
+only (the text model keeps its own); the trainers call it at load (``use_kernels``, unless
+``model.batched_vision_attention`` is false). It does, with torch's SDPA and no flash-attn package, what the loop
 does: segments of equal length are gathered into one ``(segments, heads, length, head_dim)`` batch and run
 in one non-causal SDPA call per distinct length, and the outputs are put back in the sequence's order.
 Each segment attends over exactly its own keys, as in the loop; the kernel sees a batch instead of one
@@ -22,11 +23,12 @@ Routing: transformers decides by the implementation's *name* whether to pass the
 flash-attn kernel runs; with it the vision attention passes ``cu_seq_lens_q`` / ``max_length_q`` (and the
 tower computes each ``max_seqlen`` once a forward, one host sync). Should a transformers release stop
 passing the bounds, ``attention`` is called per segment and runs that segment's SDPA: still correct,
-only as slow as before.
+only as slow as before. A registered attention function, rather than a replaced forward, keeps
+transformers' own projections, rotary embedding and output layout: only the attention is ours.
 
 The gather indices are built once per ``cu_seqlens`` tensor (the tower makes one for its windowed blocks
-and one for its full blocks a forward) and reused by every block, its recompute and its backward: one host
-read of the bounds per tensor, none per block.
+and one for its full blocks a forward) and reused by every block and its recompute (activation
+checkpointing passes the same tensor): one host read of the bounds per tensor, none per block.
 """
 
 from __future__ import annotations
