@@ -90,6 +90,7 @@ def run_steps(root: Path, model: Path, rows: Path, args: argparse.Namespace) -> 
             "dtype": args.dtype,
             "train_vision": True,
             "gradient_checkpointing": not args.tiny,
+            "batched_vision_attention": args.vision_attention == "batched",
         },
         "data": {
             "train_files": [str(rows)],
@@ -134,6 +135,13 @@ def main() -> None:
     ap.add_argument("--image-size", type=int, default=448, help="pixels a side (448: 256 image tokens)")
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--vllm-memory", type=float, default=0.3)
+    ap.add_argument(
+        "--vision-attention",
+        default="batched",
+        choices=["batched", "loop"],
+        help="the vision tower's attention: batched by length, or transformers' per-window sdpa loop "
+        "(model.batched_vision_attention)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     args.engine = args.engine or ("vllm" if args.device == "cuda" else "hf")
@@ -153,7 +161,8 @@ def main() -> None:
     print(
         f"\nGRPO step, {label} random init, {args.dtype}, {args.prompts} prompts x {args.group} samples, "
         f"one {args.image_size}x{args.image_size} image + a question each, up to {args.new_tokens} new "
-        f"tokens, {args.engine} engine, on {device_name(args.device)}; mean of steps "
+        f"tokens, {args.engine} engine, vision attention {args.vision_attention}, on "
+        f"{device_name(args.device)}; mean of steps "
         f"{args.warmup + 1}..{len(steps)}"
     )
     print(f"{'phase':<14}{'seconds':>10}")

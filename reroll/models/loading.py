@@ -31,6 +31,7 @@ from transformers.utils import logging as hf_logging
 from reroll.algorithms.logprobs import token_logprobs
 from reroll.errors import UserError
 from reroll.models.packed_attention import attend_rows_apart, wants_packing
+from reroll.models.vision_attention import attend_segments_batched
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -154,12 +155,15 @@ def _with_zero_head(
 
 def use_kernels(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> None:
     """Swap in, in place, the kernels ``cfg`` asks for on ``device`` (where the model will run): torch's
-    fused RMSNorm (``model.fused_norm``) and, where ``optim.packing`` resolves on, attention that keeps
-    packed rows apart at each row's own cost (``packed_attention``)."""
+    fused RMSNorm (``model.fused_norm``), where ``optim.packing`` resolves on, attention that keeps
+    packed rows apart at each row's own cost (``packed_attention``), and in a vision tower, attention over
+    its images and windows batched by length (``model.batched_vision_attention``: ``vision_attention``)."""
     if cfg.model.fused_norm:
         fuse_rms_norms(model)
     if wants_packing(cfg.optim.packing, device, DTYPES[cfg.compute_dtype]) and not attend_rows_apart(model):
         log.info("optim.packing: this model keeps sdpa's attention over the whole packed row (block mask)")
+    if cfg.model.batched_vision_attention:  # after attend_rows_apart, whose setting reaches the vision config
+        attend_segments_batched(model)
 
 
 def fuse_rms_norms(model: torch.nn.Module) -> int:
