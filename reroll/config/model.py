@@ -131,6 +131,16 @@ class ModelConfig(StrictModel):
         "plain weight * x / rms(x) are switched (checked on a probe at load; Gemma's 1 + weight is not); "
         "results differ by bf16 rounding, none in fp32. false: the model's own code.",
     )
+    fused_head: bool = Field(
+        True,
+        description="In the trainers (torch and fsdp2 strategies), the response tokens' log-probs and entropy "
+        "are computed from the last hidden states and the head's weight a chunk at a time, forward and "
+        "backward (the backward computes the chunks' logits again), so a micro-batch's (tokens x "
+        "vocabulary) logits are never kept: about 4/3 of the head's arithmetic for a fraction of its "
+        "memory (benchmarks/head_memory.py). Models whose head is not a plain linear layer, or whose forward "
+        "changes the head's output, keep the logits path by themselves. false: the logits path "
+        "(deepspeed and megatron always take it).",
+    )
     batched_vision_attention: bool = Field(
         True,
         description="In the trainers (torch, fsdp2 and deepspeed strategies), a vision-language model's vision "

@@ -306,7 +306,7 @@ class StrategyWorker:
             temperature,
             entropy=entropy,
             split=None if cp is None else (cp, args[0].shape[1]),
-            fused=self.strategy.fused_head,
+            fused=self.strategy.fused_head and self.cfg.model.fused_head,
         )
 
     @property

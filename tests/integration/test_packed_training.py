@@ -317,7 +317,8 @@ def test_head_at_the_response_positions_equals_the_full_head(tmp_path, assets, b
     """The trainer runs the head at the positions before the response tokens alone: by default the head
     computes their log-probs and entropy itself (``fused_head_at``: its output is ``(1, K)``, no logits),
     else their ``(1, K, V)`` logits (``head_at``, as with ``fused_head`` off). Both give the log-probs,
-    loss, entropy, gradient norm and step read off the full head's logits, padded and packed."""
+    loss, entropy, gradient norm and step read off the full head's logits, padded and packed. The logits
+    path is what ``model.fused_head: false`` asks for."""
     from reroll.roles import scored_tokens
     from reroll.strategies.torch_strategy import TorchStrategy
 
@@ -331,17 +332,16 @@ def test_head_at_the_response_positions_equals_the_full_head(tmp_path, assets, b
             m.setattr(TorchStrategy, "fused_head", False)
             m.setattr(scored_tokens, "head_at", contextlib.contextmanager(full_head))
             lp_a, m_a, w_a = _actor_step(cfg, batch)
-        for fused in (False, True):
-            with monkeypatch.context() as m:
-                m.setattr(TorchStrategy, "fused_head", fused)
-                group = TrainerGroup("actor_train", cfg, trainable=True)
-                head = group.handles[0]._obj.strategy.model.get_output_embeddings()
-                hook = head.register_forward_hook(lambda _m, _i, out: heads.append(tuple(out.shape)))
-                use_sgd_steps(group, ETA)
-                lp_b = group.compute_logprobs(batch)
-                m_b = group.train(batch, PolicyGradient.of(group.cfg))
-                w_b = group.weight_buckets(1.0).tensors()
-                hook.remove()
+        for fused in ("false", "true"):
+            cfg = _cfg(tmp_path, assets, [*overrides, f"model.fused_head={fused}"])
+            group = TrainerGroup("actor_train", cfg, trainable=True)
+            head = group.handles[0]._obj.strategy.model.get_output_embeddings()
+            hook = head.register_forward_hook(lambda _m, _i, out: heads.append(tuple(out.shape)))
+            use_sgd_steps(group, ETA)
+            lp_b = group.compute_logprobs(batch)
+            m_b = group.train(batch, PolicyGradient.of(group.cfg))
+            w_b = group.weight_buckets(1.0).tensors()
+            hook.remove()
             mask = batch.attention_mask
             torch.testing.assert_close(lp_b[mask], lp_a[mask], atol=1e-5, rtol=0, msg=str(overrides))
             assert m_b["actor/loss"] == pytest.approx(m_a["actor/loss"], rel=1e-5)
