@@ -60,6 +60,7 @@ The first ``--warmup`` steps (compilation, allocator growth) are left out of the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -77,8 +78,19 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.peers.spec import PeerSpec  # noqa: E402
+
 QWEN25_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
 QWEN25_3B = dict(hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2, intermediate_size=11008)
+# Qwen2.5-7B: a head of its own (untied) and a vocabulary of 152064 (VOCAB)
+QWEN25_7B = dict(
+    hidden_size=3584,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    intermediate_size=18944,
+    tie_word_embeddings=False,
+)
 TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128)
 # A small Qwen3-MoE (37 item 3's "small MoE shape"): 16 layers of 32 experts, 4 routed a token, ~1.3B
 # parameters of which ~0.3B a token passes through (Qwen3-30B-A3B's proportions at a twentieth of its size)
@@ -89,6 +101,14 @@ MOE_SMALL = dict(
     num_kv_heads=4,
     moe={"experts": 32, "top_k": 4, "expert_hidden_size": 768},
 )
+
+
+SHAPES = {"0.5b": QWEN25_05B, "3b": QWEN25_3B, "7b": QWEN25_7B, "moe": MOE_SMALL}
+VOCAB = {"7b": 152064}  # the others: Qwen2.5-0.5B's and 3B's 151936
+# sizes whose rows turn on activation checkpointing and take --peer-micro-batch-3b rows per peer micro-batch
+CHECKPOINTED = ("3b", "7b")
+LENGTHS = ("uniform", "long-tail")
+LONG_TAIL_CAP = 4096  # --lengths long-tail: new tokens at most (geometric with mean 512: e^-8 reach it)
 
 
 def qwen2_config(shape: dict, vocab_size: int, **extra: object) -> object:
@@ -134,18 +154,28 @@ def build_inputs(root: Path, args: argparse.Namespace, size: str) -> tuple[Path,
     from reroll.config.model import TinyMoEConfig
     from reroll.models.tiny import build_tiny_model
 
-    shape = dict(TINY if args.tiny else {"0.5b": QWEN25_05B, "3b": QWEN25_3B, "moe": MOE_SMALL}[size])
+    shape = dict(TINY if args.tiny else SHAPES[size])
     if "moe" in shape:
         shape["moe"] = TinyMoEConfig(**shape["moe"])
     model = build_tiny_model(
         root / f"model-{size}",
         alphabet=ALPHABET,
-        vocab_size=None if args.tiny else 151936,
+        vocab_size=None if args.tiny else VOCAB.get(size, 151936),
         max_position_embeddings=args.prompt_len + args.new_tokens + 8,
         dtype=args.dtype,
         for_cpu_engine=args.device == "cpu",
         **shape,
     )
+    if getattr(args, "lengths", "uniform") == "long-tail":  # one edited model file for every row
+        from benchmarks.long_tail import make_long_tail
+
+        done = make_long_tail(model, mean=args.mean_length)
+        print(
+            f"[long-tail {size}] p(EOS) x {args.mean_length:g} at held-out positions: min "
+            f"{done['ratio_min']:.3f}, median {done['ratio_median']:.3f}, max {done['ratio_max']:.3f} "
+            f"(1: geometric lengths of mean {args.mean_length:g})",
+            flush=True,
+        )
     rng = random.Random(0)
     n = args.prompts * (args.steps + 1)
     prompts = ["".join(rng.choice(ALPHABET) for _ in range(args.prompt_len)) for _ in range(n)]
@@ -153,11 +183,13 @@ def build_inputs(root: Path, args: argparse.Namespace, size: str) -> tuple[Path,
 
 
 def run_reroll(
-    root: Path, model: Path, prompts: list[str], args: argparse.Namespace, mode: str
+    root: Path, model: Path, prompts: list[str], args: argparse.Namespace, mode: str, setting: PeerSpec
 ) -> list[dict]:
     """RLVR steps as ``mode`` says ('ray': colocated Ray roles and vllm; 'ray-compile', 'ray-cudnn',
     'ray-mp': the same with ``model.compile``, ``model.cudnn_attention``, ``rollout.vllm.in_process:
-    false``; 'local': one process). Returns each step's phases and the metrics it logged."""
+    false``; 'local': one process) in ``setting`` (what every row of this size runs: lengths, LoRA,
+    activation checkpointing). Returns each step's phases and the metrics it logged; nothing where
+    ``reroll plan``'s estimate says the row does not fit the GPU (unless ``--ignore-plan``)."""
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
     from reroll.pipelines.rlvr import RLVR
@@ -190,7 +222,7 @@ def run_reroll(
         "model": {
             "path": str(model),
             "dtype": args.dtype,
-            "gradient_checkpointing": args.gradient_checkpointing or "3b" in model.name,
+            "gradient_checkpointing": setting.gradient_checkpointing,
             "compile": args.compile or mode == "ray-compile",
             "cudnn_attention": mode == "ray-cudnn",
             "fused_norm": mode != "ray-ownnorm",
@@ -213,7 +245,7 @@ def run_reroll(
         },
         "reward": {"fn": "bench_reward:digits", "isolation": "thread"},
         "algorithm": {"preset": "grpo", "kl_coef": 0.04},
-        "strategy": {"name": args.ray_strategy if ray else "torch"},
+        "strategy": {"name": args.ray_strategy if ray else "torch", "lora": setting.lora},
         "optim": {
             "lr": 1e-6,
             "micro_batch_size": args.micro_batch,
@@ -224,6 +256,8 @@ def run_reroll(
         "logging": {"tensorboard": False, "sample_every": 0, "profile_steps": args.profile_steps},
         "runtime": {"backend": "ray" if ray else "local"},
     }
+    if mode == "ray-tail":  # tail batching: responses past --tail-threshold tokens finish in a later step
+        cfg["rollout"]["tail_threshold"] = args.tail_threshold
     if mode == "ray-logprobs":  # the engine returns its log-probs (for mismatch/*) though nothing needs them
         cfg["rollout"]["logprobs"] = True
     if mode == "ray-padded":  # the trainers compute padded rows instead of packing them
@@ -247,12 +281,44 @@ def run_reroll(
         cfg["rollout"]["vllm"]["gpu_memory_utilization"] = args.vllm_memory / engines
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    if ray and gpu and not fits_the_gpu(path, args, name):
+        return []
     if mode == "ray-sleep":  # the engine sleeps at every trainer phase (auto before 2026-12-05)
         with mock.patch.object(Roles, "_staying", lambda self: set()):
             run(RLVR, load_config(path, RunConfig))
     else:
         run(RLVR, load_config(path, RunConfig))
-    return read_steps(root / name, args.prompts * args.group)
+    from reroll.models.packed_attention import wants_packing
+
+    packing = wants_packing(
+        cfg["optim"].get("packing"), torch.device(args.device), getattr(torch, args.dtype)
+    )
+    tail = cfg["rollout"].get("tail_threshold", 0)
+    return [
+        r | {"packing": packing, "tail_threshold": tail}
+        for r in read_steps(root / name, args.prompts * args.group)
+    ]
+
+
+def fits_the_gpu(path: Path, args: argparse.Namespace, name: str) -> bool:
+    """Whether ``reroll plan``'s estimate fits the run of ``path`` on this GPU: where it does not (a 7B
+    full fine-tuning step beside its engine), the plan is printed and the row left out before any
+    model loads, unless ``--ignore-plan``."""
+    from reroll.config.loader import load_config
+    from reroll.config.schema import RunConfig
+    from reroll.plan import plan
+
+    gib = torch.cuda.get_device_properties(0).total_memory / 1024**3
+    text, fits = plan(
+        load_config(path, RunConfig), gpus=1, gpu_memory_gib=gib, prompt_tokens=args.prompt_len + 2
+    )
+    print(f"[{name}] reroll plan: {text.splitlines()[-1] if fits else text}", flush=True)
+    if not fits and not args.ignore_plan:
+        print(
+            f"[{name}] left out: reroll plan's estimate does not fit this GPU (--ignore-plan runs it)",
+            flush=True,
+        )
+    return fits or args.ignore_plan
 
 
 def read_steps(run_dir: Path, samples: int) -> list[dict]:
@@ -265,7 +331,10 @@ def read_steps(run_dir: Path, samples: int) -> list[dict]:
     for row in read_metrics(run_dir)[1:-1]:
         phases = {p: row.get(f"timing/{p}", 0.0) for p in PHASES}
         tokens = row["rollout/response_length"] * samples
-        out.append({**phases, "step": row["timing/step"], "new_tokens": tokens, "metrics": row})
+        lengths = {"mean_length": row["rollout/response_length"]}
+        if "rollout/response_length_max" in row:
+            lengths["max_length"] = row["rollout/response_length_max"]
+        out.append({**phases, "step": row["timing/step"], "new_tokens": tokens, **lengths, "metrics": row})
     return out
 
 
@@ -273,19 +342,24 @@ PEERS = ("trl", "trl-vllm", "trl-vllm-nois", "verl")
 PEER_SCRIPTS = {"verl": "verl_grpo.py"}  # the others: trl_grpo.py
 
 
-def run_peer(root: Path, model: Path, prompts: list[str], args: argparse.Namespace, row: str) -> list[dict]:
-    """A peer library's GRPO steps (``PEERS``), in a process of its own (``benchmarks/peers/``): its engine's
-    GPU memory goes back when it ends, before the reroll rows start. The same model, prompts, group,
-    lengths, KL, learning rate, dtype and micro-batch as the reroll rows (at 3B: activation checkpointing
-    and ``--peer-micro-batch-3b`` rows per micro-batch, as TRL fits there)."""
-    from benchmarks.peers.spec import PeerSpec
+def bench_setting(root: Path, model: Path, args: argparse.Namespace, size: str) -> PeerSpec:
+    """What every row of ``size`` runs, reroll's and the peers': the model, prompts, lengths, KL, learning
+    rate, dtype, LoRA (``--tune lora``: reroll's ``strategy.lora`` defaults, ``--lora-rank``) and, at 3B and
+    7B, activation checkpointing and ``--peer-micro-batch-3b`` rows per peer micro-batch (reroll's rows
+    take ``--micro-batch``). ``row`` and ``out`` are each peer's (``run_peer``)."""
+    from reroll.config.training import LoRAConfig
 
-    big = "3b" in model.name
-    spec = PeerSpec(
-        row=row,
+    big = size in CHECKPOINTED and not args.tiny
+    lora = None
+    if args.tune == "lora":
+        lora = LoRAConfig(**({"rank": args.lora_rank} if args.lora_rank else {})).model_dump(
+            include={"rank", "alpha", "target_modules", "dropout"}
+        )
+    return PeerSpec(
+        row="",
         model=str(model),
         prompts_file=str(root / "peer-prompts.json"),
-        out=str(root / f"peer-{row}-{model.name}.json"),
+        out="",
         prompts=args.prompts,
         group=args.group,
         prompt_len=args.prompt_len,
@@ -296,6 +370,18 @@ def run_peer(root: Path, model: Path, prompts: list[str], args: argparse.Namespa
         device=args.device,
         vllm_memory=args.vllm_memory,
         gradient_checkpointing=big or args.gradient_checkpointing,
+        lora=lora,
+        offload=args.tune == "full" and size == "7b" and not args.tiny,
+    )
+
+
+def run_peer(
+    root: Path, setting: PeerSpec, prompts: list[str], args: argparse.Namespace, row: str
+) -> list[dict]:
+    """A peer library's GRPO steps (``PEERS``) in ``setting``, in a process of its own
+    (``benchmarks/peers/``): its engine's GPU memory goes back when it ends, before the reroll rows start."""
+    spec = dataclasses.replace(
+        setting, row=row, out=str(root / f"peer-{row}-{Path(setting.model).name}.json")
     )
     Path(spec.prompts_file).write_text(json.dumps(prompts))
     script = ROOT / "benchmarks" / "peers" / PEER_SCRIPTS.get(row, "trl_grpo.py")
@@ -420,6 +506,27 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
             print(f"[{name}]   {label} {shown}", flush=True)
 
 
+def setting_problems(args: argparse.Namespace, sizes: list[str]) -> list[str]:
+    """What the bench refuses before it builds anything: an unknown size, a long-tail model of a shape
+    ``benchmarks/long_tail.py`` cannot edit, a tail threshold at or past the cap. ``--lengths long-tail``
+    sets ``--new-tokens`` to its cap (4,096) where it was left at its default."""
+    problems = [f"unknown size {s!r}; the sizes are {', '.join(SHAPES)}" for s in sizes if s not in SHAPES]
+    if args.lengths == "long-tail":
+        if args.new_tokens == DEFAULT_NEW_TOKENS:
+            args.new_tokens = LONG_TAIL_CAP
+        if "moe" in sizes and not args.tiny:
+            problems.append("--lengths long-tail edits a dense Qwen2 model; leave out --sizes moe")
+    if "ray-tail" in args.rows.split(",") and args.tail_threshold >= args.new_tokens:
+        problems.append(
+            f"--tail-threshold ({args.tail_threshold}) must be below --new-tokens ({args.new_tokens}), or the "
+            "ray-tail row sets nothing aside"
+        )
+    return problems
+
+
+DEFAULT_NEW_TOKENS = 256
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -427,7 +534,44 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument(
+        "--new-tokens",
+        type=int,
+        default=DEFAULT_NEW_TOKENS,
+        help="the most new tokens per sample, every row (engine, trainers and peers sized for it; "
+        f"--lengths long-tail: {LONG_TAIL_CAP} unless given)",
+    )
+    ap.add_argument(
+        "--lengths",
+        default="uniform",
+        choices=LENGTHS,
+        help="uniform: the random-init model, whose EOS is one token among ~150k (nearly every response "
+        "runs to --new-tokens); long-tail: the model edited so that p(EOS) is 1/--mean-length at every "
+        "position (benchmarks/long_tail.py), geometric lengths capped at --new-tokens, the same file for "
+        "every row",
+    )
+    ap.add_argument("--mean-length", type=float, default=512.0, help="--lengths long-tail: the mean length")
+    ap.add_argument(
+        "--tail-threshold",
+        type=int,
+        default=2048,
+        help="the ray-tail row's rollout.tail_threshold (tail batching): responses past it finish in a later "
+        "step",
+    )
+    ap.add_argument(
+        "--tune",
+        default="full",
+        choices=["full", "lora"],
+        help="full fine-tuning, or LoRA adapters in every row (reroll's strategy.lora defaults: rank, alpha, "
+        "target modules; the peers the same through peft / verl's lora_*); at 7B full, the peers offload "
+        "as reroll's placement.offload auto does (PeerSpec.offload)",
+    )
+    ap.add_argument("--lora-rank", type=int, default=0, help="--tune lora: the rank (0: reroll's default)")
+    ap.add_argument(
+        "--ignore-plan",
+        action="store_true",
+        help="run a reroll row even where reroll plan's estimate says it does not fit the GPU",
+    )
     ap.add_argument(
         "--micro-batch", type=int, default=64, help="training rows per micro-batch, both libraries"
     )
@@ -462,13 +606,14 @@ def main() -> None:
     ap.add_argument(
         "--sizes",
         default=None,
-        help="model shapes to run, e.g. '3b' alone, 'moe' (a small Qwen3-MoE; default: 0.5b and --model-size)",
+        help="model shapes to run, e.g. '3b' alone, '7b' (Qwen2.5-7B's, untied head), 'moe' (a small "
+        "Qwen3-MoE; default: 0.5b and --model-size)",
     )
     ap.add_argument(
         "--rows",
         default="ray,local",
         help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), "
-        "ray-resident, ray-offload, ray-sleep, ray-ownnorm, ray-padded, ray-fwdsized, local",
+        "ray-resident, ray-offload, ray-sleep, ray-ownnorm, ray-padded, ray-fwdsized, ray-tail, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(
@@ -507,10 +652,12 @@ def main() -> None:
     peers = [] if args.skip_trl else [p for p in args.peers.split(",") if p]
     if unknown := [p for p in peers if p not in PEERS]:
         ap.error(f"unknown peer rows {unknown}; the peers are {', '.join(PEERS)}")
+    sizes = args.sizes.split(",") if args.sizes else ["0.5b"] + (["3b"] if args.model_size == "3b" else [])
+    for problem in setting_problems(args, sizes):
+        ap.error(problem)
     peak = peak_tflops(args)
 
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
-    sizes = args.sizes.split(",") if args.sizes else ["0.5b"] + (["3b"] if args.model_size == "3b" else [])
     results: dict[str, list[dict]] = {}
     models: dict[str, Path] = {}
     for size in sizes:
@@ -518,13 +665,14 @@ def main() -> None:
         label = "tiny" if args.tiny else size
         models[label] = model
         # the peers first: once a reroll row has started Ray, its processes stay up beside the next rows
+        setting = bench_setting(root, model, args, size)
         for row in peers:
-            results[f"{row} {label}"] = run_peer(root, model, prompts, args, row)
+            results[f"{row} {label}"] = run_peer(root, setting, prompts, args, row)
             print_row(f"{row} {label}", results[f"{row} {label}"], args.warmup)
             save_json(args, results)
         n_params = matmul_params(model)
         for mode in filter(None, args.rows.split(",")):  # --rows "": the peers alone
-            results[f"reroll {mode} {label}"] = run_reroll(root, model, prompts, args, mode)
+            results[f"reroll {mode} {label}"] = run_reroll(root, model, prompts, args, mode, setting)
             add_rates(results[f"reroll {mode} {label}"], n_params, peak)
             print_row(f"reroll {mode} {label}", results[f"reroll {mode} {label}"], args.warmup)
             save_json(args, results)
@@ -576,19 +724,37 @@ def print_ratios(results: dict[str, list[dict]], warmup: int) -> None:
                 f"({medians[by_median]:.2f} s), of {', '.join(peers)}"
             )
     print(
-        f"\n{'row':<{width}}{'s/step':>10}{'median':>10}{'new tokens':>12}{'tokens/s':>10}{'/ peer':>8}"
-        f"{'median / peer median':>22}"
+        f"\n{'row':<{width}}{'s/step':>10}{'median':>10}{'new tokens':>12}{'tokens/s':>10}{'mean len':>10}"
+        f"{'max len':>9}{'/ peer':>8}{'median / peer median':>22}{'tokens/s x peer':>17}"
     )
     for name, rows in results.items():
         if not rows:
-            print(f"{name:<{width}}  failed: see its log above")
+            print(f"{name:<{width}}  failed or left out: see its log above")
             continue
         step, toks = mean_after(rows, "step", warmup), mean_after(rows, "new_tokens", warmup)
         median = mean_after(rows, "step", warmup, statistics.median)
+        longest = max((r.get("max_length", 0.0) for r in rows[warmup:] or rows), default=0.0)
         peer = fastest.get(name.split()[-1])
-        ratio = f"{step / peer[1]:>8.2f}{median / peer[3]:>22.2f}" if peer and step else ""
         rate = toks / step if step else 0.0
-        print(f"{name:<{width}}{step:>10.2f}{median:>10.2f}{toks:>12.0f}{rate:>10.0f}{ratio}")
+        ratio = ""
+        if (
+            peer and step
+        ):  # tokens/s against the fastest peer's: lengths differ step to step where they are long-tailed
+            peer_rate = mean_after(results[peer[0]], "new_tokens", warmup) / peer[1]
+            ratio = f"{step / peer[1]:>8.2f}{median / peer[3]:>22.2f}{rate / peer_rate if peer_rate else 0.0:>17.2f}"
+        mean_len = mean_after(rows, "mean_length", warmup)
+        print(
+            f"{name:<{width}}{step:>10.2f}{median:>10.2f}{toks:>12.0f}{rate:>10.0f}{mean_len:>10.0f}"
+            f"{f'{longest:.0f}' if longest else '-':>9}{ratio}"
+        )
+    for name, rows in results.items():  # what reroll's rows did about long and uneven responses
+        if rows and "packing" in rows[0]:
+            tail = rows[0]["tail_threshold"]
+            tail_steps = sum(r.get("metrics", {}).get("tail/step", 0.0) for r in rows)
+            print(
+                f"{name}: optim.packing {'on' if rows[0]['packing'] else 'off'}, tail batching "
+                + (f"on (rollout.tail_threshold {tail}, {tail_steps:.0f} tail steps)" if tail else "off")
+            )
 
 
 def save_json(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
