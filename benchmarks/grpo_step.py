@@ -182,34 +182,10 @@ def build_inputs(root: Path, args: argparse.Namespace, size: str) -> tuple[Path,
     return model, prompts
 
 
-def run_reroll(
-    root: Path, model: Path, prompts: list[str], args: argparse.Namespace, mode: str, setting: PeerSpec
-) -> list[dict]:
-    """RLVR steps as ``mode`` says ('ray': colocated Ray roles and vllm; 'ray-compile', 'ray-cudnn',
-    'ray-mp': the same with ``model.compile``, ``model.cudnn_attention``, ``rollout.vllm.in_process:
-    false``; 'local': one process) in ``setting`` (what every row of this size runs: lengths, LoRA,
-    activation checkpointing). Returns each step's phases and the metrics it logged; nothing where
-    ``reroll plan``'s estimate says the row does not fit the GPU (unless ``--ignore-plan``)."""
-    from reroll.config.loader import load_config
-    from reroll.config.schema import RunConfig
-    from reroll.pipelines.rlvr import RLVR
-    from reroll.pipelines.roles import Roles
-    from reroll.pipelines.run import run
-
+def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, setting: PeerSpec) -> dict:
+    """The run config of reroll's row ``mode`` (``run_reroll``) in ``setting``, as a dict for YAML: its
+    prompts in ``root/prompts.jsonl``, its reward ``bench_reward:digits``."""
     rows = root / "prompts.jsonl"
-    rows.write_text("".join(json.dumps({"question": p, "answer": "0"}) + "\n" for p in prompts))
-    reward_module = root / "bench_reward.py"
-    reward_module.write_text(
-        "from reroll.rewards.base import RewardResult\n"
-        "def digits(prompt, response, row):\n"
-        "    return RewardResult(sum(c.isdigit() for c in response) / max(len(response), 1))\n"
-    )
-    sys.path.insert(0, str(root))
-    # Ray's workers start from this environment: they find the reward module (and reroll, where it is
-    # run from a checkout without an install) there too
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(root), str(ROOT), os.environ.get("PYTHONPATH")])
-    )
     gpu = args.device == "cuda"
     ray = mode.startswith("ray")
     engine = args.engine if ray else "hf"
@@ -279,6 +255,39 @@ def run_reroll(
         engines = int(mode.removeprefix("ray-dp"))
         cfg["roles"] = {"actor_infer": {"world_size": engines}}
         cfg["rollout"]["vllm"]["gpu_memory_utilization"] = args.vllm_memory / engines
+    return cfg
+
+
+def run_reroll(
+    root: Path, model: Path, prompts: list[str], args: argparse.Namespace, mode: str, setting: PeerSpec
+) -> list[dict]:
+    """RLVR steps as ``mode`` says ('ray': colocated Ray roles and vllm; 'ray-compile', 'ray-cudnn',
+    'ray-mp': the same with ``model.compile``, ``model.cudnn_attention``, ``rollout.vllm.in_process:
+    false``; 'local': one process) in ``setting`` (what every row of this size runs: lengths, LoRA,
+    activation checkpointing). Returns each step's phases and the metrics it logged; nothing where
+    ``reroll plan``'s estimate says the row does not fit the GPU (unless ``--ignore-plan``)."""
+    from reroll.config.loader import load_config
+    from reroll.config.schema import RunConfig
+    from reroll.pipelines.rlvr import RLVR
+    from reroll.pipelines.roles import Roles
+    from reroll.pipelines.run import run
+
+    rows = root / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"question": p, "answer": "0"}) + "\n" for p in prompts))
+    reward_module = root / "bench_reward.py"
+    reward_module.write_text(
+        "from reroll.rewards.base import RewardResult\n"
+        "def digits(prompt, response, row):\n"
+        "    return RewardResult(sum(c.isdigit() for c in response) / max(len(response), 1))\n"
+    )
+    sys.path.insert(0, str(root))
+    # Ray's workers start from this environment: they find the reward module (and reroll, where it is
+    # run from a checkout without an install) there too
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(root), str(ROOT), os.environ.get("PYTHONPATH")])
+    )
+    cfg = reroll_config(root, model, args, mode, setting)
+    name, gpu, ray = cfg["name"], args.device == "cuda", mode.startswith("ray")
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     if ray and gpu and not fits_the_gpu(path, args, name):
@@ -506,16 +515,20 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
             print(f"[{name}]   {label} {shown}", flush=True)
 
 
+def resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with what follows from others: ``--lengths long-tail`` generates up to its cap (4,096 new
+    tokens) where ``--new-tokens`` was left at its default."""
+    if args.lengths == "long-tail" and args.new_tokens == DEFAULT_NEW_TOKENS:
+        return argparse.Namespace(**{**vars(args), "new_tokens": LONG_TAIL_CAP})
+    return args
+
+
 def setting_problems(args: argparse.Namespace, sizes: list[str]) -> list[str]:
-    """What the bench refuses before it builds anything: an unknown size, a long-tail model of a shape
-    ``benchmarks/long_tail.py`` cannot edit, a tail threshold at or past the cap. ``--lengths long-tail``
-    sets ``--new-tokens`` to its cap (4,096) where it was left at its default."""
+    """What the bench refuses before it builds anything (all at once): an unknown size, a long-tail model
+    of a shape ``benchmarks/long_tail.py`` cannot edit, a tail threshold at or past the cap."""
     problems = [f"unknown size {s!r}; the sizes are {', '.join(SHAPES)}" for s in sizes if s not in SHAPES]
-    if args.lengths == "long-tail":
-        if args.new_tokens == DEFAULT_NEW_TOKENS:
-            args.new_tokens = LONG_TAIL_CAP
-        if "moe" in sizes and not args.tiny:
-            problems.append("--lengths long-tail edits a dense Qwen2 model; leave out --sizes moe")
+    if args.lengths == "long-tail" and "moe" in sizes and not args.tiny:
+        problems.append("--lengths long-tail edits a dense Qwen2 model's layers; leave out --sizes moe")
     if "ray-tail" in args.rows.split(",") and args.tail_threshold >= args.new_tokens:
         problems.append(
             f"--tail-threshold ({args.tail_threshold}) must be below --new-tokens ({args.new_tokens}), or the "
@@ -527,7 +540,8 @@ def setting_problems(args: argparse.Namespace, sizes: list[str]) -> list[str]:
 DEFAULT_NEW_TOKENS = 256
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The bench's command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
@@ -648,13 +662,19 @@ def main() -> None:
         default=None,
         help="the card's peak dense bf16 TFLOP/s for MFU (default: from the card's name, H100 SXM and H200 989)",
     )
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     peers = [] if args.skip_trl else [p for p in args.peers.split(",") if p]
     if unknown := [p for p in peers if p not in PEERS]:
         ap.error(f"unknown peer rows {unknown}; the peers are {', '.join(PEERS)}")
     sizes = args.sizes.split(",") if args.sizes else ["0.5b"] + (["3b"] if args.model_size == "3b" else [])
-    for problem in setting_problems(args, sizes):
-        ap.error(problem)
+    args = resolved(args)
+    if problems := setting_problems(args, sizes):
+        ap.error("; ".join(problems))
     peak = peak_tflops(args)
 
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
