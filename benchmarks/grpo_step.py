@@ -31,7 +31,9 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   before 2026-12-06; by default they pack each micro-batch's rows on torch's variable-length
   flash-attention kernel; the row ``ray-fwdsized`` leaves ``optim.logprob_micro_batch_size`` unset, so
   the forward-only passes take as many rows as hold a training micro-batch's memory, the library's
-  default since 2026-12-06, where the other rows take ``--logprob-micro-batch``).
+  default since 2026-12-06, where the other rows take ``--logprob-micro-batch``; the row ``ray-tail``
+  turns on tail batching, ``rollout.tail_threshold: --tail-threshold``: responses longer than it are set
+  aside and finished together in a later step, which the mean over steps then includes).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 
@@ -55,6 +57,61 @@ for every row the ratio to the fastest peer of its model size, named (of the mea
 medians: one slow step moves a mean of five).
 The first ``--warmup`` steps (compilation, allocator growth) are left out of the means.
 ``--json PATH`` also writes every step's metrics of every row (to see which phase moved in a slow step).
+
+What every row of a size runs is one ``PeerSpec`` (``bench_setting``; ``benchmarks/peers/spec.py``):
+reroll's row config (``reroll_config``) and each peer's settings read it. The settings for the larger rows
+(issue 40, item 5):
+
+- ``--sizes 7b``: Qwen2.5-7B's shape (hidden 3584, 28 layers, 28 heads, 4 KV heads, MLP 18944, vocabulary
+  152064, a head of its own), activation checkpointing in every row and ``--peer-micro-batch-3b`` rows per
+  peer micro-batch, as at 3B. Building it (random init on the host, 15 GB written) takes a minute or two.
+- ``--tune lora``: every row trains LoRA adapters with reroll's ``strategy.lora`` defaults (rank 16, alpha
+  32, the seven projections of every layer; ``--lora-rank`` for another rank), TRL through ``peft``, verl
+  through its ``lora_rank``/``lora_alpha``/``target_modules``; each takes its reference as the base model
+  with the adapters off. ``--tune full`` (the default) at 7B: reroll's ``placement.offload: auto`` moves
+  the trainers' weights and AdamW state (42.6 GiB) to pinned host memory while the engine runs and the
+  engine's weights while they train; the peers get the like (``PeerSpec.offload``: TRL's vLLM sleep mode,
+  verl's FSDP parameter and optimizer offload).
+- Before each reroll row on a GPU, ``reroll plan``'s estimate of its config on this card: where it does
+  not fit (e.g. 7B full fine-tuning with 2,048 new tokens at 16 rows a micro-batch: 89.8 GiB), the plan
+  is printed and the row left out before anything loads (``--ignore-plan`` runs it anyway).
+- ``--new-tokens N``: the engine's ``max_model_len``, the model's positions, TRL's
+  ``max_completion_length``/``vllm_max_model_length`` and verl's ``max_response_length``/``max_model_len``
+  all follow (prompt + N + 8).
+- ``--lengths long-tail``: the model is edited after its random init so that EOS has probability
+  1/``--mean-length`` (512) at every position (``benchmarks/long_tail.py``; it prints p(EOS) x 512 at
+  held-out positions, 0.98 at the 0.5B shape), so response lengths are geometric with mean 512, capped
+  at ``--new-tokens`` (4,096 unless given), one model file for every row. The table's mean and max
+  response length show the tail; reroll's rows say whether they packed rows (``optim.packing``) and
+  batched the tail (``rollout.tail_threshold``) and how many tail steps ran.
+
+The lead's GPU calls for these rows, each under one 560 s call on an H100 80GB (estimates from the 0.5B
+rows' 3-5 s steps in docs/benchmarks.md scaled by FLOPs and tokens, not measured: ``--peer-timeout``
+keeps a slow peer from eating the call, ``--json`` keeps what finished):
+
+    # 7B LoRA, reroll against TRL with vLLM (~1.5 min build, TRL ~4 min, reroll ~3 min at ~25-35 s a step)
+    python benchmarks/grpo_step.py --sizes 7b --tune lora --peers trl-vllm --rows ray --steps 3 \
+        --micro-batch 16 --logprob-micro-batch 16 --peer-timeout 300 --json /tmp/b7lora.json
+    # 7B full fine-tuning, offloading between phases (plan: 62.5 GiB trainer peak; ~1.5 min build,
+    # ~3.5 min a row at ~30-40 s a step, TRL maybe out of memory: it keeps 61 GB of state resident)
+    python benchmarks/grpo_step.py --sizes 7b --peers trl-vllm --rows ray --steps 3 \
+        --micro-batch 16 --logprob-micro-batch 16 --peer-timeout 270 --json /tmp/b7full.json
+    # 2,048 new tokens at 0.5B (nearly every response runs to the cap; ~20-30 s a step reroll,
+    # ~40-50 s TRL; ~6 min)
+    python benchmarks/grpo_step.py --new-tokens 2048 --gradient-checkpointing --micro-batch 32 \
+        --logprob-micro-batch 32 --peers trl-vllm --rows ray --steps 3 --peer-timeout 270 --json /tmp/b2048.json
+    # long tail at 0.5B: geometric lengths, mean 512, cap 4,096 (~15 s a step reroll, ~12 s with tail
+    # batching, ~25 s TRL; two calls of ~8 min: the peer in each, for a same-call ratio)
+    python benchmarks/grpo_step.py --lengths long-tail --gradient-checkpointing --micro-batch 16 \
+        --logprob-micro-batch 16 --peers trl-vllm --rows ray,ray-padded --steps 6 --peer-timeout 240
+    python benchmarks/grpo_step.py --lengths long-tail --gradient-checkpointing --micro-batch 16 \
+        --logprob-micro-batch 16 --peers trl-vllm --rows ray-tail --steps 8 --peer-timeout 240
+
+A smoke run of the new options on the CPU (minutes on two cores):
+
+    python benchmarks/grpo_step.py --tiny --device cpu --dtype float32 --skip-trl --rows local \
+        --lengths long-tail --mean-length 16 --new-tokens 64 --tune lora --steps 2 --warmup 0 --prompts 4 \
+        --group 4 --prompt-len 16 --micro-batch 16 --logprob-micro-batch 16
 """
 
 from __future__ import annotations
@@ -131,6 +188,7 @@ def qwen2_config(shape: dict, vocab_size: int, **extra: object) -> object:
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz "
 PHASES = (
     "generate",
+    "generate_tail",  # tail batching (ray-tail): continuing the responses set aside
     "reward",
     "reference",
     "old_logprobs",
@@ -339,7 +397,10 @@ def read_steps(run_dir: Path, samples: int) -> list[dict]:
     out = []
     for row in read_metrics(run_dir)[1:-1]:
         phases = {p: row.get(f"timing/{p}", 0.0) for p in PHASES}
-        tokens = row["rollout/response_length"] * samples
+        # the response tokens of the batch the step trains (``samples`` responses but with tail batching,
+        # where a step trains its finished groups and a tail step the ones set aside: each response counted
+        # once, in the step that trains it)
+        tokens = row.get("tokens/generated", row["rollout/response_length"] * samples)
         lengths = {"mean_length": row["rollout/response_length"]}
         if "rollout/response_length_max" in row:
             lengths["max_length"] = row["rollout/response_length_max"]
@@ -448,13 +509,16 @@ def matmul_params(model: Path) -> int:
 
 
 def add_rates(rows: list[dict], n_params: int, peak: float | None) -> None:
-    """Each reroll step's engine new tokens/s (``tokens/generated`` over ``timing/generate``) and, with a
+    """Each reroll step's engine new tokens/s (``tokens/generated`` over ``timing/generate`` and, with tail
+    batching, ``timing/generate_tail``: there only roughly, as a tail step's responses began in earlier
+    steps) and, with a
     known peak, its training and reference MFU (6·N·``tokens/trained`` over ``timing/train``, 2·N·
     ``tokens/reference`` over ``timing/reference``; the phase's wall time, optimizer step included)."""
     for r in rows:
         m = r.get("metrics", {})
-        if m.get("timing/generate"):
-            r["engine_tok_s"] = m.get("tokens/generated", r["new_tokens"]) / m["timing/generate"]
+        generating = m.get("timing/generate", 0.0) + m.get("timing/generate_tail", 0.0)
+        if generating:
+            r["engine_tok_s"] = m.get("tokens/generated", r["new_tokens"]) / generating
         for key, phase, flops in (("train_mfu", "train", 6), ("ref_mfu", "reference", 2)):
             tokens, seconds = (
                 m.get(f"tokens/{'trained' if phase == 'train' else phase}"),
