@@ -316,20 +316,9 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
     return cfg
 
 
-def run_reroll(
-    root: Path, model: Path, prompts: list[str], args: argparse.Namespace, mode: str, setting: PeerSpec
-) -> list[dict]:
-    """RLVR steps as ``mode`` says ('ray': colocated Ray roles and vllm; 'ray-compile', 'ray-cudnn',
-    'ray-mp': the same with ``model.compile``, ``model.cudnn_attention``, ``rollout.vllm.in_process:
-    false``; 'local': one process) in ``setting`` (what every row of this size runs: lengths, LoRA,
-    activation checkpointing). Returns each step's phases and the metrics it logged; nothing where
-    ``reroll plan``'s estimate says the row does not fit the GPU (unless ``--ignore-plan``)."""
-    from reroll.config.loader import load_config
-    from reroll.config.schema import RunConfig
-    from reroll.pipelines.rlvr import RLVR
-    from reroll.pipelines.roles import Roles
-    from reroll.pipelines.run import run
-
+def prepare_reroll(root: Path, prompts: list[str]) -> None:
+    """What reroll's rows read besides their config: the prompts (``root/prompts.jsonl``) and the reward
+    module, where this process and Ray's workers find it."""
     rows = root / "prompts.jsonl"
     rows.write_text("".join(json.dumps({"question": p, "answer": "0"}) + "\n" for p in prompts))
     reward_module = root / "bench_reward.py"
@@ -338,32 +327,48 @@ def run_reroll(
         "def digits(prompt, response, row):\n"
         "    return RewardResult(sum(c.isdigit() for c in response) / max(len(response), 1))\n"
     )
-    sys.path.insert(0, str(root))
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
     # Ray's workers start from this environment: they find the reward module (and reroll, where it is
     # run from a checkout without an install) there too
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(root), str(ROOT), os.environ.get("PYTHONPATH")])
     )
+
+
+def write_reroll_config(
+    root: Path, model: Path, args: argparse.Namespace, mode: str, setting: PeerSpec
+) -> Path:
+    """``reroll_config`` as the YAML file the row runs."""
     cfg = reroll_config(root, model, args, mode, setting)
-    name, gpu, ray = cfg["name"], args.device == "cuda", mode.startswith("ray")
-    path = root / f"{name}.yaml"
+    path = root / f"{cfg['name']}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    if ray and gpu and not fits_the_gpu(path, args, name):
-        return []
+    return path
+
+
+def run_reroll(path: Path, args: argparse.Namespace, mode: str) -> list[dict]:
+    """RLVR steps of the config at ``path`` (``write_reroll_config``: 'ray' colocated Ray roles and vllm,
+    'ray-compile', 'ray-cudnn', 'ray-mp' the same with ``model.compile``, ``model.cudnn_attention``,
+    ``rollout.vllm.in_process: false``, 'local' one process, ...). Returns each step's phases, the metrics
+    it logged, and whether it packed rows and batched the tail."""
+    from reroll.config.loader import load_config
+    from reroll.config.schema import RunConfig
+    from reroll.models.packed_attention import wants_packing
+    from reroll.pipelines.rlvr import RLVR
+    from reroll.pipelines.roles import Roles
+    from reroll.pipelines.run import run
+
+    cfg = load_config(path, RunConfig)
     if mode == "ray-sleep":  # the engine sleeps at every trainer phase (auto before 2026-12-05)
         with mock.patch.object(Roles, "_staying", lambda self: set()):
-            run(RLVR, load_config(path, RunConfig))
+            run(RLVR, cfg)
     else:
-        run(RLVR, load_config(path, RunConfig))
-    from reroll.models.packed_attention import wants_packing
-
-    packing = wants_packing(
-        cfg["optim"].get("packing"), torch.device(args.device), getattr(torch, args.dtype)
-    )
-    tail = cfg["rollout"].get("tail_threshold", 0)
+        run(RLVR, cfg)
+    packing = wants_packing(cfg.optim.packing, torch.device(args.device), getattr(torch, args.dtype))
+    tail = cfg.rollout.tail_threshold or 0
     return [
         r | {"packing": packing, "tail_threshold": tail}
-        for r in read_steps(root / name, args.prompts * args.group)
+        for r in read_steps(path.parent / cfg.name, args.prompts * args.group)  # output_dir: root/{name}
     ]
 
 
@@ -748,15 +753,25 @@ def main() -> None:
         model, prompts = build_inputs(root, args, size)
         label = "tiny" if args.tiny else size
         models[label] = model
-        # the peers first: once a reroll row has started Ray, its processes stay up beside the next rows
         setting = bench_setting(root, model, args, size)
+        prepare_reroll(root, prompts)
+        modes = [m for m in args.rows.split(",") if m]  # --rows "": the peers alone
+        configs = {m: write_reroll_config(root, model, args, m, setting) for m in modes}
+        # reroll plan's verdict on each Ray row before anything loads on the GPU
+        fits = {
+            m: fits_the_gpu(p, args, f"reroll {m} {label}")
+            for m, p in configs.items()
+            if m.startswith("ray") and args.device == "cuda"
+        }
+        # the peers first: once a reroll row has started Ray, its processes stay up beside the next rows
         for row in peers:
             results[f"{row} {label}"] = run_peer(root, setting, prompts, args, row)
             print_row(f"{row} {label}", results[f"{row} {label}"], args.warmup)
             save_json(args, results)
         n_params = matmul_params(model)
-        for mode in filter(None, args.rows.split(",")):  # --rows "": the peers alone
-            results[f"reroll {mode} {label}"] = run_reroll(root, model, prompts, args, mode, setting)
+        for mode in modes:
+            ran = fits.get(mode, True)
+            results[f"reroll {mode} {label}"] = run_reroll(configs[mode], args, mode) if ran else []
             add_rates(results[f"reroll {mode} {label}"], n_params, peak)
             print_row(f"reroll {mode} {label}", results[f"reroll {mode} {label}"], args.warmup)
             save_json(args, results)
