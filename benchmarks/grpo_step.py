@@ -513,18 +513,20 @@ def matmul_params(model: Path) -> int:
     return total - experts + routed - embedding.numel() + (head.numel() if head is embedding else 0)
 
 
-def add_rates(rows: list[dict], n_params: int, peak: float | None) -> None:
+def add_rates(rows: list[dict], n_params: int, peak: float | None, *, lora: bool = False) -> None:
     """Each reroll step's engine new tokens/s (``tokens/generated`` over ``timing/generate`` and, with tail
     batching, ``timing/generate_tail``: there only roughly, as a tail step's responses began in earlier
     steps) and, with a
     known peak, its training and reference MFU (6·N·``tokens/trained`` over ``timing/train``, 2·N·
-    ``tokens/reference`` over ``timing/reference``; the phase's wall time, optimizer step included)."""
+    ``tokens/reference`` over ``timing/reference``; the phase's wall time, optimizer step included). With
+    ``lora`` a trained token costs 4·N: the frozen weights take no gradient (the adapters' FLOPs, rank/hidden
+    of a layer's, are left out)."""
     for r in rows:
         m = r.get("metrics", {})
         generating = m.get("timing/generate", 0.0) + m.get("timing/generate_tail", 0.0)
         if generating:
             r["engine_tok_s"] = m.get("tokens/generated", r["new_tokens"]) / generating
-        for key, phase, flops in (("train_mfu", "train", 6), ("ref_mfu", "reference", 2)):
+        for key, phase, flops in (("train_mfu", "train", 4 if lora else 6), ("ref_mfu", "reference", 2)):
             tokens, seconds = (
                 m.get(f"tokens/{'trained' if phase == 'train' else phase}"),
                 m.get(f"timing/{phase}"),
@@ -772,7 +774,7 @@ def main() -> None:
         for mode in modes:
             ran = fits.get(mode, True)
             results[f"reroll {mode} {label}"] = run_reroll(configs[mode], args, mode) if ran else []
-            add_rates(results[f"reroll {mode} {label}"], n_params, peak)
+            add_rates(results[f"reroll {mode} {label}"], n_params, peak, lora=setting.lora is not None)
             print_row(f"reroll {mode} {label}", results[f"reroll {mode} {label}"], args.warmup)
             save_json(args, results)
             if args.device == "cuda":
@@ -800,7 +802,8 @@ def main() -> None:
     elif reroll_rows:
         n = ", ".join(f"{label} {matmul_params(m) / 1e6:.1f}M" for label, m in models.items())
         print(
-            f"(MFU: model FLOPs, 6·N per trained token, 2·N per reference token, N = {n}; peak {peak:.0f} TFLOP/s)"
+            f"(MFU: model FLOPs, {'4·N (LoRA)' if args.tune == 'lora' else '6·N'} per trained token, 2·N per "
+            f"reference token, N = {n}; peak {peak:.0f} TFLOP/s)"
         )
     print_ratios(results, args.warmup)
     save_json(args, results)
