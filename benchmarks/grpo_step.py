@@ -671,7 +671,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--gradient-checkpointing",
         action="store_true",
-        help="activation checkpointing in reroll's trainer (always on for the 3B row: 64 rows of 384 tokens "
+        help="activation checkpointing in every row's trainer (always on at 3B and 7B: 64 rows of 384 tokens "
         "through a 3B model do not fit beside the engine without it)",
     )
     ap.add_argument(
@@ -719,7 +719,7 @@ def parser() -> argparse.ArgumentParser:
         "--peer-micro-batch-3b",
         type=int,
         default=16,
-        help="the peers' training rows per micro-batch at 3B (with activation checkpointing; TRL fits 16)",
+        help="the peers' training rows per micro-batch at 3B and 7B (with activation checkpointing; TRL fits 16 at 3B)",
     )
     ap.add_argument(
         "--peer-timeout",
