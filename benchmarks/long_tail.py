@@ -15,12 +15,15 @@ The construction, on a Qwen2-architecture model (``edit_long_tail``):
 2. ``c`` is made several times the norm of the rest of the final residual stream, so ``rms(h)``, and with
    it the normed coordinate, varies little from one position to the next (by ``(r / c)^2`` of the rest's
    variation, ``r`` that norm).
-3. EOS's head row is zeroed but for coordinate ``d``, so its logit is that coordinate times a weight
-   ``a``; the other rows' weight on ``d`` is zeroed (untied head) or left at ``c`` (a head tied to the
-   embedding: the same shift for every token, which softmax cancels, EOS getting ``c + a``). ``a`` is
-   calibrated on random contexts so that EOS's logit sits ``log(mean - 1)`` below the log-sum-exp of the
-   others (p / (1 - p) = 1 / (mean - 1)). RMSNorm fixes the norm of the normed state, so that
-   log-sum-exp over ~150k tokens barely moves between positions either.
+3. EOS's head row is zeroed but for coordinate ``d``, where it is ``2c``; the other rows have ``c`` there
+   (a head tied to the embedding) or 0 (a head of its own), the same for every one of them, which softmax
+   cancels. So EOS's logit over the others' is ``gap * n_d`` (``gap`` c or 2c), and the final norm's
+   weight on ``d`` sets its size: it is calibrated on random contexts so that EOS's logit sits
+   ``log(mean - 1)`` below the log-sum-exp of the others (p / (1 - p) = 1 / (mean - 1)). Every value in
+   the head stays a small multiple of ``c``, so bf16 keeps the margin to 2^-9 of itself (a first version
+   put a small ``a`` on top of a tied ``c`` of 263 at the 0.5B shape: bf16 rounded it away, p(EOS) 1).
+   RMSNorm fixes the norm of the normed state, so the others' log-sum-exp over ~150k tokens barely moves
+   between positions either.
 
 ``check_long_tail`` measures p(EOS) * mean at every position of fresh random contexts (about 1 where the
 construction holds).
