@@ -31,7 +31,9 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   before 2026-12-06; by default they pack each micro-batch's rows on torch's variable-length
   flash-attention kernel; the row ``ray-fwdsized`` leaves ``optim.logprob_micro_batch_size`` unset, so
   the forward-only passes take as many rows as hold a training micro-batch's memory, the library's
-  default since 2026-12-06, where the other rows take ``--logprob-micro-batch``).
+  default since 2026-12-06, where the other rows take ``--logprob-micro-batch``; the row ``ray-tail``
+  turns on tail batching, ``rollout.tail_threshold: --tail-threshold``: responses longer than it are set
+  aside and finished together in a later step, which the mean over steps then includes).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 
@@ -55,11 +57,67 @@ for every row the ratio to the fastest peer of its model size, named (of the mea
 medians: one slow step moves a mean of five).
 The first ``--warmup`` steps (compilation, allocator growth) are left out of the means.
 ``--json PATH`` also writes every step's metrics of every row (to see which phase moved in a slow step).
+
+What every row of a size runs is one ``PeerSpec`` (``bench_setting``; ``benchmarks/peers/spec.py``):
+reroll's row config (``reroll_config``) and each peer's settings read it. The settings for the larger rows
+(issue 40, item 5):
+
+- ``--sizes 7b``: Qwen2.5-7B's shape (hidden 3584, 28 layers, 28 heads, 4 KV heads, MLP 18944, vocabulary
+  152064, a head of its own), activation checkpointing in every row and ``--peer-micro-batch-3b`` rows per
+  peer micro-batch, as at 3B. Building it (random init on the host, 15 GB written) takes a minute or two.
+- ``--tune lora``: every row trains LoRA adapters with reroll's ``strategy.lora`` defaults (rank 16, alpha
+  32, the seven projections of every layer; ``--lora-rank`` for another rank), TRL through ``peft``, verl
+  through its ``lora_rank``/``lora_alpha``/``target_modules``; each takes its reference as the base model
+  with the adapters off. ``--tune full`` (the default) at 7B: reroll's ``placement.offload: auto`` moves
+  the trainers' weights and AdamW state (42.6 GiB) to pinned host memory while the engine runs and the
+  engine's weights while they train; the peers get the like (``PeerSpec.offload``: TRL's vLLM sleep mode,
+  verl's FSDP parameter and optimizer offload).
+- Before each reroll row on a GPU, ``reroll plan``'s estimate of its config on this card: where it does
+  not fit (e.g. 7B full fine-tuning with 2,048 new tokens at 16 rows a micro-batch: 89.8 GiB), the plan
+  is printed and the row left out before anything loads (``--ignore-plan`` runs it anyway).
+- ``--new-tokens N``: the engine's ``max_model_len``, the model's positions, TRL's
+  ``max_completion_length``/``vllm_max_model_length`` and verl's ``max_response_length``/``max_model_len``
+  all follow (prompt + N + 8).
+- ``--lengths long-tail``: the model is edited after its random init so that EOS has probability
+  1/``--mean-length`` (512) at every position (``benchmarks/long_tail.py``; it prints p(EOS) x 512 at
+  held-out positions, 0.98 at the 0.5B shape), so response lengths are geometric with mean 512, capped
+  at ``--new-tokens`` (4,096 unless given), one model file for every row. The table's mean and max
+  response length show the tail; reroll's rows say whether they packed rows (``optim.packing``) and
+  batched the tail (``rollout.tail_threshold``) and how many tail steps ran.
+
+The lead's GPU calls for these rows, each under one 560 s call on an H100 80GB (estimates from the 0.5B
+rows' 3-5 s steps in docs/benchmarks.md scaled by FLOPs and tokens, not measured: ``--peer-timeout``
+keeps a slow peer from eating the call, ``--json`` keeps what finished):
+
+    # 7B LoRA, reroll against TRL with vLLM (~1.5 min build, TRL ~4 min, reroll ~3 min at ~25-35 s a step)
+    python benchmarks/grpo_step.py --sizes 7b --tune lora --peers trl-vllm --rows ray --steps 3 \
+        --micro-batch 16 --logprob-micro-batch 16 --peer-timeout 300 --json /tmp/b7lora.json
+    # 7B full fine-tuning, offloading between phases (plan: 62.5 GiB trainer peak; ~1.5 min build,
+    # ~3.5 min a row at ~30-40 s a step, TRL maybe out of memory: it keeps 61 GB of state resident)
+    python benchmarks/grpo_step.py --sizes 7b --peers trl-vllm --rows ray --steps 3 \
+        --micro-batch 16 --logprob-micro-batch 16 --peer-timeout 270 --json /tmp/b7full.json
+    # 2,048 new tokens at 0.5B (nearly every response runs to the cap; ~20-30 s a step reroll,
+    # ~40-50 s TRL; ~6 min)
+    python benchmarks/grpo_step.py --new-tokens 2048 --gradient-checkpointing --micro-batch 32 \
+        --logprob-micro-batch 32 --peers trl-vllm --rows ray --steps 3 --peer-timeout 270 --json /tmp/b2048.json
+    # long tail at 0.5B: geometric lengths, mean 512, cap 4,096 (~15 s a step reroll, ~12 s with tail
+    # batching, ~25 s TRL; two calls of ~8 min: the peer in each, for a same-call ratio)
+    python benchmarks/grpo_step.py --lengths long-tail --gradient-checkpointing --micro-batch 16 \
+        --logprob-micro-batch 16 --peers trl-vllm --rows ray,ray-padded --steps 6 --peer-timeout 240
+    python benchmarks/grpo_step.py --lengths long-tail --gradient-checkpointing --micro-batch 16 \
+        --logprob-micro-batch 16 --peers trl-vllm --rows ray-tail --steps 8 --peer-timeout 240
+
+A smoke run of the new options on the CPU (minutes on two cores):
+
+    python benchmarks/grpo_step.py --tiny --device cpu --dtype float32 --skip-trl --rows local \
+        --lengths long-tail --mean-length 16 --new-tokens 64 --tune lora --steps 2 --warmup 0 --prompts 4 \
+        --group 4 --prompt-len 16 --micro-batch 16 --logprob-micro-batch 16
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -77,8 +135,19 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.peers.spec import PeerSpec  # noqa: E402
+
 QWEN25_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
 QWEN25_3B = dict(hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2, intermediate_size=11008)
+# Qwen2.5-7B: a head of its own (untied) and a vocabulary of 152064 (VOCAB)
+QWEN25_7B = dict(
+    hidden_size=3584,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    intermediate_size=18944,
+    tie_word_embeddings=False,
+)
 TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128)
 # A small Qwen3-MoE (37 item 3's "small MoE shape"): 16 layers of 32 experts, 4 routed a token, ~1.3B
 # parameters of which ~0.3B a token passes through (Qwen3-30B-A3B's proportions at a twentieth of its size)
@@ -89,6 +158,14 @@ MOE_SMALL = dict(
     num_kv_heads=4,
     moe={"experts": 32, "top_k": 4, "expert_hidden_size": 768},
 )
+
+
+SHAPES = {"0.5b": QWEN25_05B, "3b": QWEN25_3B, "7b": QWEN25_7B, "moe": MOE_SMALL}
+VOCAB = {"7b": 152064}  # the others: Qwen2.5-0.5B's and 3B's 151936
+# sizes whose rows turn on activation checkpointing and take --peer-micro-batch-3b rows per peer micro-batch
+CHECKPOINTED = ("3b", "7b")
+LENGTHS = ("uniform", "long-tail")
+LONG_TAIL_CAP = 4096  # --lengths long-tail: new tokens at most (geometric with mean 512: e^-8 reach it)
 
 
 def qwen2_config(shape: dict, vocab_size: int, **extra: object) -> object:
@@ -111,6 +188,7 @@ def qwen2_config(shape: dict, vocab_size: int, **extra: object) -> object:
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz "
 PHASES = (
     "generate",
+    "generate_tail",  # tail batching (ray-tail): continuing the responses set aside
     "reward",
     "reference",
     "old_logprobs",
@@ -134,50 +212,38 @@ def build_inputs(root: Path, args: argparse.Namespace, size: str) -> tuple[Path,
     from reroll.config.model import TinyMoEConfig
     from reroll.models.tiny import build_tiny_model
 
-    shape = dict(TINY if args.tiny else {"0.5b": QWEN25_05B, "3b": QWEN25_3B, "moe": MOE_SMALL}[size])
+    shape = dict(TINY if args.tiny else SHAPES[size])
     if "moe" in shape:
         shape["moe"] = TinyMoEConfig(**shape["moe"])
     model = build_tiny_model(
         root / f"model-{size}",
         alphabet=ALPHABET,
-        vocab_size=None if args.tiny else 151936,
+        vocab_size=None if args.tiny else VOCAB.get(size, 151936),
         max_position_embeddings=args.prompt_len + args.new_tokens + 8,
         dtype=args.dtype,
         for_cpu_engine=args.device == "cpu",
         **shape,
     )
+    if getattr(args, "lengths", "uniform") == "long-tail":  # one edited model file for every row
+        from benchmarks.long_tail import make_long_tail
+
+        done = make_long_tail(model, mean=args.mean_length)
+        print(
+            f"[long-tail {size}] p(EOS) x {args.mean_length:g} at held-out positions: min "
+            f"{done['ratio_min']:.3f}, median {done['ratio_median']:.3f}, max {done['ratio_max']:.3f} "
+            f"(1: geometric lengths of mean {args.mean_length:g})",
+            flush=True,
+        )
     rng = random.Random(0)
     n = args.prompts * (args.steps + 1)
     prompts = ["".join(rng.choice(ALPHABET) for _ in range(args.prompt_len)) for _ in range(n)]
     return model, prompts
 
 
-def run_reroll(
-    root: Path, model: Path, prompts: list[str], args: argparse.Namespace, mode: str
-) -> list[dict]:
-    """RLVR steps as ``mode`` says ('ray': colocated Ray roles and vllm; 'ray-compile', 'ray-cudnn',
-    'ray-mp': the same with ``model.compile``, ``model.cudnn_attention``, ``rollout.vllm.in_process:
-    false``; 'local': one process). Returns each step's phases and the metrics it logged."""
-    from reroll.config.loader import load_config
-    from reroll.config.schema import RunConfig
-    from reroll.pipelines.rlvr import RLVR
-    from reroll.pipelines.roles import Roles
-    from reroll.pipelines.run import run
-
+def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, setting: PeerSpec) -> dict:
+    """The run config of reroll's row ``mode`` (``run_reroll``) in ``setting``, as a dict for YAML: its
+    prompts in ``root/prompts.jsonl``, its reward ``bench_reward:digits``."""
     rows = root / "prompts.jsonl"
-    rows.write_text("".join(json.dumps({"question": p, "answer": "0"}) + "\n" for p in prompts))
-    reward_module = root / "bench_reward.py"
-    reward_module.write_text(
-        "from reroll.rewards.base import RewardResult\n"
-        "def digits(prompt, response, row):\n"
-        "    return RewardResult(sum(c.isdigit() for c in response) / max(len(response), 1))\n"
-    )
-    sys.path.insert(0, str(root))
-    # Ray's workers start from this environment: they find the reward module (and reroll, where it is
-    # run from a checkout without an install) there too
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(root), str(ROOT), os.environ.get("PYTHONPATH")])
-    )
     gpu = args.device == "cuda"
     ray = mode.startswith("ray")
     engine = args.engine if ray else "hf"
@@ -190,7 +256,7 @@ def run_reroll(
         "model": {
             "path": str(model),
             "dtype": args.dtype,
-            "gradient_checkpointing": checkpointing(args, model.name),
+            "gradient_checkpointing": checkpointing(args, setting.gradient_checkpointing),
             "compile": args.compile or mode == "ray-compile",
             "cudnn_attention": mode == "ray-cudnn",
             "fused_norm": mode != "ray-ownnorm",
@@ -213,7 +279,7 @@ def run_reroll(
         },
         "reward": {"fn": "bench_reward:digits", "isolation": "thread"},
         "algorithm": {"preset": "grpo", "kl_coef": 0.04},
-        "strategy": {"name": args.ray_strategy if ray else "torch"},
+        "strategy": {"name": args.ray_strategy if ray else "torch", "lora": setting.lora},
         "optim": {
             "lr": 1e-6,
             "micro_batch_size": args.micro_batch,
@@ -224,6 +290,8 @@ def run_reroll(
         "logging": {"tensorboard": False, "sample_every": 0, "profile_steps": args.profile_steps},
         "runtime": {"backend": "ray" if ray else "local"},
     }
+    if mode == "ray-tail":  # tail batching: responses past --tail-threshold tokens finish in a later step
+        cfg["rollout"]["tail_threshold"] = args.tail_threshold
     if mode == "ray-logprobs":  # the engine returns its log-probs (for mismatch/*) though nothing needs them
         cfg["rollout"]["logprobs"] = True
     if mode == "ray-padded":  # the trainers compute padded rows instead of packing them
@@ -245,14 +313,84 @@ def run_reroll(
         engines = int(mode.removeprefix("ray-dp"))
         cfg["roles"] = {"actor_infer": {"world_size": engines}}
         cfg["rollout"]["vllm"]["gpu_memory_utilization"] = args.vllm_memory / engines
-    path = root / f"{name}.yaml"
+    return cfg
+
+
+def prepare_reroll(root: Path, prompts: list[str]) -> None:
+    """What reroll's rows read besides their config: the prompts (``root/prompts.jsonl``) and the reward
+    module, where this process and Ray's workers find it."""
+    rows = root / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"question": p, "answer": "0"}) + "\n" for p in prompts))
+    reward_module = root / "bench_reward.py"
+    reward_module.write_text(
+        "from reroll.rewards.base import RewardResult\n"
+        "def digits(prompt, response, row):\n"
+        "    return RewardResult(sum(c.isdigit() for c in response) / max(len(response), 1))\n"
+    )
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    # Ray's workers start from this environment: they find the reward module (and reroll, where it is
+    # run from a checkout without an install) there too
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(root), str(ROOT), os.environ.get("PYTHONPATH")])
+    )
+
+
+def write_reroll_config(
+    root: Path, model: Path, args: argparse.Namespace, mode: str, setting: PeerSpec
+) -> Path:
+    """``reroll_config`` as the YAML file the row runs."""
+    cfg = reroll_config(root, model, args, mode, setting)
+    path = root / f"{cfg['name']}.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_reroll(path: Path, args: argparse.Namespace, mode: str) -> list[dict]:
+    """RLVR steps of the config at ``path`` (``write_reroll_config``: 'ray' colocated Ray roles and vllm,
+    'ray-compile', 'ray-cudnn', 'ray-mp' the same with ``model.compile``, ``model.cudnn_attention``,
+    ``rollout.vllm.in_process: false``, 'local' one process, ...). Returns each step's phases, the metrics
+    it logged, and whether it packed rows and batched the tail."""
+    from reroll.config.loader import load_config
+    from reroll.config.schema import RunConfig
+    from reroll.models.packed_attention import wants_packing
+    from reroll.pipelines.rlvr import RLVR
+    from reroll.pipelines.roles import Roles
+    from reroll.pipelines.run import run
+
+    cfg = load_config(path, RunConfig)
     if mode == "ray-sleep":  # the engine sleeps at every trainer phase (auto before 2026-12-05)
         with mock.patch.object(Roles, "_staying", lambda self: set()):
-            run(RLVR, load_config(path, RunConfig))
+            run(RLVR, cfg)
     else:
-        run(RLVR, load_config(path, RunConfig))
-    return read_steps(root / name, args.prompts * args.group)
+        run(RLVR, cfg)
+    packing = wants_packing(cfg.optim.packing, torch.device(args.device), getattr(torch, args.dtype))
+    tail = cfg.rollout.tail_threshold or 0
+    return [
+        r | {"packing": packing, "tail_threshold": tail}
+        for r in read_steps(path.parent / cfg.name, args.prompts * args.group)  # output_dir: root/{name}
+    ]
+
+
+def fits_the_gpu(path: Path, args: argparse.Namespace, name: str) -> bool:
+    """Whether ``reroll plan``'s estimate fits the run of ``path`` on this GPU: where it does not (a 7B
+    full fine-tuning step beside its engine), the plan is printed and the row left out before any
+    model loads, unless ``--ignore-plan``."""
+    from reroll.config.loader import load_config
+    from reroll.config.schema import RunConfig
+    from reroll.plan import plan
+
+    gib = torch.cuda.get_device_properties(0).total_memory / 1024**3
+    text, fits = plan(
+        load_config(path, RunConfig), gpus=1, gpu_memory_gib=gib, prompt_tokens=args.prompt_len + 2
+    )
+    print(f"[{name}] reroll plan: {text.splitlines()[-1] if fits else text}", flush=True)
+    if not fits and not args.ignore_plan:
+        print(
+            f"[{name}] left out: reroll plan's estimate does not fit this GPU (--ignore-plan runs it)",
+            flush=True,
+        )
+    return fits or args.ignore_plan
 
 
 def read_steps(run_dir: Path, samples: int) -> list[dict]:
@@ -264,8 +402,14 @@ def read_steps(run_dir: Path, samples: int) -> list[dict]:
     out = []
     for row in read_metrics(run_dir)[1:-1]:
         phases = {p: row.get(f"timing/{p}", 0.0) for p in PHASES}
-        tokens = row["rollout/response_length"] * samples
-        out.append({**phases, "step": row["timing/step"], "new_tokens": tokens, "metrics": row})
+        # the response tokens of the batch the step trains (``samples`` responses but with tail batching,
+        # where a step trains its finished groups and a tail step the ones set aside: each response counted
+        # once, in the step that trains it)
+        tokens = row.get("tokens/generated", row["rollout/response_length"] * samples)
+        lengths = {"mean_length": row["rollout/response_length"]}
+        if "rollout/response_length_max" in row:
+            lengths["max_length"] = row["rollout/response_length_max"]
+        out.append({**phases, "step": row["timing/step"], "new_tokens": tokens, **lengths, "metrics": row})
     return out
 
 
@@ -273,28 +417,34 @@ PEERS = ("trl", "trl-vllm", "trl-vllm-nois", "verl")
 PEER_SCRIPTS = {"verl": "verl_grpo.py"}  # the others: trl_grpo.py
 
 
-def checkpointing(args: argparse.Namespace, model_name: str) -> bool | int | str:
-    """``model.gradient_checkpointing`` of a row: ``--gradient-checkpointing``'s value, else true at 3B."""
+def checkpointing(args: argparse.Namespace, default: bool) -> bool | int | str:
+    """reroll's ``model.gradient_checkpointing`` for a row: ``--gradient-checkpointing``'s value (true,
+    false, a count of first layers, auto), else ``default`` (the setting's: true at 3B and 7B)."""
     value = args.gradient_checkpointing
     if value is None:
-        return "3b" in model_name
+        return default
     named = {"true": True, "false": False, "auto": "auto"}
     return named[value.lower()] if value.lower() in named else int(value)
 
 
-def run_peer(root: Path, model: Path, prompts: list[str], args: argparse.Namespace, row: str) -> list[dict]:
-    """A peer library's GRPO steps (``PEERS``), in a process of its own (``benchmarks/peers/``): its engine's
-    GPU memory goes back when it ends, before the reroll rows start. The same model, prompts, group,
-    lengths, KL, learning rate, dtype and micro-batch as the reroll rows (at 3B: activation checkpointing
-    and ``--peer-micro-batch-3b`` rows per micro-batch, as TRL fits there)."""
-    from benchmarks.peers.spec import PeerSpec
+def bench_setting(root: Path, model: Path, args: argparse.Namespace, size: str) -> PeerSpec:
+    """What every row of ``size`` runs, reroll's and the peers': the model, prompts, lengths, KL, learning
+    rate, dtype, LoRA (``--tune lora``: reroll's ``strategy.lora`` defaults, ``--lora-rank``) and, at 3B and
+    7B, activation checkpointing and ``--peer-micro-batch-3b`` rows per peer micro-batch (reroll's rows
+    take ``--micro-batch``). ``row`` and ``out`` are each peer's (``run_peer``)."""
+    from reroll.config.training import LoRAConfig
 
-    big = "3b" in model.name
-    spec = PeerSpec(
-        row=row,
+    big = size in CHECKPOINTED and not args.tiny
+    lora = None
+    if args.tune == "lora":
+        lora = LoRAConfig(**({"rank": args.lora_rank} if args.lora_rank else {})).model_dump(
+            include={"rank", "alpha", "target_modules", "dropout"}
+        )
+    return PeerSpec(
+        row="",
         model=str(model),
         prompts_file=str(root / "peer-prompts.json"),
-        out=str(root / f"peer-{row}-{model.name}.json"),
+        out="",
         prompts=args.prompts,
         group=args.group,
         prompt_len=args.prompt_len,
@@ -304,7 +454,19 @@ def run_peer(root: Path, model: Path, prompts: list[str], args: argparse.Namespa
         dtype=args.dtype,
         device=args.device,
         vllm_memory=args.vllm_memory,
-        gradient_checkpointing=bool(checkpointing(args, model.name)),  # peers: every layer or none
+        gradient_checkpointing=bool(checkpointing(args, big)),  # peers: every layer or none
+        lora=lora,
+        offload=args.tune == "full" and size == "7b" and not args.tiny,
+    )
+
+
+def run_peer(
+    root: Path, setting: PeerSpec, prompts: list[str], args: argparse.Namespace, row: str
+) -> list[dict]:
+    """A peer library's GRPO steps (``PEERS``) in ``setting``, in a process of its own
+    (``benchmarks/peers/``): its engine's GPU memory goes back when it ends, before the reroll rows start."""
+    spec = dataclasses.replace(
+        setting, row=row, out=str(root / f"peer-{row}-{Path(setting.model).name}.json")
     )
     Path(spec.prompts_file).write_text(json.dumps(prompts))
     script = ROOT / "benchmarks" / "peers" / PEER_SCRIPTS.get(row, "trl_grpo.py")
@@ -361,15 +523,20 @@ def matmul_params(model: Path) -> int:
     return total - experts + routed - embedding.numel() + (head.numel() if head is embedding else 0)
 
 
-def add_rates(rows: list[dict], n_params: int, peak: float | None) -> None:
-    """Each reroll step's engine new tokens/s (``tokens/generated`` over ``timing/generate``) and, with a
+def add_rates(rows: list[dict], n_params: int, peak: float | None, *, lora: bool = False) -> None:
+    """Each reroll step's engine new tokens/s (``tokens/generated`` over ``timing/generate`` and, with tail
+    batching, ``timing/generate_tail``: there only roughly, as a tail step's responses began in earlier
+    steps) and, with a
     known peak, its training and reference MFU (6·N·``tokens/trained`` over ``timing/train``, 2·N·
-    ``tokens/reference`` over ``timing/reference``; the phase's wall time, optimizer step included)."""
+    ``tokens/reference`` over ``timing/reference``; the phase's wall time, optimizer step included). With
+    ``lora`` a trained token costs 4·N: the frozen weights take no gradient (the adapters' FLOPs, rank/hidden
+    of a layer's, are left out)."""
     for r in rows:
         m = r.get("metrics", {})
-        if m.get("timing/generate"):
-            r["engine_tok_s"] = m.get("tokens/generated", r["new_tokens"]) / m["timing/generate"]
-        for key, phase, flops in (("train_mfu", "train", 6), ("ref_mfu", "reference", 2)):
+        generating = m.get("timing/generate", 0.0) + m.get("timing/generate_tail", 0.0)
+        if generating:
+            r["engine_tok_s"] = m.get("tokens/generated", r["new_tokens"]) / generating
+        for key, phase, flops in (("train_mfu", "train", 4 if lora else 6), ("ref_mfu", "reference", 2)):
             tokens, seconds = (
                 m.get(f"tokens/{'trained' if phase == 'train' else phase}"),
                 m.get(f"timing/{phase}"),
@@ -429,14 +596,77 @@ def print_row(name: str, rows: list[dict], warmup: int) -> None:
             print(f"[{name}]   {label} {shown}", flush=True)
 
 
-def main() -> None:
+def resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with what follows from others: ``--lengths long-tail`` generates up to its cap (4,096 new
+    tokens) where ``--new-tokens`` was left at its default."""
+    if args.lengths == "long-tail" and args.new_tokens == DEFAULT_NEW_TOKENS:
+        return argparse.Namespace(**{**vars(args), "new_tokens": LONG_TAIL_CAP})
+    return args
+
+
+def setting_problems(args: argparse.Namespace, sizes: list[str]) -> list[str]:
+    """What the bench refuses before it builds anything (all at once): an unknown size, a long-tail model
+    of a shape ``benchmarks/long_tail.py`` cannot edit, a tail threshold at or past the cap."""
+    problems = [f"unknown size {s!r}; the sizes are {', '.join(SHAPES)}" for s in sizes if s not in SHAPES]
+    if args.lengths == "long-tail" and "moe" in sizes and not args.tiny:
+        problems.append("--lengths long-tail edits a dense Qwen2 model's layers; leave out --sizes moe")
+    if "ray-tail" in args.rows.split(",") and args.tail_threshold >= args.new_tokens:
+        problems.append(
+            f"--tail-threshold ({args.tail_threshold}) must be below --new-tokens ({args.new_tokens}), or the "
+            "ray-tail row sets nothing aside"
+        )
+    return problems
+
+
+DEFAULT_NEW_TOKENS = 256
+
+
+def parser() -> argparse.ArgumentParser:
+    """The bench's command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument(
+        "--new-tokens",
+        type=int,
+        default=DEFAULT_NEW_TOKENS,
+        help="the most new tokens per sample, every row (engine, trainers and peers sized for it; "
+        f"--lengths long-tail: {LONG_TAIL_CAP} unless given)",
+    )
+    ap.add_argument(
+        "--lengths",
+        default="uniform",
+        choices=LENGTHS,
+        help="uniform: the random-init model, whose EOS is one token among ~150k (nearly every response "
+        "runs to --new-tokens); long-tail: the model edited so that p(EOS) is 1/--mean-length at every "
+        "position (benchmarks/long_tail.py), geometric lengths capped at --new-tokens, the same file for "
+        "every row",
+    )
+    ap.add_argument("--mean-length", type=float, default=512.0, help="--lengths long-tail: the mean length")
+    ap.add_argument(
+        "--tail-threshold",
+        type=int,
+        default=2048,
+        help="the ray-tail row's rollout.tail_threshold (tail batching): responses past it finish in a later "
+        "step",
+    )
+    ap.add_argument(
+        "--tune",
+        default="full",
+        choices=["full", "lora"],
+        help="full fine-tuning, or LoRA adapters in every row (reroll's strategy.lora defaults: rank, alpha, "
+        "target modules; the peers the same through peft / verl's lora_*); at 7B full, the peers offload "
+        "as reroll's placement.offload auto does (PeerSpec.offload)",
+    )
+    ap.add_argument("--lora-rank", type=int, default=0, help="--tune lora: the rank (0: reroll's default)")
+    ap.add_argument(
+        "--ignore-plan",
+        action="store_true",
+        help="run a reroll row even where reroll plan's estimate says it does not fit the GPU",
+    )
     ap.add_argument(
         "--micro-batch", type=int, default=64, help="training rows per micro-batch, both libraries"
     )
@@ -455,8 +685,8 @@ def main() -> None:
         default=None,
         help="reroll's model.gradient_checkpointing: true (the flag alone), false, a count of first layers, or "
         "auto (the fewest that fit, by reroll plan's estimate); the peers checkpoint every layer for any "
-        "but false and 0. Default: true for the 3B row (64 rows of 384 tokens through a 3B model do not "
-        "fit beside the engine without it), false otherwise",
+        "but false and 0. Default: true for the 3B and 7B rows (64 rows of 384 tokens through a 3B model do "
+        "not fit beside the engine without it), false otherwise",
     )
     ap.add_argument(
         "--compile",
@@ -475,13 +705,14 @@ def main() -> None:
     ap.add_argument(
         "--sizes",
         default=None,
-        help="model shapes to run, e.g. '3b' alone, 'moe' (a small Qwen3-MoE; default: 0.5b and --model-size)",
+        help="model shapes to run, e.g. '3b' alone, '7b' (Qwen2.5-7B's, untied head), 'moe' (a small "
+        "Qwen3-MoE; default: 0.5b and --model-size)",
     )
     ap.add_argument(
         "--rows",
         default="ray,local",
         help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), "
-        "ray-resident, ray-offload, ray-sleep, ray-ownnorm, ray-padded, ray-fwdsized, local",
+        "ray-resident, ray-offload, ray-sleep, ray-ownnorm, ray-padded, ray-fwdsized, ray-tail, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(
@@ -502,7 +733,7 @@ def main() -> None:
         "--peer-micro-batch-3b",
         type=int,
         default=16,
-        help="the peers' training rows per micro-batch at 3B (with activation checkpointing; TRL fits 16)",
+        help="the peers' training rows per micro-batch at 3B and 7B (with activation checkpointing; TRL fits 16 at 3B)",
     )
     ap.add_argument(
         "--peer-timeout",
@@ -516,29 +747,48 @@ def main() -> None:
         default=None,
         help="the card's peak dense bf16 TFLOP/s for MFU (default: from the card's name, H100 SXM and H200 989)",
     )
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     peers = [] if args.skip_trl else [p for p in args.peers.split(",") if p]
     if unknown := [p for p in peers if p not in PEERS]:
         ap.error(f"unknown peer rows {unknown}; the peers are {', '.join(PEERS)}")
+    sizes = args.sizes.split(",") if args.sizes else ["0.5b"] + (["3b"] if args.model_size == "3b" else [])
+    args = resolved(args)
+    if problems := setting_problems(args, sizes):
+        ap.error("; ".join(problems))
     peak = peak_tflops(args)
 
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
-    sizes = args.sizes.split(",") if args.sizes else ["0.5b"] + (["3b"] if args.model_size == "3b" else [])
     results: dict[str, list[dict]] = {}
     models: dict[str, Path] = {}
     for size in sizes:
         model, prompts = build_inputs(root, args, size)
         label = "tiny" if args.tiny else size
         models[label] = model
+        setting = bench_setting(root, model, args, size)
+        prepare_reroll(root, prompts)
+        modes = [m for m in args.rows.split(",") if m]  # --rows "": the peers alone
+        configs = {m: write_reroll_config(root, model, args, m, setting) for m in modes}
+        # reroll plan's verdict on each Ray row before anything loads on the GPU
+        fits = {
+            m: fits_the_gpu(p, args, f"reroll {m} {label}")
+            for m, p in configs.items()
+            if m.startswith("ray") and args.device == "cuda"
+        }
         # the peers first: once a reroll row has started Ray, its processes stay up beside the next rows
         for row in peers:
-            results[f"{row} {label}"] = run_peer(root, model, prompts, args, row)
+            results[f"{row} {label}"] = run_peer(root, setting, prompts, args, row)
             print_row(f"{row} {label}", results[f"{row} {label}"], args.warmup)
             save_json(args, results)
         n_params = matmul_params(model)
-        for mode in filter(None, args.rows.split(",")):  # --rows "": the peers alone
-            results[f"reroll {mode} {label}"] = run_reroll(root, model, prompts, args, mode)
-            add_rates(results[f"reroll {mode} {label}"], n_params, peak)
+        for mode in modes:
+            ran = fits.get(mode, True)
+            results[f"reroll {mode} {label}"] = run_reroll(configs[mode], args, mode) if ran else []
+            add_rates(results[f"reroll {mode} {label}"], n_params, peak, lora=setting.lora is not None)
             print_row(f"reroll {mode} {label}", results[f"reroll {mode} {label}"], args.warmup)
             save_json(args, results)
             if args.device == "cuda":
@@ -566,7 +816,8 @@ def main() -> None:
     elif reroll_rows:
         n = ", ".join(f"{label} {matmul_params(m) / 1e6:.1f}M" for label, m in models.items())
         print(
-            f"(MFU: model FLOPs, 6·N per trained token, 2·N per reference token, N = {n}; peak {peak:.0f} TFLOP/s)"
+            f"(MFU: model FLOPs, {'4·N (LoRA)' if args.tune == 'lora' else '6·N'} per trained token, 2·N per "
+            f"reference token, N = {n}; peak {peak:.0f} TFLOP/s)"
         )
     print_ratios(results, args.warmup)
     save_json(args, results)
@@ -589,19 +840,37 @@ def print_ratios(results: dict[str, list[dict]], warmup: int) -> None:
                 f"({medians[by_median]:.2f} s), of {', '.join(peers)}"
             )
     print(
-        f"\n{'row':<{width}}{'s/step':>10}{'median':>10}{'new tokens':>12}{'tokens/s':>10}{'/ peer':>8}"
-        f"{'median / peer median':>22}"
+        f"\n{'row':<{width}}{'s/step':>10}{'median':>10}{'new tokens':>12}{'tokens/s':>10}{'mean len':>10}"
+        f"{'max len':>9}{'/ peer':>8}{'median / peer median':>22}{'tokens/s x peer':>17}"
     )
     for name, rows in results.items():
         if not rows:
-            print(f"{name:<{width}}  failed: see its log above")
+            print(f"{name:<{width}}  failed or left out: see its log above")
             continue
         step, toks = mean_after(rows, "step", warmup), mean_after(rows, "new_tokens", warmup)
         median = mean_after(rows, "step", warmup, statistics.median)
+        longest = max((r.get("max_length", 0.0) for r in rows[warmup:] or rows), default=0.0)
         peer = fastest.get(name.split()[-1])
-        ratio = f"{step / peer[1]:>8.2f}{median / peer[3]:>22.2f}" if peer and step else ""
         rate = toks / step if step else 0.0
-        print(f"{name:<{width}}{step:>10.2f}{median:>10.2f}{toks:>12.0f}{rate:>10.0f}{ratio}")
+        ratio = ""
+        if (
+            peer and step
+        ):  # tokens/s against the fastest peer's: lengths differ step to step where they are long-tailed
+            peer_rate = mean_after(results[peer[0]], "new_tokens", warmup) / peer[1]
+            ratio = f"{step / peer[1]:>8.2f}{median / peer[3]:>22.2f}{rate / peer_rate if peer_rate else 0.0:>17.2f}"
+        mean_len = mean_after(rows, "mean_length", warmup)
+        print(
+            f"{name:<{width}}{step:>10.2f}{median:>10.2f}{toks:>12.0f}{rate:>10.0f}{mean_len:>10.0f}"
+            f"{f'{longest:.0f}' if longest else '-':>9}{ratio}"
+        )
+    for name, rows in results.items():  # what reroll's rows did about long and uneven responses
+        if rows and "packing" in rows[0]:
+            tail = rows[0]["tail_threshold"]
+            tail_steps = sum(r.get("metrics", {}).get("tail/step", 0.0) for r in rows)
+            print(
+                f"{name}: optim.packing {'on' if rows[0]['packing'] else 'off'}, tail batching "
+                + (f"on (rollout.tail_threshold {tail}, {tail_steps:.0f} tail steps)" if tail else "off")
+            )
 
 
 def save_json(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:

@@ -1,5 +1,5 @@
-"""What a peer row of ``benchmarks/grpo_step.py`` runs, handed to its process as JSON, and the reward
-every row shares."""
+"""What every row of ``benchmarks/grpo_step.py`` runs, reroll's and the peers' (each peer gets it as JSON
+in a process of its own), and the reward every row shares."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ class PeerSpec:
     beta: float = 0.04  # KL coefficient against the reference
     lr: float = 1e-6
     gradient_checkpointing: bool = False
+    # LoRA adapters instead of full fine-tuning: reroll's ``strategy.lora`` section (rank, alpha,
+    # target_modules), which the peers translate into their own settings; None: full fine-tuning
+    lora: dict | None = None
+    # full fine-tuning too big to keep resident beside the engine (7B on one GPU): the peers move their
+    # engine and optimizer state off the GPU between phases as reroll's ``placement.offload: auto`` does
+    # (TRL: vLLM's sleep mode; verl: its FSDP parameter and optimizer offload)
+    offload: bool = False
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(dataclasses.asdict(self)))

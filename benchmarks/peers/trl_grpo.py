@@ -12,9 +12,15 @@ The rows (``spec.row``):
 - ``trl-vllm-nois``: the same without that correction (``vllm_importance_sampling_correction=False``):
   no old-log-prob pass, the work reroll's on-policy step does.
 
+With ``spec.lora`` every row trains adapters through ``peft`` (``GRPOTrainer(peft_config=...)``: the same
+rank, alpha and target modules as reroll's ``strategy.lora``; the reference is the base model with the
+adapters off, as in reroll); with ``spec.offload`` the vLLM rows put the engine to sleep while the
+trainer computes (``vllm_enable_sleep_mode``), what lets a 7B full fine-tuning step beside it.
+
 A process of its own: an in-process vLLM engine (TRL sets up ``torch.distributed`` for it) keeps its
 GPU memory until the process ends, and the reroll rows that follow need that memory back.
-Writes ``spec.out``: one ``{"step": seconds, "new_tokens": n}`` per optimizer step.
+Writes ``spec.out``: one ``{"step": seconds, "new_tokens": n, "mean_length": .., "max_length": ..}`` per
+optimizer step.
 """
 
 from __future__ import annotations
@@ -73,7 +79,22 @@ def trl_config_fields(spec: PeerSpec) -> dict:
         )
     if spec.row == "trl-vllm-nois":
         fields["vllm_importance_sampling_correction"] = False
+    if spec.offload and spec.row != "trl":
+        fields["vllm_enable_sleep_mode"] = True
     return fields
+
+
+def peft_fields(spec: PeerSpec) -> dict | None:
+    """``peft.LoraConfig``'s fields for ``spec.lora`` (reroll's ``strategy.lora`` section), None without."""
+    if spec.lora is None:
+        return None
+    return dict(
+        r=spec.lora["rank"],
+        lora_alpha=spec.lora["alpha"],
+        target_modules=list(spec.lora["target_modules"]),
+        lora_dropout=spec.lora.get("dropout", 0.0),
+        task_type="CAUSAL_LM",
+    )
 
 
 def run(spec: PeerSpec) -> list[dict]:
@@ -83,6 +104,7 @@ def run(spec: PeerSpec) -> list[dict]:
 
     times: list[float] = []
     tokens: list[float] = []
+    lengths: list[tuple[float, float]] = []  # each step's mean and longest response
     cuda = spec.device == "cuda"
 
     class StepClock(TrainerCallback):
@@ -101,6 +123,7 @@ def run(spec: PeerSpec) -> list[dict]:
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs and "completions/mean_length" in logs:
                 tokens.append(logs["completions/mean_length"] * spec.prompts * spec.group)
+                lengths.append((logs["completions/mean_length"], logs.get("completions/max_length", 0.0)))
 
     wanted = trl_config_fields(spec)
     known = {f.name for f in dataclasses.fields(GRPOConfig)}
@@ -108,6 +131,9 @@ def run(spec: PeerSpec) -> list[dict]:
     tok = AutoTokenizer.from_pretrained(spec.model)
     policy = AutoModelForCausalLM.from_pretrained(spec.model, dtype=getattr(torch, spec.dtype))
     prompts = json.loads(Path(spec.prompts_file).read_text())
+    lora = peft_fields(spec)
+    if lora is not None:
+        from peft import LoraConfig
     trainer = GRPOTrainer(
         model=policy,
         reward_funcs=[lambda completions, **_: [length_reward(c) for c in completions]],
@@ -115,9 +141,14 @@ def run(spec: PeerSpec) -> list[dict]:
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tok,
         callbacks=[StepClock()],
+        peft_config=None if lora is None else LoraConfig(**lora),
     )
     trainer.train()
-    return [{"step": t, "new_tokens": n} for t, n in zip(times, tokens or [0.0] * len(times))]
+    lengths = lengths or [(0.0, 0.0)] * len(times)
+    return [
+        {"step": t, "new_tokens": n, "mean_length": m, "max_length": x}
+        for t, n, (m, x) in zip(times, tokens or [0.0] * len(times), lengths)
+    ]
 
 
 if __name__ == "__main__":

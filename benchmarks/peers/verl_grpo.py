@@ -13,6 +13,12 @@ is ``sdpa`` over padded rows (``use_remove_padding: false``), since verl's packe
 ``flash-attn`` package, which is not in the image and too large to carry (verl's fastest setup packs), and
 activation checkpointing is off at 0.5B as in reroll's row (verl's default turns it on).
 
+With ``spec.lora`` the actor trains adapters (``model.lora_rank``, ``lora_alpha``, ``target_modules``:
+reroll's ``strategy.lora``; the reference is the actor with its adapters off, and the rollout loads the
+weights as ``safetensors``, verl's LoRA setup); with ``spec.offload`` the actor's parameters and optimizer
+state and the reference's parameters leave the GPU between phases (``fsdp_config.param_offload`` and
+``optimizer_offload``), verl's way to fit a full fine-tuning step the GPU cannot hold beside the rest.
+
 Its needs beyond the vLLM bundle (``hydra-core``, ``omegaconf``, ``tensordict``, ``transferqueue``, ``trl==0.27.0``, ...) come in
 ``.devbundle/verl.tar.xz``. Pins verl declares and the GPU image does not meet: ``transformers<5.11`` (the
 image has 5.17) and, for its vllm extra, ``vllm==0.24.0`` (the bundle has 0.25.0).
@@ -81,8 +87,9 @@ def verl_model(spec: PeerSpec, work: Path) -> Path:
     return out
 
 
-def overrides(spec: PeerSpec, work: Path, data: Path, model: Path) -> list[str]:
-    """verl's Hydra overrides for ``spec``."""
+def overrides(spec: PeerSpec, work: Path, data: Path, model: Path | None = None) -> list[str]:
+    """verl's Hydra overrides for ``spec`` (``model``: the model directory verl opens, ``verl_model``'s;
+    default ``spec.model``)."""
     a, r, m = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.model"
     micro = min(spec.micro_batch, spec.prompts * spec.group)
     return [
@@ -97,7 +104,7 @@ def overrides(spec: PeerSpec, work: Path, data: Path, model: Path) -> list[str]:
         "data.dataloader_num_workers=0",
         "data.filter_overlong_prompts=false",
         "data.truncation=error",
-        f"{m}.path={model}",
+        f"{m}.path={model or spec.model}",
         f"+{m}.override_config.attn_implementation=sdpa",
         f"{m}.use_remove_padding=false",
         f"{m}.enable_gradient_checkpointing={str(spec.gradient_checkpointing).lower()}",
@@ -108,8 +115,8 @@ def overrides(spec: PeerSpec, work: Path, data: Path, model: Path) -> list[str]:
         f"{a}.kl_loss_coef={spec.beta}",
         f"{a}.kl_loss_type=low_var_kl",
         f"{a}.entropy_coeff=0",
-        f"{a}.fsdp_config.param_offload=false",
-        f"{a}.fsdp_config.optimizer_offload=false",
+        f"{a}.fsdp_config.param_offload={str(spec.offload).lower()}",
+        f"{a}.fsdp_config.optimizer_offload={str(spec.offload).lower()}",
         f"{r}.name=vllm",
         f"{r}.n={spec.group}",
         f"{r}.temperature=1.0",
@@ -118,7 +125,7 @@ def overrides(spec: PeerSpec, work: Path, data: Path, model: Path) -> list[str]:
         f"{r}.max_model_len={spec.prompt_len + spec.new_tokens + 8}",
         f"{r}.log_prob_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
-        "actor_rollout_ref.ref.fsdp_config.param_offload=false",
+        f"actor_rollout_ref.ref.fsdp_config.param_offload={str(spec.offload).lower()}",
         f"reward.custom_reward_function.path={work / 'bench_reward.py'}",
         "reward.custom_reward_function.name=compute_score",
         "trainer.n_gpus_per_node=1",
@@ -132,6 +139,20 @@ def overrides(spec: PeerSpec, work: Path, data: Path, model: Path) -> list[str]:
         "trainer.project_name=bench",
         "trainer.experiment_name=verl",
         f"trainer.default_local_dir={work / 'ckpt'}",
+        *lora_overrides(spec),
+    ]
+
+
+def lora_overrides(spec: PeerSpec) -> list[str]:
+    """verl's LoRA settings for ``spec.lora`` (reroll's ``strategy.lora`` section); none without."""
+    if spec.lora is None:
+        return []
+    m = "actor_rollout_ref.model"
+    return [
+        f"{m}.lora_rank={spec.lora['rank']}",
+        f"{m}.lora_alpha={spec.lora['alpha']:g}",  # an int in verl's config: 32, not 32.0
+        f"{m}.target_modules=[{','.join(spec.lora['target_modules'])}]",
+        "actor_rollout_ref.rollout.load_format=safetensors",
     ]
 
 
@@ -144,7 +165,11 @@ def read_steps(log: Path, spec: PeerSpec) -> list[dict]:
             continue
         phases = {k.removeprefix("timing_s/"): v for k, v in data.items() if k.startswith("timing_s/")}
         tokens = data.get("response_length/mean", 0.0) * spec.prompts * spec.group
-        out.append({"step": data["timing_s/step"], "new_tokens": tokens, "phases": phases})
+        lengths = {
+            "mean_length": data.get("response_length/mean", 0.0),
+            "max_length": data.get("response_length/max", 0.0),
+        }
+        out.append({"step": data["timing_s/step"], "new_tokens": tokens, **lengths, "phases": phases})
     return out
 
 

@@ -152,10 +152,12 @@ def build_tiny_model(
     for_cpu_engine: bool = True,
     chat_template: bool = True,
     moe: TinyMoEConfig | None = None,
+    tie_word_embeddings: bool = True,
 ) -> Path:
     """Save a random-init ``Qwen2ForCausalLM`` (fp32 unless ``dtype``) and its ``char_tokenizer(alphabet)`` to ``out_dir``.
 
-    Embeddings are tied; ``num_kv_heads`` defaults to ``num_heads`` and ``intermediate_size`` to
+    Embeddings are tied unless ``tie_word_embeddings`` is off (Qwen2.5-7B's shape has a head of its
+    own); ``num_kv_heads`` defaults to ``num_heads`` and ``intermediate_size`` to
     ``4 * hidden_size``. ``vocab_size`` larger than the tokenizer's pads the embedding (the shape of a
     real model for speed measurements; ids past the tokenizer decode to nothing). The same ``seed``
     gives the same weights. ``for_cpu_engine`` checks the head size against vLLM's CPU backend (turn it
@@ -175,7 +177,7 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,

@@ -225,6 +225,7 @@ def _rollout_metrics(
         "rollout/reward_mean": sum(r.score for r in results) / n,  # before any per-domain normalisation
         "rollout/accuracy": sum(routing.is_correct(r) for r in results) / n,
         "rollout/response_length": float(lengths.mean()),
+        "rollout/response_length_max": float(lengths.max()),  # a long tail shows here, not in the mean
         "rollout/truncated": sum(r.completion.finish_reason == "length" for r in rollouts) / n,
     }
     # with the engine's log-probs (rollout.logprobs); without old log-probs the trainer measures it

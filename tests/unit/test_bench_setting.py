@@ -1,0 +1,92 @@
+"""benchmarks/grpo_step.py's one setting per size (``bench_setting``, a ``PeerSpec``): reroll's row config
+and each peer's own settings say the same LoRA, lengths and offload, from that one object."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from benchmarks.grpo_step import (
+    LONG_TAIL_CAP,
+    bench_setting,
+    parser,
+    reroll_config,
+    resolved,
+    setting_problems,
+)
+from benchmarks.peers.trl_grpo import peft_fields, trl_config_fields
+from benchmarks.peers.verl_grpo import overrides
+from reroll.config.training import LoRAConfig
+
+
+def setting_for(tmp_path: Path, size: str, *argv: str):
+    args = resolved(parser().parse_args(["--device", "cuda", *argv]))
+    model = tmp_path / f"model-{size}"
+    return args, bench_setting(tmp_path, model, args, size), model
+
+
+def verl_settings(setting, tmp_path: Path) -> dict[str, str]:
+    pairs = (o.lstrip("+").split("=", 1) for o in overrides(setting, tmp_path, tmp_path / "d.parquet"))
+    return dict(pairs)
+
+
+def test_lora_is_the_same_in_every_row(tmp_path):
+    args, setting, model = setting_for(tmp_path, "7b", "--tune", "lora")
+    default = LoRAConfig()
+    reroll = reroll_config(tmp_path, model, args, "ray", setting)["strategy"]["lora"]
+    assert (reroll["rank"], reroll["alpha"], reroll["target_modules"]) == (
+        default.rank,
+        default.alpha,
+        default.target_modules,
+    )
+    trl = peft_fields(setting)
+    assert (trl["r"], trl["lora_alpha"], trl["target_modules"]) == (
+        default.rank,
+        default.alpha,
+        default.target_modules,
+    )
+    verl = verl_settings(setting, tmp_path)
+    m = "actor_rollout_ref.model"
+    assert verl[f"{m}.lora_rank"] == str(default.rank)
+    assert float(verl[f"{m}.lora_alpha"]) == default.alpha
+    assert verl[f"{m}.target_modules"] == "[" + ",".join(default.target_modules) + "]"
+    # 7B: activation checkpointing everywhere, and LoRA needs no offload
+    assert setting.gradient_checkpointing and not setting.offload
+
+
+def test_full_fine_tuning_has_no_adapters_and_offloads_at_7b(tmp_path):
+    args, setting, model = setting_for(tmp_path, "7b")
+    assert setting.lora is None and peft_fields(setting) is None
+    assert reroll_config(tmp_path, model, args, "ray", setting)["strategy"]["lora"] is None
+    assert setting.offload
+    assert trl_config_fields(replace(setting, row="trl-vllm"))["vllm_enable_sleep_mode"]
+    verl = verl_settings(setting, tmp_path)
+    assert verl["actor_rollout_ref.actor.fsdp_config.optimizer_offload"] == "true"
+    _, small, _ = setting_for(tmp_path, "0.5b")
+    assert not small.offload
+
+
+@pytest.mark.parametrize("argv", [["--new-tokens", "2048"], ["--lengths", "long-tail"]])
+def test_every_row_is_sized_for_the_longest_response(tmp_path, argv):
+    args, setting, model = setting_for(tmp_path, "0.5b", *argv)
+    new = args.new_tokens
+    assert new == (LONG_TAIL_CAP if args.lengths == "long-tail" else 2048)
+    longest = args.prompt_len + new + 8  # the prompt, its chat template's two tokens, the response
+    cfg = reroll_config(tmp_path, model, args, "ray", setting)
+    assert cfg["rollout"]["max_new_tokens"] == new and cfg["rollout"]["vllm"]["max_model_len"] == longest
+    trl = trl_config_fields(replace(setting, row="trl-vllm"))
+    assert trl["max_completion_length"] == new and trl["vllm_max_model_length"] == longest
+    verl = verl_settings(setting, tmp_path)
+    assert verl["data.max_response_length"] == str(new)
+    assert verl["actor_rollout_ref.rollout.max_model_len"] == str(longest)
+
+
+def test_settings_refused_up_front():
+    args = parser().parse_args(["--lengths", "long-tail", "--rows", "ray-tail", "--new-tokens", "1024"])
+    problems = setting_problems(args, ["moe", "13b"])
+    assert any("13b" in p for p in problems)
+    assert any("moe" in p for p in problems)
+    assert any("--tail-threshold (2048)" in p for p in problems)
+    assert setting_problems(parser().parse_args(["--lengths", "long-tail"]), ["0.5b", "7b"]) == []
