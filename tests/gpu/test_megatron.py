@@ -225,6 +225,35 @@ def _one_rank_groups() -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(0)
 
 
+def _two_ranks_equal_torch(tmp_path, assets, rank_fn) -> None:
+    """``rank_fn`` on two GPUs, each rank given half the rows, against the torch strategy on the whole
+    batch: summed losses and the grad norm within rel 1e-4, both ranks' gathered weights equal to each
+    other and within 1e-4 of the torch strategy's (the TP=2 and PP=2 tests)."""
+    import torch.multiprocessing as mp
+
+    from reroll.strategies.torch_strategy import TorchStrategy
+
+    cfg_path = write_config(
+        tmp_path / "c.yaml", assets, model={"path": str(assets["model"]), "dtype": "float32"}
+    )
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{so.getsockname()[1]}"
+    mp.start_processes(rank_fn, args=(address, str(cfg_path), str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+    ref = TorchStrategy(str(assets["model"]), cfg=load_config(cfg_path, RunConfig), device="cuda")
+    ref.configure_optimizer(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
+    ids, mask = _batch()
+    expected = _train(ref, ids, mask, 3, micro=8)
+    for i, (loss, norm) in enumerate(expected):
+        assert ranks[0]["steps"][i][0] + ranks[1]["steps"][i][0] == pytest.approx(loss, rel=1e-4)
+        assert ranks[0]["steps"][i][1] == ranks[1]["steps"][i][1] == pytest.approx(norm, rel=1e-4)
+    for k, v in ref.full_state_dict().items():
+        assert torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]), k
+        torch.testing.assert_close(ranks[0]["weights"][k], v, atol=1e-4, rtol=0)
+
+
 def _tp2_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
     from reroll.strategies.megatron import MegatronStrategy
 
@@ -252,32 +281,7 @@ def _tp2_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
 def test_tp2_equals_torch_on_the_whole_batch(tmp_path, assets):
     """Two TP ranks, each given half the rows: summed losses, grad norms and weights equal the torch
     strategy's on the whole batch (CPU dev run over gloo: loss exact, norm rel 1e-7, weights 2e-5)."""
-    import torch.multiprocessing as mp
-
-    from reroll.strategies.torch_strategy import TorchStrategy
-
-    cfg_path = write_config(
-        tmp_path / "c.yaml", assets, model={"path": str(assets["model"]), "dtype": "float32"}
-    )
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{so.getsockname()[1]}"
-    mp.start_processes(
-        _tp2_rank, args=(address, str(cfg_path), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-
-    ref = TorchStrategy(str(assets["model"]), cfg=load_config(cfg_path, RunConfig), device="cuda")
-    ref.configure_optimizer(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
-    ids, mask = _batch()
-    expected = _train(ref, ids, mask, 3, micro=8)
-    for i, (loss, norm) in enumerate(expected):
-        assert ranks[0]["steps"][i][0] + ranks[1]["steps"][i][0] == pytest.approx(loss, rel=1e-4)
-        assert ranks[0]["steps"][i][1] == ranks[1]["steps"][i][1] == pytest.approx(norm, rel=1e-4)
-    weights = ref.full_state_dict()
-    for k, v in weights.items():
-        assert torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k])
-        torch.testing.assert_close(ranks[0]["weights"][k], v, atol=1e-4, rtol=0)
+    _two_ranks_equal_torch(tmp_path, assets, _tp2_rank)
 
 
 def _quickstart_30(tmp_path, strategy: str) -> tuple[float, float, str]:
@@ -511,31 +515,7 @@ def test_pp2_equals_torch_on_the_whole_batch(tmp_path, assets):
     half the rows: summed losses, grad norms and the weights gathered from both stages equal the torch
     strategy's on the whole batch, to the TP=2 test's tolerances (on CPU over gloo two stages equal one
     Megatron rank bit for bit: tests/integration/test_megatron_pipeline.py)."""
-    import torch.multiprocessing as mp
-
-    from reroll.strategies.torch_strategy import TorchStrategy
-
-    cfg_path = write_config(
-        tmp_path / "c.yaml", assets, model={"path": str(assets["model"]), "dtype": "float32"}
-    )
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{so.getsockname()[1]}"
-    mp.start_processes(
-        _pp2_rank, args=(address, str(cfg_path), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-
-    ref = TorchStrategy(str(assets["model"]), cfg=load_config(cfg_path, RunConfig), device="cuda")
-    ref.configure_optimizer(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
-    ids, mask = _batch()
-    expected = _train(ref, ids, mask, 3, micro=8)
-    for i, (loss, norm) in enumerate(expected):
-        assert ranks[0]["steps"][i][0] + ranks[1]["steps"][i][0] == pytest.approx(loss, rel=1e-4)
-        assert ranks[0]["steps"][i][1] == ranks[1]["steps"][i][1] == pytest.approx(norm, rel=1e-4)
-    for k, v in ref.full_state_dict().items():
-        assert torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]), k
-        torch.testing.assert_close(ranks[0]["weights"][k], v, atol=1e-4, rtol=0)
+    _two_ranks_equal_torch(tmp_path, assets, _pp2_rank)
 
 
 def _moe2_rank(rank: int, address: str, model_path: str, cfg_path: str, result_dir: str, size: str) -> None:
