@@ -38,7 +38,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -47,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.generation import _cpu_name  # noqa: E402
-from benchmarks.logprob_memory import logprobs_module, peak_bytes  # noqa: E402
+from benchmarks.logprob_memory import logprobs_module, measured  # noqa: E402
 
 
 def one_case(
@@ -79,14 +78,7 @@ def one_case(
         if device == "cuda":
             torch.cuda.synchronize()
 
-    if device == "cuda":
-        run()  # warm-up
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    base = peak_bytes(device)
-    start = time.perf_counter()
-    run()
-    return {"peak": peak_bytes(device) - base, "seconds": time.perf_counter() - start}
+    return measured(run, device)
 
 
 def main() -> None:

@@ -90,6 +90,11 @@ def one_case(
         if device == "cuda":
             torch.cuda.synchronize()
 
+    return measured(run, device)
+
+
+def measured(run, device: str) -> dict[str, float]:
+    """``run()``'s rise in peak memory (bytes) and its seconds, on a GPU after one warm-up run."""
     if device == "cuda":
         run()  # warm-up
         torch.cuda.empty_cache()
