@@ -37,9 +37,9 @@ def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids * mask, mask
 
 
-def _train_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str]) -> None:
-    """``STEPS`` optimizer steps of next-token loss (token mean over the whole batch) on this rank's share
-    of the rows; saves the losses, grad norms and the weights gathered to Hugging Face names."""
+def _megatron_rank(rank: int, world_size: int, address: str, cfg_path: str, sizes: list[str]):
+    """This process as Megatron rank ``rank`` on the CPU (CUDA calls patched), its optimizer configured:
+    the strategy, the batch's ids and mask, and the batch's count of scored tokens."""
     torch.set_num_threads(1)
     patch_cuda_for_cpu()
     from reroll.strategies.megatron import MegatronStrategy
@@ -50,6 +50,13 @@ def _train_rank(rank: int, world_size: int, address: str, out: str, cfg_path: st
     s.configure_optimizer(lr=LR, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
     ids, mask = _batch(s.shape.vocab_size)
     n_tokens = mask[:, 1:].sum()
+    return s, ids, mask, n_tokens
+
+
+def _train_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str]) -> None:
+    """``STEPS`` optimizer steps of next-token loss (token mean over the whole batch) on this rank's share
+    of the rows; saves the losses, grad norms and the weights gathered to Hugging Face names."""
+    s, ids, mask, n_tokens = _megatron_rank(rank, world_size, address, cfg_path, sizes)
     share = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
     width = int(mask[share].sum(-1).max())
     ids, mask = ids[share, :width], mask[share, :width]
@@ -154,17 +161,9 @@ def _train_routed_rank(
     """As ``_train_rank`` for a mixture of experts, the router's load-balancing term added as the trainer
     adds it (``StepRouting``, each micro-batch's share its rows over the batch's); this rank's rows cut
     into ``parts`` micro-batches. Saves the steps, the router metrics and the gathered weights."""
-    torch.set_num_threads(1)
-    patch_cuda_for_cpu()
     from reroll.models.moe import StepRouting
-    from reroll.strategies.megatron import MegatronStrategy
 
-    cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", *sizes])
-    s = MegatronStrategy(cfg.model.path, cfg=cfg, device="cpu", rank=rank, world_size=world_size)
-    s.init_distributed(address)
-    s.configure_optimizer(lr=LR, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
-    ids, mask = _batch(s.shape.vocab_size)
-    n_tokens = mask[:, 1:].sum()
+    s, ids, mask, n_tokens = _megatron_rank(rank, world_size, address, cfg_path, sizes)
     mine = ROWS // world_size
     cuts = [
         slice(rank * mine + i * mine // parts, rank * mine + (i + 1) * mine // parts) for i in range(parts)
