@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ class PreferencePair:
     chosen: str
     rejected: str
     images: tuple[bytes, ...] = ()
-    written: tuple[str, ...] = ()
+    written: tuple[str, ...] = field(default=(), compare=False)  # derived from the row: not its identity
 
 
 def check_preference_row(file: str, index: int, row: dict[str, Any]) -> None:
