@@ -254,14 +254,22 @@ def _two_ranks_equal_torch(tmp_path, assets, rank_fn) -> None:
         torch.testing.assert_close(ranks[0]["weights"][k], v, atol=1e-4, rtol=0)
 
 
-def _tp2_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
+def _rank_of_two(rank: int, address: str, cfg_path: str, parallel: str):
+    """This process as Megatron rank ``rank`` of two on GPU ``rank`` (``parallel``: the layout's
+    override), its optimizer configured as the torch strategy's in ``_two_ranks_equal_torch``."""
     from reroll.strategies.megatron import MegatronStrategy
 
     torch.cuda.set_device(rank)
-    cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", "strategy.megatron.tensor_parallel=2"])
+    cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", parallel])
     s = MegatronStrategy(cfg.model.path, cfg=cfg, device=f"cuda:{rank}", rank=rank, world_size=2)
     s.init_distributed(address)
     s.configure_optimizer(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
+    return s
+
+
+def _half_batch_steps(s, rank: int, result_dir: str) -> None:
+    """Three optimizer steps of rank ``rank`` of two on its half of ``_batch()``'s rows (token mean over
+    the whole batch), saved with the gathered weights for ``_two_ranks_equal_torch``."""
     ids, mask = _batch()
     half = slice(0, 4) if rank == 0 else slice(4, 8)  # the role splits rows over all ranks
     width = int(mask[half].sum(-1).max())
@@ -274,6 +282,11 @@ def _tp2_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
         s.backward(loss)
         out.append((float(loss), s.step(1.0)["grad_norm"]))
     torch.save({"steps": out, "weights": s.full_state_dict()}, f"{result_dir}/rank{rank}.pt")
+
+
+def _tp2_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
+    s = _rank_of_two(rank, address, cfg_path, "strategy.megatron.tensor_parallel=2")
+    _half_batch_steps(s, rank, result_dir)
 
 
 @pytest.mark.multigpu
@@ -483,29 +496,10 @@ def test_small_moe_full_state_dict_save_and_export_round_trip(tmp_path, assets):
 
 
 def _pp2_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
-    from reroll.strategies.megatron import MegatronStrategy
-
-    torch.cuda.set_device(rank)
-    cfg = load_config(
-        cfg_path, RunConfig, ["strategy.name=megatron", "strategy.megatron.pipeline_parallel=2"]
-    )
-    s = MegatronStrategy(cfg.model.path, cfg=cfg, device=f"cuda:{rank}", rank=rank, world_size=2)
-    s.init_distributed(address)
-    s.configure_optimizer(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
+    s = _rank_of_two(rank, address, cfg_path, "strategy.megatron.pipeline_parallel=2")
     layers = {n.split(".")[2] for n, _ in s.module.named_parameters() if n.startswith("decoder.layers.")}
     assert layers == {"0"}, layers  # one of the two layers on each stage
-    ids, mask = _batch()
-    half = slice(0, 4) if rank == 0 else slice(4, 8)  # the role splits rows over all ranks
-    width = int(mask[half].sum(-1).max())
-    ids, mask = ids[half, :width], mask[half, :width]
-    n_tokens = _batch()[1][:, 1:].sum()
-    out = []
-    for _ in range(3):
-        logits = s.logits(ids, mask)
-        loss = -(token_logprobs(logits, ids.to(logits.device)) * mask.to(logits.device)).sum() / n_tokens
-        s.backward(loss)
-        out.append((float(loss), s.step(1.0)["grad_norm"]))
-    torch.save({"steps": out, "weights": s.full_state_dict()}, f"{result_dir}/rank{rank}.pt")
+    _half_batch_steps(s, rank, result_dir)
 
 
 @pytest.mark.multigpu(gpus=2)
