@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -46,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.generation import _cpu_name  # noqa: E402
-from benchmarks.logprob_memory import logprobs_module, measured  # noqa: E402
+from benchmarks.logprob_memory import case_table, logprobs_module, measured  # noqa: E402
 
 
 def one_case(
@@ -102,21 +101,9 @@ def main() -> None:
     hw = torch.cuda.get_device_name() if args.device == "cuda" else _cpu_name()
     print(f"head (V {args.vocab}, H {args.hidden}) at K {args.tokens} scored tokens on {args.device} ({hw}, "
           f"torch {torch.__version__}); temperature {args.temperature}")  # fmt: skip
-    print(f"{'dtype':<9} {'pass':<8}" + "".join(f" {i + ' GiB':>12} {i + ' s':>10}" for i in args.impls))
-    for dtype in args.dtypes:
-        for mode in ("forward", "fwd+bwd"):
-            line = f"{dtype:<9} {mode:<8}"
-            for impl in args.impls:
-                cmd = [sys.executable, __file__, "--tokens", str(args.tokens), "--hidden", str(args.hidden)]
-                cmd += ["--vocab", str(args.vocab), "--device", args.device]
-                cmd += ["--temperature", str(args.temperature), "--case", f"{impl},{mode},{dtype}"]
-                out = subprocess.run(cmd, capture_output=True, text=True)
-                if out.returncode != 0:
-                    line += f" {'OOM' if 'OutOfMemory' in out.stderr else 'failed':>12} {'':>10}"
-                    continue
-                r = json.loads(out.stdout.strip().splitlines()[-1])
-                line += f" {r['peak'] / 2**30:>12.2f} {r['seconds']:>10.3f}"
-            print(line, flush=True)
+    cmd = [sys.executable, __file__, "--tokens", str(args.tokens), "--hidden", str(args.hidden)]
+    cmd += ["--vocab", str(args.vocab), "--device", args.device, "--temperature", str(args.temperature)]
+    case_table(cmd, args.impls, args.dtypes)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,27 @@ def measured(run, device: str) -> dict[str, float]:
     return {"peak": peak_bytes(device) - base, "seconds": time.perf_counter() - start}
 
 
+def case_table(cmd: list[str], impls: list[str], dtypes: list[str]) -> None:
+    """Print a row per dtype and pass, each ``impl``'s peak GiB and seconds, every case in a process of
+    its own (``cmd`` with ``--case impl,pass,dtype``: its last line the case's JSON; 'OOM' or 'failed'
+    where it did not finish)."""
+    print(f"{'dtype':<9} {'pass':<8}" + "".join(f" {i + ' GiB':>12} {i + ' s':>10}" for i in impls))
+    for dtype in dtypes:
+        for mode in ("forward", "fwd+bwd"):
+            line = f"{dtype:<9} {mode:<8}"
+            for impl in impls:
+                out = subprocess.run(
+                    [*cmd, "--case", f"{impl},{mode},{dtype}"], capture_output=True, text=True
+                )
+                if out.returncode != 0:
+                    why = "OOM" if "OutOfMemory" in out.stderr else "failed"
+                    line += f" {why:>12} {'':>10}"
+                    continue
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                line += f" {r['peak'] / 2**30:>12.2f} {r['seconds']:>10.3f}"
+            print(line, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", type=int, nargs=3, default=[8, 512, 32000], metavar=("B", "T", "V"))
@@ -128,25 +149,11 @@ def main() -> None:
     chunk = args.chunk_tokens or "default"
     print(f"logits ({b}, {t}, {v}) on {args.device} ({hw}, torch {torch.__version__}); temperature {args.temperature}; "
           f"chunk_tokens {chunk}")  # fmt: skip
-    print(f"{'dtype':<9} {'pass':<8}" + "".join(f" {i + ' GiB':>12} {i + ' s':>10}" for i in args.impls))
-    for dtype in args.dtypes:
-        for mode in ("forward", "fwd+bwd"):
-            line = f"{dtype:<9} {mode:<8}"
-            for impl in args.impls:
-                cmd = [sys.executable, __file__, "--shape", *map(str, args.shape), "--device", args.device]
-                cmd += ["--temperature", str(args.temperature)]
-                if args.chunk_tokens:
-                    cmd += ["--chunk-tokens", str(args.chunk_tokens)]
-                out = subprocess.run(
-                    [*cmd, "--case", f"{impl},{mode},{dtype}"], capture_output=True, text=True
-                )
-                if out.returncode != 0:
-                    why = "OOM" if "OutOfMemory" in out.stderr else "failed"
-                    line += f" {why:>12} {'':>10}"
-                    continue
-                r = json.loads(out.stdout.strip().splitlines()[-1])
-                line += f" {r['peak'] / 2**30:>12.2f} {r['seconds']:>10.3f}"
-            print(line, flush=True)
+    cmd = [sys.executable, __file__, "--shape", *map(str, args.shape), "--device", args.device]
+    cmd += ["--temperature", str(args.temperature)]
+    if args.chunk_tokens:
+        cmd += ["--chunk-tokens", str(args.chunk_tokens)]
+    case_table(cmd, args.impls, args.dtypes)
 
 
 if __name__ == "__main__":
