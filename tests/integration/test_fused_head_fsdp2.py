@@ -22,12 +22,11 @@ import torch
 
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
-from reroll.data.datasets import load_samples
 from reroll.data.types import TrainBatch
-from reroll.models.loading import load_causal_lm, load_tokenizer
-from reroll.pipelines.common import sft_batch
+from reroll.models.loading import load_causal_lm
 from reroll.roles.objectives import NextToken, PolicyGradient
 from tests.conftest import write_config
+from tests.integration import test_fsdp2 as fsdp2_test
 from tests.same_step import EPS, RTOL, assert_same_steps, sgd_eps
 
 # long (35 s on 2 cores): in CI the fused head's values and gradients equal the logits path's
@@ -39,13 +38,7 @@ ETA = 0.1  # SGD's learning rate (gradients clipped to norm 1)
 FSDP2 = ["strategy.name=fsdp2", "optim.micro_batch_size=4", "algorithm.entropy_coef=0.01"]
 
 
-@pytest.fixture(scope="module")
-def batch(assets):
-    samples = load_samples([str(assets["train"])], template="{question}=")[:10]
-    b = sft_batch(samples, load_tokenizer(str(assets["model"])), "{answer}")
-    g = torch.Generator().manual_seed(0)
-    b.advantages = torch.randn(b.response_mask.shape, generator=g) * b.response_mask
-    return b
+batch = fsdp2_test.batch  # test_fsdp2's fixture: its rows, with seeded advantages
 
 
 def _steps(worker, batch) -> dict:
