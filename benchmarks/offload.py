@@ -10,7 +10,7 @@ engine. Timed, each move ended by a device synchronisation, mean of ``--repeat``
 
 - ``pageable``: ``Module.to`` and the moments moved one by one, what the torch and fsdp2 strategies
   did before 2026-12-05: each copy lands in pageable host memory and returns when done;
-- ``pinned``: ``reroll.strategies.training.HostParking``, what they do now: a pinned host buffer of
+- ``pinned``: ``reroll.strategies.host_parking.HostParking``, what they do now: a pinned host buffer of
   its exact size per tensor, made at the first offload (which pays for pinning: its own column) and
   reused, copies queued without waiting and waited for once;
 - ``non-blocking``: the pageable moves with ``non_blocking=True``, so torch's caching host allocator
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.grpo_step import QWEN25_05B, QWEN25_3B, TINY, device_name, qwen2_config  # noqa: E402
-from reroll.strategies.training import HostParking  # noqa: E402
+from reroll.strategies.host_parking import HostParking  # noqa: E402
 
 
 def trained_model(

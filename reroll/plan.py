@@ -235,7 +235,7 @@ def _by_gpu(need: list[float]) -> str:
 
 def _host_lines(dmap, plans: dict[str, RolePlan], pool: int) -> list[str]:
     """Host memory the roles that share a GPU take while offloaded, summed over the pool: a trainer's
-    weights and Adam state (page-locked buffers, reroll.strategies.training.HostParking), a sleeping
+    weights and Adam state (page-locked buffers, reroll.strategies.host_parking.HostParking), a sleeping
     vLLM engine's weights at ``rollout.vllm.sleep_level`` 1. Where ``placement.offload`` is 'auto' a
     trainer that fits beside the engine keeps its state on the GPU: the sum is the most it can take."""
     parked: dict[str, float] = {}

@@ -278,6 +278,40 @@ def offload_between_phases(cfg: RunConfig, device_type: str) -> bool:
     return mode == "always" or (mode == "auto" and device_type == "cuda")
 
 
+# How far above its state a trainer's reserved GPU memory may measure when it is asked to give the GPU
+# away (the allocator's segments that live tensors keep from being freed; the 3B row on an H100 measured
+# more than 1.26x its 18.5 GB of weights and AdamW moments, since it moved): a state within this factor
+# of the room beside the engines may have to leave the GPU, so its host buffers are prepared ahead.
+PARKING_MARGIN = 1.5
+
+
+def keeps_state(cfg: RunConfig, role: str, resident_bytes: int, total: int) -> bool:
+    """Whether a rank of ``role`` asked to give its GPU away keeps its state there instead, holding
+    ``resident_bytes`` (``placement.offload: auto`` with a vLLM engine, whose memory its share bounds):
+    that many bytes for each trainer role on the GPU (``colocated_trainer_roles``) plus every engine's
+    share (``colocated_engines``) stay under 90 % of the GPU's ``total`` bytes."""
+    if cfg.placement.offload != "auto" or cfg.rollout.engine != "vllm":
+        return False
+    trainers, engines = colocated_trainer_roles(cfg, role), colocated_engines(cfg, role)
+    need = resident_bytes * trainers + engines * cfg.rollout.vllm.gpu_memory_utilization * total
+    return need <= 0.9 * total
+
+
+def may_park(cfg: RunConfig, role: str, state_bytes: int, total: int) -> bool:
+    """Whether rank 0 of ``role``, on a GPU of ``total`` bytes, is likely to move its ``state_bytes`` to
+    host memory at some eviction, so that its host buffers are worth preparing ahead
+    (``Strategy.prepare_offload``): colocated roles offload (``offload_between_phases``), another role
+    shares its GPU, and it would not keep its state there (``keeps_state``) with ``PARKING_MARGIN``
+    times the state reserved. A run that would keep it pins nothing ahead; should it move after all,
+    its first offload pins, as without preparation."""
+    if not offload_between_phases(cfg, "cuda"):
+        return False
+    on = _beside_rank0(cfg, role)
+    if on is None or not set(on) - {role}:
+        return False
+    return not keeps_state(cfg, role, int(state_bytes * PARKING_MARGIN), total)
+
+
 def engine_may_stay(cfg: RunConfig, device_type: str) -> bool:
     """Whether a colocated engine may stay awake beside the trainers (``placement.offload: auto``, an
     engine whose memory a fixed share of the GPU bounds, on GPUs), where each row is a prompt and one

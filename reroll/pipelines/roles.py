@@ -172,6 +172,7 @@ class Roles:
         failing inside raises its ``RoleError`` naming this phase."""
         self.hold(*uses)
         outer, self.current_phase = self.current_phase, name
+        moved = self._move_seconds()
         try:
             with self.timer(name):
                 yield
@@ -179,6 +180,13 @@ class Roles:
             raise self._explained(e).in_phase(name) from e
         finally:
             self.current_phase = outer
+            # a move inside the phase (``hold``: a weight sync through host memory evicts the trainer)
+            # is timing/offload or timing/reload, not this phase's too
+            self.timer.add({name: moved - self._move_seconds()})
+
+    def _move_seconds(self) -> float:
+        """The seconds the colocation's offloads and reloads took since its last ``pop_seconds``."""
+        return sum(self.colocation.seconds.values()) if self.colocation is not None else 0.0
 
     def _explained(self, e: RoleError) -> RoleError:
         """A role out of GPU memory while the engine stayed awake beside it says so, and the fix."""
@@ -206,7 +214,7 @@ class Roles:
         """actor_train's weights into actor_infer (gathered while the trainer holds its device), or only
         the LoRA adapters where ``strategy.lora.sync`` is 'adapters'. Returns the bytes sent
         (``sync/bytes``); its rate (``sync/gb_per_s``: bytes over the seconds of the whole sync, which
-        ``timing/weight_sync`` shows) and, with the ``collective`` transport, the bytes that went
+        ``timing/weight_sync`` shows but for a move it makes, timed as ``timing/offload``/``reload``) and, with the ``collective`` transport, the bytes that went
         through the group (``sync/bytes_collective``) come with the next ``pop_timings``."""
         actor, engine = self.actor_train, self.actor_infer
         assert actor is not None and engine is not None, (

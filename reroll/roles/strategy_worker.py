@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from reroll.config.memory import forward_only_limits, model_token_shape
-from reroll.config.placement import colocated_engines, colocated_trainer_roles, scaled_peak
+from reroll.config.placement import keeps_state, may_park, scaled_peak
 from reroll.config.role_memory import with_checkpointing
 from reroll.config.schema import RunConfig
 from reroll.config.startable import context_parallel_size
@@ -119,18 +119,21 @@ class StrategyWorker:
             and uses_packed_attention(self.strategy.model)
             and not is_vision_language(self.strategy.model)
         )
+        self._park_ahead()  # a frozen role's weights (a trainer's state grows at configure_optimizer)
 
     def rendezvous_address(self) -> str:
         return free_address()
 
     def init_distributed(self, address: str) -> None:
         self.strategy.init_distributed(address)
+        self._park_ahead()  # strategies that build their model here (DeepSpeed, Megatron)
 
     def configure_optimizer(self, lr: float, warmup_steps: int) -> None:
         o = self.cfg.optim
         self.strategy.configure_optimizer(
             lr=lr, betas=o.betas, weight_decay=o.weight_decay, warmup_steps=warmup_steps
         )
+        self._park_ahead()
 
     def save(self, directory: str, with_optimizer: bool) -> None:
         self.strategy.save(Path(directory), with_optimizer=with_optimizer)
@@ -202,9 +205,8 @@ class StrategyWorker:
         return need, rest, torch.cuda.get_device_properties(device).total_memory
 
     def _fits_beside_engine(self) -> bool:
-        """'auto' on a GPU with a vLLM engine (whose memory is bounded by its gpu_memory_utilization):
-        this role's reserved memory, times the trainer roles sharing the GPU, plus the share of every
-        engine on it stay under 90 % of the GPU."""
+        """'auto' on a GPU with a vLLM engine (``keeps_state``): this role's reserved memory, once the
+        allocator's cached blocks are freed, leaves the engines their shares."""
         cfg = self.cfg
         if cfg.placement.offload != "auto" or cfg.rollout.engine != "vllm" or not torch.cuda.is_available():
             return False
@@ -212,13 +214,18 @@ class StrategyWorker:
             return False
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        trainers = colocated_trainer_roles(cfg, self.role)
-        engines = colocated_engines(cfg, self.role)
-        need = (
-            torch.cuda.memory_reserved() * trainers
-            + engines * cfg.rollout.vllm.gpu_memory_utilization * total
-        )
-        return need <= 0.9 * total
+        return keeps_state(cfg, self.role, torch.cuda.memory_reserved(), total)
+
+    def _park_ahead(self) -> None:
+        """Have the strategy page-lock its state's host buffers in the background where this rank is
+        likely to offload (``may_park``), so that its first offload only copies. Called once the model
+        is built, once the optimizer is (its moments predicted) and after each optimizer step (what is
+        new since: prepared buffers are kept)."""
+        device = self.strategy.device
+        if device.type != "cuda":
+            return
+        total = torch.cuda.get_device_properties(device).total_memory
+        self.strategy.prepare_offload(lambda state: may_park(self.cfg, self.role, state, total))
 
     def micro_batches(
         self, batch: TrainBatch, *, forward_only: bool = False, by_length: bool = True
@@ -368,6 +375,7 @@ class StrategyWorker:
         ``optim.max_nonfinite_steps`` skipped in a row raise ``FloatingPointError`` with the last one's
         diagnostic (the role's error then names the phase and step)."""
         out = self.strategy.step(self.cfg.optim.grad_clip)
+        self._park_ahead()
         skipped = bool(out.pop("skipped", 0.0))
         losses, self._nonfinite_losses = self._nonfinite_losses, []
         self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -92,6 +93,13 @@ class Strategy(Protocol):
 
     def reload(self) -> None:
         """Bring back what ``offload`` moved."""
+        ...
+
+    def prepare_offload(self, worth_it: Callable[[int], bool]) -> None:
+        """Where ``worth_it(bytes)`` says of the state ``offload`` would move that it is likely to move,
+        make that state's host buffers ready ahead, in the background (``HostParking.prepare``), so that
+        the first ``offload`` only copies; returns at once. A no-op where the strategy moves its state
+        its own way."""
         ...
 
 

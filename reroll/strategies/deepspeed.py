@@ -32,7 +32,7 @@ import io
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -356,6 +356,9 @@ class DeepSpeedStrategy:
                 "DeepSpeed cannot move a frozen ZeRO-3 model or offloaded parameters (offload_params): "
                 "give this role its own GPUs instead of colocating it"
             )
+
+    def prepare_offload(self, worth_it: Callable[[int], bool]) -> None:
+        """Nothing: DeepSpeed's ``offload_states`` makes its own host buffers."""
 
     def reload(self) -> None:
         """Bring back what ``offload`` moved."""

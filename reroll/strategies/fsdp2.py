@@ -46,6 +46,7 @@ from reroll.models.loading import (
 from reroll.strategies import Head, SavedAtOtherWorldSize
 from reroll.strategies.context_parallel import ContextParallel, group_ranks
 from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
+from reroll.strategies.host_parking import HostParking
 from reroll.strategies.lora import (
     AdapterUpdate,
     adapter_names_to_saved,
@@ -60,7 +61,6 @@ from reroll.strategies.lora import (
 )
 from reroll.strategies.sharded_state import load_state, save_state
 from reroll.strategies.training import (
-    HostParking,
     adamw_with_warmup,
     adapters_disabled,
     checkpoint_first_layers,
@@ -276,6 +276,11 @@ class FSDP2Strategy:
     def reload(self) -> None:
         device = torch.device("cpu") if self.settings.cpu_offload else self.device
         self._parked.reload(self.model, self.optimizer, device)
+
+    def prepare_offload(self, worth_it: Callable[[int], bool]) -> None:
+        """The unsharded tensors' buffers (a sharded one's host DTensor is made at its first offload)."""
+        if not self.settings.cpu_offload:
+            self._parked.prepare_for(self.model, self.optimizer, self.device, worth_it)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """``state/`` (this rank's shards, and of the optimizer ``with_optimizer``), ``model/`` (Hugging

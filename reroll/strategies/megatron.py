@@ -48,10 +48,11 @@ from reroll.errors import UserError
 from reroll.models import megatron_convert as mc
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
+from reroll.strategies.host_parking import HostParking
 from reroll.strategies.megatron_moe import MegatronRouters, allow_routers_without_transformer_engine
 from reroll.strategies.megatron_pipeline import Pipeline
 from reroll.strategies.megatron_weights import Groups, hf_weights
-from reroll.strategies.training import HostParking, warmup_factor
+from reroll.strategies.training import warmup_factor
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -587,10 +588,33 @@ class MegatronStrategy:
         self._require()
         if self._restore:
             return  # already offloaded
-        # DDP's contiguous param/grad buffers (experts' apart: reduced over the expert-data-parallel ranks)
-        buffers = (
-            list(self.model.buffers) + list(self.model.expert_parallel_buffers) if self.trainable else []
-        )
+        buffers = self._ddp_buffers()
+        restore = self._parked.park_storages(self._parked_storages(buffers))
+        for b in buffers:
+            b.offload_to_cpu(move_params=True, move_grads=True)
+            restore.append(partial(b.reload_from_cpu, move_params=True, move_grads=True))
+        self._restore = restore
+        torch.cuda.empty_cache()
+
+    def prepare_offload(self, worth_it: Callable[[int], bool]) -> None:
+        """The host buffers of the storages ``offload`` parks as they are now (the optimizer's moments once
+        its first step made them); DDP's buffers move by Megatron's own ``offload_to_cpu``."""
+        if self.model is None or self.device.type != "cuda" or self._restore:
+            return  # not built yet (``init_distributed``), off GPUs, or parked now
+        shapes = [((st.nbytes(),), torch.uint8) for st in self._parked_storages(self._ddp_buffers())]
+        if shapes and worth_it(sum(n for (n,), _ in shapes)):
+            self._parked.prepare(shapes, self.device)
+
+    def _ddp_buffers(self) -> list[Any]:
+        """DDP's contiguous param/grad buffers (experts' apart: reduced over the expert-data-parallel
+        ranks); none for a frozen model."""
+        if not self.trainable:
+            return []
+        return list(self.model.buffers) + list(self.model.expert_parallel_buffers)
+
+    def _parked_storages(self, buffers: list[Any]) -> list[torch.UntypedStorage]:
+        """The GPU storages ``offload`` parks in host memory: the parameters' and the optimizer's (main
+        parameters and moments), each once, but those DDP's ``buffers`` hold (they move their own way)."""
         views = {
             t.untyped_storage().data_ptr()
             for b in buffers
@@ -604,12 +628,7 @@ class MegatronStrategy:
             tensors += [p for g in inner.param_groups for p in g["params"]]  # main params (may be views)
             tensors += [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors if t.is_cuda}
-        restore = self._parked.park_storages([st for ptr, st in storages.items() if ptr not in views])
-        for b in buffers:
-            b.offload_to_cpu(move_params=True, move_grads=True)
-            restore.append(partial(b.reload_from_cpu, move_params=True, move_grads=True))
-        self._restore = restore
-        torch.cuda.empty_cache()
+        return [st for ptr, st in storages.items() if ptr not in views and st.nbytes()]
 
     def reload(self) -> None:
         for bring_back in self._restore:

@@ -19,6 +19,7 @@ from reroll.data.types import ImageInputs
 from reroll.models.loading import load_causal_lm, load_sequence_classifier, load_value_model, use_kernels
 from reroll.strategies import Head
 from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
+from reroll.strategies.host_parking import HostParking
 from reroll.strategies.lora import (
     AdapterUpdate,
     adapter_names_to_saved,
@@ -33,7 +34,6 @@ from reroll.strategies.lora import (
 )
 from reroll.strategies.sharded_state import load_state, save_state
 from reroll.strategies.training import (
-    HostParking,
     adamw_with_warmup,
     adapters_disabled,
     checkpoint_first_layers,
@@ -175,6 +175,9 @@ class TorchStrategy:
 
     def reload(self) -> None:
         self._parked.reload(self.model, self.optimizer, self.device)
+
+    def prepare_offload(self, worth_it: Callable[[int], bool]) -> None:
+        self._parked.prepare_for(self.model, self.optimizer, self.device, worth_it)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """``state/`` (the weights, and ``with_optimizer`` the optimizer: DCP, each tensor written by one of

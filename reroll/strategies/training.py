@@ -1,14 +1,13 @@
 """What the strategies that hold a Hugging Face model under a torch optimizer share: the warm-up
 schedule, the forward pass over padded or packed rows, the finite-norm guarded step (a non-finite
-gradient norm skips the update), parking the state in host memory while a colocated role has the
-GPU, and the LoRA reference switch."""
+gradient norm skips the update) and the LoRA reference switch. Parking the state in host memory while a
+colocated role has the GPU: ``reroll.strategies.host_parking``."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
-from functools import partial
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -179,158 +178,6 @@ def optimizer_step(
         "skipped": float(skipped),
         "peak_memory_gb": peak_memory_gb(device),
     } | alloc_retries(device)
-
-
-class HostParking:
-    """Where a strategy's state waits in host memory while a colocated role has the GPU.
-
-    ``offload`` copies every parameter, gradient, buffer and Adam moment (not the step counters: a
-    non-capturable AdamW wants them on the CPU, the fused one on the GPU, and they stay where they are) into pinned host memory and frees its GPU memory;
-    ``reload`` copies them back into fresh GPU tensors. Every copy is queued without waiting and the
-    move waits once, at its end: between pinned memory and the GPU a copy runs at the link's speed
-    (about 53 GB/s each way on an H200 or H100, against 2-3 GB/s out and 6-9 GB/s back through
-    pageable memory; ``benchmarks/offload.py``).
-
-    Each tensor gets a host buffer of its exact size at the first offload, page-locked in place
-    (``cudaHostRegister``) and kept for every later one (pinning costs about ten copies): the run holds
-    the state's size in pinned host memory. (``torch.empty(pin_memory=True)`` would round every buffer
-    up to a power of two: 1.9x the state for the 0.5B shape.) A sharded tensor (FSDP2's DTensor) is
-    parked in a host DTensor made once by ``.to("cpu")``, whose local shard is page-locked and copied
-    into at later offloads (not ``DTensor.from_local`` around an own buffer: that moves the buffer back
-    to the mesh's GPU). Off CUDA, or where page-locking is refused, plain moves. Buffers are matched to
-    tensors by their order in the walk (the module's, then the optimizer's), the same at every
-    offload; a tensor whose shape, dtype or sharding differs from its buffer's gets a new one."""
-
-    def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
-        self._locked: set[int] = set()  # data_ptr of each page-locked buffer
-        self._next = 0
-        self._pin = torch.cuda.is_available()
-
-    def __del__(self) -> None:
-        if not self._locked:
-            return
-        try:
-            for buffer in self._buffers:
-                self._unlock(buffer)
-        except Exception:  # at interpreter exit CUDA may be gone already: the OS unpins with the process
-            pass
-
-    def offload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self._next = 0
-        self._walk(model, optimizer, self._park)
-
-    def reload(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device
-    ) -> None:
-        self._walk(model, optimizer, lambda t: t.to(device, non_blocking=True))
-
-    def park_storages(self, storages: list[torch.UntypedStorage]) -> list[Callable[[], None]]:
-        """Each GPU storage copied into its host buffer and then freed in place, for state whose tensors
-        must keep their identity (Megatron's DDP hooks sit on its parameters; its optimizer's shards are
-        views): they stay the same objects and hold no GPU memory until the storage's returned
-        callable brings it back. Storages off the GPU are left alone. Buffers are matched to storages
-        by their order, as ``offload``'s to tensors."""
-        self._next = 0
-        gpu = [st for st in storages if st.device.type == "cuda" and st.nbytes()]
-        hosts = [self._park(_bytes_of(st)) for st in gpu]
-        if gpu:
-            torch.cuda.synchronize()  # every queued copy done before the GPU memory goes
-        restore = []
-        for st, host in zip(gpu, hosts, strict=True):
-            st.resize_(0)
-            restore.append(partial(_bring_back, st, host))
-        return restore
-
-    @property
-    def pinned_bytes(self) -> int:
-        """The bytes of this parking's page-locked buffers (a DTensor's: its local shard)."""
-        return sum(_nbytes(_local(b)) for b in self._buffers if _local(b).data_ptr() in self._locked)
-
-    def _walk(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, move: Any) -> None:
-        with torch.no_grad():
-            model._apply(move)  # what Module.to does; FSDP2's modules re-register their shards after it
-            for state in optimizer.state.values() if optimizer is not None else ():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor) and k != "step":
-                        state[k] = move(v)
-        if torch.cuda.is_initialized():  # the queued copies done: host copies are read only after this
-            torch.cuda.synchronize()
-
-    def _park(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``'s host copy, queued into its buffer (made now if none fits)."""
-        if t.device.type == "cpu":
-            return t
-        i, self._next = self._next, self._next + 1
-        old = self._buffers[i] if i < len(self._buffers) else None
-        if old is not None and _fits(old, t):
-            _local(old).copy_(_local(t), non_blocking=_local(old).data_ptr() in self._locked)
-            return old
-        if old is not None:
-            self._unlock(old)
-        if _is_dtensor(t):  # a host DTensor of t's sharding, then its shard locked
-            buffer = t.to("cpu")
-            self._lock(_local(buffer))
-        else:  # locked first, so that even the first copy does not wait
-            buffer = torch.empty(t.shape, dtype=t.dtype)
-            self._lock(buffer)
-            buffer.copy_(t, non_blocking=buffer.data_ptr() in self._locked)
-        self._buffers[i : i + 1] = [buffer]
-        return buffer
-
-    def _lock(self, host: torch.Tensor) -> None:
-        if self._pin and _nbytes(host):
-            error = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), _nbytes(host), 0)
-            if int(error) == 0:
-                self._locked.add(host.data_ptr())
-            else:  # page-locking refused (a memlock limit): plain copies still work
-                logger.warning(
-                    "page-locking host memory failed (cudaError %d): offload copies wait", int(error)
-                )
-                self._pin = False
-
-    def _unlock(self, buffer: torch.Tensor) -> None:
-        host = _local(buffer)
-        if host.data_ptr() in self._locked:
-            self._locked.discard(host.data_ptr())
-            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
-
-
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    """The whole of ``storage`` as a tensor of bytes (sharing it)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _bring_back(storage: torch.UntypedStorage, host: torch.Tensor) -> None:
-    """A storage ``park_storages`` freed, given its memory again and its bytes from ``host`` (queued: the
-    GPU's later work on the stream runs after the copy)."""
-    storage.resize_(_nbytes(host))
-    _bytes_of(storage).copy_(host, non_blocking=host.is_pinned())
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; any other tensor itself."""
-    return t.to_local() if _is_dtensor(t) else t
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _fits(buffer: torch.Tensor, t: torch.Tensor) -> bool:
-    """Whether ``t`` can be copied into ``buffer`` as it is: same shape, dtype and, for DTensors, the same
-    sharding and local shape."""
-    if _is_dtensor(buffer) != _is_dtensor(t) or buffer.shape != t.shape or buffer.dtype != t.dtype:
-        return False
-    return not _is_dtensor(t) or (
-        buffer.placements == t.placements and _local(buffer).shape == _local(t).shape
-    )
 
 
 @contextlib.contextmanager

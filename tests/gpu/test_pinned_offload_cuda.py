@@ -65,7 +65,7 @@ def test_storages_park_in_place_keeping_their_tensors():
     """Megatron's way (``HostParking.park_storages``): a storage and its views stay the same objects (a
     hook on a parameter, an optimizer shard viewing a buffer), their GPU memory is freed, the host copy
     is page-locked at its exact size and reused, and the values come back."""
-    from reroll.strategies.training import HostParking
+    from reroll.strategies.host_parking import HostParking
 
     param = torch.nn.Parameter(torch.randn(1000, 257, device="cuda"))
     moment = torch.randn(3001, device="cuda", dtype=torch.bfloat16)
@@ -82,7 +82,7 @@ def test_storages_park_in_place_keeping_their_tensors():
         assert on_gpu - torch.cuda.memory_allocated() >= exact
         assert param.untyped_storage().nbytes() == 0 and shard.untyped_storage().nbytes() == 0
         assert parking.pinned_bytes == exact
-        now = [b.data_ptr() for b in parking._buffers]
+        now = [b.data_ptr() for b in parking.buffers]
         assert pointers in (None, now)  # the second offload reuses the first one's buffers
         pointers = now
         for bring_back in restore:

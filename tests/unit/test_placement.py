@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -276,6 +277,32 @@ def test_a_trainer_out_of_memory_beside_the_awake_engine_is_told_why_and_the_fix
         raise RoleError("actor_train", 0, "train", "ValueError: bad")
     assert "awake" not in str(e.value)
     assert "lower rollout.vllm.gpu_memory_utilization" in ENGINE_AWAKE_OOM and "--resume" in ENGINE_AWAKE_OOM
+
+
+def test_a_move_inside_a_phase_is_timed_as_the_move_alone(tmp_path):
+    """A phase that evicts a role part-way (``hold``: the weight sync through host memory, whose trainer
+    leaves as the engine wakes) times that move as ``timing/offload`` and ``timing/reload``, not as the
+    phase's own seconds too: a slow first offload read as a slow sync as well."""
+    from reroll.pipelines.roles import Roles
+
+    class Slow(_Group):
+        def offload(self):
+            time.sleep(0.5)
+            super().offload()
+
+    cfg = _cfg(tmp_path, **{"placement.devices": 1})
+    log: list[str] = []
+    groups = {r: Slow(log, r) for r in ("actor_train", "actor_infer")}
+    roles = Roles(cfg, {}, colocation=Colocation(groups, device_map(cfg, "cuda"), True))
+    roles.colocation.offloaded.add("actor_infer")
+    with roles.phase("weight_sync", "actor_train"):
+        time.sleep(0.05)
+        roles.hold("actor_infer")
+    assert log == ["offload actor_train", "reload actor_infer"]  # the move ran inside the phase
+    timings = roles.pop_timings()
+    # the phase's own 0.05 s, not the 0.5 s offload (sleep is at least what it asks, so each bound holds)
+    assert 0.05 <= timings["timing/weight_sync"] < 0.5
+    assert timings["timing/offload"] >= 0.5
 
 
 def test_the_engine_may_stay_awake_with_vllm_on_gpus_in_single_response_pipelines(tmp_path):
@@ -695,7 +722,7 @@ def test_a_trainer_keeps_its_state_where_it_fits_beside_every_engine_on_its_gpu(
 def test_storage_parking_leaves_host_storages_alone():
     """``HostParking.park_storages`` (Megatron's offload) frees GPU storages only: a storage already in
     host memory keeps its bytes and nothing is returned to bring back."""
-    from reroll.strategies.training import HostParking
+    from reroll.strategies.host_parking import HostParking
 
     t = torch.arange(6.0)
     assert HostParking().park_storages([t.untyped_storage()]) == []
