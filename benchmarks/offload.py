@@ -10,15 +10,20 @@ engine. Timed, each move ended by a device synchronisation, mean of ``--repeat``
 
 - ``pageable``: ``Module.to`` and the moments moved one by one, what the torch and fsdp2 strategies
   did before 2026-12-05: each copy lands in pageable host memory and returns when done;
-- ``pinned``: ``reroll.strategies.host_parking.HostParking``, what they do now: a pinned host buffer of
-  its exact size per tensor, made at the first offload (which pays for pinning: its own column) and
-  reused, copies queued without waiting and waited for once;
+- ``pinned``: ``reroll.strategies.host_parking.HostParking`` made at the first offload: a pinned host
+  buffer of its exact size per tensor (the first offload pays for pinning: its own column), reused,
+  copies queued without waiting and waited for once;
+- ``prepared``: the same, its buffers made and pinned ahead by ``HostParking.prepare`` in a background
+  thread (started on the fresh model, AdamW's moments predicted, before its training step: what the
+  workers do where ``may_park`` says the state will move); ``prepare s`` is that thread's seconds,
+  waited for here before the step (in a run they overlap step 1), so the first offload only copies;
 - ``non-blocking``: the pageable moves with ``non_blocking=True``, so torch's caching host allocator
   pins the host copies (each rounded up to a power of two) and reuses them (FSDP2's sharded tensors
   move this way).
 
-Prints one row per shape and way: GiB moved, seconds and GB/s each way, and the pinned host memory
-the way holds between moves.
+Prints one row per shape and way: GiB moved, the preparation's seconds, the first offload's and the
+later ones' seconds and their ratio, GB/s each way, and the pinned host memory the way holds between
+moves.
 """
 
 from __future__ import annotations
@@ -39,22 +44,25 @@ from benchmarks.grpo_step import QWEN25_05B, QWEN25_3B, TINY, device_name, qwen2
 from reroll.strategies.host_parking import HostParking  # noqa: E402
 
 
-def trained_model(
+def fresh_model(
     shape: dict, device: str, dtype: torch.dtype
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model after one AdamW step (its moments made), gradients dropped as the trainer drops them."""
+    """The model and its AdamW before any step (no moments yet)."""
     from transformers import Qwen2ForCausalLM
 
     cfg = qwen2_config(shape, 151936)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg).to(dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+
+def train_once(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: str) -> None:
+    """One AdamW step (its moments made), gradients dropped as the trainer drops them."""
     ids = torch.randint(0, 1000, (1, 16), device=device)
     model(input_ids=ids).logits.float().mean().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return model, optimizer
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -91,8 +99,9 @@ def to_moves(
     return lambda: move(torch.device("cpu")), lambda: move(device), held
 
 
-def pinned_moves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
-    parked = HostParking()
+def pinned_moves(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, parked: HostParking
+):
     offload = lambda: parked.offload(model, optimizer)  # noqa: E731
     reload = lambda: parked.reload(model, optimizer, device)  # noqa: E731
     return offload, reload, lambda: parked.pinned_bytes + torch_pinned_bytes()
@@ -105,11 +114,18 @@ def torch_pinned_bytes() -> int:
 
 def measure(args: argparse.Namespace, size: str, way: str) -> dict:
     shape = TINY if args.tiny else {"0.5b": QWEN25_05B, "3b": QWEN25_3B}[size]
-    model, optimizer = trained_model(shape, args.device, getattr(torch, args.dtype))
-    moved = state_bytes(model, optimizer)
+    model, optimizer = fresh_model(shape, args.device, getattr(torch, args.dtype))
     device = torch.device(args.device)
-    if way == "pinned":
-        offload, reload, pinned_bytes = pinned_moves(model, optimizer, device)
+    parked, prepare = HostParking(), None
+    if way == "prepared":  # as a worker does once its optimizer exists, before the first step
+        start = time.perf_counter()
+        parked.prepare_for(model, optimizer, device, worth_it=lambda nbytes: True)
+        parked.wait_prepared()
+        prepare = time.perf_counter() - start
+    train_once(model, optimizer, args.device)
+    moved = state_bytes(model, optimizer)
+    if way in ("pinned", "prepared"):
+        offload, reload, pinned_bytes = pinned_moves(model, optimizer, device, parked)
     else:
         offload, reload, pinned_bytes = to_moves(model, optimizer, device, non_blocking=way == "non-blocking")
     first = timed(offload, args.device)
@@ -122,7 +138,7 @@ def measure(args: argparse.Namespace, size: str, way: str) -> dict:
             assert torch.cuda.memory_allocated() < 0.05 * moved, "state left on the GPU after offload"
         ins.append(timed(reload, args.device))
     pinned = pinned_bytes() if args.device == "cuda" else 0
-    del model, optimizer, offload, reload, pinned_bytes
+    del model, optimizer, offload, reload, pinned_bytes, parked
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch._C._host_emptyCache()  # the next row starts with no pinned blocks cached
@@ -131,6 +147,7 @@ def measure(args: argparse.Namespace, size: str, way: str) -> dict:
         "size": size,
         "way": way,
         "gib": moved / 2**30,
+        "prepare": prepare,
         "first": first,
         "out": out,
         "in": into,
@@ -153,19 +170,26 @@ def main() -> None:
     args = parser.parse_args()
     sizes = ["0.5b", "3b"] if args.model_size == "3b" and not args.tiny else ["0.5b"]
     print(f"# offload and reload of a trainer's state, {device_name(args.device)}, {args.dtype}", flush=True)
-    print("| shape | way | GiB | first offload s | offload s | GB/s | reload s | GB/s | pinned GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| shape | way | GiB | prepare s | first offload s | offload s | first / later | GB/s | reload s "
+        "| GB/s | pinned GiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for size in sizes:
-        for way in ("pageable", "pinned", "non-blocking"):
+        for way in ("pageable", "pinned", "prepared", "non-blocking"):
             r = measure(args, "tiny" if args.tiny else size, way)
             gb = r["bytes"] / 1e9
+
+            def prepared(seconds: float | None) -> str:
+                return "-" if seconds is None else f"{seconds:.3f}"
 
             def rate(seconds: float, gb: float = gb) -> str:
                 return f"{gb / seconds:.1f}" if args.device == "cuda" else "-"  # nothing moves off GPUs
 
             print(
-                f"| {r['size']} | {way} | {r['gib']:.2f} | {r['first']:.3f} | {r['out']:.3f} | "
-                f"{rate(r['out'])} | {r['in']:.3f} | {rate(r['in'])} | {r['pinned']:.2f} |",
+                f"| {r['size']} | {way} | {r['gib']:.2f} | {prepared(r['prepare'])} | {r['first']:.3f} | "
+                f"{r['out']:.3f} | {r['first'] / max(r['out'], 1e-9):.1f} | {rate(r['out'])} | {r['in']:.3f} | "
+                f"{rate(r['in'])} | {r['pinned']:.2f} |",
                 flush=True,
             )
 

@@ -59,7 +59,7 @@ class HostParking:
         self._guard = threading.Lock()  # the pool, the pending count and ``_locked`` across threads
         self._pending: Counter[tuple] = Counter()  # buffers of each kind a preparation will add
         self._preparing: threading.Thread | None = None
-        self._failed: BaseException | None = None  # what stopped a preparation, raised at the next wait
+        self._failed: Exception | None = None  # what stopped a preparation, said at the next wait
 
     def __del__(self) -> None:
         if not self._locked:
@@ -84,7 +84,8 @@ class HostParking:
     def prepare(self, shapes: list[Shape], device: torch.device | None = None) -> None:
         """Make and page-lock, in a background thread, a buffer for each of ``shapes`` that the pool (with
         what earlier preparations will add) does not hold yet; returns at once. ``device``: the CUDA
-        device whose context the pages are locked for (the thread's own current device is the first)."""
+        device whose context the pages are locked for (without an index: the caller's current one; a
+        new thread's would be the first)."""
         with self._guard:
             missing = Counter(_plain_kind(s) for s in shapes) - Counter(
                 {k: len(p) for k, p in self._pool.items()}
@@ -92,6 +93,8 @@ class HostParking:
             missing -= self._pending
             if not missing:
                 return
+            if device is not None and device.type == "cuda" and device.index is None:  # the caller's
+                device = torch.device("cuda", torch.cuda.current_device())
             self._pending += missing
             thread = threading.Thread(
                 target=self._make,
@@ -103,13 +106,18 @@ class HostParking:
             thread.start()  # under the guard: a wait that sees the thread can join it
 
     def wait_prepared(self) -> None:
-        """Return once every preparation started has made its buffers (raise what stopped one)."""
+        """Return once every preparation started has ended. One that failed is said (a warning): the
+        offload then makes the buffers it still lacks itself, as without preparation."""
         thread = self._preparing
         if thread is not None:
             thread.join()
         failed, self._failed = self._failed, None
         if failed is not None:
-            raise RuntimeError("preparing host buffers for offload failed") from failed
+            logger.warning(
+                "preparing host buffers for offload failed (%s: %s): the offload makes them itself",
+                type(failed).__name__,
+                failed,
+            )
 
     def prepare_for(
         self,
@@ -226,7 +234,7 @@ class HostParking:
                         self._pool.setdefault(kind, []).append(buffer)
                         self._pending[kind] -= 1
                         made[kind] += 1
-        except BaseException as e:  # raised at the next offload's wait
+        except Exception as e:  # said at the next offload's wait
             self._failed = e
         finally:
             with self._guard:  # what this thread did not make is no longer promised
