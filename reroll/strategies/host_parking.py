@@ -31,9 +31,10 @@ class HostParking:
     Each tensor is parked in a host buffer of its exact shape and dtype, page-locked in place
     (``cudaHostRegister``) and kept for the run (pinning costs about ten copies): the run holds the
     state's size in pinned host memory. (``torch.empty(pin_memory=True)`` would round every buffer up to
-    a power of two: 1.9x the state for the 0.5B shape.) Buffers are pooled by shape and dtype: at each
-    offload a tensor takes the next unused buffer of its kind, so a tensor missing or added since (a
-    moment made by the first step) takes or makes its own without disturbing the others'.
+    a power of two: 1.9x the state for the 0.5B shape.) Buffers are pooled by shape and dtype: an
+    offloaded tensor takes a free buffer of its kind (one no parked tensor is in; ``reload`` frees it),
+    so a tensor missing or added since (a moment made by the first step) takes or makes its own without
+    disturbing the others'.
 
     ``prepare`` makes and page-locks the buffers of given shapes in a background thread, before they
     are needed, so that the first offload only copies (its pinning, seconds for a 3B trainer's state,
@@ -50,8 +51,10 @@ class HostParking:
     def __init__(
         self, register: Register | None = None, unregister: Callable[[int], Any] | None = None
     ) -> None:
-        self._pool: dict[tuple, list[torch.Tensor]] = {}  # buffers by ``_kind``
-        self._taken: Counter[tuple] = Counter()  # buffers of each kind taken at this offload
+        self._pool: dict[tuple, list[tuple[int, torch.Tensor]]] = {}  # (data_ptr, buffer) by ``_kind``
+        self._held: set[int] = (
+            set()
+        )  # data_ptr of each buffer holding a parked tensor now (a DTensor's shard's)
         self._locked: set[int] = set()  # data_ptr of each page-locked buffer (a DTensor's: its shard's)
         self._pin = register is not None or torch.cuda.is_available()
         self._register = register or _cuda_register
@@ -74,7 +77,7 @@ class HostParking:
     def buffers(self) -> list[torch.Tensor]:
         """Every host buffer, by kind in the order made."""
         with self._guard:
-            return [b for pool in self._pool.values() for b in pool]
+            return [b for pool in self._pool.values() for _, b in pool]
 
     @property
     def pinned_bytes(self) -> int:
@@ -87,9 +90,8 @@ class HostParking:
         device whose context the pages are locked for (without an index: the caller's current one; a
         new thread's would be the first)."""
         with self._guard:
-            missing = Counter(_plain_kind(s) for s in shapes) - Counter(
-                {k: len(p) for k, p in self._pool.items()}
-            )
+            have = Counter({kind: len(pool) for kind, pool in self._pool.items()})
+            missing = Counter(_plain_kind(s) for s in shapes) - have
             missing -= self._pending
             if not missing:
                 return
@@ -154,20 +156,20 @@ class HostParking:
         return [(tuple(t.shape), t.dtype) for t in tensors if not self._on_host(t) and not _is_dtensor(t)]
 
     def offload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self._begin()
+        self.wait_prepared()
         self._walk(model, optimizer, self._park)
 
     def reload(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device
     ) -> None:
-        self._walk(model, optimizer, partial(self._to_device, device=device))
+        self._walk(model, optimizer, partial(self._unpark, device=device))
 
     def park_storages(self, storages: list[torch.UntypedStorage]) -> list[Callable[[], None]]:
         """Each GPU storage copied into its host buffer and then freed in place, for state whose tensors
         must keep their identity (Megatron's DDP hooks sit on its parameters; its optimizer's shards are
         views): they stay the same objects and hold no GPU memory until the storage's returned
         callable brings it back. Storages off the GPU are left alone."""
-        self._begin()
+        self.wait_prepared()
         gpu = [st for st in storages if st.device.type == "cuda" and st.nbytes()]
         hosts = [self._park(_bytes_of(st)) for st in gpu]
         if gpu:
@@ -175,13 +177,8 @@ class HostParking:
         restore = []
         for st, host in zip(gpu, hosts, strict=True):
             st.resize_(0)
-            restore.append(partial(_bring_back, st, host))
+            restore.append(partial(self._bring_back, st, host))
         return restore
-
-    def _begin(self) -> None:
-        """An offload starts: the preparations done (their buffers in the pool), none of them taken."""
-        self.wait_prepared()
-        self._taken = Counter()
 
     def _walk(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, move: Any) -> None:
         with torch.no_grad():
@@ -194,28 +191,45 @@ class HostParking:
             torch.cuda.synchronize()
 
     def _park(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``'s host copy, queued into the next free buffer of its kind (made now if none is free)."""
+        """``t``'s host copy, queued into a free buffer of its kind (made now if none is free): one that
+        holds no parked tensor now (a buffer is free again once its tensor is brought back)."""
         if self._on_host(t):
             return t
         kind = _kind(t)
         with self._guard:
             pool = self._pool.setdefault(kind, [])
-            i = self._taken[kind]
-            self._taken[kind] += 1
-            buffer = pool[i] if i < len(pool) else None
+            buffer = next((b for ptr, b in pool if ptr not in self._held), None)
         if buffer is None and _is_dtensor(t):  # a host DTensor of t's sharding (a copy), its shard locked
             buffer = t.to("cpu")
             self._lock(_local(buffer))
-            with self._guard:
-                pool.append(buffer)
-            return buffer
-        if buffer is None:  # locked first, so that even this first copy does not wait
-            buffer = self._new_buffer((tuple(t.shape), t.dtype))
-            with self._guard:
-                pool.append(buffer)
-        host = _local(buffer)
-        host.copy_(_local(t), non_blocking=host.data_ptr() in self._locked)
+            self._add(kind, buffer)
+        else:
+            if buffer is None:  # locked first, so that even this first copy does not wait
+                buffer = self._new_buffer((tuple(t.shape), t.dtype))
+                self._add(kind, buffer)
+            host = _local(buffer)
+            host.copy_(_local(t), non_blocking=host.data_ptr() in self._locked)
+        with self._guard:
+            self._held.add(_local(buffer).data_ptr())
         return buffer
+
+    def _unpark(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t`` queued back onto ``device``, its buffer (if it is one) free for the next offload."""
+        with self._guard:
+            self._held.discard(_local(t).data_ptr())
+        return self._to_device(t, device)
+
+    def _bring_back(self, storage: torch.UntypedStorage, host: torch.Tensor) -> None:
+        """A storage ``park_storages`` freed, given its memory again and its bytes from ``host`` (queued: the
+        GPU's later work on the stream runs after the copy), ``host`` free for the next offload."""
+        storage.resize_(_nbytes(host))
+        _bytes_of(storage).copy_(host, non_blocking=host.data_ptr() in self._locked)
+        with self._guard:
+            self._held.discard(host.data_ptr())
+
+    def _add(self, kind: tuple, buffer: torch.Tensor) -> None:
+        with self._guard:
+            self._pool.setdefault(kind, []).append((_local(buffer).data_ptr(), buffer))
 
     def _make(
         self, missing: Counter[tuple], before: threading.Thread | None, device: torch.device | None
@@ -230,8 +244,8 @@ class HostParking:
             for kind, count in missing.items():
                 for _ in range(count):
                     buffer = self._new_buffer(kind[1])
+                    self._add(kind, buffer)
                     with self._guard:
-                        self._pool.setdefault(kind, []).append(buffer)
                         self._pending[kind] -= 1
                         made[kind] += 1
         except Exception as e:  # said at the next offload's wait
@@ -305,13 +319,6 @@ def _shape_bytes(shape: Shape) -> int:
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """The whole of ``storage`` as a tensor of bytes (sharing it)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _bring_back(storage: torch.UntypedStorage, host: torch.Tensor) -> None:
-    """A storage ``park_storages`` freed, given its memory again and its bytes from ``host`` (queued: the
-    GPU's later work on the stream runs after the copy)."""
-    storage.resize_(_nbytes(host))
-    _bytes_of(storage).copy_(host, non_blocking=host.is_pinned())
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

@@ -141,6 +141,25 @@ def test_a_round_trip_gives_back_every_bit_and_training_goes_on_as_without_it():
     assert all(torch.equal(a, b) for a, b in zip(_state(*moved), _state(*stayed), strict=True))
 
 
+def test_a_buffer_holding_a_parked_tensor_is_never_taken_by_another():
+    """Two trainers of one shape parked by one parking without a reload between: the second makes its
+    own buffers, the first's values stay as they were; after both reloads their buffers are free again."""
+    a, b = _trainer(seed=0), _trainer(seed=1)
+    for trainer in (a, b):
+        _step(*trainer)
+    want = [t.clone() for t in _state(*a)]
+    parking = FakeGPUParking()
+    parking.offload(*a)
+    parking.offload(*b)
+    assert len(parking.buffers) == 2 * len(want)
+    assert all(torch.equal(x, y) for x, y in zip(_state(*a), want, strict=True))
+    parking.reload(*a, torch.device("cpu"))
+    parking.reload(*b, torch.device("cpu"))
+    parking.offload(*a)
+    assert len(parking.buffers) == 2 * len(want) and parking._held  # reused, nothing new
+    assert all(torch.equal(x, y) for x, y in zip(_state(*a), want, strict=True))
+
+
 def test_a_failed_preparation_is_said_and_the_offload_makes_its_buffers_itself(caplog):
     model, optimizer = _trainer()
     _step(model, optimizer)
