@@ -298,12 +298,13 @@ def keeps_state(cfg: RunConfig, role: str, resident_bytes: int, total: int) -> b
 
 
 def may_park(cfg: RunConfig, role: str, state_bytes: int, total: int) -> bool:
-    """Whether rank 0 of ``role``, on a GPU of ``total`` bytes, is likely to move its ``state_bytes`` to
-    host memory at some eviction, so that its host buffers are worth preparing ahead
-    (``Strategy.prepare_offload``): colocated roles offload (``offload_between_phases``), another role
-    shares its GPU, and it would not keep its state there (``keeps_state``) with ``PARKING_MARGIN``
-    times the state reserved. A run that would keep it pins nothing ahead; should it move after all,
-    its first offload pins, as without preparation."""
+    """Whether rank 0 of ``role``, on a GPU of ``total`` bytes and holding ``state_bytes`` there (its
+    state, or what was measured where more), is likely to move its state to host memory at some
+    eviction, so that its host buffers are worth preparing ahead (``Strategy.prepare_offload``):
+    colocated roles offload (``offload_between_phases``), another role shares its GPU, and it would
+    not keep its state there (``keeps_state``) with ``PARKING_MARGIN`` times those bytes reserved. A
+    run that would keep it pins nothing ahead; should it move after all, its first offload pins, as
+    without preparation."""
     if not offload_between_phases(cfg, "cuda"):
         return False
     on = _beside_rank0(cfg, role)

@@ -166,6 +166,7 @@ class StrategyWorker:
         before = self._allocated()
         self._resting = max(self._resting, before)
         if self._fits_beside_engine():  # which freed the cached blocks before measuring
+            self._park_ahead(torch.cuda.memory_reserved())  # nearer the limit than predicted: pin now
             return 0
         self.strategy.offload()
         self._offloaded = True
@@ -216,16 +217,20 @@ class StrategyWorker:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return keeps_state(cfg, self.role, torch.cuda.memory_reserved(), total)
 
-    def _park_ahead(self) -> None:
+    def _park_ahead(self, measured: int = 0) -> None:
         """Have the strategy page-lock its state's host buffers in the background where this rank is
-        likely to offload (``may_park``), so that its first offload only copies. Called once the model
-        is built, once the optimizer is (its moments predicted) and after each optimizer step (what is
-        new since: prepared buffers are kept)."""
+        likely to offload (``may_park``, of its state or of the ``measured`` memory it kept on the GPU
+        at an eviction, the larger), so that its first offload only copies. Called once the model is
+        built, once the optimizer is (its moments predicted), after each optimizer step (what is new
+        since: prepared buffers are kept) and at each eviction the state stayed through (the measured
+        memory, which the next eviction's decision reads, may have grown nearer the limit)."""
         device = self.strategy.device
         if device.type != "cuda":
             return
         total = torch.cuda.get_device_properties(device).total_memory
-        self.strategy.prepare_offload(lambda state: may_park(self.cfg, self.role, state, total))
+        self.strategy.prepare_offload(
+            lambda state: may_park(self.cfg, self.role, max(state, measured), total)
+        )
 
     def micro_batches(
         self, batch: TrainBatch, *, forward_only: bool = False, by_length: bool = True
