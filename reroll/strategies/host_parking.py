@@ -52,9 +52,7 @@ class HostParking:
         self, register: Register | None = None, unregister: Callable[[int], Any] | None = None
     ) -> None:
         self._pool: dict[tuple, list[tuple[int, torch.Tensor]]] = {}  # (data_ptr, buffer) by ``_kind``
-        self._held: set[int] = (
-            set()
-        )  # data_ptr of each buffer holding a parked tensor now (a DTensor's shard's)
+        self._held: set[int] = set()  # data_ptr of each buffer a parked tensor is in (a DTensor's shard's)
         self._locked: set[int] = set()  # data_ptr of each page-locked buffer (a DTensor's: its shard's)
         self._pin = register is not None or torch.cuda.is_available()
         self._register = register or _cuda_register
@@ -139,8 +137,9 @@ class HostParking:
         ``optimizer``: parameters, gradients, buffers, and the optimizer's state but its step counters; an
         Adam(W) parameter without state yet (before the first step) counts its moments as torch makes
         them, ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad) each of the parameter's
-        shape and dtype. Other optimizers' state is counted once it exists. Sharded tensors (DTensors) and
-        host tensors are left out: nothing to prepare for them."""
+        shape and dtype (a parameter that never gets a gradient leaves its two unused). Other optimizers'
+        state is counted once it exists. Sharded tensors (DTensors), empty tensors and host tensors are
+        left out: nothing to prepare for them."""
         tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
         tensors += list(model.buffers())
         if optimizer is not None:
@@ -153,7 +152,8 @@ class HostParking:
                         ]
                     elif p.requires_grad and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
                         tensors += [p] * (3 if group.get("amsgrad") else 2)
-        return [(tuple(t.shape), t.dtype) for t in tensors if not self._on_host(t) and not _is_dtensor(t)]
+        kept = [t for t in tensors if not self._on_host(t) and not _is_dtensor(t) and t.numel()]
+        return [(tuple(t.shape), t.dtype) for t in kept]
 
     def offload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self.wait_prepared()
@@ -195,6 +195,8 @@ class HostParking:
         holds no parked tensor now (a buffer is free again once its tensor is brought back)."""
         if self._on_host(t):
             return t
+        if not _nbytes(_local(t)):  # nothing to copy or lock, and no address to tell its buffer by
+            return t.to("cpu")
         kind = _kind(t)
         with self._guard:
             pool = self._pool.setdefault(kind, [])
