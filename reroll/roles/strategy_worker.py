@@ -166,7 +166,6 @@ class StrategyWorker:
         before = self._allocated()
         self._resting = max(self._resting, before)
         if self._fits_beside_engine():  # which freed the cached blocks before measuring
-            self._park_ahead(torch.cuda.memory_reserved())  # nearer the limit than predicted: pin now
             return 0
         self.strategy.offload()
         self._offloaded = True
@@ -207,7 +206,9 @@ class StrategyWorker:
 
     def _fits_beside_engine(self) -> bool:
         """'auto' on a GPU with a vLLM engine (``keeps_state``): this role's reserved memory, once the
-        allocator's cached blocks are freed, leaves the engines their shares."""
+        allocator's cached blocks are freed, leaves the engines their shares. Where it does, that memory
+        may have grown nearer the limit than the state predicted: its host buffers are prepared then if
+        so (``_park_ahead``), during the phase this rank gives the GPU to."""
         cfg = self.cfg
         if cfg.placement.offload != "auto" or cfg.rollout.engine != "vllm" or not torch.cuda.is_available():
             return False
@@ -215,7 +216,11 @@ class StrategyWorker:
             return False
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        return keeps_state(cfg, self.role, torch.cuda.memory_reserved(), total)
+        reserved = torch.cuda.memory_reserved()
+        kept = keeps_state(cfg, self.role, reserved, total)
+        if kept:
+            self._park_ahead(reserved)
+        return kept
 
     def _park_ahead(self, measured: int = 0) -> None:
         """Have the strategy page-lock its state's host buffers in the background where this rank is

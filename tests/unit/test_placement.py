@@ -690,7 +690,8 @@ def test_the_moves_report_the_bytes_the_trainers_moved_and_their_rate(tmp_path, 
 
 def test_a_trainer_keeps_its_state_where_it_fits_beside_every_engine_on_its_gpu(tmp_path, monkeypatch):
     """``StrategyWorker._fits_beside_engine`` (CUDA's memory calls faked): the role's reserved memory
-    times the trainer roles on the GPU, plus each engine's share, under 90 % of the GPU."""
+    times the trainer roles on the GPU, plus each engine's share, under 90 % of the GPU. Where it keeps
+    its state that near the limit (1.5 x 20 GiB would not fit), it has its host buffers prepared then."""
     import types
 
     from reroll.roles import strategy_worker
@@ -706,17 +707,31 @@ def test_a_trainer_keeps_its_state_where_it_fits_beside_every_engine_on_its_gpu(
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20 * gib)
     monkeypatch.setattr(strategy_worker, "worker_device", lambda cfg, role: "cuda")
 
+    prepared: list[bool] = []
+
+    class Strategy:
+        device = torch.device("cuda", 0)
+
+        def prepare_offload(self, worth_it):
+            prepared.append(worth_it(gib))  # a 1 GiB state, 20 GiB measured
+
     def fits(**overrides) -> bool:
         worker = object.__new__(StrategyWorker)
-        worker.cfg = _cfg(tmp_path, **{"placement.devices": 1, "rollout.engine": "vllm", **overrides})
-        worker.role = "actor_train"
+        base = {"placement.devices": 1, "placement.device_type": "cuda", "rollout.engine": "vllm"}
+        worker.cfg = _cfg(tmp_path, **base, **overrides)
+        worker.role, worker.strategy = "actor_train", Strategy()
         return worker._fits_beside_engine()
 
     # two trainer roles x 20 GiB + 0.3 x 80 GiB = 64 <= 72 GiB
     assert fits(**{"rollout.vllm.gpu_memory_utilization": 0.3})
+    assert prepared == [True]  # 2 x 1.5 x 20 + 24 = 84 > 72 GiB: it may move at a later eviction
     # two engines at 0.3 each: 40 + 48 GiB > 72 GiB
     assert not fits(**{"rollout.vllm.gpu_memory_utilization": 0.3, "roles.actor_infer.world_size": 2})
+    assert prepared == [True]  # it moves now: its offload makes what is not prepared
     assert fits(**{"rollout.vllm.gpu_memory_utilization": 0.15, "roles.actor_infer.world_size": 2})
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 * gib)
+    assert fits(**{"rollout.vllm.gpu_memory_utilization": 0.3})
+    assert prepared == [True, True, False]  # 2 x 1.5 x 5 + 24 = 39 <= 72 GiB: far from moving
 
 
 def test_storage_parking_leaves_host_storages_alone():
