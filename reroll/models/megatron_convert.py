@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -158,46 +159,114 @@ def _split_qkv(qkv: torch.Tensor, s: GPTShape) -> tuple[torch.Tensor, torch.Tens
 
 
 def hf_to_megatron(
-    hf: dict[str, torch.Tensor], s: GPTShape, *, fused_norms: bool = False, padded_vocab: int | None = None
+    hf: Mapping[str, torch.Tensor], s: GPTShape, *, fused_norms: bool = False, padded_vocab: int | None = None
 ) -> dict[str, torch.Tensor]:
     """A Hugging Face causal-LM state dict -> the unsharded Megatron-Core ``GPTModel`` state dict.
 
     ``fused_norms`` names the layer norms as the Transformer Engine spec does; ``padded_vocab`` (at
-    least ``s.vocab_size``) appends zero rows to the embedding and output layer."""
+    least ``s.vocab_size``) appends zero rows to the embedding and output layer. ``hf`` may hold an MoE
+    layer's experts fused (transformers' state dict) or one tensor each (the checkpoint's files):
+    ``layer_from_hf``. Only the tensors the conversion names are read from ``hf``."""
     rows = padded_vocab or s.vocab_size
-    out = {"embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], rows)}
+    out = embedding_from_hf(hf, rows)
     for i in range(s.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn_norm, mlp_norm = _norm_names(i, fused_norms)
-        out[attn_norm] = hf[h + "input_layernorm.weight"]
-        out[mlp_norm] = hf[h + "post_attention_layernorm.weight"]
-        a = h + "self_attn."
-        out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], s
-        )
-        if s.qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], s
-            )
-        if s.qk_norm:
-            out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
-            out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
-        out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
-        if s.num_experts:
-            out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
-            gate_up, down = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.down_proj"]
-            for e in range(s.num_experts):
-                out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
-                out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
-            continue
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]
-        )
-        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        out |= layer_from_hf(hf, s, i, fused_norms=fused_norms)
+    return out | head_from_hf(hf, s, rows)
+
+
+def rank_from_hf(
+    hf: Mapping[str, torch.Tensor],
+    s: GPTShape,
+    *,
+    stage: int = 0,
+    pp: int = 1,
+    tp_rank: int = 0,
+    tp: int = 1,
+    ep_rank: int = 0,
+    ep: int = 1,
+    fused_norms: bool = False,
+) -> dict[str, torch.Tensor]:
+    """One Megatron rank's state dict straight from the Hugging Face weights: what
+    ``shard(shard_experts(shard_stage(hf_to_megatron(hf, ...), stage, pp), ep_rank, ep), tp_rank, tp)``
+    gives, reading from ``hf`` only what the rank holds: its stage's layers, the embedding on the first
+    stage (and a tied model's last), the final norm and head on the last, and of each layer's experts its
+    EP rank's only. With ``hf`` a lazy mapping over the checkpoint's files
+    (``reroll.models.checkpoint_reader``) a rank reads its share alone."""
+    rows = s.padded_vocab(tp)
+    layers = stage_layers(s.num_layers, stage, pp) if pp > 1 else range(s.num_layers)
+    first, last = stage == 0, stage == pp - 1
+    experts = expert_range(s, ep_rank, ep) if s.num_experts else None
+    out = embedding_from_hf(hf, rows) if first or (last and s.tied) else {}
+    for i in layers:
+        out |= layer_from_hf(hf, s, i, fused_norms=fused_norms, experts=experts)
+    if last:
+        out |= head_from_hf(hf, s, rows)
+    return shard(shard_experts(shard_stage(out, s, stage, pp), s, ep_rank, ep), s, tp_rank, tp)
+
+
+def embedding_from_hf(hf: Mapping[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """``embedding.word_embeddings.weight``: the embedding padded with zero rows to ``rows``."""
+    return {"embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], rows)}
+
+
+def head_from_hf(hf: Mapping[str, torch.Tensor], s: GPTShape, rows: int) -> dict[str, torch.Tensor]:
+    """The final norm and (untied) ``output_layer.weight`` padded with zero rows to ``rows``."""
+    out = {"decoder.final_layernorm.weight": hf["model.norm.weight"]}
     if not s.tied:
         out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], rows)
     return out
+
+
+def layer_from_hf(
+    hf: Mapping[str, torch.Tensor],
+    s: GPTShape,
+    i: int,
+    *,
+    fused_norms: bool = False,
+    experts: range | None = None,
+) -> dict[str, torch.Tensor]:
+    """Decoder layer ``i`` in Megatron names (numbered globally), read from ``hf``'s ``model.layers.{i}.*``.
+
+    An MoE layer's experts (``experts``: those of ``range(num_experts)`` to convert, by default all;
+    numbered globally) come from transformers' fused ``mlp.experts.gate_up_proj``/``down_proj`` where
+    ``hf`` has them, else from the checkpoint's own per-expert ``mlp.experts.{e}.gate_proj``/``up_proj``/
+    ``down_proj`` (what ``save_pretrained`` writes and transformers fuses on load)."""
+    h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    attn_norm, mlp_norm = _norm_names(i, fused_norms)
+    out = {attn_norm: hf[h + "input_layernorm.weight"], mlp_norm: hf[h + "post_attention_layernorm.weight"]}
+    a = h + "self_attn."
+    out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(
+        hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], s
+    )
+    if s.qkv_bias:
+        out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+            hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], s
+        )
+    if s.qk_norm:
+        out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
+        out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
+    out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
+    if s.num_experts:
+        out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
+        for e in range(s.num_experts) if experts is None else experts:
+            fc1, fc2 = _expert_from_hf(hf, h + "mlp.experts.", e)
+            out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = fc1
+            out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = fc2
+        return out
+    out[m + "mlp.linear_fc1.weight"] = torch.cat(
+        [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]
+    )
+    out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    return out
+
+
+def _expert_from_hf(hf: Mapping[str, torch.Tensor], x: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``e``'s ``[gate; up]`` ``(2I, H)`` and ``down`` ``(H, I)`` under the prefix ``x``
+    (``model.layers.{i}.mlp.experts.``), fused or per expert (``layer_from_hf``)."""
+    if x + "gate_up_proj" in hf:
+        return hf[x + "gate_up_proj"][e], hf[x + "down_proj"][e]
+    p = f"{x}{e}."
+    return torch.cat([hf[p + "gate_proj.weight"], hf[p + "up_proj.weight"]]), hf[p + "down_proj.weight"]
 
 
 def megatron_to_hf(
@@ -326,22 +395,26 @@ def shard_experts(mc: dict[str, torch.Tensor], s: GPTShape, rank: int, ep: int) 
     ``rank*E/ep .. (rank+1)*E/ep - 1`` renumbered from 0 (Megatron-Core's local expert numbering)."""
     if ep == 1:
         return dict(mc)
+    mine = expert_range(s, rank, ep)
+    out = {}
+    for name, w in mc.items():
+        match = _EXPERT.match(name)
+        if match is None:
+            out[name] = w
+        elif int(match[2]) in mine:
+            out[f"{match[1]}{int(match[2]) - mine.start}{match[3]}"] = w
+    return out
+
+
+def expert_range(s: GPTShape, rank: int, ep: int) -> range:
+    """The (global) experts of expert-parallel rank ``rank`` of ``ep``: ``rank*E/ep .. (rank+1)*E/ep - 1``."""
     if not s.num_experts or s.num_experts % ep:
         raise UserError(
             f"strategy.megatron.expert_parallel ({ep}) must divide the model's num_experts "
             f"({s.num_experts}): pick an expert_parallel that does"
         )
     per_rank = s.num_experts // ep
-    out = {}
-    for name, w in mc.items():
-        match = _EXPERT.match(name)
-        if match is None:
-            out[name] = w
-            continue
-        local = int(match[2]) - rank * per_rank
-        if 0 <= local < per_rank:
-            out[f"{match[1]}{local}{match[3]}"] = w
-    return out
+    return range(rank * per_rank, (rank + 1) * per_rank)
 
 
 def merge_experts(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
