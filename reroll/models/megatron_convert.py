@@ -350,8 +350,11 @@ def _check_tp(s: GPTShape, tp: int) -> None:
 
 
 def shard(mc: dict[str, torch.Tensor], s: GPTShape, rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s share of an unsharded Megatron-Core state dict at tensor-parallel size ``tp``."""
+    """Rank ``rank``'s share of an unsharded Megatron-Core state dict at tensor-parallel size ``tp`` (split
+    weights copied, so the unsharded ones can be freed; at ``tp`` 1 the same tensors, no copy)."""
     _check_tp(s, tp)
+    if tp == 1:
+        return dict(mc)
     out = {}
     for name, w in mc.items():
         dim = tp_split_dim(name)

@@ -8,8 +8,9 @@ them) and run a micro-batch one after the other (``reroll.strategies.megatron_pi
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
 to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
 logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face
-checkpoint through ``reroll.models.megatron_convert`` and go back in Hugging Face names for weight sync
-and export, one layer at a time (``reroll.strategies.megatron_weights``).
+checkpoint through ``reroll.models.megatron_convert``, each rank reading from the safetensors files only
+the tensors it holds (``reroll.models.checkpoint_reader``), and go back in Hugging Face names for weight
+sync and export, one layer at a time (``reroll.strategies.megatron_weights``).
 
 The role splits a batch by rows across *all* its ranks, as for the other strategies. Tensor
 parallelism needs the same rows on the ranks of one TP group, so ``logits`` gathers the group's rows,
