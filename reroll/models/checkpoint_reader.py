@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from reroll.errors import UserError
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -23,15 +25,19 @@ SINGLE = "model.safetensors"
 def checkpoint_files(path: str | Path) -> dict[str, str] | None:
     """``{tensor name: file}`` of the safetensors checkpoint at ``path`` (a directory or a hub id, resolved
     as transformers resolves it), from its index or its one ``model.safetensors``; None where it has
-    neither (a ``.bin`` checkpoint)."""
+    neither (a ``.bin`` checkpoint); a path transformers cannot resolve is a ``UserError``."""
     from safetensors import safe_open
     from transformers.utils import cached_file
 
-    index = cached_file(str(path), INDEX, _raise_exceptions_for_missing_entries=False)
-    if index is not None:
-        weight_map = json.loads(Path(index).read_text())["weight_map"]
-        return {name: str(Path(index).parent / file) for name, file in weight_map.items()}
-    single = cached_file(str(path), SINGLE, _raise_exceptions_for_missing_entries=False)
+    try:
+        index = cached_file(str(path), INDEX, _raise_exceptions_for_missing_entries=False)
+        if index is not None:  # each file resolved as from_pretrained resolves it (a hub id's: downloaded)
+            weight_map = json.loads(Path(index).read_text())["weight_map"]
+            local = {file: cached_file(str(path), file) for file in set(weight_map.values())}
+            return {name: local[file] for name, file in weight_map.items()}
+        single = cached_file(str(path), SINGLE, _raise_exceptions_for_missing_entries=False)
+    except OSError as e:  # neither a directory nor a hub id transformers can resolve
+        raise UserError(f"cannot read a checkpoint from model.path {str(path)!r}: {e}") from e
     if single is None:
         return None
     with safe_open(single, framework="pt") as f:

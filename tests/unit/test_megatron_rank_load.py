@@ -169,3 +169,11 @@ def test_the_strategy_reads_a_bin_checkpoint_whole_and_says_so(tmp_path, caplog)
     assert "rank 3 read" in caplog.text
     assert len(loaded) == 2 and loaded[0]
     _assert_same(*loaded)
+
+
+def test_a_path_that_is_no_checkpoint_is_a_user_error(tmp_path):
+    from reroll.errors import UserError
+
+    with pytest.raises(UserError, match=r"cannot read a checkpoint from model\.path"):
+        checkpoint_files(tmp_path / "missing")
+    assert checkpoint_files(tmp_path) is None  # a directory without safetensors files: the fallback
