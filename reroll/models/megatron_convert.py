@@ -248,8 +248,14 @@ def layer_from_hf(
     out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
     if s.num_experts:
         out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
+        x = h + "mlp.experts."
+        fused = (hf[x + "gate_up_proj"], hf[x + "down_proj"]) if x + "gate_up_proj" in hf else None
         for e in range(s.num_experts) if experts is None else experts:
-            fc1, fc2 = _expert_from_hf(hf, h + "mlp.experts.", e)
+            if fused is not None:  # (E, 2I, H): gate rows, then up; (E, H, I)
+                fc1, fc2 = fused[0][e], fused[1][e]
+            else:
+                fc1 = torch.cat([hf[f"{x}{e}.gate_proj.weight"], hf[f"{x}{e}.up_proj.weight"]])
+                fc2 = hf[f"{x}{e}.down_proj.weight"]
             out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = fc1
             out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = fc2
         return out
@@ -258,15 +264,6 @@ def layer_from_hf(
     )
     out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
     return out
-
-
-def _expert_from_hf(hf: Mapping[str, torch.Tensor], x: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert ``e``'s ``[gate; up]`` ``(2I, H)`` and ``down`` ``(H, I)`` under the prefix ``x``
-    (``model.layers.{i}.mlp.experts.``), fused or per expert (``layer_from_hf``)."""
-    if x + "gate_up_proj" in hf:
-        return hf[x + "gate_up_proj"][e], hf[x + "down_proj"][e]
-    p = f"{x}{e}."
-    return torch.cat([hf[p + "gate_proj.weight"], hf[p + "up_proj.weight"]]), hf[p + "down_proj.weight"]
 
 
 def megatron_to_hf(

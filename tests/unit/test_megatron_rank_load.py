@@ -177,3 +177,23 @@ def test_a_path_that_is_no_checkpoint_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match=r"cannot read a checkpoint from model\.path"):
         checkpoint_files(tmp_path / "missing")
     assert checkpoint_files(tmp_path) is None  # a directory without safetensors files: the fallback
+
+
+def test_a_checkpoint_with_fused_experts_reads_the_same(tmp_path):
+    """Files holding transformers' fused ``mlp.experts.gate_up_proj``/``down_proj`` (not what
+    ``save_pretrained`` writes, but a valid safetensors checkpoint of the state dict) give the same
+    ranks as the per-expert files."""
+    from safetensors.torch import save_file
+
+    path, s = _save(tmp_path, "moe")
+    full = load_causal_lm(path).state_dict()
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    save_file({k: v.contiguous() for k, v in full.items()}, str(fused / "model.safetensors"))
+    files = checkpoint_files(fused)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in files  # the fused names are what is read
+    for stage, _, ep_rank in _ranks(2, 1, 2):
+        where = dict(stage=stage, pp=2, tp_rank=0, tp=1, ep_rank=ep_rank, ep=2)
+        with CheckpointReader(files, torch.float32) as reader:
+            ours = mc.rank_from_hf(reader, s, **where)
+        _assert_same(ours, _today(full, s, *where.values(), False))
