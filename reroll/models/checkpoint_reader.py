@@ -47,8 +47,8 @@ def checkpoint_files(path: str | Path) -> dict[str, str] | None:
 class CheckpointReader(Mapping[str, torch.Tensor]):
     """The tensors of a safetensors checkpoint by name, each read (and cast to ``dtype`` where it is a
     floating-point tensor) when asked for; a file is opened at its first read and stays open until
-    ``close`` (or the end of a ``with`` block). ``files``: ``checkpoint_files``' map. ``read_bytes``
-    counts the bytes of the tensors read so far."""
+    ``close`` (or the end of a ``with`` block); ``narrow`` reads a slice alone (a TP rank's rows or
+    columns). ``files``: ``checkpoint_files``' map. ``read_bytes`` counts the bytes read so far."""
 
     def __init__(self, files: Mapping[str, str], dtype: torch.dtype) -> None:
         self.files, self.dtype = dict(files), dtype
@@ -57,12 +57,26 @@ class CheckpointReader(Mapping[str, torch.Tensor]):
         self._stack = ExitStack()
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        return self._read(self._file(name).get_tensor(name))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """``name``'s shape, from its file's header (nothing read)."""
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """``self[name].narrow(dim, start, length)``, reading only those elements (``get_slice``)."""
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._read(self._file(name).get_slice(name)[index])
+
+    def _file(self, name: str) -> Any:
         from safetensors import safe_open
 
         file = self.files[name]  # KeyError for a name the checkpoint lacks, as a dict
         if file not in self._open:
             self._open[file] = self._stack.enter_context(safe_open(file, framework="pt"))
-        tensor = self._open[file].get_tensor(name)
+        return self._open[file]
+
+    def _read(self, tensor: torch.Tensor) -> torch.Tensor:
         self.read_bytes += tensor.numel() * tensor.element_size()
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import types
+from typing import ClassVar
 
 import pytest
 import safetensors
@@ -84,63 +85,84 @@ def test_every_rank_reads_what_the_whole_model_split_gives(tmp_path, name, dtype
         for stage, tp_rank, ep_rank in _ranks(pp, tp, ep):
             for fused_norms in (False, True):
                 where = dict(stage=stage, pp=pp, tp_rank=tp_rank, tp=tp, ep_rank=ep_rank, ep=ep)
+                theirs = _today(full, s, *where.values(), fused_norms)
                 with CheckpointReader(files, DTYPES[dtype]) as reader:
-                    ours = mc.rank_from_hf(reader, s, **where, fused_norms=fused_norms)
-                _assert_same(ours, _today(full, s, *where.values(), fused_norms))
+                    _assert_same(mc.rank_from_hf(reader, s, **where, fused_norms=fused_norms), theirs)
+                # the fallback: the same from transformers' state dict (fused experts, chunks cut in memory)
+                _assert_same(mc.rank_from_hf(full, s, **where, fused_norms=fused_norms), theirs)
                 checked += 1
     assert checked == 2 * (27 if s.num_experts else 9)  # (1+2)^3 or (1+2)^2 ranks, both namings
 
 
-def test_a_rank_reads_no_more_than_it_holds(tmp_path, monkeypatch):
-    """PP 2 x EP 2 of a mixture of experts: the bytes each rank's reads return (every get_tensor and
-    get_slice of every file opened, counted by wrapping ``safetensors.safe_open``) are at most the bytes
-    of the state dict it holds (TP 1: no vocabulary padding, nothing read twice); over the four ranks,
-    each expert is read once and every other weight twice (by both EP ranks of its stage)."""
-    path, s = _save(tmp_path, "moe", max_shard_size="20KB")
+class _Counted:
+    """``safetensors.safe_open``, counting the bytes each read returns (``get_tensor`` and a
+    ``get_slice``'s slices) into ``read``."""
+
+    read: ClassVar[dict[str, int]] = {"bytes": 0, "calls": 0}
+    real = staticmethod(safetensors.safe_open)
+
+    def __init__(self, *args, **kwargs):
+        self.inner = self.real(*args, **kwargs)
+
+    def __enter__(self):
+        self.handle = self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+    def get_tensor(self, name):
+        return self.count(self.handle.get_tensor(name))
+
+    def get_slice(self, name):
+        return _CountedSlice(self.handle.get_slice(name))
+
+    def __getattr__(self, attr):
+        return getattr(self.handle, attr)
+
+    @classmethod
+    def count(cls, t):
+        cls.read["bytes"] += t.numel() * t.element_size()
+        cls.read["calls"] += 1
+        return t
+
+
+class _CountedSlice:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getitem__(self, index):
+        return _Counted.count(self.inner[index])
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+
+@pytest.mark.parametrize(("name", "pp", "tp", "ep"), [("moe", 2, 1, 2), ("moe", 2, 2, 2), ("qwen3", 2, 2, 1)])
+def test_a_rank_reads_no_more_than_it_holds(tmp_path, monkeypatch, name, pp, tp, ep):
+    """Every rank of a PP 2 checkpoint: the bytes its reads return (every get_tensor and get_slice of
+    every file opened, counted by wrapping ``safetensors.safe_open``) are at most the bytes of the state
+    dict it holds (replicated norms and router are held by each rank that reads them; vocabulary padding
+    is held, not read). At TP 1 over the four ranks of PP 2 x EP 2, each expert is read once and every
+    other weight twice (by both EP ranks of its stage)."""
+    path, s = _save(tmp_path, name, max_shard_size="20KB")
     files = checkpoint_files(path)
     whole = load_causal_lm(path).state_dict()
     total = sum(t.numel() * t.element_size() for t in whole.values())
     experts = sum(t.numel() * t.element_size() for k, t in whole.items() if ".experts." in k)
-    read = {"bytes": 0, "calls": 0}
-    real_open = safetensors.safe_open
-
-    class Counted:
-        def __init__(self, *args, **kwargs):
-            self.inner = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.handle = self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def get_tensor(self, name):
-            return self._count(self.handle.get_tensor(name))
-
-        def get_slice(self, name):
-            sliced = self.handle.get_slice(name)
-            return types.SimpleNamespace(__getitem__=lambda index: self._count(sliced[index]))
-
-        def _count(self, t):
-            read["bytes"] += t.numel() * t.element_size()
-            read["calls"] += 1
-            return t
-
-        def __getattr__(self, attr):
-            return getattr(self.handle, attr)
-
-    monkeypatch.setattr(safetensors, "safe_open", Counted)
+    monkeypatch.setattr(safetensors, "safe_open", _Counted)
     summed = 0
-    for stage, _, ep_rank in _ranks(2, 1, 2):
-        read.update(bytes=0, calls=0)
+    for stage, tp_rank, ep_rank in _ranks(pp, tp, ep):
+        _Counted.read.update(bytes=0, calls=0)
+        where = dict(stage=stage, pp=pp, tp_rank=tp_rank, tp=tp, ep_rank=ep_rank, ep=ep)
         with CheckpointReader(files, torch.float32) as reader:
-            ours = mc.rank_from_hf(reader, s, stage=stage, pp=2, ep_rank=ep_rank, ep=2)
+            ours = mc.rank_from_hf(reader, s, **where)
         held = sum(t.numel() * t.element_size() for t in ours.values())
-        assert read["calls"] > 0  # the reads went through the wrapper
-        assert 0 < read["bytes"] <= held, (stage, ep_rank)
-        summed += read["bytes"]
-    assert summed == 2 * (total - experts) + experts
+        assert _Counted.read["calls"] > 0  # the reads went through the wrapper
+        assert 0 < _Counted.read["bytes"] <= held, where
+        summed += _Counted.read["bytes"]
+    if tp == 1:
+        assert summed == 2 * (total - experts) + experts
 
 
 def test_the_strategy_reads_a_bin_checkpoint_whole_and_says_so(tmp_path, caplog):
