@@ -33,13 +33,19 @@ from 0 on that stage as Megatron-Core's ``GPTModel`` built with ``pre_process``/
 them; the embedding lives on the first stage, the final norm and the output layer on the last, and a
 tied model's last stage holds a copy of the embedding as ``output_layer.weight`` (Megatron keeps the
 two copies equal by summing their gradients). ``shard_stage``/``merge_stages`` do that.
+
+A rank's share straight from the checkpoint (``rank_from_hf``) reads only the Hugging Face tensors that
+feed its weights, as ``layer_parts`` lists them per layer (and of a TP-split weight, each source's chunk):
+the same state dict as converting the whole model and splitting it, without holding the whole model.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -158,46 +164,205 @@ def _split_qkv(qkv: torch.Tensor, s: GPTShape) -> tuple[torch.Tensor, torch.Tens
 
 
 def hf_to_megatron(
-    hf: dict[str, torch.Tensor], s: GPTShape, *, fused_norms: bool = False, padded_vocab: int | None = None
+    hf: Mapping[str, torch.Tensor], s: GPTShape, *, fused_norms: bool = False, padded_vocab: int | None = None
 ) -> dict[str, torch.Tensor]:
     """A Hugging Face causal-LM state dict -> the unsharded Megatron-Core ``GPTModel`` state dict.
 
     ``fused_norms`` names the layer norms as the Transformer Engine spec does; ``padded_vocab`` (at
-    least ``s.vocab_size``) appends zero rows to the embedding and output layer."""
+    least ``s.vocab_size``) appends zero rows to the embedding and output layer. ``hf`` may hold an MoE
+    layer's experts fused (transformers' state dict) or one tensor each (the checkpoint's files):
+    ``layer_from_hf``. Only the tensors the conversion names are read from ``hf``."""
     rows = padded_vocab or s.vocab_size
-    out = {"embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], rows)}
+    out = embedding_from_hf(hf, rows)
     for i in range(s.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn_norm, mlp_norm = _norm_names(i, fused_norms)
-        out[attn_norm] = hf[h + "input_layernorm.weight"]
-        out[mlp_norm] = hf[h + "post_attention_layernorm.weight"]
-        a = h + "self_attn."
-        out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], s
+        out |= layer_from_hf(hf, s, i, fused_norms=fused_norms)
+    return out | head_from_hf(hf, s, rows)
+
+
+def rank_from_hf(
+    hf: Mapping[str, torch.Tensor],
+    s: GPTShape,
+    *,
+    stage: int = 0,
+    pp: int = 1,
+    tp_rank: int = 0,
+    tp: int = 1,
+    ep_rank: int = 0,
+    ep: int = 1,
+    fused_norms: bool = False,
+) -> dict[str, torch.Tensor]:
+    """One Megatron rank's state dict straight from the Hugging Face weights: what
+    ``shard(shard_experts(shard_stage(hf_to_megatron(hf, ...), stage, pp), ep_rank, ep), tp_rank, tp)``
+    gives, reading from ``hf`` only what the rank holds: its stage's layers, the embedding on the first
+    stage (and a tied model's last), the final norm and head on the last, of each layer's experts its EP
+    rank's only, and of each TP-split weight the rows or columns of its TP rank (``layer_from_hf``; a
+    fused expert's whole tensor). With ``hf`` a lazy mapping over the checkpoint's files that can read a
+    chunk (``reroll.models.checkpoint_reader.CheckpointReader``) a rank reads its share alone."""
+    _check_tp(s, tp)
+    layers = stage_layers(s.num_layers, stage, pp) if pp > 1 else range(s.num_layers)
+    first, last = stage == 0, stage == pp - 1
+    experts = expert_range(s, ep_rank, ep) if s.num_experts else None
+    out = {}
+    if first or (last and s.tied):
+        out["embedding.word_embeddings.weight"] = _vocab_share(
+            hf, "model.embed_tokens.weight", s, tp_rank, tp
         )
-        if s.qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], s
-            )
-        if s.qk_norm:
-            out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
-            out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
-        out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
-        if s.num_experts:
-            out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
-            gate_up, down = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.down_proj"]
-            for e in range(s.num_experts):
-                out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
-                out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
-            continue
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]
-        )
-        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    for i in layers:
+        out |= layer_from_hf(hf, s, i, fused_norms=fused_norms, experts=experts, tp_rank=tp_rank, tp=tp)
+    if last:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        if not s.tied:
+            out["output_layer.weight"] = _vocab_share(hf, "lm_head.weight", s, tp_rank, tp)
+    return shard_experts(shard_stage(out, s, stage, pp), s, ep_rank, ep)
+
+
+def _vocab_share(hf: Mapping[str, torch.Tensor], name: str, s: GPTShape, rank: int, tp: int) -> torch.Tensor:
+    """TP rank ``rank``'s rows of the embedding or head ``name`` padded to ``s.padded_vocab(tp)`` (the
+    padding rows zero, all on the last rank): only those rows read where ``hf`` can (``narrow``)."""
+    if tp == 1:
+        return hf[name]
+    rows = s.padded_vocab(tp) // tp
+    start = rank * rows
+    stop = max(start, min(start + rows, s.vocab_size))
+    part = hf.narrow(name, 0, start, stop - start) if hasattr(hf, "narrow") else hf[name][start:stop].clone()
+    return _pad_rows(part, rows)
+
+
+def embedding_from_hf(hf: Mapping[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """``embedding.word_embeddings.weight``: the embedding padded with zero rows to ``rows``."""
+    return {"embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], rows)}
+
+
+def head_from_hf(hf: Mapping[str, torch.Tensor], s: GPTShape, rows: int) -> dict[str, torch.Tensor]:
+    """The final norm and (untied) ``output_layer.weight`` padded with zero rows to ``rows``."""
+    out = {"decoder.final_layernorm.weight": hf["model.norm.weight"]}
     if not s.tied:
         out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], rows)
     return out
+
+
+def _first(ts: list[torch.Tensor], s: GPTShape) -> torch.Tensor:
+    return ts[0]
+
+
+def _cat(ts: list[torch.Tensor], s: GPTShape) -> torch.Tensor:
+    return torch.cat(ts)
+
+
+def _qkv(ts: list[torch.Tensor], s: GPTShape) -> torch.Tensor:
+    return _fuse_qkv(*ts, s)
+
+
+def _expert_of(e: int, ts: list[torch.Tensor], s: GPTShape) -> torch.Tensor:
+    return ts[0][e]
+
+
+@dataclass(frozen=True)
+class Part:
+    """A Megatron weight (``name``, its layer numbered globally) and the Hugging Face tensors it is made of
+    (``sources``, in order), put together by ``combine`` at a shape. ``sliced``: TP rank r's share of the
+    weight is ``combine`` of each source's r-th chunk along the weight's split dim (``tp_split_dim``) at
+    the shape of one TP rank's heads: true of every layer weight but a fused expert's."""
+
+    name: str
+    sources: tuple[str, ...]
+    combine: Callable[[list[torch.Tensor], GPTShape], torch.Tensor] = _first
+    sliced: bool = True
+
+
+def layer_parts(
+    s: GPTShape,
+    i: int,
+    *,
+    fused_norms: bool = False,
+    experts: range | None = None,
+    fused_experts: bool = False,
+) -> list[Part]:
+    """Decoder layer ``i``'s Megatron weights and the Hugging Face tensors that feed each: the one table
+    of names ``layer_from_hf`` and a rank's reads (``rank_from_hf``) follow.
+
+    An MoE layer's experts (``experts``: those of ``range(num_experts)`` wanted, by default all; numbered
+    globally) come from transformers' fused ``mlp.experts.gate_up_proj`` ``(E, 2I, H)`` and ``down_proj``
+    ``(E, H, I)`` where ``fused_experts``, else from the checkpoint's own per-expert
+    ``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj`` (what ``save_pretrained`` writes and
+    transformers fuses on load)."""
+    h, m, a = f"model.layers.{i}.", f"decoder.layers.{i}.", f"model.layers.{i}.self_attn."
+    attn_norm, mlp_norm = _norm_names(i, fused_norms)
+    parts = [
+        Part(attn_norm, (h + "input_layernorm.weight",)),
+        Part(mlp_norm, (h + "post_attention_layernorm.weight",)),
+        Part(m + "self_attention.linear_qkv.weight", tuple(a + f"{x}_proj.weight" for x in "qkv"), _qkv),
+    ]
+    if s.qkv_bias:
+        parts.append(
+            Part(m + "self_attention.linear_qkv.bias", tuple(a + f"{x}_proj.bias" for x in "qkv"), _qkv)
+        )
+    if s.qk_norm:
+        parts.append(Part(m + "self_attention.q_layernorm.weight", (a + "q_norm.weight",)))
+        parts.append(Part(m + "self_attention.k_layernorm.weight", (a + "k_norm.weight",)))
+    parts.append(Part(m + "self_attention.linear_proj.weight", (a + "o_proj.weight",)))
+    if not s.num_experts:
+        gate_up = (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")
+        return [*parts, Part(m + "mlp.linear_fc1.weight", gate_up, _cat),
+                Part(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",))]  # fmt: skip
+    parts.append(Part(m + "mlp.router.weight", (h + "mlp.gate.weight",)))
+    x = h + "mlp.experts."
+    for e in range(s.num_experts) if experts is None else experts:
+        fc = m + f"mlp.experts.local_experts.{e}.linear_fc"
+        if fused_experts:
+            parts.append(Part(fc + "1.weight", (x + "gate_up_proj",), partial(_expert_of, e), sliced=False))
+            parts.append(Part(fc + "2.weight", (x + "down_proj",), partial(_expert_of, e), sliced=False))
+        else:
+            gate_up = (f"{x}{e}.gate_proj.weight", f"{x}{e}.up_proj.weight")
+            parts.append(Part(fc + "1.weight", gate_up, _cat))
+            parts.append(Part(fc + "2.weight", (f"{x}{e}.down_proj.weight",)))
+    return parts
+
+
+def layer_from_hf(
+    hf: Mapping[str, torch.Tensor],
+    s: GPTShape,
+    i: int,
+    *,
+    fused_norms: bool = False,
+    experts: range | None = None,
+    tp_rank: int = 0,
+    tp: int = 1,
+) -> dict[str, torch.Tensor]:
+    """Decoder layer ``i`` in Megatron names (numbered globally) from ``hf``'s ``model.layers.{i}.*``
+    (``layer_parts``: fused experts where ``hf`` has them), each Hugging Face tensor read once; at
+    ``tp`` > 1 TP rank ``tp_rank``'s share, reading each source's chunk alone where ``hf`` can
+    (``narrow``, as ``reroll.models.checkpoint_reader.CheckpointReader``)."""
+    fused = f"model.layers.{i}.mlp.experts.gate_up_proj" in hf
+    parts = layer_parts(s, i, fused_norms=fused_norms, experts=experts, fused_experts=fused)
+    whole: dict[str, torch.Tensor] = {}  # each source read once (a fused expert tensor feeds E weights)
+    if tp == 1:
+        return {p.name: p.combine([_once(hf, n, whole) for n in p.sources], s) for p in parts}
+    local = replace(s, num_heads=s.num_heads // tp, num_kv_heads=s.num_kv_heads // tp)
+    out, unsliced = {}, {}
+    for p in parts:
+        dim = tp_split_dim(p.name)
+        if dim is not None and p.sliced:
+            out[p.name] = p.combine([_tp_chunk(hf, n, dim, tp_rank, tp) for n in p.sources], local)
+        else:  # replicated, or a fused expert: the whole weight, then its share as `shard` cuts it
+            unsliced[p.name] = p.combine([_once(hf, n, whole) for n in p.sources], s)
+    return out | shard(unsliced, s, tp_rank, tp)
+
+
+def _once(hf: Mapping[str, torch.Tensor], name: str, read: dict[str, torch.Tensor]) -> torch.Tensor:
+    if name not in read:
+        read[name] = hf[name]
+    return read[name]
+
+
+def _tp_chunk(hf: Mapping[str, torch.Tensor], name: str, dim: int, rank: int, tp: int) -> torch.Tensor:
+    """Chunk ``rank`` of ``tp`` of the Hugging Face tensor ``name`` along ``dim`` (its size a multiple of
+    ``tp``: ``_check_tp``): read alone where ``hf`` can (``shape`` and ``narrow``), else cut from the
+    whole tensor and copied, as ``shard`` copies."""
+    if hasattr(hf, "narrow"):
+        size = hf.shape(name)[dim] // tp
+        return hf.narrow(name, dim, rank * size, size)
+    return hf[name].chunk(tp, dim)[rank].clone()
 
 
 def megatron_to_hf(
@@ -281,8 +446,11 @@ def _check_tp(s: GPTShape, tp: int) -> None:
 
 
 def shard(mc: dict[str, torch.Tensor], s: GPTShape, rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s share of an unsharded Megatron-Core state dict at tensor-parallel size ``tp``."""
+    """Rank ``rank``'s share of an unsharded Megatron-Core state dict at tensor-parallel size ``tp`` (split
+    weights copied, so the unsharded ones can be freed; at ``tp`` 1 the same tensors, no copy)."""
     _check_tp(s, tp)
+    if tp == 1:
+        return dict(mc)
     out = {}
     for name, w in mc.items():
         dim = tp_split_dim(name)
@@ -326,22 +494,26 @@ def shard_experts(mc: dict[str, torch.Tensor], s: GPTShape, rank: int, ep: int) 
     ``rank*E/ep .. (rank+1)*E/ep - 1`` renumbered from 0 (Megatron-Core's local expert numbering)."""
     if ep == 1:
         return dict(mc)
+    mine = expert_range(s, rank, ep)
+    out = {}
+    for name, w in mc.items():
+        match = _EXPERT.match(name)
+        if match is None:
+            out[name] = w
+        elif int(match[2]) in mine:
+            out[f"{match[1]}{int(match[2]) - mine.start}{match[3]}"] = w
+    return out
+
+
+def expert_range(s: GPTShape, rank: int, ep: int) -> range:
+    """The (global) experts of expert-parallel rank ``rank`` of ``ep``: ``rank*E/ep .. (rank+1)*E/ep - 1``."""
     if not s.num_experts or s.num_experts % ep:
         raise UserError(
             f"strategy.megatron.expert_parallel ({ep}) must divide the model's num_experts "
             f"({s.num_experts}): pick an expert_parallel that does"
         )
     per_rank = s.num_experts // ep
-    out = {}
-    for name, w in mc.items():
-        match = _EXPERT.match(name)
-        if match is None:
-            out[name] = w
-            continue
-        local = int(match[2]) - rank * per_rank
-        if 0 <= local < per_rank:
-            out[f"{match[1]}{local}{match[3]}"] = w
-    return out
+    return range(rank * per_rank, (rank + 1) * per_rank)
 
 
 def merge_experts(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

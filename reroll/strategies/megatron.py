@@ -8,8 +8,9 @@ them) and run a micro-batch one after the other (``reroll.strategies.megatron_pi
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
 to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
 logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face
-checkpoint through ``reroll.models.megatron_convert`` and go back in Hugging Face names for weight sync
-and export, one layer at a time (``reroll.strategies.megatron_weights``).
+checkpoint through ``reroll.models.megatron_convert``, each rank reading from the safetensors files only
+the tensors it holds (``reroll.models.checkpoint_reader``), and go back in Hugging Face names for weight
+sync and export, one layer at a time (``reroll.strategies.megatron_weights``).
 
 The role splits a batch by rows across *all* its ranks, as for the other strategies. Tensor
 parallelism needs the same rows on the ranks of one TP group, so ``logits`` gathers the group's rows,
@@ -46,6 +47,7 @@ from reroll.config.startable import (
 )
 from reroll.errors import UserError
 from reroll.models import megatron_convert as mc
+from reroll.models.checkpoint_reader import CheckpointReader, checkpoint_files
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
 from reroll.strategies.host_parking import HostParking
@@ -331,16 +333,32 @@ class MegatronStrategy:
         )  # fmt: skip
 
     def _load_hf(self, path: str | Path) -> None:
-        """This rank's stage and TP shard of the Hugging Face weights at ``path`` into the ``GPTModel``."""
-        hf = load_causal_lm(path, self.dtype, "cpu").state_dict()
-        full = mc.hf_to_megatron(
-            hf, self.shape, fused_norms=self.te, padded_vocab=self.shape.padded_vocab(self.tp)
-        )
-        if self.pipe is not None:
-            full = mc.shard_stage(full, self.shape, self.pipe.stage, self.pp)
-        ours = mc.shard(
-            mc.shard_experts(full, self.shape, self.ep_rank, self.ep), self.shape, self.tp_rank, self.tp
-        )
+        """This rank's stage, experts and TP shard of the Hugging Face weights at ``path`` into the
+        ``GPTModel``: read from the safetensors files tensor by tensor, only those the rank holds
+        (``mc.rank_from_hf``); a checkpoint without safetensors files (``.bin``), or whose files name
+        weights otherwise than the conversion expects, is read whole through transformers."""
+        stage = self.pipe.stage if self.pipe is not None else 0
+        share = partial(
+            mc.rank_from_hf, s=self.shape, stage=stage, pp=self.pp, tp_rank=self.tp_rank, tp=self.tp,
+            ep_rank=self.ep_rank, ep=self.ep, fused_norms=self.te,
+        )  # fmt: skip
+        files = checkpoint_files(path)
+        ours = None
+        if files is None:
+            log.info("megatron: %s has no safetensors files: rank %d reads the whole model", path, self.rank)
+        else:
+            with CheckpointReader(files, DTYPES[self.dtype]) as reader:
+                try:
+                    ours = share(reader)
+                except KeyError as e:
+                    log.warning(
+                        "megatron: %s's safetensors files lack %s: rank %d reads the whole model through "
+                        "transformers", path, e, self.rank,
+                    )  # fmt: skip
+            if ours is not None:
+                log.info("megatron: rank %d read %.2f GB of %s", self.rank, reader.read_bytes / 1e9, path)
+        if ours is None:
+            ours = share(load_causal_lm(path, self.dtype, "cpu").state_dict())
         with torch.no_grad():
             result = self.module.load_state_dict(ours, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
