@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from reroll.data.transfer import to_device
+
 NAME = "reroll_packed"
 HALF = (torch.float16, torch.bfloat16)  # what the varlen flash kernel takes
 
@@ -63,7 +65,8 @@ def wants_packing(packing: bool | None, device: torch.device, dtype: torch.dtype
 
 def packed_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
     """The forward's keyword arguments that mark a packed ``(1, L)`` row: the rows' start offsets
-    (flash-attention's ``cu_seqlens``, where ``position_ids`` restart at 0) and the longest row."""
+    (flash-attention's ``cu_seqlens``, where ``position_ids`` restart at 0) and the longest row. Read
+    on the host (the trainer packs there: no wait for the GPU) and the offsets' copy queued."""
     pos = position_ids.reshape(-1).cpu()
     starts = (pos == 0).nonzero().reshape(-1)
     if starts.numel() == 0 or int(starts[0]) != 0:
@@ -72,7 +75,7 @@ def packed_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict[str,
         )
     cu = torch.cat([starts, torch.tensor([pos.numel()])]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
-    cu = cu.to(device)
+    cu = to_device(cu, device)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 

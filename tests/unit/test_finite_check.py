@@ -35,7 +35,7 @@ def _worker(limit: int = 3) -> StrategyWorker:
     worker = StrategyWorker.__new__(StrategyWorker)  # the step logic only, around a small model
     worker.role, worker.rank = "actor_train", 0
     worker.cfg = SimpleNamespace(optim=SimpleNamespace(grad_clip=1.0, max_nonfinite_steps=limit))
-    worker.nonfinite_in_row, worker._nonfinite_losses = 0, []
+    worker.nonfinite_in_row, worker._losses = 0, []
     worker.strategy = LinearStrategy()
     return worker
 
@@ -92,4 +92,4 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_skipped_too():
     loss = worker.strategy.model(torch.ones(2, 2)).sum()
     worker._backward(loss, rows_inputs(MB, "advantages 1.0 max abs"))
     out = worker._step("actor", "train/nonfinite_skipped")
-    assert out["train/nonfinite_skipped"] == 1.0 and worker._nonfinite_losses == []
+    assert out["train/nonfinite_skipped"] == 1.0 and worker._losses == []
