@@ -90,6 +90,38 @@ def _register() -> None:
 
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, _mask)
+    _skip_packed_search()
+
+
+def _skip_packed_search() -> None:
+    """Where a model attends with this module and is given no attention mask, transformers' mask
+    preparation is handed no ``position_ids``: it would search them for packed rows
+    (``find_packed_sequence_indices``), whose ``.all()`` in a Python ``if`` makes the host wait for the
+    GPU at every forward, for a mask ``_mask`` does not build (with no attention mask it returns none,
+    packed rows or not: ``attention`` keeps them apart). Nothing else there reads the positions. Left
+    as it is where this transformers has no such function or its parameters are named otherwise."""
+    from transformers import masking_utils
+
+    prepare = getattr(masking_utils, "_preprocess_mask_arguments", None)
+    if prepare is None or getattr(prepare, "skips_packed_search", False):
+        return
+    signature = inspect.signature(prepare)
+    if not {"config", "attention_mask", "position_ids"} <= set(signature.parameters):
+        return
+
+    @functools.wraps(prepare)
+    def without_positions(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        given = bound.arguments
+        if (
+            given.get("attention_mask") is None
+            and getattr(given["config"], "_attn_implementation", None) == NAME
+        ):
+            given["position_ids"] = None
+        return prepare(*bound.args, **bound.kwargs)
+
+    without_positions.skips_packed_search = True  # type: ignore[attr-defined]
+    masking_utils._preprocess_mask_arguments = without_positions
 
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
