@@ -299,15 +299,15 @@ class DirectPreference(PairObjective):
         per_pair, m = dpo_loss(
             scores[:p],
             scores[p:],
-            None if mb.ref_chosen is None else mb.ref_chosen.to(dev),
-            None if mb.ref_rejected is None else mb.ref_rejected.to(dev),
+            None if mb.ref_chosen is None else to_device(mb.ref_chosen, dev),
+            None if mb.ref_rejected is None else to_device(mb.ref_rejected, dev),
             loss=s.loss,
             beta=s.beta,
             label_smoothing=s.label_smoothing,
             simpo_gamma=s.simpo_gamma,
         )
         if s.sft_weight and logprobs is not None:
-            nll = -sequence_logprob(logprobs[:p], rows.response_mask[:p].to(dev), average=True)
+            nll = -sequence_logprob(logprobs[:p], to_device(rows.response_mask[:p], dev), average=True)
             per_pair = per_pair + s.sft_weight * nll
             m["chosen_nll"] = nll.detach()
         return per_pair, m
