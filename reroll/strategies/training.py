@@ -173,7 +173,7 @@ def optimizer_step(
 
     Returns ``grad_norm``, the ``lr`` used, ``skipped``, ``peak_memory_gb`` and on a GPU ``alloc_retries``."""
     lr = scheduler.get_last_lr()[0]
-    norm = float(grad_norm)  # the step's one wait for the GPU: the norm decides whether to step
+    norm = float(grad_norm)  # one wait for the GPU: whether to step depends on the norm
     skipped = not math.isfinite(norm)
     if not skipped:
         optimizer.step()
