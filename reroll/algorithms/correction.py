@@ -66,16 +66,26 @@ def rollout_is_weights(
 
 
 def mismatch_metrics(trainer: Tensor, engine: Tensor, mask: Tensor) -> dict[str, float]:
-    """How far the engine's sampling log-probs are from the trainer's on the same tokens (``mismatch/*``)."""
-    diff = (trainer.detach().float() - engine.float())[mask]
-    if not diff.numel():
+    """How far the engine's sampling log-probs are from the trainer's on the same tokens (``mismatch/*``);
+    none where ``mask`` marks no token."""
+    scored = mask.reshape(-1).nonzero().squeeze(-1)
+    if not scored.numel():
         return {}
+    return {k: float(v) for k, v in scored_mismatch(trainer, engine, scored.to(trainer.device)).items()}
+
+
+def scored_mismatch(trainer: Tensor, engine: Tensor, scored: Tensor) -> dict[str, Tensor]:
+    """``mismatch_metrics`` as scalar tensors on the log-probs' device, at the tokens ``scored`` (flat
+    indices into ``(B, T)``, at least one, in row-major order: ``x[mask]``'s elements, so the means are
+    the same sums in the same order). Its output's size is known from ``scored``'s, so the host does not
+    wait for the GPU (selecting by a mask on the GPU does)."""
+    diff = (trainer.detach().float() - engine.float()).reshape(-1)[scored]
     # k3 estimate of KL(engine || trainer) from tokens the engine sampled: r - 1 - log r with
     # r = p_trainer / p_engine (Schulman's estimator with the sampling distribution in the denominator).
     # The other way round, e^(engine - trainer) explodes on a token the trainer now finds unlikely.
     kl = (diff.exp() - 1 - diff).mean()
     return {
-        "mismatch/logprob_abs_mean": float(diff.abs().mean()),
-        "mismatch/logprob_abs_max": float(diff.abs().max()),
-        "mismatch/kl": float(kl),
+        "mismatch/logprob_abs_mean": diff.abs().mean(),
+        "mismatch/logprob_abs_max": diff.abs().max(),
+        "mismatch/kl": kl,
     }

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from reroll.data.transfer import to_device
 from reroll.data.types import TrainBatch
 
 
@@ -140,7 +141,7 @@ def unpack(x: torch.Tensor, packed: Packed, width: int) -> torch.Tensor:
             f"got {tuple(x.shape)}"
         )
     out = x.new_zeros((packed.num_rows, width, *x.shape[2:]))
-    out[packed.rows.to(x.device), packed.cols.to(x.device)] = x[0]
+    out[to_device(packed.rows, x.device), to_device(packed.cols, x.device)] = x[0]
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from reroll.algorithms.router import expert_load_stats, load_balance_loss
+from reroll.data.transfer import scalars_to_host
 
 
 @dataclass
@@ -112,7 +113,7 @@ class StepRouting:
 
     def __init__(self, routers: Routers, coef: float) -> None:
         self.routers, self.coef = routers, coef
-        self._aux = 0.0  # the share-weighted sum of the micro-batches' losses
+        self._aux: list[tuple[torch.Tensor, float]] = []  # each micro-batch's loss (a device scalar), share
         self._shares = 0.0
         self._counts: torch.Tensor | None = None
 
@@ -120,7 +121,7 @@ class StepRouting:
         """What joins the micro-batch's loss (None where ``coef`` is 0: the statistics only)."""
         with contextlib.nullcontext() if self.coef else torch.no_grad():
             weighted, aux, counts = routed.term(self.routers.top_k, share)
-        self._aux += float(aux.detach()) * share
+        self._aux.append((aux.detach(), share))  # read in metrics: the host does not wait here
         self._shares += share
         self._counts = counts if self._counts is None else self._counts + counts
         return self.coef * weighted if self.coef else None
@@ -131,6 +132,10 @@ class StepRouting:
         if self._counts is None:
             return {}
         stats = expert_load_stats(self._counts, top_k=self.routers.top_k)
-        out = {f"{prefix}/router_aux_loss": self._aux / max(self._shares, 1e-12)}
+        values = scalars_to_host([a for a, _ in self._aux] + list(stats.values()))  # one copy
+        total = 0.0
+        for value, (_, share) in zip(values, self._aux):  # the share-weighted sum, in their order
+            total += value * share
+        out = {f"{prefix}/router_aux_loss": total / max(self._shares, 1e-12)}
         out[f"{prefix}/router_aux_coef"] = self.coef
-        return out | {f"{prefix}/{k}": float(v) for k, v in stats.items()}
+        return out | {f"{prefix}/{k}": v for k, v in zip(stats, values[len(self._aux) :], strict=True)}

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from reroll.data.transfer import to_device
+
 NAME = "reroll_packed"
 HALF = (torch.float16, torch.bfloat16)  # what the varlen flash kernel takes
 
@@ -63,7 +65,8 @@ def wants_packing(packing: bool | None, device: torch.device, dtype: torch.dtype
 
 def packed_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
     """The forward's keyword arguments that mark a packed ``(1, L)`` row: the rows' start offsets
-    (flash-attention's ``cu_seqlens``, where ``position_ids`` restart at 0) and the longest row."""
+    (flash-attention's ``cu_seqlens``, where ``position_ids`` restart at 0) and the longest row. Read
+    on the host (the trainer packs there: no wait for the GPU) and the offsets' copy queued."""
     pos = position_ids.reshape(-1).cpu()
     starts = (pos == 0).nonzero().reshape(-1)
     if starts.numel() == 0 or int(starts[0]) != 0:
@@ -72,7 +75,7 @@ def packed_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict[str,
         )
     cu = torch.cat([starts, torch.tensor([pos.numel()])]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
-    cu = cu.to(device)
+    cu = to_device(cu, device)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
@@ -87,6 +90,38 @@ def _register() -> None:
 
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, _mask)
+    _skip_packed_search()
+
+
+def _skip_packed_search() -> None:
+    """Where a model attends with this module and is given no attention mask, transformers' mask
+    preparation is handed no ``position_ids``: it would search them for packed rows
+    (``find_packed_sequence_indices``), whose ``.all()`` in a Python ``if`` makes the host wait for the
+    GPU at every forward, for a mask ``_mask`` does not build (with no attention mask it returns none,
+    packed rows or not: ``attention`` keeps them apart). Nothing else there reads the positions. Left
+    as it is where this transformers has no such function or its parameters are named otherwise."""
+    from transformers import masking_utils
+
+    prepare = getattr(masking_utils, "_preprocess_mask_arguments", None)
+    if prepare is None or getattr(prepare, "skips_packed_search", False):
+        return
+    signature = inspect.signature(prepare)
+    if not {"config", "attention_mask", "position_ids"} <= set(signature.parameters):
+        return
+
+    @functools.wraps(prepare)
+    def without_positions(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        given = bound.arguments
+        if (
+            given.get("attention_mask") is None
+            and getattr(given["config"], "_attn_implementation", None) == NAME
+        ):
+            given["position_ids"] = None
+        return prepare(*bound.args, **bound.kwargs)
+
+    without_positions.skips_packed_search = True  # type: ignore[attr-defined]
+    masking_utils._preprocess_mask_arguments = without_positions
 
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

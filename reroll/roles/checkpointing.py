@@ -17,6 +17,7 @@ from reroll.config.memory import Shape, model_token_shape
 from reroll.config.placement import run_roles
 from reroll.config.role_memory import GIB, auto_checkpointed_layers, planned
 from reroll.config.schema import RunConfig
+from reroll.data.transfer import to_device
 from reroll.errors import UserError
 from reroll.models.loading import parameter_counts
 
@@ -60,9 +61,9 @@ class AutoCheckpointing:
             self.count = max(self.count, wanted)
             return self.count
         if dist.is_initialized() and dist.get_world_size() > 1:
-            most = torch.tensor([wanted], device=_collective_device())
+            most = to_device(torch.tensor([wanted]), _collective_device())  # queued, not waited for
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            wanted = int(most[0])
+            [wanted] = most.tolist()
         if wanted > self.count:
             self._apply(wanted)
             log.info(

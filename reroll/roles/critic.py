@@ -17,6 +17,7 @@ import torch
 from reroll.algorithms.aggregation import aggregate
 from reroll.algorithms.value import token_values, value_loss
 from reroll.config.schema import RunConfig
+from reroll.data.transfer import metrics_to_host, to_device
 from reroll.data.types import TrainBatch
 from reroll.roles.objectives import rows_inputs
 from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker, mean_metrics
@@ -43,22 +44,21 @@ class CriticWorker(StrategyWorker):
         micro-batches and ranks add up to the full batch's loss (``critic/vf_loss`` is this rank's share).
         """
         assert self.cfg.critic is not None
-        metrics, total = [], 0.0
+        parts, losses = [], []
         for mb in self.micro_batches(batch):
             values = token_values(self.forward(mb))
-            dev = values.device
-            old_values, returns = mb.values.to(dev), mb.returns.to(dev)
-            mask = mb.response_mask.to(dev)
+            old_values, returns, mask = (
+                to_device(t, values.device) for t in (mb.values, mb.returns, mb.response_mask)
+            )
             token_loss, m = value_loss(values, old_values, returns, mask, clip=self.cfg.critic.value_clip)
             loss = aggregate(token_loss, mask, mode="token-mean", num_tokens=batch.num_tokens)
-            self._backward(loss, rows_inputs(mb, f"returns {float(returns.abs().max())} max abs"))
-            total += float(loss.detach())
-            metrics.append({k: float(v) for k, v in m.items()})
-        return (
-            mean_metrics(metrics)
-            | {"critic/vf_loss": total}
-            | self._step("critic", "critic/nonfinite_skipped")
-        )
+            self._backward(loss, rows_inputs(mb, f"returns {float(mb.returns.abs().max())} max abs"))
+            losses.append(loss.detach())
+            parts.append(m)
+        step = self._step("critic", "critic/nonfinite_skipped")  # waits for the gradient norm
+        # one copy, after the step; the losses (each micro-batch's share) summed in their order
+        *metrics, shares = metrics_to_host([*parts, {str(i): v for i, v in enumerate(losses)}])
+        return mean_metrics(metrics) | {"critic/vf_loss": sum(shares.values(), 0.0)} | step
 
     def save(self, directory: str, with_optimizer: bool = True) -> None:
         super().save(str(Path(directory) / SUBDIR), with_optimizer)

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from reroll.algorithms.aggregation import aggregate
-from reroll.algorithms.correction import mismatch_metrics
+from reroll.algorithms.correction import scored_mismatch
 from reroll.algorithms.distill import forward_kl_topk_loss, reverse_kl_pg_loss, reverse_kl_topk_loss
 from reroll.algorithms.logprobs import token_log_softmax, token_logprobs, token_logprobs_at
 from reroll.algorithms.objective import actor_loss
@@ -28,6 +28,7 @@ from reroll.algorithms.preference import bradley_terry_loss, dpo_loss, sequence_
 from reroll.config.algorithm import AlgorithmConfig
 from reroll.config.preference import DPOConfig, RewardModelConfig
 from reroll.data.preferences import PairBatch
+from reroll.data.transfer import to_device
 from reroll.data.types import TrainBatch
 from reroll.roles.strategy_worker import mean_metrics
 
@@ -55,10 +56,12 @@ class Policy(Protocol):
 @dataclass
 class Loss:
     """One micro-batch's share of the step's loss, its metrics, and what it was made of (named in the
-    diagnostic of a non-finite loss)."""
+    diagnostic of a non-finite loss). The metrics stay scalar tensors where the loss computed them: the
+    worker reads every micro-batch's in one copy after the optimizer step (``metrics_to_host``), so the
+    micro-batch loop never waits for the GPU."""
 
     value: torch.Tensor
-    metrics: dict[str, float]
+    metrics: dict[str, torch.Tensor | float]
     inputs: str
 
 
@@ -131,24 +134,26 @@ class PolicyGradient(TokenObjective):
         if self.algorithm.entropy_coef == 0:  # a metric only: backward skips the entropy's gradient
             entropy = entropy.detach()
         dev = logprobs.device
-        on = lambda t: None if t is None else t.to(dev)  # noqa: E731
+        on = lambda t: None if t is None else to_device(t, dev)  # noqa: E731
+        rollout_logprobs = on(mb.rollout_logprobs)
         value, m = actor_loss(
             self.algorithm,
             logprobs=logprobs,
             old_logprobs=on(mb.old_logprobs),
-            advantages=mb.advantages.to(dev),
-            response_mask=mb.response_mask.to(dev),
+            advantages=on(mb.advantages),
+            response_mask=on(mb.response_mask),
             ref_logprobs=on(mb.ref_logprobs),
             entropy=entropy,
-            rollout_logprobs=on(mb.rollout_logprobs),
+            rollout_logprobs=rollout_logprobs,
             num_tokens=batch.num_tokens,
             num_seqs=batch.num_seqs,
             max_response_len=self.max_response_len,
         )
-        if mb.old_logprobs is None and mb.rollout_logprobs is not None:  # on-policy: measured here
-            m |= mismatch_metrics(logprobs, mb.rollout_logprobs.to(dev), mb.response_mask.to(dev))
+        if mb.old_logprobs is None and rollout_logprobs is not None:  # on-policy: measured here
+            scored = mb.response_mask.reshape(-1).nonzero().squeeze(-1)  # on the host: its size known
+            m |= scored_mismatch(logprobs, rollout_logprobs, on(scored)) if scored.numel() else {}
         top = None if mb.advantages is None else float(mb.advantages.abs().max())
-        metrics = {k: float(v) for k, v in m.items()} | {"actor/loss": float(value.detach())}
+        metrics = dict(m) | {"actor/loss": value.detach()}
         return Loss(value, metrics, rows_inputs(mb, f"advantages {top} max abs"))
 
 
@@ -162,9 +167,9 @@ class NextToken(TokenObjective):
 
     def loss(self, policy: Policy, mb: TrainBatch, batch: TrainBatch) -> Loss:
         logprobs, _ = policy.response_stats(mb, 1.0, entropy=False)
-        mask = mb.response_mask.to(logprobs.device)
+        mask = to_device(mb.response_mask, logprobs.device)
         value = -(logprobs * mask).sum() / batch.num_tokens
-        return Loss(value, {"sft/loss": float(value.detach())}, rows_inputs(mb, "targets"))
+        return Loss(value, {"sft/loss": value.detach()}, rows_inputs(mb, "targets"))
 
 
 @dataclass(frozen=True)
@@ -181,26 +186,26 @@ class Distillation(TokenObjective):
 
     def loss(self, policy: Policy, mb: TrainBatch, batch: TrainBatch) -> Loss:
         logits = policy.forward(mb)
-        dev = logits.device
-        ids, mask = mb.input_ids.to(dev), mb.response_mask.to(dev)
+        on = lambda t: to_device(t, logits.device)  # noqa: E731
+        ids, mask = on(mb.input_ids), on(mb.response_mask)
         if self.on_policy and mb.teacher_topk_ids is not None:
             token_loss, m = reverse_kl_topk_loss(
-                token_log_softmax(logits), mb.teacher_topk_logprobs.to(dev), mb.teacher_topk_ids.to(dev), mask
+                token_log_softmax(logits), on(mb.teacher_topk_logprobs), on(mb.teacher_topk_ids), mask
             )
         elif mb.teacher_topk_ids is not None:
             token_loss, m = forward_kl_topk_loss(
-                token_logprobs_at(logits, mb.teacher_topk_ids.to(dev)),
-                mb.teacher_topk_logprobs.to(dev),
+                token_logprobs_at(logits, on(mb.teacher_topk_ids)),
+                on(mb.teacher_topk_logprobs),
                 token_logprobs(logits, ids),
                 mask,
                 ce_weight=self.ce_weight,
             )
         else:
-            token_loss, m = reverse_kl_pg_loss(token_logprobs(logits, ids), mb.teacher_logprobs.to(dev), mask)
+            token_loss, m = reverse_kl_pg_loss(token_logprobs(logits, ids), on(mb.teacher_logprobs), mask)
         value = aggregate(token_loss, mask, mode="token-mean", num_tokens=batch.num_tokens)
         teacher = mb.teacher_topk_logprobs if mb.teacher_topk_logprobs is not None else mb.teacher_logprobs
         shown = "none" if teacher is None else f"min {float(teacher.min())}"
-        metrics = {k: float(v) for k, v in m.items()} | {"distill/loss": float(value.detach())}
+        metrics = dict(m) | {"distill/loss": value.detach()}
         return Loss(value, metrics, rows_inputs(mb, f"teacher log-probs {shown}"))
 
 
@@ -233,9 +238,9 @@ class PairObjective:
         assert batch.num_pairs is not None
         per_pair, m = self.pair_loss(policy, mb)
         value = per_pair.sum() / batch.num_pairs
-        sums = {k: float(v.detach().float().sum()) for k, v in m.items()}
+        sums = {k: v.detach().float().sum() for k, v in m.items()}
         rows = mb.chosen
-        return Loss(value, sums | {"loss": float(value.detach())}, rows_inputs(rows, f"{len(mb)} pairs"))
+        return Loss(value, sums | {"loss": value.detach()}, rows_inputs(rows, f"{len(mb)} pairs"))
 
     def reduce(self, parts: list[dict[str, float]], batch: PairBatch) -> dict[str, float]:
         pairs = float(len(batch))
@@ -294,15 +299,15 @@ class DirectPreference(PairObjective):
         per_pair, m = dpo_loss(
             scores[:p],
             scores[p:],
-            None if mb.ref_chosen is None else mb.ref_chosen.to(dev),
-            None if mb.ref_rejected is None else mb.ref_rejected.to(dev),
+            None if mb.ref_chosen is None else to_device(mb.ref_chosen, dev),
+            None if mb.ref_rejected is None else to_device(mb.ref_rejected, dev),
             loss=s.loss,
             beta=s.beta,
             label_smoothing=s.label_smoothing,
             simpo_gamma=s.simpo_gamma,
         )
         if s.sft_weight and logprobs is not None:
-            nll = -sequence_logprob(logprobs[:p], rows.response_mask[:p].to(dev), average=True)
+            nll = -sequence_logprob(logprobs[:p], to_device(rows.response_mask[:p], dev), average=True)
             per_pair = per_pair + s.sft_weight * nll
             m["chosen_nll"] = nll.detach()
         return per_pair, m

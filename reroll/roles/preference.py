@@ -16,6 +16,7 @@ import torch
 
 from reroll.algorithms.preference import sequence_logprob
 from reroll.data.preferences import PairBatch
+from reroll.data.transfer import to_device
 from reroll.data.types import TrainBatch
 
 
@@ -40,11 +41,11 @@ class PairWorkerMixin:
         if self.cfg.policy_head == "reward":  # type: ignore[attr-defined]
             out = self.forward(rows)  # type: ignore[attr-defined]
             if out.dim() == 3:  # packed: the head's per-token output, read at each row's last token
-                last = rows.attention_mask.sum(-1).to(out.device) - 1
+                last = to_device(rows.attention_mask.sum(-1) - 1, out.device)
                 out = out[torch.arange(len(last), device=out.device), last]
             return out.squeeze(-1).float(), rows, None
         logprobs, _ = self.response_stats(rows, 1.0, entropy=False)  # type: ignore[attr-defined]
-        mask = rows.response_mask.to(logprobs.device)
+        mask = to_device(rows.response_mask, logprobs.device)
         return sequence_logprob(logprobs, mask, average=average), rows, logprobs
 
     @torch.no_grad()
@@ -57,7 +58,7 @@ class PairWorkerMixin:
         chosen, rejected = [], []
         with disabled:
             for mb in self.pair_micro_batches(batch, forward_only=True):
-                scores, _, _ = self.pair_scores(mb, average=average)
-                chosen.append(scores[: len(mb)].cpu())
-                rejected.append(scores[len(mb) :].cpu())
-        return torch.cat(chosen), torch.cat(rejected)
+                scores, _, _ = self.pair_scores(mb, average=average)  # kept where computed:
+                chosen.append(scores[: len(mb)])  # one copy to the host, at the end
+                rejected.append(scores[len(mb) :])
+        return torch.cat(chosen).cpu(), torch.cat(rejected).cpu()

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from reroll.algorithms.logprobs import linear_logprobs_and_entropy, selected_logprobs_and_entropy
+from reroll.data.transfer import to_device
 from reroll.strategies.context_parallel import ContextParallel
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ def scored_token_stats(
     chunk_tokens: int | None = None,
     split: tuple[ContextParallel, int] | None = None,
     fused: bool = False,
+    device: torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, T)`` fp32 log-probs of the tokens at ``(rows, cols + 1)`` of ``input_ids`` and their entropy
     (zeros unless ``entropy``), 0 elsewhere: ``forward()`` runs ``model`` with its head at the flattened
@@ -156,11 +158,16 @@ def scored_token_stats(
     (``head_at``), reduced by ``selected_logprobs_and_entropy``; where it cannot be restricted (no single
     ``lm_head``, a compiled model), the whole output is computed and those rows taken. A model whose
     forward turns out to change its head's output (a logit cap or scale: the fused values would be
-    changed too) runs the micro-batch again on the logits path and keeps it from then on."""
-    targets = input_ids[rows, cols + 1]
+    changed too) runs the micro-batch again on the logits path and keeps it from then on.
+
+    ``device``: where the forward computes. The indices above, made on the host, are then copied there
+    before the forward, the copies queued (``to_device``): nothing in the forward waits for the GPU."""
+    targets, after = input_ids[rows, cols + 1], cols + 1  # position t-1 scores column t
     local = split[0].picks(picked, split[1]) if split is not None else None
     if local is not None:
         picked, targets = local.positions, targets[local.keep]
+    if device is not None:
+        picked, targets, rows, after = (to_device(t, device) for t in (picked, targets, rows, after))
     stats = None
     if fused:
         stats = _fused_stats(model, forward, picked, targets, temperature, entropy, chunk_tokens)
@@ -171,7 +178,7 @@ def scored_token_stats(
         cp = split[0]
         logp, ent = cp.combine(logp, local), cp.combine(ent, local)
     dev = logp.device
-    where = (rows.to(dev), cols.to(dev) + 1)  # position t-1 scores column t
+    where = (rows.to(dev), after.to(dev))
     zeros = torch.zeros(input_ids.shape, dtype=torch.float32, device=dev)
     return zeros.index_put(where, logp), zeros.index_put(where, ent)
 

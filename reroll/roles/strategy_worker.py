@@ -31,6 +31,7 @@ from reroll.config.schema import RunConfig
 from reroll.config.startable import context_parallel_size
 from reroll.config.vision import PACKING_REFUSED
 from reroll.data.packing import length_order, micro_batches, pack, unpack
+from reroll.data.transfer import scalars_to_host, to_device
 from reroll.data.types import TrainBatch
 from reroll.errors import UserError
 from reroll.models.packed_attention import uses_packed_attention
@@ -93,7 +94,8 @@ class StrategyWorker:
         if cfg.strategy.name == "deepspeed":
             quiet.allow_deepspeed_notice()  # what DeepSpeed detects concerns a DeepSpeed run
         self.nonfinite_in_row = 0  # optimizer steps skipped in a row (a finite one resets it)
-        self._nonfinite_losses: list[str] = []  # this step's micro-batches with a non-finite loss
+        # this step's micro-batch losses (device scalars) and what each micro-batch held (``_backward``)
+        self._losses: list[tuple[torch.Tensor, str]] = []
         self._widest = (0, 0)  # the widest micro-batch seen (tokens a row, longest prompt part)
         self._resting = 0  # the most GPU bytes it held when asked to give the device away (its state)
         self.strategy = make_strategy(
@@ -258,9 +260,10 @@ class StrategyWorker:
             device = (
                 torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
             )
-            most = torch.tensor([len(parts), -len(batch)], device=device)
+            most = to_device(torch.tensor([len(parts), -len(batch)]), device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)  # [most micro-batches, -fewest rows] over the ranks
-            count = min(int(most[0]), -int(most[1]))
+            most_parts, fewest_rows = most.tolist()  # one copy back
+            count = min(most_parts, -fewest_rows)
             parts = parts if count == len(parts) else micro_batches(batch, **limits, count=count)
         self._note_width(batch, parts)
         return parts
@@ -324,6 +327,7 @@ class StrategyWorker:
             entropy=entropy,
             split=None if cp is None else (cp, args[0].shape[1]),
             fused=self.strategy.fused_head and self.cfg.model.fused_head,
+            device=self.strategy.device,
         )
 
     @property
@@ -359,8 +363,8 @@ class StrategyWorker:
         """``per_token(micro-batch)`` (b, t) over this rank's micro-batches: (B, T), in the batch's row
         order."""
         mbs, back = self._forward_only_micro_batches(batch)
-        parts = [per_token(mb).cpu() for mb in mbs]
-        return TrainBatch.concat(parts, width=batch.input_ids.shape[1])[back]
+        parts = [per_token(mb) for mb in mbs]  # kept where computed: one copy to the host, at the end
+        return TrainBatch.concat(parts, width=batch.input_ids.shape[1]).cpu()[back]
 
     def _forward_only_micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], torch.Tensor]:
         """A forward-only pass's micro-batches (rows in ``_row_order``) and the indices that put the rows
@@ -369,14 +373,15 @@ class StrategyWorker:
         return self.micro_batches(batch.select(order), forward_only=True, by_length=False), order.argsort()
 
     def _backward(self, loss: torch.Tensor, inputs: str) -> None:
-        """Backward of a micro-batch's loss. A non-finite loss is noted with what the micro-batch held
-        (``inputs``: its rows, response tokens and the statistics of what the loss read), and
-        backpropagated as ``loss * nan`` so that the step is skipped."""
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            self._nonfinite_losses.append(f"loss {value} on a micro-batch of {inputs}")
-            loss = loss * float("nan")
-        self.strategy.backward(loss)
+        """Backward of a micro-batch's loss. A non-finite loss is backpropagated as ``loss * nan`` so that
+        the step is skipped, a finite one as ``loss * 1`` (the same gradients: the factor is exact), the
+        factor chosen on the GPU: the host does not wait for the loss's value. The value is kept with
+        what the micro-batch held (``inputs``: its rows, response tokens and the statistics of what the
+        loss read) for the diagnostic of a skipped step (``_step``)."""
+        value = loss.detach()
+        self._losses.append((value, inputs))
+        factor = torch.where(torch.isfinite(value), 1.0, float("nan")).to(value.dtype)
+        self.strategy.backward(loss * factor)
 
     def _step(self, prefix: str, skipped_key: str) -> dict[str, float]:
         """The optimizer step: its gradient norm and lr as ``<prefix>/grad_norm``, ``<prefix>/lr``, and
@@ -387,11 +392,17 @@ class StrategyWorker:
         out = self.strategy.step(self.cfg.optim.grad_clip)
         self._park_ahead()
         skipped = bool(out.pop("skipped", 0.0))
-        losses, self._nonfinite_losses = self._nonfinite_losses, []
+        losses, self._losses = self._losses, []
         self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0
-        if skipped:
+        if skipped:  # the losses' values, read only now (a non-finite loss makes the norm NaN)
+            values = scalars_to_host([v for v, _ in losses])
+            bad = [
+                f"loss {v} on a micro-batch of {inputs}"
+                for v, (_, inputs) in zip(values, losses)
+                if not math.isfinite(v)
+            ]
             limit = self.cfg.optim.max_nonfinite_steps
-            why = "; ".join(losses) if losses else "every loss finite"
+            why = "; ".join(bad) if bad else "every loss finite"
             diagnostic = f"gradient norm {out.get('grad_norm')} ({why})"
             if self.nonfinite_in_row >= limit:
                 raise FloatingPointError(

@@ -18,6 +18,7 @@ import torch
 from reroll.config.schema import RunConfig
 from reroll.config.startable import context_parallel_size
 from reroll.data.preferences import PairBatch
+from reroll.data.transfer import metrics_to_host
 from reroll.data.types import TrainBatch
 from reroll.errors import RoleError, UserError
 from reroll.models.loading import DTYPES
@@ -95,7 +96,8 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
                 value = value if term is None else value + term.to(value.device)
             self._backward(value, loss.inputs)
             parts.append(loss.metrics)
-        out = objective.reduce(parts, batch) | self._step(objective.prefix, objective.skipped)
+        step = self._step(objective.prefix, objective.skipped)  # waits for the gradient norm
+        out = objective.reduce(metrics_to_host(parts), batch) | step  # every micro-batch's in one copy
         out |= routing.metrics(objective.prefix) if routing is not None else {}
         rows = [batch] if isinstance(batch, TrainBatch) else [batch.chosen, batch.rejected]
         tokens = float(sum(r.attention_mask.sum() for r in rows))

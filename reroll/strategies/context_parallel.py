@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reroll.data.transfer import to_device
 from reroll.models.loading import position_ids_from
 from reroll.models.packed_attention import packed_kwargs
 
@@ -131,9 +132,9 @@ class ContextParallel:
             whole = torch.cat([position_ids.cpu(), restart.expand(position_ids.shape[0], pad)], dim=1)
             bounds = packed_kwargs(whole, device)
         out = model(
-            input_ids=self.local(input_ids, 0).to(device),
+            input_ids=to_device(self.local(input_ids, 0), device),
             attention_mask=None,
-            position_ids=self.local(position_ids, restart).to(device),
+            position_ids=to_device(self.local(position_ids, restart), device),
             **bounds,
         )
         return out.logits
@@ -153,5 +154,6 @@ class ContextParallel:
     def combine(self, values: torch.Tensor, picks: LocalPicks) -> torch.Tensor:
         """The ``(count,)`` values of every scored position from each rank's ``values`` of its own
         (``picks.keep``), in the order of ``picked`` (differentiable)."""
-        share = values.new_zeros(picks.count).index_put((picks.keep.to(values.device),), values)
+        kept = to_device(picks.keep.nonzero().squeeze(-1), values.device)  # on the host: size known
+        share = values.new_zeros(picks.count).index_put((kept,), values)
         return _Sum.apply(share, self.group)

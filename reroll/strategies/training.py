@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from reroll.config.vision import PACKING_REFUSED
+from reroll.data.transfer import to_device
 from reroll.data.types import ImageInputs
 from reroll.errors import UserError
 from reroll.models.loading import position_ids_from
@@ -136,22 +138,25 @@ def forward_logits(
     mask; the rows' bounds go along for attention that keeps them apart: ``packed_attention``):
     ``(B, T, V)`` logits, or a critic's ``(B, T, 1)``. ``images``: the rows' images (a vision-language
     model), whose positions the model computes itself (3D, from the image grids: none are passed)."""
-    input_ids = input_ids.to(device)
+    input_ids = to_device(input_ids, device)  # queued: the host does not wait for the GPU here
     packed: dict[str, Any] = {}
     if images is not None:
         if attention_mask is None:
             raise ValueError(PACKING_REFUSED)
-        attention_mask = attention_mask.to(device)
+        attention_mask = to_device(attention_mask, device)
         vision = model_inputs(model, input_ids, images)
         return model(input_ids=input_ids, attention_mask=attention_mask, **vision).logits
     if attention_mask is not None:
-        attention_mask = attention_mask.to(device)
+        attention_mask = to_device(attention_mask, device)
         if position_ids is None:
             position_ids = position_ids_from(attention_mask)
     else:
         packed = packed_kwargs(position_ids, device)
     out = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids.to(device), **packed
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=to_device(position_ids, device),
+        **packed,
     )
     return out.logits
 
@@ -167,13 +172,14 @@ def optimizer_step(
 
     Returns ``grad_norm``, the ``lr`` used, ``skipped``, ``peak_memory_gb`` and on a GPU ``alloc_retries``."""
     lr = scheduler.get_last_lr()[0]
-    skipped = not bool(torch.isfinite(grad_norm))
+    norm = float(grad_norm)  # one wait for the GPU: whether to step depends on the norm
+    skipped = not math.isfinite(norm)
     if not skipped:
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {
-        "grad_norm": float(grad_norm),
+        "grad_norm": norm,
         "lr": float(lr),
         "skipped": float(skipped),
         "peak_memory_gb": peak_memory_gb(device),

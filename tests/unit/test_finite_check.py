@@ -35,7 +35,7 @@ def _worker(limit: int = 3) -> StrategyWorker:
     worker = StrategyWorker.__new__(StrategyWorker)  # the step logic only, around a small model
     worker.role, worker.rank = "actor_train", 0
     worker.cfg = SimpleNamespace(optim=SimpleNamespace(grad_clip=1.0, max_nonfinite_steps=limit))
-    worker.nonfinite_in_row, worker._nonfinite_losses = 0, []
+    worker.nonfinite_in_row, worker._losses = 0, []
     worker.strategy = LinearStrategy()
     return worker
 
@@ -92,4 +92,16 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_skipped_too():
     loss = worker.strategy.model(torch.ones(2, 2)).sum()
     worker._backward(loss, rows_inputs(MB, "advantages 1.0 max abs"))
     out = worker._step("actor", "train/nonfinite_skipped")
-    assert out["train/nonfinite_skipped"] == 1.0 and worker._nonfinite_losses == []
+    assert out["train/nonfinite_skipped"] == 1.0 and worker._losses == []
+
+
+def test_a_finite_losss_gradients_are_those_of_its_plain_backward():
+    """``_backward`` multiplies a finite loss by a factor 1 chosen on the device (no wait for the loss's
+    value): exact, so the gradients equal ``loss.backward()``'s bit for bit, and nothing is noted."""
+    worker, plain = _worker(), LinearStrategy()
+    x = torch.tensor([[0.3, -1.7], [2.1, 0.4]])
+    worker._backward(worker.strategy.model(x).pow(3).sum(), "rows")
+    plain.model(x).pow(3).sum().backward()
+    for a, b in zip(worker.strategy.model.parameters(), plain.model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert [inputs for _, inputs in worker._losses] == ["rows"]  # kept for a skipped step's diagnostic

@@ -271,3 +271,22 @@ def test_heads_the_fused_path_leaves_alone():
     compiled.compile()
     assert "compiled" in fused_head_problem(compiled)
     assert "not one" in fused_head_problem(compiled.model)  # the base model: no lm_head
+
+
+def test_adding_at_the_targets_of_a_block_equals_selecting_its_rows():
+    """The fused backward's ``+ onehot(y) g_y`` for a block of the vocabulary, without selecting the rows
+    whose target falls in it (a ``nonzero``: on a GPU the host waited at every block), equals the
+    selection's ``index_put_`` exactly: the rows inside get the same one addition, the others ``+ 0.0``.
+    Targets below, inside and above the block; a NaN gradient of a row outside stays out."""
+    g = torch.Generator().manual_seed(0)
+    block = torch.randn(6, 5, generator=g)
+    col = torch.tensor([-3, 0, 2, 4, 5, 9])  # targets minus the block's start: rows 1, 2, 3 inside
+    grad = torch.randn(6, generator=g)
+    grad[5] = float("nan")
+    want = block.clone()
+    row = ((col >= 0) & (col < 5)).nonzero().squeeze(-1)
+    want.index_put_((row, col[row]), grad[row], accumulate=True)
+    got = block.clone()
+    logprobs._add_at_targets(got, col, grad)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, block)  # something was added

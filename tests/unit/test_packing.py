@@ -277,3 +277,24 @@ def test_strategy_switches_the_attention_as_packing_resolves(packing, assets):
     cfg = RunConfig.model_validate(raw | {"optim": {"packing": packing}})
     s = TorchStrategy(cfg.model.path, cfg=cfg)
     assert packed_attention.uses_packed_attention(s.model) == bool(packing)
+
+
+def test_packed_attention_skips_transformers_search_for_packed_rows(monkeypatch, one_thread):
+    """With ``packed_attention`` and no attention mask, transformers is not asked to search the positions
+    for packed rows (on a GPU its ``.all()`` made the host wait at every forward, for a mask ``_mask``
+    does not build; the outputs are checked above); a model on sdpa still is (its block mask needs it)."""
+    from transformers import masking_utils
+
+    searched = []
+    find = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(
+        masking_utils, "find_packed_sequence_indices", lambda pos: searched.append(1) or find(pos)
+    )
+    p = pack(_batch([5, 1, 9]))
+    with torch.no_grad():
+        rows_apart = _qwen2(Qwen2ForCausalLM, packed_attention.NAME)
+        bounds = packed_kwargs(p.position_ids, torch.device("cpu"))
+        rows_apart(input_ids=p.input_ids, position_ids=p.position_ids, **bounds)
+        assert searched == []
+        _qwen2(Qwen2ForCausalLM, "sdpa")(input_ids=p.input_ids, position_ids=p.position_ids)
+    assert searched == [1]

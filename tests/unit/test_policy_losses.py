@@ -18,6 +18,7 @@ from reroll.algorithms import (
     rollout_is_weights,
     topr_loss,
 )
+from reroll.algorithms.correction import scored_mismatch
 from reroll.config.algorithm import AlgorithmConfig
 
 
@@ -264,3 +265,22 @@ def test_every_policy_loss_runs_through_actor_loss(name):
     assert logprobs.grad.abs().sum() > 0
     assert {"actor/pg_loss", "actor/clipfrac", "actor/ratio_mean", "actor/approx_kl"} <= set(metrics)
     assert all(not v.requires_grad for v in metrics.values())
+
+
+def test_scored_mismatch_is_the_masked_mismatch_exactly():
+    """``scored_mismatch`` at the flat indices of ``mask`` (what the trainer passes, made on the host)
+    reads the same elements in the same order as ``x[mask]``: the same sums, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    trainer = -torch.rand(3, 7, generator=g) * 3
+    engine = -torch.rand(3, 7, generator=g) * 3
+    mask = torch.rand(3, 7, generator=g) > 0.4
+    diff = (trainer - engine)[mask]  # the former selection, by the mask
+    want = {
+        "mismatch/logprob_abs_mean": diff.abs().mean(),
+        "mismatch/logprob_abs_max": diff.abs().max(),
+        "mismatch/kl": (diff.exp() - 1 - diff).mean(),
+    }
+    got = scored_mismatch(trainer, engine, mask.reshape(-1).nonzero().squeeze(-1))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert mismatch_metrics(trainer, engine, mask) == {k: float(v) for k, v in want.items()}
+    assert mismatch_metrics(trainer, engine, torch.zeros_like(mask)) == {}  # no token: no metric
