@@ -15,6 +15,8 @@ from reroll.strategies.training import adamw_with_warmup, optimizer_step
 class LinearStrategy:
     """The torch strategy's step (clip, then the finite-norm guarded ``optimizer_step``) on a 2 -> 1 linear."""
 
+    device = torch.device("cpu")  # every strategy names its device (the worker reads it after a step)
+
     def __init__(self) -> None:
         torch.manual_seed(0)
         self.model = torch.nn.Linear(2, 1)
