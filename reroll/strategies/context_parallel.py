@@ -19,6 +19,7 @@ then the data-parallel ranks') is the gradient of the unsplit batch, with no res
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,19 +99,28 @@ class LocalPicks:
     count: int
 
 
+def split_columns(width: int, size: int, rank: int) -> tuple[int, int]:
+    """The columns ``[start, stop)`` of a ``width``-token row (padded to a multiple of ``size``) that rank
+    ``rank`` of ``size`` runs."""
+    w = -(-width // size)
+    return rank * w, (rank + 1) * w
+
+
 @dataclass(frozen=True)
 class ContextParallel:
-    """This rank's place in its context-parallel group: ``rank`` of ``size``, talking over ``group``."""
+    """This rank's place in its context-parallel group: ``rank`` of ``size``, talking over ``group``.
+    ``widths``: the width the model's rows are split at, given a caller's rows' (None: theirs; the
+    Megatron strategy runs a tensor-parallel group's rows together, at the widest of theirs)."""
 
     group: dist.ProcessGroup
     rank: int
     size: int
+    widths: Callable[[int], int] | None = None
 
     def columns(self, width: int) -> tuple[int, int]:
-        """The columns ``[start, stop)`` of a ``width``-token row (padded to a multiple of ``size``) this
-        rank runs."""
-        w = -(-width // self.size)
-        return self.rank * w, (self.rank + 1) * w
+        """The columns ``[start, stop)`` of a ``width``-token row this rank runs (``split_columns`` of the
+        width the model's rows are split at: a collective where ``widths`` is set)."""
+        return split_columns(width if self.widths is None else self.widths(width), self.size, self.rank)
 
     def local(self, x: torch.Tensor, fill: torch.Tensor | int) -> torch.Tensor:
         """This rank's columns of ``(rows, W, ...)`` ``x``, padded with ``fill`` (a value, or a row of the

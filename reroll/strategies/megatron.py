@@ -52,7 +52,7 @@ from reroll.errors import UserError
 from reroll.models import megatron_convert as mc
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
-from reroll.strategies.context_parallel import ContextParallel, group_ranks
+from reroll.strategies.context_parallel import ContextParallel, group_ranks, split_columns
 from reroll.strategies.megatron_moe import MegatronRouters, allow_routers_without_transformer_engine
 from reroll.strategies.megatron_pipeline import Pipeline
 from reroll.strategies.megatron_weights import Groups, hf_weights
@@ -252,7 +252,17 @@ class MegatronStrategy:
         for ranks in group_ranks(self.world_size, self.cp, self.tp):
             group = dist.new_group(ranks)
             if self.rank in ranks:
-                self.context_parallel = ContextParallel(group, ranks.index(self.rank), self.cp)
+                widths = self._group_width if self.tp * self.pp > 1 else None
+                self.context_parallel = ContextParallel(group, ranks.index(self.rank), self.cp, widths)
+
+    def _group_width(self, width: int) -> int:
+        """The widest of the rows of this rank's tensor-parallel group (model-parallel with pipeline
+        stages): the width ``logits`` runs them at, so the width every rank's columns are split at."""
+        most = torch.tensor([width], device=self.device)
+        dist.all_reduce(
+            most, op=dist.ReduceOp.MAX, group=self.tp_group if self.pipe is None else self.mp_group
+        )
+        return int(most)
 
     def _build(self, init_method: str | None) -> None:
         from megatron.core import parallel_state as ps
@@ -465,7 +475,7 @@ class MegatronStrategy:
         if cp is None:
             causal = None if self.te else causal_mask(ids.shape[1], ids.device)
             return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), causal, t
-        start, stop = cp.columns(t)
+        start, stop = split_columns(t, cp.size, cp.rank)  # t: the group's widest row already
         whole = cp.size * (stop - start)  # the row padded with zeros (padding no loss reads)
         ids = torch.nn.functional.pad(ids, (0, whole - t))[:, start:stop]
         positions = torch.arange(start, stop, device=ids.device).expand_as(ids)

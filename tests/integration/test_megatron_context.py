@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from reroll.algorithms.logprobs import token_logprobs
-from reroll.config.loader import load_config
-from reroll.config.schema import RunConfig
 from tests.conftest import write_config
 from tests.integration.megatron_cpu import patch_cuda_for_cpu, run_ranks
+from tests.integration.test_megatron_pipeline import LR, ROWS, STEPS, _megatron_rank, _run
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
@@ -100,3 +99,106 @@ def test_ulysses_attention_on_two_ranks_equals_the_unsplit_attention(tmp_path):
         whole_rope, mine = r["rope"]
         assert torch.equal(mine, whole_rope[half])
     assert not torch.equal(ranks[0]["rope"][1], ranks[1]["rope"][1])  # each rank its own positions
+
+
+def _split_rank(
+    rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str], cp: int, tp: int
+) -> None:
+    """As ``test_megatron_pipeline._train_rank``, the rows shared as the role shares them
+    (``data_shards``: a context-parallel group's ranks get the same rows) and each rank's columns' logits
+    gathered as the worker gathers them (``ContextParallel.gather``): ``STEPS`` Adam steps, then the
+    scored tokens' log-probs by the worker's path (``scored_token_stats``: picks and combine)."""
+    from reroll.roles.scored_tokens import scored_token_stats
+    from reroll.strategies.context_parallel import data_shards
+
+    s, ids, mask, n_tokens = _megatron_rank(rank, world_size, address, cfg_path, sizes)
+    split = s.context_parallel
+    assert split is not None and split.size == cp
+    parts = world_size // cp
+    share = data_shards([slice(i * ROWS // parts, (i + 1) * ROWS // parts) for i in range(parts)], cp, tp)[
+        rank
+    ]
+    width = int(mask[share].sum(-1).max())
+    ids, mask = ids[share, :width], mask[share, :width]
+    steps = []
+    for _ in range(STEPS):
+        local = s.logits(ids, mask)
+        start, stop = split.columns(width)  # (a collective under TP or PP: the group's widest row)
+        assert local.shape[1] == stop - start  # this rank's columns only
+        loss = -(token_logprobs(split.gather(local, width), ids) * mask).sum() / n_tokens
+        s.backward(loss)
+        steps.append((float(loss), s.step(1.0)["grad_norm"]))
+    rows, cols = mask[:, 1:].bool().nonzero(as_tuple=True)  # every real next token scored
+    with torch.no_grad():
+        scored, _ = scored_token_stats(
+            s.model, lambda: s.logits(ids, mask), rows * width + cols, rows, cols, ids, 1.0,
+            entropy=False, split=(split, width),
+        )  # fmt: skip
+    weights = s.full_state_dict()
+    torch.save({"steps": steps, "scored": scored, "weights": weights, "share": share}, f"{out}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory) -> Path:
+    """A config over a tiny Qwen2 of 2 layers, 4 attention heads over ``kv`` key-value heads."""
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+    from reroll.models.tiny import build_tiny_model
+
+    def build(kv: int) -> Path:
+        root = tmp_path_factory.mktemp(f"cp_kv{kv}")
+        model = build_tiny_model(
+            root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=2, num_heads=4,
+            num_kv_heads=kv, for_cpu_engine=False,
+        )  # fmt: skip
+        data = root / "rows.jsonl"
+        data.write_text('{"question": "1+1", "answer": "2"}\n')
+        assets = {"model": Path(model), "train": data, "test": data}
+        return write_config(root / "c.yaml", assets, model={"path": str(model), "dtype": "float32"})
+
+    return build
+
+
+@pytest.mark.long  # three spawned ranks importing megatron-core, five with TP or PP: 0.5-2 minutes each on
+# 2 CPU cores; the CI sibling is test_ulysses_attention_on_two_ranks_equals_the_unsplit_attention
+@pytest.mark.parametrize(
+    ("kv", "tp", "pp"), [(2, 1, 1), (4, 2, 1), (2, 1, 2)], ids=["cp2-gqa", "cp2-tp2", "cp2-pp2"]
+)
+def test_context_parallel_ranks_train_as_one_rank(tmp_path, gqa_model, kv, tp, pp):
+    """CP=2 (every row split over two ranks; 4 query heads over 2 key-value heads: one key-value head a
+    rank), CP=2 x TP=2 (each TP rank half the rows, each split over two ranks; a rank attends with one
+    head) and CP=2 x PP=2 (a layer a stage) against one rank on the whole batch; under TP and PP a group
+    runs its ranks' rows at the widest one's width, and every rank's columns are split at it. Compared:
+    losses (the groups' summed), the gradient norm, log-probs of a forward-only pass after the steps (the
+    worker's path: each rank's scored tokens, combined) and the weights after ``STEPS`` Adam steps.
+
+    The split ranks compute every token's projections, MLP and head as the one rank does, and each head's
+    attention over the same keys under the same mask (bit-equal: the CI sibling); what differs is
+    summation order: a weight's gradient is summed over each rank's half of the tokens and then over the
+    ranks (and under TP each matmul in two parts), a loss of two groups' partial sums. So the loss and
+    the norm within rel 1e-5 (fp32, ~200 terms: 200 * 2**-24 ~ 1e-5), log-probs within 1e-5, and, as
+    Adam can turn rounding in a near-zero gradient into a step of up to lr, weights within
+    2 * lr * steps (``test_megatron_pipeline``'s bounds). Measured: losses and norms to 2e-7 (bit-equal at
+    CP=2 alone), log-probs to 5e-7, weights to 7e-6."""
+    from reroll.strategies.context_parallel import group_leaders
+
+    cfg = gqa_model(kv)
+    one = _run(tmp_path, cfg, 1)[0]
+    cp, world = 2, 2 * tp * pp
+    sizes = [
+        f"strategy.megatron.{k}={v}"
+        for k, v in (("context_parallel", cp), ("tensor_parallel", tp), ("pipeline_parallel", pp))
+    ]
+    out = tmp_path / "split"
+    out.mkdir()
+    split = run_ranks(_split_rank, world, out, str(cfg), sizes, cp, tp)
+    leaders = group_leaders(split, cp, tp)
+    for step, (loss, norm) in enumerate(one["steps"]):
+        assert sum(r["steps"][step][0] for r in leaders) == pytest.approx(loss, rel=1e-5)
+        assert all(r["steps"][step][1] == pytest.approx(norm, rel=1e-5) for r in split)
+    for r in split:
+        assert r["scored"].abs().sum() > 0  # the forward-only pass ran
+        expected = one["scored"][r["share"], : r["scored"].shape[1]]
+        torch.testing.assert_close(r["scored"], expected, atol=1e-5, rtol=0)
+    for name, w in one["weights"].items():
+        assert all(torch.equal(split[0]["weights"][name], r["weights"][name]) for r in split), name
+        torch.testing.assert_close(split[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)

@@ -114,6 +114,58 @@ def test_ranks_form_groups_of_consecutive_ranks_that_share_a_shard():
     assert group_leaders([10, 11, 20, 21], 2) == [10, 20]
 
 
+def test_megatron_groups_are_tensor_parallel_apart_and_share_their_rows(tmp_path):
+    """Megatron's ranks run tensor-parallel ranks innermost, so a context-parallel group is ``cp`` ranks
+    ``tensor_parallel`` apart; the role's batch is split in ``world_size / cp`` parts, a group's ranks get
+    the same part and one of them answers for it."""
+    from reroll.config.startable import context_parallel_size, context_parallel_stride
+
+    assert group_ranks(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert data_shards(["a", "b", "c", "d"], 2, 2) == ["a", "b", "a", "b", "c", "d", "c", "d"]
+    assert group_leaders(list(range(8)), 2, 2) == [0, 1, 4, 5]  # ranks holding a, b, c, d
+    with pytest.raises(
+        ValueError, match=r"world_size \(6\) must be a multiple of context_parallel \(2\) x 2"
+    ):
+        group_ranks(6, 2, 2)
+    cfg = _cfg(
+        tmp_path,
+        "strategy.name=megatron",
+        "strategy.megatron.context_parallel=2",
+        "strategy.megatron.tensor_parallel=2",
+        "roles.actor_train.world_size=8",
+        "roles.reference.world_size=8",
+        heads=4,
+        kv_heads=4,
+    )
+    assert [context_parallel_size(cfg, r) for r in ("actor_train", "reference", "teacher")] == [2, 2, 1]
+    assert context_parallel_stride(cfg, "actor_train") == 2
+    assert data_parallel_size(cfg, "actor_train") == 4  # batch parts: 8 ranks / context_parallel 2
+    assert start_problems(cfg) == []
+
+
+def test_megatron_context_parallel_refusals_name_the_fix(tmp_path):
+    """TP x CP must divide the heads; a mixture of experts, sequence parallelism and a world size that
+    does not split are refused, each with its fix."""
+    base = ["strategy.name=megatron", "roles.actor_train.world_size=4", "roles.reference.world_size=4"]
+
+    def messages(*overrides: str, **model) -> dict[str, str]:
+        return dict(start_problems(_cfg(tmp_path, *base, *overrides, **model)))
+
+    split = ["strategy.megatron.context_parallel=2", "strategy.megatron.tensor_parallel=2"]
+    heads = messages(*split, heads=8, kv_heads=2)["strategy.megatron.context_parallel"]
+    assert (
+        "context_parallel (2) x tensor_parallel (2) = 4 must divide the model's num_key_value_heads (2)"
+        in heads
+    )
+    assert "use a context_parallel of [1]" in heads
+    moe = messages("strategy.megatron.context_parallel=2", model_type="qwen3_moe", num_experts=4)
+    assert "with a mixture-of-experts model is not yet built" in moe["strategy.megatron.context_parallel"]
+    sp = messages("strategy.megatron.context_parallel=2", "strategy.megatron.sequence_parallel=true")
+    assert "with sequence_parallel is not built" in sp["strategy.megatron"]
+    odd = messages("strategy.megatron.context_parallel=2", "strategy.megatron.tensor_parallel=4")
+    assert "must be divisible by strategy.megatron tensor_parallel (4)" in odd["strategy.megatron"]
+
+
 def test_each_rank_runs_its_columns_and_scores_the_tokens_on_them():
     """A row of 5 tokens over 2 ranks is padded to 6: rank 0 runs columns 0-2, rank 1 columns 3-5."""
     ranks = [ContextParallel(None, r, 2) for r in range(2)]  # type: ignore[arg-type]  # no group needed here
