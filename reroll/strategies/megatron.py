@@ -5,8 +5,9 @@ The role's ``world_size`` ranks are ``tensor_parallel x pipeline_parallel x cont
 data_parallel``. Context parallelism splits every row's tokens over groups of ``context_parallel`` ranks,
 attention by Ulysses all-to-alls in the core attention, without Transformer Engine
 (``reroll.strategies.megatron_context``); Megatron-Core's own context-parallel size stays 1, so its
-data-parallel ranks include the context-parallel ones and its DDP sums their gradients. Pipeline stages hold consecutive layers (split as Megatron-Core splits
-them) and run a micro-batch one after the other (``reroll.strategies.megatron_pipeline``). A Qwen3-MoE
+data-parallel ranks include the context-parallel ones and its DDP sums their gradients. Pipeline
+stages hold consecutive layers (split as Megatron-Core splits them) and run a micro-batch one after the
+other (``reroll.strategies.megatron_pipeline``). A Qwen3-MoE
 (at tensor_parallel 1; on pipeline stages too) spreads its experts over groups of
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
 to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
@@ -14,7 +15,8 @@ logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights com
 checkpoint through ``reroll.models.megatron_convert`` and go back in Hugging Face names for weight sync
 and export, one layer at a time (``reroll.strategies.megatron_weights``).
 
-The role splits a batch by rows across *all* its ranks, as for the other strategies. Tensor
+The role splits a batch by rows across its ranks, as for the other strategies (the ranks of a
+context-parallel group get the same rows: ``reroll.config.startable.context_parallel_stride``). Tensor
 parallelism needs the same rows on the ranks of one TP group, so ``logits`` gathers the group's rows,
 runs them together and hands each rank back its own rows; the backward of that hand-back sums the
 logits' gradients over the TP group, so every rank's weight shard gets the gradient of the group's

@@ -181,25 +181,51 @@ def test_each_rank_runs_its_columns_and_scores_the_tokens_on_them():
     assert (zero.keep ^ one.keep).all()  # every scored token on exactly one rank
 
 
+def _trainers(overrides: list[str], unsplit: list[str]) -> tuple[RunConfig, RunConfig, dict]:
+    """The 32k example under ``overrides`` (context parallel 8) and ``unsplit`` (1), and their
+    actor_train's plan by context-parallel size."""
+    from reroll.config.memory import KNOWN
+    from reroll.plan import estimate
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b-32k-rlvr_fsdp2" / "config.yaml"
+    split = load_config(path, RunConfig, overrides)
+    whole = load_config(path, RunConfig, [*overrides, *unsplit])
+    trainer = {
+        cp: {p.role: p for p in estimate(cfg, KNOWN["qwen3-8b"], prompt_tokens=512)}["actor_train"]
+        for cp, cfg in ((8, split), (1, whole))
+    }
+    return split, whole, trainer
+
+
+def _activations(p) -> float:
+    return float(re.search(r"activations ([\d.]+)", p.parts).group(1))
+
+
 def test_plan_puts_one_nth_of_a_row_on_each_rank():
     """The 32k example: each of 8 ranks holds 1/8 of a micro-batch's activations and scored logits (its
     columns), so it fits on 8x80 GB; the same run without context parallelism does not."""
-    from reroll.config.memory import KNOWN
-    from reroll.plan import estimate, plan
+    from reroll.plan import plan
 
-    path = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b-32k-rlvr_fsdp2" / "config.yaml"
-    split = load_config(path, RunConfig)
-    whole = load_config(path, RunConfig, ["strategy.context_parallel=1"])
-    shape = KNOWN["qwen3-8b"]
-    trainer = {
-        cp: {p.role: p for p in estimate(cfg, shape, prompt_tokens=512)}["actor_train"]
-        for cp, cfg in ((8, split), (1, whole))
-    }
-
-    def activations(p):
-        return float(re.search(r"activations ([\d.]+)", p.parts).group(1))
-
-    assert activations(trainer[1]) / activations(trainer[8]) == pytest.approx(8, rel=0.02)  # 0.1 GiB rounding
+    split, whole, trainer = _trainers([], ["strategy.context_parallel=1"])
+    assert _activations(trainer[1]) / _activations(trainer[8]) == pytest.approx(
+        8, rel=0.02
+    )  # 0.1 GiB rounding
     assert plan(split, gpus=8, gpu_memory_gib=80)[1]
     assert not plan(whole, gpus=8, gpu_memory_gib=80)[1]
     assert trainer[1].gib > 0.9 * 80 > trainer[8].gib  # the trainer is what does not fit
+
+
+def test_plan_of_megatron_context_parallel_puts_one_nth_of_a_row_on_each_rank():
+    """The same on Megatron (strategy.megatron.context_parallel 8, TP 1): a rank holds 1/8 of the
+    activations; its weights and gradients are not sharded over the data-parallel (and context-parallel)
+    ranks, so the fit is not the question here."""
+    from reroll.plan import plan
+
+    megatron = [
+        "strategy.name=megatron",
+        "strategy.context_parallel=1",
+        "strategy.megatron.context_parallel=8",
+    ]
+    split, _, trainer = _trainers(megatron, ["strategy.megatron.context_parallel=1"])
+    assert _activations(trainer[1]) / _activations(trainer[8]) == pytest.approx(8, rel=0.02)
+    assert "megatron, context parallel 8 (each rank" in plan(split, gpus=8, gpu_memory_gib=80)[0]
