@@ -1,7 +1,9 @@
 """Context parallelism in the Megatron strategy (``strategy.megatron.context_parallel``: Ulysses in the
 core attention, ``reroll.strategies.megatron_context``) on CPU ranks over gloo, CUDA calls pointed at the
 CPU (``tests/integration/megatron_cpu.py``): the attention and the rotary embedding of two ranks equal
-the unsplit ones (seconds), and two ranks splitting every row train as one rank does (``-m long``).
+the unsplit ones (seconds), and two ranks splitting every row train as one rank does (``-m long``):
+the strategy alone, at CP=2, CP=2 x TP=2 and CP=2 x PP=2, and actor_train's ``TrainerWorker`` (the
+worker's gather and combine of a group's columns, its micro-batches, SFT and RL steps).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import pytest
 import torch
 
 from reroll.algorithms.logprobs import token_logprobs
+from reroll.config.loader import load_config
+from reroll.config.schema import RunConfig
 from tests.conftest import write_config
 from tests.integration.megatron_cpu import patch_cuda_for_cpu, run_ranks
 from tests.integration.test_megatron_pipeline import LR, ROWS, STEPS, _megatron_rank, _run
@@ -202,3 +206,63 @@ def test_context_parallel_ranks_train_as_one_rank(tmp_path, gqa_model, kv, tp, p
     for name, w in one["weights"].items():
         assert all(torch.equal(split[0]["weights"][name], r["weights"][name]) for r in split), name
         torch.testing.assert_close(split[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
+
+
+def _worker_rank(
+    rank: int, world_size: int, address: str, out: str, cfg_path: str, overrides: list[str], batch
+) -> None:
+    """This process as rank ``rank`` of actor_train's ``TrainerWorker`` on Megatron (CUDA calls pointed at
+    the CPU), given the rows a ``TrainerGroup`` gives it: a log-prob pass, an SFT step and an RL step."""
+    from reroll.roles.objectives import NextToken, PolicyGradient
+    from reroll.roles.trainer import TrainerWorker
+
+    torch.set_num_threads(1)
+    patch_cuda_for_cpu()
+    base = ["strategy.name=megatron", "optim.micro_batch_size=4", "runtime.backend=local"]
+    cfg = load_config(cfg_path, RunConfig, [*base, f"roles.actor_train.world_size={world_size}", *overrides])
+    worker = TrainerWorker("actor_train", rank, cfg, True)
+    worker.init_distributed(address)
+    worker.configure_optimizer(LR, 0)
+    result = {
+        "split": worker.context_parallel is not None,
+        "logprobs": worker.compute_logprobs(batch),
+        "sft": worker.train(batch, NextToken()),
+        "rl": worker.train(batch, PolicyGradient.of(cfg)),
+        "weights": worker.strategy.full_state_dict(),
+    }
+    torch.save(result, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.long  # three spawned ranks: about a minute on 2 CPU cores
+def test_trainer_workers_of_a_context_parallel_group_train_as_one(tmp_path, gqa_model, assets):
+    """The path a run takes: two actor_train ``TrainerWorker`` ranks on Megatron at context parallel 2,
+    both given the whole batch (a group's rows), against one rank: the log-prob pass (the scored tokens'
+    log-probs combined over the group), an SFT and an RL step (micro-batches of 4 rows; the loss read
+    off the gathered or combined values), to the bounds of ``test_context_parallel_ranks_train_as_one_rank``
+    (the same arithmetic: only summation orders differ). Measured: log-probs and losses bit-equal, grad
+    norms to 6e-8, weights to 6e-7."""
+    from reroll.data.datasets import load_samples
+    from reroll.models.loading import load_tokenizer
+    from reroll.pipelines.common import sft_batch
+
+    cfg = gqa_model(2)
+    samples = load_samples([str(assets["train"])], template="{question}=")[:10]
+    batch = sft_batch(samples, load_tokenizer(str(load_config(cfg, RunConfig).model.path)), "{answer}")
+    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    batch.advantages *= batch.response_mask
+    runs = {}
+    for world, overrides in ((1, []), (2, ["strategy.megatron.context_parallel=2"])):
+        out = tmp_path / f"world{world}"
+        out.mkdir()
+        runs[world] = run_ranks(_worker_rank, world, out, str(cfg), overrides, batch)
+    [one], two = runs[1], runs[2]
+    assert not one["split"] and all(r["split"] for r in two)
+    assert (one["logprobs"] != 0).sum() > 10
+    for r in two:
+        torch.testing.assert_close(r["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
+        for key, prefix in (("sft", "sft"), ("rl", "actor")):
+            for name in (f"{prefix}/loss", f"{prefix}/grad_norm"):
+                assert r[key][name] == pytest.approx(one[key][name], rel=1e-5, abs=1e-7), (key, name)
+    for name, w in one["weights"].items():
+        assert torch.equal(two[0]["weights"][name], two[1]["weights"][name]), name
+        torch.testing.assert_close(two[0]["weights"][name], w, atol=2 * LR * 2, rtol=0)
