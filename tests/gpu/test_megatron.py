@@ -257,13 +257,13 @@ def _two_ranks_equal_torch(tmp_path, assets, rank_fn, *, shared_rows: bool = Fal
         torch.testing.assert_close(ranks[0]["weights"][k], v, atol=1e-4, rtol=0)
 
 
-def _rank_of_two(rank: int, address: str, cfg_path: str, parallel: str):
+def _rank_of_two(rank: int, address: str, cfg_path: str, *parallel: str):
     """This process as Megatron rank ``rank`` of two on GPU ``rank`` (``parallel``: the layout's
-    override), its optimizer configured as the torch strategy's in ``_two_ranks_equal_torch``."""
+    overrides), its optimizer configured as the torch strategy's in ``_two_ranks_equal_torch``."""
     from reroll.strategies.megatron import MegatronStrategy
 
     torch.cuda.set_device(rank)
-    cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", parallel])
+    cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", *parallel])
     s = MegatronStrategy(cfg.model.path, cfg=cfg, device=f"cuda:{rank}", rank=rank, world_size=2)
     s.init_distributed(address)
     s.configure_optimizer(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
@@ -306,21 +306,27 @@ def test_tp2_equals_torch_on_the_whole_batch(tmp_path, assets):
     _two_ranks_equal_torch(tmp_path, assets, _tp2_rank)
 
 
-def _cp2_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
-    s = _rank_of_two(rank, address, cfg_path, "strategy.megatron.context_parallel=2")
+def _cp2_rank(rank: int, address: str, cfg_path: str, result_dir: str, *more: str) -> None:
+    s = _rank_of_two(rank, address, cfg_path, "strategy.megatron.context_parallel=2", *more)
     assert s.context_parallel is not None and s.dp == 1
     _half_batch_steps(s, rank, result_dir)
 
 
+def _cp2_recomputed_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
+    _cp2_rank(rank, address, cfg_path, result_dir, "model.gradient_checkpointing=true")
+
+
 @pytest.mark.multigpu(gpus=2)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CP=2 needs two GPUs")
-def test_cp2_equals_torch_on_the_whole_batch(tmp_path, assets):
+@pytest.mark.parametrize("rank_fn", [_cp2_rank, _cp2_recomputed_rank], ids=["cp2", "cp2-recomputed"])
+def test_cp2_equals_torch_on_the_whole_batch(tmp_path, assets, rank_fn):
     """Two context-parallel ranks (Ulysses in the core attention, no Transformer Engine; one of the two
-    heads each), both given every row, each running half of every row's tokens: each rank's loss, the
-    grad norms and weights equal the torch strategy's on the whole batch, to the TP=2 test's tolerances
-    (on CPU over gloo CP=2 equals one Megatron rank bit for bit in losses and norms:
-    tests/integration/test_megatron_context.py)."""
-    _two_ranks_equal_torch(tmp_path, assets, _cp2_rank, shared_rows=True)
+    heads each), both given every row, each running half of every row's tokens, and the same with every
+    layer recomputed in backward (its all-to-alls run again there: Megatron's recompute needs CUDA's RNG
+    state, so this is checked on GPUs only): each rank's loss, the grad norms and weights equal the
+    torch strategy's on the whole batch, to the TP=2 test's tolerances (on CPU over gloo CP=2 equals one
+    Megatron rank bit for bit in losses and norms: tests/integration/test_megatron_context.py)."""
+    _two_ranks_equal_torch(tmp_path, assets, rank_fn, shared_rows=True)
 
 
 def _quickstart_30(tmp_path, strategy: str) -> tuple[float, float, str]:
