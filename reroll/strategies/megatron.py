@@ -54,7 +54,7 @@ from reroll.errors import UserError
 from reroll.models import megatron_convert as mc
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
-from reroll.strategies.context_parallel import ContextParallel, group_ranks, split_columns
+from reroll.strategies.context_parallel import ContextParallel
 from reroll.strategies.megatron_moe import MegatronRouters, allow_routers_without_transformer_engine
 from reroll.strategies.megatron_pipeline import Pipeline
 from reroll.strategies.megatron_weights import Groups, hf_weights
@@ -247,16 +247,6 @@ class MegatronStrategy:
         )
         tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
 
-    def _join_context_parallel(self) -> None:
-        """Form the context-parallel groups (every rank creates each, in the same order): ``cp`` ranks
-        ``tensor_parallel`` apart, inside Megatron's data-parallel ranks (its rank order puts the tensor-
-        parallel ranks innermost, then the data-parallel ones)."""
-        for ranks in group_ranks(self.world_size, self.cp, self.tp):
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                widths = self._group_width if self.tp * self.pp > 1 else None
-                self.context_parallel = ContextParallel(group, ranks.index(self.rank), self.cp, widths)
-
     def _group_width(self, width: int) -> int:
         """The widest of the rows of this rank's tensor-parallel group (model-parallel with pipeline
         stages): the width ``logits`` runs them at, so the width every rank's columns are split at."""
@@ -274,11 +264,12 @@ class MegatronStrategy:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        from reroll.strategies.megatron_context import chunk_rotary, with_ulysses_attention
+        from reroll.strategies.megatron_context import chunk_rotary, join_groups, with_ulysses_attention
 
         self._init_groups(init_method)
-        if self.cp > 1:
-            self._join_context_parallel()
+        if self.cp > 1:  # under TP or PP a group's rows run at the widest one's width
+            widths = self._group_width if self.tp * self.pp > 1 else None
+            self.context_parallel = join_groups(self.world_size, self.rank, self.cp, self.tp, widths)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.ep_group = ps.get_expert_model_parallel_group() if self.ep > 1 else None
@@ -464,24 +455,19 @@ class MegatronStrategy:
 
     def _model_inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """What the ``GPTModel`` runs for the rows ``ids``: the token ids (padded for sequence parallelism;
-        with context parallelism this rank's columns, ``ContextParallel.columns``), their positions, the
-        local spec's causal mask (built here on the right device; TE builds its own, but the Ulysses
+        with context parallelism this rank's columns, ``megatron_context.columns_of``), their positions,
+        the local spec's causal mask (built here on the right device; TE builds its own, but the Ulysses
         attention is the local spec's: the whole sequence's) and how many of the output's columns are
         the rows' (``t``)."""
-        from reroll.strategies.megatron_context import causal_mask
+        from reroll.strategies.megatron_context import causal_mask, columns_of
 
+        if self.context_parallel is not None:
+            return columns_of(ids, self.context_parallel)
         t = ids.shape[1]
         if self.mcfg.sequence_parallel and self.tp > 1 and t % self.tp:  # the sequence splits evenly
             ids = torch.nn.functional.pad(ids, (0, self.tp - t % self.tp))
-        cp = self.context_parallel
-        if cp is None:
-            causal = None if self.te else causal_mask(ids.shape[1], ids.device)
-            return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), causal, t
-        start, stop = split_columns(t, cp.size, cp.rank)  # t: the group's widest row already
-        whole = cp.size * (stop - start)  # the row padded with zeros (padding no loss reads)
-        ids = torch.nn.functional.pad(ids, (0, whole - t))[:, start:stop]
-        positions = torch.arange(start, stop, device=ids.device).expand_as(ids)
-        return ids, positions, causal_mask(whole, ids.device), stop - start
+        causal = None if self.te else causal_mask(ids.shape[1], ids.device)
+        return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), causal, t
 
     def _pipelined(
         self,

@@ -24,6 +24,7 @@ gradient of the unsplit rows (``calculate_per_token_loss``: summed, not averaged
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -32,7 +33,37 @@ import torch.distributed as dist
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from reroll.models.ulysses import heads_to_sequence, sequence_to_heads
-from reroll.strategies.context_parallel import ContextParallel
+from reroll.strategies.context_parallel import ContextParallel, group_ranks, split_columns
+
+
+def join_groups(
+    world_size: int, rank: int, size: int, tp: int, widths: Callable[[int], int] | None
+) -> ContextParallel:
+    """Form the role's context-parallel groups (a collective: every rank creates each, in the same order),
+    ``size`` ranks ``tp`` apart: inside Megatron's data-parallel ranks, whose rank order puts the
+    tensor-parallel ranks innermost, then the data-parallel ones. Returns this rank's (``widths``: the
+    width its rows run at, given a caller's; ``ContextParallel``)."""
+    mine = None
+    for ranks in group_ranks(world_size, size, tp):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = ContextParallel(group, ranks.index(rank), size, widths)
+    assert mine is not None
+    return mine
+
+
+def columns_of(
+    ids: torch.Tensor, cp: ContextParallel
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """What the ``GPTModel`` of rank ``cp.rank`` runs for the rows ``ids`` (of the width they are split at:
+    a tensor-parallel group's widest row): its columns (``split_columns``; the row padded with zeros,
+    which no loss reads), their positions, the whole sequence's causal mask, and the columns' count."""
+    t = ids.shape[1]
+    start, stop = split_columns(t, cp.size, cp.rank)
+    whole = cp.size * (stop - start)
+    ids = torch.nn.functional.pad(ids, (0, whole - t))[:, start:stop]
+    positions = torch.arange(start, stop, device=ids.device).expand_as(ids)
+    return ids, positions, causal_mask(whole, ids.device), stop - start
 
 
 def _to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
