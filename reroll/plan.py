@@ -33,7 +33,7 @@ from reroll.config.role_memory import (
     with_checkpointing,
 )
 from reroll.config.schema import RunConfig
-from reroll.config.startable import start_problems
+from reroll.config.startable import context_parallel_size, start_problems
 from reroll.errors import UserError
 
 
@@ -95,8 +95,8 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     pool = cfg.placement.devices or gpus
     chosen = trainer_strategy(cfg, "cuda")  # the plan is for GPUs
     shown = chosen if chosen == cfg.strategy.name else f"{chosen} (strategy.name {cfg.strategy.name})"
-    if cfg.strategy.context_parallel > 1:
-        cp = cfg.strategy.context_parallel
+    cp = context_parallel_size(cfg, "actor_train")
+    if cp > 1:
         shown += f", context parallel {cp} (each rank of actor_train and reference holds 1/{cp} of a row)"
     cfg = planned(cfg, pool)
     dmap = device_map(cfg, "cuda")

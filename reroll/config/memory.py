@@ -92,8 +92,8 @@ class TokenBytes:
 
 def token_bytes(cfg: RunConfig, shape: Shape, seq: int, *, context_parallel: int = 1) -> TokenBytes:
     """``TokenBytes`` of a row of ``seq`` tokens whose last ``rollout.max_new_tokens`` (at most all) are
-    the response; ``context_parallel``: the size of the role's groups that split each row (fsdp2's
-    Ulysses: a rank holds 1/n of a row's activations and runs the head at 1/n of its positions)."""
+    the response; ``context_parallel``: the size of the role's groups that split each row (Ulysses, fsdp2's
+    or megatron's: a rank holds 1/n of a row's activations and runs the head at 1/n of its positions)."""
     p_bytes = DTYPE_BYTES[cfg.compute_dtype]
     layer = _layer_activations(cfg, shape, p_bytes)
     checkpointed = checkpointed_layers(cfg.model.gradient_checkpointing, shape.layers)
@@ -106,7 +106,7 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int, *, context_parallel: int
     stage_rows = 1
     if cfg.strategy.name == "megatron":
         m = cfg.strategy.megatron
-        model_par = m.tensor_parallel * m.context_parallel
+        model_par = m.tensor_parallel * context_parallel
         # a pipeline stage runs the rows of its pipeline_parallel ranks through 1/pipeline_parallel of the
         # layers (reroll.strategies.megatron_pipeline): per rank, as many layer-rows as without stages
         kept /= model_par

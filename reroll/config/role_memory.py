@@ -144,7 +144,9 @@ def shards(cfg: RunConfig, world: int, shape: Shape) -> tuple[float, float, floa
         # routed experts are split by expert parallel on top of tensor/pipeline parallel
         frac = shape.expert_params / shape.params if shape.params else 0.0
         eff = model_par / (1 - frac + frac / m.expert_parallel)
-        dp = max(world // (model_par * m.context_parallel), 1)
+        # Megatron's data-parallel ranks: context-parallel groups lie within them (its own context-parallel
+        # size stays 1, reroll.strategies.megatron_context), so its DDP and optimizer count them
+        dp = max(world // model_par, 1)
         # the distributed optimizer shards a dense weight's state over the dp ranks, an expert's over the
         # dp / expert_parallel ranks that hold the same experts: every weight's state over tp x pp x dp
         return eff, eff, (model_par * dp if m.distributed_optimizer else eff)

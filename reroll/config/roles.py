@@ -61,8 +61,9 @@ class RoleConfig(StrictModel):
         1,
         ge=1,
         description="Number of workers: data-parallel ranks; with strategy.name=megatron, all ranks "
-        "(tensor_parallel x pipeline_parallel x data-parallel); with strategy.context_parallel (actor_train, "
-        "reference), context_parallel x data-parallel.",
+        "(tensor_parallel x pipeline_parallel x data-parallel, and x strategy.megatron.context_parallel for "
+        "actor_train and the reference); with strategy.context_parallel (actor_train, reference), "
+        "context_parallel x data-parallel.",
     )
     num_gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per worker; fractions colocate roles.")
     num_cpus_per_worker: float = Field(0.25, gt=0, description="Ray CPU resource per worker.")

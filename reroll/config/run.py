@@ -288,6 +288,8 @@ class RunConfig(StrictModel):
             ranks = f"roles.actor_train.world_size ({self.roles.actor_train.world_size})"
             if self.strategy.context_parallel > 1:
                 ranks = f"the data-parallel ranks ({ranks} / strategy.context_parallel = {dp})"
+            elif self.strategy.name == "megatron" and self.strategy.megatron.context_parallel > 1:
+                ranks = f"the data-parallel parts ({ranks} / strategy.megatron.context_parallel = {dp})"
             problems.append(
                 ConfigProblem(
                     "optim.mini_batches",

@@ -66,28 +66,62 @@ def model_type(path: str) -> str | None:
     return None
 
 
-def megatron_parallel_problems(world_size: int, m: MegatronConfig, role: str = "<role>") -> list[str]:
-    """What the Megatron strategy cannot do with ``world_size`` ranks under ``m``'s parallel sizes."""
+def megatron_parallel_problems(
+    world_size: int, m: MegatronConfig, role: str = "<role>", context_parallel: int = 1
+) -> list[str]:
+    """What the Megatron strategy cannot do with ``world_size`` ranks under ``m``'s parallel sizes;
+    ``context_parallel``: the role's (``context_parallel_size``: ``m.context_parallel`` for the roles that
+    split sequences, else 1)."""
     problems = []
-    if m.context_parallel > 1:
+    cp = context_parallel
+    if cp > 1 and m.sequence_parallel:
         problems.append(
-            f"strategy.megatron.context_parallel={m.context_parallel}: context parallelism is not yet "
-            "supported by reroll's megatron strategy (Megatron-Core runs it in Transformer Engine's attention "
-            "only; its local attention asserts context_parallel_size 1); set it to 1, or use fsdp2 with "
-            "strategy.context_parallel"
+            f"strategy.megatron.context_parallel={cp} with sequence_parallel is not built (a rank's slice of "
+            "a row would have to split evenly over the TP ranks too): set sequence_parallel=false"
         )
-    model_parallel = m.tensor_parallel * m.pipeline_parallel * m.context_parallel
+    model_parallel = m.tensor_parallel * m.pipeline_parallel * cp
     if world_size % model_parallel:
         problems.append(
             f"the role's world_size ({world_size}) must be divisible by strategy.megatron tensor_parallel "
             f"({m.tensor_parallel}) x pipeline_parallel ({m.pipeline_parallel}) x context_parallel "
-            f"({m.context_parallel}) = {model_parallel}: change roles.{role}.world_size or the parallel sizes"
+            f"({cp}) = {model_parallel}: change roles.{role}.world_size or the parallel sizes"
         )
     elif (world_size // model_parallel) % m.expert_parallel:  # EP groups lie within the data-parallel ranks
         problems.append(
             f"strategy.megatron.expert_parallel ({m.expert_parallel}) must divide the data-parallel size "
             f"(roles.{role}.world_size {world_size} / (tensor_parallel x pipeline_parallel x "
             f"context_parallel) = {world_size // model_parallel}): change expert_parallel or the world_size"
+        )
+    return problems
+
+
+def megatron_context_parallel_problems(c: Any, m: MegatronConfig, size: int) -> list[str]:
+    """Why the model of Hugging Face config ``c`` cannot split its sequences over ``size`` ranks in the
+    Megatron strategy (``reroll.strategies.megatron_context``): each rank attends with 1/size of its
+    tensor-parallel shard's heads, so ``tensor_parallel x size`` must divide the attention and the
+    key-value heads; a mixture of experts' router loss is built for whole rows."""
+    if size == 1:
+        return []
+    split = m.tensor_parallel * size
+    heads = getattr(c, "num_attention_heads", None)
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    problems = []
+    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if isinstance(n, int) and n % split:
+            fits = [
+                k
+                for k in range(1, kv_heads + 1)
+                if kv_heads % (m.tensor_parallel * k) == 0 and heads % (m.tensor_parallel * k) == 0
+            ]
+            problems.append(
+                f"strategy.megatron.context_parallel ({size}) x tensor_parallel ({m.tensor_parallel}) = "
+                f"{split} must divide the model's {name} ({n}): each context-parallel rank attends with 1/{size} "
+                f"of its tensor-parallel shard's heads; use a context_parallel of {fits}"
+            )
+    if getattr(c, "model_type", None) == "qwen3_moe":
+        problems.append(
+            f"strategy.megatron.context_parallel={size} with a mixture-of-experts model is not yet built (its "
+            "router's load-balancing loss is built for whole rows): set context_parallel to 1"
         )
     return problems
 
@@ -151,9 +185,21 @@ CONTEXT_PARALLEL_ROLES = ("actor_train", "reference")
 
 
 def context_parallel_size(cfg: RunConfig, role: str) -> int:
-    """The size of ``role``'s context-parallel groups: ``strategy.context_parallel`` for the roles that
-    split sequences (``CONTEXT_PARALLEL_ROLES``), else 1."""
-    return cfg.strategy.context_parallel if role in CONTEXT_PARALLEL_ROLES else 1
+    """The size of ``role``'s context-parallel groups: for the roles that split sequences
+    (``CONTEXT_PARALLEL_ROLES``) ``strategy.megatron.context_parallel`` under megatron, else
+    ``strategy.context_parallel``; 1 for the other roles."""
+    if role not in CONTEXT_PARALLEL_ROLES:
+        return 1
+    if cfg.strategy.name == "megatron":
+        return cfg.strategy.megatron.context_parallel
+    return cfg.strategy.context_parallel
+
+
+def context_parallel_stride(cfg: RunConfig, role: str) -> int:
+    """How far apart the ranks of one of ``role``'s context-parallel groups are
+    (``reroll.strategies.context_parallel.group_ranks``): megatron's ``tensor_parallel``, whose groups
+    are consecutive ranks (a context-parallel group's ranks hold the same shard), else 1."""
+    return cfg.strategy.megatron.tensor_parallel if cfg.strategy.name == "megatron" else 1
 
 
 def data_parallel_size(cfg: RunConfig, role: str) -> int:
@@ -430,7 +476,9 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
             size = getattr(cfg.roles, role).world_size
             problems += [
                 ("strategy.megatron", m)
-                for m in megatron_parallel_problems(size, cfg.strategy.megatron, role)
+                for m in megatron_parallel_problems(
+                    size, cfg.strategy.megatron, role, context_parallel_size(cfg, role)
+                )
             ]
             if devices[role] == "cpu":
                 problems.append((f"roles.{role}", MEGATRON_NEEDS_GPUS.replace("<role>", role)))
@@ -439,6 +487,11 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
         problems += [("model.path", m) for m in megatron_model_problems(model_config)]
         problems += [
             ("strategy.megatron", m) for m in megatron_moe_problems(model_config, cfg.strategy.megatron)
+        ]
+        split = max(context_parallel_size(cfg, role) for role in megatron)
+        problems += [
+            ("strategy.megatron.context_parallel", m)
+            for m in megatron_context_parallel_problems(model_config, cfg.strategy.megatron, split)
         ]
         counted = megatron_moe_checkpointing_problem(model_config, cfg.model.gradient_checkpointing)
         problems += [("model.gradient_checkpointing", counted)] if counted else []

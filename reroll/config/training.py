@@ -137,7 +137,15 @@ class MegatronConfig(StrictModel):
         "else fewer on the first and last stage, as Megatron-Core splits them), a micro-batch crossing them "
         "in turn (no interleaving, no virtual stages).",
     )
-    context_parallel: int = Field(1, ge=1, description="Context-parallel size (long sequences).")
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="Context parallelism: groups of this many of actor_train's (and the reference's) ranks "
+        "split every sequence between them, each a contiguous 1/n of its tokens, attention by Ulysses "
+        "all-to-alls over the heads in Megatron-Core's local attention (no Transformer Engine needed); "
+        "tensor_parallel x context_parallel must divide the attention and key-value heads. Not with a "
+        "mixture of experts or sequence_parallel. 1: off.",
+    )
     expert_parallel: int = Field(1, ge=1, description="Expert-parallel size (MoE models).")
     sequence_parallel: bool = Field(False, description="Shard activations along the sequence in TP regions.")
     distributed_optimizer: bool = Field(True, description="Shard optimizer state across data-parallel ranks.")

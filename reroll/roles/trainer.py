@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reroll.config.schema import RunConfig
-from reroll.config.startable import context_parallel_size
+from reroll.config.startable import context_parallel_size, context_parallel_stride
 from reroll.data.preferences import PairBatch
 from reroll.data.transfer import metrics_to_host
 from reroll.data.types import TrainBatch
@@ -234,15 +234,16 @@ class TrainerGroup(StrategyGroup):
         super().__init__(role, TrainerWorker, lambda rank: (role, rank, cfg, trainable), cfg)
         self.weights_version = 0  # counts optimizer steps and loads: an engine holding another is stale
         self.context_parallel = context_parallel_size(cfg, role)  # ranks a group, each the same rows
+        self.stride = context_parallel_stride(cfg, role)  # how far apart a group's ranks are
 
     def _shards(self, batch: TrainBatch | PairBatch) -> list[Any]:
         """Each rank's share of ``batch``: a data-parallel rank's part, the same for a group's ranks."""
         n = self.context_parallel
-        return data_shards(batch.split(self.world_size // n), n)
+        return data_shards(batch.split(self.world_size // n), n, self.stride)
 
     def _run(self, calls: list[Any], phase: str) -> list[Any]:
         """Every rank's result of ``calls`` (one per rank), one per data-parallel rank."""
-        return group_leaders(self._wait(calls, phase), self.context_parallel)
+        return group_leaders(self._wait(calls, phase), self.context_parallel, self.stride)
 
     def compute_logprobs(self, batch: TrainBatch, *, base_model: bool = False) -> torch.Tensor:
         """``(B, T)`` log-probs; ``base_model``: with the LoRA adapters disabled (the reference)."""

@@ -103,6 +103,9 @@ class Strategy(Protocol):
         ...
 
 
+# the backends whose ranks can split each sequence (make_strategy's context_parallel)
+SPLITS_SEQUENCES = ("fsdp2", "megatron")
+
 # strategy name -> (module, class, package that must import, how to install it)
 _BACKENDS = {
     "torch": ("reroll.strategies.torch_strategy", "TorchStrategy", None, ""),
@@ -158,7 +161,7 @@ def make_strategy(
 ) -> Strategy:
     """The backend ``cfg.strategy.name`` names ('auto' resolved for ``device``, as the run resolves it:
     ``reroll.config.placement.trainer_strategy``), holding the model at ``model_path``;
-    ``context_parallel``: the size of the groups that split each sequence (fsdp2 only).
+    ``context_parallel``: the size of the groups that split each sequence (fsdp2 and megatron).
 
     A backend that is not installed is a ``UserError`` saying what to install.
     """
@@ -167,10 +170,10 @@ def make_strategy(
     missing = strategy_missing(name)
     if missing:
         raise UserError(missing)
-    if context_parallel > 1 and name != "fsdp2":
+    if context_parallel > 1 and name not in SPLITS_SEQUENCES:
         raise UserError(context_parallel_strategy_problem(context_parallel, name))
     cls = getattr(importlib.import_module(module), cls_name)
-    extra = {"context_parallel": context_parallel} if context_parallel > 1 else {}
+    extra = {"context_parallel": context_parallel} if name in SPLITS_SEQUENCES else {}
     return cls(
         model_path,
         cfg=cfg,

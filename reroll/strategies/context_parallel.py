@@ -1,8 +1,10 @@
 """Context parallelism: each rank of a group of ``strategy.context_parallel`` ranks runs 1/n of every
 sequence's tokens, its attention over the whole sequence by Ulysses all-to-alls (``reroll.models.ulysses``).
 
-The role's ``world_size`` ranks form groups of ``n`` consecutive ranks (``0..n-1``, ``n..2n-1``, ...);
-a group is one data-parallel rank: its ranks get the same rows and run the same micro-batches. A row of
+The role's ``world_size`` ranks form groups of ``n`` ranks ``stride`` apart: consecutive ranks (``0..n-1``,
+``n..2n-1``, ...) for fsdp2 (stride 1); for megatron, stride ``tensor_parallel``, so that a group's ranks
+hold the same tensor-parallel shard (``group_ranks``). A group is one data-parallel part: its ranks get
+the same rows and run the same micro-batches. A row of
 ``W`` tokens (a micro-batch's padded rows, or its packed row) is padded to ``n * w`` and rank ``i`` runs
 the columns ``i w ... (i + 1) w - 1`` (``columns``). Targets are read from the whole row before it is
 split, so a log-prob whose next token lies on the next rank's slice needs no exchange.
@@ -17,6 +19,7 @@ then the data-parallel ranks') is the gradient of the unsplit batch, with no res
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,21 +31,31 @@ from reroll.models.loading import position_ids_from
 from reroll.models.packed_attention import packed_kwargs
 
 
-def group_ranks(world_size: int, size: int) -> list[list[int]]:
-    """The role's context-parallel groups: ``size`` consecutive ranks each (on GPUs, one node's)."""
-    if size < 1 or world_size % size:
-        raise ValueError(f"world_size ({world_size}) must be a multiple of context_parallel ({size})")
-    return [list(range(start, start + size)) for start in range(0, world_size, size)]
+def group_ranks(world_size: int, size: int, stride: int = 1) -> list[list[int]]:
+    """The role's context-parallel groups: ``size`` ranks ``stride`` apart each, within consecutive blocks
+    of ``size * stride`` ranks (stride 1: consecutive ranks, on GPUs one node's)."""
+    if size < 1 or stride < 1 or world_size % (size * stride):
+        raise ValueError(
+            f"world_size ({world_size}) must be a multiple of context_parallel ({size}) x {stride}"
+        )
+    block = size * stride
+    return [
+        [start + t + stride * c for c in range(size)]
+        for start in range(0, world_size, block)
+        for t in range(stride)
+    ]
 
 
-def data_shards(shards: list[Any], size: int) -> list[Any]:
-    """Each rank's share, given each data-parallel rank's: a group's ``size`` ranks get the same one."""
-    return [s for s in shards for _ in range(size)]
+def data_shards(shards: list[Any], size: int, stride: int = 1) -> list[Any]:
+    """Each rank's share, given each data-parallel part's (``world_size / size`` of them): the ranks of a
+    group (``group_ranks``) get the same one, the groups' in the order of their first ranks."""
+    world = len(shards) * size
+    return [shards[r % stride + stride * (r // (size * stride))] for r in range(world)]
 
 
-def group_leaders(parts: list[Any], size: int) -> list[Any]:
+def group_leaders(parts: list[Any], size: int, stride: int = 1) -> list[Any]:
     """One result per group (its first rank's) from every rank's: the ranks of a group return the same."""
-    return parts[::size]
+    return [part for r, part in enumerate(parts) if (r // stride) % size == 0]
 
 
 class _Gather(torch.autograd.Function):
@@ -87,19 +100,28 @@ class LocalPicks:
     count: int
 
 
+def split_columns(width: int, size: int, rank: int) -> tuple[int, int]:
+    """The columns ``[start, stop)`` of a ``width``-token row (padded to a multiple of ``size``) that rank
+    ``rank`` of ``size`` runs."""
+    w = -(-width // size)
+    return rank * w, (rank + 1) * w
+
+
 @dataclass(frozen=True)
 class ContextParallel:
-    """This rank's place in its context-parallel group: ``rank`` of ``size``, talking over ``group``."""
+    """This rank's place in its context-parallel group: ``rank`` of ``size``, talking over ``group``.
+    ``widths``: the width the model's rows are split at, given a caller's rows' (None: theirs; the
+    Megatron strategy runs a tensor-parallel group's rows together, at the widest of theirs)."""
 
     group: dist.ProcessGroup
     rank: int
     size: int
+    widths: Callable[[int], int] | None = None
 
     def columns(self, width: int) -> tuple[int, int]:
-        """The columns ``[start, stop)`` of a ``width``-token row (padded to a multiple of ``size``) this
-        rank runs."""
-        w = -(-width // self.size)
-        return self.rank * w, (self.rank + 1) * w
+        """The columns ``[start, stop)`` of a ``width``-token row this rank runs (``split_columns`` of the
+        width the model's rows are split at: a collective where ``widths`` is set)."""
+        return split_columns(width if self.widths is None else self.widths(width), self.size, self.rank)
 
     def local(self, x: torch.Tensor, fill: torch.Tensor | int) -> torch.Tensor:
         """This rank's columns of ``(rows, W, ...)`` ``x``, padded with ``fill`` (a value, or a row of the

@@ -1,9 +1,13 @@
 """The Megatron-Core strategy: a ``GPTModel`` split by tensor and pipeline parallelism, a mixture of
 experts' experts spread by expert parallelism, gradients summed over data parallelism.
 
-The role's ``world_size`` ranks are ``tensor_parallel x pipeline_parallel x data_parallel`` (context
-parallel must be 1: not built). Pipeline stages hold consecutive layers (split as Megatron-Core splits
-them) and run a micro-batch one after the other (``reroll.strategies.megatron_pipeline``). A Qwen3-MoE
+The role's ``world_size`` ranks are ``tensor_parallel x pipeline_parallel x context_parallel x
+data_parallel``. Context parallelism splits every row's tokens over groups of ``context_parallel`` ranks,
+attention by Ulysses all-to-alls in the core attention, without Transformer Engine
+(``reroll.strategies.megatron_context``); Megatron-Core's own context-parallel size stays 1, so its
+data-parallel ranks include the context-parallel ones and its DDP sums their gradients. Pipeline
+stages hold consecutive layers (split as Megatron-Core splits them) and run a micro-batch one after the
+other (``reroll.strategies.megatron_pipeline``). A Qwen3-MoE
 (at tensor_parallel 1; on pipeline stages too) spreads its experts over groups of
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
 to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
@@ -12,7 +16,8 @@ checkpoint through ``reroll.models.megatron_convert``, each rank reading from th
 the tensors it holds (``reroll.models.checkpoint_reader``), and go back in Hugging Face names for weight
 sync and export, one layer at a time (``reroll.strategies.megatron_weights``).
 
-The role splits a batch by rows across *all* its ranks, as for the other strategies. Tensor
+The role splits a batch by rows across its ranks, as for the other strategies (the ranks of a
+context-parallel group get the same rows: ``reroll.config.startable.context_parallel_stride``). Tensor
 parallelism needs the same rows on the ranks of one TP group, so ``logits`` gathers the group's rows,
 runs them together and hands each rank back its own rows; the backward of that hand-back sums the
 logits' gradients over the TP group, so every rank's weight shard gets the gradient of the group's
@@ -40,6 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from reroll.config.startable import (
     MEGATRON_NEEDS_GPUS,
+    megatron_context_parallel_problems,
     megatron_moe_checkpointing_problem,
     megatron_moe_problems,
     megatron_option_problems,
@@ -50,6 +56,7 @@ from reroll.models import megatron_convert as mc
 from reroll.models.checkpoint_reader import CheckpointReader, checkpoint_files
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
+from reroll.strategies.context_parallel import ContextParallel
 from reroll.strategies.host_parking import HostParking
 from reroll.strategies.megatron_moe import MegatronRouters, allow_routers_without_transformer_engine
 from reroll.strategies.megatron_pipeline import Pipeline
@@ -63,14 +70,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def check_parallel_sizes(world_size: int, m: MegatronConfig) -> int:
-    """The data-parallel size of ``world_size`` ranks under ``m``'s model-parallel sizes; a ``UserError`` if
-    they do not fit or ask for what this strategy cannot do yet (``reroll.config.startable``, the check
-    ``reroll validate`` and ``reroll plan`` run)."""
-    problems = megatron_parallel_problems(world_size, m)
+def check_parallel_sizes(world_size: int, m: MegatronConfig, context_parallel: int = 1) -> int:
+    """The data-parallel size of ``world_size`` ranks under ``m``'s model-parallel sizes and
+    ``context_parallel`` (the role's); a ``UserError`` if they do not fit or ask for what this strategy
+    cannot do yet (``reroll.config.startable``, the check ``reroll validate`` and ``reroll plan`` run)."""
+    problems = megatron_parallel_problems(world_size, m, context_parallel=context_parallel)
     if problems:
         raise UserError("; ".join(problems))
-    return world_size // (m.tensor_parallel * m.pipeline_parallel * m.context_parallel)
+    return world_size // (m.tensor_parallel * m.pipeline_parallel * context_parallel)
 
 
 def use_transformer_engine(setting: str) -> bool:
@@ -145,14 +152,18 @@ class MegatronStrategy:
         rank: int = 0,
         world_size: int = 1,
         head: Head = "causal_lm",
+        context_parallel: int | None = None,
     ) -> None:
+        """``context_parallel``: the size of the groups that split each row (the role's,
+        ``reroll.config.startable.context_parallel_size``; None: ``strategy.megatron.context_parallel``)."""
         problems = megatron_option_problems(cfg, head)
         if problems:
             raise UserError("; ".join(message for _, message in problems))
         self.device = torch.device(device)
         _check_device(self.device)
         self.mcfg = cfg.strategy.megatron
-        self.dp = check_parallel_sizes(world_size, self.mcfg)
+        self.cp = self.mcfg.context_parallel if context_parallel is None else context_parallel
+        self.dp = check_parallel_sizes(world_size, self.mcfg, self.cp)
         self.tp, self.ep = self.mcfg.tensor_parallel, self.mcfg.expert_parallel
         self.pp = self.mcfg.pipeline_parallel
         self.model_path, self.dtype, self.seed = model_path, cfg.model.dtype, cfg.seed
@@ -163,6 +174,7 @@ class MegatronStrategy:
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.shape = mc.gpt_shape(self.hf_config)
         moe_problems = megatron_moe_problems(self.hf_config, self.mcfg)
+        moe_problems += megatron_context_parallel_problems(self.hf_config, self.mcfg, self.cp)
         counted = megatron_moe_checkpointing_problem(self.hf_config, self.recompute)
         moe_problems += [counted] if counted else []
         if not isinstance(self.recompute, bool) and self.recompute > self.shape.num_layers:
@@ -183,6 +195,7 @@ class MegatronStrategy:
         self.moe_routers: MegatronRouters | None = None  # a trainable mixture of experts' routers
         self.model: torch.nn.Module | None = None  # what forward runs: DDP-wrapped when trainable
         self.pipe: Pipeline | None = None  # this rank's pipeline stage (pipeline_parallel > 1)
+        self.context_parallel: ContextParallel | None = None  # this rank's group (context_parallel > 1)
         self.optimizer = None
         self._restore: list[Callable[[], None]] = []  # what reload runs after offload
         self._parked = HostParking()  # page-locked host buffers of the optimizer's storages, kept
@@ -237,6 +250,15 @@ class MegatronStrategy:
         )
         tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
 
+    def _group_width(self, width: int) -> int:
+        """The widest of the rows of this rank's tensor-parallel group (model-parallel with pipeline
+        stages): the width ``logits`` runs them at, so the width every rank's columns are split at."""
+        most = torch.tensor([width], device=self.device)
+        dist.all_reduce(
+            most, op=dist.ReduceOp.MAX, group=self.tp_group if self.pipe is None else self.mp_group
+        )
+        return int(most)
+
     def _build(self, init_method: str | None) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
@@ -245,7 +267,12 @@ class MegatronStrategy:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
+        from reroll.strategies.megatron_context import chunk_rotary, join_groups, with_ulysses_attention
+
         self._init_groups(init_method)
+        if self.cp > 1:  # under TP or PP a group's rows run at the widest one's width
+            widths = self._group_width if self.tp * self.pp > 1 else None
+            self.context_parallel = join_groups(self.world_size, self.rank, self.cp, self.tp, widths)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.ep_group = ps.get_expert_model_parallel_group() if self.ep > 1 else None
@@ -302,6 +329,8 @@ class MegatronStrategy:
             qk_layernorm=self.shape.qk_norm,
             **({} if self.te else {"normalization": "RMSNorm"}),
         )
+        if self.context_parallel is not None:
+            spec = with_ulysses_attention(spec, self.context_parallel)
         self.module = GPTModel(
             config,
             spec,
@@ -313,6 +342,8 @@ class MegatronStrategy:
         # Without Apex the local spec's norms are torch.nn.RMSNorm, built on the CPU in fp32 whatever the
         # config says; Megatron's own training casts the whole module (Float16Module), so do we.
         self.module.to(device=self.device, dtype=dtype)
+        if self.context_parallel is not None:
+            chunk_rotary(self.module, self.context_parallel)
         self._load_hf(self.model_path)
         self.module.requires_grad_(self.trainable)
         if self.shape.num_experts and self.trainable:
@@ -327,8 +358,8 @@ class MegatronStrategy:
             )
             self.model = DistributedDataParallel(config=config, ddp_config=ddp, module=self.module)
         log.info(
-            "megatron: %s layers, TP %d x PP %d x DP %d (EP %d), %s spec, rank %d", self.shape.num_layers,
-            self.tp, self.pp, self.dp, self.ep,
+            "megatron: %s layers, TP %d x PP %d x CP %d x DP %d (EP %d), %s spec, rank %d",
+            self.shape.num_layers, self.tp, self.pp, self.cp, self.dp, self.ep,
             "transformer_engine" if self.te else "local", self.rank,
         )  # fmt: skip
 
@@ -406,7 +437,9 @@ class MegatronStrategy:
         position_ids: torch.Tensor | None = None,
         images: Any = None,
     ) -> torch.Tensor:
-        """``(B, T, V)`` logits of right-padded rows, gathered over the TP ranks' vocabulary shards."""
+        """``(B, T, V)`` logits of right-padded rows, gathered over the TP ranks' vocabulary shards; with
+        context parallelism every rank of a group passes the same rows and gets its columns' ``(B, w, V)``
+        (``ContextParallel.columns``), which the caller gathers or combines."""
         model = self._require()
         if images is not None:
             raise UserError(
@@ -426,26 +459,34 @@ class MegatronStrategy:
             group = self.tp_group if self.pipe is None else self.mp_group
             ids, mask, rows_of = _gather_rows(ids, mask, group)
             offset = sum(rows_of[: dist.get_rank(group)])
-        t = ids.shape[1]
-        if self.mcfg.sequence_parallel and self.tp > 1 and t % self.tp:  # the sequence splits evenly
-            ids = torch.nn.functional.pad(ids, (0, self.tp - t % self.tp))
-        causal = None
-        if not self.te:  # the local spec's mask, built here on the right device; TE builds its own
-            causal = torch.triu(
-                torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device), 1
-            )
-            causal = causal[None, None]
+        ids, positions, causal, t = self._model_inputs(ids)
         spans = None if self.pipe is None else self._spans(rows_of)
         if self.moe_routers is not None:
             padded = torch.nn.functional.pad(mask, (0, ids.shape[1] - mask.shape[1]))
             self.moe_routers.start_forward(padded, spans)
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        width = t if self.context_parallel is not None else width  # this rank's columns, all returned
         if self.pipe is not None:
             return self._pipelined(ids, positions, causal, spans, t)[:, :width]
         out = model(ids, positions, causal)[:, :t, : self.shape.vocab_size]
         if self.tp > 1:
             out = _SumGradOverGroup.apply(out, self.tp_group)[offset : offset + rows, :width]
         return out
+
+    def _model_inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """What the ``GPTModel`` runs for the rows ``ids``: the token ids (padded for sequence parallelism;
+        with context parallelism this rank's columns, ``megatron_context.columns_of``), their positions,
+        the local spec's causal mask (built here on the right device; TE builds its own, but the Ulysses
+        attention is the local spec's: the whole sequence's) and how many of the output's columns are
+        the rows' (``t``)."""
+        from reroll.strategies.megatron_context import causal_mask, columns_of
+
+        if self.context_parallel is not None:
+            return columns_of(ids, self.context_parallel)
+        t = ids.shape[1]
+        if self.mcfg.sequence_parallel and self.tp > 1 and t % self.tp:  # the sequence splits evenly
+            ids = torch.nn.functional.pad(ids, (0, self.tp - t % self.tp))
+        causal = None if self.te else causal_mask(ids.shape[1], ids.device)
+        return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), causal, t
 
     def _pipelined(
         self,

@@ -225,10 +225,11 @@ def _one_rank_groups() -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(0)
 
 
-def _two_ranks_equal_torch(tmp_path, assets, rank_fn) -> None:
-    """``rank_fn`` on two GPUs, each rank given half the rows, against the torch strategy on the whole
-    batch: summed losses and the grad norm within rel 1e-4, both ranks' gathered weights equal to each
-    other and within 1e-4 of the torch strategy's (the TP=2 and PP=2 tests)."""
+def _two_ranks_equal_torch(tmp_path, assets, rank_fn, *, shared_rows: bool = False) -> None:
+    """``rank_fn`` on two GPUs, each rank given half the rows (``shared_rows``: both every row, as a
+    context-parallel group's ranks), against the torch strategy on the whole batch: the losses (summed
+    over the halves) and the grad norm within rel 1e-4, both ranks' gathered weights equal to each
+    other and within 1e-4 of the torch strategy's (the TP=2, PP=2 and CP=2 tests)."""
     import torch.multiprocessing as mp
 
     from reroll.strategies.torch_strategy import TorchStrategy
@@ -247,20 +248,22 @@ def _two_ranks_equal_torch(tmp_path, assets, rank_fn) -> None:
     ids, mask = _batch()
     expected = _train(ref, ids, mask, 3, micro=8)
     for i, (loss, norm) in enumerate(expected):
-        assert ranks[0]["steps"][i][0] + ranks[1]["steps"][i][0] == pytest.approx(loss, rel=1e-4)
+        losses = [r["steps"][i][0] for r in ranks]
+        got = losses if shared_rows else [sum(losses)]  # shared rows: each rank the whole loss
+        assert all(x == pytest.approx(loss, rel=1e-4) for x in got), (losses, loss)
         assert ranks[0]["steps"][i][1] == ranks[1]["steps"][i][1] == pytest.approx(norm, rel=1e-4)
     for k, v in ref.full_state_dict().items():
         assert torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]), k
         torch.testing.assert_close(ranks[0]["weights"][k], v, atol=1e-4, rtol=0)
 
 
-def _rank_of_two(rank: int, address: str, cfg_path: str, parallel: str):
+def _rank_of_two(rank: int, address: str, cfg_path: str, *parallel: str):
     """This process as Megatron rank ``rank`` of two on GPU ``rank`` (``parallel``: the layout's
-    override), its optimizer configured as the torch strategy's in ``_two_ranks_equal_torch``."""
+    overrides), its optimizer configured as the torch strategy's in ``_two_ranks_equal_torch``."""
     from reroll.strategies.megatron import MegatronStrategy
 
     torch.cuda.set_device(rank)
-    cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", parallel])
+    cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", *parallel])
     s = MegatronStrategy(cfg.model.path, cfg=cfg, device=f"cuda:{rank}", rank=rank, world_size=2)
     s.init_distributed(address)
     s.configure_optimizer(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=2)
@@ -269,15 +272,21 @@ def _rank_of_two(rank: int, address: str, cfg_path: str, parallel: str):
 
 def _half_batch_steps(s, rank: int, result_dir: str) -> None:
     """Three optimizer steps of rank ``rank`` of two on its half of ``_batch()``'s rows (token mean over
-    the whole batch), saved with the gathered weights for ``_two_ranks_equal_torch``."""
+    the whole batch), saved with the gathered weights for ``_two_ranks_equal_torch``. Under context
+    parallelism both ranks take every row, and each rank's columns' logits are gathered as the worker
+    gathers them."""
     ids, mask = _batch()
     half = slice(0, 4) if rank == 0 else slice(4, 8)  # the role splits rows over all ranks
+    if s.context_parallel is not None:  # ... but a context-parallel group's ranks get the same rows
+        half = slice(0, 8)
     width = int(mask[half].sum(-1).max())
     ids, mask = ids[half, :width], mask[half, :width]
     n_tokens = _batch()[1][:, 1:].sum()
     out = []
     for _ in range(3):
         logits = s.logits(ids, mask)
+        if s.context_parallel is not None:  # this rank's columns: the group's gathered
+            logits = s.context_parallel.gather(logits, ids.shape[1])
         loss = -(token_logprobs(logits, ids.to(logits.device)) * mask.to(logits.device)).sum() / n_tokens
         s.backward(loss)
         out.append((float(loss), s.step(1.0)["grad_norm"]))
@@ -295,6 +304,29 @@ def test_tp2_equals_torch_on_the_whole_batch(tmp_path, assets):
     """Two TP ranks, each given half the rows: summed losses, grad norms and weights equal the torch
     strategy's on the whole batch (CPU dev run over gloo: loss exact, norm rel 1e-7, weights 2e-5)."""
     _two_ranks_equal_torch(tmp_path, assets, _tp2_rank)
+
+
+def _cp2_rank(rank: int, address: str, cfg_path: str, result_dir: str, *more: str) -> None:
+    s = _rank_of_two(rank, address, cfg_path, "strategy.megatron.context_parallel=2", *more)
+    assert s.context_parallel is not None and s.dp == 1
+    _half_batch_steps(s, rank, result_dir)
+
+
+def _cp2_recomputed_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
+    _cp2_rank(rank, address, cfg_path, result_dir, "model.gradient_checkpointing=true")
+
+
+@pytest.mark.multigpu(gpus=2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CP=2 needs two GPUs")
+@pytest.mark.parametrize("rank_fn", [_cp2_rank, _cp2_recomputed_rank], ids=["cp2", "cp2-recomputed"])
+def test_cp2_equals_torch_on_the_whole_batch(tmp_path, assets, rank_fn):
+    """Two context-parallel ranks (Ulysses in the core attention, no Transformer Engine; one of the two
+    heads each), both given every row, each running half of every row's tokens, and the same with every
+    layer recomputed in backward (its all-to-alls run again there: Megatron's recompute needs CUDA's RNG
+    state, so this is checked on GPUs only): each rank's loss, the grad norms and weights equal the
+    torch strategy's on the whole batch, to the TP=2 test's tolerances (on CPU over gloo CP=2 equals one
+    Megatron rank bit for bit in losses and norms: tests/integration/test_megatron_context.py)."""
+    _two_ranks_equal_torch(tmp_path, assets, rank_fn, shared_rows=True)
 
 
 def _quickstart_30(tmp_path, strategy: str) -> tuple[float, float, str]:

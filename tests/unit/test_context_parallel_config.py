@@ -114,6 +114,58 @@ def test_ranks_form_groups_of_consecutive_ranks_that_share_a_shard():
     assert group_leaders([10, 11, 20, 21], 2) == [10, 20]
 
 
+def test_megatron_groups_are_tensor_parallel_apart_and_share_their_rows(tmp_path):
+    """Megatron's ranks run tensor-parallel ranks innermost, so a context-parallel group is ``cp`` ranks
+    ``tensor_parallel`` apart; the role's batch is split in ``world_size / cp`` parts, a group's ranks get
+    the same part and one of them answers for it."""
+    from reroll.config.startable import context_parallel_size, context_parallel_stride
+
+    assert group_ranks(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert data_shards(["a", "b", "c", "d"], 2, 2) == ["a", "b", "a", "b", "c", "d", "c", "d"]
+    assert group_leaders(list(range(8)), 2, 2) == [0, 1, 4, 5]  # ranks holding a, b, c, d
+    with pytest.raises(
+        ValueError, match=r"world_size \(6\) must be a multiple of context_parallel \(2\) x 2"
+    ):
+        group_ranks(6, 2, 2)
+    cfg = _cfg(
+        tmp_path,
+        "strategy.name=megatron",
+        "strategy.megatron.context_parallel=2",
+        "strategy.megatron.tensor_parallel=2",
+        "roles.actor_train.world_size=8",
+        "roles.reference.world_size=8",
+        heads=4,
+        kv_heads=4,
+    )
+    assert [context_parallel_size(cfg, r) for r in ("actor_train", "reference", "teacher")] == [2, 2, 1]
+    assert context_parallel_stride(cfg, "actor_train") == 2
+    assert data_parallel_size(cfg, "actor_train") == 4  # batch parts: 8 ranks / context_parallel 2
+    assert start_problems(cfg) == []
+
+
+def test_megatron_context_parallel_refusals_name_the_fix(tmp_path):
+    """TP x CP must divide the heads; a mixture of experts, sequence parallelism and a world size that
+    does not split are refused, each with its fix."""
+    base = ["strategy.name=megatron", "roles.actor_train.world_size=4", "roles.reference.world_size=4"]
+
+    def messages(*overrides: str, **model) -> dict[str, str]:
+        return dict(start_problems(_cfg(tmp_path, *base, *overrides, **model)))
+
+    split = ["strategy.megatron.context_parallel=2", "strategy.megatron.tensor_parallel=2"]
+    heads = messages(*split, heads=8, kv_heads=2)["strategy.megatron.context_parallel"]
+    assert (
+        "context_parallel (2) x tensor_parallel (2) = 4 must divide the model's num_key_value_heads (2)"
+        in heads
+    )
+    assert "use a context_parallel of [1]" in heads
+    moe = messages("strategy.megatron.context_parallel=2", model_type="qwen3_moe", num_experts=4)
+    assert "with a mixture-of-experts model is not yet built" in moe["strategy.megatron.context_parallel"]
+    sp = messages("strategy.megatron.context_parallel=2", "strategy.megatron.sequence_parallel=true")
+    assert "with sequence_parallel is not built" in sp["strategy.megatron"]
+    odd = messages("strategy.megatron.context_parallel=2", "strategy.megatron.tensor_parallel=4")
+    assert "must be divisible by strategy.megatron tensor_parallel (4)" in odd["strategy.megatron"]
+
+
 def test_each_rank_runs_its_columns_and_scores_the_tokens_on_them():
     """A row of 5 tokens over 2 ranks is padded to 6: rank 0 runs columns 0-2, rank 1 columns 3-5."""
     ranks = [ContextParallel(None, r, 2) for r in range(2)]  # type: ignore[arg-type]  # no group needed here
@@ -129,25 +181,51 @@ def test_each_rank_runs_its_columns_and_scores_the_tokens_on_them():
     assert (zero.keep ^ one.keep).all()  # every scored token on exactly one rank
 
 
+def _trainers(overrides: list[str], unsplit: list[str]) -> tuple[RunConfig, RunConfig, dict]:
+    """The 32k example under ``overrides`` (context parallel 8) and ``unsplit`` (1), and their
+    actor_train's plan by context-parallel size."""
+    from reroll.config.memory import KNOWN
+    from reroll.plan import estimate
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b-32k-rlvr_fsdp2" / "config.yaml"
+    split = load_config(path, RunConfig, overrides)
+    whole = load_config(path, RunConfig, [*overrides, *unsplit])
+    trainer = {
+        cp: {p.role: p for p in estimate(cfg, KNOWN["qwen3-8b"], prompt_tokens=512)}["actor_train"]
+        for cp, cfg in ((8, split), (1, whole))
+    }
+    return split, whole, trainer
+
+
+def _activations(p) -> float:
+    return float(re.search(r"activations ([\d.]+)", p.parts).group(1))
+
+
 def test_plan_puts_one_nth_of_a_row_on_each_rank():
     """The 32k example: each of 8 ranks holds 1/8 of a micro-batch's activations and scored logits (its
     columns), so it fits on 8x80 GB; the same run without context parallelism does not."""
-    from reroll.config.memory import KNOWN
-    from reroll.plan import estimate, plan
+    from reroll.plan import plan
 
-    path = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b-32k-rlvr_fsdp2" / "config.yaml"
-    split = load_config(path, RunConfig)
-    whole = load_config(path, RunConfig, ["strategy.context_parallel=1"])
-    shape = KNOWN["qwen3-8b"]
-    trainer = {
-        cp: {p.role: p for p in estimate(cfg, shape, prompt_tokens=512)}["actor_train"]
-        for cp, cfg in ((8, split), (1, whole))
-    }
-
-    def activations(p):
-        return float(re.search(r"activations ([\d.]+)", p.parts).group(1))
-
-    assert activations(trainer[1]) / activations(trainer[8]) == pytest.approx(8, rel=0.02)  # 0.1 GiB rounding
+    split, whole, trainer = _trainers([], ["strategy.context_parallel=1"])
+    assert _activations(trainer[1]) / _activations(trainer[8]) == pytest.approx(
+        8, rel=0.02
+    )  # 0.1 GiB rounding
     assert plan(split, gpus=8, gpu_memory_gib=80)[1]
     assert not plan(whole, gpus=8, gpu_memory_gib=80)[1]
     assert trainer[1].gib > 0.9 * 80 > trainer[8].gib  # the trainer is what does not fit
+
+
+def test_plan_of_megatron_context_parallel_puts_one_nth_of_a_row_on_each_rank():
+    """The same on Megatron (strategy.megatron.context_parallel 8, TP 1): a rank holds 1/8 of the
+    activations; its weights and gradients are not sharded over the data-parallel (and context-parallel)
+    ranks, so the fit is not the question here."""
+    from reroll.plan import plan
+
+    megatron = [
+        "strategy.name=megatron",
+        "strategy.context_parallel=1",
+        "strategy.megatron.context_parallel=8",
+    ]
+    split, _, trainer = _trainers(megatron, ["strategy.megatron.context_parallel=1"])
+    assert _activations(trainer[1]) / _activations(trainer[8]) == pytest.approx(8, rel=0.02)
+    assert "megatron, context parallel 8 (each rank" in plan(split, gpus=8, gpu_memory_gib=80)[0]

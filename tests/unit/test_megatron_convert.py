@@ -180,6 +180,9 @@ def test_parallel_sizes_are_checked():
     assert check_parallel_sizes(8, MegatronConfig(tensor_parallel=2, pipeline_parallel=2)) == 2
     with pytest.raises(UserError, match=r"world_size \(6\) must be divisible by .* = 4"):
         check_parallel_sizes(6, MegatronConfig(pipeline_parallel=4))
+    # context-parallel groups lie inside the data-parallel ranks: the role's size, not the config's
+    assert check_parallel_sizes(8, MegatronConfig(tensor_parallel=2, context_parallel=2), 2) == 2
+    assert check_parallel_sizes(8, MegatronConfig(tensor_parallel=2, context_parallel=2)) == 4
 
 
 @pytest.fixture(scope="module")
