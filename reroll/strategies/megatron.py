@@ -564,7 +564,8 @@ class MegatronStrategy:
         """Write the model as ``save_pretrained`` would, one decoder layer at a time: each comes whole to
         every rank from ``named_weights`` (gathered over TP, EP and the stages, as for weight sync), and
         every rank writes its share of the files (``hf_export``: ranks write in parallel, none holds more
-        than about two layers). A collective; returns the most bytes this rank held at once."""
+        than about two layers). A collective; returns a bound on the bytes of whole tensors this rank held
+        at once: the writer's most (the unit written, the one gathered) plus the stream reader's most."""
         model = self._meta_hf_model()
         shapes = distinct_state(model)  # a tied head's copy dropped, as save_pretrained drops it
         units = layer_units(model, shapes, decoder_layers(model))
@@ -575,7 +576,7 @@ class MegatronStrategy:
         stream.finish()
         held += stream.peak_bytes
         log.info(
-            "megatron: rank %d wrote its share of %s holding at most %.2f GB",
+            "megatron: rank %d wrote its share of %s, holding at most %.2f GB",
             self.rank,
             directory,
             held / 1e9,
