@@ -10,6 +10,8 @@ on a thread, while the next unit is gathered. A rank holds at most two units' fu
 being written, one gathered) beside its own shard. The files (as many as ranks, more where one would
 pass ``MAX_FILE_BYTES``) are owned round-robin, so every rank writes; rank 0 also writes
 ``config.json``, ``generation_config.json`` and the index. ``from_pretrained`` loads the directory.
+A strategy whose weights come as a stream of whole tensors that every rank reads alike (Megatron's,
+gathered layer by layer over its parallel groups) gathers through ``StreamGather``.
 
 Each file's header is known before any tensor is gathered: the same conversion runs first on meta
 tensors (shapes and dtypes only), so each tensor's bytes go straight to their offset.
@@ -117,11 +119,12 @@ def write_hf_model(
     rank: int,
     world_size: int,
     max_file_bytes: int = MAX_FILE_BYTES,
-) -> None:
+) -> int:
     """Write ``directory`` as ``save_pretrained`` would (see the module docstring); every rank calls it.
 
     ``shapes``: each state-dict name's global shape and dtype (meta tensors will do); ``units``: the
-    names gathered together, in the order every rank gathers them."""
+    names gathered together, in the order every rank gathers them. Returns the most bytes of whole
+    tensors this rank held at once (the unit being written and the one gathered beside it)."""
     directory.mkdir(parents=True, exist_ok=True)
     plan = _plan(names, shapes, units, world_size, max_file_bytes)
     if rank == 0:
@@ -136,6 +139,7 @@ def write_hf_model(
     with ExitStack() as stack, ThreadPoolExecutor(1) as writer:
         handles = {i: stack.enter_context(plan.files[i].open(directory)) for i in mine}
         pending: Future[None] | None = None
+        writing = peak = 0  # bytes of the unit being written
         for unit, file, expected in zip(units, plan.unit_file, plan.outputs):
             keep = file in handles
             tensors = gather(unit, keep)
@@ -143,11 +147,47 @@ def write_hf_model(
                 continue
             out = names(tensors)
             _check_same(out, expected)
+            held = sum(_nbytes(t) for t in out.values())
+            peak = max(peak, writing + held)
             if pending is not None:
                 pending.result()  # one write in flight at a time: at most two units held
-            pending = writer.submit(_write_tensors, handles[file], out.values())
+            pending, writing = writer.submit(_write_tensors, handles[file], out.values()), held
         if pending is not None:
             pending.result()
+    return peak
+
+
+class StreamGather:
+    """A ``Gather`` over ``stream``: ``(name, whole CPU tensor)`` pairs that every rank reads to the end in
+    the same order (a collective: Megatron's weights, gathered one decoder layer at a time). Each call
+    reads on until the unit's names have come, and hands them over where ``keep``; names no unit asks
+    for (a tied head's copy of the embedding, which ``save_pretrained`` drops) are read and dropped.
+    With units in the stream's order it holds at most one unit's tensors; ``peak_bytes`` says how many
+    it held. ``finish`` reads the stream to its end (every rank must, for the collectives in it)."""
+
+    def __init__(self, stream: Iterable[tuple[str, torch.Tensor]], units: Sequence[Sequence[str]]) -> None:
+        self._stream = iter(stream)
+        self._wanted = {n for unit in units for n in unit}
+        self._early: dict[str, torch.Tensor] = {}
+        self._held = self.peak_bytes = 0
+
+    def __call__(self, names: Sequence[str], keep: bool) -> dict[str, torch.Tensor]:
+        while not all(n in self._early for n in names):
+            name, tensor = next(self._stream, (None, None))
+            if name is None:
+                missing = [n for n in names if n not in self._early]
+                raise RuntimeError(f"the weights' stream ended without {missing[:5]}")
+            if name in self._wanted:
+                self._early[name] = tensor
+                self._held += _nbytes(tensor)
+                self.peak_bytes = max(self.peak_bytes, self._held)
+        out = {n: self._early.pop(n) for n in names}
+        self._held -= sum(_nbytes(t) for t in out.values())
+        return out if keep else {}
+
+    def finish(self) -> None:
+        for _ in self._stream:
+            pass
 
 
 @dataclass

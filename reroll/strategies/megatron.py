@@ -14,7 +14,8 @@ to their experts' rank by all-to-all, and the trainer adds the router's load-bal
 logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face
 checkpoint through ``reroll.models.megatron_convert``, each rank reading from the safetensors files only
 the tensors it holds (``reroll.models.checkpoint_reader``), and go back in Hugging Face names for weight
-sync and export, one layer at a time (``reroll.strategies.megatron_weights``).
+sync and export, one layer at a time (``reroll.strategies.megatron_weights``); the export's files are
+written by every rank, each its share (``reroll.strategies.hf_export``).
 
 The role splits a batch by rows across its ranks, as for the other strategies (the ranks of a
 context-parallel group get the same rows: ``reroll.config.startable.context_parallel_stride``). Tensor
@@ -57,6 +58,14 @@ from reroll.models.checkpoint_reader import CheckpointReader, checkpoint_files
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
 from reroll.strategies.context_parallel import ContextParallel
+from reroll.strategies.hf_export import (
+    HFNames,
+    StreamGather,
+    decoder_layers,
+    distinct_state,
+    layer_units,
+    write_hf_model,
+)
 from reroll.strategies.host_parking import HostParking
 from reroll.strategies.megatron_moe import MegatronRouters, allow_routers_without_transformer_engine
 from reroll.strategies.megatron_pipeline import Pipeline
@@ -581,14 +590,10 @@ class MegatronStrategy:
         return hf_weights(weights, self.shape, groups, on_device=on_device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
-        """Hugging Face weights into ``directory/model`` (rank 0) and optimizer state per rank."""
+        """Hugging Face weights into ``directory/model`` (``export``) and optimizer state per rank. A
+        collective: every rank calls it."""
         directory.mkdir(parents=True, exist_ok=True)
-        weights = {}
-        for name, w in self.named_weights(on_device=False):  # a collective; rank 0 keeps the weights
-            if self.rank == 0:
-                weights[name] = w
-        if self.rank == 0:
-            self._export_hf(weights, directory / "model")
+        self.export(directory / "model")
         if with_optimizer and self.optimizer is not None:
             # torch Adam over this rank's fp32 main params (shards); a mixture of experts chains two
             inners = self._inner_optimizers()
@@ -596,21 +601,43 @@ class MegatronStrategy:
             state = {"optimizers": [o.state_dict() for o in inners], "main_params": main, "steps": self.steps}
             torch.save(state, directory / f"optimizer_rank{self.rank}.pt")
 
+    def export(self, directory: Path) -> int:
+        """Write the model as ``save_pretrained`` would, one decoder layer at a time: each comes whole to
+        every rank from ``named_weights`` (gathered over TP, EP and the stages, as for weight sync), and
+        every rank writes its share of the files (``hf_export``: ranks write in parallel, none holds more
+        than about two layers). A collective; returns a bound on the bytes of whole tensors this rank held
+        at once: the writer's most (the unit written, the one gathered) plus the stream reader's most."""
+        model = self._meta_hf_model()
+        shapes = distinct_state(model)  # a tied head's copy dropped, as save_pretrained drops it
+        units = layer_units(model, shapes, decoder_layers(model))
+        stream = StreamGather(self.named_weights(on_device=False), units)
+        held = write_hf_model(
+            directory, HFNames(model), shapes, units, stream, rank=self.rank, world_size=self.world_size
+        )
+        stream.finish()
+        held += stream.peak_bytes
+        log.info(
+            "megatron: rank %d wrote its share of %s, holding at most %.2f GB",
+            self.rank,
+            directory,
+            held / 1e9,
+        )
+        return held
+
     def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers inside Megatron's (one per chained optimizer: dense and experts' params)."""
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         return [o.optimizer for o in chained if o is not None and o.optimizer is not None]
 
-    def _export_hf(self, weights: dict[str, torch.Tensor], out: Path) -> None:
+    def _meta_hf_model(self) -> torch.nn.Module:
+        """The Hugging Face model on the meta device in the strategy's dtype: the names, shapes and dtypes
+        of what is exported, its config and weight conversions, and the checkpoint's generation config
+        (where it has one)."""
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.hf_config, dtype=DTYPES[self.dtype])
-        if self.shape.tied:
-            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-        model.load_state_dict(weights, strict=not self.shape.tied, assign=True)
-        model.tie_weights()
         with contextlib.suppress(OSError):
             model.generation_config = GenerationConfig.from_pretrained(self.model_path)
-        model.save_pretrained(out, safe_serialization=True)
+        return model
 
     def load(self, directory: Path) -> None:
         """Weights from ``directory/model`` and, where present, this rank's optimizer state."""

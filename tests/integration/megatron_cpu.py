@@ -40,6 +40,11 @@ def patch_cuda_for_cpu() -> None:
         )
 
     torch.Tensor.type = cuda_type
+    # the factories torch.device("meta") redirects, listed (and cached) before ours replace them: a meta
+    # model (the export's) would otherwise be built in host memory
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in ("tensor", "zeros", "empty", "ones", "full"):  # the optimizer's flags, device="cuda"
         setattr(torch, name, _on_cpu(getattr(torch, name)))
 

@@ -12,7 +12,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
+from reroll.strategies.hf_export import (
+    HFNames,
+    StreamGather,
+    decoder_layers,
+    distinct_state,
+    layer_units,
+    write_hf_model,
+)
 
 
 def _saved(directory) -> dict[str, torch.Tensor]:
@@ -106,3 +113,61 @@ def test_one_rank_small_model_is_one_file(tmp_path, assets):
         "generation_config.json",
         "model.safetensors",
     ]
+
+
+def _units_and_stream(model):
+    """The model's export units, and its weights as Megatron's ``named_weights`` streams them: whole CPU
+    copies one at a time, in order, the tied head's copy of the embedding last."""
+    state = distinct_state(model)
+    units = layer_units(model, state, decoder_layers(model))
+
+    def stream():
+        for name, value in model.state_dict().items():
+            yield name, value.detach().clone()
+
+    return state, units, stream
+
+
+def test_a_stream_of_weights_is_written_holding_about_two_layers(tmp_path, assets):
+    """Two simulated ranks, each reading the whole stream (as every Megatron rank does) and writing its
+    own files; the directory loads with ``from_pretrained`` as the model, the index names every tensor's
+    file, and neither the writer nor the stream's reader held more than a unit or two."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(assets["model"])
+    state, units, stream = _units_and_stream(model)
+    assert "lm_head.weight" in dict(stream()) and "lm_head.weight" not in state  # tied: streamed, not saved
+    largest = max(sum(state[n].numel() * state[n].element_size() for n in unit) for unit in units)
+    for rank in range(2):
+        reader = StreamGather(stream(), units)
+        held = write_hf_model(
+            tmp_path / "out", HFNames(model), state, units, reader,
+            rank=rank, world_size=2, max_file_bytes=100_000,
+        )  # fmt: skip
+        reader.finish()
+        # the writer: the unit being written and the one gathered beside it; the reader: one unit, as the
+        # stream comes in the units' order
+        assert 0 < held <= 2 * largest and 0 < reader.peak_bytes <= largest
+    written = _saved(tmp_path / "out")
+    assert written.keys() == state.keys()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in written.values())
+    for path in (tmp_path / "out").glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            assert all(index["weight_map"][k] == path.name for k in f.keys())  # noqa: SIM118
+    # 535 KB in files of at most 100 KB asks for 6, but no unit is split: one file per unit (4)
+    assert len(set(index["weight_map"].values())) == len(units) == 4
+
+
+def test_a_stream_that_ends_early_names_what_it_lacked(tmp_path, assets):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(assets["model"])
+    state, units, stream = _units_and_stream(model)
+    short = (item for item in stream() if item[0] != "model.norm.weight")
+    with pytest.raises(RuntimeError, match=r"ended without \['model.norm.weight'\]"):
+        write_hf_model(
+            tmp_path, HFNames(model), state, units, StreamGather(short, units), rank=0, world_size=1
+        )
