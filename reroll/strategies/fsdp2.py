@@ -400,9 +400,7 @@ def _start_model(
         log.info("%s has no safetensors files: each rank loads the whole model on the host", path)
         return load(path, dtype, "cpu"), None
     model = load(path, dtype, "meta")
-    reader = CheckpointReader(
-        files, torch.float32
-    )  # float32 holds every bf16/fp16 value: one rounding, as from_pretrained's
+    reader = CheckpointReader(files, DTYPES[dtype])  # each tensor cast once, as from_pretrained casts it
     targets, unplaced = plan(model, reader, zero_missing=zero_missing)
     if unplaced:
         reader.close()

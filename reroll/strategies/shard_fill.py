@@ -69,7 +69,7 @@ def plan(
         if not param.is_meta:
             continue
         source = _source(name, tuple(param.shape), reader, zero_missing)
-        if source is None:
+        if source is None or param.dtype != reader.dtype:  # (a module kept in float32: read as loaded)
             unplaced.append(name)
             continue
         module_name, _, attr = name.rpartition(".")
@@ -101,18 +101,21 @@ def _row_shape(reader: CheckpointReader, names: tuple[str, ...]) -> tuple[int, .
     return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
-def read_rows(
-    reader: CheckpointReader, source: Source, start: int, length: int, like: torch.Tensor
-) -> torch.Tensor:
-    """Rows ``[start, start + length)`` of dim 0 of the parameter ``source`` describes (``like``: its
-    local shard, for the shape and dtype of zeros)."""
-    if not source.rows or length == 0:
-        return torch.zeros(like.shape, dtype=like.dtype)
-    if source.whole_rows:
-        rows = source.rows[start : start + length]
-        return torch.stack([torch.cat([reader[n] for n in names]) for names in rows])
-    (name,) = source.rows[0]
-    return reader.narrow(name, 0, start, length)
+def write_rows(reader: CheckpointReader, source: Source, start: int, local: torch.Tensor) -> None:
+    """Write rows ``[start, start + len(local))`` of dim 0 of the parameter ``source`` describes into
+    ``local`` (this rank's shard), one checkpoint tensor at a time: no copy of the shard is made."""
+    if not source.rows:
+        local.zero_()
+    elif source.whole_rows:
+        for row, names in zip(local, source.rows[start : start + local.shape[0]]):
+            at = 0
+            for name in names:
+                part = reader[name]
+                row[at : at + part.shape[0]].copy_(part)
+                at += part.shape[0]
+    elif local.shape[0]:
+        (name,) = source.rows[0]
+        local.copy_(reader.narrow(name, 0, start, local.shape[0]))
 
 
 def local_rows(param: torch.Tensor) -> tuple[int, int]:
@@ -155,7 +158,8 @@ def fill(
             param = getattr(t.module, t.attr)
             local = _local(param)
             start, length = local_rows(param)
-            local.copy_(read_rows(reader, t.source, start, length, local))
+            assert length == local.shape[0], (t.name, length, local.shape)
+            write_rows(reader, t.source, start, local)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

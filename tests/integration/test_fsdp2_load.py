@@ -1,7 +1,7 @@
 """FSDP2 ranks read their own shards of the checkpoint (``reroll.strategies.shard_fill``): two ranks over
 gloo load a tiny dense model with tied embeddings, one with a head of its own, a Qwen3-MoE (three experts:
 two on one rank, one on the other, read from the checkpoint's per-expert tensors into transformers' fused
-ones), and a critic and a reward model from the dense checkpoint (their new heads at zero), with and
+ones; in bfloat16 too), and a critic and a reward model from the dense checkpoint (their new heads at zero), with and
 without LoRA. Each is loaded twice in the same ranks: by shards, and as before this module (every rank
 ``from_pretrained`` on the host, ``fully_shard`` keeping its chunk: the path a checkpoint without
 safetensors files takes).
@@ -32,9 +32,10 @@ pytestmark = pytest.mark.integration
 LORA = ["strategy.lora.rank=4", "strategy.lora.target_modules=[q_proj,v_proj]"]
 # (model, head, LoRA): in CI the MoE (tied embeddings, fused experts) with LoRA; every model and head
 # in the long run (65 s on 2 cores; most of a run is starting the two ranks)
-FAST = [("moe", "causal_lm", True)]
+FAST = [("moe_bf16", "causal_lm", True)]
 ALL = [
     *FAST,
+    ("moe", "causal_lm", True),
     ("tied", "causal_lm", False),
     ("tied", "causal_lm", True),
     ("untied", "causal_lm", False),
@@ -44,15 +45,14 @@ ALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
+def _build(root: Path, model: str) -> Path:
     shape = dict(alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=2, num_heads=2)
-    return {
-        "tied": build_tiny_model(root / "tied", **shape),
-        "untied": build_tiny_model(root / "untied", **shape, tie_word_embeddings=False, seed=1),
-        "moe": build_tiny_model(root / "moe", **shape, moe=TinyMoEConfig(experts=3, top_k=2), seed=2),
-    }
+    if model == "untied":
+        return build_tiny_model(root / model, **shape, tie_word_embeddings=False, seed=1)
+    if model.startswith("moe"):
+        moe = TinyMoEConfig(experts=3, top_k=2)
+        return build_tiny_model(root / model, **shape, moe=moe, seed=2, dtype=_dtype(model))
+    return build_tiny_model(root / model, **shape)
 
 
 def _load(path: Path, head: str, lora: bool, rank: int, address: str, *, by_shards: bool) -> dict:
@@ -64,7 +64,10 @@ def _load(path: Path, head: str, lora: bool, rank: int, address: str, *, by_shar
 
     where = path.parent / f"cfg-{rank}"
     where.mkdir(exist_ok=True)
-    cfg = small_config(where, "strategy.name=fsdp2", *(LORA if lora else []), model=str(path))
+    lora_set = LORA if lora else []
+    cfg = small_config(
+        where, "strategy.name=fsdp2", f"model.dtype={_dtype(path.name)}", *lora_set, model=str(path)
+    )
     files = fsdp2.checkpoint_files
     if not by_shards:  # the path a checkpoint without safetensors takes: from_pretrained on every rank
         fsdp2.checkpoint_files = lambda _path: None
@@ -78,7 +81,7 @@ def _load(path: Path, head: str, lora: bool, rank: int, address: str, *, by_shar
         n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
         for n, t in [*s.model.state_dict().items(), *s.model.named_buffers()]
     }
-    held = sum(  # this rank's shards of the checkpoint's weights (float32 as in the files)
+    held = sum(  # this rank's shards of the checkpoint's weights (in the files' dtype)
         p.to_local().numel() * p.element_size()
         for n, p in s.model.named_parameters()
         if isinstance(p, DTensor) and "lora_" not in n
@@ -109,9 +112,10 @@ def _rank(rank: int, address: str, paths: dict[str, Path], cases: list, result_d
 
 
 @pytest.mark.parametrize("cases", [FAST, pytest.param(ALL, marks=pytest.mark.long)], ids=["fast", "all"])
-def test_ranks_read_their_shards_and_hold_what_from_pretrained_gives(tmp_path, models, cases):
+def test_ranks_read_their_shards_and_hold_what_from_pretrained_gives(tmp_path, cases):
     import torch.multiprocessing as mp
 
+    models = {m: _build(tmp_path, m) for m in {case[0] for case in cases}}
     with socket.socket() as so:
         so.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{so.getsockname()[1]}"
@@ -141,13 +145,18 @@ def test_ranks_read_their_shards_and_hold_what_from_pretrained_gives(tmp_path, m
             assert [r[(*case, True)]["read"] for r in ranks] == [r[(*case, True)]["held"] for r in ranks]
             assert ranks[0][(*case, True)]["read"] + ranks[1][(*case, True)]["read"] == files, case
             if not lora:
-                ref = load_causal_lm(models[model])
+                ref = load_causal_lm(models[model], _dtype(model))
                 want = {**ref.state_dict(), **dict(ref.named_buffers())}
                 assert want.keys() == new["weights"].keys()
                 for name, value in want.items():
                     assert torch.equal(new["weights"][name], value), (case, name)
         if head == "value":  # the new head at zero, as from_pretrained's loader starts it
             assert not new["weights"]["score.weight"].any()
+
+
+def _dtype(model: str) -> str:
+    """The dtype a case's checkpoint is written in and loaded at."""
+    return "bfloat16" if model.endswith("bf16") else "float32"
 
 
 def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
