@@ -19,11 +19,15 @@ import argparse
 import json
 import platform
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.megatron_load_memory import _status, build
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.megatron_load_memory import _status, build  # noqa: E402
 
 
 def _rank(rank: int, path: str, how: str, ranks: int, address: str, out: str) -> None:

@@ -6,6 +6,12 @@ Losses arrive normalised by the whole step's token/sequence counts (all micro-ba
 gradients are *summed* over ranks: the divide factor FSDP2 would apply (the world size) is set to 1.
 One rank still builds a process group (in-process), so the same code runs at every world size.
 
+The model is built on the meta device, changed as a loaded one would be (kernels, checkpointing, LoRA),
+sharded, and then each rank reads its own rows of every weight from the checkpoint's safetensors files
+(``reroll.strategies.shard_fill``): a rank's host holds its shards (on a GPU, one tensor's at a time),
+not the whole model. A checkpoint without safetensors files, or one whose tensors the plan cannot place,
+is loaded whole on every rank's host as before (a log line says so).
+
 With ``strategy.lora`` the policy is wrapped with peft before sharding and only the adapters train;
 ``full_state_dict`` then gives the base weights with the adapters merged in (Hugging Face names), and
 ``adapter_update`` the adapters alone. A checkpoint holds ``state/`` (every rank's shards of the
