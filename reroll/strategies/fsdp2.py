@@ -120,9 +120,7 @@ class FSDP2Strategy:
         model, self._unfilled = _start_model(
             self._load, model_path, cfg.model.dtype, zero_missing=head != "causal_lm"
         )
-        self.checkpoint_bytes_read: int | None = (
-            None  # this rank's, where it read its shards (``shard_fill``)
-        )
+        self.checkpoint_bytes_read: int | None = None  # where this rank read its shards: how many bytes
         use_kernels(model, cfg, self.device)
         set_trainable(model, cfg, trainable)
         if getattr(model.config, "use_cache", None) is not None:
@@ -411,10 +409,13 @@ def _start_model(
     if unplaced:
         reader.close()
         log.info(
-            "%s: %d tensors (%s) are named or shaped unlike the model's: each rank loads the whole model "
-            "on the host", path, len(unplaced), ", ".join(unplaced[:3]),
+            "%s: %d weights cannot be read by shards (%s): each rank loads the whole model on the host",
+            path, len(unplaced), "; ".join(unplaced[:3]),
         )  # fmt: skip
         return load(path, dtype, "cpu"), None
+    zeros = [t.name for t in targets if not t.source.rows]
+    if zeros:  # as the loader says it
+        log.info("%s: %s start at zero", path, ", ".join(zeros))
     return model, _Unfilled(targets, reader)
 
 

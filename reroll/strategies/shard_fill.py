@@ -29,6 +29,15 @@ from torch.distributed.tensor import DTensor
 
 from reroll.models.checkpoint_reader import CheckpointReader
 
+# transformers' per-expert fusion on load, which ``_source`` follows: (sources, targets, operations)
+_FOLLOWED = {
+    (
+        ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"),
+        ("mlp.experts.gate_up_proj",),
+        ("MergeModulelist", "Concatenate"),
+    ),
+    (("mlp.experts.*.down_proj.weight",), ("mlp.experts.down_proj",), ("MergeModulelist",)),
+}
 _FUSED = re.compile(r"(?P<experts>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _PER_EXPERT = {"gate_up_proj": ("gate_proj.weight", "up_proj.weight"), "down_proj": ("down_proj.weight",)}
 
@@ -60,7 +69,8 @@ def plan(
 ) -> tuple[list[Target], list[str]]:
     """Where each of ``model``'s meta parameters (a tied one once) comes from, and the names that no
     rule places (empty: the plan is whole). Reads the files' headers only."""
-    targets, unplaced = [], []
+    targets: list[Target] = []
+    unplaced = conversions(model, list(reader))
     params = dict(model.named_parameters(remove_duplicate=False))
     # a persistent buffer the checkpoint holds would be read by from_pretrained: not planned (none in
     # the decoder models reroll trains; their rotary frequencies are non-persistent, computed on build)
@@ -75,6 +85,33 @@ def plan(
         module_name, _, attr = name.rpartition(".")
         targets.append(Target(model.get_submodule(module_name), attr, name, source))
     return targets, unplaced
+
+
+def conversions(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """transformers' load-time conversions of ``model``'s weights (renames, fusions, transposes) that touch
+    a checkpoint tensor of ``names`` and that ``plan`` does not follow, each described: where there are
+    any, ``from_pretrained`` would hold something other than the tensors of the model's own names."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # transformers 4: a class's renames alone
+        renames = getattr(model, "_checkpoint_conversion_mapping", None) or {}
+        return [f"{k} -> {v}" for k, v in renames.items() if any(_touches(k, n) for n in names)]
+    out = []
+    for c in get_model_conversion_mapping(model):
+        sources, targets = tuple(c.source_patterns), tuple(c.target_patterns)
+        ops = tuple(type(o).__name__ for o in getattr(c, "operations", ()))
+        if (sources, targets, ops) not in _FOLLOWED and any(_touches(p, n) for p in sources for n in names):
+            out.append(f"transformers converts {sources} to {targets} on load")
+    return out
+
+
+def _touches(pattern: str, name: str) -> bool:
+    """Whether a conversion's source ``pattern`` (a regular expression, ``*`` a module index) matches
+    ``name``; a pattern that is not one is taken to match (not followed, so not planned)."""
+    try:
+        return re.search(pattern.replace("*", r"[^.]+"), name) is not None
+    except re.error:
+        return True
 
 
 def _source(name: str, shape: tuple[int, ...], reader: CheckpointReader, zero_missing: bool) -> Source | None:
@@ -134,26 +171,24 @@ def fill(
     model: torch.nn.Module, targets: list[Target], reader: CheckpointReader, device: torch.device
 ) -> None:
     """Materialise ``model`` (sharded, its planned parameters on the meta device) on ``device`` and fill
-    each rank's shard of every planned parameter from ``reader``; the parameters and buffers that were
-    already real keep their values (``to_empty`` gives every tensor new memory)."""
+    each rank's shard of every planned parameter from ``reader``; the parameters that were already real
+    keep their values, and the buffers their tensors where ``fully_shard`` put them (``to_empty`` gives
+    every tensor new memory on ``device``)."""
+    modules = list(model.modules())
     kept = {
-        (id(m), attr): _local(p).clone()
-        for m in model.modules()
+        (i, attr): _local(p)  # the old memory: to_empty swaps in new
+        for i, m in enumerate(modules)
         for attr, p in m._parameters.items()
         if p is not None and not _local(p).is_meta
     }
-    buffers = {
-        (id(m), attr): b.clone() for m in model.modules() for attr, b in m._buffers.items() if b is not None
-    }
+    buffers = [dict(m._buffers) for m in modules]
     model.to_empty(device=device)
     with torch.no_grad():
-        for m in model.modules():
+        for i, m in enumerate(modules):
             for attr, p in m._parameters.items():
-                if (id(m), attr) in kept:
-                    _local(p).copy_(kept[(id(m), attr)])
-            for attr, b in m._buffers.items():
-                if (id(m), attr) in buffers:
-                    b.copy_(buffers[(id(m), attr)])
+                if (i, attr) in kept:
+                    _local(p).copy_(kept[(i, attr)])
+            m._buffers.update(buffers[i])
         for t in targets:
             param = getattr(t.module, t.attr)
             local = _local(param)

@@ -63,7 +63,14 @@ def _load(path, *, cpu_offload: bool, by_shards: bool) -> dict:
         s.optimizer.zero_grad()
         losses.append(loss.item())
     tied = s.hf_model.get_output_embeddings().weight is s.hf_model.get_input_embeddings().weight
-    return {"weights": weights, "losses": losses, "read": s.checkpoint_bytes_read, "tied": tied}
+    buffers = {n: str(b.device) for n, b in s.model.named_buffers()}
+    return {
+        "weights": weights,
+        "losses": losses,
+        "read": s.checkpoint_bytes_read,
+        "tied": tied,
+        "buffers": buffers,
+    }
 
 
 @pytest.mark.parametrize("cpu_offload", [False, True])
@@ -74,6 +81,7 @@ def test_shards_read_on_a_gpu_equal_from_pretrained(tmp_path, cpu_offload):
     old = _load(path, cpu_offload=cpu_offload, by_shards=False)
     assert old["read"] is None and new["read"] > 0  # each path ran
     assert new["tied"] and old["tied"]
+    assert new["buffers"] == old["buffers"]  # where fully_shard put them (rotary frequencies)
     assert new["weights"].keys() == old["weights"].keys()
     for name, value in old["weights"].items():
         assert torch.equal(new["weights"][name], value), name

@@ -79,3 +79,13 @@ def test_a_checkpoint_the_plan_cannot_place_is_loaded_whole_and_says_so(tmp_path
         model, unfilled = _start_model(_LOADERS["causal_lm"], str(renamed), "float32", zero_missing=False)
     assert unfilled is None and "has no safetensors files" in caplog.text
     assert torch.equal(model.lm_head.weight, load_causal_lm(moe).lm_head.weight)
+
+
+def test_a_model_whose_names_transformers_converts_on_load_is_loaded_whole(tmp_path, caplog):
+    from reroll.models.tiny_vision import build_tiny_vl_model
+
+    path = build_tiny_vl_model(tmp_path, alphabet=ARITHMETIC_ALPHABET)  # its files keep the older names
+    with caplog.at_level(logging.INFO, logger="reroll.strategies.fsdp2"):
+        model, unfilled = _start_model(_LOADERS["causal_lm"], str(path), "float32", zero_missing=False)
+    assert unfilled is None and not any(p.is_meta for p in model.parameters())
+    assert "transformers converts" in caplog.text and "loads the whole model on the host" in caplog.text
