@@ -1,16 +1,17 @@
 """FSDP2 ranks read their own shards of the checkpoint (``reroll.strategies.shard_fill``): two ranks over
-gloo load a tiny dense model with tied embeddings, one with a head of its own, a Qwen3-MoE (three experts:
-two on one rank, one on the other, read from the checkpoint's per-expert tensors into transformers' fused
-ones; in bfloat16 too), and a critic and a reward model from the dense checkpoint (their new heads at zero), with and
-without LoRA. Each is loaded twice in the same ranks: by shards, and as before this module (every rank
-``from_pretrained`` on the host, ``fully_shard`` keeping its chunk: the path a checkpoint without
-safetensors files takes).
+gloo load a tiny dense model with tied embeddings, one with a head of its own, a Qwen3-MoE (three
+experts: two on one rank, one on the other, read from the checkpoint's per-expert tensors into
+transformers' fused ones; in float32 and bfloat16), and a critic and a reward model from the dense
+checkpoint (their new heads at zero), with and without LoRA. Each is loaded twice in the same ranks: by
+shards, and as before this module (every rank ``from_pretrained`` on the host, ``fully_shard`` keeping
+its chunk: the path a checkpoint without safetensors files takes).
 
-Everything is compared bit for bit (``torch.equal``): both paths cast the same float32 files to the same
-dtype, and FSDP2 holds the same chunk of the same tensor, so no arithmetic separates them; the loss
+Everything is compared bit for bit (``torch.equal``): both paths cast the same file tensors to the same
+dtype once, and FSDP2 holds the same chunk of the same tensor, so no arithmetic separates them; the loss
 before and after one AdamW step is the same computation on the same weights in the same ranks. The
 gathered weights and buffers also equal ``from_pretrained``'s (rotary frequencies are computed, not
-read), tied embeddings stay one tensor, and the two ranks together read each byte of the checkpoint once.
+read), tied embeddings stay one tensor, each rank reads the bytes it holds, and the two ranks together
+read each byte of the checkpoint once.
 """
 
 from __future__ import annotations
