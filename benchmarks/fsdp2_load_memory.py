@@ -4,13 +4,15 @@ keeping its shard (``whole``: the path before ranks read their shards, and still
 ``reroll.strategies.shard_fill``).
 
 A Qwen3-MoE checkpoint of the given size is written to a temporary directory (bf16); each case starts
-``--ranks`` processes over gloo (CPU: a rank's shards stay in host memory, as with
-``strategy.fsdp2.cpu_offload``; on a GPU they would leave it), each building an ``FSDP2Strategy``, and
-reports per rank the rise of its peak resident memory over the build and shard (``VmHWM``, reset
-through ``/proc/self/clear_refs`` first; it counts the checkpoint's pages a rank touches through
-safetensors' memory map too), its shards' bytes and the bytes it read.
+``--ranks`` processes, each building an ``FSDP2Strategy``: over gloo on CPU (a rank's shards stay in
+host memory, as with ``strategy.fsdp2.cpu_offload``), or with ``--device cuda`` over NCCL, rank r on GPU
+r (its shards leave the host). It reports per rank the rise of its peak resident memory over the build
+and shard (``VmHWM``, reset through ``/proc/self/clear_refs`` first; it counts the checkpoint's pages a
+rank touches through safetensors' memory map too, and on CUDA the host memory of the CUDA context, alike
+in both cases), its shards' bytes and the bytes it read.
 
     python benchmarks/fsdp2_load_memory.py --layers 8 --experts 32 --ranks 4
+    python benchmarks/fsdp2_load_memory.py --device cuda --ranks 2 --layers 16 --experts 64 --hidden 1024
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.megatron_load_memory import _status, build  # noqa: E402
 
 
-def _rank(rank: int, path: str, how: str, ranks: int, address: str, out: str) -> None:
+def _rank(rank: int, path: str, how: str, ranks: int, address: str, out: str, device: str) -> None:
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -43,7 +45,8 @@ def _rank(rank: int, path: str, how: str, ranks: int, address: str, out: str) ->
         fsdp2.checkpoint_files = lambda _path: None
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before, start = _status("VmRSS"), time.perf_counter()
-    s = fsdp2.FSDP2Strategy(path, cfg=cfg, rank=rank, world_size=ranks)
+    where = f"cuda:{rank}" if device == "cuda" else "cpu"
+    s = fsdp2.FSDP2Strategy(path, cfg=cfg, rank=rank, world_size=ranks, device=where)
     s.init_distributed(address)
     seconds = time.perf_counter() - start
     held = sum(
@@ -68,6 +71,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
@@ -77,14 +81,14 @@ def main() -> None:
         (Path(tmp) / "run.yaml").write_text(yaml.safe_dump(base))
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         print(f"{platform.processor() or platform.machine()}, {platform.python_version()}; checkpoint "
-              f"{size / 2**30:.2f} GiB bf16 ({args.layers} layers, {args.experts} experts); {args.ranks} FSDP2 ranks")  # fmt: skip
+              f"{size / 2**30:.2f} GiB bf16 ({args.layers} layers, {args.experts} experts); {args.ranks} FSDP2 ranks on {args.device}")  # fmt: skip
         for how in ("whole", "share"):
             with socket.socket() as so:
                 so.bind(("127.0.0.1", 0))
                 address = f"127.0.0.1:{so.getsockname()[1]}"
             mp.start_processes(
                 _rank,
-                args=(str(model), how, args.ranks, address, tmp),
+                args=(str(model), how, args.ranks, address, tmp, args.device),
                 nprocs=args.ranks,
                 start_method="spawn",
             )
