@@ -193,7 +193,10 @@ def fill(
             param = getattr(t.module, t.attr)
             local = _local(param)
             start, length = local_rows(param)
-            assert length == local.shape[0], (t.name, length, local.shape)
+            if length != local.shape[0]:
+                raise RuntimeError(
+                    f"{t.name}: the shard holds {local.shape[0]} rows, its placement says {length}"
+                )
             write_rows(reader, t.source, start, local)
 
 
