@@ -8,10 +8,11 @@ token ``t``; column 0 is 0. The pure functions that read them off the logits are
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,9 +66,12 @@ def load_causal_lm(
     path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"
 ) -> PreTrainedModel:
     """A Hugging Face causal LM from a local directory or hub id, in ``dtype`` on ``device``; a
-    vision-language model (``reroll.models.vision``) as ``AutoModelForImageTextToText``."""
+    vision-language model (``reroll.models.vision``) as ``AutoModelForImageTextToText``. On ``"meta"``,
+    its structure alone, nothing read (``empty_model``)."""
     try:
         auto = AutoModelForImageTextToText if _is_vision_language(path) else AutoModelForCausalLM
+        if torch.device(device).type == "meta":
+            return empty_model(auto, AutoConfig.from_pretrained(str(path)), dtype)
         model = auto.from_pretrained(str(path), dtype=DTYPES[dtype])
     except OSError as e:
         raise UserError(f"cannot load a model from model.path {str(path)!r}: {e}") from e
@@ -130,13 +134,16 @@ def _with_zero_head(
     device: str | torch.device,
 ) -> PreTrainedModel:
     """``auto_cls`` from ``path`` with its config changed by ``configure``; parameters the checkpoint
-    lacks (a new scoring head) start at zero. A load failure is a ``UserError`` naming ``what``."""
+    lacks (a new scoring head) start at zero. A load failure is a ``UserError`` naming ``what``. On
+    ``"meta"``, its structure alone (``empty_model``)."""
     report = logging.getLogger("transformers.modeling_utils")  # its load report: the new head is expected
     level = report.level
     try:
         report.setLevel(logging.ERROR)
         config = AutoConfig.from_pretrained(str(path))
         configure(config)
+        if torch.device(device).type == "meta":
+            return empty_model(auto_cls, config, dtype)
         model, info = auto_cls.from_pretrained(
             str(path), config=config, dtype=DTYPES[dtype], output_loading_info=True
         )
@@ -151,6 +158,32 @@ def _with_zero_head(
         if name in missing:
             torch.nn.init.zeros_(param)
     return model.to(device)
+
+
+def empty_model(auto_cls: Any, config: Any, dtype: str) -> PreTrainedModel:
+    """``auto_cls.from_config(config)`` in ``dtype`` with its parameters on the meta device (no memory,
+    nothing initialised) and its buffers on the host, computed as ``from_pretrained`` computes them (a
+    rotary embedding's frequencies are in no checkpoint). What ``reroll.strategies.shard_fill`` fills."""
+    with _parameters_on_meta():
+        return auto_cls.from_config(config, dtype=DTYPES[dtype])
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside the block moves to the meta device as it is registered (before a
+    module's ``reset_parameters`` runs on it); buffers are left where they are made."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def use_kernels(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> None:
@@ -202,11 +235,15 @@ def _norm_eps(module: torch.nn.Module) -> float | None:
 
 def _computes_rms_norm(module: torch.nn.Module, eps: float) -> bool:
     """Whether ``module``'s class computes ``rms_norm(x, weight, eps)``: compared on a CPU copy in fp32
-    with a random weight and input (so a weight of ones cannot hide a ``1 + weight``)."""
-    probe = copy.deepcopy(module).to("cpu", torch.float32)
+    with random parameters and input (so a weight of ones cannot hide a ``1 + weight``; a module on the
+    meta device, built before its weights are read, is probed the same)."""
+    probe = copy.deepcopy(module).to_empty(device="cpu").to(torch.float32)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         probe.weight.copy_(torch.rand(probe.weight.shape, generator=gen) + 0.5)
+        for name, p in probe.named_parameters():
+            if name != "weight":  # a bias, if any: random too, not what to_empty left
+                p.copy_(torch.rand(p.shape, generator=gen))
         x = torch.randn(2, 3, probe.weight.shape[0], generator=gen)
         try:
             ours = type(module).forward(probe, x)

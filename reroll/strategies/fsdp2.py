@@ -6,6 +6,12 @@ Losses arrive normalised by the whole step's token/sequence counts (all micro-ba
 gradients are *summed* over ranks: the divide factor FSDP2 would apply (the world size) is set to 1.
 One rank still builds a process group (in-process), so the same code runs at every world size.
 
+The model is built on the meta device, changed as a loaded one would be (kernels, checkpointing, LoRA),
+sharded, and then each rank reads its own rows of every weight from the checkpoint's safetensors files
+(``reroll.strategies.shard_fill``): a rank's host holds its shards (on a GPU, one tensor's at a time),
+not the whole model. A checkpoint without safetensors files, or one whose tensors the plan cannot place,
+is loaded whole on every rank's host as before (a log line says so).
+
 With ``strategy.lora`` the policy is wrapped with peft before sharding and only the adapters train;
 ``full_state_dict`` then gives the base weights with the adapters merged in (Hugging Face names), and
 ``adapter_update`` the adapters alone. A checkpoint holds ``state/`` (every rank's shards of the
@@ -25,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from reroll.config.vision import CONTEXT_PARALLEL_REFUSED
 from reroll.data.types import ImageInputs
 from reroll.errors import UserError
+from reroll.models.checkpoint_reader import CheckpointReader, checkpoint_files
 from reroll.models.loading import (
     DTYPES,
     load_causal_lm,
@@ -59,6 +67,7 @@ from reroll.strategies.lora import (
     merged_state_dict,
     save_adapter,
 )
+from reroll.strategies.shard_fill import Target, adapters_on_host, fill, meta_parameters, plan
 from reroll.strategies.sharded_state import load_state, save_state
 from reroll.strategies.training import (
     adamw_with_warmup,
@@ -108,16 +117,22 @@ class FSDP2Strategy:
         self.lora = cfg.strategy.lora if head in ("causal_lm", "reward") else None
         self.full = full_modules(head)  # trained in full beside the adapters
         self._load = _LOADERS[head]
-        model = self._load(model_path, cfg.model.dtype, "cpu")  # fully_shard moves each shard to the device
+        model, self._unfilled = _start_model(
+            self._load, model_path, cfg.model.dtype, zero_missing=head != "causal_lm"
+        )
+        self.checkpoint_bytes_read: int | None = None  # where this rank read its shards: how many bytes
         use_kernels(model, cfg, self.device)
         set_trainable(model, cfg, trainable)
         if getattr(model.config, "use_cache", None) is not None:
             model.config.use_cache = False
         start_checkpointing(model, cfg.model.gradient_checkpointing, trainable)  # before fully_shard
         self.hf_model = model  # the Hugging Face model inside any peft wrapper
-        self.model: torch.nn.Module = (
-            apply_lora(model, self.lora, trainable=trainable, full=self.full) if self.lora else model
-        )
+        with adapters_on_host() if self._unfilled else contextlib.nullcontext():  # their values stay
+            self.model: torch.nn.Module = (
+                apply_lora(model, self.lora, trainable=trainable, full=self.full) if self.lora else model
+            )
+        if self._unfilled is not None:
+            self._unfilled.check(self.model)
         self.optimizer: torch.optim.Optimizer | None = None
         self._parked = HostParking()  # the state's host memory while a colocated role has the GPU
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -148,6 +163,16 @@ class FSDP2Strategy:
         if self.cp_size > 1:
             self._join_context_parallel()
         self._shard()
+        if self._unfilled is not None:  # built on the meta device: each rank reads its shards
+            with self._unfilled.reader as reader:
+                fill(self.model, self._unfilled.targets, reader, self._home())
+                self.checkpoint_bytes_read = reader.read_bytes
+            self._unfilled = None
+            log.info(
+                "rank %d: read %.3f GB of the checkpoint, its shards",
+                self.rank,
+                self.checkpoint_bytes_read / 1e9,
+            )
 
     def _join_context_parallel(self) -> None:
         """Form the context-parallel groups (every rank creates each, in the same order) and switch the
@@ -274,8 +299,11 @@ class FSDP2Strategy:
         self._parked.offload(self.model, self.optimizer)
 
     def reload(self) -> None:
-        device = torch.device("cpu") if self.settings.cpu_offload else self.device
-        self._parked.reload(self.model, self.optimizer, device)
+        self._parked.reload(self.model, self.optimizer, self._home())
+
+    def _home(self) -> torch.device:
+        """Where the parameter shards live between steps: the host with ``cpu_offload``, else the device."""
+        return torch.device("cpu") if self.settings.cpu_offload else self.device
 
     def prepare_offload(self, worth_it: Callable[[int], bool]) -> None:
         """The unsharded tensors' buffers (a sharded one's host DTensor is made at its first offload)."""
@@ -344,6 +372,51 @@ class FSDP2Strategy:
         if self.lora is None:
             return None
         return lambda name: is_adapter_key(name) or is_full_key(name, self.full)
+
+
+@dataclass
+class _Unfilled:
+    """A model built on the meta device: where each parameter comes from (``shard_fill.plan``) and the
+    checkpoint to read it from, once the model is sharded."""
+
+    targets: list[Target]
+    reader: CheckpointReader
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Every meta parameter of ``model`` (``hf_model`` in any peft wrapper) is planned: an adapter left
+        on the meta device would be filled with nothing."""
+        planned = {id(getattr(t.module, t.attr)) for t in self.targets}
+        unplanned = [n for n, p in meta_parameters(model).items() if id(p) not in planned]
+        if unplanned:
+            raise RuntimeError(
+                f"parameters on the meta device that no checkpoint tensor fills: {unplanned[:5]}"
+            )
+
+
+def _start_model(
+    load: Callable[..., Any], path: str, dtype: str, *, zero_missing: bool
+) -> tuple[Any, _Unfilled | None]:
+    """The model to shard: built on the meta device, to be filled shard by shard (``shard_fill``), where
+    the checkpoint is safetensors files that ``plan`` places whole; else loaded whole on the host, on
+    every rank (``fully_shard`` then moves each rank's shard to the device)."""
+    files = checkpoint_files(path)
+    if files is None:
+        log.info("%s has no safetensors files: each rank loads the whole model on the host", path)
+        return load(path, dtype, "cpu"), None
+    model = load(path, dtype, "meta")
+    reader = CheckpointReader(files, DTYPES[dtype])  # each tensor cast once, as from_pretrained casts it
+    targets, unplaced = plan(model, reader, zero_missing=zero_missing)
+    if unplaced:
+        reader.close()
+        log.info(
+            "%s: %d weights cannot be read by shards (%s): each rank loads the whole model on the host",
+            path, len(unplaced), "; ".join(unplaced[:3]),
+        )  # fmt: skip
+        return load(path, dtype, "cpu"), None
+    zeros = [t.name for t in targets if not t.source.rows]
+    if zeros:  # as the loader says it
+        log.info("%s: %s start at zero", path, ", ".join(zeros))
+    return model, _Unfilled(targets, reader)
 
 
 def _gather(state: dict[str, torch.Tensor], *, keep: bool, copy: bool = True) -> dict[str, torch.Tensor]:

@@ -25,7 +25,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # modules that are an optional backend themselves, loaded only by name when a config asks for it
-BACKEND_MODULES = {"reroll/strategies/deepspeed.py": "deepspeed"}
+# modules that only their backend's code imports (inside its functions), so they may import it when loaded
+BACKEND_MODULES = {
+    "reroll/strategies/deepspeed.py": "deepspeed",
+    "reroll/strategies/megatron_context.py": "megatron",
+}
 IMPORT_TO_PACKAGE = {"yaml": "pyyaml", "pydantic_core": "pydantic"}  # where the names differ
 _spec = importlib.util.spec_from_file_location("torch_source", ROOT / ".ci" / "torch_source.py")
 torch_source = importlib.util.module_from_spec(_spec)

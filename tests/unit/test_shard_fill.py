@@ -1,0 +1,91 @@
+"""``reroll.strategies.shard_fill`` in one process: where each parameter of a meta-device model comes from,
+and a shard's rows as ``from_pretrained`` holds them. Two ranks over gloo, through ``FSDP2Strategy``:
+``tests/integration/test_fsdp2_load.py``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from reroll.config.model import TinyMoEConfig
+from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+from reroll.models.checkpoint_reader import CheckpointReader, checkpoint_files
+from reroll.models.loading import load_causal_lm, load_value_model
+from reroll.models.tiny import build_tiny_model
+from reroll.strategies.fsdp2 import _LOADERS, _start_model
+from reroll.strategies.shard_fill import plan, write_rows
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe")
+    shape = dict(alphabet=ARITHMETIC_ALPHABET, hidden_size=32, num_layers=1, num_heads=1)
+    return build_tiny_model(path, **shape, moe=TinyMoEConfig(experts=3, top_k=2), for_cpu_engine=False)
+
+
+def test_fused_experts_come_from_the_per_expert_tensors_and_rows_equal_from_pretrained(moe):
+    model, whole = load_causal_lm(moe, "float32", "meta"), load_causal_lm(moe)
+    with CheckpointReader(checkpoint_files(moe), torch.float32) as reader:
+        targets, unplaced = plan(model, reader, zero_missing=False)
+        assert unplaced == []
+        by_name = {t.name: t for t in targets}
+        assert "lm_head.weight" not in by_name  # tied: the embedding's tensor, filled once
+        gate_up = by_name["model.layers.0.mlp.experts.gate_up_proj"].source
+        assert gate_up.whole_rows and gate_up.rows[2] == (
+            "model.layers.0.mlp.experts.2.gate_proj.weight",
+            "model.layers.0.mlp.experts.2.up_proj.weight",
+        )
+        for t in targets:  # rows 1 and on, as a second rank of two holds them (ceil(3 / 2) = 2: one row)
+            want = whole.get_parameter(t.name)[1:]
+            local = torch.full_like(want, float("nan"))
+            before = reader.read_bytes
+            write_rows(reader, t.source, 1, local)
+            assert torch.equal(local, want), t.name
+            assert reader.read_bytes - before == want.numel() * 4, t.name  # its rows alone (float32 files)
+
+
+def test_a_critic_head_the_checkpoint_lacks_starts_at_zero(moe):
+    model = load_value_model(moe, "float32", "meta")
+    with CheckpointReader(checkpoint_files(moe), torch.float32) as reader:
+        targets, unplaced = plan(model, reader, zero_missing=True)
+        assert unplaced == [] and "score.weight" in {t.name for t in targets}
+        (score,) = [t for t in targets if t.name == "score.weight"]
+        local = torch.ones(score.module.weight.shape)
+        write_rows(reader, score.source, 0, local)
+        assert not local.any()
+        assert "score.weight" in plan(model, reader, zero_missing=False)[1]  # a policy's: not placed
+
+
+def test_a_checkpoint_the_plan_cannot_place_is_loaded_whole_and_says_so(tmp_path, moe, caplog):
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    for f in moe.iterdir():
+        if f.suffix != ".safetensors":
+            (renamed / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(moe / "model.safetensors")
+    tensors["model.norm.scale"] = tensors.pop("model.norm.weight")  # a name the model does not have
+    save_file(tensors, renamed / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="reroll.strategies.fsdp2"):
+        model, unfilled = _start_model(_LOADERS["causal_lm"], str(renamed), "float32", zero_missing=False)
+    assert unfilled is None and not model.model.norm.weight.is_meta
+    assert "model.norm.weight" in caplog.text and "loads the whole model on the host" in caplog.text
+
+    (renamed / "model.safetensors").unlink()
+    torch.save(load_file(moe / "model.safetensors"), renamed / "pytorch_model.bin")  # a .bin checkpoint
+    with caplog.at_level(logging.INFO, logger="reroll.strategies.fsdp2"):
+        model, unfilled = _start_model(_LOADERS["causal_lm"], str(renamed), "float32", zero_missing=False)
+    assert unfilled is None and "has no safetensors files" in caplog.text
+    assert torch.equal(model.lm_head.weight, load_causal_lm(moe).lm_head.weight)
+
+
+def test_a_model_whose_names_transformers_converts_on_load_is_loaded_whole(tmp_path, caplog):
+    from reroll.models.tiny_vision import build_tiny_vl_model
+
+    path = build_tiny_vl_model(tmp_path, alphabet=ARITHMETIC_ALPHABET)  # its files keep the older names
+    with caplog.at_level(logging.INFO, logger="reroll.strategies.fsdp2"):
+        model, unfilled = _start_model(_LOADERS["causal_lm"], str(path), "float32", zero_missing=False)
+    assert unfilled is None and not any(p.is_meta for p in model.parameters())
+    assert "transformers converts" in caplog.text and "loads the whole model on the host" in caplog.text
