@@ -88,20 +88,31 @@ def reroll_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     )
 
 
-def reroll_here(*args: str) -> subprocess.CompletedProcess:
+def reroll_here(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """``reroll ARGS`` through the command's ``main`` in this process, as ``reroll_cli`` reports it:
     the exit code and what the command wrote to stdout and stderr (its messages, log lines and
     progress), as text. A run on Ray joins this process's cluster (``start_ray``: one per test session),
     its roles Ray actors as in a fresh process; an error ``main`` does not turn into an exit code
-    fails the test with its traceback."""
+    fails the test with its traceback, and so does a command still running after ``timeout`` seconds
+    (``reroll_cli``'s bound on a hang: a ``TimeoutError`` raised in it, so its roles shut down)."""
     import contextlib
     import io
+    import signal
 
     from reroll.cli import main
 
+    def hung(signum: int, frame: object) -> None:
+        raise TimeoutError(f"reroll {' '.join(map(str, args))} still running after {timeout} s")
+
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in args])
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in args])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
     return subprocess.CompletedProcess(["reroll", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 

@@ -265,7 +265,7 @@ def test_dpo_short_raises_accuracy_and_margin(tmp_path, assets, prefs):
         optim={"lr": 3e-4},
         dpo={"beta": 0.1, "sft_weight": 1.0},
     )
-    out = reroll_here("train", cfg)
+    out = reroll_here("train", cfg, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs" / "dpo")
     before, after = rows[0], rows[-1]
