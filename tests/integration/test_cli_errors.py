@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from reroll.cli import main
+from reroll.errors import UserError
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration
@@ -85,20 +86,20 @@ def test_existing_run_is_not_overwritten(tmp_path, assets, capsys):
     assert "--resume" in err and "nothing was overwritten" in err
 
 
-def test_cli_prints_no_traceback_and_debug_does(tmp_path, assets):
+def test_cli_prints_no_traceback_and_debug_does(tmp_path, assets, capsys):
+    """In this process (a fresh one's exit without a traceback is
+    test_bad_input_from_a_fresh_process_has_no_traceback's): ``main`` turns the error into one message and
+    exit code 2, and under ``--debug`` lets it through, which ``python -m reroll.cli`` (``sys.exit(main())``)
+    prints with its traceback."""
     cfg = write_config(tmp_path / "c.yaml", assets)
     data = yaml.safe_load(cfg.read_text())
     data["rollout"]["temprature"] = 1.0
     cfg.write_text(yaml.safe_dump(data))
-    plain = subprocess.run(
-        [sys.executable, "-m", "reroll.cli", "validate", str(cfg)], capture_output=True, text=True
-    )
-    assert plain.returncode == 2
-    assert "did you mean 'temperature'" in plain.stderr and "Traceback" not in plain.stderr
-    debug = subprocess.run(
-        [sys.executable, "-m", "reroll.cli", "--debug", "validate", str(cfg)], capture_output=True, text=True
-    )
-    assert "Traceback" in debug.stderr
+    code, err = _run(capsys, "validate", str(cfg))
+    assert code == 2
+    assert "did you mean 'temperature'" in err and "Traceback" not in err
+    with pytest.raises(UserError, match="did you mean 'temperature'"):
+        main(["--debug", "validate", str(cfg)])
 
 
 def test_diverged_run_stops_with_role_and_step(tmp_path, assets, capsys):

@@ -15,7 +15,7 @@ import pytest
 from reroll.cli import main
 from reroll.runtime import checkpoint
 from reroll.runtime.metrics import read_metrics
-from tests.conftest import ROOT, reroll_cli, write_config
+from tests.conftest import ROOT, reroll_cli, reroll_here, write_config
 
 pytestmark = pytest.mark.integration
 EXAMPLES = ROOT / "examples" / "distill"
@@ -65,7 +65,7 @@ def _distill(tmp_path, assets, teacher, **sections) -> Path:
 def test_on_policy_distillation_moves_the_student_to_the_teacher(tmp_path, assets, teacher):
     # the student from its random init: far from the teacher, so the fall of the KL is well above its noise
     cfg = _distill(tmp_path, assets, teacher, total_steps=20, distill={"on_policy_loss": "topk"})
-    out = reroll_cli("train", cfg)  # the real path: Ray actors for student, engine, teacher and reward
+    out = reroll_here("train", cfg)  # the real path: Ray actors for student, engine, teacher and reward
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs" / "d")
     kl = [r["distill/reverse_kl"] for r in rows[1:]]

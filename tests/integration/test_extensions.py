@@ -17,7 +17,7 @@ from reroll.pipelines.common import sft_batch
 from reroll.roles.trainer import TrainerGroup
 from reroll.runtime.actors import start_ray
 from reroll.runtime.metrics import read_metrics
-from tests.conftest import QUICKSTART, quickstart_overrides, reroll_cli, write_config
+from tests.conftest import QUICKSTART, quickstart_overrides, reroll_here, write_config
 from tests.integration.extensions import ECHO, Unlikelihood
 
 pytestmark = pytest.mark.integration
@@ -27,14 +27,14 @@ SMALL = ["sft.steps=20", "data.eval_limit=32", "rollout.batch_size=64", "optim.m
 
 
 def test_an_engine_of_ones_own_runs_the_quickstart(tmp_path):
-    run = reroll_cli("train", QUICKSTART, *quickstart_overrides(tmp_path, total_steps=2), *SMALL, PLAIN)
+    run = reroll_here("train", QUICKSTART, *quickstart_overrides(tmp_path, total_steps=2), *SMALL, PLAIN)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "done: quickstart" in run.stdout
     rows = read_metrics(tmp_path / "quickstart")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["rollout/response_length"] > 0 for r in rows[1:])  # the engine generated
     # its spec says it does not stream: over-sampling, which interrupts a stream, is refused up front
-    refused = reroll_cli(
+    refused = reroll_here(
         "validate",
         QUICKSTART,
         *quickstart_overrides(tmp_path / "v", total_steps=2),
@@ -78,7 +78,7 @@ def test_a_pipeline_of_ones_own_that_never_syncs_trains_on_policy(tmp_path, asse
         logging={"tensorboard": False},
         eval={"every": 0},
     )
-    run = reroll_cli("train", path)
+    run = reroll_here("train", path)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [r for r in read_metrics(tmp_path / "runs" / "t") if r["step"] > 0]
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from reroll.pipelines.generate import pass_at_k
-from tests.conftest import reroll_cli, write_config
+from tests.conftest import reroll_cli, reroll_here, write_config
 from tests.integration.generate_rewards import odd_first_digit
 
 pytestmark = pytest.mark.integration
@@ -79,7 +79,7 @@ def test_generate_from_a_run_checkpoint_scores_and_resumes(tmp_path, assets):
     # a rerun skips what the file holds; the prompts it lost are generated again, the rest kept as they were
     lines = out.read_text().splitlines()
     out.write_text("\n".join(lines[:2]) + "\n")
-    again = reroll_cli(*args, "runtime.backend=local")
+    again = reroll_here(*args, "runtime.backend=local")
     assert again.returncode == 0, again.stderr
     redone = out.read_text().splitlines()
     assert redone[:2] == lines[:2] and len(redone) == 6
@@ -87,7 +87,7 @@ def test_generate_from_a_run_checkpoint_scores_and_resumes(tmp_path, assets):
     assert "4 new, 2 already in the file" in again.stdout
 
     # one response per prompt: no group, which GRPO would need to train, and none needed to sample
-    single = reroll_cli(
+    single = reroll_here(
         *args[:5], tmp_path / "one.jsonl", *args[6:], "runtime.backend=local", "rollout.group_size=1"
     )
     assert single.returncode == 0, single.stderr
@@ -97,7 +97,7 @@ def test_generate_from_a_run_checkpoint_scores_and_resumes(tmp_path, assets):
     assert "6 prompts x 1 responses" in single.stdout and "pass@1" in single.stdout
 
     # a file written with another n is refused, not mixed
-    other = reroll_cli(*args, "runtime.backend=local", "rollout.group_size=2", "rollout.batch_size=16")
+    other = reroll_here(*args, "runtime.backend=local", "rollout.group_size=2", "rollout.batch_size=16")
     assert other.returncode == 2
     assert (
         "holds 4 responses" in other.stderr

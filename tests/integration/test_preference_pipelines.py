@@ -18,7 +18,7 @@ import yaml
 from reroll.data.preferences import write_arithmetic_preferences
 from reroll.runtime.metrics import read_metrics
 from reroll.strategies import strategy_available
-from tests.conftest import ROOT, reroll_cli, step_metrics
+from tests.conftest import ROOT, reroll_cli, reroll_here, step_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +81,7 @@ def test_reward_model_learns_and_loads_as_a_sequence_classifier(tmp_path, assets
         tmp_path, assets, prefs, "reward_model", total_steps=40, eval={"every": 20},
         preference={"train_files": [str(few)], "eval_files": [str(few)]},
     )  # fmt: skip
-    out = reroll_cli("train", cfg, "runtime.backend=local")
+    out = reroll_here("train", cfg, "runtime.backend=local")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs" / "reward_model")
     assert rows[0]["eval/accuracy"] == 0.0  # the new head starts at zero: every pair a tie
@@ -142,7 +142,7 @@ def test_reward_model_with_lora_trains_adapters_and_the_head(tmp_path, assets, p
         strategy={"name": strategy, "lora": lora}, optim={"lr": 3e-3, "micro_batch_size": 16},
         preference={"train_files": [str(few)], "eval_files": [str(few)]},
     )  # fmt: skip
-    out = reroll_cli("train", cfg, "runtime.backend=local")
+    out = reroll_here("train", cfg, "runtime.backend=local")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs" / "reward_model")
     losses = [r["rm/loss"] for r in rows if "rm/loss" in r]
@@ -178,7 +178,7 @@ def test_reward_model_strategies_take_the_torch_step(tmp_path, assets, prefs, st
     cfg = pref_config(tmp_path, assets, prefs, "reward_model", total_steps=2)
     for name in ("torch", strategy):
         how = ["strategy.name=torch", "optim.packing=true"] if name == "packed" else [f"strategy.name={name}"]
-        out = reroll_cli("train", cfg, f"name={name}", *how, "runtime.backend=local")
+        out = reroll_here("train", cfg, f"name={name}", *how, "runtime.backend=local")
         assert out.returncode == 0, out.stderr[-3000:]
     for step in (1, 2):
         want, got = (step_metrics(tmp_path / "runs" / n, step) for n in ("torch", strategy))
@@ -192,12 +192,12 @@ def test_bad_pair_fails_validate_naming_file_and_row(tmp_path, assets, prefs):
     rows[1]["rejected"] = rows[1]["chosen"]
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = pref_config(tmp_path, assets, prefs, "dpo", preference={"train_files": [str(bad)]})
-    out = reroll_cli("validate", cfg)
+    out = reroll_here("validate", cfg)
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"{bad}: row 2: 'chosen' and 'rejected' are the same" in out.stderr
     assert "preference.train_files[0]" in out.stderr and "Traceback" not in out.stderr
     packed = ["pipeline=reward_model", "data=null", "optim.packing=true", "strategy.name=fsdp2"]
-    out = reroll_cli("validate", cfg, *packed)  # a reward model packs on the torch strategy only
+    out = reroll_here("validate", cfg, *packed)  # a reward model packs on the torch strategy only
     assert out.returncode == 2 and "optim.packing" in out.stderr and "strategy.name=torch" in out.stderr
 
 
@@ -219,7 +219,7 @@ def test_resumed_preference_run_repeats_the_straight_one(tmp_path, assets, prefs
         sections |= {"sft": {"steps": 5, "batch_size": 16, "lr": 1e-3}, "data": {"eval_limit": 8}}
     cfg = pref_config(tmp_path, assets, prefs, pipeline, **sections)
     for args in (["name=straight"], ["name=stopped", "total_steps=2"], ["name=stopped", "--resume"]):
-        out = reroll_cli("train", cfg, *args, "runtime.backend=local")
+        out = reroll_here("train", cfg, *args, "runtime.backend=local")
         assert out.returncode == 0, out.stderr[-3000:]
     straight, resumed = (step_metrics(tmp_path / "runs" / n, 3) for n in ("straight", "stopped"))
     assert straight.keys() == resumed.keys()
@@ -239,7 +239,7 @@ def test_dpo_starts_at_the_reference_and_moves_the_margin(tmp_path, assets, pref
     if variant == "packed":
         extra["optim"] = {"lr": 3e-3, "packing": True}
     cfg = pref_config(tmp_path, assets, prefs, "dpo", data={"eval_limit": 8}, **extra)
-    out = reroll_cli("train", cfg, "runtime.backend=local")
+    out = reroll_here("train", cfg, "runtime.backend=local")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["step"]: r for r in read_metrics(tmp_path / "runs" / "dpo")}
     assert rows[1]["dpo/loss"] == pytest.approx(0.693147, abs=1e-5)  # -log sigmoid(0)
@@ -265,7 +265,7 @@ def test_dpo_short_raises_accuracy_and_margin(tmp_path, assets, prefs):
         optim={"lr": 3e-4},
         dpo={"beta": 0.1, "sft_weight": 1.0},
     )
-    out = reroll_cli("train", cfg, timeout=900)
+    out = reroll_here("train", cfg, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs" / "dpo")
     before, after = rows[0], rows[-1]

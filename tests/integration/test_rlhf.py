@@ -17,7 +17,7 @@ import yaml
 from reroll.cli import main
 from reroll.runtime import checkpoint
 from reroll.runtime.metrics import read_metrics
-from tests.conftest import ROOT, reroll_cli, write_config
+from tests.conftest import ROOT, reroll_cli, reroll_here, write_config
 
 pytestmark = pytest.mark.integration
 THREADS = [
@@ -70,7 +70,7 @@ def test_grpo_on_the_reward_model_raises_its_score(tmp_path, assets, reward_mode
     cfg = _rlhf(
         tmp_path, assets, reward_model, algorithm={"preset": "grpo", "kl_coef": 0.0, "length_penalty": 0.01}
     )
-    out = reroll_cli("train", cfg, *THREADS)  # the real path: the reward model is a Ray actor of its own
+    out = reroll_here("train", cfg, *THREADS)  # the real path: the reward model is a Ray actor of its own
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs" / "rlhf")[1:]
     score = [r["rollout/reward_model_score"] for r in rows]

@@ -17,7 +17,7 @@ import yaml
 from reroll.config.schema import RunConfig
 from reroll.data.types import SamplingParams
 from reroll.runtime.metrics import read_metrics
-from tests.conftest import QUICKSTART, quickstart_overrides, reroll_cli
+from tests.conftest import QUICKSTART, quickstart_overrides, reroll_cli, reroll_here
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.integration
@@ -229,7 +229,7 @@ def quickstart_run(tmp_path_factory) -> tuple[Path, list[str]]:
     tmp = tmp_path_factory.mktemp("quickstart")
     overrides = [*quickstart_overrides(tmp, total_steps=1), "sft.steps=0", "rollout.batch_size=16", "optim.micro_batch_size=16", "data.eval_limit=8",
                  "runtime.backend=local"]  # fmt: skip
-    result = reroll_cli("train", QUICKSTART, *overrides)
+    result = reroll_here("train", QUICKSTART, *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp, overrides
 
@@ -245,7 +245,7 @@ def test_the_served_quickstart_checkpoint_answers_as_reroll_generate(quickstart_
     tmp, overrides = quickstart_run
     run, out = tmp / "quickstart", tmp / "greedy.jsonl"
     greedy = ["rollout.temperature=0"]
-    made = reroll_cli(
+    made = reroll_here(
         "generate", QUICKSTART, *overrides, *greedy, "--checkpoint", run, "--limit", "8", "--out", out
     )
     assert made.returncode == 0, made.stderr[-3000:]
@@ -310,7 +310,7 @@ def test_agentic_training_through_the_agent_proxy(tmp_path, game_model):
     path = tmp_path / "proxy.yaml"
     path.write_text(yaml.safe_dump(cfg))
     start = time.monotonic()
-    result = reroll_cli("train", path)
+    result = reroll_here("train", path)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["step"]: r for r in read_metrics(tmp_path / "runs" / "proxy")}
     assert sorted(rows) == [0, 1, 2]

@@ -4,8 +4,6 @@ its stated hardware, or both refuse it with the same reasons (reroll.config.star
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from reroll.pipelines import preflight
 from reroll.pipelines.preflight import check_inputs
 from reroll.pipelines.preflight_machine import Machine
 from reroll.plan import plan
+from tests.conftest import reroll_here
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "examples").rglob("*.yaml"))
@@ -155,25 +154,17 @@ def test_start_refuses_what_validate_refuses(tmp_path):
 
 def test_plan_refuses_an_impossible_config_with_the_fix():
     path = ROOT / "examples" / "qwen2.5-7b-rlvr_fsdp2" / "config.yaml"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "reroll.cli",
-            "plan",
-            str(path),
-            "--gpus",
-            "1",
-            "--gpu-memory",
-            "24",
-            "placement.devices=1",
-            "roles.actor_train.world_size=1",
-            "roles.actor_infer.world_size=1",
-            "roles.reference.world_size=1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    out = reroll_here(
+        "plan",
+        path,
+        "--gpus",
+        "1",
+        "--gpu-memory",
+        "24",
+        "placement.devices=1",
+        "roles.actor_train.world_size=1",
+        "roles.actor_infer.world_size=1",
+        "roles.reference.world_size=1",
     )
     assert out.returncode == 2
     assert "the plan does not fit" in out.stderr and "<- does not fit" in out.stderr
