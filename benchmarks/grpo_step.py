@@ -27,8 +27,9 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   trainer phase fits beside its share, the row ``ray-sleep`` makes it sleep at every
   trainer phase, as ``auto`` did before 2026-12-05; the row ``ray-ownnorm`` runs the model's own
   RMSNorm code in the trainers, ``model.fused_norm: false``, as before 2026-12-05; the row
-  ``ray-logitshead`` keeps the response positions' logits for backward, ``model.fused_head: false``, as
-  before 2026-12-07 (the default computes log-probs from the hidden states a chunk at a time); the row
+  ``ray-fusedhead`` computes the log-probs from the hidden states a chunk at a time, ``model.fused_head:
+  true`` (the default keeps the response positions' logits for backward: faster on an H100, more memory);
+  the row
   ``ray-padded`` computes the trainers' micro-batches as padded rows, ``optim.packing: false``, as
   before 2026-12-06; by default they pack each micro-batch's rows on torch's variable-length
   flash-attention kernel; the row ``ray-fwdsized`` leaves ``optim.logprob_micro_batch_size`` unset, so
@@ -262,7 +263,7 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
             "compile": args.compile or mode == "ray-compile",
             "cudnn_attention": mode == "ray-cudnn",
             "fused_norm": mode != "ray-ownnorm",
-            "fused_head": mode != "ray-logitshead",
+            "fused_head": mode == "ray-fusedhead",
         },
         "data": {"train_files": [str(rows)], "prompt_template": "{question}", "eval_limit": 1},
         "rollout": {
@@ -715,7 +716,7 @@ def parser() -> argparse.ArgumentParser:
         "--rows",
         default="ray,local",
         help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), "
-        "ray-resident, ray-offload, ray-sleep, ray-ownnorm, ray-logitshead, ray-padded, ray-fwdsized, ray-tail, "
+        "ray-resident, ray-offload, ray-sleep, ray-ownnorm, ray-fusedhead, ray-padded, ray-fwdsized, ray-tail, "
         "local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")

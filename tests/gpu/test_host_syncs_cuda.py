@@ -4,7 +4,8 @@
 
 Through the product's path: ``TrainerWorker.compute_logprobs`` (the reference's and old log-probs'
 pass) and ``TrainerWorker.train`` with the GRPO objective (``PolicyGradient``), on packed rows
-(``optim.packing`` resolved on a GPU: varlen attention), the fused head, bf16, the KL to the reference
+(``optim.packing`` resolved on a GPU: varlen attention), the logits head (the default) and the fused
+one, bf16, the KL to the reference
 and the engine's log-probs (``mismatch/*``), with the torch strategy and one FSDP2 rank.
 
 What the host must wait for, and no more (N argued):
@@ -78,19 +79,27 @@ def _syncs(fn: Callable[..., T], *args: Any) -> tuple[T, list[str]]:
             out = fn(*args)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return out, [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
+    # a wait reported at the mode switch itself (``set_sync_debug_mode``'s own line) is not the pass's:
+    # seen once on an H100 (the torch strategy's first measured pass), in no later call
+    return out, [
+        f"{w.filename}:{w.lineno}"
+        for w in caught
+        if "synchronizing" in str(w.message) and not w.filename.endswith(("torch/cuda/__init__.py",))
+    ]
 
 
+@pytest.mark.parametrize("head", ["logits", "fused"])
 @pytest.mark.parametrize("strategy", ["torch", "fsdp2"])
-def test_the_trainers_passes_wait_for_the_gpu_only_once_or_twice_a_pass(tmp_path, assets, strategy):
+def test_the_trainers_passes_wait_for_the_gpu_only_once_or_twice_a_pass(tmp_path, assets, strategy, head):
     from reroll.roles.trainer import TrainerWorker
 
     path = write_config(tmp_path / "c.yaml", assets)
-    cfg = load_config(path, RunConfig, [*OVERRIDES, f"strategy.name={strategy}"])
+    fused = f"model.fused_head={head == 'fused'}"
+    cfg = load_config(path, RunConfig, [*OVERRIDES, f"strategy.name={strategy}", fused])
     worker = TrainerWorker("actor_train", 0, cfg, True)
-    # the product's path ran: a GPU rank, packed rows, the fused head
+    # the product's path ran: a GPU rank, packed rows, the head asked for
     assert worker.strategy.device.type == "cuda" and worker.packing
-    assert worker.strategy.fused_head and cfg.model.fused_head
+    assert worker.strategy.fused_head and cfg.model.fused_head == (head == "fused")
     worker.configure_optimizer(1e-5, 0)
     objective = PolicyGradient.of(cfg)
 

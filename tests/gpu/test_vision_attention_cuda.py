@@ -40,7 +40,7 @@ def _loop(q, k, v, cu):
 
 
 def _run(fn, inputs, grad, dtype):
-    leaves = [x.to(dtype).requires_grad_() for x in inputs]
+    leaves = [x.detach().clone().to(dtype).requires_grad_() for x in inputs]  # new leaves every call
     out = fn(*leaves)
     out.backward(grad.to(dtype))
     return [t.float() for t in (out.detach(), *(x.grad for x in leaves))]

@@ -92,14 +92,15 @@ def test_settings_refused_up_front():
     assert setting_problems(parser().parse_args(["--lengths", "long-tail"]), ["0.5b", "7b"]) == []
 
 
-def test_each_switch_row_turns_off_only_its_own_setting(tmp_path):
-    """The rows that measure a default against what it replaced, in the same call: ``ray-logitshead``
-    (``model.fused_head: false``), ``ray-ownnorm`` (``model.fused_norm: false``); ``ray`` keeps both."""
+def test_each_switch_row_changes_only_its_own_setting(tmp_path):
+    """The rows that measure a setting against the default in the same call: ``ray-fusedhead``
+    (``model.fused_head: true``), ``ray-ownnorm`` (``model.fused_norm: false``); ``ray`` keeps the
+    defaults (the logits head, fused norms)."""
     args, setting, model = setting_for(tmp_path, "0.5b")
     rows = {
         m: reroll_config(tmp_path, model, args, m, setting)["model"]
-        for m in ("ray", "ray-logitshead", "ray-ownnorm")
+        for m in ("ray", "ray-fusedhead", "ray-ownnorm")
     }
-    assert (rows["ray"]["fused_head"], rows["ray"]["fused_norm"]) == (True, True)
-    assert (rows["ray-logitshead"]["fused_head"], rows["ray-logitshead"]["fused_norm"]) == (False, True)
-    assert (rows["ray-ownnorm"]["fused_head"], rows["ray-ownnorm"]["fused_norm"]) == (True, False)
+    assert (rows["ray"]["fused_head"], rows["ray"]["fused_norm"]) == (False, True)
+    assert (rows["ray-fusedhead"]["fused_head"], rows["ray-fusedhead"]["fused_norm"]) == (True, True)
+    assert (rows["ray-ownnorm"]["fused_head"], rows["ray-ownnorm"]["fused_norm"]) == (False, False)
