@@ -1,5 +1,5 @@
 """The fused head under FSDP2: two ranks over gloo, each computing the response tokens' log-probs and
-entropy inside its sharded lm_head's call (``fused_head_at``, the default), take the steps one FSDP2
+entropy inside its sharded lm_head's call (``fused_head_at``, ``model.fused_head: true``), take the steps one FSDP2
 rank takes on the logits path (``fused_head`` off: ``head_at``'s ``(1, K, V)`` logits).
 
 The root unit (embeddings, final norm, the tied head) is resharded after forward
@@ -30,12 +30,18 @@ from tests.integration import test_fsdp2 as fsdp2_test
 from tests.same_step import EPS, RTOL, assert_same_steps, sgd_eps
 
 # long (35 s on 2 cores): in CI the fused head's values and gradients equal the logits path's
-# (tests/unit/test_linear_logprobs.py), and FSDP2's two ranks, both on the fused head, take one rank's
-# steps (tests/integration/test_fsdp2.py), which fails if the fused backward read a resharded weight
+# (tests/unit/test_linear_logprobs.py) and the torch strategy's packed step takes it
+# (tests/integration/test_packed_training.py); the fused head is off by default since 2026-12-07, so
+# this is the one test of it under FSDP2's resharding
 pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 ETA = 0.1  # SGD's learning rate (gradients clipped to norm 1)
-FSDP2 = ["strategy.name=fsdp2", "optim.micro_batch_size=4", "algorithm.entropy_coef=0.01"]
+FSDP2 = [
+    "strategy.name=fsdp2",
+    "optim.micro_batch_size=4",
+    "algorithm.entropy_coef=0.01",
+    "model.fused_head=true",  # the pair; the single rank takes the logits path (FSDP2Strategy.fused_head off)
+]
 
 
 batch = fsdp2_test.batch  # test_fsdp2's fixture: its rows, with seeded advantages
