@@ -30,6 +30,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -114,19 +115,26 @@ def _rank(rank: int, world_size: int, port: int, model: Path, way: str, out: Pat
     torch.distributed.barrier()
 
 
-def measure(model: Path, world_size: int, way: str, root: Path) -> tuple[float, float, float]:
-    """(seconds on rank 0, rise on rank 0, the largest rise on another rank), GiB."""
+def rank_rows(
+    rank_fn: Callable[..., None], world_size: int, subject: Path, way: str, out: Path
+) -> list[tuple]:
+    """``rank_fn(rank, world_size, port, subject, way, out, results)`` in ``world_size`` spawned processes
+    (a free port for their group), the tuple each put on ``results``, sorted by rank; ``out`` removed after."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    out = root / f"{way.replace(' ', '_')}_{world_size}"
+    results = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(
-        _rank, args=(world_size, port, model, way, out, results), nprocs=world_size, start_method="spawn"
+        rank_fn, args=(world_size, port, subject, way, out, results), nprocs=world_size, start_method="spawn"
     )
     rows = sorted(results.get() for _ in range(world_size))
     shutil.rmtree(out)
+    return rows
+
+
+def measure(model: Path, world_size: int, way: str, root: Path) -> tuple[float, float, float]:
+    """(seconds on rank 0, rise on rank 0, the largest rise on another rank), GiB."""
+    rows = rank_rows(_rank, world_size, model, way, root / f"{way.replace(' ', '_')}_{world_size}")
     others = max((r[2] for r in rows[1:]), default=float("nan"))
     return rows[0][1], rows[0][2], others
 

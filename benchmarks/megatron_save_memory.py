@@ -24,18 +24,16 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.checkpoint_memory import _rise  # noqa: E402
+from benchmarks.checkpoint_memory import _rise, rank_rows  # noqa: E402
 from benchmarks.grpo_step import device_name  # noqa: E402
 
 WAYS = ["gathered", "layered"]
@@ -119,16 +117,7 @@ def _rank(rank: int, world_size: int, port: int, config: Path, way: str, out: Pa
 
 def measure(config: Path, world_size: int, way: str, root: Path) -> tuple[float, float, float, float]:
     """(seconds on rank 0, rise on rank 0, the largest rise on another rank, GiB rank 0 said it held)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    out = root / f"{way}_{world_size}"
-    mp.start_processes(
-        _rank, args=(world_size, port, config, way, out, results), nprocs=world_size, start_method="spawn"
-    )
-    rows = sorted(results.get() for _ in range(world_size))
-    shutil.rmtree(out)
+    rows = rank_rows(_rank, world_size, config, way, root / f"{way}_{world_size}")
     others = max((r[2] for r in rows[1:]), default=float("nan"))
     return rows[0][1], rows[0][2], others, rows[0][3]
 

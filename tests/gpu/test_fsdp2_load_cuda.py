@@ -13,6 +13,7 @@ from reroll.config.schema import RunConfig
 from reroll.data.arithmetic import ARITHMETIC_ALPHABET
 from reroll.models.loading import load_causal_lm
 from reroll.models.tiny import build_tiny_model
+from tests.integration.test_fsdp2_load import two_steps
 
 DEVICE = "cuda"
 pytestmark = [
@@ -55,13 +56,7 @@ def _load(path, *, cpu_offload: bool, by_shards: bool) -> dict:
     }
     s.configure_optimizer(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0)
     ids = torch.randint(3, 20, (2, 16), generator=torch.Generator().manual_seed(0))
-    losses = []
-    for _ in range(2):
-        loss = s.logits(ids, torch.ones_like(ids)).float().pow(2).mean()
-        s.backward(loss)
-        s.step(1.0)
-        s.optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = [loss.item() for loss in two_steps(s, ids)]
     tied = s.hf_model.get_output_embeddings().weight is s.hf_model.get_input_embeddings().weight
     buffers = {n: str(b.device) for n, b in s.model.named_buffers()}
     return {

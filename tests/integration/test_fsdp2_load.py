@@ -93,6 +93,11 @@ def _load(path: Path, head: str, lora: bool, rank: int, address: str, *, by_shar
         out["tied"] = m.get_output_embeddings().weight is m.get_input_embeddings().weight
     s.configure_optimizer(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0)
     ids = torch.randint(3, 20, (2, 9), generator=torch.Generator().manual_seed(rank))
+    return out | {"losses": two_steps(s, ids)}
+
+
+def two_steps(s, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Two optimizer steps of strategy ``s`` on a loss of its logits over ``ids``: each step's loss."""
     losses = []
     for _ in range(2):
         loss = s.logits(ids, torch.ones_like(ids)).float().pow(2).mean()
@@ -100,7 +105,7 @@ def _load(path: Path, head: str, lora: bool, rank: int, address: str, *, by_shar
         s.step(1.0)
         s.optimizer.zero_grad()
         losses.append(loss.detach())
-    return out | {"losses": losses}
+    return losses
 
 
 def _rank(rank: int, address: str, paths: dict[str, Path], cases: list, result_dir: str) -> None:
