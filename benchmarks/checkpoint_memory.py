@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import socket
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.grpo_step import QWEN25_05B, TINY, device_name, qwen2_config  # noqa: E402
+from benchmarks.host_memory import peak_rise  # noqa: E402
 
 SHAPES = {"0.5b": (QWEN25_05B, 151936), "tiny": (TINY, 64)}
 WAYS = ["gathered save", "sharded save", "sharded load"]
@@ -55,19 +54,10 @@ def build_model(root: Path, shape: str) -> Path:
     return root / "model"
 
 
-def _kib(field: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1))
-
-
 def _rise(call) -> tuple[float, float]:
     """``call()``'s seconds and the rise of this process's peak resident memory above its memory before, GiB."""
-    Path("/proc/self/clear_refs").write_text("5")  # peak resident memory := resident memory now
-    before = _kib("VmRSS")
-    start = time.perf_counter()
-    call()
-    seconds = time.perf_counter() - start
-    return seconds, (_kib("VmHWM") - before) / 2**20
+    _, seconds, rise = peak_rise(call)
+    return seconds, rise / 2**30
 
 
 def _rank(rank: int, world_size: int, port: int, model: Path, way: str, out: Path, results) -> None:

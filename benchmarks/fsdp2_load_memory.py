@@ -23,13 +23,13 @@ import platform
 import socket
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.megatron_load_memory import _status, build  # noqa: E402
+from benchmarks.host_memory import peak_rise  # noqa: E402
+from benchmarks.megatron_load_memory import build  # noqa: E402
 
 
 def _rank(rank: int, path: str, how: str, ranks: int, address: str, out: str, device: str) -> None:
@@ -43,18 +43,20 @@ def _rank(rank: int, path: str, how: str, ranks: int, address: str, out: str, de
     cfg = load_config(Path(out) / "run.yaml", RunConfig, ["strategy.name=fsdp2", f"model.path={path}"])
     if how == "whole":
         fsdp2.checkpoint_files = lambda _path: None
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before, start = _status("VmRSS"), time.perf_counter()
     where = f"cuda:{rank}" if device == "cuda" else "cpu"
-    s = fsdp2.FSDP2Strategy(path, cfg=cfg, rank=rank, world_size=ranks, device=where)
-    s.init_distributed(address)
-    seconds = time.perf_counter() - start
+
+    def load() -> fsdp2.FSDP2Strategy:
+        s = fsdp2.FSDP2Strategy(path, cfg=cfg, rank=rank, world_size=ranks, device=where)
+        s.init_distributed(address)
+        return s
+
+    s, seconds, peak = peak_rise(load)
     held = sum(
         p.to_local().numel() * p.element_size() for p in s.model.parameters() if isinstance(p, DTensor)
     )
     result = {
         "held": held,
-        "peak": _status("VmHWM") - before,
+        "peak": peak,
         "seconds": seconds,
         "read": s.checkpoint_bytes_read,
     }

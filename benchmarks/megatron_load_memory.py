@@ -20,16 +20,12 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
+from benchmarks.host_memory import peak_rise  # noqa: E402
 
 
 def build(path: Path, layers: int, experts: int, hidden: int) -> None:
@@ -55,16 +51,16 @@ def case(path: str, how: str, stage: int, pp: int, ep_rank: int, ep: int) -> dic
 
     s = mc.gpt_shape(AutoConfig.from_pretrained(path))
     where = dict(stage=stage, pp=pp, ep_rank=ep_rank, ep=ep)
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before, start = _status("VmRSS"), time.perf_counter()
-    if how == "whole":
-        ours = mc.rank_from_hf(load_causal_lm(path, "bfloat16").state_dict(), s, **where)
-    else:
+
+    def load() -> dict[str, torch.Tensor]:
+        if how == "whole":
+            return mc.rank_from_hf(load_causal_lm(path, "bfloat16").state_dict(), s, **where)
         with CheckpointReader(checkpoint_files(path), torch.bfloat16) as reader:
-            ours = mc.rank_from_hf(reader, s, **where)
-    seconds = time.perf_counter() - start
+            return mc.rank_from_hf(reader, s, **where)
+
+    ours, seconds, peak = peak_rise(load)
     held = sum(t.numel() * t.element_size() for t in ours.values())
-    return {"held": held, "peak": _status("VmHWM") - before, "seconds": seconds}
+    return {"held": held, "peak": peak, "seconds": seconds}
 
 
 def main() -> None:
