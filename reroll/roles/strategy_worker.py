@@ -69,6 +69,14 @@ def per_token_head(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
         handle.remove()
 
 
+def nonfinite_as_nan(loss: torch.Tensor) -> torch.Tensor:
+    """What a micro-batch backpropagates of its ``loss``: ``loss * nan`` where it is not finite, so that
+    the step is skipped, else ``loss * 1`` (the same gradients: the factor is exact), the factor chosen
+    on the GPU: the host does not wait for the loss's value."""
+    value = loss.detach()
+    return loss * torch.where(torch.isfinite(value), 1.0, float("nan")).to(value.dtype)
+
+
 def _longest_prompt(batch: TrainBatch) -> int:
     """The most tokens before a row's response in ``batch`` (0 for no rows)."""
     return int((batch.attention_mask.sum(1) - batch.response_mask.sum(1)).max()) if len(batch) else 0
@@ -363,7 +371,7 @@ class StrategyWorker:
         """``per_token(micro-batch)`` (b, t) over this rank's micro-batches: (B, T), in the batch's row
         order."""
         mbs, back = self._forward_only_micro_batches(batch)
-        parts = [per_token(mb) for mb in mbs]  # kept where computed: one copy to the host, at the end
+        parts = self.strategy.score_micro_batches(mbs, per_token)  # kept where computed: one copy, at the end
         return TrainBatch.concat(parts, width=batch.input_ids.shape[1]).cpu()[back]
 
     def _forward_only_micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], torch.Tensor]:
@@ -373,15 +381,11 @@ class StrategyWorker:
         return self.micro_batches(batch.select(order), forward_only=True, by_length=False), order.argsort()
 
     def _backward(self, loss: torch.Tensor, inputs: str) -> None:
-        """Backward of a micro-batch's loss. A non-finite loss is backpropagated as ``loss * nan`` so that
-        the step is skipped, a finite one as ``loss * 1`` (the same gradients: the factor is exact), the
-        factor chosen on the GPU: the host does not wait for the loss's value. The value is kept with
-        what the micro-batch held (``inputs``: its rows, response tokens and the statistics of what the
-        loss read) for the diagnostic of a skipped step (``_step``)."""
-        value = loss.detach()
-        self._losses.append((value, inputs))
-        factor = torch.where(torch.isfinite(value), 1.0, float("nan")).to(value.dtype)
-        self.strategy.backward(loss * factor)
+        """Backward of a micro-batch's loss (``nonfinite_as_nan``). The value is kept with what the
+        micro-batch held (``inputs``: its rows, response tokens and the statistics of what the loss read)
+        for the diagnostic of a skipped step (``_step``)."""
+        self._losses.append((loss.detach(), inputs))
+        self.strategy.backward(nonfinite_as_nan(loss))
 
     def _step(self, prefix: str, skipped_key: str) -> dict[str, float]:
         """The optimizer step: its gradient norm and lr as ``<prefix>/grad_norm``, ``<prefix>/lr``, and

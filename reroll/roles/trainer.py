@@ -25,7 +25,7 @@ from reroll.models.loading import DTYPES
 from reroll.models.moe import Routers, StepRouting
 from reroll.roles.objectives import Objective
 from reroll.roles.preference import PairWorkerMixin
-from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker
+from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker, nonfinite_as_nan
 from reroll.runtime.actors import LocalHandle
 from reroll.runtime.shared_buckets import BucketSharer, SharedBucket
 from reroll.runtime.weight_sync import (
@@ -85,17 +85,22 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         (``reroll.roles.objectives``). ``train/tokens_per_s``: real (non-padding) tokens of the share
         over the seconds of forward, backward and step."""
         start = time.perf_counter()
-        parts = []
         routing = self._routing()
-        for mb in objective.micro_batches(self, batch):
+
+        def loss_of(mb: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, str, dict[str, Any]]]:
+            """The micro-batch's loss (``nonfinite_as_nan``) and record: its value, what it held, its metrics
+            (``Strategy.train_micro_batches``: it may run on another rank of the model's group)."""
             with self.routers.capture() if routing else contextlib.nullcontext() as routed:
                 loss = objective.loss(self, mb, batch)
             value = loss.value
             if routing is not None:  # a mixture of experts: its load-balancing loss, statistics
                 term = routing.term(routed, objective.share(mb, batch))
                 value = value if term is None else value + term.to(value.device)
-            self._backward(value, loss.inputs)
-            parts.append(loss.metrics)
+            return nonfinite_as_nan(value), (value.detach(), loss.inputs, loss.metrics)
+
+        records = self.strategy.train_micro_batches(list(objective.micro_batches(self, batch)), loss_of)
+        self._losses += [(value, inputs) for value, inputs, _ in records]
+        parts = [metrics for _, _, metrics in records]
         step = self._step(objective.prefix, objective.skipped)  # waits for the gradient norm
         out = objective.reduce(metrics_to_host(parts), batch) | step  # every micro-batch's in one copy
         out |= routing.metrics(objective.prefix) if routing is not None else {}

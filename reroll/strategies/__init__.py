@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -21,6 +21,7 @@ from reroll.errors import UserError
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
     from reroll.data.types import ImageInputs
+    from reroll.strategies.micro_batches import MB, Record
 
 Head = Literal["causal_lm", "value", "reward"]
 
@@ -71,6 +72,18 @@ class Strategy(Protocol):
         ...
 
     def backward(self, loss: torch.Tensor) -> None: ...
+
+    def train_micro_batches(
+        self, batches: Sequence[MB], loss_of: Callable[[MB], tuple[torch.Tensor, Record]]
+    ) -> list[Record]:
+        """Backpropagate the loss of every micro-batch of a step, ``loss_of(mb) -> (loss, record)``; the
+        records in order. One after the other (``reroll.strategies.micro_batches.MicroBatchLoop``), or
+        scheduled where the strategy can (Megatron's pipeline stages)."""
+        ...
+
+    def score_micro_batches(self, batches: Sequence[MB], output_of: Callable[[MB], Record]) -> list[Record]:
+        """``output_of(mb)`` of every micro-batch of a forward-only pass, in order."""
+        ...
 
     def step(self, grad_clip: float) -> dict[str, float]:
         """Reduce gradients, clip, step: ``{"grad_norm": pre-clip norm, "lr": lr used, "skipped": 0/1}``.

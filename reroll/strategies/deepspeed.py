@@ -48,6 +48,7 @@ from reroll.models.loading import load_causal_lm, load_sequence_classifier, load
 from reroll.strategies import Head
 from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
 from reroll.strategies.memory import peak_memory_gb
+from reroll.strategies.micro_batches import MicroBatchLoop
 from reroll.strategies.training import forward_logits, set_trainable, warmup_schedule
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ _TAG = "state"  # the one tag under ``<checkpoint>/deepspeed/``: a checkpoint di
 _UNIVERSAL = "universal"  # ``<checkpoint>/deepspeed/universal/``: the state for any world size
 
 
-class DeepSpeedStrategy:
+class DeepSpeedStrategy(MicroBatchLoop):
     """Holds the model in a DeepSpeed engine (a frozen ZeRO-2 model, e.g. the reference, needs none).
 
     The engine is built as soon as the process group exists: in the constructor for one rank, in

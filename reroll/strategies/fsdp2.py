@@ -67,6 +67,7 @@ from reroll.strategies.lora import (
     merged_state_dict,
     save_adapter,
 )
+from reroll.strategies.micro_batches import MicroBatchLoop
 from reroll.strategies.shard_fill import Target, adapters_on_host, fill, meta_parameters, plan
 from reroll.strategies.sharded_state import load_state, save_state
 from reroll.strategies.training import (
@@ -87,7 +88,7 @@ log = logging.getLogger(__name__)
 _LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_sequence_classifier}
 
 
-class FSDP2Strategy:
+class FSDP2Strategy(MicroBatchLoop):
     """The model sharded with FSDP2, its optimizer and schedule; the role decides the loss.
 
     ``head``: ``"causal_lm"`` (the policy, ``(B, T, V)`` logits) or ``"value"`` (a critic, ``(B, T, 1)``).

@@ -35,7 +35,7 @@ import contextlib
 import importlib.util
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,11 +70,14 @@ from reroll.strategies.host_parking import HostParking
 from reroll.strategies.megatron_moe import MegatronRouters, allow_routers_without_transformer_engine
 from reroll.strategies.megatron_pipeline import Pipeline
 from reroll.strategies.megatron_weights import Groups, hf_weights
+from reroll.strategies.micro_batches import MicroBatchLoop
 from reroll.strategies.training import warmup_factor
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
     from reroll.config.training import MegatronConfig
+    from reroll.strategies.megatron_pipeline import GroupRows
+    from reroll.strategies.micro_batches import MB, Record
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +145,7 @@ def _gather_rows(
     return gather(ids), gather(mask), rows
 
 
-class MegatronStrategy:
+class MegatronStrategy(MicroBatchLoop):
     """Holds a Megatron-Core ``GPTModel`` (this rank's shard), its optimizer and warm-up.
 
     Built in the constructor for one rank, else in ``init_distributed`` (Megatron needs its process
@@ -205,6 +208,8 @@ class MegatronStrategy:
         self.model: torch.nn.Module | None = None  # what forward runs: DDP-wrapped when trainable
         self.pipe: Pipeline | None = None  # this rank's pipeline stage (pipeline_parallel > 1)
         self.context_parallel: ContextParallel | None = None  # this rank's group (context_parallel > 1)
+        # inside a scheduled micro-batch's loss (run_schedule): what ``logits`` returns for its rows
+        self._handed: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.optimizer = None
         self._restore: list[Callable[[], None]] = []  # what reload runs after offload
         self._parked = HostParking()  # page-locked host buffers of the optimizer's storages, kept
@@ -450,6 +455,8 @@ class MegatronStrategy:
         context parallelism every rank of a group passes the same rows and gets its columns' ``(B, w, V)``
         (``ContextParallel.columns``), which the caller gathers or combines."""
         model = self._require()
+        if self._handed is not None:  # a scheduled step's loss: the last stage's logits of these rows
+            return self._handed(input_ids)
         if images is not None:
             raise UserError(
                 "the megatron strategy converts text models only: rows with images need fsdp2 or torch"
@@ -533,6 +540,77 @@ class MegatronStrategy:
         if self.optimizer is None:
             raise RuntimeError("MegatronStrategy.backward: configure_optimizer first")
         loss.backward()
+
+    def train_micro_batches(
+        self, batches: Sequence[MB], loss_of: Callable[[MB], tuple[torch.Tensor, Record]]
+    ) -> list[Record]:
+        """Pipeline stages run a step's micro-batches by a 1F1B schedule where they can
+        (``_schedules``), the last stage computing every rank's loss; else one after the other."""
+        if not self._schedules(batches, training=True):
+            return super().train_micro_batches(batches, loss_of)
+        if self.optimizer is None:
+            raise RuntimeError("MegatronStrategy.train_micro_batches: configure_optimizer first")
+        return self._schedule(batches, loss_of, forward_only=False)
+
+    def score_micro_batches(self, batches: Sequence[MB], output_of: Callable[[MB], Record]) -> list[Record]:
+        """A forward-only pass's outputs, pipeline stages running the micro-batches by the schedule's
+        forward half where they can (``_schedules``)."""
+        if not self._schedules(batches, training=False):
+            return super().score_micro_batches(batches, output_of)
+        return self._schedule(batches, output_of, forward_only=True)
+
+    def _schedules(self, batches: Sequence[Any], *, training: bool) -> bool:
+        """Whether the stages schedule these micro-batches (the same answer on every rank of a group):
+        rows given as ``input_ids`` and ``attention_mask``, no context parallelism (its groups gather
+        columns inside the loss), and in training no mixture of experts (its router loss pools every
+        stage's layers inside the loss, by collectives over the stages)."""
+        if self.pipe is None or self.context_parallel is not None:
+            return False
+        if training and self.moe_routers is not None:
+            return False
+        return all(hasattr(mb, "input_ids") and hasattr(mb, "attention_mask") for mb in batches)
+
+    def _schedule(self, batches: Sequence[Any], fn: Callable[[Any], Any], *, forward_only: bool) -> list[Any]:
+        """``fn`` of every micro-batch by ``megatron_pipeline.run_schedule``, each micro-batch's rows
+        gathered over the model-parallel group first (as ``logits`` gathers them)."""
+        from reroll.strategies.megatron_pipeline import run_schedule
+
+        assert self.pipe is not None
+        counts = torch.tensor([len(batches), -len(batches)], device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.mp_group)
+        if int(counts[0]) != -int(counts[1]):
+            raise RuntimeError(
+                f"the ranks of a Megatron model-parallel group have from {-int(counts[1])} to "
+                f"{int(counts[0])} micro-batches: every rank must run as many"
+            )
+        group_rows = [self._group_rows(mb.input_ids, mb.attention_mask) for mb in batches]
+        return run_schedule(
+            self.pipe, self._require(), group_rows, batches, fn, self._stage_forward,
+            partial(setattr, self, "_handed"), forward_only=forward_only,
+        )  # fmt: skip
+
+    def _group_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> GroupRows:
+        """The model-parallel group's rows of one micro-batch, as the stages run them."""
+        from reroll.strategies.megatron_pipeline import GroupRows
+
+        ids, mask = input_ids.to(self.device), attention_mask.to(self.device).long()
+        right_padded = torch.arange(ids.shape[1], device=mask.device) < mask.sum(-1, keepdim=True)
+        if not torch.equal(right_padded, mask.bool()):
+            raise UserError("the megatron strategy needs right-padded rows (real tokens first, then padding)")
+        rows, _, rows_of = _gather_rows(ids, mask, self.mp_group)
+        model_ids, positions, causal, t = self._model_inputs(rows)
+        return GroupRows(rows, model_ids, positions, causal, t, self._spans(rows_of))
+
+    def _stage_forward(self, g: GroupRows) -> torch.Tensor:
+        """This stage's output for the group's rows ``g`` under the schedule: the hidden states it sends
+        on, or the last stage's ``(rows, t, V)`` logits, their gradient summed over the TP group (as the
+        ``logits`` of a TP group's rows)."""
+        assert self.pipe is not None
+        out = self._require()(g.ids, g.positions, g.causal)
+        if not self.pipe.last:
+            return out
+        out = out[:, : g.t, : self.shape.vocab_size].to(DTYPES[self.dtype])
+        return out if self.tp == 1 else _SumGradOverGroup.apply(out, self.tp_group)
 
     def step(self, grad_clip: float) -> dict[str, float]:
         """Sum gradients over data-parallel ranks, clip, step; the pre-clip gradient norm and the lr used."""

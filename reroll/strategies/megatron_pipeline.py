@@ -19,7 +19,10 @@ rank), not speed. Every rank of a group must make the same ``logits``/``backward
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -132,3 +135,125 @@ def broadcast_from(
         dist.broadcast(buf, src=src, group=pipe.group)
         out[name] = part[name] if mine and part is not None else buf.cpu()
     return out
+
+
+# -- a step's micro-batches, scheduled 1F1B over the stages ------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupRows:
+    """One micro-batch of the model-parallel group: its gathered rows ``rows`` (right-padded to the
+    widest), what the ``GPTModel`` runs for them (``ids``, ``positions``, ``causal``; ``t``: the output's
+    columns that are the rows') and ``spans``: each stage's rank's ``(first row, rows)`` among them."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    positions: torch.Tensor
+    causal: torch.Tensor | None
+    t: int
+    spans: list[tuple[int, int]]
+
+
+def run_schedule(
+    pipe: Pipeline,
+    model: torch.nn.Module,
+    group_rows: list[GroupRows],
+    batches: Sequence[Any],
+    fn: Callable[[Any], Any],
+    stage_forward: Callable[[GroupRows], torch.Tensor],
+    hand: Callable[[Callable[[torch.Tensor], torch.Tensor] | None], None],
+    *,
+    forward_only: bool,
+) -> list[Any]:
+    """``fn`` of this rank's micro-batches ``batches`` (``group_rows``: the group's rows of each), the
+    stages running them by Megatron-Core's 1F1B schedule; its results in order: each micro-batch's
+    record (training: ``fn(mb) -> (loss, record)``, the loss backpropagated) or output (``forward_only``).
+
+    The last stage runs ``fn`` for every rank of its pipeline group: their micro-batches come to it
+    first, and the results go back at the end (tensors on the host). Inside ``fn``, the strategy's
+    ``logits`` hands over the last stage's logits of that rank's rows (``hand``; the call must be for
+    the micro-batch's own ``input_ids``); the members' losses are summed, so each rank's rows' logits get
+    the gradient of that rank's loss, as without the schedule."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    members = _to_last_stage(list(batches), pipe)  # the last stage: every member's; others: None
+    results: list[list[Any]] = [[] for _ in pipe.ranks]
+
+    def step(data: Iterator[int], stage_model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
+        i = next(data)
+        return stage_forward(group_rows[i]), partial(_loss, i)
+
+    def _loss(i: int, logits: torch.Tensor, non_loss_data: bool = False) -> Any:
+        assert members is not None  # the last stage
+        g, total = group_rows[i], None
+        for member, (first, n) in enumerate(g.spans):
+            hand(partial(_handed, logits[first : first + n], g.rows[first : first + n]))
+            try:
+                out = fn(members[member][i])
+            finally:
+                hand(None)
+            if forward_only:
+                results[member].append(out)
+                continue
+            loss, record = out
+            results[member].append(record)
+            total = loss if total is None else total + loss
+        if forward_only:
+            return None
+        return total, torch.zeros((), dtype=torch.int, device=logits.device), None
+
+    config = get_model_config(model)
+    config.variable_seq_lengths = True  # micro-batches differ in rows and width: shapes go first
+    get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(range(len(group_rows))),
+        model=[model],
+        num_microbatches=len(group_rows),
+        seq_length=1,  # ignored: variable_seq_lengths
+        micro_batch_size=1,
+        forward_only=forward_only,
+        collect_non_loss_data=forward_only,
+    )
+    return _from_last_stage(results if pipe.last else None, pipe)
+
+
+def _handed(logits: torch.Tensor, rows: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """``logits`` of ``rows`` (the group's, right-padded to the widest), cut to ``input_ids``' width:
+    what the strategy's ``logits(input_ids, ...)`` returns inside a scheduled ``fn``."""
+    width = input_ids.shape[1]
+    if input_ids.shape[0] != rows.shape[0] or not torch.equal(input_ids.to(rows.device), rows[:, :width]):
+        raise RuntimeError(
+            "a scheduled micro-batch's loss ran the Megatron strategy's logits on other rows than the "
+            "micro-batch's input_ids: under pipeline stages the loss must run it once, on those rows"
+        )
+    return logits[:, :width]
+
+
+def _to_last_stage(batches: list[Any], pipe: Pipeline) -> list[list[Any]] | None:
+    """Every pipeline group member's ``batches``, by stage, on the last stage (None elsewhere)."""
+    gathered: list[Any] | None = [None] * len(pipe.ranks) if pipe.last else None
+    dist.gather_object(batches, gathered, dst=pipe.ranks[-1], group=pipe.group)
+    return gathered
+
+
+def _from_last_stage(results: list[list[Any]] | None, pipe: Pipeline) -> list[Any]:
+    """This rank's results from the last stage (given there, by stage); the others' go as host tensors."""
+    if pipe.last:
+        assert results is not None
+        sent = [_on_host(r) for r in results]
+        sent[pipe.stage] = None  # kept where computed
+    mine: list[Any] = [None]
+    dist.scatter_object_list(mine, sent if pipe.last else None, src=pipe.ranks[-1], group=pipe.group)
+    return results[pipe.stage] if pipe.last else mine[0]
+
+
+def _on_host(x: Any) -> Any:
+    """``x`` with every tensor in it (nested in tuples, lists and dicts) detached and on the host."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_on_host(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _on_host(v) for k, v in x.items()}
+    return x

@@ -32,6 +32,7 @@ from reroll.strategies.lora import (
     merged_state_dict,
     save_adapter,
 )
+from reroll.strategies.micro_batches import MicroBatchLoop
 from reroll.strategies.sharded_state import load_state, save_state
 from reroll.strategies.training import (
     adamw_with_warmup,
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 _LOADERS = {"causal_lm": load_causal_lm, "value": load_value_model, "reward": load_sequence_classifier}
 
 
-class TorchStrategy:
+class TorchStrategy(MicroBatchLoop):
     """Holds the model, its optimizer and schedule; the role decides what loss to run through it.
 
     ``head`` picks the model: ``"causal_lm"`` (the policy, ``(B, T, V)`` logits) or ``"value"``

@@ -30,6 +30,7 @@ def patch_cuda_for_cpu() -> None:
     no_fork = types.SimpleNamespace(fork=contextlib.nullcontext)
     tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: no_fork
     torch.cuda.current_device = lambda: "cpu"  # DDP's buffers
+    torch.cuda.synchronize = lambda *a, **k: None  # the pipeline schedule's point-to-point exchanges
     torch.Tensor.cuda = lambda self, *a, **k: self  # a tied embedding's copy summed across stages at init
     plain_type = torch.Tensor.type
 

@@ -10,6 +10,8 @@ same inputs in the same shapes: what can differ is only where sums are split dif
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -229,3 +231,91 @@ def test_a_mixture_of_experts_on_two_stages_trains_as_two_ranks_do(tmp_path, sma
     for name, w in one["weights"].items():
         assert torch.equal(two[0]["weights"][name], two[1]["weights"][name]), name
         torch.testing.assert_close(two[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
+
+
+# -- the step's micro-batches scheduled (1F1B) against one after the other ----------------------------
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A micro-batch as the schedule takes it: rows with their ``input_ids`` and ``attention_mask``."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+def _scheduled_rank(
+    rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str], scheduled: bool
+) -> None:
+    """``STEPS`` optimizer steps of next-token loss on this rank's share of the rows cut into one-row
+    micro-batches, through ``train_micro_batches`` (``scheduled``) or the one-after-the-other loop every
+    strategy has; then a forward-only pass the same way. Saves the losses, grad norms, log-probs and
+    weights."""
+    import reroll.strategies.megatron_pipeline as pipeline
+    from reroll.strategies.micro_batches import MicroBatchLoop
+
+    schedules, run_schedule = [], pipeline.run_schedule  # counted: the schedule ran, not a fallback
+    pipeline.run_schedule = lambda *a, **k: schedules.append(k["forward_only"]) or run_schedule(*a, **k)
+    s, ids, mask, n_tokens = _megatron_rank(rank, world_size, address, cfg_path, sizes)
+    mine = ROWS // world_size
+    mbs = []
+    for row in range(rank * mine, (rank + 1) * mine):
+        width = int(mask[row].sum())
+        mbs.append(_Rows(ids[row : row + 1, :width], mask[row : row + 1, :width]))
+
+    def loss_of(mb: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = s.logits(mb.input_ids, mb.attention_mask)
+        loss = -(token_logprobs(logits, mb.input_ids) * mb.attention_mask).sum() / n_tokens
+        return loss, loss.detach()
+
+    def scored(mb: _Rows) -> torch.Tensor:
+        return token_logprobs(s.logits(mb.input_ids, mb.attention_mask), mb.input_ids) * mb.attention_mask
+
+    train = s.train_micro_batches if scheduled else partial(MicroBatchLoop.train_micro_batches, s)
+    score = s.score_micro_batches if scheduled else partial(MicroBatchLoop.score_micro_batches, s)
+    steps = []
+    for _ in range(STEPS):
+        losses = train(mbs, loss_of)
+        steps.append(([float(v) for v in losses], s.step(1.0)["grad_norm"]))
+    with torch.no_grad():
+        logprobs = [_pad(x.cpu(), 24) for x in score(mbs, scored)]
+    saved = {"steps": steps, "scored": torch.cat(logprobs), "weights": s.full_state_dict()}
+    torch.save(saved | {"schedules": schedules}, f"{out}/rank{rank}.pt")
+
+
+def _run_scheduled(
+    tmp_path: Path, cfg_path: Path, world_size: int, scheduled: bool, *sizes: str
+) -> list[dict]:
+    out = tmp_path / f"{'scheduled' if scheduled else 'sequential'}{world_size}"
+    out.mkdir()
+    overrides = [f"strategy.megatron.{s}" for s in sizes]
+    return run_ranks(_scheduled_rank, world_size, out, str(cfg_path), overrides, scheduled)
+
+
+@pytest.mark.long  # 2 x 2 spawned ranks: about 75 s on 2 CPU cores; 2 x 4 ranks: about 4 minutes each
+@pytest.mark.parametrize(
+    "sizes",
+    [("pipeline_parallel=2",), ("pipeline_parallel=2", "tensor_parallel=2"), ("pipeline_parallel=2",)],
+    ids=["pp2", "pp2-tp2", "pp2-dp2"],
+)
+def test_stages_scheduled_equal_one_micro_batch_after_the_other(tmp_path, four_layers, sizes, request):
+    """Pipeline stages, one-row micro-batches (four a rank at PP=2, two at four ranks): the 1F1B schedule
+    (the last stage computing every rank's loss) against the same steps run one micro-batch after the
+    other at the same sizes. Every micro-batch's group rows run through the same stages in the same
+    shapes, each rank's loss is the same function of the same logits, its logits' gradient reaches the
+    last stage unchanged (the schedule sums the ranks' losses, whose rows are disjoint: adding exact
+    zeros; under TP the full gradient is summed over the TP group as before) and the weights' gradients
+    accumulate over the micro-batches in the same order: losses, norms, log-probs and weights bit for
+    bit."""
+    world_size = 2 if request.node.callspec.id == "pp2" else 4
+    one_by_one = _run_scheduled(tmp_path, four_layers, world_size, False, *sizes)
+    scheduled = _run_scheduled(tmp_path, four_layers, world_size, True, *sizes)
+    assert one_by_one[0]["steps"][0][1] > 1.0  # the clip acted
+    assert all(r["schedules"] == [] for r in one_by_one)
+    assert all(r["schedules"] == [False] * STEPS + [True] for r in scheduled)  # each step, then the scores
+    for a, b in zip(one_by_one, scheduled):
+        assert len(b["steps"][0][0]) == ROWS // world_size  # every micro-batch's record came back
+        assert a["steps"] == b["steps"]
+        assert torch.equal(a["scored"], b["scored"])
+        for name, w in a["weights"].items():
+            assert torch.equal(b["weights"][name], w), name

@@ -1,0 +1,156 @@
+"""A Megatron training step's wall time on pipeline stages: the micro-batches one after the other (each
+crossing the stages while the others wait) against the 1F1B schedule (``MegatronStrategy.train_micro_
+batches``, ``reroll.strategies.megatron_pipeline.run_schedule``), and the same for a forward-only pass.
+
+    python benchmarks/megatron_pipeline_schedule.py                         # 8 layers of hidden 256, PP=2
+    python benchmarks/megatron_pipeline_schedule.py --micro-batches 2 4 8 16 --steps 3
+
+A Qwen2-shaped model with random init (nothing downloaded, fp32), Megatron-Core on CPU ranks over gloo
+(its CUDA calls pointed at the CPU, ``tests/integration/megatron_cpu.py``), each rank a process of its
+own on one core (``sched_setaffinity``, one thread), the ranks the pipeline stages. Each rank's rows are
+cut into ``--micro-batches`` micro-batches of ``--rows`` rows of ``--tokens`` tokens; a step is
+``train_micro_batches`` (next-token loss) and the optimizer step. Both ways run in the same processes,
+alternating, after one unmeasured step each; the median of ``--steps`` is printed (rank 0's clock, the
+ranks synchronised by a barrier before each). With ``p`` stages and ``m`` micro-batches the schedule's
+ideal is ``(m + p - 1) / (m p)`` of the sequential time (the pipeline's fill and drain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.checkpoint_memory import rank_rows  # noqa: E402
+from benchmarks.grpo_step import device_name  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Rows:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+def build_model(root: Path, layers: int, hidden: int, vocab: int) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(root / "model")
+    return root / "model"
+
+
+def _rank(rank: int, world_size: int, port: int, config: Path, shape: str, out: Path, results) -> None:
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    torch.set_num_threads(1)
+    from tests.integration.megatron_cpu import patch_cuda_for_cpu
+
+    patch_cuda_for_cpu()
+    from reroll.algorithms.logprobs import token_logprobs
+    from reroll.config.loader import load_config
+    from reroll.config.schema import RunConfig
+    from reroll.strategies.megatron import MegatronStrategy
+    from reroll.strategies.micro_batches import MicroBatchLoop
+
+    micro_batches, rows, tokens, steps = (int(x) for x in shape.split(","))
+    cfg = load_config(
+        config, RunConfig, ["strategy.name=megatron", f"strategy.megatron.pipeline_parallel={world_size}"]
+    )
+    s = MegatronStrategy(cfg.model.path, cfg=cfg, device="cpu", rank=rank, world_size=world_size)
+    s.init_distributed(f"127.0.0.1:{port}")
+    s.configure_optimizer(lr=1e-5, betas=(0.9, 0.99), weight_decay=0.0, warmup_steps=0)
+    g = torch.Generator().manual_seed(rank)
+    mbs = [
+        Rows(
+            torch.randint(0, s.shape.vocab_size, (rows, tokens), generator=g), torch.ones(rows, tokens).long()
+        )
+        for _ in range(micro_batches)
+    ]
+    n_tokens = float(world_size * micro_batches * rows * tokens)
+
+    def loss_of(mb: Rows) -> tuple[torch.Tensor, None]:
+        return -token_logprobs(s.logits(mb.input_ids, mb.attention_mask), mb.input_ids).sum() / n_tokens, None
+
+    def scored(mb: Rows) -> torch.Tensor:
+        return token_logprobs(s.logits(mb.input_ids, mb.attention_mask), mb.input_ids)
+
+    def train(scheduled: bool) -> None:
+        (s.train_micro_batches if scheduled else partial(MicroBatchLoop.train_micro_batches, s))(mbs, loss_of)
+        s.step(1.0)
+
+    @torch.no_grad()
+    def score(scheduled: bool) -> None:
+        (s.score_micro_batches if scheduled else partial(MicroBatchLoop.score_micro_batches, s))(mbs, scored)
+
+    times: dict[tuple[str, bool], list[float]] = {}
+    for i in range(steps + 1):
+        for name, call in (("train step", train), ("forward-only", score)):
+            for scheduled in (False, True):
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                call(scheduled)
+                if i:  # the first of each: unmeasured
+                    times.setdefault((name, scheduled), []).append(time.perf_counter() - start)
+    results.put((rank, {k: statistics.median(v) for k, v in times.items()}))
+    torch.distributed.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = build_model(root, args.layers, args.hidden, args.vocab)
+        config = root / "c.yaml"
+        config.write_text(
+            f"pipeline: rlvr\nname: b\noutput_dir: {root}/runs\nmodel: {{path: {model}, dtype: float32}}\n"
+            f"data: {{train_files: [{root}/x.jsonl]}}\n"
+        )
+        print(
+            f"Qwen2 shape, {args.layers} layers of hidden {args.hidden}, vocabulary {args.vocab}, fp32; "
+            f"{args.stages} pipeline stages over gloo, each a process on one core of {device_name('cpu')} "
+            f"({os.cpu_count()} cores); {args.rows} rows x {args.tokens} tokens a micro-batch a rank; "
+            f"torch {torch.__version__}"
+        )
+        print(f"{'pass':<14}{'micro-batches':>14}{'sequential s':>14}{'1F1B s':>9}{'ratio':>8}{'ideal':>8}")
+        for m in args.micro_batches:
+            shape = f"{m},{args.rows},{args.tokens},{args.steps}"
+            (root / f"m{m}").mkdir()
+            rows = rank_rows(_rank, args.stages, config, shape, root / f"m{m}")
+            times = rows[0][1]
+            p = args.stages
+            for name in ("train step", "forward-only"):
+                seq, sched = times[(name, False)], times[(name, True)]
+                ideal = (m + p - 1) / (m * p)
+                print(
+                    f"{name:<14}{m:>14}{seq:>14.2f}{sched:>9.2f}{sched / seq:>8.2f}{ideal:>8.2f}", flush=True
+                )
+
+
+if __name__ == "__main__":
+    main()

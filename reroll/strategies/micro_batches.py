@@ -1,0 +1,44 @@
+"""How a strategy runs the micro-batches of one optimizer step, or of one forward-only pass, given all of
+them at once with the function that makes each one's loss (or output).
+
+Every strategy runs them one after the other (``MicroBatchLoop``): ``loss_of(mb)`` runs the forward
+(it calls the strategy's ``logits`` once, for ``mb``'s rows) and returns the loss to backpropagate and a
+record the caller keeps (its metrics); the loss's backward follows at once. A strategy may run them
+otherwise where it gets the same gradients: Megatron's pipeline stages run a 1F1B schedule over them
+(``reroll.strategies.megatron_pipeline``), the last stage computing every rank's loss from its rows'
+logits. So ``loss_of`` must read nothing but ``mb``, the logits ``logits`` hands it, and what every rank
+holds alike (the step's counts, the objective), and may run on another rank of the model's group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+MB = TypeVar("MB")
+Record = TypeVar("Record")
+
+LossOf = Callable[[Any], tuple[torch.Tensor, Any]]
+"""``loss_of(mb) -> (loss to backpropagate, record)``: a micro-batch's forward and loss."""
+
+
+class MicroBatchLoop:
+    """Micro-batches one after the other: forward and loss, then backward, for each in turn."""
+
+    def train_micro_batches(
+        self: Any, batches: Sequence[MB], loss_of: Callable[[MB], tuple[torch.Tensor, Record]]
+    ) -> list[Record]:
+        """Backpropagate every micro-batch's loss (gradients summed into the step's); each one's record,
+        in order."""
+        records = []
+        for mb in batches:
+            loss, record = loss_of(mb)
+            self.backward(loss)
+            records.append(record)
+        return records
+
+    def score_micro_batches(self, batches: Sequence[MB], output_of: Callable[[MB], Record]) -> list[Record]:
+        """``output_of(mb)`` of every micro-batch of a forward-only pass (no gradient), in order."""
+        return [output_of(mb) for mb in batches]
