@@ -11,6 +11,7 @@ import importlib.util
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -525,6 +526,62 @@ def test_small_moe_full_state_dict_save_and_export_round_trip(tmp_path, assets):
 
 
 # -- two GPUs: pipeline and expert parallelism (the TP=2 test is above) ---------------------------------
+
+
+def _pp2_scheduled_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
+    """``_half_batch_steps`` through ``train_micro_batches``, one-row micro-batches scheduled 1F1B over the
+    two stages (NCCL's point-to-point), then a forward-only pass scheduled and one after the other."""
+    import reroll.strategies.megatron_pipeline as pipeline
+    from reroll.strategies.micro_batches import MicroBatchLoop
+
+    calls, run = [], pipeline.run_schedule
+    pipeline.run_schedule = lambda *a, **k: calls.append(k["forward_only"]) or run(*a, **k)
+    s = _rank_of_two(rank, address, cfg_path, "strategy.megatron.pipeline_parallel=2")
+    ids, mask = _batch()
+    n_tokens = mask[:, 1:].sum()
+    mbs = [
+        _Rows(ids[r : r + 1, : int(mask[r].sum())], mask[r : r + 1, : int(mask[r].sum())]) for r in range(8)
+    ]
+    mbs = mbs[:4] if rank == 0 else mbs[4:]  # the role splits rows over all ranks
+
+    def loss_of(mb):
+        logits = s.logits(mb.input_ids, mb.attention_mask)
+        on = lambda t: t.to(logits.device)  # noqa: E731
+        loss = -(token_logprobs(logits, on(mb.input_ids)) * on(mb.attention_mask)).sum() / on(n_tokens)
+        return loss, float(loss)
+
+    def scored(mb):
+        logits = s.logits(mb.input_ids, mb.attention_mask)
+        return token_logprobs(logits, mb.input_ids.to(logits.device)).cpu()
+
+    out = []
+    for _ in range(3):
+        losses = s.train_micro_batches(mbs, loss_of)
+        out.append((sum(losses), s.step(1.0)["grad_norm"]))
+    with torch.no_grad():
+        scheduled = s.score_micro_batches(mbs, scored)
+        one_by_one = MicroBatchLoop.score_micro_batches(s, mbs, scored)
+    assert calls == [False, False, False, True], calls  # the schedule ran
+    for a, b in zip(scheduled, one_by_one):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)  # the same rows through the same kernels
+    torch.save({"steps": out, "weights": s.full_state_dict()}, f"{result_dir}/rank{rank}.pt")
+
+
+@dataclass(frozen=True)
+class _Rows:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+@pytest.mark.multigpu(gpus=2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="PP=2 needs two GPUs")
+def test_pp2_scheduled_equals_torch_on_the_whole_batch(tmp_path, assets):
+    """``test_pp2_equals_torch_on_the_whole_batch`` with each rank's rows as four one-row micro-batches run
+    by the 1F1B schedule (``MegatronStrategy.train_micro_batches``; the last stage computes both ranks'
+    losses): the same tolerances (gradients accumulated over micro-batches differ from the torch strategy's
+    whole batch by summation order only). On CPU over gloo the schedule equals the micro-batches one after
+    the other bit for bit (tests/integration/test_megatron_pipeline.py)."""
+    _two_ranks_equal_torch(tmp_path, assets, _pp2_scheduled_rank)
 
 
 def _pp2_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:

@@ -13,6 +13,7 @@ import importlib.util
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -251,11 +252,9 @@ def _scheduled_rank(
     micro-batches, through ``train_micro_batches`` (``scheduled``) or the one-after-the-other loop every
     strategy has; then a forward-only pass the same way. Saves the losses, grad norms, log-probs and
     weights."""
-    import reroll.strategies.megatron_pipeline as pipeline
     from reroll.strategies.micro_batches import MicroBatchLoop
 
-    schedules, run_schedule = [], pipeline.run_schedule  # counted: the schedule ran, not a fallback
-    pipeline.run_schedule = lambda *a, **k: schedules.append(k["forward_only"]) or run_schedule(*a, **k)
+    schedules = _counted_schedules()
     s, ids, mask, n_tokens = _megatron_rank(rank, world_size, address, cfg_path, sizes)
     mine = ROWS // world_size
     mbs = []
@@ -281,6 +280,16 @@ def _scheduled_rank(
         logprobs = [_pad(x.cpu(), 24) for x in score(mbs, scored)]
     saved = {"steps": steps, "scored": torch.cat(logprobs), "weights": s.full_state_dict()}
     torch.save(saved | {"schedules": schedules}, f"{out}/rank{rank}.pt")
+
+
+def _counted_schedules() -> list[bool]:
+    """Each ``run_schedule`` call's ``forward_only`` from now on in this process: the schedule ran, not
+    the loop every strategy has."""
+    import reroll.strategies.megatron_pipeline as pipeline
+
+    calls, run = [], pipeline.run_schedule
+    pipeline.run_schedule = lambda *a, **k: calls.append(k["forward_only"]) or run(*a, **k)
+    return calls
 
 
 def _run_scheduled(
@@ -317,5 +326,73 @@ def test_stages_scheduled_equal_one_micro_batch_after_the_other(tmp_path, four_l
         assert len(b["steps"][0][0]) == ROWS // world_size  # every micro-batch's record came back
         assert a["steps"] == b["steps"]
         assert torch.equal(a["scored"], b["scored"])
+        for name, w in a["weights"].items():
+            assert torch.equal(b["weights"][name], w), name
+
+
+def _worker_rank(
+    rank: int, world_size: int, address: str, out: str, cfg_path: str, batch: Any, scheduled: bool
+) -> None:
+    """This process as rank ``rank`` of actor_train's ``TrainerWorker`` on two Megatron pipeline stages,
+    given its share of ``batch`` (as a ``TrainerGroup`` splits it): a log-prob pass, an SFT step and an RL
+    step, scheduled or (``scheduled`` false) each micro-batch one after the other."""
+    from reroll.roles.objectives import NextToken, PolicyGradient
+    from reroll.roles.trainer import TrainerWorker
+    from reroll.strategies.megatron import MegatronStrategy
+
+    torch.set_num_threads(1)
+    patch_cuda_for_cpu()
+    schedules = _counted_schedules()
+    if not scheduled:
+        MegatronStrategy._schedules = lambda self, batches, training: False
+    sizes = [f"roles.actor_train.world_size={world_size}", "strategy.megatron.pipeline_parallel=2"]
+    base = ["strategy.name=megatron", "optim.micro_batch_size=2", "runtime.backend=local"]
+    cfg = load_config(cfg_path, RunConfig, [*base, *sizes])
+    worker = TrainerWorker("actor_train", rank, cfg, True)
+    worker.init_distributed(address)
+    worker.configure_optimizer(LR, 0)
+    mine = batch.split(world_size)[rank]
+    result = {
+        "logprobs": worker.compute_logprobs(mine),
+        "sft": worker.train(mine, NextToken()),
+        "rl": worker.train(mine, PolicyGradient.of(cfg)),
+        "weights": worker.strategy.full_state_dict(),
+    }
+    torch.save(result | {"schedules": schedules}, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.long  # 2 x 2 spawned ranks: about a minute and a half on 2 CPU cores
+def test_trainer_workers_on_two_stages_scheduled_equal_one_micro_batch_after_the_other(
+    tmp_path, four_layers, assets
+):
+    """The path a run takes: two actor_train ``TrainerWorker`` ranks on two stages, each given half of
+    10 rows (micro-batches of 2 rows, the last stage computing both ranks' PPO and SFT losses and sending
+    each its metrics), against the same workers with the schedule turned off: the log-prob pass, every
+    metric of an SFT and an RL step (but the throughput) and the weights after them, bit for bit
+    (``test_stages_scheduled_equal_one_micro_batch_after_the_other`` says why)."""
+    from reroll.data.datasets import load_samples
+    from reroll.models.loading import load_tokenizer
+    from reroll.pipelines.common import sft_batch
+
+    samples = load_samples([str(assets["train"])], template="{question}=")[:10]
+    tokenizer = load_tokenizer(str(load_config(four_layers, RunConfig).model.path))
+    batch = sft_batch(samples, tokenizer, "{answer}")
+    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    batch.advantages *= batch.response_mask
+    runs = {}
+    for scheduled in (False, True):
+        out = tmp_path / f"scheduled_{scheduled}"
+        out.mkdir()
+        runs[scheduled] = run_ranks(_worker_rank, 2, out, str(four_layers), batch, scheduled)
+    assert all(r["schedules"] == [] for r in runs[False])
+    assert all(r["schedules"] == [True, False, False] for r in runs[True])  # log-probs, SFT, RL
+    for a, b in zip(runs[False], runs[True]):
+        assert (a["logprobs"] != 0).sum() > 5
+        assert torch.equal(a["logprobs"], b["logprobs"])
+        for key, prefix in (("sft", "sft"), ("rl", "actor")):
+            assert a[key][f"{prefix}/loss"] != 0
+            assert {k: v for k, v in a[key].items() if k != "train/tokens_per_s"} == {
+                k: v for k, v in b[key].items() if k != "train/tokens_per_s"
+            }, key
         for name, w in a["weights"].items():
             assert torch.equal(b["weights"][name], w), name

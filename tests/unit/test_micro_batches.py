@@ -1,0 +1,79 @@
+"""A step's micro-batches handed to the strategy together (``Strategy.train_micro_batches``): the loop
+every strategy runs, and the pieces of Megatron's pipeline schedule that need no process group (the
+schedule itself runs on spawned gloo ranks: ``tests/integration/test_megatron_pipeline.py``, ``-m long``)."""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from reroll.strategies.megatron_pipeline import _handed, _on_host
+from reroll.strategies.micro_batches import MicroBatchLoop
+
+
+class _Recording(MicroBatchLoop):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.calls.append(f"backward {float(loss.detach())}")
+        loss.backward()
+
+
+def test_the_loop_backpropagates_each_loss_before_the_next_forward_and_keeps_the_records_in_order():
+    w = torch.ones((), requires_grad=True)
+    s = _Recording()
+
+    def loss_of(mb: float) -> tuple[torch.Tensor, str]:
+        s.calls.append(f"loss {mb}")
+        return w * mb, f"record {mb}"
+
+    assert s.train_micro_batches([1.0, 2.0, 3.0], loss_of) == ["record 1.0", "record 2.0", "record 3.0"]
+    assert s.calls == ["loss 1.0", "backward 1.0", "loss 2.0", "backward 2.0", "loss 3.0", "backward 3.0"]
+    assert float(w.grad) == 6.0  # summed over the micro-batches
+    assert s.score_micro_batches([1, 2], lambda mb: mb * 10) == [10, 20]
+
+
+def test_a_scheduled_loss_gets_its_rows_logits_cut_to_its_width_and_no_other_rows():
+    rows = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])  # a member's rows among the group's: padded to 4
+    logits = torch.arange(2 * 4 * 3.0).reshape(2, 4, 3)
+    assert torch.equal(_handed(logits, rows, rows[:, :3]), logits[:, :3])
+    for other in (rows[:1, :3], torch.tensor([[5, 6, 7], [8, 1, 0]])):  # fewer rows; another token
+        with pytest.raises(RuntimeError, match="other rows than the micro-batch's input_ids"):
+            _handed(logits, rows, other)
+
+
+def test_records_go_back_to_their_rank_on_the_host_detached():
+    w = torch.ones(2, requires_grad=True)
+    sent = _on_host([(w * 2, "rows 3", {"actor/loss": w.sum(), "n": 4})])
+    ((value, inputs, metrics),) = sent
+    assert not value.requires_grad and torch.equal(value, torch.tensor([2.0, 2.0]))
+    assert inputs == "rows 3" and metrics["n"] == 4 and not metrics["actor/loss"].requires_grad
+
+
+@dataclass
+class _MB:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+def test_megatron_schedules_only_what_it_can_the_same_on_every_rank():
+    pytest.importorskip("megatron.core")
+    from reroll.strategies.megatron import MegatronStrategy
+
+    mb = _MB(torch.ones(1, 2), torch.ones(1, 2))
+
+    def strategy(**state) -> MegatronStrategy:
+        s = MegatronStrategy.__new__(MegatronStrategy)
+        vars(s).update({"pipe": object(), "context_parallel": None, "moe_routers": None} | state)
+        return s
+
+    assert strategy()._schedules([mb, mb], training=True)
+    assert not strategy(pipe=None)._schedules([mb], training=True)  # one stage: nothing to overlap
+    assert not strategy(context_parallel=object())._schedules([mb], training=False)
+    routed = strategy(moe_routers=object())  # the router loss pools every stage's layers inside the loss
+    assert not routed._schedules([mb], training=True) and routed._schedules([mb], training=False)
+    assert not strategy()._schedules([types.SimpleNamespace(chosen=mb)], training=True)  # no input_ids
