@@ -1,20 +1,40 @@
-"""Pipeline parallelism for the Megatron strategy: a ``GPTModel`` per stage, driven through the same
-``logits`` -> loss -> ``backward`` calls as every other strategy.
+"""Pipeline parallelism for the Megatron strategy: a ``GPTModel`` per stage, its micro-batches run by
+Megatron-Core's 1F1B schedule where the strategy is handed a step's micro-batches together
+(``run_schedule``), else driven through the same ``logits`` -> loss -> ``backward`` calls as every
+other strategy.
 
 The ranks of one model-parallel group (``tensor_parallel x pipeline_parallel``) gather their rows and
 run them together, as the TP ranks of a group do. Stage ``p`` receives the hidden states of stage
 ``p - 1`` (``[s, b, h]``, sequence-split under sequence parallelism), runs its layers and sends its
-output on; the last stage computes the logits and sends each rank of its pipeline group that rank's
-own rows, so every rank computes the loss of its rows as without pipelining. Backward runs the same
-way in reverse, driven by autograd: each rank's logits' gradient goes to the last stage (summed there
-over the TP group, as ``_SumGradOverGroup`` does without pipelining), the last stage backpropagates
-through its layers and sends the gradient of its input to the stage before, and so on to the first.
+output on.
 
-A micro-batch crosses the stages one after the other (no 1F1B interleaving of micro-batches: the
-trainer computes each micro-batch's loss from its logits, so Megatron-Core's
-``get_forward_backward_func`` schedule, which owns the loss, does not fit this interface); a stage idles
-while the others run, and pipelining buys memory (1/pp of the layers and their optimizer state per
-rank), not speed. Every rank of a group must make the same ``logits``/``backward`` calls.
+Scheduled (``MegatronStrategy.train_micro_batches`` and ``score_micro_batches``, which the trainer
+calls with all micro-batches of a step or a forward-only pass and the function of each one's loss or
+output): each micro-batch's rows are gathered over the model-parallel group first, every rank's
+micro-batches go to the last stage of its pipeline group, and Megatron-Core's
+``forward_backward_pipelining_without_interleaving`` runs them, shapes exchanged per micro-batch
+(``variable_seq_lengths``): ``p - 1 - stage`` warm-up forwards, then one forward and one backward in
+turn, then the cool-down backwards, so with ``m`` micro-batches on ``p`` stages a step takes about
+``(m + p - 1) / (m p)`` of the time one micro-batch after another takes. The last stage computes every
+member's loss from that member's rows' logits (the strategy's ``logits``, called inside the loss,
+hands them over) and backpropagates their sum: each member's rows get the gradient of its own loss,
+as before; the losses' records (metrics) go back to their ranks at the end. The weights' gradients
+accumulate over the micro-batches in the same order as one after the other, so both give the same
+gradients bit for bit (``tests/integration/test_megatron_pipeline.py``). A mixture of experts' training
+step is not scheduled: its router loss pools every stage's layers, by collectives over the stages,
+inside each rank's loss (``megatron_moe.StageRouted``); nor are rows split by context parallelism.
+
+One after the other (``logits`` and ``backward``): the last stage computes the logits and sends each
+rank of its pipeline group that rank's own rows, so every rank computes the loss of its rows as without
+pipelining. Backward runs the same way in reverse, driven by autograd: each rank's logits' gradient goes
+to the last stage (summed there over the TP group, as ``_SumGradOverGroup`` does without pipelining),
+the last stage backpropagates through its layers and sends the gradient of its input to the stage
+before, and so on to the first. A stage idles while the others run: this way pipelining buys memory
+(1/pp of the layers and their optimizer state per rank), not speed. Every rank of a group must make
+the same calls.
+
+Not built: the interleaved (virtual pipeline) schedule, which needs each rank's layers built as
+several model chunks.
 """
 
 from __future__ import annotations
