@@ -9,6 +9,7 @@ same inputs in the same shapes: what can differ is only where sums are split dif
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass
 from functools import partial
@@ -250,8 +251,10 @@ def _scheduled_rank(
 ) -> None:
     """``STEPS`` optimizer steps of next-token loss on this rank's share of the rows cut into one-row
     micro-batches, through ``train_micro_batches`` (``scheduled``) or the one-after-the-other loop every
-    strategy has; then a forward-only pass the same way. Saves the losses, grad norms, log-probs and
-    weights."""
+    strategy has; then a forward-only pass the same way. A mixture of experts adds its router's
+    load-balancing term as the trainer does (``StepRouting``). Saves the losses, grad norms, router
+    metrics, log-probs and weights."""
+    from reroll.models.moe import StepRouting
     from reroll.strategies.micro_batches import MicroBatchLoop
 
     schedules = _counted_schedules()
@@ -261,10 +264,14 @@ def _scheduled_rank(
     for row in range(rank * mine, (rank + 1) * mine):
         width = int(mask[row].sum())
         mbs.append(_Rows(ids[row : row + 1, :width], mask[row : row + 1, :width]))
+    routing = None
 
     def loss_of(mb: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = s.logits(mb.input_ids, mb.attention_mask)
+        with s.moe_routers.capture() if routing else contextlib.nullcontext() as routed:
+            logits = s.logits(mb.input_ids, mb.attention_mask)
         loss = -(token_logprobs(logits, mb.input_ids) * mb.attention_mask).sum() / n_tokens
+        if routing is not None:
+            loss = loss + routing.term(routed, len(mb.input_ids) / ROWS)
         return loss, loss.detach()
 
     def scored(mb: _Rows) -> torch.Tensor:
@@ -272,13 +279,20 @@ def _scheduled_rank(
 
     train = s.train_micro_batches if scheduled else partial(MicroBatchLoop.train_micro_batches, s)
     score = s.score_micro_batches if scheduled else partial(MicroBatchLoop.score_micro_batches, s)
-    steps = []
+    steps, metrics = [], []
     for _ in range(STEPS):
+        routing = StepRouting(s.moe_routers, ROUTER_COEF) if s.moe_routers is not None else None
         losses = train(mbs, loss_of)
         steps.append(([float(v) for v in losses], s.step(1.0)["grad_norm"]))
+        metrics.append(routing.metrics("actor") if routing is not None else {})
     with torch.no_grad():
         logprobs = [_pad(x.cpu(), 24) for x in score(mbs, scored)]
-    saved = {"steps": steps, "scored": torch.cat(logprobs), "weights": s.full_state_dict()}
+    saved = {
+        "steps": steps,
+        "metrics": metrics,
+        "scored": torch.cat(logprobs),
+        "weights": s.full_state_dict(),
+    }
     torch.save(saved | {"schedules": schedules}, f"{out}/rank{rank}.pt")
 
 
@@ -394,5 +408,24 @@ def test_trainer_workers_on_two_stages_scheduled_equal_one_micro_batch_after_the
             assert {k: v for k, v in a[key].items() if k != "train/tokens_per_s"} == {
                 k: v for k, v in b[key].items() if k != "train/tokens_per_s"
             }, key
+        for name, w in a["weights"].items():
+            assert torch.equal(b["weights"][name], w), name
+
+
+@pytest.mark.long  # 2 x 2 spawned ranks of a mixture of experts: about 2 minutes on 2 CPU cores
+def test_a_mixture_of_experts_on_two_stages_scheduled_equals_one_micro_batch_after_the_other(
+    tmp_path, small_moe
+):
+    """A Qwen3-MoE on two stages with its router's load-balancing term: its training step is not
+    scheduled (the term pools every stage's layers by collectives inside each rank's loss), so
+    ``train_micro_batches`` runs the loop, router term included; its forward-only pass is scheduled. Both
+    equal the loop's bit for bit, as for a dense model."""
+    one_by_one = _run_scheduled(tmp_path, small_moe, 2, False, "pipeline_parallel=2")
+    scheduled = _run_scheduled(tmp_path, small_moe, 2, True, "pipeline_parallel=2")
+    assert all(r["schedules"] == [True] for r in scheduled)  # the forward-only pass alone
+    assert one_by_one[0]["metrics"][0]["actor/router_aux_loss"] > 0
+    for a, b in zip(one_by_one, scheduled):
+        assert a["steps"] == b["steps"] and a["metrics"] == b["metrics"]
+        assert torch.equal(a["scored"], b["scored"])
         for name, w in a["weights"].items():
             assert torch.equal(b["weights"][name], w), name
