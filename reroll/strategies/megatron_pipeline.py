@@ -259,13 +259,12 @@ def _to_last_stage(batches: list[Any], pipe: Pipeline) -> list[list[Any]] | None
 
 def _from_last_stage(results: list[list[Any]] | None, pipe: Pipeline) -> list[Any]:
     """This rank's results from the last stage (given there, by stage); the others' go as host tensors."""
-    if pipe.last:
-        assert results is not None
-        sent = [_on_host(r) for r in results]
-        sent[pipe.stage] = None  # kept where computed
+    sent = None
+    if results is not None:  # the last stage: its own kept where computed
+        sent = [None if stage == pipe.stage else _on_host(r) for stage, r in enumerate(results)]
     mine: list[Any] = [None]
-    dist.scatter_object_list(mine, sent if pipe.last else None, src=pipe.ranks[-1], group=pipe.group)
-    return results[pipe.stage] if pipe.last else mine[0]
+    dist.scatter_object_list(mine, sent, src=pipe.ranks[-1], group=pipe.group)
+    return results[pipe.stage] if results is not None else mine[0]
 
 
 def _on_host(x: Any) -> Any:
