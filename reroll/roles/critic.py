@@ -11,6 +11,7 @@ optimizer state per rank).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,17 +45,23 @@ class CriticWorker(StrategyWorker):
         micro-batches and ranks add up to the full batch's loss (``critic/vf_loss`` is this rank's share).
         """
         assert self.cfg.critic is not None
-        parts, losses = [], []
-        for mb in self.micro_batches(batch):
+        clip = self.cfg.critic.value_clip
+
+        def loss_of(mb: TrainBatch) -> tuple[torch.Tensor, str, tuple[dict[str, Any], torch.Tensor]]:
             values = token_values(self.forward(mb))
             old_values, returns, mask = (
                 to_device(t, values.device) for t in (mb.values, mb.returns, mb.response_mask)
             )
-            token_loss, m = value_loss(values, old_values, returns, mask, clip=self.cfg.critic.value_clip)
+            token_loss, m = value_loss(values, old_values, returns, mask, clip=clip)
             loss = aggregate(token_loss, mask, mode="token-mean", num_tokens=batch.num_tokens)
-            self._backward(loss, rows_inputs(mb, f"returns {float(mb.returns.abs().max())} max abs"))
-            losses.append(loss.detach())
-            parts.append(m)
+            return (
+                loss,
+                rows_inputs(mb, f"returns {float(mb.returns.abs().max())} max abs"),
+                (m, loss.detach()),
+            )
+
+        records = self._train_micro_batches(self.micro_batches(batch), loss_of)
+        parts, losses = [m for m, _ in records], [loss for _, loss in records]
         step = self._step("critic", "critic/nonfinite_skipped")  # waits for the gradient norm
         # one copy, after the step; the losses (each micro-batch's share) summed in their order
         *metrics, shares = metrics_to_host([*parts, {str(i): v for i, v in enumerate(losses)}])

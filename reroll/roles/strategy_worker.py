@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from reroll.runtime.placement import configure_process, worker_device
 from reroll.strategies import Head, SavedAtOtherWorldSize, make_strategy
 from reroll.strategies.context_parallel import ContextParallel
 from reroll.strategies.memory import reserved_peak
+from reroll.strategies.micro_batches import MB, Record
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,6 @@ def per_token_head(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
         yield out
     finally:
         handle.remove()
-
-
-def nonfinite_as_nan(loss: torch.Tensor) -> torch.Tensor:
-    """What a micro-batch backpropagates of its ``loss``: ``loss * nan`` where it is not finite, so that
-    the step is skipped, else ``loss * 1`` (the same gradients: the factor is exact), the factor chosen
-    on the GPU: the host does not wait for the loss's value."""
-    value = loss.detach()
-    return loss * torch.where(torch.isfinite(value), 1.0, float("nan")).to(value.dtype)
 
 
 def _longest_prompt(batch: TrainBatch) -> int:
@@ -102,7 +95,7 @@ class StrategyWorker:
         if cfg.strategy.name == "deepspeed":
             quiet.allow_deepspeed_notice()  # what DeepSpeed detects concerns a DeepSpeed run
         self.nonfinite_in_row = 0  # optimizer steps skipped in a row (a finite one resets it)
-        # this step's micro-batch losses (device scalars) and what each micro-batch held (``_backward``)
+        # this step's micro-batch losses (device scalars) and what each micro-batch held (``_train_micro_batches``)
         self._losses: list[tuple[torch.Tensor, str]] = []
         self._widest = (0, 0)  # the widest micro-batch seen (tokens a row, longest prompt part)
         self._resting = 0  # the most GPU bytes it held when asked to give the device away (its state)
@@ -380,12 +373,27 @@ class StrategyWorker:
         order = self._row_order(batch, forward_only=True)
         return self.micro_batches(batch.select(order), forward_only=True, by_length=False), order.argsort()
 
-    def _backward(self, loss: torch.Tensor, inputs: str) -> None:
-        """Backward of a micro-batch's loss (``nonfinite_as_nan``). The value is kept with what the
-        micro-batch held (``inputs``: its rows, response tokens and the statistics of what the loss read)
-        for the diagnostic of a skipped step (``_step``)."""
-        self._losses.append((loss.detach(), inputs))
-        self.strategy.backward(nonfinite_as_nan(loss))
+    def _train_micro_batches(
+        self, mbs: Sequence[MB], loss_of: Callable[[MB], tuple[torch.Tensor, str, Record]]
+    ) -> list[Record]:
+        """Backpropagate the loss of every micro-batch of a step, ``loss_of(mb) -> (loss, what the
+        micro-batch held, record)``, through the strategy (``Strategy.train_micro_batches``: one after
+        the other, or scheduled, ``loss_of`` then possibly run on another rank of the model's group);
+        each one's record, in order. A non-finite loss is backpropagated as ``loss * nan`` so that the
+        step is skipped, a finite one as ``loss * 1`` (the same gradients: the factor is exact), the factor
+        chosen on the GPU: the host does not wait for the loss's value. The value is kept with what the
+        micro-batch held (its rows, response tokens and the statistics of what the loss read) for the
+        diagnostic of a skipped step (``_step``)."""
+
+        def scaled(mb: MB) -> tuple[torch.Tensor, tuple[torch.Tensor, str, Record]]:
+            loss, inputs, record = loss_of(mb)
+            value = loss.detach()
+            factor = torch.where(torch.isfinite(value), 1.0, float("nan")).to(value.dtype)
+            return loss * factor, (value, inputs, record)
+
+        out = self.strategy.train_micro_batches(mbs, scaled)
+        self._losses += [(value, inputs) for value, inputs, _ in out]
+        return [record for _, _, record in out]
 
     def _step(self, prefix: str, skipped_key: str) -> dict[str, float]:
         """The optimizer step: its gradient norm and lr as ``<prefix>/grad_norm``, ``<prefix>/lr``, and

@@ -25,7 +25,7 @@ from reroll.models.loading import DTYPES
 from reroll.models.moe import Routers, StepRouting
 from reroll.roles.objectives import Objective
 from reroll.roles.preference import PairWorkerMixin
-from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker, nonfinite_as_nan
+from reroll.roles.strategy_worker import StrategyGroup, StrategyWorker
 from reroll.runtime.actors import LocalHandle
 from reroll.runtime.shared_buckets import BucketSharer, SharedBucket
 from reroll.runtime.weight_sync import (
@@ -87,20 +87,17 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         start = time.perf_counter()
         routing = self._routing()
 
-        def loss_of(mb: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, str, dict[str, Any]]]:
-            """The micro-batch's loss (``nonfinite_as_nan``) and record: its value, what it held, its metrics
-            (``Strategy.train_micro_batches``: it may run on another rank of the model's group)."""
+        def loss_of(mb: Any) -> tuple[torch.Tensor, str, dict[str, Any]]:
+            """The micro-batch's loss, what it held and its metrics (``_train_micro_batches``)."""
             with self.routers.capture() if routing else contextlib.nullcontext() as routed:
                 loss = objective.loss(self, mb, batch)
             value = loss.value
             if routing is not None:  # a mixture of experts: its load-balancing loss, statistics
                 term = routing.term(routed, objective.share(mb, batch))
                 value = value if term is None else value + term.to(value.device)
-            return nonfinite_as_nan(value), (value.detach(), loss.inputs, loss.metrics)
+            return value, loss.inputs, loss.metrics
 
-        records = self.strategy.train_micro_batches(list(objective.micro_batches(self, batch)), loss_of)
-        self._losses += [(value, inputs) for value, inputs, _ in records]
-        parts = [metrics for _, _, metrics in records]
+        parts = self._train_micro_batches(list(objective.micro_batches(self, batch)), loss_of)
         step = self._step(objective.prefix, objective.skipped)  # waits for the gradient norm
         out = objective.reduce(metrics_to_host(parts), batch) | step  # every micro-batch's in one copy
         out |= routing.metrics(objective.prefix) if routing is not None else {}

@@ -9,10 +9,11 @@ import torch
 from reroll.data.types import TrainBatch
 from reroll.roles.objectives import rows_inputs
 from reroll.roles.strategy_worker import StrategyWorker
+from reroll.strategies.micro_batches import MicroBatchLoop
 from reroll.strategies.training import adamw_with_warmup, optimizer_step
 
 
-class LinearStrategy:
+class LinearStrategy(MicroBatchLoop):
     """The torch strategy's step (clip, then the finite-norm guarded ``optimizer_step``) on a 2 -> 1 linear."""
 
     device = torch.device("cpu")  # every strategy names its device (the worker reads it after a step)
@@ -54,7 +55,7 @@ def _train_step(worker: StrategyWorker, extra: float) -> dict[str, float]:
     """One optimizer step on the loss ``sum(model(x)) + extra``: ``extra`` inf makes the loss inf while
     the gradient stays finite, the case only the loss check catches."""
     loss = worker.strategy.model(torch.ones(2, 2)).sum() + extra
-    worker._backward(loss, rows_inputs(MB, "advantages 1.0 max abs"))
+    worker._train_micro_batches([MB], lambda mb: (loss, rows_inputs(mb, "advantages 1.0 max abs"), None))
     return worker._step("actor", "train/nonfinite_skipped")
 
 
@@ -92,17 +93,17 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_skipped_too():
     worker = _worker()
     worker.strategy.model.weight.register_hook(lambda g: torch.full_like(g, float("inf")))  # an overflow
     loss = worker.strategy.model(torch.ones(2, 2)).sum()
-    worker._backward(loss, rows_inputs(MB, "advantages 1.0 max abs"))
+    worker._train_micro_batches([MB], lambda mb: (loss, rows_inputs(mb, "advantages 1.0 max abs"), None))
     out = worker._step("actor", "train/nonfinite_skipped")
     assert out["train/nonfinite_skipped"] == 1.0 and worker._losses == []
 
 
 def test_a_finite_losss_gradients_are_those_of_its_plain_backward():
-    """``_backward`` multiplies a finite loss by a factor 1 chosen on the device (no wait for the loss's
+    """``_train_micro_batches`` multiplies a finite loss by a factor 1 chosen on the device (no wait for the loss's
     value): exact, so the gradients equal ``loss.backward()``'s bit for bit, and nothing is noted."""
     worker, plain = _worker(), LinearStrategy()
     x = torch.tensor([[0.3, -1.7], [2.1, 0.4]])
-    worker._backward(worker.strategy.model(x).pow(3).sum(), "rows")
+    worker._train_micro_batches([x], lambda x: (worker.strategy.model(x).pow(3).sum(), "rows", None))
     plain.model(x).pow(3).sum().backward()
     for a, b in zip(worker.strategy.model.parameters(), plain.model.parameters()):
         assert torch.equal(a.grad, b.grad)
