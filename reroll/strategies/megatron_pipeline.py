@@ -34,7 +34,12 @@ before, and so on to the first. A stage idles while the others run: this way pip
 the same calls.
 
 Not built: the interleaved (virtual pipeline) schedule, which needs each rank's layers built as
-several model chunks.
+several model chunks (and their weights loaded and gathered per chunk); a mixture of experts' training
+step under the schedule, which needs its router term moved out of the rank's loss into each stage: the
+stage's routers' share of every member's term attached to its output (as Megatron's
+``MoEAuxLossAutoScaler`` attaches its own auxiliary loss), the top-k counts of every stage's layers
+(``f``, no gradient) gathered asynchronously over the stages after each forward and waited for in that
+micro-batch's backward, each rank's router statistics read from them.
 """
 
 from __future__ import annotations
