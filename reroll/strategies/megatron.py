@@ -7,8 +7,8 @@ attention by Ulysses all-to-alls in the core attention, without Transformer Engi
 (``reroll.strategies.megatron_context``); Megatron-Core's own context-parallel size stays 1, so its
 data-parallel ranks include the context-parallel ones and its DDP sums their gradients. Pipeline
 stages hold consecutive layers (split as Megatron-Core splits them) and run a step's micro-batches by
-Megatron-Core's 1F1B schedule (``train_micro_batches``; ``reroll.strategies.megatron_pipeline``). A Qwen3-MoE
-(at tensor_parallel 1; on pipeline stages too) spreads its experts over groups of
+Megatron-Core's 1F1B schedule (``train_micro_batches``; ``reroll.strategies.megatron_pipeline``).
+A Qwen3-MoE (at tensor_parallel 1; on pipeline stages too) spreads its experts over groups of
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
 to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
 logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face
