@@ -110,9 +110,9 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int, *, context_parallel: int
         # a pipeline stage runs the rows of its pipeline_parallel ranks through 1/pipeline_parallel of the
         # layers (reroll.strategies.megatron_pipeline): per rank, as many layer-rows as without stages
         kept /= model_par
-        if not shape.expert_params:  # 1F1B (megatron_pipeline.run_schedule): the first stage holds the
-            kept *= m.pipeline_parallel  # kept activations of up to pipeline_parallel micro-batches at once
-            # (a mixture of experts' training step runs its micro-batches one at a time)
+        # 1F1B (megatron_pipeline.run_schedule): the first stage holds the kept activations of up to
+        # pipeline_parallel micro-batches at once
+        kept *= m.pipeline_parallel
         layer *= m.pipeline_parallel / model_par
         stage_rows = m.pipeline_parallel  # the last stage computes those rows' logits
     # the head runs at the positions before response tokens alone: their logits in the compute dtype

@@ -121,10 +121,15 @@ class StepRouting:
         """What joins the micro-batch's loss (None where ``coef`` is 0: the statistics only)."""
         with contextlib.nullcontext() if self.coef else torch.no_grad():
             weighted, aux, counts = routed.term(self.routers.top_k, share)
+        self.add(aux, share, counts)
+        return self.coef * weighted if self.coef else None
+
+    def add(self, aux: torch.Tensor, share: float, counts: torch.Tensor) -> None:
+        """A micro-batch's statistics: its load-balancing loss ``aux``, its ``share`` of the step and its
+        experts' ``(L, E)`` top-k counts (``term``; or the strategy's, where it adds the term itself)."""
         self._aux.append((aux.detach(), share))  # read in metrics: the host does not wait here
         self._shares += share
         self._counts = counts if self._counts is None else self._counts + counts
-        return self.coef * weighted if self.coef else None
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """``<prefix>/router_aux_loss`` (the micro-batches' mean, weighted by their shares; ``top_k`` for

@@ -44,7 +44,7 @@ from reroll.runtime.placement import configure_process, worker_device
 from reroll.strategies import Head, SavedAtOtherWorldSize, make_strategy
 from reroll.strategies.context_parallel import ContextParallel
 from reroll.strategies.memory import reserved_peak
-from reroll.strategies.micro_batches import MB, Record
+from reroll.strategies.micro_batches import MB, Record, RouterLoss
 
 log = logging.getLogger(__name__)
 
@@ -374,12 +374,16 @@ class StrategyWorker:
         return self.micro_batches(batch.select(order), forward_only=True, by_length=False), order.argsort()
 
     def _train_micro_batches(
-        self, mbs: Sequence[MB], loss_of: Callable[[MB], tuple[torch.Tensor, str, Record]]
+        self,
+        mbs: Sequence[MB],
+        loss_of: Callable[[MB], tuple[torch.Tensor, str, Record]],
+        router: RouterLoss | None = None,
     ) -> list[Record]:
         """Backpropagate the loss of every micro-batch of a step, ``loss_of(mb) -> (loss, what the
         micro-batch held, record)``, through the strategy (``Strategy.train_micro_batches``: one after
         the other, or scheduled, ``loss_of`` then possibly run on another rank of the model's group);
-        each one's record, in order. A non-finite loss is backpropagated as ``loss * nan`` so that the
+        each one's record, in order; ``router``: a mixture of experts' term, added to each loss. A
+        non-finite loss is backpropagated as ``loss * nan`` so that the
         step is skipped, a finite one as ``loss * 1`` (the same gradients: the factor is exact), the factor
         chosen on the GPU: the host does not wait for the loss's value. The value is kept with what the
         micro-batch held (its rows, response tokens and the statistics of what the loss read) for the
@@ -391,7 +395,7 @@ class StrategyWorker:
             factor = torch.where(torch.isfinite(value), 1.0, float("nan")).to(value.dtype)
             return loss * factor, (value, inputs, record)
 
-        out = self.strategy.train_micro_batches(mbs, scaled)
+        out = self.strategy.train_micro_batches(mbs, scaled, router)
         self._losses += [(value, inputs) for value, inputs, _ in out]
         return [record for _, _, record in out]
 

@@ -37,6 +37,7 @@ from reroll.runtime.weight_sync import (
 )
 from reroll.strategies.context_parallel import data_shards, group_leaders
 from reroll.strategies.lora import AdapterUpdate, payload_bytes
+from reroll.strategies.micro_batches import RouterLoss
 
 if TYPE_CHECKING:
     from reroll.strategies.megatron_moe import MegatronRouters
@@ -89,15 +90,13 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
 
         def loss_of(mb: Any) -> tuple[torch.Tensor, str, dict[str, Any]]:
             """The micro-batch's loss, what it held and its metrics (``_train_micro_batches``)."""
-            with self.routers.capture() if routing else contextlib.nullcontext() as routed:
-                loss = objective.loss(self, mb, batch)
-            value = loss.value
-            if routing is not None:  # a mixture of experts: its load-balancing loss, statistics
-                term = routing.term(routed, objective.share(mb, batch))
-                value = value if term is None else value + term.to(value.device)
-            return value, loss.inputs, loss.metrics
+            loss = objective.loss(self, mb, batch)
+            return loss.value, loss.inputs, loss.metrics
 
-        parts = self._train_micro_batches(list(objective.micro_batches(self, batch)), loss_of)
+        mbs = list(objective.micro_batches(self, batch))
+        # a mixture of experts: its load-balancing loss joins each micro-batch's, its statistics kept
+        router = None if routing is None else RouterLoss(routing, [objective.share(mb, batch) for mb in mbs])
+        parts = self._train_micro_batches(mbs, loss_of, router)
         step = self._step(objective.prefix, objective.skipped)  # waits for the gradient norm
         out = objective.reduce(metrics_to_host(parts), batch) | step  # every micro-batch's in one copy
         out |= routing.metrics(objective.prefix) if routing is not None else {}

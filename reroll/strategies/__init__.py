@@ -21,7 +21,7 @@ from reroll.errors import UserError
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
     from reroll.data.types import ImageInputs
-    from reroll.strategies.micro_batches import MB, Record
+    from reroll.strategies.micro_batches import MB, Record, RouterLoss
 
 Head = Literal["causal_lm", "value", "reward"]
 
@@ -74,11 +74,15 @@ class Strategy(Protocol):
     def backward(self, loss: torch.Tensor) -> None: ...
 
     def train_micro_batches(
-        self, batches: Sequence[MB], loss_of: Callable[[MB], tuple[torch.Tensor, Record]]
+        self,
+        batches: Sequence[MB],
+        loss_of: Callable[[MB], tuple[torch.Tensor, Record]],
+        router: RouterLoss | None = None,
     ) -> list[Record]:
-        """Backpropagate the loss of every micro-batch of a step, ``loss_of(mb) -> (loss, record)``; the
-        records in order. One after the other (``reroll.strategies.micro_batches.MicroBatchLoop``), or
-        scheduled where the strategy can (Megatron's pipeline stages)."""
+        """Backpropagate the loss of every micro-batch of a step, ``loss_of(mb) -> (loss, record)``, a
+        mixture of experts' ``router`` term added; the records in order. One after the other
+        (``reroll.strategies.micro_batches.MicroBatchLoop``), or scheduled where the strategy can
+        (Megatron's pipeline stages)."""
         ...
 
     def score_micro_batches(self, batches: Sequence[MB], output_of: Callable[[MB], Record]) -> list[Record]:

@@ -76,8 +76,9 @@ from reroll.strategies.training import warmup_factor
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
     from reroll.config.training import MegatronConfig
+    from reroll.strategies.megatron_moe import ScheduledRouting
     from reroll.strategies.megatron_pipeline import GroupRows
-    from reroll.strategies.micro_batches import MB, Record
+    from reroll.strategies.micro_batches import MB, Record, RouterLoss
 
 log = logging.getLogger(__name__)
 
@@ -542,35 +543,58 @@ class MegatronStrategy(MicroBatchLoop):
         loss.backward()
 
     def train_micro_batches(
-        self, batches: Sequence[MB], loss_of: Callable[[MB], tuple[torch.Tensor, Record]]
+        self,
+        batches: Sequence[MB],
+        loss_of: Callable[[MB], tuple[torch.Tensor, Record]],
+        router: RouterLoss | None = None,
     ) -> list[Record]:
         """Pipeline stages run a step's micro-batches by a 1F1B schedule where they can
-        (``_schedules``), the last stage computing every rank's loss; else one after the other."""
-        if not self._schedules(batches, training=True):
-            return super().train_micro_batches(batches, loss_of)
+        (``_schedules``), the last stage computing every rank's loss, each stage adding its routers' part
+        of a mixture of experts' ``router`` term (``megatron_moe.ScheduledRouting``); else one after the
+        other."""
+        if not self._schedules(batches):
+            return super().train_micro_batches(batches, loss_of, router)
         if self.optimizer is None:
             raise RuntimeError("MegatronStrategy.train_micro_batches: configure_optimizer first")
-        return self._schedule(batches, loss_of, forward_only=False)
+        routing = None
+        if router is not None and self.moe_routers is not None:
+            from reroll.strategies.megatron_moe import ScheduledRouting
+
+            assert self.pipe is not None and self.tp == 1  # a mixture of experts: tensor_parallel 1
+            mine = torch.tensor(list(router.shares), dtype=torch.float32, device=self.device)
+            shares = [torch.empty_like(mine) for _ in self.pipe.ranks]
+            dist.all_gather(shares, mine, group=self.pipe.group)
+            routing = ScheduledRouting(
+                self.moe_routers, router.routing, torch.stack(shares), list(router.shares), self.mp_group
+            )
+        records = self._schedule(batches, loss_of, forward_only=False, routing=routing)
+        if routing is not None:
+            routing.finish()
+        return records
 
     def score_micro_batches(self, batches: Sequence[MB], output_of: Callable[[MB], Record]) -> list[Record]:
         """A forward-only pass's outputs, pipeline stages running the micro-batches by the schedule's
         forward half where they can (``_schedules``)."""
-        if not self._schedules(batches, training=False):
+        if not self._schedules(batches):
             return super().score_micro_batches(batches, output_of)
         return self._schedule(batches, output_of, forward_only=True)
 
-    def _schedules(self, batches: Sequence[Any], *, training: bool) -> bool:
+    def _schedules(self, batches: Sequence[Any]) -> bool:
         """Whether the stages schedule these micro-batches (the same answer on every rank of a group):
         rows given as ``input_ids`` and ``attention_mask``, no context parallelism (its groups gather
-        columns inside the loss), and in training no mixture of experts (its router loss pools every
-        stage's layers inside the loss, by collectives over the stages)."""
+        columns inside the loss)."""
         if self.pipe is None or self.context_parallel is not None:
-            return False
-        if training and self.moe_routers is not None:
             return False
         return all(hasattr(mb, "input_ids") and hasattr(mb, "attention_mask") for mb in batches)
 
-    def _schedule(self, batches: Sequence[Any], fn: Callable[[Any], Any], *, forward_only: bool) -> list[Any]:
+    def _schedule(
+        self,
+        batches: Sequence[Any],
+        fn: Callable[[Any], Any],
+        *,
+        forward_only: bool,
+        routing: ScheduledRouting | None = None,
+    ) -> list[Any]:
         """``fn`` of every micro-batch by ``megatron_pipeline.run_schedule``, each micro-batch's rows
         gathered over the model-parallel group first (as ``logits`` gathers them)."""
         from reroll.strategies.megatron_pipeline import run_schedule
@@ -585,7 +609,7 @@ class MegatronStrategy(MicroBatchLoop):
             )
         group_rows = [self._group_rows(mb.input_ids, mb.attention_mask) for mb in batches]
         return run_schedule(
-            self.pipe, self._require(), group_rows, batches, fn, self._stage_forward,
+            self.pipe, self._require(), group_rows, batches, fn, partial(self._stage_forward, routing=routing),
             partial(setattr, self, "_handed"), forward_only=forward_only,
         )  # fmt: skip
 
@@ -597,16 +621,22 @@ class MegatronStrategy(MicroBatchLoop):
         right_padded = torch.arange(ids.shape[1], device=mask.device) < mask.sum(-1, keepdim=True)
         if not torch.equal(right_padded, mask.bool()):
             raise UserError("the megatron strategy needs right-padded rows (real tokens first, then padding)")
-        rows, _, rows_of = _gather_rows(ids, mask, self.mp_group)
+        rows, mask, rows_of = _gather_rows(ids, mask, self.mp_group)
         model_ids, positions, causal, t = self._model_inputs(rows)
-        return GroupRows(rows, model_ids, positions, causal, t, self._spans(rows_of))
+        return GroupRows(rows, mask, model_ids, positions, causal, t, self._spans(rows_of))
 
-    def _stage_forward(self, g: GroupRows) -> torch.Tensor:
+    def _stage_forward(self, g: GroupRows, routing: ScheduledRouting | None = None) -> torch.Tensor:
         """This stage's output for the group's rows ``g`` under the schedule: the hidden states it sends
         on, or the last stage's ``(rows, t, V)`` logits, their gradient summed over the TP group (as the
-        ``logits`` of a TP group's rows)."""
+        ``logits`` of a TP group's rows); ``routing``: with its routers' term attached."""
         assert self.pipe is not None
-        out = self._require()(g.ids, g.positions, g.causal)
+        run = partial(self._require(), g.ids, g.positions, g.causal)
+        if routing is None:
+            out = run()
+        else:  # the router's mask as ``logits`` gives it: padded to the columns the model runs
+            out = routing.forward(
+                torch.nn.functional.pad(g.mask, (0, g.ids.shape[1] - g.mask.shape[1])), g.spans, run
+            )
         if not self.pipe.last:
             return out
         out = out[:, : g.t, : self.shape.vocab_size].to(DTYPES[self.dtype])

@@ -13,7 +13,9 @@ its own layers only. ``StageRouted`` then gives each rank what it would backprop
 the loss of each member's rows pools all layers (``f``, the top-k share, summed over the stages; ``P``,
 the mean probability, a sum of the stages' parts), so each stage backpropagates the part ``E * sum_e
 f_e * P_e`` owes to its layers (``f`` fixed: it has no gradient), weighted by each member's share of the
-step; the members' losses and loads are reported to their own ranks.
+step; the members' losses and loads are reported to their own ranks. Where the pipeline schedule runs a
+step's micro-batches (``megatron_pipeline.run_schedule``), each stage adds that part itself, attached to
+its output, the other stages' counts gathered while the schedule goes on (``ScheduledRouting``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -169,3 +172,98 @@ def gather_experts(
         else:
             shards[0][name] = w
     return mc.merge_experts(shards)
+
+
+class ScheduledRouting:
+    """The router term of a step whose micro-batches the pipeline schedule runs
+    (``megatron_pipeline.run_schedule``): each stage adds its routers' part itself, as ``StageRouted``
+    computes it inside a rank's loss without the schedule.
+
+    Each micro-batch's forward through the stage records its routers' logits (``forward``); the stage's
+    part of every member's share-weighted term, ``sum_m share_m E f_m . P_m / real_m``, is attached to the
+    stage's output (``_RouterGrad``), its gradient given in that micro-batch's backward: ``f`` (top-k
+    counts over every layer, no gradient) comes from the other stages by an all-gather started after the
+    forward and waited for there (every stage's forward of a micro-batch precedes any stage's backward of
+    it). ``finish`` gives the step's ``StepRouting`` this rank's statistics, micro-batch by micro-batch.
+    ``group``: a group of the pipeline group's ranks other than the schedule's (the model-parallel one at
+    tensor_parallel 1); ``shares``: ``(M, m)``, each member's micro-batches' shares of the step (fp32, as
+    ``StageRouted.term`` gathers them), ``own_shares`` this rank's."""
+
+    def __init__(
+        self,
+        routers: MegatronRouters,
+        routing: Any,
+        shares: torch.Tensor,
+        own_shares: list[float],
+        group: dist.ProcessGroup,
+    ) -> None:
+        assert routers.pipe is not None
+        self.routers, self.routing, self.shares, self.group = routers, routing, shares, group
+        self.own_shares = own_shares  # this rank's, as given (``shares`` holds them in fp32)
+        self.pipe = routers.pipe
+        members = [dist.get_group_rank(group, rank) for rank in self.pipe.ranks]
+        self.order = torch.tensor(members).argsort()  # the group's ranks in stage order
+        self._pending: list[tuple[Any, list[torch.Tensor], Any, torch.Tensor, torch.Tensor]] = []
+        self._done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, mask: torch.Tensor, spans: list[tuple[int, int]], run: Any) -> torch.Tensor:
+        """``run()``, the stage's forward of the next micro-batch (``mask``: its rows' ``(B, T)`` real
+        tokens, ``spans``: each member's rows), with the router term's gradient attached."""
+        i, coef, top_k = len(self._pending), self.routing.coef, self.routers.top_k
+        with self.routers.capture() as routed:
+            self.routers.start_forward(mask, spans)
+            out = run()
+        assert isinstance(routed, StageRouted)
+        with contextlib.nullcontext() if coef else torch.no_grad():
+            sums = [routed._member_sums(m, top_k) for m in range(len(self.pipe.ranks))]
+        probs = torch.stack([p for p, _, _ in sums])  # (M, E), this stage's layers
+        counts = torch.stack([c for _, c, _ in sums])  # (M, L_stage, E)
+        real = torch.stack([r for _, _, r in sums]).clamp_min(1) * self.routers.num_layers  # (M,)
+        stages = [torch.empty_like(counts) for _ in self.pipe.ranks]
+        gathering = dist.all_gather(stages, counts, group=self.group, async_op=True)
+        total_p = probs.detach().clone()
+        summing = dist.all_reduce(total_p, group=self.group, async_op=True)
+        self._pending.append((gathering, stages, summing, total_p, real))
+        if not coef:
+            return out
+        return _RouterGrad.apply(out, probs, partial(self._grad, i, probs))
+
+    def _f(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch ``i``'s ``(M, L, E)`` counts over every layer and ``f`` ``(M, E)``, once gathered."""
+        if i not in self._done:
+            gathering, stages, summing, _, real = self._pending[i]
+            gathering.wait()
+            summing.wait()
+            every_layer = torch.cat([stages[int(g)] for g in self.order], 1)  # stages: consecutive layers
+            self._done[i] = every_layer, every_layer.sum(1) / real[:, None]
+        return self._done[i]
+
+    def _grad(self, i: int, probs: torch.Tensor) -> torch.Tensor:
+        """The gradient of ``coef`` times the stage's part of micro-batch ``i``'s term, by its probs, in the
+        order autograd takes it through ``StageRouted.term``'s expression."""
+        _, f = self._f(i)
+        real = self._pending[i][4]
+        shares = self.shares[:, i].to(probs.device, torch.float32)
+        weights = shares[:, None] * probs.shape[-1] * f
+        return torch.full_like(probs, self.routing.coef) / real[:, None] * weights
+
+    def finish(self) -> None:
+        """This rank's statistics of every micro-batch into the step's ``StepRouting``, in order."""
+        own = self.pipe.stage
+        for i, (_, _, _, total_p, real) in enumerate(self._pending):
+            every_layer, f = self._f(i)
+            aux = self.routers.experts * (f[own] * total_p[own] / real[own]).sum()
+            self.routing.add(aux, self.own_shares[i], every_layer[own])
+
+
+class _RouterGrad(torch.autograd.Function):
+    """Identity on a stage's output; its backward also gives ``probs`` their gradient (``grad_of()``)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, probs: torch.Tensor, grad_of: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.grad_of = grad_of
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        return grad, ctx.grad_of(), None

@@ -20,9 +20,11 @@ member's loss from that member's rows' logits (the strategy's ``logits``, called
 hands them over) and backpropagates their sum: each member's rows get the gradient of its own loss,
 as before; the losses' records (metrics) go back to their ranks at the end. The weights' gradients
 accumulate over the micro-batches in the same order as one after the other, so both give the same
-gradients bit for bit (``tests/integration/test_megatron_pipeline.py``). A mixture of experts' training
-step is not scheduled: its router loss pools every stage's layers, by collectives over the stages,
-inside each rank's loss (``megatron_moe.StageRouted``); nor are rows split by context parallelism.
+gradients bit for bit (``tests/integration/test_megatron_pipeline.py``). A mixture of experts' router
+term, which pools every stage's layers, is added by each stage to its own output, the other stages'
+top-k counts gathered asynchronously after each forward (``megatron_moe.ScheduledRouting``), where one
+after the other each rank adds it inside its loss (``megatron_moe.StageRouted``). Rows split by context
+parallelism are not scheduled.
 
 One after the other (``logits`` and ``backward``): the last stage computes the logits and sends each
 rank of its pipeline group that rank's own rows, so every rank computes the loss of its rows as without
@@ -34,12 +36,7 @@ before, and so on to the first. A stage idles while the others run: this way pip
 the same calls.
 
 Not built: the interleaved (virtual pipeline) schedule, which needs each rank's layers built as
-several model chunks (and their weights loaded and gathered per chunk); a mixture of experts' training
-step under the schedule, which needs its router term moved out of the rank's loss into each stage: the
-stage's routers' share of every member's term attached to its output (as Megatron's
-``MoEAuxLossAutoScaler`` attaches its own auxiliary loss), the top-k counts of every stage's layers
-(``f``, no gradient) gathered asynchronously over the stages after each forward and waited for in that
-micro-batch's backward, each rank's router statistics read from them.
+several model chunks (and their weights loaded and gathered per chunk).
 """
 
 from __future__ import annotations
@@ -168,10 +165,11 @@ def broadcast_from(
 @dataclass(frozen=True)
 class GroupRows:
     """One micro-batch of the model-parallel group: its gathered rows ``rows`` (right-padded to the
-    widest), what the ``GPTModel`` runs for them (``ids``, ``positions``, ``causal``; ``t``: the output's
+    widest; ``mask`` their real tokens), what the ``GPTModel`` runs for them (``ids``, ``positions``, ``causal``; ``t``: the output's
     columns that are the rows') and ``spans``: each stage's rank's ``(first row, rows)`` among them."""
 
     rows: torch.Tensor
+    mask: torch.Tensor
     ids: torch.Tensor
     positions: torch.Tensor
     causal: torch.Tensor | None

@@ -12,10 +12,15 @@ holds alike (the step's counts, the objective), and may run on another rank of t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from reroll.models.moe import StepRouting
 
 MB = TypeVar("MB")
 Record = TypeVar("Record")
@@ -24,17 +29,34 @@ LossOf = Callable[[Any], tuple[torch.Tensor, Any]]
 """``loss_of(mb) -> (loss to backpropagate, record)``: a micro-batch's forward and loss."""
 
 
+@dataclass(frozen=True)
+class RouterLoss:
+    """A mixture of experts' load-balancing term over a step: ``routing`` adds each micro-batch's (of its
+    routers' logits in that micro-batch's forward), weighted by its share of the step (``shares``, one a
+    micro-batch), to its loss, and keeps the statistics."""
+
+    routing: StepRouting
+    shares: Sequence[float]
+
+
 class MicroBatchLoop:
     """Micro-batches one after the other: forward and loss, then backward, for each in turn."""
 
     def train_micro_batches(
-        self: Any, batches: Sequence[MB], loss_of: Callable[[MB], tuple[torch.Tensor, Record]]
+        self: Any,
+        batches: Sequence[MB],
+        loss_of: Callable[[MB], tuple[torch.Tensor, Record]],
+        router: RouterLoss | None = None,
     ) -> list[Record]:
-        """Backpropagate every micro-batch's loss (gradients summed into the step's); each one's record,
-        in order."""
+        """Backpropagate every micro-batch's loss (gradients summed into the step's), ``router``'s term
+        added; each one's record, in order."""
         records = []
-        for mb in batches:
-            loss, record = loss_of(mb)
+        for i, mb in enumerate(batches):
+            with router.routing.routers.capture() if router else contextlib.nullcontext() as routed:
+                loss, record = loss_of(mb)
+            if router is not None:
+                term = router.routing.term(routed, router.shares[i])
+                loss = loss if term is None else loss + term.to(loss.device)
             self.backward(loss)
             records.append(record)
         return records

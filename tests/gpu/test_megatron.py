@@ -601,7 +601,15 @@ def test_pp2_equals_torch_on_the_whole_batch(tmp_path, assets):
     _two_ranks_equal_torch(tmp_path, assets, _pp2_rank)
 
 
-def _moe2_rank(rank: int, address: str, model_path: str, cfg_path: str, result_dir: str, size: str) -> None:
+def _moe2_rank(
+    rank: int,
+    address: str,
+    model_path: str,
+    cfg_path: str,
+    result_dir: str,
+    size: str,
+    scheduled: bool = False,
+) -> None:
     from reroll.strategies.megatron import MegatronStrategy
 
     torch.cuda.set_device(rank)
@@ -621,8 +629,37 @@ def _moe2_rank(rank: int, address: str, model_path: str, cfg_path: str, result_d
     n_tokens = mask[:, 1:].sum()
     half = slice(0, 4) if rank == 0 else slice(4, 8)  # the role splits rows over all ranks
     ids, mask = ids[half], mask[half]
-    steps = _train_routed_ranked(s, ids, mask, n_tokens)
+    train = _train_routed_scheduled if scheduled else _train_routed_ranked
+    steps = train(s, ids, mask, n_tokens)
     torch.save({"steps": steps, "weights": s.full_state_dict()}, f"{result_dir}/rank{rank}.pt")
+
+
+def _train_routed_scheduled(s, ids, mask, n_tokens, steps: int = 3, coef: float = 0.01):
+    """``_train_routed_ranked`` through ``train_micro_batches`` with the router term handed over
+    (``RouterLoss``): the stages run it by the 1F1B schedule, each adding its routers' part
+    (``ScheduledRouting``); the loss reported is the rank's next-token loss plus its router loss times
+    its share, what the one-by-one rank reports summed over the ranks."""
+    import reroll.strategies.megatron_pipeline as pipeline
+    from reroll.models.moe import StepRouting
+    from reroll.strategies.micro_batches import RouterLoss
+
+    calls, run = [], pipeline.run_schedule
+    pipeline.run_schedule = lambda *a, **k: calls.append(k["forward_only"]) or run(*a, **k)
+
+    def loss_of(mb):
+        logits = s.logits(mb.input_ids, mb.attention_mask)
+        on = lambda t: t.to(logits.device)  # noqa: E731
+        loss = -(token_logprobs(logits, on(mb.input_ids)) * on(mb.attention_mask)).sum() / on(n_tokens)
+        return loss, float(loss)
+
+    out = []
+    for _ in range(steps):
+        routing = StepRouting(s.moe_routers, coef)
+        (ce,) = s.train_micro_batches([_Rows(ids, mask)], loss_of, RouterLoss(routing, [0.5]))
+        norm = s.step(1.0)["grad_norm"]
+        out.append((ce + coef * routing.metrics("actor")["actor/router_aux_loss"] * 0.5, norm))
+    assert calls == [False] * steps, calls  # the schedule ran
+    return out
 
 
 def _train_routed_ranked(s, ids, mask, n_tokens, steps: int = 3, coef: float = 0.01):
@@ -661,7 +698,16 @@ def test_moe_pp2_equals_torch_on_the_whole_batch(tmp_path, assets):
     _moe_two_ranks_equal_torch(tmp_path, assets, "pipeline_parallel=2")
 
 
-def _moe_two_ranks_equal_torch(tmp_path, assets, size: str) -> None:
+@pytest.mark.multigpu(gpus=2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two pipeline stages of a MoE need two GPUs")
+def test_moe_pp2_scheduled_equals_torch_on_the_whole_batch(tmp_path, assets):
+    """As the PP=2 test, the step run by the 1F1B schedule with the router term handed to the strategy
+    (each stage adds its part; the top-k counts gathered over the stages on a second NCCL communicator
+    while the schedule's point-to-point goes on: this checks it does not hang); same tolerances."""
+    _moe_two_ranks_equal_torch(tmp_path, assets, "pipeline_parallel=2", scheduled=True)
+
+
+def _moe_two_ranks_equal_torch(tmp_path, assets, size: str, scheduled: bool = False) -> None:
     import torch.multiprocessing as mp
 
     from reroll.models.moe import Routers
@@ -674,7 +720,7 @@ def _moe_two_ranks_equal_torch(tmp_path, assets, size: str) -> None:
         address = f"127.0.0.1:{so.getsockname()[1]}"
     mp.start_processes(
         _moe2_rank,
-        args=(address, model_path, str(cfg_path), str(tmp_path), size),
+        args=(address, model_path, str(cfg_path), str(tmp_path), size, scheduled),
         nprocs=2,
         start_method="spawn",
     )

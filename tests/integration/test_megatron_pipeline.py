@@ -9,7 +9,6 @@ same inputs in the same shapes: what can differ is only where sums are split dif
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 from dataclasses import dataclass
 from functools import partial
@@ -255,7 +254,7 @@ def _scheduled_rank(
     load-balancing term as the trainer does (``StepRouting``). Saves the losses, grad norms, router
     metrics, log-probs and weights."""
     from reroll.models.moe import StepRouting
-    from reroll.strategies.micro_batches import MicroBatchLoop
+    from reroll.strategies.micro_batches import MicroBatchLoop, RouterLoss
 
     schedules = _counted_schedules()
     s, ids, mask, n_tokens = _megatron_rank(rank, world_size, address, cfg_path, sizes)
@@ -264,14 +263,10 @@ def _scheduled_rank(
     for row in range(rank * mine, (rank + 1) * mine):
         width = int(mask[row].sum())
         mbs.append(_Rows(ids[row : row + 1, :width], mask[row : row + 1, :width]))
-    routing = None
 
     def loss_of(mb: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
-        with s.moe_routers.capture() if routing else contextlib.nullcontext() as routed:
-            logits = s.logits(mb.input_ids, mb.attention_mask)
+        logits = s.logits(mb.input_ids, mb.attention_mask)
         loss = -(token_logprobs(logits, mb.input_ids) * mb.attention_mask).sum() / n_tokens
-        if routing is not None:
-            loss = loss + routing.term(routed, len(mb.input_ids) / ROWS)
         return loss, loss.detach()
 
     def scored(mb: _Rows) -> torch.Tensor:
@@ -282,7 +277,8 @@ def _scheduled_rank(
     steps, metrics = [], []
     for _ in range(STEPS):
         routing = StepRouting(s.moe_routers, ROUTER_COEF) if s.moe_routers is not None else None
-        losses = train(mbs, loss_of)
+        router = None if routing is None else RouterLoss(routing, [len(mb.input_ids) / ROWS for mb in mbs])
+        losses = train(mbs, loss_of, router)
         steps.append(([float(v) for v in losses], s.step(1.0)["grad_norm"]))
         metrics.append(routing.metrics("actor") if routing is not None else {})
     with torch.no_grad():
@@ -345,7 +341,14 @@ def test_stages_scheduled_equal_one_micro_batch_after_the_other(tmp_path, four_l
 
 
 def _worker_rank(
-    rank: int, world_size: int, address: str, out: str, cfg_path: str, batch: Any, scheduled: bool
+    rank: int,
+    world_size: int,
+    address: str,
+    out: str,
+    cfg_path: str,
+    batch: Any,
+    scheduled: bool,
+    more: list[str],
 ) -> None:
     """This process as rank ``rank`` of actor_train's ``TrainerWorker`` on two Megatron pipeline stages,
     given its share of ``batch`` (as a ``TrainerGroup`` splits it): a log-prob pass, an SFT step and an RL
@@ -358,10 +361,10 @@ def _worker_rank(
     patch_cuda_for_cpu()
     schedules = _counted_schedules()
     if not scheduled:
-        MegatronStrategy._schedules = lambda self, batches, training: False
+        MegatronStrategy._schedules = lambda self, batches: False
     sizes = [f"roles.actor_train.world_size={world_size}", "strategy.megatron.pipeline_parallel=2"]
     base = ["strategy.name=megatron", "optim.micro_batch_size=2", "runtime.backend=local"]
-    cfg = load_config(cfg_path, RunConfig, [*base, *sizes])
+    cfg = load_config(cfg_path, RunConfig, [*base, *sizes, *more])
     worker = TrainerWorker("actor_train", rank, cfg, True)
     worker.init_distributed(address)
     worker.configure_optimizer(LR, 0)
@@ -376,20 +379,27 @@ def _worker_rank(
 
 
 @pytest.mark.long  # 2 x 2 spawned ranks: about a minute and a half on 2 CPU cores
+@pytest.mark.parametrize(
+    ("model", "more"),
+    [("four_layers", []), ("small_moe", ["model.router_aux_loss_coef=0.1"])],
+    ids=["dense", "moe"],
+)
 def test_trainer_workers_on_two_stages_scheduled_equal_one_micro_batch_after_the_other(
-    tmp_path, four_layers, assets
+    tmp_path, assets, request, model, more
 ):
     """The path a run takes: two actor_train ``TrainerWorker`` ranks on two stages, each given half of
     10 rows (micro-batches of 2 rows, the last stage computing both ranks' PPO and SFT losses and sending
     each its metrics), against the same workers with the schedule turned off: the log-prob pass, every
     metric of an SFT and an RL step (but the throughput) and the weights after them, bit for bit
-    (``test_stages_scheduled_equal_one_micro_batch_after_the_other`` says why)."""
+    (``test_stages_scheduled_equal_one_micro_batch_after_the_other`` says why); a Qwen3-MoE with its
+    router's load-balancing term too (each stage adding its part: ``ScheduledRouting``)."""
     from reroll.data.datasets import load_samples
     from reroll.models.loading import load_tokenizer
     from reroll.pipelines.common import sft_batch
 
     samples = load_samples([str(assets["train"])], template="{question}=")[:10]
-    tokenizer = load_tokenizer(str(load_config(four_layers, RunConfig).model.path))
+    cfg_path = request.getfixturevalue(model)
+    tokenizer = load_tokenizer(str(load_config(cfg_path, RunConfig).model.path))
     batch = sft_batch(samples, tokenizer, "{answer}")
     batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
     batch.advantages *= batch.response_mask
@@ -397,7 +407,7 @@ def test_trainer_workers_on_two_stages_scheduled_equal_one_micro_batch_after_the
     for scheduled in (False, True):
         out = tmp_path / f"scheduled_{scheduled}"
         out.mkdir()
-        runs[scheduled] = run_ranks(_worker_rank, 2, out, str(four_layers), batch, scheduled)
+        runs[scheduled] = run_ranks(_worker_rank, 2, out, str(cfg_path), batch, scheduled, more)
     assert all(r["schedules"] == [] for r in runs[False])
     assert all(r["schedules"] == [True, False, False] for r in runs[True])  # log-probs, SFT, RL
     for a, b in zip(runs[False], runs[True]):
@@ -405,6 +415,7 @@ def test_trainer_workers_on_two_stages_scheduled_equal_one_micro_batch_after_the
         assert torch.equal(a["logprobs"], b["logprobs"])
         for key, prefix in (("sft", "sft"), ("rl", "actor")):
             assert a[key][f"{prefix}/loss"] != 0
+            assert model == "four_layers" or a[key][f"{prefix}/router_aux_coef"] == 0.1
             assert {k: v for k, v in a[key].items() if k != "train/tokens_per_s"} == {
                 k: v for k, v in b[key].items() if k != "train/tokens_per_s"
             }, key
@@ -416,13 +427,13 @@ def test_trainer_workers_on_two_stages_scheduled_equal_one_micro_batch_after_the
 def test_a_mixture_of_experts_on_two_stages_scheduled_equals_one_micro_batch_after_the_other(
     tmp_path, small_moe
 ):
-    """A Qwen3-MoE on two stages with its router's load-balancing term: its training step is not
-    scheduled (the term pools every stage's layers by collectives inside each rank's loss), so
-    ``train_micro_batches`` runs the loop, router term included; its forward-only pass is scheduled. Both
-    equal the loop's bit for bit, as for a dense model."""
+    """A Qwen3-MoE on two stages with its router's load-balancing term, scheduled against the loop: each
+    stage attaches its routers' part of the term to its output and gets the other stage's top-k counts
+    by an all-gather waited for in the backward (``ScheduledRouting``), where the loop computes the same
+    part inside each rank's loss; the forward-only pass as for a dense model."""
     one_by_one = _run_scheduled(tmp_path, small_moe, 2, False, "pipeline_parallel=2")
     scheduled = _run_scheduled(tmp_path, small_moe, 2, True, "pipeline_parallel=2")
-    assert all(r["schedules"] == [True] for r in scheduled)  # the forward-only pass alone
+    assert all(r["schedules"] == [False] * STEPS + [True] for r in scheduled)
     assert one_by_one[0]["metrics"][0]["actor/router_aux_loss"] > 0
     for a, b in zip(one_by_one, scheduled):
         assert a["steps"] == b["steps"] and a["metrics"] == b["metrics"]

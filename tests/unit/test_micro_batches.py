@@ -37,6 +37,39 @@ def test_the_loop_backpropagates_each_loss_before_the_next_forward_and_keeps_the
     assert s.score_micro_batches([1, 2], lambda mb: mb * 10) == [10, 20]
 
 
+def test_the_loop_adds_each_micro_batchs_router_term_from_the_routers_its_forward_ran():
+    import contextlib
+
+    from reroll.strategies.micro_batches import RouterLoss
+
+    w = torch.ones((), requires_grad=True)
+    s, seen = _Recording(), []
+
+    class Routing:  # StepRouting's part the loop uses: its routers' capture and the term
+        class routers:
+            @staticmethod
+            @contextlib.contextmanager
+            def capture():
+                seen.append("capture")
+                yield "routed"
+                seen.append("released")
+
+        @staticmethod
+        def term(routed: str, share: float) -> torch.Tensor:
+            seen.append((routed, share))
+            return w * share
+
+    def loss_of(mb: float) -> tuple[torch.Tensor, None]:
+        seen.append(f"forward {mb}")
+        return w * mb, None
+
+    s.train_micro_batches([1.0, 2.0], loss_of, RouterLoss(Routing(), [0.25, 0.75]))
+    first = ["capture", "forward 1.0", "released", ("routed", 0.25)]
+    assert seen == [*first, "capture", "forward 2.0", "released", ("routed", 0.75)]
+    assert s.calls == ["backward 1.25", "backward 2.75"]  # each loss with its term
+    assert float(w.grad) == 1.0 + 0.25 + 2.0 + 0.75
+
+
 def test_a_scheduled_loss_gets_its_rows_logits_cut_to_its_width_and_no_other_rows():
     rows = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])  # a member's rows among the group's: padded to 4
     logits = torch.arange(2 * 4 * 3.0).reshape(2, 4, 3)
@@ -68,12 +101,10 @@ def test_megatron_schedules_only_what_it_can_the_same_on_every_rank():
 
     def strategy(**state) -> MegatronStrategy:
         s = MegatronStrategy.__new__(MegatronStrategy)
-        vars(s).update({"pipe": object(), "context_parallel": None, "moe_routers": None} | state)
+        vars(s).update({"pipe": object(), "context_parallel": None} | state)
         return s
 
-    assert strategy()._schedules([mb, mb], training=True)
-    assert not strategy(pipe=None)._schedules([mb], training=True)  # one stage: nothing to overlap
-    assert not strategy(context_parallel=object())._schedules([mb], training=False)
-    routed = strategy(moe_routers=object())  # the router loss pools every stage's layers inside the loss
-    assert not routed._schedules([mb], training=True) and routed._schedules([mb], training=False)
-    assert not strategy()._schedules([types.SimpleNamespace(chosen=mb)], training=True)  # no input_ids
+    assert strategy()._schedules([mb, mb])
+    assert not strategy(pipe=None)._schedules([mb])  # one stage: nothing to overlap
+    assert not strategy(context_parallel=object())._schedules([mb])  # columns gathered inside the loss
+    assert not strategy()._schedules([types.SimpleNamespace(chosen=mb)])  # pairs: no input_ids
