@@ -4,8 +4,9 @@ batches``, ``reroll.strategies.megatron_pipeline.run_schedule``), and the same f
 
     python benchmarks/megatron_pipeline_schedule.py                         # 8 layers of hidden 256, PP=2
     python benchmarks/megatron_pipeline_schedule.py --micro-batches 2 4 8 16 --steps 3
+    python benchmarks/megatron_pipeline_schedule.py --moe 4                 # a Qwen3-MoE, its router loss
 
-A Qwen2-shaped model with random init (nothing downloaded, fp32), Megatron-Core on CPU ranks over gloo
+A Qwen2-shaped model (or a Qwen3-MoE, ``--moe``) with random init (nothing downloaded, fp32), Megatron-Core on CPU ranks over gloo
 (its CUDA calls pointed at the CPU, ``tests/integration/megatron_cpu.py``), each rank a process of its
 own on one core (``sched_setaffinity``, one thread), the ranks the pipeline stages. Each rank's rows are
 cut into ``--micro-batches`` micro-batches of ``--rows`` rows of ``--tokens`` tokens; a step is
@@ -42,16 +43,24 @@ class Rows:
     attention_mask: torch.Tensor
 
 
-def build_model(root: Path, layers: int, hidden: int, vocab: int) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def build_model(root: Path, layers: int, hidden: int, vocab: int, experts: int) -> Path:
+    """A random Qwen2 of this shape, or (``experts``) a Qwen3-MoE with that many experts, 2 a token."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
-    config = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, max_position_embeddings=1024,
-        tie_word_embeddings=False,
+    shape = dict(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64, max_position_embeddings=1024, tie_word_embeddings=False,
     )  # fmt: skip
+    if experts:
+        config = Qwen3MoeConfig(
+            **shape, head_dim=64, intermediate_size=4 * hidden, moe_intermediate_size=2 * hidden,
+            num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[], router_aux_loss_coef=0.01, output_router_logits=True,
+        )  # fmt: skip
+    else:
+        config = Qwen2Config(**shape, intermediate_size=4 * hidden)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
     return root / "model"
 
 
@@ -64,8 +73,9 @@ def _rank(rank: int, world_size: int, port: int, config: Path, shape: str, out: 
     from reroll.algorithms.logprobs import token_logprobs
     from reroll.config.loader import load_config
     from reroll.config.schema import RunConfig
+    from reroll.models.moe import StepRouting
     from reroll.strategies.megatron import MegatronStrategy
-    from reroll.strategies.micro_batches import MicroBatchLoop
+    from reroll.strategies.micro_batches import MicroBatchLoop, RouterLoss
 
     micro_batches, rows, tokens, steps = (int(x) for x in shape.split(","))
     cfg = load_config(
@@ -90,7 +100,12 @@ def _rank(rank: int, world_size: int, port: int, config: Path, shape: str, out: 
         return token_logprobs(s.logits(mb.input_ids, mb.attention_mask), mb.input_ids)
 
     def train(scheduled: bool) -> None:
-        (s.train_micro_batches if scheduled else partial(MicroBatchLoop.train_micro_batches, s))(mbs, loss_of)
+        router = None  # a mixture of experts: its router's load-balancing term, as the trainer adds it
+        if s.moe_routers is not None:
+            routing = StepRouting(s.moe_routers, s.moe_routers.coef(None))
+            router = RouterLoss(routing, [1 / (world_size * micro_batches)] * micro_batches)
+        way = s.train_micro_batches if scheduled else partial(MicroBatchLoop.train_micro_batches, s)
+        way(mbs, loss_of, router)
         s.step(1.0)
 
     @torch.no_grad()
@@ -120,19 +135,25 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--moe", type=int, default=0, help="a Qwen3-MoE of this many experts (2 a token)")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = build_model(root, args.layers, args.hidden, args.vocab)
+        model = build_model(root, args.layers, args.hidden, args.vocab, args.moe)
         config = root / "c.yaml"
         config.write_text(
             f"pipeline: rlvr\nname: b\noutput_dir: {root}/runs\nmodel: {{path: {model}, dtype: float32}}\n"
             f"data: {{train_files: [{root}/x.jsonl]}}\n"
         )
+        kind = (
+            f"Qwen3-MoE shape ({args.moe} experts, 2 a token, router loss 0.01)"
+            if args.moe
+            else "Qwen2 shape"
+        )
         print(
-            f"Qwen2 shape, {args.layers} layers of hidden {args.hidden}, vocabulary {args.vocab}, fp32; "
+            f"{kind}, {args.layers} layers of hidden {args.hidden}, vocabulary {args.vocab}, fp32; "
             f"{args.stages} pipeline stages over gloo, each a process on one core of {device_name('cpu')} "
             f"({os.cpu_count()} cores); {args.rows} rows x {args.tokens} tokens a micro-batch a rank; "
             f"torch {torch.__version__}"
