@@ -71,6 +71,25 @@ def test_a_vision_language_model_reads_its_renamed_tensors_by_rows(vl):
     assert set(load_file(vl / "model.safetensors")) <= set(saved)  # (and the tied head's name)
 
 
+def test_a_qwen2_vl_with_its_own_head_reads_its_renamed_tensors_by_rows(tmp_path):
+    """Qwen2-VL (the family's first: another vision tower, an untied head) follows the same rules."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, eos_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]})  # fmt: skip
+    vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=4, temporal_patch_size=2)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(tmp_path)
+    model = load_causal_lm(tmp_path, "float32", "meta")
+    with CheckpointReader(checkpoint_files(tmp_path), torch.float32) as reader:
+        targets, unplaced = plan(model, reader, zero_missing=False)
+        assert unplaced == [] and len(targets) == len(reader)  # the head is its own tensor
+        assert "model.visual.blocks.0.attn.qkv.weight" in {t.name for t in targets}
+        _second_rank_rows_equal_from_pretrained(tmp_path, targets, reader)
+
+
 def _second_rank_rows_equal_from_pretrained(path, targets, reader) -> None:
     """Rows 1 and on of every planned parameter, as a second rank of two holds them where dim 0 has
     three rows (ceil(3 / 2) = 2: one row), equal ``from_pretrained``'s and read alone."""
