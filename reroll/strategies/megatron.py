@@ -641,15 +641,15 @@ class MegatronStrategy:
         this rank's layout whatever the layout that wrote it, or an older checkpoint's
         ``optimizer_rank{r}.pt`` at the layout that wrote them. A collective: every rank calls it."""
         self._require()
+        restore = None
+        if self.optimizer is not None:  # refuses a checkpoint it cannot resume before reading weights
+            restore = optimizer_state.restorer(self, directory, self._share())
         self._load_hf(directory / "model")
         if self.optimizer is None:
             return
         self.optimizer.reload_model_params()  # main params from the loaded weights
-        saved = directory / optimizer_state.DIRECTORY
-        if saved.is_dir():
-            optimizer_state.load_optimizer_state(self, saved, directory / "model", self._share())
-        elif any(directory.glob("optimizer_rank*.pt")):
-            optimizer_state.load_rank_files(self, directory)
+        if restore is not None:
+            restore()
 
     # -- colocation ------------------------------------------------------------------------------
 

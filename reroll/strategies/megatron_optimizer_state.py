@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -204,22 +205,39 @@ def _scaler_state(o: Any) -> dict[str, float] | None:
     return {k: float(v) for k, v in state.items()} or None
 
 
-def load_optimizer_state(
+def restorer(
+    s: MegatronStrategy,
+    checkpoint: Path,
+    share: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
+) -> Callable[[], None] | None:
+    """What restores ``s``'s optimizer state from ``checkpoint`` once its weights are loaded (None: the
+    checkpoint holds none), checked now: a checkpoint ``s`` cannot resume from is refused here, before
+    any weight is read. ``share`` picks this rank's tensors out of a checkpoint's
+    (``megatron_convert.rank_from_hf`` at ``s``'s layout)."""
+    directory = checkpoint / DIRECTORY
+    if directory.is_dir():
+        state = json.loads((directory / STATE_FILE).read_text())
+        if state.get("format") != FORMAT:
+            raise UserError(
+                f"{directory} holds optimizer state of format {state.get('format')}, which this reroll "
+                f"cannot read (it reads format {FORMAT}): resume with the reroll that wrote it"
+            )
+        return partial(_load_optimizer_state, s, directory, state, checkpoint / "model", share)
+    if any(checkpoint.glob("optimizer_rank*.pt")):
+        return partial(_load_rank_file, s, checkpoint, _read_rank_file(s, checkpoint))
+    return None
+
+
+def _load_optimizer_state(
     s: MegatronStrategy,
     directory: Path,
+    state: dict[str, Any],
     weights: Path,
     share: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
 ) -> None:
-    """``s``'s optimizer state from ``directory`` (written by ``save_optimizer_state`` at any layout),
-    main parameters from ``directory/main`` or else from the ``weights`` directory read in fp32; ``share``
-    picks this rank's tensors out of a checkpoint's (``megatron_convert.rank_from_hf`` at ``s``'s layout).
-    Sets ``s.steps``."""
-    state = json.loads((directory / STATE_FILE).read_text())
-    if state.get("format") != FORMAT:
-        raise UserError(
-            f"{directory} holds optimizer state of format {state.get('format')}, which this reroll "
-            f"cannot read (it reads format {FORMAT}): resume with the reroll that wrote it"
-        )
+    """``s``'s optimizer state from ``directory`` (written by ``save_optimizer_state`` at any layout;
+    ``state`` its ``state.json``), main parameters from ``directory/main`` or else from the ``weights``
+    directory read in fp32. Sets ``s.steps``."""
     by_param = slots(s.optimizer)
     params = dict(s.module.state_dict(keep_vars=True))
     main = directory / MAIN if (directory / MAIN).is_dir() else weights
@@ -260,31 +278,46 @@ def _put(slot: Slot, kind: str, whole: torch.Tensor) -> None:
         slot.inner.state[slot.main][kind] = part.clone()
 
 
-def load_rank_files(s: MegatronStrategy, directory: Path) -> None:
-    """The optimizer state of a checkpoint written before ``optimizer/``: ``optimizer_rank{r}.pt``, this
-    rank's torch optimizers' state and fp32 main params, readable at the layout that wrote it only
-    (refused otherwise, before any tensor is copied). Sets ``s.steps``."""
-    files = len(list(directory.glob("optimizer_rank*.pt")))
+def _read_rank_file(s: MegatronStrategy, checkpoint: Path) -> dict[str, Any]:
+    """This rank's ``optimizer_rank{r}.pt`` of a checkpoint written before ``optimizer/`` (its torch
+    optimizers' state and fp32 main params), refused unless ``s`` has the layout that wrote it."""
+    files = len(list(checkpoint.glob("optimizer_rank*.pt")))
     why = "a checkpoint of an earlier reroll, whose Megatron optimizer state is one file per rank"
     if files != s.world_size:
-        raise SavedAtOtherWorldSize(directory, files, s.world_size, why)
-    state = torch.load(directory / f"optimizer_rank{s.rank}.pt", map_location="cpu", weights_only=False)
+        raise SavedAtOtherWorldSize(checkpoint, files, s.world_size, why)
+    state = torch.load(checkpoint / f"optimizer_rank{s.rank}.pt", map_location="cpu", weights_only=False)
     if "optimizer" in state:  # written before mixtures of experts: one optimizer
         state["optimizers"], state["main_params"] = [state["optimizer"]], [state["main_params"]]
-    chained = getattr(s.optimizer, "chained_optimizers", [s.optimizer])
-    inners = [o.optimizer for o in chained if o is not None and o.optimizer is not None]
-    mains = [[p for g in inner.param_groups for p in g["params"]] for inner in inners]
-    shapes = [[tuple(p.shape) for p in m] for m in mains]
-    if shapes != [[tuple(p.shape) for p in m] for m in state["main_params"]]:
+    saved = [[tuple(p.shape) for p in m] for m in state["main_params"]]
+    if saved != [[tuple(p.shape) for p in m] for m in _main_params(s.optimizer)]:
         raise UserError(
-            f"{directory}: {why}, and this rank's optimizer differs from the one that wrote it (another "
+            f"{checkpoint}: {why}, and this rank's optimizer differs from the one that wrote it (another "
             f"tensor, pipeline or expert parallelism, or distributed_optimizer, at the same world size "
             f"{s.world_size}): resume it with the strategy.megatron settings it was saved with (its next "
             f"checkpoint resumes at any layout), or start a new run from its weights "
-            f"(model.path={directory}/model, a fresh optimizer)"
+            f"(model.path={checkpoint}/model, a fresh optimizer)"
         )
+    return state
+
+
+def _main_params(optimizer: Any) -> list[list[torch.Tensor]]:
+    """The main params of each torch optimizer inside Megatron's, as its param groups list them."""
+    return [[p for g in inner.param_groups for p in g["params"]] for inner in _inners(optimizer)]
+
+
+def _inners(optimizer: Any) -> list[torch.optim.Optimizer]:
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o.optimizer for o in chained if o is not None and o.optimizer is not None]
+
+
+def _load_rank_file(s: MegatronStrategy, checkpoint: Path, state: dict[str, Any]) -> None:
+    """``_read_rank_file``'s ``state`` into ``s``'s optimizer. Sets ``s.steps``."""
     for inner, main, saved_state, saved_main in zip(
-        inners, mains, state["optimizers"], state["main_params"], strict=True
+        _inners(s.optimizer),
+        _main_params(s.optimizer),
+        state["optimizers"],
+        state["main_params"],
+        strict=True,
     ):
         with torch.no_grad():
             for p, saved in zip(main, saved_main, strict=True):
