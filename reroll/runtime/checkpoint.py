@@ -11,7 +11,8 @@ Layout: ``model/`` (Hugging Face: ``from_pretrained`` loads it; written in parts
 rank's shards, read back at any world size; ``reroll.strategies.sharded_state``), ``adapter/`` with
 LoRA, ``critic/`` (its own ``model/`` and ``state/``), ``trainer_state.json`` (step, data position,
 algorithm state). Checkpoints from before ``state/`` hold ``optimizer_rank{r}.pt`` instead (DeepSpeed:
-``deepspeed/``; Megatron still writes them).
+``deepspeed/``; Megatron: ``optimizer/``, its optimizer state in the weights' form, read back at any
+layout: ``reroll.strategies.megatron_optimizer_state``).
 """
 
 from __future__ import annotations

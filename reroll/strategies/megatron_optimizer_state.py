@@ -19,8 +19,8 @@ range out of what it read. A mixture of experts' chained optimizers (dense, expe
 model parameter to its optimizer (``slots``). Where the model is fp32 the main parameters are the
 weights (``model/``); a checkpoint without ``main/`` gives main parameters read from ``model/`` in fp32.
 
-The scalars (Adam's step count, the strategy's warm-up step, an fp16 model's loss scale) are the same on
-every rank and layout: ``optimizer/state.json``, written by rank 0. Checkpoints written before this
+The scalars (Adam's step count, kept per parameter by torch's Adam and per group by the fused ones, the
+strategy's warm-up step, an fp16 model's loss scale) are the same on every rank and layout: ``optimizer/state.json``, written by rank 0. Checkpoints written before this
 format hold ``optimizer_rank{r}.pt`` (this rank's torch optimizers' state) and resume at the layout
 that wrote them only (``load_rank_files``: another world size or parallel layout is refused).
 """
@@ -28,7 +28,7 @@ that wrote them only (``load_rank_files``: another world size or parallel layout
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -138,8 +138,8 @@ class ParamState(Mapping[str, torch.Tensor]):
 def save_optimizer_state(s: MegatronStrategy, directory: Path) -> None:
     """``s``'s optimizer state into ``directory`` (see the module docstring). A collective."""
     by_param = slots(s.optimizer)
-    scalars = _scalars(by_param, s.device)
-    kinds = [*MOMENTS] if scalars else []  # before the first step Adam holds no moments
+    adam_step = _adam_step(by_param, s.device)
+    kinds = [*MOMENTS] if adam_step else []  # before the first step Adam holds no moments
     if s.dtype != "float32":
         kinds.append(MAIN)
     for kind in kinds:
@@ -149,8 +149,7 @@ def save_optimizer_state(s: MegatronStrategy, directory: Path) -> None:
         state = {
             "format": FORMAT,
             "steps": s.steps,  # the warm-up schedule's
-            "param_scalars": scalars,
-            "group_step": _group_step(by_param),
+            "adam_step": adam_step,  # Adam's bias correction's
             "grad_scalers": scalers,
             "saved_at": {
                 "world_size": s.world_size, "tensor_parallel": s.tp, "pipeline_parallel": s.pp,
@@ -174,28 +173,21 @@ def _write(s: MegatronStrategy, directory: Path, local: Mapping[str, torch.Tenso
     stream.finish()
 
 
-def _scalars(by_param: dict[torch.Tensor, Slot], device: torch.device) -> dict[str, float]:
-    """The per-parameter scalars of the optimizer's state (torch Adam's ``step``): one value for every
-    parameter (all step together), taken as the most over every rank (a rank of the distributed
-    optimizer may hold no state). Empty before the first step. A collective."""
-    here: dict[str, float] = {}
+def _adam_step(by_param: dict[torch.Tensor, Slot], device: torch.device) -> int:
+    """How many steps Adam took: torch's counts them per parameter (``state["step"]``), Apex's and
+    Transformer Engine's fused Adam per parameter group (``group["step"]``); all step together. The most
+    over every rank (a rank of the distributed optimizer may hold no state); 0 before the first step.
+    A collective."""
+    here = 0.0
     for slot in by_param.values():
         for k, v in slot.state().items():
-            if k in MOMENTS:
-                continue
-            if torch.is_tensor(v) and v.numel() > 1:
-                raise RuntimeError(f"megatron optimizer state {k!r} is neither a moment nor a scalar")
-            here[k] = max(here.get(k, 0.0), float(v))
-    names = sorted(here) or ["step"]
-    values = torch.tensor([here.get(k, 0.0) for k in names], dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return {k: float(v) for k, v in zip(names, values.tolist(), strict=True) if v > 0}
-
-
-def _group_step(by_param: dict[torch.Tensor, Slot]) -> int | None:
-    """The step count Apex's or Transformer Engine's fused Adam keeps per parameter group (torch's: None)."""
-    steps = [g["step"] for slot in by_param.values() for g in slot.inner.param_groups if "step" in g]
-    return int(max(steps)) if steps else None
+            if k not in (*MOMENTS, "step"):
+                raise RuntimeError(f"megatron optimizer state {k!r} is neither Adam's moment nor its step")
+            here = max(here, float(v)) if k == "step" else here
+        here = max([here] + [float(g["step"]) for g in slot.inner.param_groups if "step" in g])
+    most = torch.tensor([here], dtype=torch.float64, device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 def _scaler_state(o: Any) -> dict[str, float] | None:
@@ -237,11 +229,16 @@ def _load_optimizer_state(
 ) -> None:
     """``s``'s optimizer state from ``directory`` (written by ``save_optimizer_state`` at any layout;
     ``state`` its ``state.json``), main parameters from ``directory/main`` or else from the ``weights``
-    directory read in fp32. Sets ``s.steps``."""
+    directory read in fp32 (an fp32 model's weights are its main parameters, loaded already). Sets
+    ``s.steps``."""
     by_param = slots(s.optimizer)
     params = dict(s.module.state_dict(keep_vars=True))
-    main = directory / MAIN if (directory / MAIN).is_dir() else weights
-    kinds = [(MAIN, main)] + [(k, directory / k) for k in MOMENTS if state["param_scalars"]]
+    step = state["adam_step"]
+    kinds = [(k, directory / k) for k in MOMENTS if step]
+    if (directory / MAIN).is_dir():
+        kinds.append((MAIN, directory / MAIN))
+    elif s.dtype != "float32":  # saved in fp32: its weights are the main parameters
+        kinds.append((MAIN, weights))
     for kind, path in kinds:
         with CheckpointReader(checkpoint_files(path), torch.float32) as reader:
             ours = share(reader)
@@ -250,12 +247,8 @@ def _load_optimizer_state(
             if slot is not None and slot.main is not None:
                 _put(slot, kind, whole)
         del ours
-    for slot in by_param.values():
-        if slot.main is not None and state["param_scalars"]:
-            slot.state().update({k: torch.tensor(v) for k, v in state["param_scalars"].items()})
-    for group in {id(g): g for slot in by_param.values() for g in slot.inner.param_groups}.values():
-        if state["group_step"] is not None and "step" in group:
-            group["step"] = state["group_step"]
+    if step:
+        _set_step({id(slot.inner): slot.inner for slot in by_param.values()}.values(), by_param, step)
     chained = getattr(s.optimizer, "chained_optimizers", [s.optimizer])
     for o, saved in zip(chained, state["grad_scalers"], strict=False):
         scaler = getattr(o, "grad_scaler", None)
@@ -263,6 +256,22 @@ def _load_optimizer_state(
             counts = {k: int(v) for k, v in saved.items() if k != "scale"}
             scaler.load_state_dict({"scale": torch.tensor(saved["scale"]), **counts})
     s.steps = state["steps"]
+
+
+def _set_step(inners: Iterable[torch.optim.Optimizer], by_param: dict[torch.Tensor, Slot], step: int) -> None:
+    """Adam's step count, where each optimizer keeps it: torch's per parameter (a float32 scalar tensor,
+    on the parameter's device where it is capturable or fused), Apex's and Transformer Engine's per
+    parameter group."""
+    for inner in inners:
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            for group in inner.param_groups:
+                group["step"] = step
+            continue
+        on_device = inner.defaults.get("capturable") or inner.defaults.get("fused")
+        for slot in by_param.values():
+            if slot.inner is inner and slot.main is not None:
+                device = slot.main.device if on_device else "cpu"
+                slot.state()["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
 
 
 def _put(slot: Slot, kind: str, whole: torch.Tensor) -> None:
