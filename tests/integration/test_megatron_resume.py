@@ -6,13 +6,14 @@ expert or data parallelism, the distributed optimizer on or off) loads it. What 
 was saved, bit for bit: Adam's moments and the fp32 main parameters of a bf16 model, gathered in
 Hugging Face names at both layouts (moving state between layouts only copies it), and the step counts.
 Both then take one more step on the same rows, and the resumed run's main parameters must match the
-uninterrupted run's within the bound of the math (``_check_step``).
+uninterrupted run's within the bound of the math (``check_step``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def _strategy(rank: int, world_size: int, address: str | None, cfg_path: str, si
     return s
 
 
-def _step(s, rank: int, world_size: int) -> None:
+def train_step(s, rank: int, world_size: int) -> None:
     """One Adam step of next-token loss (token mean over the whole batch) on this rank's share of the
     rows, as the role splits a batch (the ranks of a TP or PP group run their rows together)."""
     ids, mask = _batch(s.shape.vocab_size)
@@ -60,14 +61,16 @@ def _step(s, rank: int, world_size: int) -> None:
     share = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
     width = int(mask[share].sum(-1).max())
     ids, mask = ids[share, :width], mask[share, :width]
-    loss = -(token_logprobs(s.logits(ids, mask), ids) * mask).sum() / n_tokens
+    logits = s.logits(ids, mask)
+    ids, mask = ids.to(logits.device), mask.to(logits.device)
+    loss = -(token_logprobs(logits, ids) * mask).sum() / n_tokens
     s.backward(loss)
     s.step(1.0)
 
 
-def _state(s) -> dict[str, dict[str, torch.Tensor]]:
-    """The optimizer's moments and main parameters in Hugging Face names, gathered (a collective), and
-    its scalars."""
+def optimizer_state_in_hf_names(s) -> dict[str, Any]:
+    """The optimizer's moments and main parameters in Hugging Face names, gathered as ``save`` gathers
+    them (a collective), and its step counts (Adam's, the warm-up's)."""
     from reroll.strategies import megatron_optimizer_state as ost
     from reroll.strategies.megatron_weights import Groups, hf_weights
 
@@ -77,8 +80,7 @@ def _state(s) -> dict[str, dict[str, torch.Tensor]]:
         kind: dict(hf_weights(ost.ParamState(s.module, by_param, kind), s.shape, groups, on_device=False))
         for kind in (*ost.MOMENTS, ost.MAIN)
     }
-    steps = {float(v) for slot in by_param.values() for k, v in slot.state().items() if k == "step"}
-    return out | {"scalars": {"adam_steps": steps, "warmup_steps": s.steps}}
+    return out | {"scalars": {"adam_step": ost._adam_step(by_param, s.device), "warmup_steps": s.steps}}
 
 
 def _save_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str]) -> None:
@@ -88,11 +90,11 @@ def _save_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str
     patch_cuda_for_cpu()
     s = _strategy(rank, world_size, address, cfg_path, sizes)
     for _ in range(2):
-        _step(s, rank, world_size)
+        train_step(s, rank, world_size)
     s.save(Path(out) / "ck", with_optimizer=True)
-    saved = _state(s)
-    _step(s, rank, world_size)
-    torch.save({"saved": saved, "after": _state(s)}, f"{out}/rank{rank}.pt")
+    saved = optimizer_state_in_hf_names(s)
+    train_step(s, rank, world_size)
+    torch.save({"saved": saved, "after": optimizer_state_in_hf_names(s)}, f"{out}/rank{rank}.pt")
 
 
 def _resume_rank(
@@ -103,9 +105,9 @@ def _resume_rank(
     patch_cuda_for_cpu()
     s = _strategy(rank, world_size, address, cfg_path, sizes)
     s.load(Path(ck))
-    loaded = _state(s)
-    _step(s, rank, world_size)
-    torch.save({"loaded": loaded, "after": _state(s)}, f"{out}/rank{rank}.pt")
+    loaded = optimizer_state_in_hf_names(s)
+    train_step(s, rank, world_size)
+    torch.save({"loaded": loaded, "after": optimizer_state_in_hf_names(s)}, f"{out}/rank{rank}.pt")
 
 
 def _config(root: Path, *, moe: bool = False) -> Path:
@@ -124,9 +126,9 @@ def _config(root: Path, *, moe: bool = False) -> Path:
     return write_config(root / "c.yaml", assets, model={"path": str(model), "dtype": "bfloat16"})
 
 
-def _check_loaded(saved: dict, loaded: dict) -> None:
+def check_loaded(saved: dict, loaded: dict) -> None:
     """What a run loaded is what the other saved, bit for bit (moving state between layouts copies it)."""
-    assert saved["scalars"] == loaded["scalars"] and saved["scalars"]["adam_steps"] == {2.0}
+    assert saved["scalars"] == loaded["scalars"] and saved["scalars"]["adam_step"] == 2
     for kind in ("exp_avg", "exp_avg_sq", "main"):
         assert saved[kind].keys() == loaded[kind].keys()
         for name, t in saved[kind].items():
@@ -134,15 +136,19 @@ def _check_loaded(saved: dict, loaded: dict) -> None:
     assert all(t.abs().max() > 0 for t in saved["exp_avg_sq"].values())  # every parameter's moments came
 
 
-def _check_step(uninterrupted: dict, resumed: dict) -> None:
+def check_step(uninterrupted: dict, resumed: dict) -> None:
     """The main parameters after the step that followed the save, resumed against uninterrupted. The two
     start from the same state; at another layout the gradients are summed in another order (over TP or
-    DP ranks, in other shapes), so they differ in their last bits, and Adam's m / sqrt(v) can turn that
-    into up to lr where a gradient is near zero (|update| <= lr * |m^| / sqrt(v^) <= about lr for these
-    betas): within 2 * lr, as the pipeline tests bound one step. A state not restored (fresh moments)
-    misses this: the exact checks of the loaded state above are what pins it."""
+    DP ranks, in other shapes), so they differ in their last bits, and Adam's m^ / sqrt(v^) can turn
+    that into anything up to its bound where a gradient is near zero. At step 3 m^ and v^ are weighted
+    means of the gradients (weights w_i, u_i, each summing to 1), so by Cauchy-Schwarz
+    |m^| / sqrt(v^) <= sqrt(sum w_i^2 / u_i) = 1.003 for betas (0.9, 0.99): each run's update is at most
+    1.003 lr beside the weight decay (the same in both), and the two differ by at most 2.006 lr. That
+    bound cannot tell restored moments from fresh ones (a fresh Adam's update is lr too): the exact
+    comparison of the loaded state (``check_loaded``) is what pins the state; this checks the run
+    steps on from it (measured: within 6e-5 for the Qwen3-MoE at EP 2 -> 1, lr 1e-3)."""
     for name, w in uninterrupted["main"].items():
-        torch.testing.assert_close(resumed["main"][name], w, atol=2 * LR, rtol=0)
+        torch.testing.assert_close(resumed["main"][name], w, atol=2.01 * LR, rtol=0)
     assert uninterrupted["scalars"] == resumed["scalars"]
 
 
@@ -159,8 +165,8 @@ def _resume(
     assert not list((first / "ck").glob("optimizer_rank*.pt"))
     resumed = run_ranks(_resume_rank, n_load, second, str(cfg), sizes[1], str(first / "ck"))
     for r in resumed:
-        _check_loaded(saved[0]["saved"], r["loaded"])
-        _check_step(saved[0]["after"], r["after"])
+        check_loaded(saved[0]["saved"], r["loaded"])
+        check_step(saved[0]["after"], r["after"])
 
 
 @pytest.mark.long  # two or four spawned ranks importing megatron-core, twice: 1-2 minutes on 2 CPU cores;
@@ -200,19 +206,19 @@ def _one_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str)
     patch_cuda_for_cpu()
     plain = _strategy(0, 1, None, cfg_path, ["strategy.megatron.distributed_optimizer=false"])
     for _ in range(2):
-        _step(plain, 0, 1)
+        train_step(plain, 0, 1)
     ck = Path(out) / "ck"
     plain.save(ck, with_optimizer=True)
-    saved = _state(plain)
+    saved = optimizer_state_in_hf_names(plain)
     _old_format_files(plain, Path(out) / "old")
-    _step(plain, 0, 1)
+    train_step(plain, 0, 1)
     sharded = _strategy(0, 1, None, cfg_path, [])
     sharded.load(ck)
-    loaded = _state(sharded)
-    _step(sharded, 0, 1)
+    loaded = optimizer_state_in_hf_names(sharded)
+    train_step(sharded, 0, 1)
     again = _strategy(0, 1, None, cfg_path, ["strategy.megatron.distributed_optimizer=false"])
     again.load(Path(out) / "old")  # the old format at its own layout
-    old = _state(again)
+    old = optimizer_state_in_hf_names(again)
     refusals = []
     for directory, error in ((Path(out) / "old", UserError), (Path(out) / "old2", SavedAtOtherWorldSize)):
         try:
@@ -220,7 +226,10 @@ def _one_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str)
         except error as e:
             refusals.append(str(e))
     result = {"saved": saved, "loaded": loaded, "old": old, "refusals": refusals}
-    torch.save(result | {"after": (_state(plain), _state(sharded))}, f"{out}/rank0.pt")
+    torch.save(
+        result | {"after": (optimizer_state_in_hf_names(plain), optimizer_state_in_hf_names(sharded))},
+        f"{out}/rank0.pt",
+    )
 
 
 def _old_format_files(s, directory: Path) -> None:
@@ -246,9 +255,9 @@ def test_one_rank_resumes_with_the_distributed_optimizer_turned_on(tmp_path):
     out = tmp_path / "rank"
     out.mkdir()
     (r,) = run_ranks(_one_rank, 1, out, str(cfg))
-    _check_loaded(r["saved"], r["loaded"])
-    _check_loaded(r["saved"], r["old"])
-    _check_step(*r["after"])
+    check_loaded(r["saved"], r["loaded"])
+    check_loaded(r["saved"], r["old"])
+    check_step(*r["after"])
     assert len(r["refusals"]) == 2, r["refusals"]
     assert "strategy.megatron settings it was saved with" in r["refusals"][0]
     assert "saved by 2 ranks; this role has 1" in r["refusals"][1]
