@@ -19,10 +19,11 @@ range out of what it read. A mixture of experts' chained optimizers (dense, expe
 model parameter to its optimizer (``slots``). Where the model is fp32 the main parameters are the
 weights (``model/``); a checkpoint without ``main/`` gives main parameters read from ``model/`` in fp32.
 
-The scalars (Adam's step count, kept per parameter by torch's Adam and per group by the fused ones, the
-strategy's warm-up step, an fp16 model's loss scale) are the same on every rank and layout: ``optimizer/state.json``, written by rank 0. Checkpoints written before this
-format hold ``optimizer_rank{r}.pt`` (this rank's torch optimizers' state) and resume at the layout
-that wrote them only (``load_rank_files``: another world size or parallel layout is refused).
+The scalars (Adam's step count, kept per parameter by torch's Adam and per group by the fused ones,
+the strategy's warm-up step, an fp16 model's loss scale) are the same on every rank and layout:
+``optimizer/state.json``, written by rank 0. Checkpoints written before this format hold
+``optimizer_rank{r}.pt`` (this rank's torch optimizers' state) and resume at the layout that wrote
+them only (``restorer`` refuses another world size or parallel layout before any weight is read).
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ class ParamState(Mapping[str, torch.Tensor]):
 
 def save_optimizer_state(s: MegatronStrategy, directory: Path) -> None:
     """``s``'s optimizer state into ``directory`` (see the module docstring). A collective."""
+    directory.mkdir(parents=True, exist_ok=True)
     by_param = slots(s.optimizer)
     adam_step = _adam_step(by_param, s.device)
     kinds = [*MOMENTS] if adam_step else []  # before the first step Adam holds no moments
