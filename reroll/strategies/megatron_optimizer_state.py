@@ -29,6 +29,7 @@ them only (``restorer`` refuses another world size or parallel layout before any
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -60,6 +61,8 @@ STATE_FILE = "state.json"
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's per-parameter tensors
 MAIN = "main"  # fp32 main parameters (a bf16 / fp16 model's)
 FORMAT = 1
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -241,9 +244,19 @@ def _load_optimizer_state(
         kinds.append((MAIN, directory / MAIN))
     elif s.dtype != "float32":  # saved in fp32: its weights are the main parameters
         kinds.append((MAIN, weights))
+    log.info(
+        "megatron: rank %d resumes the optimizer state saved at %s, at TP %d x PP %d x EP %d x DP %d",
+        s.rank, state["saved_at"], s.tp, s.pp, s.ep, s.dp,
+    )  # fmt: skip
     for kind, path in kinds:
         with CheckpointReader(checkpoint_files(path), torch.float32) as reader:
-            ours = share(reader)
+            try:
+                ours = share(reader)
+            except KeyError as e:
+                raise UserError(
+                    f"{path} lacks {e}, which this model has: the checkpoint was written for another "
+                    f"model than model.path {s.model_path!r}; resume with the model it was trained from"
+                ) from e
         for name, whole in ours.items():
             slot = by_param.get(params.get(name))
             if slot is not None and slot.main is not None:
