@@ -35,7 +35,7 @@ import contextlib
 import importlib.util
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +57,7 @@ from reroll.models import megatron_convert as mc
 from reroll.models.checkpoint_reader import CheckpointReader, checkpoint_files
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
+from reroll.strategies import megatron_optimizer_state as optimizer_state
 from reroll.strategies.context_parallel import ContextParallel
 from reroll.strategies.hf_export import (
     HFNames,
@@ -377,11 +378,7 @@ class MegatronStrategy:
         ``GPTModel``: read from the safetensors files tensor by tensor, only those the rank holds
         (``mc.rank_from_hf``); a checkpoint without safetensors files (``.bin``), or whose files name
         weights otherwise than the conversion expects, is read whole through transformers."""
-        stage = self.pipe.stage if self.pipe is not None else 0
-        share = partial(
-            mc.rank_from_hf, s=self.shape, stage=stage, pp=self.pp, tp_rank=self.tp_rank, tp=self.tp,
-            ep_rank=self.ep_rank, ep=self.ep, fused_norms=self.te,
-        )  # fmt: skip
+        share = self._share()
         files = checkpoint_files(path)
         ours = None
         if files is None:
@@ -407,6 +404,14 @@ class MegatronStrategy:
                 f"converted weights do not fit the GPTModel: missing {missing[:5]}, "
                 f"unexpected {result.unexpected_keys[:5]}"
             )
+
+    def _share(self) -> Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """What this rank holds of a checkpoint's tensors (``mc.rank_from_hf`` at its layout)."""
+        stage = self.pipe.stage if self.pipe is not None else 0
+        return partial(
+            mc.rank_from_hf, s=self.shape, stage=stage, pp=self.pp, tp_rank=self.tp_rank, tp=self.tp,
+            ep_rank=self.ep_rank, ep=self.ep, fused_norms=self.te,
+        )  # fmt: skip
 
     def _require(self) -> torch.nn.Module:
         if self.model is None:
@@ -590,16 +595,13 @@ class MegatronStrategy:
         return hf_weights(weights, self.shape, groups, on_device=on_device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
-        """Hugging Face weights into ``directory/model`` (``export``) and optimizer state per rank. A
-        collective: every rank calls it."""
+        """Hugging Face weights into ``directory/model`` (``export``) and the optimizer state into
+        ``directory/optimizer`` in the same layout-free form, every rank writing its share
+        (``reroll.strategies.megatron_optimizer_state``). A collective: every rank calls it."""
         directory.mkdir(parents=True, exist_ok=True)
         self.export(directory / "model")
         if with_optimizer and self.optimizer is not None:
-            # torch Adam over this rank's fp32 main params (shards); a mixture of experts chains two
-            inners = self._inner_optimizers()
-            main = [[p.detach().cpu() for g in o.param_groups for p in g["params"]] for o in inners]
-            state = {"optimizers": [o.state_dict() for o in inners], "main_params": main, "steps": self.steps}
-            torch.save(state, directory / f"optimizer_rank{self.rank}.pt")
+            optimizer_state.save_optimizer_state(self, directory / optimizer_state.DIRECTORY)
 
     def export(self, directory: Path) -> int:
         """Write the model as ``save_pretrained`` would, one decoder layer at a time: each comes whole to
@@ -624,11 +626,6 @@ class MegatronStrategy:
         )
         return held
 
-    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
-        """The torch optimizers inside Megatron's (one per chained optimizer: dense and experts' params)."""
-        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        return [o.optimizer for o in chained if o is not None and o.optimizer is not None]
-
     def _meta_hf_model(self) -> torch.nn.Module:
         """The Hugging Face model on the meta device in the strategy's dtype: the names, shapes and dtypes
         of what is exported, its config and weight conversions, and the checkpoint's generation config
@@ -640,27 +637,19 @@ class MegatronStrategy:
         return model
 
     def load(self, directory: Path) -> None:
-        """Weights from ``directory/model`` and, where present, this rank's optimizer state."""
+        """Weights from ``directory/model`` and, where present, the optimizer state: ``optimizer/``, read at
+        this rank's layout whatever the layout that wrote it, or an older checkpoint's
+        ``optimizer_rank{r}.pt`` at the layout that wrote them. A collective: every rank calls it."""
         self._require()
+        restore = None
+        if self.optimizer is not None:  # refuses a checkpoint it cannot resume before reading weights
+            restore = optimizer_state.restorer(self, directory, self._share())
         self._load_hf(directory / "model")
         if self.optimizer is None:
             return
         self.optimizer.reload_model_params()  # main params from the loaded weights
-        path = directory / f"optimizer_rank{self.rank}.pt"
-        if path.exists():
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            inners = self._inner_optimizers()
-            if "optimizer" in state:  # written before mixtures of experts: one optimizer
-                state["optimizers"], state["main_params"] = [state["optimizer"]], [state["main_params"]]
-            for inner, main, saved_state in zip(
-                inners, state["main_params"], state["optimizers"], strict=True
-            ):
-                params = [p for g in inner.param_groups for p in g["params"]]
-                with torch.no_grad():
-                    for p, saved in zip(params, main, strict=True):
-                        p.copy_(saved)
-                inner.load_state_dict(saved_state)
-            self.steps = state["steps"]
+        if restore is not None:
+            restore()
 
     # -- colocation ------------------------------------------------------------------------------
 

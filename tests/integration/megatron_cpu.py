@@ -49,6 +49,34 @@ def patch_cuda_for_cpu() -> None:
         setattr(torch, name, _on_cpu(getattr(torch, name)))
 
 
+def patch_cuda_streams_for_cpu() -> None:
+    """Give megatron-core's expert-parallel token dispatcher (all-to-all) the one CUDA stream it copies
+    its split sizes to the host on, as a stand-in: on the CPU every copy is done when it returns."""
+
+    class Stream:
+        def wait_stream(self, other: Any) -> None:
+            pass
+
+        def record_event(self) -> Any:
+            return types.SimpleNamespace(synchronize=lambda: None)
+
+    stream = Stream()
+    torch.cuda.Stream = lambda *a, **k: stream
+    torch.cuda.current_stream = lambda *a, **k: stream  # the same: no record_stream on a side stream
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    from megatron.core.transformer.moe import token_dispatcher
+
+    host_copy = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        """The split sizes as numpy, as a CUDA tensor's copy gives them (all-to-all takes no tensor)."""
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return host_copy(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
 def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def make(*args: Any, **kwargs: Any) -> torch.Tensor:
         if str(kwargs.get("device", "cpu")).startswith("cuda"):
