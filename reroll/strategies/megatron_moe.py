@@ -45,13 +45,22 @@ class MegatronRouters:
     """The ``TopKRouter`` modules of a Megatron-Core ``GPTModel`` and the model's routing settings
     (``model_coef``: config.json's ``router_aux_loss_coef`` where ``output_router_logits``, else 0)."""
 
+    sees_split_rows = True  # a rank's routers may see a slice of each row's tokens (``ColumnSplit``)
+
     def __init__(
-        self, module: torch.nn.Module, shape: mc.GPTShape, hf_config: Any, pipe: Pipeline | None = None
+        self,
+        module: torch.nn.Module,
+        shape: mc.GPTShape,
+        hf_config: Any,
+        pipe: Pipeline | None = None,
+        columns: ColumnSplit | None = None,
     ) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
+        if pipe is not None and columns is not None:
+            raise ValueError("MegatronRouters: a router loss split over both stages and columns is not built")
         self.modules = [m for m in module.modules() if isinstance(m, TopKRouter)]
-        self.pipe, self.num_layers = pipe, shape.num_layers
+        self.pipe, self.columns, self.num_layers = pipe, columns, shape.num_layers
         self.top_k, self.experts = shape.moe_top_k, shape.num_experts
         on = getattr(hf_config, "output_router_logits", False)
         self.model_coef = float(getattr(hf_config, "router_aux_loss_coef", 0.0)) if on else 0.0
@@ -65,7 +74,11 @@ class MegatronRouters:
     def capture(self) -> Iterator[Routed]:
         """Inside the block, every forward records each router's logits (with their graph) into the
         yielded ``Routed``, after ``start_forward`` gave it the forward's real tokens."""
-        routed = Routed() if self.pipe is None else StageRouted(pipe=self.pipe, num_layers=self.num_layers)
+        routed: Routed = Routed()
+        if self.pipe is not None:
+            routed = StageRouted(pipe=self.pipe, num_layers=self.num_layers)
+        elif self.columns is not None:
+            routed = ColumnRouted(split=self.columns, num_layers=self.num_layers)
 
         def recording(original: Any, x: torch.Tensor) -> torch.Tensor:
             logits = original(x)
@@ -85,12 +98,14 @@ class MegatronRouters:
                 del router.gating
 
     def start_forward(self, attention_mask: torch.Tensor, spans: list[tuple[int, int]] | None = None) -> None:
-        """A forward of ``(B, T)`` rows with ``attention_mask`` begins (nothing outside ``capture``);
-        ``spans``: under pipeline parallelism, the ``(first row, rows)`` of each stage's rank."""
+        """A forward of ``(B, T)`` rows with ``attention_mask`` begins (nothing outside ``capture``):
+        the mask of the columns this rank's routers see (all ``T``, or its slice under a ``ColumnSplit``);
+        ``spans``: under pipeline parallelism or a ``ColumnSplit``, the ``(first row, rows)`` of each
+        member's rows."""
         if self._routed is not None:
             self._routed.logits.append([])
             self._routed.real.append(attention_mask.t().reshape(-1).bool())  # [s, b] order
-            if isinstance(self._routed, StageRouted):
+            if isinstance(self._routed, StageRouted | ColumnRouted):
                 assert spans is not None
                 self._routed.spans.append((attention_mask.shape[0], spans))
 
@@ -110,7 +125,7 @@ class StageRouted(Routed):
         pipe = self.pipe
         assert pipe is not None
         members = range(len(pipe.ranks))
-        sums = [self._member_sums(m, top_k) for m in members]
+        sums = [_member_sums(self, m, top_k) for m in members]
         probs = torch.stack([p for p, _, _ in sums])  # (M, E), this stage's layers
         counts = torch.stack([c for _, c, _ in sums])  # (M, L_stage, E)
         real = torch.stack([r for _, _, r in sums]).clamp_min(1) * self.num_layers  # (M,) token-layers
@@ -129,26 +144,86 @@ class StageRouted(Routed):
         aux = experts * (f[own] * total_p[own] / real[own]).sum()
         return weighted, aux, every_layer[own]
 
-    def _member_sums(self, member: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Over the forwards, member ``member``'s real tokens through this stage's layers: the router
-        probabilities summed ``(E,)``, the top-k counts ``(L_stage, E)`` and the tokens counted."""
-        p_sum = counts = tokens = 0
-        for layers, real, (rows, spans) in zip(self.logits, self.real, self.spans, strict=True):
-            logits = torch.stack(layers).float()  # (L_stage, N, E), N = s * rows in [s, b] order
-            first, n = spans[member]
-            row = torch.arange(logits.shape[1], device=logits.device) % rows
-            mask = (real.to(logits.device) & (row >= first) & (row < first + n)).float()
-            probs = torch.softmax(logits, dim=-1)
-            chosen = torch.topk(probs.detach(), top_k, dim=-1).indices
-            c = torch.zeros(logits.shape[0], logits.shape[2], device=logits.device)
-            c.scatter_add_(
-                1,
-                chosen.reshape(logits.shape[0], -1),
-                mask.repeat_interleave(top_k).expand(logits.shape[0], -1),
-            )
-            p_sum = p_sum + (probs * mask[None, :, None]).sum((0, 1))
-            counts, tokens = counts + c, tokens + mask.sum()
-        return p_sum, counts, tokens
+
+def _member_sums(
+    routed: StageRouted | ColumnRouted, member: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Over ``routed``'s forwards, member ``member``'s real tokens through this rank's layers and columns:
+    the router probabilities summed ``(E,)``, the top-k counts ``(L_here, E)`` and the tokens counted."""
+    p_sum = counts = tokens = 0
+    for layers, real, (rows, spans) in zip(routed.logits, routed.real, routed.spans, strict=True):
+        logits = torch.stack(layers).float()  # (L_here, N, E), N = s * rows in [s, b] order
+        first, n = spans[member]
+        row = torch.arange(logits.shape[1], device=logits.device) % rows
+        mask = (real.to(logits.device) & (row >= first) & (row < first + n)).float()
+        probs = torch.softmax(logits, dim=-1)
+        chosen = torch.topk(probs.detach(), top_k, dim=-1).indices
+        c = torch.zeros(logits.shape[0], logits.shape[2], device=logits.device)
+        c.scatter_add_(
+            1,
+            chosen.reshape(logits.shape[0], -1),
+            mask.repeat_interleave(top_k).expand(logits.shape[0], -1),
+        )
+        p_sum = p_sum + (probs * mask[None, :, None]).sum((0, 1))
+        counts, tokens = counts + c, tokens + mask.sum()
+    return p_sum, counts, tokens
+
+
+@dataclass(frozen=True)
+class ColumnSplit:
+    """A forward's columns (tokens of each row) split over the ranks of ``group``, each routing its own
+    slice through every layer: the TP ranks under sequence parallelism, a context-parallel group.
+    ``members``: the group whose ranks' rows the forward ran together (the TP group), or None where
+    every rank of ``group`` ran the same rows (a context-parallel group: one member); ``own``: this
+    rank's member index."""
+
+    group: dist.ProcessGroup
+    members: dist.ProcessGroup | None
+    own: int
+
+
+@dataclass
+class ColumnRouted(Routed):
+    """A rank's routed logits of its slice of the columns of its members' rows (``spans``: per forward,
+    the rows and each member's ``(first row, rows)``); ``num_layers``: the model's, all on this rank.
+
+    Each member's loss pools its rows' every column and layer: ``f`` (the top-k share, no gradient) from
+    the counts summed over the ranks of the split, ``P`` a sum of the ranks' parts. So each rank
+    backpropagates the part ``E * sum_e f_e * P_e`` owes to its columns, weighted by each member's share
+    of the step; summed over the split (Megatron sums the router's gradient over the TP ranks, or DDP over
+    the context-parallel ranks among its data-parallel ones) that is the gradient of the members'
+    share-weighted losses. Each rank reports its own member's loss and load."""
+
+    split: ColumnSplit | None = None
+    num_layers: int = 0
+    spans: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
+
+    def term(self, top_k: int, share: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(this rank's part of every member's share-weighted loss, the loss of this rank's rows, their
+        (L, E) counts)``; every rank of the split (and of its members' group) must call it."""
+        split = self.split
+        assert split is not None and self.spans
+        members = range(len(self.spans[0][1]))
+        sums = [_member_sums(self, m, top_k) for m in members]
+        probs = torch.stack([p for p, _, _ in sums])  # (M, E), this rank's columns
+        counts = torch.stack([c for _, c, _ in sums])  # (M, L, E)
+        real = torch.stack([r for _, _, r in sums])  # (M,) tokens in this rank's columns
+        totals = torch.cat([counts.reshape(len(members), -1), real[:, None], probs.detach()], 1)
+        dist.all_reduce(totals, group=split.group)  # every column: counts, tokens and P's sum at once
+        layers, experts = counts.shape[1], counts.shape[2]
+        counts = totals[:, : layers * experts].reshape(counts.shape)
+        real = totals[:, layers * experts].clamp_min(1) * self.num_layers  # token-layers
+        total_p = totals[:, layers * experts + 1 :]
+        f = counts.sum(1) / real[:, None]
+        shares = torch.tensor([share], device=probs.device, dtype=torch.float32)
+        if split.members is not None:
+            parts = [torch.zeros_like(shares) for _ in members]
+            dist.all_gather(parts, shares, group=split.members)
+            shares = torch.cat(parts)
+        own = split.own
+        weighted = (shares[:, None] * experts * f * probs / real[:, None]).sum()
+        aux = experts * (f[own] * total_p[own] / real[own]).sum()
+        return weighted, aux, counts[own]
 
 
 def gather_experts(

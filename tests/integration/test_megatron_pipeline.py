@@ -68,7 +68,9 @@ def _train_rank(rank: int, world_size: int, address: str, out: str, cfg_path: st
         steps.append((float(loss), s.step(1.0)["grad_norm"]))
     with torch.no_grad():  # a forward-only pass (reference/old log-probs) after the steps
         scored = token_logprobs(s.logits(ids, mask), ids) * mask
-    torch.save({"steps": steps, "scored": scored, "weights": s.full_state_dict()}, f"{out}/rank{rank}.pt")
+    marked = [n for n, p in s.module.named_parameters() if getattr(p, "sequence_parallel", False)]
+    saved = {"steps": steps, "scored": scored, "weights": s.full_state_dict(), "sequence_parallel": marked}
+    torch.save(saved, f"{out}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
