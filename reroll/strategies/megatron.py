@@ -7,8 +7,11 @@ attention by Ulysses all-to-alls in the core attention, without Transformer Engi
 (``reroll.strategies.megatron_context``); Megatron-Core's own context-parallel size stays 1, so its
 data-parallel ranks include the context-parallel ones and its DDP sums their gradients. Pipeline
 stages hold consecutive layers (split as Megatron-Core splits them) and run a micro-batch one after the
-other (``reroll.strategies.megatron_pipeline``). A Qwen3-MoE
-(at tensor_parallel 1; on pipeline stages too) spreads its experts over groups of
+other (``reroll.strategies.megatron_pipeline``). Sequence parallelism runs on Transformer Engine's layer
+spec or on Megatron-Core's local one, whose norms take a rank's slice of the sequence
+(``reroll.strategies.megatron_spec``). A Qwen3-MoE (on pipeline stages too; at tensor_parallel > 1 with
+sequence parallelism, its experts split over the TP ranks as the dense MLP) spreads its experts over
+groups of
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
 to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
 logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face

@@ -13,7 +13,10 @@ its own layers only. ``StageRouted`` then gives each rank what it would backprop
 the loss of each member's rows pools all layers (``f``, the top-k share, summed over the stages; ``P``,
 the mean probability, a sum of the stages' parts), so each stage backpropagates the part ``E * sum_e
 f_e * P_e`` owes to its layers (``f`` fixed: it has no gradient), weighted by each member's share of the
-step; the members' losses and loads are reported to their own ranks.
+step; the members' losses and loads are reported to their own ranks. Where a rank routes a slice of each
+row's columns instead (the TP ranks under sequence parallelism, a context-parallel group: ``ColumnSplit``),
+``ColumnRouted`` does the same over columns: the counts summed over the split's ranks, each rank
+backpropagating the part its columns owe.
 """
 
 from __future__ import annotations
