@@ -134,12 +134,16 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
 @pytest.mark.long  # five spawned ranks: about 4 minutes on 2 CPU cores
 @pytest.mark.parametrize(
     "sizes",
-    [("pipeline_parallel=2", "tensor_parallel=2"), ("pipeline_parallel=2",)],
-    ids=["pp2-tp2", "pp2-dp2"],
+    [
+        ("pipeline_parallel=2", "tensor_parallel=2"),
+        ("pipeline_parallel=2", "tensor_parallel=2", "sequence_parallel=true"),
+        ("pipeline_parallel=2",),
+    ],
+    ids=["pp2-tp2", "pp2-tp2-sp", "pp2-dp2"],
 )
 def test_four_ranks_with_pipeline_stages_train_as_one_rank(tmp_path, four_layers, sizes):
-    """Four ranks, each a quarter of the rows: two stages of TP 2 (sequence parallelism needs Transformer
-    Engine's norms, so it is left to the GPU), or two stages of two data-parallel ranks (their gradients
+    """Four ranks, each a quarter of the rows: two stages of TP 2 (also with sequence parallelism: a stage
+    sends the next its TP rank's slice of the sequence), or two stages of two data-parallel ranks (their gradients
     summed, the optimizer state sharded over them). Losses and norms as for two stages; a TP split sums
     each matmul in two parts, so gradients differ from one rank's by rounding, and Adam can turn that
     into up to lr per step where a gradient is near zero: weights within 2 * lr * steps (measured at
