@@ -2,10 +2,10 @@
 rank: the CUDA calls it makes with dropout 0 and CPU initialisation are pointed at the CPU.
 
 Megatron-Core runs on CUDA only (the strategy refuses a CPU device); what is patched here is where it
-asks for a CUDA device, seed, RNG tracker or side stream (and, for the all-to-all token dispatcher under
-TP x EP, NCCL's uneven all-gather and reduce-scatter, which gloo lacks), not what it computes: the same layers, collectives and
-optimizer run. ``run_ranks`` starts ``world_size`` spawned ranks of ``rank_fn`` (a module function, so it
-imports in the child) and returns what each saved.
+asks for a CUDA device, seed, RNG tracker or side stream (and, for the all-to-all token dispatcher
+under TP x EP, NCCL's uneven all-gather and reduce-scatter, which gloo lacks), not what it computes:
+the same layers, collectives and optimizer run. ``run_ranks`` starts ``world_size`` spawned ranks of
+``rank_fn`` (a module function, so it imports in the child) and returns what each saved.
 """
 
 from __future__ import annotations

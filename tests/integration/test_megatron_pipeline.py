@@ -150,6 +150,7 @@ def test_four_ranks_with_pipeline_stages_train_as_one_rank(tmp_path, four_layers
     pp2-tp2: 6e-6)."""
     one = _run(tmp_path, four_layers, 1)[0]
     four = _run(tmp_path, four_layers, 4, *sizes)
+    assert all(bool(r["sequence_parallel"]) == ("sequence_parallel=true" in sizes) for r in four)  # its norms
     for step, (loss, norm) in enumerate(one["steps"]):
         assert sum(r["steps"][step][0] for r in four) == pytest.approx(loss, rel=1e-5)
         assert all(r["steps"][step][1] == pytest.approx(norm, rel=1e-5) for r in four)
