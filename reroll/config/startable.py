@@ -99,8 +99,8 @@ def megatron_context_parallel_problems(c: Any, m: MegatronConfig, size: int) -> 
     """Why the model of Hugging Face config ``c`` cannot split its sequences over ``size`` ranks in the
     Megatron strategy (``reroll.strategies.megatron_context``): each rank attends with 1/size of its
     tensor-parallel shard's heads, so ``tensor_parallel x size`` must divide the attention and the
-    key-value heads; a mixture of experts' router loss pools a row's columns over the group's ranks
-    (``reroll.strategies.megatron_moe.ColumnRouted``), not yet over pipeline stages as well."""
+    key-value heads (a mixture of experts' router loss pools a row's columns over the group's ranks:
+    ``reroll.strategies.megatron_moe.SplitRouted``)."""
     if size == 1:
         return []
     split = m.tensor_parallel * size
@@ -119,12 +119,6 @@ def megatron_context_parallel_problems(c: Any, m: MegatronConfig, size: int) -> 
                 f"{split} must divide the model's {name} ({n}): each context-parallel rank attends with 1/{size} "
                 f"of its tensor-parallel shard's heads; use a context_parallel of {fits}"
             )
-    if getattr(c, "model_type", None) == "qwen3_moe" and m.pipeline_parallel > 1:
-        problems.append(
-            f"strategy.megatron.context_parallel={size} with pipeline_parallel={m.pipeline_parallel} and a "
-            "mixture-of-experts model is not yet built (its router's load-balancing loss is split over a "
-            "row's columns or over pipeline stages, not both): set context_parallel or pipeline_parallel to 1"
-        )
     return problems
 
 
@@ -153,8 +147,7 @@ def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
     """What the Megatron strategy cannot do with the model of config ``c`` under ``m``'s sizes: pipeline
     stages need an even share of the layers, expert parallelism needs experts, and a mixture of experts
     at tensor_parallel > 1 needs sequence parallelism (Megatron-Core's MoE layer refuses to train
-    without it) and one pipeline stage (the router loss is split over a row's columns or over stages,
-    not both yet)."""
+    without it)."""
     kind = getattr(c, "model_type", None)
     moe = kind == "qwen3_moe"
     experts = int(getattr(c, "num_experts", 0) or 0) if moe else 0  # 0 also where only the name is known
@@ -178,13 +171,6 @@ def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
             "strategy.megatron.sequence_parallel=true (Megatron-Core trains a mixture of experts at "
             "tensor_parallel > 1 only with sequence parallelism): set sequence_parallel=true, or "
             "tensor_parallel=1 and spread the experts with expert_parallel"
-        )
-    if moe and m.tensor_parallel > 1 and m.pipeline_parallel > 1:
-        problems.append(
-            f"strategy.megatron.tensor_parallel={m.tensor_parallel} with pipeline_parallel="
-            f"{m.pipeline_parallel} and a mixture-of-experts model is not yet built (its router's "
-            "load-balancing loss is split over a row's columns or over pipeline stages, not both): set "
-            "tensor_parallel or pipeline_parallel to 1"
         )
     return problems
 

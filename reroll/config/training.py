@@ -144,7 +144,7 @@ class MegatronConfig(StrictModel):
         "split every sequence between them, each a contiguous 1/n of its tokens, attention by Ulysses "
         "all-to-alls over the heads in Megatron-Core's local attention (no Transformer Engine needed); "
         "tensor_parallel x context_parallel must divide the attention and key-value heads. Not with "
-        "sequence_parallel, nor with a mixture of experts and pipeline_parallel > 1. 1: off.",
+        "sequence_parallel. 1: off.",
     )
     expert_parallel: int = Field(1, ge=1, description="Expert-parallel size (MoE models).")
     sequence_parallel: bool = Field(

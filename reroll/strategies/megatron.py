@@ -71,8 +71,8 @@ from reroll.strategies.hf_export import (
 )
 from reroll.strategies.host_parking import HostParking
 from reroll.strategies.megatron_moe import (
-    ColumnSplit,
     MegatronRouters,
+    RowSplit,
     allow_routers_without_transformer_engine,
 )
 from reroll.strategies.megatron_pipeline import Pipeline
@@ -344,9 +344,7 @@ class MegatronStrategy:
         self._load_hf(self.model_path)
         self.module.requires_grad_(self.trainable)
         if self.shape.num_experts and self.trainable:
-            self.moe_routers = MegatronRouters(
-                self.module, self.shape, self.hf_config, self.pipe, self._column_split()
-            )
+            self.moe_routers = MegatronRouters(self.module, self.shape, self.hf_config, self._row_split())
         self.module.train(self.trainable)
         self.model = self.module
         if self.trainable:
@@ -481,7 +479,7 @@ class MegatronStrategy:
         ids, positions, causal, t = self._model_inputs(ids)
         spans = None if self.pipe is None else self._spans(rows_of)
         if self.moe_routers is not None:
-            self._start_routing(mask, ids.shape[1], rows_of, spans)
+            self._start_routing(mask, ids.shape[1], rows_of)
         width = t if self.context_parallel is not None else width  # this rank's columns, all returned
         if self.pipe is not None:
             return self._pipelined(ids, positions, causal, spans, t)[:, :width]
@@ -495,22 +493,22 @@ class MegatronStrategy:
         sequence (``strategy.megatron.sequence_parallel`` at tensor_parallel > 1)."""
         return self.mcfg.sequence_parallel and self.tp > 1
 
-    def _column_split(self) -> ColumnSplit | None:
-        """How a forward's tokens are split over ranks that each route their own slice: the TP ranks under
-        sequence parallelism (each routes its chunk of the group's rows), a context-parallel group (its
-        columns of the same rows); None where each rank routes every token of the rows it runs."""
-        if self.context_parallel is not None:
-            return ColumnSplit(self.context_parallel.group, None, 0)
-        if self._sequence_parallel():
-            return ColumnSplit(self.tp_group, self.tp_group, self.tp_rank)
-        return None
+    def _row_split(self) -> RowSplit | None:
+        """How the rows this rank's routers see are split (``megatron_moe.RowSplit``): the group whose
+        ranks' rows run together (``logits``'), the pipeline stages' layers, and a row's tokens over the TP
+        ranks under sequence parallelism or over a context-parallel group; None where a rank routes every
+        token of its own rows through every layer."""
+        cp = self.context_parallel
+        columns = cp.group if cp is not None else self.tp_group if self._sequence_parallel() else None
+        if self.tp * self.pp == 1:
+            return None if columns is None else RowSplit(None, 0, columns=columns)  # one member
+        members = self.tp_group if self.pipe is None else self.mp_group
+        return RowSplit(members, dist.get_rank(members), pipe=self.pipe, columns=columns)
 
-    def _start_routing(
-        self, mask: torch.Tensor, width: int, rows_of: list[int], spans: list[tuple[int, int]] | None
-    ) -> None:
+    def _start_routing(self, mask: torch.Tensor, width: int, rows_of: list[int]) -> None:
         """Tell the routers a forward begins: the real tokens of the columns this rank routes (of the
-        ``(rows, T)`` ``mask`` of the rows run; ``width``: the columns the model runs), and whose rows
-        are whose (pipeline stages' ``spans``, or the TP group's ``rows_of``)."""
+        ``(rows, T)`` ``mask`` of the rows run; ``width``: the columns the model runs), and each member's
+        rows (``rows_of``: each rank's of the group that ran them together, in its rank order)."""
         start, stop = 0, width
         if self.context_parallel is not None:
             start, stop = split_columns(mask.shape[1], self.context_parallel.size, self.context_parallel.rank)
@@ -518,9 +516,8 @@ class MegatronStrategy:
         elif self._sequence_parallel():  # Megatron scatters the sequence over the TP ranks in rank order
             chunk = width // self.tp
             start, stop = self.tp_rank * chunk, (self.tp_rank + 1) * chunk
-            spans = [(sum(rows_of[:m]), n) for m, n in enumerate(rows_of)]
         real = torch.nn.functional.pad(mask, (0, width - mask.shape[1]))[:, start:stop]
-        self.moe_routers.start_forward(real, spans if spans is not None else [(0, mask.shape[0])])
+        self.moe_routers.start_forward(real, [(sum(rows_of[:m]), n) for m, n in enumerate(rows_of)])
 
     def _model_inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """What the ``GPTModel`` runs for the rows ``ids``: the token ids (padded for sequence parallelism;

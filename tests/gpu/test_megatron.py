@@ -574,7 +574,7 @@ def _moe2_rank(rank: int, address: str, model_path: str, cfg_path: str, result_d
     if size == "expert_parallel=2":
         assert len(mine) == 4 * 2, mine  # this rank's 4 of the 8 experts, fc1 and fc2 each
     elif size.startswith("tensor_parallel=2"):  # every expert, each split over the TP ranks
-        assert len(mine) == 8 * 2 and s.moe_routers.columns is not None, mine
+        assert len(mine) == 8 * 2 and s.moe_routers.split.columns is not None, mine
     else:
         assert len(mine) == 8 * 2 and layers == {"0", "1"}, (mine, layers)  # 2 of the 4 layers
     ids, mask = _batch(rows=8, width=48, vocab=2048)

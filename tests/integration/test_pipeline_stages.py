@@ -1,7 +1,6 @@
 """The Megatron strategy's pipeline plumbing without Megatron-Core, on two gloo ranks in seconds (the CI
 sibling of ``test_megatron_pipeline.py``): ``Pipeline``'s stage-to-stage autograd functions on a toy
-two-stage model, ``StageRouted``'s router loss split over stages and ``ColumnRouted``'s over a row's
-columns (the CI sibling of ``test_megatron_sequence_parallel.py``), each against one process computing
+two-stage model, and ``SplitRouted``'s router loss split over stages or over a row's columns (the CI sibling of ``test_megatron_sequence_parallel.py``), each against one process computing
 the unsplit thing."""
 
 from __future__ import annotations
@@ -99,12 +98,13 @@ def _router_logits() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _router_rank(rank: int, world_size: int, address: str, out: str) -> None:
-    from reroll.strategies.megatron_moe import StageRouted
+    from reroll.strategies.megatron_moe import RowSplit, SplitRouted
 
     dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=world_size)
     logits, real = _router_logits()
     mine = logits[2 * rank : 2 * rank + 2].clone().requires_grad_()
-    routed = StageRouted(pipe=_pipe(), num_layers=LAYERS)
+    pipe = _pipe()
+    routed = SplitRouted(split=RowSplit(pipe.group, pipe.stage, pipe=pipe), num_layers=LAYERS)
     routed.logits.append(list(mine))
     routed.real.append(real)
     routed.spans.append((ROWS, SPANS))
@@ -145,14 +145,15 @@ def _column_rank(rank: int, world_size: int, address: str, out: str, same_rows: 
     """This rank's half of the columns (tokens ``[s, b]``: the first or last ``TOKENS / 2`` positions of
     every row) of every layer's router logits, routed as under sequence parallelism (members: the two
     ranks, each its own rows, ``SPANS``) or context parallelism (``same_rows``: one member, every row)."""
-    from reroll.strategies.megatron_moe import ColumnRouted, ColumnSplit
+    from reroll.strategies.megatron_moe import RowSplit, SplitRouted
 
     dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=world_size)
     logits, real = _router_logits()
     half = slice(rank * TOKENS // 2 * ROWS, (rank + 1) * TOKENS // 2 * ROWS)
     mine = logits[:, half].clone().requires_grad_()
-    split = ColumnSplit(dist.group.WORLD, None if same_rows else dist.group.WORLD, 0 if same_rows else rank)
-    routed = ColumnRouted(split=split, num_layers=LAYERS)
+    members = None if same_rows else dist.group.WORLD
+    split = RowSplit(members, 0 if same_rows else rank, columns=dist.group.WORLD)
+    routed = SplitRouted(split=split, num_layers=LAYERS)
     routed.logits.append(list(mine))
     routed.real.append(real[half])
     routed.spans.append((ROWS, [(0, ROWS)] if same_rows else SPANS))
