@@ -617,7 +617,7 @@ def test_moe_ep2_equals_torch_on_the_whole_batch(tmp_path, assets):
 def test_moe_pp2_equals_torch_on_the_whole_batch(tmp_path, assets):
     """As the EP=2 test, on two pipeline stages of 2 layers each (every expert on both): each stage
     routes both ranks' rows through its layers, and each rank's router loss is its own rows' over every
-    layer (``StageRouted``); same tolerances."""
+    layer (``SplitRouted``); same tolerances."""
     _moe_two_ranks_equal_torch(tmp_path, assets, "pipeline_parallel=2")
 
 
@@ -625,7 +625,7 @@ def test_moe_pp2_equals_torch_on_the_whole_batch(tmp_path, assets):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a MoE at TP=2 needs two GPUs")
 def test_moe_tp2_with_sequence_parallel_equals_torch_on_the_whole_batch(tmp_path, assets):
     """As the EP=2 test, at TP=2 with sequence parallelism (each rank routes its half of the sequence of
-    both ranks' rows; each rank's router loss is its own rows' over every column: ``ColumnRouted``); same
+    both ranks' rows; each rank's router loss is its own rows' over every column: ``SplitRouted``); same
     tolerances (on CPU over gloo it equals one rank: tests/integration/test_megatron_sequence_parallel.py)."""
     _moe_two_ranks_equal_torch(tmp_path, assets, "tensor_parallel=2,sequence_parallel=true")
 

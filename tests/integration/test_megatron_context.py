@@ -245,7 +245,7 @@ def test_trainer_workers_of_a_context_parallel_group_train_as_one(tmp_path, gqa_
     off the gathered or combined values), to the bounds of ``test_context_parallel_ranks_train_as_one_rank``
     (the same arithmetic: only summation orders differ). Measured: log-probs and losses bit-equal, grad
     norms to 6e-8, weights to 6e-7. A Qwen3-MoE too: the trainer adds the router's load-balancing term,
-    each rank routing its columns and pooling the rows' over the group (``ColumnRouted``), so the router
+    each rank routing its columns and pooling the rows' over the group (``SplitRouted``), so the router
     loss and the experts' load it logs are the one rank's (same bound as the loss)."""
     from reroll.data.datasets import load_samples
     from reroll.models.loading import load_tokenizer

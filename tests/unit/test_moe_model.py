@@ -136,7 +136,7 @@ def test_step_routing_weights_micro_batches_by_share(moe_dir):
 def test_a_split_row_is_refused_only_for_routers_that_see_whole_rows(moe_dir):
     """Under context parallelism a rank's routers see part of each row: the trainer refuses transformers'
     routers (their loss is built for whole rows) and takes routers that pool a row over its ranks
-    (``sees_split_rows``: Megatron's ``ColumnRouted``)."""
+    (``sees_split_rows``: Megatron's ``SplitRouted``)."""
     import types
 
     from reroll.errors import UserError
