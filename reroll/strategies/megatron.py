@@ -7,8 +7,11 @@ attention by Ulysses all-to-alls in the core attention, without Transformer Engi
 (``reroll.strategies.megatron_context``); Megatron-Core's own context-parallel size stays 1, so its
 data-parallel ranks include the context-parallel ones and its DDP sums their gradients. Pipeline
 stages hold consecutive layers (split as Megatron-Core splits them) and run a micro-batch one after the
-other (``reroll.strategies.megatron_pipeline``). A Qwen3-MoE
-(at tensor_parallel 1; on pipeline stages too) spreads its experts over groups of
+other (``reroll.strategies.megatron_pipeline``). Sequence parallelism runs on Transformer Engine's layer
+spec or on Megatron-Core's local one, whose norms take a rank's slice of the sequence
+(``reroll.strategies.megatron_spec``). A Qwen3-MoE (on pipeline stages too; at tensor_parallel > 1 with
+sequence parallelism, its experts split over the TP ranks as the dense MLP) spreads its experts over
+groups of
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
 to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
 logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face
@@ -58,7 +61,7 @@ from reroll.models.checkpoint_reader import CheckpointReader, checkpoint_files
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
 from reroll.strategies import megatron_optimizer_state as optimizer_state
-from reroll.strategies.context_parallel import ContextParallel
+from reroll.strategies.context_parallel import ContextParallel, split_columns
 from reroll.strategies.hf_export import (
     HFNames,
     StreamGather,
@@ -68,7 +71,11 @@ from reroll.strategies.hf_export import (
     write_hf_model,
 )
 from reroll.strategies.host_parking import HostParking
-from reroll.strategies.megatron_moe import MegatronRouters, allow_routers_without_transformer_engine
+from reroll.strategies.megatron_moe import (
+    MegatronRouters,
+    RowSplit,
+    allow_routers_without_transformer_engine,
+)
 from reroll.strategies.megatron_pipeline import Pipeline
 from reroll.strategies.megatron_weights import Groups, hf_weights
 from reroll.strategies.training import warmup_factor
@@ -195,12 +202,6 @@ class MegatronStrategy:
         if moe_problems:
             raise UserError("; ".join(moe_problems))
         self.te = use_transformer_engine(self.mcfg.transformer_engine)
-        if self.mcfg.sequence_parallel and self.tp > 1 and not self.te:
-            raise UserError(
-                "strategy.megatron.sequence_parallel needs Transformer Engine's layer spec (Megatron-Core's "
-                "local spec builds torch norms, which refuse it): install transformer_engine, or set "
-                "sequence_parallel=false"
-            )
         self.module: torch.nn.Module | None = None  # the GPTModel
         self.moe_routers: MegatronRouters | None = None  # a trainable mixture of experts' routers
         self.model: torch.nn.Module | None = None  # what forward runs: DDP-wrapped when trainable
@@ -272,12 +273,8 @@ class MegatronStrategy:
     def _build(self, init_method: str | None) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_local_spec,
-            get_gpt_layer_with_transformer_engine_spec,
-        )
 
-        from reroll.strategies.megatron_context import chunk_rotary, join_groups, with_ulysses_attention
+        from reroll.strategies.megatron_context import chunk_rotary, join_groups
 
         self._init_groups(init_method)
         if self.cp > 1:  # under TP or PP a group's rows run at the widest one's width
@@ -321,7 +318,7 @@ class MegatronStrategy:
             pipeline_dtype=dtype,
             **mc.pipeline_config(self.shape.num_layers, self.pp),
             expert_model_parallel_size=self.ep,
-            sequence_parallel=self.mcfg.sequence_parallel and self.tp > 1,
+            sequence_parallel=self._sequence_parallel(),
             params_dtype=dtype,
             bf16=dtype == torch.bfloat16,
             calculate_per_token_loss=True,  # data-parallel gradients are summed, not averaged
@@ -332,32 +329,23 @@ class MegatronStrategy:
         )
         if self.shape.num_experts:
             allow_routers_without_transformer_engine()
-        spec_fn = get_gpt_layer_with_transformer_engine_spec if self.te else get_gpt_layer_local_spec
-        spec = spec_fn(
-            num_experts=self.shape.num_experts or None,
-            moe_grouped_gemm=False,
-            qk_layernorm=self.shape.qk_norm,
-            **({} if self.te else {"normalization": "RMSNorm"}),
-        )
-        if self.context_parallel is not None:
-            spec = with_ulysses_attention(spec, self.context_parallel)
         self.module = GPTModel(
             config,
-            spec,
+            self._layer_spec(config),
             parallel_output=False,
             pre_process=self.pipe is None or self.pipe.first,
             post_process=self.pipe is None or self.pipe.last,
             **mc.gpt_model_kwargs(self.shape, self.tp),
         )
-        # Without Apex the local spec's norms are torch.nn.RMSNorm, built on the CPU in fp32 whatever the
-        # config says; Megatron's own training casts the whole module (Float16Module), so do we.
+        # The local spec's norms (torch.nn.RMSNorm's) are built on the CPU in fp32 whatever the config
+        # says; Megatron's own training casts the whole module (Float16Module), so do we.
         self.module.to(device=self.device, dtype=dtype)
         if self.context_parallel is not None:
             chunk_rotary(self.module, self.context_parallel)
         self._load_hf(self.model_path)
         self.module.requires_grad_(self.trainable)
         if self.shape.num_experts and self.trainable:
-            self.moe_routers = MegatronRouters(self.module, self.shape, self.hf_config, self.pipe)
+            self.moe_routers = MegatronRouters(self.module, self.shape, self.hf_config, self._row_split())
         self.module.train(self.trainable)
         self.model = self.module
         if self.trainable:
@@ -372,6 +360,26 @@ class MegatronStrategy:
             self.shape.num_layers, self.tp, self.pp, self.cp, self.dp, self.ep,
             "transformer_engine" if self.te else "local", self.rank,
         )  # fmt: skip
+
+    def _layer_spec(self, config: Any) -> Any:
+        """Transformer Engine's layer spec, or the local spec with norms that take sequence-parallel
+        inputs (``reroll.strategies.megatron_spec``); with context parallelism, Ulysses core attention."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        from reroll.strategies.megatron_context import with_ulysses_attention
+        from reroll.strategies.megatron_spec import local_block_spec
+
+        experts, qk_norm = self.shape.num_experts, self.shape.qk_norm
+        if self.te:
+            spec = layer = get_gpt_layer_with_transformer_engine_spec(
+                num_experts=experts or None, moe_grouped_gemm=False, qk_layernorm=qk_norm
+            )
+        else:
+            spec = local_block_spec(config, num_experts=experts, qk_norm=qk_norm)
+            layer = spec.layer_specs[0]  # shared by every layer
+        if self.context_parallel is not None:
+            with_ulysses_attention(layer, self.context_parallel)
+        return spec
 
     def _load_hf(self, path: str | Path) -> None:
         """This rank's stage, experts and TP shard of the Hugging Face weights at ``path`` into the
@@ -476,8 +484,7 @@ class MegatronStrategy:
         ids, positions, causal, t = self._model_inputs(ids)
         spans = None if self.pipe is None else self._spans(rows_of)
         if self.moe_routers is not None:
-            padded = torch.nn.functional.pad(mask, (0, ids.shape[1] - mask.shape[1]))
-            self.moe_routers.start_forward(padded, spans)
+            self._start_routing(mask, ids.shape[1], rows_of)
         width = t if self.context_parallel is not None else width  # this rank's columns, all returned
         if self.pipe is not None:
             return self._pipelined(ids, positions, causal, spans, t)[:, :width]
@@ -485,6 +492,37 @@ class MegatronStrategy:
         if self.tp > 1:
             out = _SumGradOverGroup.apply(out, self.tp_group)[offset : offset + rows, :width]
         return out
+
+    def _sequence_parallel(self) -> bool:
+        """Whether the model's activations outside attention and MLP are split over the TP ranks by
+        sequence (``strategy.megatron.sequence_parallel`` at tensor_parallel > 1)."""
+        return self.mcfg.sequence_parallel and self.tp > 1
+
+    def _row_split(self) -> RowSplit | None:
+        """How the rows this rank's routers see are split (``megatron_moe.RowSplit``): the group whose
+        ranks' rows run together (``logits``'), the pipeline stages' layers, and a row's tokens over the TP
+        ranks under sequence parallelism or over a context-parallel group; None where a rank routes every
+        token of its own rows through every layer."""
+        cp = self.context_parallel
+        columns = cp.group if cp is not None else self.tp_group if self._sequence_parallel() else None
+        if self.tp * self.pp == 1:
+            return None if columns is None else RowSplit(None, 0, columns=columns)  # one member
+        members = self.tp_group if self.pipe is None else self.mp_group
+        return RowSplit(members, dist.get_rank(members), pipe=self.pipe, columns=columns)
+
+    def _start_routing(self, mask: torch.Tensor, width: int, rows_of: list[int]) -> None:
+        """Tell the routers a forward begins: the real tokens of the columns this rank routes (of the
+        ``(rows, T)`` ``mask`` of the rows run; ``width``: the columns the model runs), and each member's
+        rows (``rows_of``: each rank's of the group that ran them together, in its rank order)."""
+        start, stop = 0, width
+        if self.context_parallel is not None:
+            start, stop = split_columns(mask.shape[1], self.context_parallel.size, self.context_parallel.rank)
+            width = self.context_parallel.size * (stop - start)
+        elif self._sequence_parallel():  # Megatron scatters the sequence over the TP ranks in rank order
+            chunk = width // self.tp
+            start, stop = self.tp_rank * chunk, (self.tp_rank + 1) * chunk
+        real = torch.nn.functional.pad(mask, (0, width - mask.shape[1]))[:, start:stop]
+        self.moe_routers.start_forward(real, [(sum(rows_of[:m]), n) for m, n in enumerate(rows_of)])
 
     def _model_inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """What the ``GPTModel`` runs for the rows ``ids``: the token ids (padded for sequence parallelism;
@@ -497,7 +535,7 @@ class MegatronStrategy:
         if self.context_parallel is not None:
             return columns_of(ids, self.context_parallel)
         t = ids.shape[1]
-        if self.mcfg.sequence_parallel and self.tp > 1 and t % self.tp:  # the sequence splits evenly
+        if self._sequence_parallel() and t % self.tp:  # the sequence splits evenly
             ids = torch.nn.functional.pad(ids, (0, self.tp - t % self.tp))
         causal = None if self.te else causal_mask(ids.shape[1], ids.device)
         return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), causal, t
@@ -516,7 +554,7 @@ class MegatronStrategy:
         pipe, dtype, vocab = self.pipe, DTYPES[self.dtype], self.shape.vocab_size
         assert pipe is not None
         if not pipe.first:
-            seq = ids.shape[1] // self.tp if self.mcfg.sequence_parallel and self.tp > 1 else ids.shape[1]
+            seq = ids.shape[1] // self.tp if self._sequence_parallel() else ids.shape[1]
             x = pipe.receive((seq, ids.shape[0], self.shape.hidden_size), dtype, self.device)
             self.module.set_input_tensor(x)
         out = self._require()(ids, positions, causal)

@@ -66,7 +66,7 @@ def hf_weights(
 def gathered(part: dict[str, torch.Tensor], g: Groups) -> dict[str, torch.Tensor]:
     """``part`` of this rank's weights gathered over the EP ranks (experts) and the TP ranks, merged, on
     CPU (every rank of this stage's TP and EP groups must call it with the same names)."""
-    part = gather_experts(part, g.ep, g.ep_group)  # experts on CPU (MoE runs at TP 1)
+    part = gather_experts(part, g.ep, g.ep_group)  # experts on CPU, then TP-merged as the dense MLP
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(g.tp)]
     for name, w in part.items():
         if g.tp == 1 or mc.tp_split_dim(name) is None:

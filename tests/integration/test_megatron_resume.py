@@ -22,7 +22,7 @@ from reroll.algorithms.logprobs import token_logprobs
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
 from tests.conftest import write_config
-from tests.integration.megatron_cpu import patch_cuda_for_cpu, patch_cuda_streams_for_cpu, run_ranks
+from tests.integration.megatron_cpu import patch_cuda_for_cpu, run_ranks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
@@ -43,7 +43,6 @@ def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _strategy(rank: int, world_size: int, address: str | None, cfg_path: str, sizes: list[str]):
     from reroll.strategies.megatron import MegatronStrategy
 
-    patch_cuda_streams_for_cpu()  # expert parallelism's token dispatcher
 
     cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", *sizes])
     s = MegatronStrategy(cfg.model.path, cfg=cfg, device="cpu", rank=rank, world_size=world_size)
