@@ -43,7 +43,6 @@ def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _strategy(rank: int, world_size: int, address: str | None, cfg_path: str, sizes: list[str]):
     from reroll.strategies.megatron import MegatronStrategy
 
-
     cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", *sizes])
     s = MegatronStrategy(cfg.model.path, cfg=cfg, device="cpu", rank=rank, world_size=world_size)
     if address is not None:
