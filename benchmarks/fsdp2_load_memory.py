@@ -3,7 +3,9 @@ keeping its shard (``whole``: the path before ranks read their shards, and still
 ``.bin`` checkpoints), against each rank reading its own shards from the safetensors files (``share``:
 ``reroll.strategies.shard_fill``).
 
-A Qwen3-MoE checkpoint of the given size is written to a temporary directory (bf16); each case starts
+A Qwen3-MoE checkpoint of the given size (or with ``--model vl`` a Qwen2.5-VL one, whose checkpoint names
+transformers renames on load: ``--layers`` and ``--hidden`` its language model's, its vision tower
+``--vision-depth`` blocks of width 1280 as Qwen2.5-VL's) is written to a temporary directory (bf16); each case starts
 ``--ranks`` processes, each building an ``FSDP2Strategy``: over gloo on CPU (a rank's shards stay in
 host memory, as with ``strategy.fsdp2.cpu_offload``), or with ``--device cuda`` over NCCL, rank r on GPU
 r (its shards leave the host). It reports per rank the rise of its peak resident memory over the build
@@ -13,6 +15,7 @@ in both cases), its shards' bytes and the bytes it read.
 
     python benchmarks/fsdp2_load_memory.py --layers 8 --experts 32 --ranks 4
     python benchmarks/fsdp2_load_memory.py --device cuda --ranks 2 --layers 16 --experts 64 --hidden 1024
+    python benchmarks/fsdp2_load_memory.py --model vl --layers 8 --hidden 1024 --ranks 2
 """
 
 from __future__ import annotations
@@ -64,6 +67,18 @@ def _rank(rank: int, path: str, how: str, ranks: int, address: str, out: str, de
     torch.distributed.destroy_process_group()
 
 
+def _build_vl(path: Path, layers: int, hidden: int, vision_depth: int) -> None:
+    """A bf16 Qwen2.5-VL checkpoint (tied embeddings, as the 3B's) of the given shape."""
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+    from reroll.models.tiny_vision import build_tiny_vl_model
+
+    build_tiny_vl_model(
+        path, alphabet=ARITHMETIC_ALPHABET, hidden_size=hidden, num_layers=layers, num_heads=hidden // 128,
+        num_kv_heads=2, intermediate_size=4 * hidden, vocab_size=32000, vision_hidden_size=1280,
+        vision_depth=vision_depth, vision_num_heads=16, patch_size=14, dtype="bfloat16", for_cpu_engine=False,
+    )  # fmt: skip
+
+
 def main() -> None:
     import torch.multiprocessing as mp
     import yaml
@@ -74,16 +89,22 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--model", choices=["moe", "vl"], default="moe")
+    ap.add_argument("--vision-depth", type=int, default=8)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
-        build(model, args.layers, args.experts, args.hidden)
+        if args.model == "vl":
+            _build_vl(model, args.layers, args.hidden, args.vision_depth)
+        else:
+            build(model, args.layers, args.experts, args.hidden)
         base = {"pipeline": "rlvr", "model": {"path": str(model), "dtype": "bfloat16"},
                 "data": {"train_files": ["x.jsonl"]}, "rollout": {"batch_size": 8, "group_size": 4}}  # fmt: skip
         (Path(tmp) / "run.yaml").write_text(yaml.safe_dump(base))
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        what = f"{args.vision_depth} vision blocks" if args.model == "vl" else f"{args.experts} experts"
         print(f"{platform.processor() or platform.machine()}, {platform.python_version()}; checkpoint "
-              f"{size / 2**30:.2f} GiB bf16 ({args.layers} layers, {args.experts} experts); {args.ranks} FSDP2 ranks on {args.device}")  # fmt: skip
+              f"{size / 2**30:.2f} GiB bf16 ({args.model}: {args.layers} layers, {what}); {args.ranks} FSDP2 ranks on {args.device}")  # fmt: skip
         for how in ("whole", "share"):
             with socket.socket() as so:
                 so.bind(("127.0.0.1", 0))

@@ -99,7 +99,8 @@ def megatron_context_parallel_problems(c: Any, m: MegatronConfig, size: int) -> 
     """Why the model of Hugging Face config ``c`` cannot split its sequences over ``size`` ranks in the
     Megatron strategy (``reroll.strategies.megatron_context``): each rank attends with 1/size of its
     tensor-parallel shard's heads, so ``tensor_parallel x size`` must divide the attention and the
-    key-value heads; a mixture of experts' router loss is built for whole rows."""
+    key-value heads (a mixture of experts' router loss pools a row's columns over the group's ranks:
+    ``reroll.strategies.megatron_moe.SplitRouted``)."""
     if size == 1:
         return []
     split = m.tensor_parallel * size
@@ -118,11 +119,6 @@ def megatron_context_parallel_problems(c: Any, m: MegatronConfig, size: int) -> 
                 f"{split} must divide the model's {name} ({n}): each context-parallel rank attends with 1/{size} "
                 f"of its tensor-parallel shard's heads; use a context_parallel of {fits}"
             )
-    if getattr(c, "model_type", None) == "qwen3_moe":
-        problems.append(
-            f"strategy.megatron.context_parallel={size} with a mixture-of-experts model is not yet built (its "
-            "router's load-balancing loss is built for whole rows): set context_parallel to 1"
-        )
     return problems
 
 
@@ -150,9 +146,8 @@ def pipeline_split_problem(num_layers: int, pp: int) -> str:
 def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
     """What the Megatron strategy cannot do with the model of config ``c`` under ``m``'s sizes: pipeline
     stages need an even share of the layers, expert parallelism needs experts, and a mixture of experts
-    trains with tensor_parallel 1 for now (its router loss is taken per rank's rows; under TP the ranks
-    of a group route the group's rows together, and Megatron-Core trains a mixture of experts at TP > 1
-    with sequence parallelism only, which needs Transformer Engine)."""
+    at tensor_parallel > 1 needs sequence parallelism (Megatron-Core's MoE layer refuses to train
+    without it)."""
     kind = getattr(c, "model_type", None)
     moe = kind == "qwen3_moe"
     experts = int(getattr(c, "num_experts", 0) or 0) if moe else 0  # 0 also where only the name is known
@@ -170,11 +165,12 @@ def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
             f"strategy.megatron.expert_parallel ({m.expert_parallel}) must divide the model's num_experts "
             f"({experts}): pick an expert_parallel that does"
         )
-    if moe and m.tensor_parallel > 1:
+    if moe and m.tensor_parallel > 1 and not m.sequence_parallel:
         problems.append(
-            f"strategy.megatron.tensor_parallel={m.tensor_parallel} with a mixture-of-experts model is not "
-            "yet supported (the router's load-balancing loss is built per rank's rows, and a TP group routes "
-            "its rows together): set tensor_parallel to 1 and spread the experts with expert_parallel"
+            f"strategy.megatron.tensor_parallel={m.tensor_parallel} with a mixture-of-experts model needs "
+            "strategy.megatron.sequence_parallel=true (Megatron-Core trains a mixture of experts at "
+            "tensor_parallel > 1 only with sequence parallelism): set sequence_parallel=true, or "
+            "tensor_parallel=1 and spread the experts with expert_parallel"
         )
     return problems
 

@@ -143,11 +143,16 @@ class MegatronConfig(StrictModel):
         description="Context parallelism: groups of this many of actor_train's (and the reference's) ranks "
         "split every sequence between them, each a contiguous 1/n of its tokens, attention by Ulysses "
         "all-to-alls over the heads in Megatron-Core's local attention (no Transformer Engine needed); "
-        "tensor_parallel x context_parallel must divide the attention and key-value heads. Not with a "
-        "mixture of experts or sequence_parallel. 1: off.",
+        "tensor_parallel x context_parallel must divide the attention and key-value heads. Not with "
+        "sequence_parallel. 1: off.",
     )
     expert_parallel: int = Field(1, ge=1, description="Expert-parallel size (MoE models).")
-    sequence_parallel: bool = Field(False, description="Shard activations along the sequence in TP regions.")
+    sequence_parallel: bool = Field(
+        False,
+        description="At tensor_parallel > 1, split the activations outside attention and the MLP (norms, "
+        "residuals, a mixture of experts' routing) along the sequence over the TP ranks; runs with or "
+        "without Transformer Engine. A mixture of experts at tensor_parallel > 1 needs it.",
+    )
     distributed_optimizer: bool = Field(True, description="Shard optimizer state across data-parallel ranks.")
     transformer_engine: Literal["auto", "on", "off"] = Field(
         "auto", description="Layer spec: Transformer Engine where installed ('auto'), required, or never."

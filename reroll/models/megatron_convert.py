@@ -57,6 +57,7 @@ from reroll.config.startable import (
     pipeline_stage_sizes,
 )
 from reroll.errors import UserError
+from reroll.models.expert_fusion import expert_row
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -312,10 +313,9 @@ def layer_parts(
         if fused_experts:
             parts.append(Part(fc + "1.weight", (x + "gate_up_proj",), partial(_expert_of, e), sliced=False))
             parts.append(Part(fc + "2.weight", (x + "down_proj",), partial(_expert_of, e), sliced=False))
-        else:
-            gate_up = (f"{x}{e}.gate_proj.weight", f"{x}{e}.up_proj.weight")
-            parts.append(Part(fc + "1.weight", gate_up, _cat))
-            parts.append(Part(fc + "2.weight", (f"{x}{e}.down_proj.weight",)))
+        else:  # the tensors transformers fuses into expert e's row: the same weight either way
+            parts.append(Part(fc + "1.weight", expert_row(s.model_type, x + "gate_up_proj", e), _cat))
+            parts.append(Part(fc + "2.weight", expert_row(s.model_type, x + "down_proj", e), _cat))
     return parts
 
 

@@ -110,7 +110,8 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
         if self.routers is None:
             return None
         cp = self.context_parallel
-        if cp is not None and cp.size > 1:  # each rank's routers see 1/n of a row's tokens
+        split_ok = getattr(self.routers, "sees_split_rows", False)  # Megatron's pool a row over its ranks
+        if cp is not None and cp.size > 1 and not split_ok:  # each rank's routers see 1/n of a row's tokens
             raise UserError(
                 f"strategy.context_parallel={cp.size} with a mixture-of-experts model: its router's "
                 "load-balancing loss and statistics are built for whole rows (not yet for rows split "

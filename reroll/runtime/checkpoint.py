@@ -10,8 +10,10 @@ Layout: ``model/`` (Hugging Face: ``from_pretrained`` loads it; written in parts
 ``state/`` (the weights and optimizer for ``--resume``, in torch's distributed checkpoint format: every
 rank's shards, read back at any world size; ``reroll.strategies.sharded_state``), ``adapter/`` with
 LoRA, ``critic/`` (its own ``model/`` and ``state/``), ``trainer_state.json`` (step, data position,
-algorithm state). Checkpoints from before ``state/`` hold ``optimizer_rank{r}.pt`` instead (DeepSpeed:
-``deepspeed/``; Megatron still writes them).
+algorithm state). DeepSpeed keeps ``deepspeed/`` instead of ``state/``, and Megatron ``optimizer/`` (its
+optimizer state in the weights' form beside ``model/``, read back at any layout:
+``reroll.strategies.megatron_optimizer_state``). Checkpoints from before ``state/`` (and Megatron's from
+before ``optimizer/``) hold ``optimizer_rank{r}.pt`` instead.
 """
 
 from __future__ import annotations

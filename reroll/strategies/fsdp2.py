@@ -8,9 +8,10 @@ One rank still builds a process group (in-process), so the same code runs at eve
 
 The model is built on the meta device, changed as a loaded one would be (kernels, checkpointing, LoRA),
 sharded, and then each rank reads its own rows of every weight from the checkpoint's safetensors files
-(``reroll.strategies.shard_fill``): a rank's host holds its shards (on a GPU, one tensor's at a time),
-not the whole model. A checkpoint without safetensors files, or one whose tensors the plan cannot place,
-is loaded whole on every rank's host as before (a log line says so).
+(``reroll.strategies.shard_fill``, following transformers' renames and expert fusion, so a
+vision-language model's towers too): a rank's host holds its shards (on a GPU, one tensor's at a time),
+not the whole model. A checkpoint without safetensors files, or one whose tensors the plan cannot place
+(a conversion it does not follow), is loaded whole on every rank's host as before (a log line says why).
 
 With ``strategy.lora`` the policy is wrapped with peft before sharding and only the adapters train;
 ``full_state_dict`` then gives the base weights with the adapters merged in (Hugging Face names), and
@@ -410,8 +411,8 @@ def _start_model(
     if unplaced:
         reader.close()
         log.info(
-            "%s: %d weights cannot be read by shards (%s): each rank loads the whole model on the host",
-            path, len(unplaced), "; ".join(unplaced[:3]),
+            "%s cannot be read by shards (%s%s): each rank loads the whole model on the host",
+            path, "; ".join(unplaced[:3]), f"; {len(unplaced) - 3} more" if len(unplaced) > 3 else "",
         )  # fmt: skip
         return load(path, dtype, "cpu"), None
     zeros = [t.name for t in targets if not t.source.rows]

@@ -8,7 +8,10 @@ attention by Ulysses all-to-alls in the core attention, without Transformer Engi
 data-parallel ranks include the context-parallel ones and its DDP sums their gradients. Pipeline
 stages hold consecutive layers (split as Megatron-Core splits them) and run a step's micro-batches by
 Megatron-Core's 1F1B schedule (``train_micro_batches``; ``reroll.strategies.megatron_pipeline``).
-A Qwen3-MoE (at tensor_parallel 1; on pipeline stages too) spreads its experts over groups of
+Sequence parallelism runs on Transformer Engine's layer spec or on Megatron-Core's local one, whose norms
+take a rank's slice of the sequence (``reroll.strategies.megatron_spec``). A Qwen3-MoE (on pipeline
+stages too; at tensor_parallel > 1 with sequence parallelism, its experts split over the TP ranks as the
+dense MLP) spreads its experts over groups of
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
 to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
 logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face
@@ -35,7 +38,7 @@ import contextlib
 import importlib.util
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +60,8 @@ from reroll.models import megatron_convert as mc
 from reroll.models.checkpoint_reader import CheckpointReader, checkpoint_files
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.strategies import Head
-from reroll.strategies.context_parallel import ContextParallel
+from reroll.strategies import megatron_optimizer_state as optimizer_state
+from reroll.strategies.context_parallel import ContextParallel, split_columns
 from reroll.strategies.hf_export import (
     HFNames,
     StreamGather,
@@ -67,7 +71,11 @@ from reroll.strategies.hf_export import (
     write_hf_model,
 )
 from reroll.strategies.host_parking import HostParking
-from reroll.strategies.megatron_moe import MegatronRouters, allow_routers_without_transformer_engine
+from reroll.strategies.megatron_moe import (
+    MegatronRouters,
+    RowSplit,
+    allow_routers_without_transformer_engine,
+)
 from reroll.strategies.megatron_pipeline import Pipeline
 from reroll.strategies.megatron_weights import Groups, hf_weights
 from reroll.strategies.micro_batches import MicroBatchLoop
@@ -198,12 +206,6 @@ class MegatronStrategy(MicroBatchLoop):
         if moe_problems:
             raise UserError("; ".join(moe_problems))
         self.te = use_transformer_engine(self.mcfg.transformer_engine)
-        if self.mcfg.sequence_parallel and self.tp > 1 and not self.te:
-            raise UserError(
-                "strategy.megatron.sequence_parallel needs Transformer Engine's layer spec (Megatron-Core's "
-                "local spec builds torch norms, which refuse it): install transformer_engine, or set "
-                "sequence_parallel=false"
-            )
         self.module: torch.nn.Module | None = None  # the GPTModel
         self.moe_routers: MegatronRouters | None = None  # a trainable mixture of experts' routers
         self.model: torch.nn.Module | None = None  # what forward runs: DDP-wrapped when trainable
@@ -277,12 +279,8 @@ class MegatronStrategy(MicroBatchLoop):
     def _build(self, init_method: str | None) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_local_spec,
-            get_gpt_layer_with_transformer_engine_spec,
-        )
 
-        from reroll.strategies.megatron_context import chunk_rotary, join_groups, with_ulysses_attention
+        from reroll.strategies.megatron_context import chunk_rotary, join_groups
 
         self._init_groups(init_method)
         if self.cp > 1:  # under TP or PP a group's rows run at the widest one's width
@@ -326,7 +324,7 @@ class MegatronStrategy(MicroBatchLoop):
             pipeline_dtype=dtype,
             **mc.pipeline_config(self.shape.num_layers, self.pp),
             expert_model_parallel_size=self.ep,
-            sequence_parallel=self.mcfg.sequence_parallel and self.tp > 1,
+            sequence_parallel=self._sequence_parallel(),
             params_dtype=dtype,
             bf16=dtype == torch.bfloat16,
             calculate_per_token_loss=True,  # data-parallel gradients are summed, not averaged
@@ -337,32 +335,23 @@ class MegatronStrategy(MicroBatchLoop):
         )
         if self.shape.num_experts:
             allow_routers_without_transformer_engine()
-        spec_fn = get_gpt_layer_with_transformer_engine_spec if self.te else get_gpt_layer_local_spec
-        spec = spec_fn(
-            num_experts=self.shape.num_experts or None,
-            moe_grouped_gemm=False,
-            qk_layernorm=self.shape.qk_norm,
-            **({} if self.te else {"normalization": "RMSNorm"}),
-        )
-        if self.context_parallel is not None:
-            spec = with_ulysses_attention(spec, self.context_parallel)
         self.module = GPTModel(
             config,
-            spec,
+            self._layer_spec(config),
             parallel_output=False,
             pre_process=self.pipe is None or self.pipe.first,
             post_process=self.pipe is None or self.pipe.last,
             **mc.gpt_model_kwargs(self.shape, self.tp),
         )
-        # Without Apex the local spec's norms are torch.nn.RMSNorm, built on the CPU in fp32 whatever the
-        # config says; Megatron's own training casts the whole module (Float16Module), so do we.
+        # The local spec's norms (torch.nn.RMSNorm's) are built on the CPU in fp32 whatever the config
+        # says; Megatron's own training casts the whole module (Float16Module), so do we.
         self.module.to(device=self.device, dtype=dtype)
         if self.context_parallel is not None:
             chunk_rotary(self.module, self.context_parallel)
         self._load_hf(self.model_path)
         self.module.requires_grad_(self.trainable)
         if self.shape.num_experts and self.trainable:
-            self.moe_routers = MegatronRouters(self.module, self.shape, self.hf_config, self.pipe)
+            self.moe_routers = MegatronRouters(self.module, self.shape, self.hf_config, self._row_split())
         self.module.train(self.trainable)
         self.model = self.module
         if self.trainable:
@@ -378,16 +367,32 @@ class MegatronStrategy(MicroBatchLoop):
             "transformer_engine" if self.te else "local", self.rank,
         )  # fmt: skip
 
+    def _layer_spec(self, config: Any) -> Any:
+        """Transformer Engine's layer spec, or the local spec with norms that take sequence-parallel
+        inputs (``reroll.strategies.megatron_spec``); with context parallelism, Ulysses core attention."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        from reroll.strategies.megatron_context import with_ulysses_attention
+        from reroll.strategies.megatron_spec import local_block_spec
+
+        experts, qk_norm = self.shape.num_experts, self.shape.qk_norm
+        if self.te:
+            spec = layer = get_gpt_layer_with_transformer_engine_spec(
+                num_experts=experts or None, moe_grouped_gemm=False, qk_layernorm=qk_norm
+            )
+        else:
+            spec = local_block_spec(config, num_experts=experts, qk_norm=qk_norm)
+            layer = spec.layer_specs[0]  # shared by every layer
+        if self.context_parallel is not None:
+            with_ulysses_attention(layer, self.context_parallel)
+        return spec
+
     def _load_hf(self, path: str | Path) -> None:
         """This rank's stage, experts and TP shard of the Hugging Face weights at ``path`` into the
         ``GPTModel``: read from the safetensors files tensor by tensor, only those the rank holds
         (``mc.rank_from_hf``); a checkpoint without safetensors files (``.bin``), or whose files name
         weights otherwise than the conversion expects, is read whole through transformers."""
-        stage = self.pipe.stage if self.pipe is not None else 0
-        share = partial(
-            mc.rank_from_hf, s=self.shape, stage=stage, pp=self.pp, tp_rank=self.tp_rank, tp=self.tp,
-            ep_rank=self.ep_rank, ep=self.ep, fused_norms=self.te,
-        )  # fmt: skip
+        share = self._share()
         files = checkpoint_files(path)
         ours = None
         if files is None:
@@ -413,6 +418,14 @@ class MegatronStrategy(MicroBatchLoop):
                 f"converted weights do not fit the GPTModel: missing {missing[:5]}, "
                 f"unexpected {result.unexpected_keys[:5]}"
             )
+
+    def _share(self) -> Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """What this rank holds of a checkpoint's tensors (``mc.rank_from_hf`` at its layout)."""
+        stage = self.pipe.stage if self.pipe is not None else 0
+        return partial(
+            mc.rank_from_hf, s=self.shape, stage=stage, pp=self.pp, tp_rank=self.tp_rank, tp=self.tp,
+            ep_rank=self.ep_rank, ep=self.ep, fused_norms=self.te,
+        )  # fmt: skip
 
     def _require(self) -> torch.nn.Module:
         if self.model is None:
@@ -479,8 +492,7 @@ class MegatronStrategy(MicroBatchLoop):
         ids, positions, causal, t = self._model_inputs(ids)
         spans = None if self.pipe is None else self._spans(rows_of)
         if self.moe_routers is not None:
-            padded = torch.nn.functional.pad(mask, (0, ids.shape[1] - mask.shape[1]))
-            self.moe_routers.start_forward(padded, spans)
+            self._start_routing(mask, ids.shape[1], rows_of)
         width = t if self.context_parallel is not None else width  # this rank's columns, all returned
         if self.pipe is not None:
             return self._pipelined(ids, positions, causal, spans, t)[:, :width]
@@ -488,6 +500,37 @@ class MegatronStrategy(MicroBatchLoop):
         if self.tp > 1:
             out = _SumGradOverGroup.apply(out, self.tp_group)[offset : offset + rows, :width]
         return out
+
+    def _sequence_parallel(self) -> bool:
+        """Whether the model's activations outside attention and MLP are split over the TP ranks by
+        sequence (``strategy.megatron.sequence_parallel`` at tensor_parallel > 1)."""
+        return self.mcfg.sequence_parallel and self.tp > 1
+
+    def _row_split(self) -> RowSplit | None:
+        """How the rows this rank's routers see are split (``megatron_moe.RowSplit``): the group whose
+        ranks' rows run together (``logits``'), the pipeline stages' layers, and a row's tokens over the TP
+        ranks under sequence parallelism or over a context-parallel group; None where a rank routes every
+        token of its own rows through every layer."""
+        cp = self.context_parallel
+        columns = cp.group if cp is not None else self.tp_group if self._sequence_parallel() else None
+        if self.tp * self.pp == 1:
+            return None if columns is None else RowSplit(None, 0, columns=columns)  # one member
+        members = self.tp_group if self.pipe is None else self.mp_group
+        return RowSplit(members, dist.get_rank(members), pipe=self.pipe, columns=columns)
+
+    def _start_routing(self, mask: torch.Tensor, width: int, rows_of: list[int]) -> None:
+        """Tell the routers a forward begins: the real tokens of the columns this rank routes (of the
+        ``(rows, T)`` ``mask`` of the rows run; ``width``: the columns the model runs), and each member's
+        rows (``rows_of``: each rank's of the group that ran them together, in its rank order)."""
+        start, stop = 0, width
+        if self.context_parallel is not None:
+            start, stop = split_columns(mask.shape[1], self.context_parallel.size, self.context_parallel.rank)
+            width = self.context_parallel.size * (stop - start)
+        elif self._sequence_parallel():  # Megatron scatters the sequence over the TP ranks in rank order
+            chunk = width // self.tp
+            start, stop = self.tp_rank * chunk, (self.tp_rank + 1) * chunk
+        real = torch.nn.functional.pad(mask, (0, width - mask.shape[1]))[:, start:stop]
+        self.moe_routers.start_forward(real, [(sum(rows_of[:m]), n) for m, n in enumerate(rows_of)])
 
     def _model_inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """What the ``GPTModel`` runs for the rows ``ids``: the token ids (padded for sequence parallelism;
@@ -500,7 +543,7 @@ class MegatronStrategy(MicroBatchLoop):
         if self.context_parallel is not None:
             return columns_of(ids, self.context_parallel)
         t = ids.shape[1]
-        if self.mcfg.sequence_parallel and self.tp > 1 and t % self.tp:  # the sequence splits evenly
+        if self._sequence_parallel() and t % self.tp:  # the sequence splits evenly
             ids = torch.nn.functional.pad(ids, (0, self.tp - t % self.tp))
         causal = None if self.te else causal_mask(ids.shape[1], ids.device)
         return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), causal, t
@@ -519,7 +562,7 @@ class MegatronStrategy(MicroBatchLoop):
         pipe, dtype, vocab = self.pipe, DTYPES[self.dtype], self.shape.vocab_size
         assert pipe is not None
         if not pipe.first:
-            seq = ids.shape[1] // self.tp if self.mcfg.sequence_parallel and self.tp > 1 else ids.shape[1]
+            seq = ids.shape[1] // self.tp if self._sequence_parallel() else ids.shape[1]
             x = pipe.receive((seq, ids.shape[0], self.shape.hidden_size), dtype, self.device)
             self.module.set_input_tensor(x)
         out = self._require()(ids, positions, causal)
@@ -560,12 +603,12 @@ class MegatronStrategy(MicroBatchLoop):
         if router is not None and self.moe_routers is not None:
             from reroll.strategies.megatron_moe import ScheduledRouting
 
-            assert self.pipe is not None and self.tp == 1  # a mixture of experts: tensor_parallel 1
+            members = self.mp_group  # whose rows run together: the routers' members (``_row_split``)
             mine = torch.tensor(list(router.shares), dtype=torch.float32, device=self.device)
-            shares = [torch.empty_like(mine) for _ in self.pipe.ranks]
-            dist.all_gather(shares, mine, group=self.pipe.group)
+            shares = [torch.empty_like(mine) for _ in range(dist.get_world_size(members))]
+            dist.all_gather(shares, mine, group=members)
             routing = ScheduledRouting(
-                self.moe_routers, router.routing, torch.stack(shares), list(router.shares), self.mp_group
+                self.moe_routers, router.routing, torch.stack(shares), list(router.shares)
             )
         records = self._schedule(batches, loss_of, forward_only=False, routing=routing)
         if routing is not None:
@@ -623,7 +666,7 @@ class MegatronStrategy(MicroBatchLoop):
             raise UserError("the megatron strategy needs right-padded rows (real tokens first, then padding)")
         rows, mask, rows_of = _gather_rows(ids, mask, self.mp_group)
         model_ids, positions, causal, t = self._model_inputs(rows)
-        return GroupRows(rows, mask, model_ids, positions, causal, t, self._spans(rows_of))
+        return GroupRows(rows, mask, rows_of, model_ids, positions, causal, t, self._spans(rows_of))
 
     def _stage_forward(self, g: GroupRows, routing: ScheduledRouting | None = None) -> torch.Tensor:
         """This stage's output for the group's rows ``g`` under the schedule: the hidden states it sends
@@ -633,10 +676,8 @@ class MegatronStrategy(MicroBatchLoop):
         run = partial(self._require(), g.ids, g.positions, g.causal)
         if routing is None:
             out = run()
-        else:  # the router's mask as ``logits`` gives it: padded to the columns the model runs
-            out = routing.forward(
-                torch.nn.functional.pad(g.mask, (0, g.ids.shape[1] - g.mask.shape[1])), g.spans, run
-            )
+        else:  # the routers told of the forward as ``logits`` tells them
+            out = routing.forward(partial(self._start_routing, g.mask, g.ids.shape[1], g.rows_of), run)
         if not self.pipe.last:
             return out
         out = out[:, : g.t, : self.shape.vocab_size].to(DTYPES[self.dtype])
@@ -698,16 +739,13 @@ class MegatronStrategy(MicroBatchLoop):
         return hf_weights(weights, self.shape, groups, on_device=on_device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
-        """Hugging Face weights into ``directory/model`` (``export``) and optimizer state per rank. A
-        collective: every rank calls it."""
+        """Hugging Face weights into ``directory/model`` (``export``) and the optimizer state into
+        ``directory/optimizer`` in the same layout-free form, every rank writing its share
+        (``reroll.strategies.megatron_optimizer_state``). A collective: every rank calls it."""
         directory.mkdir(parents=True, exist_ok=True)
         self.export(directory / "model")
         if with_optimizer and self.optimizer is not None:
-            # torch Adam over this rank's fp32 main params (shards); a mixture of experts chains two
-            inners = self._inner_optimizers()
-            main = [[p.detach().cpu() for g in o.param_groups for p in g["params"]] for o in inners]
-            state = {"optimizers": [o.state_dict() for o in inners], "main_params": main, "steps": self.steps}
-            torch.save(state, directory / f"optimizer_rank{self.rank}.pt")
+            optimizer_state.save_optimizer_state(self, directory / optimizer_state.DIRECTORY)
 
     def export(self, directory: Path) -> int:
         """Write the model as ``save_pretrained`` would, one decoder layer at a time: each comes whole to
@@ -732,11 +770,6 @@ class MegatronStrategy(MicroBatchLoop):
         )
         return held
 
-    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
-        """The torch optimizers inside Megatron's (one per chained optimizer: dense and experts' params)."""
-        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        return [o.optimizer for o in chained if o is not None and o.optimizer is not None]
-
     def _meta_hf_model(self) -> torch.nn.Module:
         """The Hugging Face model on the meta device in the strategy's dtype: the names, shapes and dtypes
         of what is exported, its config and weight conversions, and the checkpoint's generation config
@@ -748,27 +781,19 @@ class MegatronStrategy(MicroBatchLoop):
         return model
 
     def load(self, directory: Path) -> None:
-        """Weights from ``directory/model`` and, where present, this rank's optimizer state."""
+        """Weights from ``directory/model`` and, where present, the optimizer state: ``optimizer/``, read at
+        this rank's layout whatever the layout that wrote it, or an older checkpoint's
+        ``optimizer_rank{r}.pt`` at the layout that wrote them. A collective: every rank calls it."""
         self._require()
+        restore = None
+        if self.optimizer is not None:  # refuses a checkpoint it cannot resume before reading weights
+            restore = optimizer_state.restorer(self, directory, self._share())
         self._load_hf(directory / "model")
         if self.optimizer is None:
             return
         self.optimizer.reload_model_params()  # main params from the loaded weights
-        path = directory / f"optimizer_rank{self.rank}.pt"
-        if path.exists():
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            inners = self._inner_optimizers()
-            if "optimizer" in state:  # written before mixtures of experts: one optimizer
-                state["optimizers"], state["main_params"] = [state["optimizer"]], [state["main_params"]]
-            for inner, main, saved_state in zip(
-                inners, state["main_params"], state["optimizers"], strict=True
-            ):
-                params = [p for g in inner.param_groups for p in g["params"]]
-                with torch.no_grad():
-                    for p, saved in zip(params, main, strict=True):
-                        p.copy_(saved)
-                inner.load_state_dict(saved_state)
-            self.steps = state["steps"]
+        if restore is not None:
+            restore()
 
     # -- colocation ------------------------------------------------------------------------------
 

@@ -9,13 +9,16 @@ strategy. Megatron-Core's ``TopKRouter.gating`` gives a forward's logits ``[s, b
 in that order (``start_forward``). Megatron's own auxiliary loss is off (``megatron_convert.moe_config``).
 
 Under pipeline parallelism a stage's routers see the rows of every rank of its pipeline group, through
-its own layers only. ``StageRouted`` then gives each rank what it would backpropagate without stages:
-the loss of each member's rows pools all layers (``f``, the top-k share, summed over the stages; ``P``,
-the mean probability, a sum of the stages' parts), so each stage backpropagates the part ``E * sum_e
-f_e * P_e`` owes to its layers (``f`` fixed: it has no gradient), weighted by each member's share of the
-step; the members' losses and loads are reported to their own ranks. Where the pipeline schedule runs a
-step's micro-batches (``megatron_pipeline.run_schedule``), each stage adds that part itself, attached to
-its output, the other stages' counts gathered while the schedule goes on (``ScheduledRouting``).
+its own layers only; under tensor parallelism with sequence parallelism a rank's routers see its slice
+of the sequence of its TP group's rows, and in a context-parallel group its columns of the group's rows
+(``RowSplit``). ``SplitRouted`` then gives each rank what it would backpropagate unsplit: the loss of
+each member's rows (a member: a rank of the group whose rows ran together) pools all layers and columns
+(``f``, the top-k share, summed over the stages and column ranks; ``P``, the mean probability, a sum of
+the ranks' parts), so each rank backpropagates the part ``E * sum_e f_e * P_e`` owes to its layers and
+columns (``f`` fixed: it has no gradient), weighted by each member's share of the step; the members'
+losses and loads are reported to their own ranks. Where the pipeline schedule runs a step's micro-batches
+(``megatron_pipeline.run_schedule``), each stage adds its part itself, attached to its output, the other
+stages' counts gathered while the schedule goes on (``ScheduledRouting``).
 """
 
 from __future__ import annotations
@@ -46,15 +49,18 @@ def allow_routers_without_transformer_engine() -> None:
 
 class MegatronRouters:
     """The ``TopKRouter`` modules of a Megatron-Core ``GPTModel`` and the model's routing settings
-    (``model_coef``: config.json's ``router_aux_loss_coef`` where ``output_router_logits``, else 0)."""
+    (``model_coef``: config.json's ``router_aux_loss_coef`` where ``output_router_logits``, else 0);
+    ``split``: how this rank's routers see part of the rows run (None: every token of its own rows)."""
+
+    sees_split_rows = True  # a rank's routers may see a slice of each row's tokens (``RowSplit.columns``)
 
     def __init__(
-        self, module: torch.nn.Module, shape: mc.GPTShape, hf_config: Any, pipe: Pipeline | None = None
+        self, module: torch.nn.Module, shape: mc.GPTShape, hf_config: Any, split: RowSplit | None = None
     ) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.modules = [m for m in module.modules() if isinstance(m, TopKRouter)]
-        self.pipe, self.num_layers = pipe, shape.num_layers
+        self.split, self.num_layers = split, shape.num_layers
         self.top_k, self.experts = shape.moe_top_k, shape.num_experts
         on = getattr(hf_config, "output_router_logits", False)
         self.model_coef = float(getattr(hf_config, "router_aux_loss_coef", 0.0)) if on else 0.0
@@ -68,7 +74,7 @@ class MegatronRouters:
     def capture(self) -> Iterator[Routed]:
         """Inside the block, every forward records each router's logits (with their graph) into the
         yielded ``Routed``, after ``start_forward`` gave it the forward's real tokens."""
-        routed = Routed() if self.pipe is None else StageRouted(pipe=self.pipe, num_layers=self.num_layers)
+        routed = Routed() if self.split is None else SplitRouted(split=self.split, num_layers=self.num_layers)
 
         def recording(original: Any, x: torch.Tensor) -> torch.Tensor:
             logits = original(x)
@@ -88,70 +94,106 @@ class MegatronRouters:
                 del router.gating
 
     def start_forward(self, attention_mask: torch.Tensor, spans: list[tuple[int, int]] | None = None) -> None:
-        """A forward of ``(B, T)`` rows with ``attention_mask`` begins (nothing outside ``capture``);
-        ``spans``: under pipeline parallelism, the ``(first row, rows)`` of each stage's rank."""
+        """A forward of ``(B, T)`` rows with ``attention_mask`` begins (nothing outside ``capture``):
+        the mask of the columns this rank's routers see (all ``T``, or its slice where ``split.columns``);
+        ``spans``: under a ``split``, the ``(first row, rows)`` of each member's rows."""
         if self._routed is not None:
             self._routed.logits.append([])
             self._routed.real.append(attention_mask.t().reshape(-1).bool())  # [s, b] order
-            if isinstance(self._routed, StageRouted):
+            if isinstance(self._routed, SplitRouted):
                 assert spans is not None
                 self._routed.spans.append((attention_mask.shape[0], spans))
 
 
-@dataclass
-class StageRouted(Routed):
-    """A pipeline stage's routed logits: its layers', of its pipeline group's rows (``spans``: per
-    forward, the rows and each member's ``(first row, rows)``); ``num_layers``: the model's, all stages."""
+@dataclass(frozen=True)
+class RowSplit:
+    """How the rows a rank's routers see are split over ranks. ``members``: the group whose ranks' rows
+    ran together (a pipeline or model-parallel group, a TP group), each rank's own rows a member's; None
+    where every rank of the split ran the same rows (one member: a context-parallel group's). ``own``:
+    this rank's member index. ``pipe``: the stages, each holding its layers (None: one stage).
+    ``columns``: the group whose ranks each route a slice of every row's tokens (the TP ranks under
+    sequence parallelism, a context-parallel group; None: each routes every token)."""
 
+    members: dist.ProcessGroup | None
+    own: int
     pipe: Pipeline | None = None
+    columns: dist.ProcessGroup | None = None
+
+
+@dataclass
+class SplitRouted(Routed):
+    """A rank's routed logits of its layers and columns of its members' rows (``spans``: per forward,
+    the rows and each member's ``(first row, rows)``); ``num_layers``: the model's, all stages.
+
+    Each member's loss pools its rows' every layer and column: ``f`` (the top-k share, no gradient) from
+    the counts summed over the column ranks and joined over the stages, ``P`` a sum of the ranks' parts.
+    So each rank backpropagates the part ``E * sum_e f_e * P_e`` owes to its layers and columns, weighted
+    by each member's share of the step; summed over the ranks (Megatron sums the router's gradient over
+    the TP ranks, DDP over the context-parallel ranks among its data-parallel ones) that is the gradient
+    of the members' share-weighted losses. Each rank reports its own member's loss and load."""
+
+    split: RowSplit | None = None
     num_layers: int = 0
     spans: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
 
     def term(self, top_k: int, share: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(this stage's part of every member's share-weighted loss, the loss of this rank's rows, their
-        (L, E) counts over every layer)``; every rank of the pipeline group must call it."""
-        pipe = self.pipe
-        assert pipe is not None
-        members = range(len(pipe.ranks))
-        sums = [self._member_sums(m, top_k) for m in members]
-        probs = torch.stack([p for p, _, _ in sums])  # (M, E), this stage's layers
-        counts = torch.stack([c for _, c, _ in sums])  # (M, L_stage, E)
-        real = torch.stack([r for _, _, r in sums]).clamp_min(1) * self.num_layers  # (M,) token-layers
-        stages = [torch.empty_like(counts) for _ in members]
-        dist.all_gather(stages, counts, group=pipe.group)
-        every_layer = torch.cat(stages, 1)  # (M, L, E): stages hold consecutive layers
-        f = every_layer.sum(1) / real[:, None]
-        total_p = probs.detach().clone()
-        dist.all_reduce(total_p, group=pipe.group)
-        shares = [torch.zeros(1, device=probs.device) for _ in members]
-        dist.all_gather(
-            shares, torch.tensor([share], device=probs.device, dtype=torch.float32), group=pipe.group
-        )
-        experts, own = probs.shape[-1], pipe.stage
-        weighted = (torch.cat(shares)[:, None] * experts * f * probs / real[:, None]).sum()
+        """``(this rank's part of every member's share-weighted loss, the loss of this rank's rows, their
+        (L, E) counts over every layer)``; every rank of the split's groups must call it."""
+        split = self.split
+        assert split is not None and self.spans, "SplitRouted.term before a forward"
+        members = range(len(self.spans[0][1]))
+        sums = [_member_sums(self, m, top_k) for m in members]
+        probs = torch.stack([p for p, _, _ in sums])  # (M, E), this rank's layers and columns
+        counts = torch.stack([c for _, c, _ in sums])  # (M, L_here, E)
+        tokens = torch.stack([r for _, _, r in sums])  # (M,) in this rank's columns
+        part_p = probs.detach()
+        if split.columns is not None:  # every column: counts, tokens and P's part at once
+            layers, experts = counts.shape[1:]
+            totals = torch.cat([counts.reshape(len(members), -1), tokens[:, None], part_p], 1)
+            dist.all_reduce(totals, group=split.columns)
+            counts = totals[:, : layers * experts].reshape(counts.shape)
+            tokens, part_p = totals[:, layers * experts], totals[:, layers * experts + 1 :]
+        real = tokens.clamp_min(1) * self.num_layers  # (M,) token-layers
+        total_p = part_p.clone()
+        if split.pipe is not None:  # stages hold consecutive layers
+            stages = [torch.empty_like(counts) for _ in split.pipe.ranks]
+            dist.all_gather(stages, counts.contiguous(), group=split.pipe.group)
+            counts = torch.cat(stages, 1)  # (M, L, E)
+            dist.all_reduce(total_p, group=split.pipe.group)
+        f = counts.sum(1) / real[:, None]
+        shares = torch.tensor([share], device=probs.device, dtype=torch.float32)
+        if split.members is not None:
+            parts = [torch.zeros_like(shares) for _ in members]
+            dist.all_gather(parts, shares, group=split.members)
+            shares = torch.cat(parts)
+        experts, own = probs.shape[-1], split.own
+        weighted = (shares[:, None] * experts * f * probs / real[:, None]).sum()
         aux = experts * (f[own] * total_p[own] / real[own]).sum()
-        return weighted, aux, every_layer[own]
+        return weighted, aux, counts[own]
 
-    def _member_sums(self, member: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Over the forwards, member ``member``'s real tokens through this stage's layers: the router
-        probabilities summed ``(E,)``, the top-k counts ``(L_stage, E)`` and the tokens counted."""
-        p_sum = counts = tokens = 0
-        for layers, real, (rows, spans) in zip(self.logits, self.real, self.spans, strict=True):
-            logits = torch.stack(layers).float()  # (L_stage, N, E), N = s * rows in [s, b] order
-            first, n = spans[member]
-            row = torch.arange(logits.shape[1], device=logits.device) % rows
-            mask = (real.to(logits.device) & (row >= first) & (row < first + n)).float()
-            probs = torch.softmax(logits, dim=-1)
-            chosen = torch.topk(probs.detach(), top_k, dim=-1).indices
-            c = torch.zeros(logits.shape[0], logits.shape[2], device=logits.device)
-            c.scatter_add_(
-                1,
-                chosen.reshape(logits.shape[0], -1),
-                mask.repeat_interleave(top_k).expand(logits.shape[0], -1),
-            )
-            p_sum = p_sum + (probs * mask[None, :, None]).sum((0, 1))
-            counts, tokens = counts + c, tokens + mask.sum()
-        return p_sum, counts, tokens
+
+def _member_sums(
+    routed: SplitRouted, member: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Over ``routed``'s forwards, member ``member``'s real tokens through this rank's layers and columns:
+    the router probabilities summed ``(E,)``, the top-k counts ``(L_here, E)`` and the tokens counted."""
+    p_sum = counts = tokens = 0
+    for layers, real, (rows, spans) in zip(routed.logits, routed.real, routed.spans, strict=True):
+        logits = torch.stack(layers).float()  # (L_here, N, E), N = s * rows in [s, b] order
+        first, n = spans[member]
+        row = torch.arange(logits.shape[1], device=logits.device) % rows
+        mask = (real.to(logits.device) & (row >= first) & (row < first + n)).float()
+        probs = torch.softmax(logits, dim=-1)
+        chosen = torch.topk(probs.detach(), top_k, dim=-1).indices
+        c = torch.zeros(logits.shape[0], logits.shape[2], device=logits.device)
+        c.scatter_add_(
+            1,
+            chosen.reshape(logits.shape[0], -1),
+            mask.repeat_interleave(top_k).expand(logits.shape[0], -1),
+        )
+        p_sum = p_sum + (probs * mask[None, :, None]).sum((0, 1))
+        counts, tokens = counts + c, tokens + mask.sum()
+    return p_sum, counts, tokens
 
 
 def gather_experts(
@@ -176,82 +218,91 @@ def gather_experts(
 
 class ScheduledRouting:
     """The router term of a step whose micro-batches the pipeline schedule runs
-    (``megatron_pipeline.run_schedule``): each stage adds its routers' part itself, as ``StageRouted``
-    computes it inside a rank's loss without the schedule.
+    (``megatron_pipeline.run_schedule``): each stage adds its routers' part itself, as ``SplitRouted.term``
+    computes it inside a rank's loss without the schedule, with the same arithmetic.
 
     Each micro-batch's forward through the stage records its routers' logits (``forward``); the stage's
     part of every member's share-weighted term, ``sum_m share_m E f_m . P_m / real_m``, is attached to the
     stage's output (``_RouterGrad``), its gradient given in that micro-batch's backward: ``f`` (top-k
     counts over every layer, no gradient) comes from the other stages by an all-gather started after the
     forward and waited for there (every stage's forward of a micro-batch precedes any stage's backward of
-    it). ``finish`` gives the step's ``StepRouting`` this rank's statistics, micro-batch by micro-batch.
-    ``group``: a group of the pipeline group's ranks other than the schedule's (the model-parallel one at
-    tensor_parallel 1); ``shares``: ``(M, m)``, each member's micro-batches' shares of the step (fp32, as
-    ``StageRouted.term`` gathers them), ``own_shares`` this rank's."""
+    it). The column ranks (TP under sequence parallelism) sum their parts at once, as they run in step.
+    ``finish`` gives the step's ``StepRouting`` this rank's statistics, micro-batch by micro-batch.
+    ``shares``: ``(M, m)``, each member's micro-batches' shares of the step (fp32, as ``SplitRouted.term``
+    gathers them), ``own_shares`` this rank's as given."""
 
     def __init__(
-        self,
-        routers: MegatronRouters,
-        routing: Any,
-        shares: torch.Tensor,
-        own_shares: list[float],
-        group: dist.ProcessGroup,
+        self, routers: MegatronRouters, routing: Any, shares: torch.Tensor, own_shares: list[float]
     ) -> None:
-        assert routers.pipe is not None
-        self.routers, self.routing, self.shares, self.group = routers, routing, shares, group
-        self.own_shares = own_shares  # this rank's, as given (``shares`` holds them in fp32)
-        self.pipe = routers.pipe
-        members = [dist.get_group_rank(group, rank) for rank in self.pipe.ranks]
-        self.order = torch.tensor(members).argsort()  # the group's ranks in stage order
-        self._pending: list[tuple[Any, list[torch.Tensor], Any, torch.Tensor, torch.Tensor]] = []
-        self._done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        split = routers.split
+        assert split is not None and split.pipe is not None and split.members is not None
+        self.routers, self.routing, self.shares, self.own_shares = routers, routing, shares, own_shares
+        self.split, self.group = split, split.members  # not the stages' group: its point-to-point is busy
+        self.stages = [dist.get_group_rank(split.members, rank) for rank in split.pipe.ranks]
+        self._pending: list[tuple[Any, list[torch.Tensor], torch.Size, torch.Tensor]] = []
+        self._done: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, mask: torch.Tensor, spans: list[tuple[int, int]], run: Any) -> torch.Tensor:
-        """``run()``, the stage's forward of the next micro-batch (``mask``: its rows' ``(B, T)`` real
-        tokens, ``spans``: each member's rows), with the router term's gradient attached."""
-        i, coef, top_k = len(self._pending), self.routing.coef, self.routers.top_k
+    def forward(self, start: Any, run: Any) -> torch.Tensor:
+        """``run()``, the stage's forward of the next micro-batch (``start()`` tells the routers it
+        begins), with the router term's gradient attached to its output."""
+        i, coef, top_k, split = len(self._pending), self.routing.coef, self.routers.top_k, self.split
         with self.routers.capture() as routed:
-            self.routers.start_forward(mask, spans)
+            start()
             out = run()
-        assert isinstance(routed, StageRouted)
+        assert isinstance(routed, SplitRouted)
+        members = range(len(routed.spans[0][1]))
         with contextlib.nullcontext() if coef else torch.no_grad():
-            sums = [routed._member_sums(m, top_k) for m in range(len(self.pipe.ranks))]
-        probs = torch.stack([p for p, _, _ in sums])  # (M, E), this stage's layers
-        counts = torch.stack([c for _, c, _ in sums])  # (M, L_stage, E)
-        real = torch.stack([r for _, _, r in sums]).clamp_min(1) * self.routers.num_layers  # (M,)
-        stages = [torch.empty_like(counts) for _ in self.pipe.ranks]
-        gathering = dist.all_gather(stages, counts, group=self.group, async_op=True)
-        total_p = probs.detach().clone()
-        summing = dist.all_reduce(total_p, group=self.group, async_op=True)
-        self._pending.append((gathering, stages, summing, total_p, real))
+            sums = [_member_sums(routed, m, top_k) for m in members]
+        probs = torch.stack([p for p, _, _ in sums])  # (M, E), this rank's layers and columns
+        counts = torch.stack([c for _, c, _ in sums])  # (M, L_here, E)
+        tokens = torch.stack([r for _, _, r in sums])  # (M,) in this rank's columns
+        part_p = probs.detach()
+        layers, experts = counts.shape[1:]
+        if split.columns is not None:  # every column: counts, tokens and P's part at once
+            totals = torch.cat([counts.reshape(len(members), -1), tokens[:, None], part_p], 1)
+            dist.all_reduce(totals, group=split.columns)
+            counts = totals[:, : layers * experts].reshape(counts.shape)
+            tokens, part_p = totals[:, layers * experts], totals[:, layers * experts + 1 :]
+        real = tokens.clamp_min(1) * self.routers.num_layers  # (M,) token-layers
+        packed = torch.cat([counts.reshape(len(members), -1), part_p], 1).contiguous()
+        gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(self.group))]
+        self._pending.append(
+            (dist.all_gather(gathered, packed, group=self.group, async_op=True), gathered, counts.shape, real)
+        )
         if not coef:
             return out
         return _RouterGrad.apply(out, probs, partial(self._grad, i, probs))
 
-    def _f(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch ``i``'s ``(M, L, E)`` counts over every layer and ``f`` ``(M, E)``, once gathered."""
+    def _f(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Micro-batch ``i``'s ``(M, L, E)`` counts over every layer, ``f`` ``(M, E)`` and ``P`` summed over
+        the stages, once gathered."""
         if i not in self._done:
-            gathering, stages, summing, _, real = self._pending[i]
+            gathering, gathered, shape, real = self._pending[i]
             gathering.wait()
-            summing.wait()
-            every_layer = torch.cat([stages[int(g)] for g in self.order], 1)  # stages: consecutive layers
-            self._done[i] = every_layer, every_layer.sum(1) / real[:, None]
+            size = shape[1] * shape[2]
+            stages = [gathered[g] for g in self.stages]
+            every_layer = torch.cat([s[:, :size].reshape(shape) for s in stages], 1)  # consecutive layers
+            total_p = stages[0][:, size:].clone()
+            for s in stages[1:]:
+                total_p += s[:, size:]
+            self._done[i] = every_layer, every_layer.sum(1) / real[:, None], total_p
         return self._done[i]
 
     def _grad(self, i: int, probs: torch.Tensor) -> torch.Tensor:
-        """The gradient of ``coef`` times the stage's part of micro-batch ``i``'s term, by its probs, in the
-        order autograd takes it through ``StageRouted.term``'s expression."""
-        _, f = self._f(i)
-        real = self._pending[i][4]
+        """The gradient of ``coef`` times the rank's part of micro-batch ``i``'s term, by its probs, in the
+        order autograd takes it through ``SplitRouted.term``'s expression."""
+        _, f, _ = self._f(i)
+        real = self._pending[i][3]
         shares = self.shares[:, i].to(probs.device, torch.float32)
         weights = shares[:, None] * probs.shape[-1] * f
         return torch.full_like(probs, self.routing.coef) / real[:, None] * weights
 
     def finish(self) -> None:
         """This rank's statistics of every micro-batch into the step's ``StepRouting``, in order."""
-        own = self.pipe.stage
-        for i, (_, _, _, total_p, real) in enumerate(self._pending):
-            every_layer, f = self._f(i)
+        own = self.split.own
+        for i in range(len(self._pending)):
+            every_layer, f, total_p = self._f(i)
+            real = self._pending[i][3]
             aux = self.routers.experts * (f[own] * total_p[own] / real[own]).sum()
             self.routing.add(aux, self.own_shares[i], every_layer[own])
 

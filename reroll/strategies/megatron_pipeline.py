@@ -165,11 +165,13 @@ def broadcast_from(
 @dataclass(frozen=True)
 class GroupRows:
     """One micro-batch of the model-parallel group: its gathered rows ``rows`` (right-padded to the
-    widest; ``mask`` their real tokens), what the ``GPTModel`` runs for them (``ids``, ``positions``, ``causal``; ``t``: the output's
-    columns that are the rows') and ``spans``: each stage's rank's ``(first row, rows)`` among them."""
+    widest; ``mask`` their real tokens; ``rows_of``: each group rank's count), what the ``GPTModel`` runs
+    for them (``ids``, ``positions``, ``causal``; ``t``: the output's columns that are the rows') and
+    ``spans``: each stage's rank's ``(first row, rows)`` among them."""
 
     rows: torch.Tensor
     mask: torch.Tensor
+    rows_of: list[int]
     ids: torch.Tensor
     positions: torch.Tensor
     causal: torch.Tensor | None

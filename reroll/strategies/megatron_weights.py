@@ -6,7 +6,7 @@ from the pipeline stage that holds it (broadcast over the pipeline group), then 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -30,11 +30,12 @@ class Groups:
 
 
 def hf_weights(
-    local: dict[str, torch.Tensor], s: mc.GPTShape, g: Groups, *, on_device: bool
+    local: Mapping[str, torch.Tensor], s: mc.GPTShape, g: Groups, *, on_device: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight of the model whose this rank's share is ``local`` (its ``GPTModel``'s state dict) in
-    Hugging Face names: the embedding first, the decoder layers in order, the final norm and head last;
-    on ``g.device`` or on CPU. A collective: every rank iterates to the end, and gets all."""
+    """Every weight of the model whose this rank's share is ``local`` (its ``GPTModel``'s state dict, or
+    a mapping that makes each tensor when asked: each is asked for once, in its unit) in Hugging Face
+    names: the embedding first, the decoder layers in order, the final norm and head last; on
+    ``g.device`` or on CPU. A collective: every rank iterates to the end, and gets all."""
     stage, stages = (0, 1) if g.pipe is None else (g.pipe.stage, len(g.pipe.ranks))
 
     def unit(
@@ -44,9 +45,7 @@ def hf_weights(
         ``owner`` and broadcast from it."""
         part = None
         if owner == stage:
-            part = gathered(
-                {named + k[len(here) :]: w for k, w in local.items() if k.startswith(prefixes)}, g
-            )
+            part = gathered({named + k[len(here) :]: local[k] for k in local if k.startswith(prefixes)}, g)
         return part if g.pipe is None else broadcast_from(part, owner, g.pipe, g.device)
 
     def put(hf: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -67,7 +66,7 @@ def hf_weights(
 def gathered(part: dict[str, torch.Tensor], g: Groups) -> dict[str, torch.Tensor]:
     """``part`` of this rank's weights gathered over the EP ranks (experts) and the TP ranks, merged, on
     CPU (every rank of this stage's TP and EP groups must call it with the same names)."""
-    part = gather_experts(part, g.ep, g.ep_group)  # experts on CPU (MoE runs at TP 1)
+    part = gather_experts(part, g.ep, g.ep_group)  # experts on CPU, then TP-merged as the dense MLP
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(g.tp)]
     for name, w in part.items():
         if g.tp == 1 or mc.tp_split_dim(name) is None:

@@ -6,20 +6,24 @@ memory, buffers are computed on the host), changes it as it would a loaded one, 
 read from its safetensors files (``CheckpointReader.narrow``). A rank so reads and holds about
 ``1 / world_size`` of the model on the host instead of the whole of it.
 
-``plan`` says where each parameter comes from, from the files' headers alone: the tensor of its own name;
-transformers' fused experts (``mlp.experts.gate_up_proj`` ``(E, 2I, H)``, ``down_proj`` ``(E, H, I)``)
-from the per-expert tensors ``save_pretrained`` writes (``mlp.experts.{e}.gate_proj.weight`` and
-``up_proj`` concatenated on dim 0, ``down_proj``), as transformers' conversion on load fuses them (one
-expert a row of dim 0, so a rank reads its experts whole); a parameter the checkpoint lacks (a new
-scoring head) zeros where the loader starts it at zero. Anything else (another layout or naming) is
-not planned: the caller loads the whole model as before. A parameter already on the host when the model
-is sharded (a LoRA adapter, initialised as peft initialises it) keeps its values.
+``plan`` says where each parameter comes from, from the files' headers alone, by transformers' own
+conversion rules for the model (``get_model_conversion_mapping``, applied to each checkpoint name as
+``from_pretrained`` applies them: ``rename_source_key``): a renamed tensor (a vision-language model's
+``visual.*`` and ``model.*``, held as ``model.visual.*`` and ``model.language_model.*``) is read by rows
+under its name in the files; fused experts (``mlp.experts.gate_up_proj`` ``(E, 2I, H)``, ``down_proj``
+``(E, H, I)``) from the per-expert tensors ``save_pretrained`` writes, as ``reroll.models.expert_fusion``
+reads the fusion (one expert a row of dim 0, so a rank reads its experts whole); a parameter the
+checkpoint lacks (a new scoring head) zeros where the loader starts it at zero. A conversion the plan
+does not follow (a transpose, a split), or a tensor of another shape or dtype, is not planned: the caller
+loads the whole model as before and says why. A parameter already on the host when the model is sharded
+(a LoRA adapter, initialised as peft initialises it) keeps its values.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,18 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from reroll.models.checkpoint_reader import CheckpointReader
-
-# transformers' per-expert fusion on load, which ``_source`` follows: (sources, targets, operations)
-_FOLLOWED = {
-    (
-        ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"),
-        ("mlp.experts.gate_up_proj",),
-        ("MergeModulelist", "Concatenate"),
-    ),
-    (("mlp.experts.*.down_proj.weight",), ("mlp.experts.down_proj",), ("MergeModulelist",)),
-}
-_FUSED = re.compile(r"(?P<experts>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
-_PER_EXPERT = {"gate_up_proj": ("gate_proj.weight", "up_proj.weight"), "down_proj": ("down_proj.weight",)}
+from reroll.models.expert_fusion import row_sources
 
 
 @dataclass(frozen=True)
@@ -67,19 +60,25 @@ class Target:
 def plan(
     model: torch.nn.Module, reader: CheckpointReader, *, zero_missing: bool
 ) -> tuple[list[Target], list[str]]:
-    """Where each of ``model``'s meta parameters (a tied one once) comes from, and the names that no
-    rule places (empty: the plan is whole). Reads the files' headers only."""
+    """Where each of ``model``'s meta parameters (a tied one once) comes from, and the names (or
+    conversions, described) that no rule places: empty, the plan is whole. Reads the files' headers only;
+    leaves on ``model`` the conversions it followed, as ``from_pretrained`` leaves them
+    (``_weight_conversions``: what saving the model reverts)."""
+    sources, unplaced = checkpoint_sources(model, list(reader))
     targets: list[Target] = []
-    unplaced = conversions(model, list(reader))
     params = dict(model.named_parameters(remove_duplicate=False))
     # a persistent buffer the checkpoint holds would be read by from_pretrained: not planned (none in
-    # the decoder models reroll trains; their rotary frequencies are non-persistent, computed on build)
-    unplaced += [n for n in model.state_dict(keep_vars=True) if n not in params and n in reader]
+    # the models reroll trains; their rotary frequencies are non-persistent, computed on build)
+    unplaced += [n for n in model.state_dict(keep_vars=True) if n not in params and n in sources]
     for name, param in model.named_parameters():
         if not param.is_meta:
             continue
-        source = _source(name, tuple(param.shape), reader, zero_missing)
-        if source is None or param.dtype != reader.dtype:  # (a module kept in float32: read as loaded)
+        source = sources.get(name, Source(()) if zero_missing else None)
+        if (
+            source is None
+            or param.dtype != reader.dtype  # (a module kept in float32: read as loaded)
+            or _shape(source, reader) not in (None, tuple(param.shape))
+        ):
             unplaced.append(name)
             continue
         module_name, _, attr = name.rpartition(".")
@@ -87,53 +86,78 @@ def plan(
     return targets, unplaced
 
 
-def conversions(model: torch.nn.Module, names: list[str]) -> list[str]:
-    """transformers' load-time conversions of ``model``'s weights (renames, fusions, transposes) that touch
-    a checkpoint tensor of ``names`` and that ``plan`` does not follow, each described: where there are
-    any, ``from_pretrained`` would hold something other than the tensors of the model's own names."""
+def checkpoint_sources(model: torch.nn.Module, names: list[str]) -> tuple[dict[str, Source], list[str]]:
+    """``{name in model: Source}`` for the checkpoint tensors ``names``, each renamed (and experts fused)
+    by transformers' conversion rules for ``model`` as ``from_pretrained`` renames them; and each
+    conversion that touches ``names`` and that a ``Source`` cannot follow, described (where there are any,
+    ``from_pretrained`` would hold something other than what the sources say)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-    except ImportError:  # transformers 4: a class's renames alone
-        renames = getattr(model, "_checkpoint_conversion_mapping", None) or {}
-        return [f"{k} -> {v}" for k, v in renames.items() if any(_touches(k, n) for n in names)]
-    out = []
-    for c in get_model_conversion_mapping(model):
-        sources, targets = tuple(c.source_patterns), tuple(c.target_patterns)
-        ops = tuple(type(o).__name__ for o in getattr(c, "operations", ()))
-        if (sources, targets, ops) not in _FOLLOWED and any(_touches(p, n) for p in sources for n in names):
-            out.append(f"transformers converts {sources} to {targets} on load")
-    return out
-
-
-def _touches(pattern: str, name: str) -> bool:
-    """Whether a conversion's source ``pattern`` (a regular expression, ``*`` a module index) matches
-    ``name``; a pattern that is not one is taken to match (not followed, so not planned)."""
-    try:
-        return re.search(pattern.replace("*", r"[^.]+"), name) is not None
-    except re.error:
-        return True
-
-
-def _source(name: str, shape: tuple[int, ...], reader: CheckpointReader, zero_missing: bool) -> Source | None:
-    if name in reader:
-        return Source(((name,),)) if reader.shape(name) == shape else None
-    fused = _FUSED.match(name)
-    if fused and len(shape) == 3:
-        rows = tuple(
-            tuple(f"{fused['experts']}.{e}.{part}" for part in _PER_EXPERT[fused["kind"]])
-            for e in range(shape[0])
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
         )
-        if all(n in reader for row in rows for n in row) and all(
-            _row_shape(reader, r) == shape[1:] for r in rows
-        ):
-            return Source(rows, whole_rows=True)
+    except ImportError:  # transformers 4: a class's renames alone, not followed
+        renames = getattr(model, "_checkpoint_conversion_mapping", None) or {}
+        touched = [f"{k} -> {v}" for k, v in renames.items() if any(re.search(k, n) for n in names)]
+        return {n: Source(((n,),)) for n in names}, touched
+    rules = get_model_conversion_mapping(model)
+    renamings = [r for r in rules if isinstance(r, WeightRenaming)]
+    converters = [r for r in rules if isinstance(r, WeightConverter)]
+    own = model.state_dict()
+    prefix = model.base_model_prefix
+    grouped: dict[str, dict[str | None, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for name in sorted(names, key=dot_natural_key):  # from_pretrained's order: experts stack by index
+        target, pattern = rename_source_key(name, renamings, converters, prefix, own)
+        if target not in own and name in own:  # as from_pretrained: the name itself, with the prefix fixed
+            target, pattern = rename_source_key(name, [], [], base_model_prefix=prefix, meta_state_dict=own)
+        grouped[target][pattern].append(name)
+    model._weight_conversions = [r for r in rules if r.was_used()]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    sources, unfollowed = {}, []
+    for target, by_source in grouped.items():
+        source = _followed(by_source, by_pattern)
+        if source is not None:
+            sources[target] = source
+        elif None in by_source:
+            unfollowed.append(f"{', '.join(by_source[None])} all renamed to {target}")
+        else:
+            c = by_pattern[next(iter(by_source))]
+            unfollowed.append(f"transformers converts {c.source_patterns} to {c.target_patterns} on load")
+    return sources, unfollowed
+
+
+def _followed(by_source: dict[str | None, list[str]], by_pattern: dict[str, Any]) -> Source | None:
+    """The ``Source`` of one parameter from its checkpoint tensors grouped by the conversion's source
+    pattern that took them (None: a rename alone), where a ``Source`` describes the conversion."""
+    if None in by_source:
+        return Source(((by_source[None][0],),)) if len(by_source) == len(by_source[None]) == 1 else None
+    patterns = row_sources(by_pattern[next(iter(by_source))])
+    if patterns is None or set(by_source) != set(patterns):
         return None
-    return Source(()) if zero_missing else None
+    per_pattern = [by_source[p] for p in patterns]
+    if len({len(names) for names in per_pattern}) != 1:
+        return None
+    return Source(tuple(zip(*per_pattern)), whole_rows=True)
+
+
+def _shape(source: Source, reader: CheckpointReader) -> tuple[int, ...] | None:
+    """The parameter shape ``source`` gives (None for zeros: any); ``(-1,)``, no shape, where its rows
+    disagree."""
+    if not source.rows:
+        return None
+    if not source.whole_rows:
+        return reader.shape(source.rows[0][0])
+    rows = {_row_shape(reader, r) for r in source.rows}
+    return (len(source.rows), *rows.pop()) if len(rows) == 1 and () not in rows else (-1,)
 
 
 def _row_shape(reader: CheckpointReader, names: tuple[str, ...]) -> tuple[int, ...]:
+    """The shape of ``names``' tensors concatenated on dim 0; ``()`` where they cannot be."""
     shapes = [reader.shape(n) for n in names]
-    if any(len(s) != 2 or s[1:] != shapes[0][1:] for s in shapes):
+    if any(len(s) < 1 or s[1:] != shapes[0][1:] for s in shapes):
         return ()
     return (sum(s[0] for s in shapes), *shapes[0][1:])
 

@@ -1,7 +1,7 @@
 """FSDP2 on one GPU reading its shards from the checkpoint (``reroll.strategies.shard_fill``): the weights
 land on the GPU (with ``cpu_offload``, in page-locked host memory) bit-equal to ``from_pretrained``'s,
-and a step's loss equals the whole-model load's. A bf16 Qwen3-MoE with LoRA, tied
-embeddings. Two ranks over gloo on CPU: ``tests/integration/test_fsdp2_load.py``."""
+and a step's loss equals the whole-model load's. A bf16 Qwen3-MoE and a bf16 Qwen2.5-VL (its
+checkpoint names renamed on load), with LoRA, tied embeddings. Two ranks over gloo on CPU: ``tests/integration/test_fsdp2_load.py``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from reroll.config.schema import RunConfig
 from reroll.data.arithmetic import ARITHMETIC_ALPHABET
 from reroll.models.loading import load_causal_lm
 from reroll.models.tiny import build_tiny_model
+from reroll.models.tiny_vision import build_tiny_vl_model
 from tests.integration.test_fsdp2_load import two_steps
 
 DEVICE = "cuda"
@@ -68,10 +69,14 @@ def _load(path, *, cpu_offload: bool, by_shards: bool) -> dict:
     }
 
 
+@pytest.mark.parametrize("model", ["moe", "vl"])
 @pytest.mark.parametrize("cpu_offload", [False, True])
-def test_shards_read_on_a_gpu_equal_from_pretrained(tmp_path, cpu_offload):
-    shape = dict(alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=2, num_heads=2)
-    path = build_tiny_model(tmp_path, **shape, moe=TinyMoEConfig(experts=4, top_k=2), dtype="bfloat16")
+def test_shards_read_on_a_gpu_equal_from_pretrained(tmp_path, cpu_offload, model):
+    if model == "vl":  # its checkpoint names renamed on load (visual.* -> model.visual.*, ...)
+        path = build_tiny_vl_model(tmp_path, alphabet=ARITHMETIC_ALPHABET, dtype="bfloat16")
+    else:
+        shape = dict(alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=2, num_heads=2)
+        path = build_tiny_model(tmp_path, **shape, moe=TinyMoEConfig(experts=4, top_k=2), dtype="bfloat16")
     new = _load(path, cpu_offload=cpu_offload, by_shards=True)
     old = _load(path, cpu_offload=cpu_offload, by_shards=False)
     assert old["read"] is None and new["read"] > 0  # each path ran

@@ -1,7 +1,8 @@
 """The Megatron-Core strategy on a GPU: the same numbers as the torch strategy, and a quickstart-shaped run.
 
 Megatron-Core's forward runs on CUDA only, so everything here skips without a GPU or without
-megatron-core (pip install 'reroll[megatron]'). The TP=2, PP=2 and EP=2 tests also need two GPUs. Run alone with
+megatron-core (pip install 'reroll[megatron]'). The TP=2 (also with sequence parallelism, a MoE's too), PP=2
+and EP=2 tests also need two GPUs. Run alone with
 ``python -m pytest -q tests/gpu/test_megatron.py``.
 """
 
@@ -305,6 +306,21 @@ def test_tp2_equals_torch_on_the_whole_batch(tmp_path, assets):
     """Two TP ranks, each given half the rows: summed losses, grad norms and weights equal the torch
     strategy's on the whole batch (CPU dev run over gloo: loss exact, norm rel 1e-7, weights 2e-5)."""
     _two_ranks_equal_torch(tmp_path, assets, _tp2_rank)
+
+
+def _tp2_sp_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
+    sp = ("strategy.megatron.tensor_parallel=2", "strategy.megatron.sequence_parallel=true")
+    s = _rank_of_two(rank, address, cfg_path, *sp)
+    assert s.module.decoder.final_layernorm.weight.sequence_parallel  # the local spec's SP norm
+    _half_batch_steps(s, rank, result_dir)
+
+
+@pytest.mark.multigpu(gpus=2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TP=2 needs two GPUs")
+def test_tp2_with_sequence_parallel_equals_torch_on_the_whole_batch(tmp_path, assets):
+    """As the TP=2 test, with sequence parallelism on the local spec (no Transformer Engine; on CPU over
+    gloo TP=2 with SP equals one rank: tests/integration/test_megatron_sequence_parallel.py)."""
+    _two_ranks_equal_torch(tmp_path, assets, _tp2_sp_rank)
 
 
 def _cp2_rank(rank: int, address: str, cfg_path: str, result_dir: str, *more: str) -> None:
@@ -613,9 +629,8 @@ def _moe2_rank(
     from reroll.strategies.megatron import MegatronStrategy
 
     torch.cuda.set_device(rank)
-    cfg = load_config(
-        cfg_path, RunConfig, ["strategy.name=megatron", f"strategy.megatron.{size}", "model.dtype=float32"]
-    )
+    sizes = [f"strategy.megatron.{x}" for x in size.split(",")]
+    cfg = load_config(cfg_path, RunConfig, ["strategy.name=megatron", *sizes, "model.dtype=float32"])
     s = MegatronStrategy(model_path, cfg=cfg, device=f"cuda:{rank}", rank=rank, world_size=2)
     s.init_distributed(address)
     s.configure_optimizer(lr=1e-5, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
@@ -623,6 +638,8 @@ def _moe2_rank(
     layers = {n.split(".")[2] for n, _ in s.module.named_parameters() if n.startswith("decoder.layers.")}
     if size == "expert_parallel=2":
         assert len(mine) == 4 * 2, mine  # this rank's 4 of the 8 experts, fc1 and fc2 each
+    elif size.startswith("tensor_parallel=2"):  # every expert, each split over the TP ranks
+        assert len(mine) == 8 * 2 and s.moe_routers.split.columns is not None, mine
     else:
         assert len(mine) == 8 * 2 and layers == {"0", "1"}, (mine, layers)  # 2 of the 4 layers
     ids, mask = _batch(rows=8, width=48, vocab=2048)
@@ -694,7 +711,7 @@ def test_moe_ep2_equals_torch_on_the_whole_batch(tmp_path, assets):
 def test_moe_pp2_equals_torch_on_the_whole_batch(tmp_path, assets):
     """As the EP=2 test, on two pipeline stages of 2 layers each (every expert on both): each stage
     routes both ranks' rows through its layers, and each rank's router loss is its own rows' over every
-    layer (``StageRouted``); same tolerances."""
+    layer (``SplitRouted``); same tolerances."""
     _moe_two_ranks_equal_torch(tmp_path, assets, "pipeline_parallel=2")
 
 
@@ -705,6 +722,15 @@ def test_moe_pp2_scheduled_equals_torch_on_the_whole_batch(tmp_path, assets):
     (each stage adds its part; the top-k counts gathered over the stages on a second NCCL communicator
     while the schedule's point-to-point goes on: this checks it does not hang); same tolerances."""
     _moe_two_ranks_equal_torch(tmp_path, assets, "pipeline_parallel=2", scheduled=True)
+
+
+@pytest.mark.multigpu(gpus=2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a MoE at TP=2 needs two GPUs")
+def test_moe_tp2_with_sequence_parallel_equals_torch_on_the_whole_batch(tmp_path, assets):
+    """As the EP=2 test, at TP=2 with sequence parallelism (each rank routes its half of the sequence of
+    both ranks' rows; each rank's router loss is its own rows' over every column: ``SplitRouted``); same
+    tolerances (on CPU over gloo it equals one rank: tests/integration/test_megatron_sequence_parallel.py)."""
+    _moe_two_ranks_equal_torch(tmp_path, assets, "tensor_parallel=2,sequence_parallel=true")
 
 
 def _moe_two_ranks_equal_torch(tmp_path, assets, size: str, scheduled: bool = False) -> None:

@@ -2,9 +2,10 @@
 rank: the CUDA calls it makes with dropout 0 and CPU initialisation are pointed at the CPU.
 
 Megatron-Core runs on CUDA only (the strategy refuses a CPU device); what is patched here is where it
-asks for a CUDA device, seed or RNG tracker, not what it computes: the same layers, collectives and
-optimizer run. ``run_ranks`` starts ``world_size`` spawned ranks of ``rank_fn`` (a module function, so it
-imports in the child) and returns what each saved.
+asks for a CUDA device, seed, RNG tracker or side stream (and, for the all-to-all token dispatcher
+under TP x EP, NCCL's uneven all-gather and reduce-scatter, which gloo lacks), not what it computes:
+the same layers, collectives and optimizer run. ``run_ranks`` starts ``world_size`` spawned ranks of
+``rank_fn`` (a module function, so it imports in the child) and returns what each saved.
 """
 
 from __future__ import annotations
@@ -31,6 +32,20 @@ def patch_cuda_for_cpu() -> None:
     tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: no_fork
     torch.cuda.current_device = lambda: "cpu"  # DDP's buffers
     torch.cuda.synchronize = lambda *a, **k: None  # the pipeline schedule's point-to-point exchanges
+    # the all-to-all token dispatcher (expert_parallel > 1) copies its split sizes to the host on a side
+    # stream and waits for them: on the CPU one stream, the copies already done
+    stream = _HostStream()
+    torch.cuda.Stream = lambda *a, **k: stream
+    torch.cuda.current_stream = lambda *a, **k: stream
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        """``maybe_move_tensor_to_cpu``: the split sizes as the host arrays it makes of CUDA tensors."""
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = host_copy
+    _uneven_collectives_over_gloo()
     torch.Tensor.cuda = lambda self, *a, **k: self  # a tied embedding's copy summed across stages at init
     plain_type = torch.Tensor.type
 
@@ -48,6 +63,54 @@ def patch_cuda_for_cpu() -> None:
     _device_constructors()
     for name in ("tensor", "zeros", "empty", "ones", "full"):  # the optimizer's flags, device="cuda"
         setattr(torch, name, _on_cpu(getattr(torch, name)))
+
+
+def _uneven_collectives_over_gloo() -> None:
+    """Gloo's ``all_gather`` and ``reduce_scatter`` take parts of one size; NCCL's take uneven ones, which
+    the all-to-all dispatcher under TP x EP gives (each rank's count of tokens for its experts). Here
+    uneven parts go through the even collectives: gathered padded to the largest and cut, or summed whole
+    and this rank's part kept (the same values: sums over the same ranks)."""
+    import torch.distributed as dist
+
+    gather, plain_reduce_scatter = dist.all_gather, dist.reduce_scatter
+
+    def all_gather(
+        parts: list[torch.Tensor], x: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> Any:
+        if all(p.shape == x.shape for p in parts):
+            return gather(parts, x, group=group, async_op=async_op)
+        padded = x.new_zeros((max(p.shape[0] for p in parts), *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        whole = [torch.empty_like(padded) for _ in parts]
+        gather(whole, padded, group=group)
+        for out, got in zip(parts, whole):
+            out.copy_(got[: out.shape[0]])
+        return None
+
+    def reduce_scatter(
+        out: torch.Tensor, parts: list[torch.Tensor], op: Any = dist.ReduceOp.SUM, group: Any = None,
+        async_op: bool = False,
+    ) -> Any:  # fmt: skip
+        if all(p.shape == out.shape for p in parts):
+            return plain_reduce_scatter(out, parts, op=op, group=group, async_op=async_op)
+        whole = torch.cat([p.reshape(-1) for p in parts])
+        dist.all_reduce(whole, op=op, group=group)
+        rank = dist.get_rank(group)
+        start = sum(p.numel() for p in parts[:rank])
+        out.copy_(whole[start : start + out.numel()].view_as(out))
+        return None
+
+    dist.all_gather, dist.reduce_scatter = all_gather, reduce_scatter
+
+
+class _HostStream:
+    """A CUDA stream's calls the all-to-all dispatcher makes, on the CPU (where work is in order)."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self) -> Any:
+        return types.SimpleNamespace(synchronize=lambda: None)
 
 
 def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -1,7 +1,8 @@
 """FSDP2 ranks read their own shards of the checkpoint (``reroll.strategies.shard_fill``): two ranks over
 gloo load a tiny dense model with tied embeddings, one with a head of its own, a Qwen3-MoE (three
 experts: two on one rank, one on the other, read from the checkpoint's per-expert tensors into
-transformers' fused ones; in float32 and bfloat16), and a critic and a reward model from the dense
+transformers' fused ones; in float32 and bfloat16), a Qwen2.5-VL (its language model and vision tower,
+whose checkpoint names transformers renames on load), and a critic and a reward model from the dense
 checkpoint (their new heads at zero), with and without LoRA. Each is loaded twice in the same ranks: by
 shards, and as before this module (every rank ``from_pretrained`` on the host, ``fully_shard`` keeping
 its chunk: the path a checkpoint without safetensors files takes).
@@ -26,16 +27,19 @@ from reroll.config.model import TinyMoEConfig
 from reroll.data.arithmetic import ARITHMETIC_ALPHABET
 from reroll.models.loading import load_causal_lm
 from reroll.models.tiny import build_tiny_model
+from reroll.models.tiny_vision import build_tiny_vl_model
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.integration
 
 LORA = ["strategy.lora.rank=4", "strategy.lora.target_modules=[q_proj,v_proj]"]
-# (model, head, LoRA): in CI the MoE (tied embeddings, fused experts) with LoRA; every model and head
+# (model, head, LoRA): in CI the MoE (tied embeddings, fused experts) with LoRA and the vision-language
+# model (renamed tensors) against from_pretrained; every model and head
 # in the long run (65 s on 2 cores; most of a run is starting the two ranks)
-FAST = [("moe_bf16", "causal_lm", True)]
+FAST = [("moe_bf16", "causal_lm", True), ("vl", "causal_lm", False)]
 ALL = [
     *FAST,
+    ("vl_bf16", "causal_lm", True),
     ("moe", "causal_lm", True),
     ("tied", "causal_lm", False),
     ("tied", "causal_lm", True),
@@ -50,6 +54,8 @@ def _build(root: Path, model: str) -> Path:
     shape = dict(alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=2, num_heads=2)
     if model == "untied":
         return build_tiny_model(root / model, **shape, tie_word_embeddings=False, seed=1)
+    if model.startswith("vl"):
+        return build_tiny_vl_model(root / model, alphabet=ARITHMETIC_ALPHABET, seed=3, dtype=_dtype(model))
     if model.startswith("moe"):
         moe = TinyMoEConfig(experts=3, top_k=2)
         return build_tiny_model(root / model, **shape, moe=moe, seed=2, dtype=_dtype(model))

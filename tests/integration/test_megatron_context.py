@@ -144,15 +144,18 @@ def _split_rank(
 
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory) -> Path:
-    """A config over a tiny Qwen2 of 2 layers, 4 attention heads over ``kv`` key-value heads."""
+    """A config over a tiny Qwen2 (a Qwen3-MoE of 4 experts, top-2, where ``moe``) of 2 layers, 4 attention
+    heads over ``kv`` key-value heads."""
     from reroll.data.arithmetic import ARITHMETIC_ALPHABET
     from reroll.models.tiny import build_tiny_model
 
-    def build(kv: int) -> Path:
+    def build(kv: int, moe: bool = False) -> Path:
+        from reroll.config.model import TinyMoEConfig
+
         root = tmp_path_factory.mktemp(f"cp_kv{kv}")
         model = build_tiny_model(
             root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=2, num_heads=4,
-            num_kv_heads=kv, for_cpu_engine=False,
+            num_kv_heads=kv, for_cpu_engine=False, moe=TinyMoEConfig(experts=4, top_k=2) if moe else None,
         )  # fmt: skip
         data = root / "rows.jsonl"
         data.write_text('{"question": "1+1", "answer": "2"}\n')
@@ -234,24 +237,28 @@ def _worker_rank(
 
 
 @pytest.mark.long  # three spawned ranks: about a minute on 2 CPU cores
-def test_trainer_workers_of_a_context_parallel_group_train_as_one(tmp_path, gqa_model, assets):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_trainer_workers_of_a_context_parallel_group_train_as_one(tmp_path, gqa_model, assets, moe):
     """The path a run takes: two actor_train ``TrainerWorker`` ranks on Megatron at context parallel 2,
     both given the whole batch (a group's rows), against one rank: the log-prob pass (the scored tokens'
     log-probs combined over the group), an SFT and an RL step (micro-batches of 4 rows; the loss read
     off the gathered or combined values), to the bounds of ``test_context_parallel_ranks_train_as_one_rank``
     (the same arithmetic: only summation orders differ). Measured: log-probs and losses bit-equal, grad
-    norms to 6e-8, weights to 6e-7."""
+    norms to 6e-8, weights to 6e-7. A Qwen3-MoE too: the trainer adds the router's load-balancing term,
+    each rank routing its columns and pooling the rows' over the group (``SplitRouted``), so the router
+    loss and the experts' load it logs are the one rank's (same bound as the loss)."""
     from reroll.data.datasets import load_samples
     from reroll.models.loading import load_tokenizer
     from reroll.pipelines.common import sft_batch
 
-    cfg = gqa_model(2)
+    cfg = gqa_model(2, moe=moe)
     samples = load_samples([str(assets["train"])], template="{question}=")[:10]
     batch = sft_batch(samples, load_tokenizer(str(load_config(cfg, RunConfig).model.path)), "{answer}")
     batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
     batch.advantages *= batch.response_mask
     runs = {}
-    for world, overrides in ((1, []), (2, ["strategy.megatron.context_parallel=2"])):
+    coef = ["model.router_aux_loss_coef=0.1"] if moe else []
+    for world, overrides in ((1, coef), (2, [*coef, "strategy.megatron.context_parallel=2"])):
         out = tmp_path / f"world{world}"
         out.mkdir()
         runs[world] = run_ranks(_worker_rank, world, out, str(cfg), overrides, batch)
@@ -261,7 +268,9 @@ def test_trainer_workers_of_a_context_parallel_group_train_as_one(tmp_path, gqa_
     for r in two:
         torch.testing.assert_close(r["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
         for key, prefix in (("sft", "sft"), ("rl", "actor")):
-            for name in (f"{prefix}/loss", f"{prefix}/grad_norm"):
+            routed = ("router_aux_loss", "expert_load_max", "expert_load_entropy") if moe else ()
+            assert all(f"{prefix}/{n}" in r[key] for n in routed)  # the router term ran
+            for name in (f"{prefix}/{n}" for n in ("loss", "grad_norm", *routed)):
                 assert r[key][name] == pytest.approx(one[key][name], rel=1e-5, abs=1e-7), (key, name)
     for name, w in one["weights"].items():
         assert torch.equal(two[0]["weights"][name], two[1]["weights"][name]), name

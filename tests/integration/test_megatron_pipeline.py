@@ -71,7 +71,9 @@ def _train_rank(rank: int, world_size: int, address: str, out: str, cfg_path: st
         steps.append((float(loss), s.step(1.0)["grad_norm"]))
     with torch.no_grad():  # a forward-only pass (reference/old log-probs) after the steps
         scored = token_logprobs(s.logits(ids, mask), ids) * mask
-    torch.save({"steps": steps, "scored": scored, "weights": s.full_state_dict()}, f"{out}/rank{rank}.pt")
+    marked = [n for n, p in s.module.named_parameters() if getattr(p, "sequence_parallel", False)]
+    saved = {"steps": steps, "scored": scored, "weights": s.full_state_dict(), "sequence_parallel": marked}
+    torch.save(saved, f"{out}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -135,18 +137,23 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
 @pytest.mark.long  # five spawned ranks: about 4 minutes on 2 CPU cores
 @pytest.mark.parametrize(
     "sizes",
-    [("pipeline_parallel=2", "tensor_parallel=2"), ("pipeline_parallel=2",)],
-    ids=["pp2-tp2", "pp2-dp2"],
+    [
+        ("pipeline_parallel=2", "tensor_parallel=2"),
+        ("pipeline_parallel=2", "tensor_parallel=2", "sequence_parallel=true"),
+        ("pipeline_parallel=2",),
+    ],
+    ids=["pp2-tp2", "pp2-tp2-sp", "pp2-dp2"],
 )
 def test_four_ranks_with_pipeline_stages_train_as_one_rank(tmp_path, four_layers, sizes):
-    """Four ranks, each a quarter of the rows: two stages of TP 2 (sequence parallelism needs Transformer
-    Engine's norms, so it is left to the GPU), or two stages of two data-parallel ranks (their gradients
+    """Four ranks, each a quarter of the rows: two stages of TP 2 (also with sequence parallelism: a stage
+    sends the next its TP rank's slice of the sequence), or two stages of two data-parallel ranks (their gradients
     summed, the optimizer state sharded over them). Losses and norms as for two stages; a TP split sums
     each matmul in two parts, so gradients differ from one rank's by rounding, and Adam can turn that
     into up to lr per step where a gradient is near zero: weights within 2 * lr * steps (measured at
     pp2-tp2: 6e-6)."""
     one = _run(tmp_path, four_layers, 1)[0]
     four = _run(tmp_path, four_layers, 4, *sizes)
+    assert all(bool(r["sequence_parallel"]) == ("sequence_parallel=true" in sizes) for r in four)  # its norms
     for step, (loss, norm) in enumerate(one["steps"]):
         assert sum(r["steps"][step][0] for r in four) == pytest.approx(loss, rel=1e-5)
         assert all(r["steps"][step][1] == pytest.approx(norm, rel=1e-5) for r in four)

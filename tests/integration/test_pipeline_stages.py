@@ -1,12 +1,13 @@
 """The Megatron strategy's pipeline plumbing without Megatron-Core, on two gloo ranks in seconds (the CI
 sibling of ``test_megatron_pipeline.py``): ``Pipeline``'s stage-to-stage autograd functions on a toy
-two-stage model, and ``StageRouted``'s router loss split over stages, each against one process computing
+two-stage model, and ``SplitRouted``'s router loss split over stages or over a row's columns (the CI sibling of ``test_megatron_sequence_parallel.py``), each against one process computing
 the unsplit thing."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -97,12 +98,13 @@ def _router_logits() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _router_rank(rank: int, world_size: int, address: str, out: str) -> None:
-    from reroll.strategies.megatron_moe import StageRouted
+    from reroll.strategies.megatron_moe import RowSplit, SplitRouted
 
     dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=world_size)
     logits, real = _router_logits()
     mine = logits[2 * rank : 2 * rank + 2].clone().requires_grad_()
-    routed = StageRouted(pipe=_pipe(), num_layers=LAYERS)
+    pipe = _pipe()
+    routed = SplitRouted(split=RowSplit(pipe.group, pipe.stage, pipe=pipe), num_layers=LAYERS)
     routed.logits.append(list(mine))
     routed.real.append(real)
     routed.spans.append((ROWS, SPANS))
@@ -137,3 +139,56 @@ def test_the_router_loss_on_stages_is_each_ranks_own_over_every_layer(tmp_path: 
         torch.testing.assert_close(
             ranks[rank]["grad"], logits.grad[2 * rank : 2 * rank + 2], atol=1e-7, rtol=0
         )
+
+
+def _column_rank(rank: int, world_size: int, address: str, out: str, same_rows: bool) -> None:
+    """This rank's half of the columns (tokens ``[s, b]``: the first or last ``TOKENS / 2`` positions of
+    every row) of every layer's router logits, routed as under sequence parallelism (members: the two
+    ranks, each its own rows, ``SPANS``) or context parallelism (``same_rows``: one member, every row)."""
+    from reroll.strategies.megatron_moe import RowSplit, SplitRouted
+
+    dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=world_size)
+    logits, real = _router_logits()
+    half = slice(rank * TOKENS // 2 * ROWS, (rank + 1) * TOKENS // 2 * ROWS)
+    mine = logits[:, half].clone().requires_grad_()
+    members = None if same_rows else dist.group.WORLD
+    split = RowSplit(members, 0 if same_rows else rank, columns=dist.group.WORLD)
+    routed = SplitRouted(split=split, num_layers=LAYERS)
+    routed.logits.append(list(mine))
+    routed.real.append(real[half])
+    routed.spans.append((ROWS, [(0, ROWS)] if same_rows else SPANS))
+    share = SHARES[0] if same_rows else SHARES[rank]
+    weighted, aux, counts = routed.term(TOP_K, share)
+    weighted.backward()
+    saved = {"weighted": float(weighted), "aux": float(aux), "counts": counts, "grad": mine.grad}
+    torch.save(saved, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("same_rows", [False, True], ids=["sequence-parallel", "context-parallel"])
+def test_the_router_loss_on_split_columns_is_each_members_own_over_every_column(tmp_path: Path, same_rows):
+    """Each rank holds half of every row's tokens through all 4 layers. Under sequence parallelism (two
+    members, each its own rows) each rank reports the loss and (L, E) load of its own rows over every
+    column; under context parallelism (one member: both ranks run the same rows) both report the rows'.
+    The ranks' backpropagated parts add up to the share-weighted sum of the members' losses, with its
+    gradient (against ``Routed`` on the whole tokens; fp32 sums in another order: 1e-6)."""
+    from reroll.models.moe import Routed
+
+    ranks = run_ranks(_column_rank, 2, tmp_path, same_rows)
+    logits, real = _router_logits()
+    logits.requires_grad_()
+    rows = torch.arange(TOKENS * ROWS) % ROWS
+    spans = [(0, ROWS)] if same_rows else SPANS
+    total = 0.0
+    for member, (start, n) in enumerate(spans):
+        own = real & (rows >= start) & (rows < start + n)
+        aux, counts = Routed(logits=[list(logits)], real=[own]).loss(TOP_K)
+        for rank in (0, 1) if same_rows else (member,):
+            torch.testing.assert_close(ranks[rank]["aux"], float(aux.detach()), atol=1e-6, rtol=0)
+            assert torch.equal(ranks[rank]["counts"], counts)
+        total = total + SHARES[member] * aux
+    total.backward()
+    assert abs(ranks[0]["weighted"] + ranks[1]["weighted"] - float(total)) < 1e-6
+    for rank in range(2):
+        half = slice(rank * TOKENS // 2 * ROWS, (rank + 1) * TOKENS // 2 * ROWS)
+        torch.testing.assert_close(ranks[rank]["grad"], logits.grad[:, half], atol=1e-7, rtol=0)

@@ -144,8 +144,8 @@ def test_megatron_groups_are_tensor_parallel_apart_and_share_their_rows(tmp_path
 
 
 def test_megatron_context_parallel_refusals_name_the_fix(tmp_path):
-    """TP x CP must divide the heads; a mixture of experts, sequence parallelism and a world size that
-    does not split are refused, each with its fix."""
+    """TP x CP must divide the heads; sequence parallelism and a world size that does not split are
+    refused, each with its fix (a mixture of experts is not, on pipeline stages too)."""
     base = ["strategy.name=megatron", "roles.actor_train.world_size=4", "roles.reference.world_size=4"]
 
     def messages(*overrides: str, **model) -> dict[str, str]:
@@ -158,8 +158,11 @@ def test_megatron_context_parallel_refusals_name_the_fix(tmp_path):
         in heads
     )
     assert "use a context_parallel of [1]" in heads
-    moe = messages("strategy.megatron.context_parallel=2", model_type="qwen3_moe", num_experts=4)
-    assert "with a mixture-of-experts model is not yet built" in moe["strategy.megatron.context_parallel"]
+    moe = {"model_type": "qwen3_moe", "num_experts": 4}  # a mixture of experts splits its rows too
+    assert messages("strategy.megatron.context_parallel=2", **moe) == {}
+    assert (
+        messages("strategy.megatron.context_parallel=2", "strategy.megatron.pipeline_parallel=2", **moe) == {}
+    )
     sp = messages("strategy.megatron.context_parallel=2", "strategy.megatron.sequence_parallel=true")
     assert "with sequence_parallel is not built" in sp["strategy.megatron"]
     odd = messages("strategy.megatron.context_parallel=2", "strategy.megatron.tensor_parallel=4")

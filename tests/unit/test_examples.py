@@ -99,9 +99,9 @@ def test_no_sized_example_is_refused():
 
 def test_a_local_moe_config_is_checked_for_megatron_by_both(tmp_path):
     """model.path a local directory: validate and plan read its config.json (plan's shape on the meta
-    device, the model type for the Megatron check). A mixture of experts converts now; at the example's
-    tensor_parallel 2 both refuse it (not built for MoE yet), at tensor_parallel 1 with experts spread by
-    expert_parallel 2 neither does."""
+    device, the model type for the Megatron check). A mixture of experts converts; at the example's
+    tensor_parallel 2 with sequence parallelism neither refuses it, without sequence parallelism both
+    do (Megatron-Core trains a MoE under TP with it only), naming the fix."""
     from transformers import Qwen3MoeConfig
 
     model = tmp_path / "moe"
@@ -119,19 +119,20 @@ def test_a_local_moe_config_is_checked_for_megatron_by_both(tmp_path):
         max_position_embeddings=8192,
     ).save_pretrained(model)
     path = ROOT / "examples" / "qwen3-8b-rlvr_megatron" / "config.yaml"
-    problems, report, fits = _validate_and_plan(path, tmp_path, f"model.path={model}")
+    problems, report, _ = _validate_and_plan(path, tmp_path, f"model.path={model}")
+    assert not [p for p in problems if p.startswith(("strategy.megatron", "model.path"))], problems
+    assert "strategy.megatron" not in report
+    off = "strategy.megatron.sequence_parallel=false"
+    problems, report, fits = _validate_and_plan(path, tmp_path, f"model.path={model}", off)
     assert not fits
     refused = [p for p in problems if p.startswith("strategy.megatron")]
     assert refused == [
-        "strategy.megatron: strategy.megatron.tensor_parallel=2 with a mixture-of-experts model is not yet "
-        "supported (the router's load-balancing loss is built per rank's rows, and a TP group routes its rows "
-        "together): set tensor_parallel to 1 and spread the experts with expert_parallel"
+        "strategy.megatron: strategy.megatron.tensor_parallel=2 with a mixture-of-experts model needs "
+        "strategy.megatron.sequence_parallel=true (Megatron-Core trains a mixture of experts at "
+        "tensor_parallel > 1 only with sequence parallelism): set sequence_parallel=true, or "
+        "tensor_parallel=1 and spread the experts with expert_parallel"
     ]
     assert refused[0] in report and "B parameters" in report
-    ep = ["strategy.megatron.tensor_parallel=1", "strategy.megatron.expert_parallel=2"]
-    problems, report, _ = _validate_and_plan(path, tmp_path, f"model.path={model}", *ep)
-    assert not [p for p in problems if p.startswith(("strategy.megatron", "model.path"))], problems
-    assert "strategy.megatron" not in report
 
 
 def test_start_refuses_what_validate_refuses(tmp_path):

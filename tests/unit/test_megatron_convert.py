@@ -205,12 +205,41 @@ def megatron_one_rank():
 
 
 def _gpt_model(s: mc.GPTShape):
+    """A GPTModel of the strategy's local spec (``megatron_spec.local_block_spec``)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from reroll.strategies.megatron_spec import local_block_spec
 
     config = mc.transformer_config(s, use_cpu_initialization=True)
-    spec = get_gpt_layer_local_spec(qk_layernorm=s.qk_norm, normalization="RMSNorm")
+    spec = local_block_spec(config, num_experts=s.num_experts, qk_norm=s.qk_norm)
     return GPTModel(config, spec, **mc.gpt_model_kwargs(s, 1))
+
+
+def test_the_local_spec_norms_take_sequence_shards_and_mark_their_weights(megatron_one_rank):
+    """Every norm of the strategy's local spec (each layer's two, Qwen3's q/k norms, the final one) is a
+    ``SequenceParallelRMSNorm``: torch's RMSNorm, whose weight is marked ``sequence_parallel`` (so
+    ``finalize_model_grads`` sums its gradient over the TP ranks) where the config is, and which gives
+    each token the output it gets in the whole sequence (bit-equal: one kernel, per token). The
+    Megatron-Core check it stands in for asserts at construction, so a config with
+    ``sequence_parallel`` on is built here (TP 1 refuses it; only the norm reads the flag)."""
+    from reroll.strategies.megatron_spec import SequenceParallelRMSNorm
+
+    _, s = _hf("qwen3")
+    gpt = _gpt_model(s)
+    norms = [n for n, m in gpt.named_modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert len(norms) == 2 * 4 + 1  # input, pre-MLP, q and k norms of 2 layers, the final norm
+    assert all(isinstance(gpt.get_submodule(n), SequenceParallelRMSNorm) for n in norms)
+    assert not any(getattr(p, "sequence_parallel", False) for p in gpt.parameters())  # SP off here
+
+    config = types.SimpleNamespace(normalization="RMSNorm", sequence_parallel=True)
+    norm = SequenceParallelRMSNorm(config, hidden_size=16, eps=1e-6)
+    assert norm.weight.sequence_parallel is True
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(6, 2, 16)  # [s, b, h]
+    torch.testing.assert_close(norm(x)[2:4], norm(x[2:4]), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="not a LayerNorm"):
+        SequenceParallelRMSNorm(types.SimpleNamespace(normalization="LayerNorm"), hidden_size=16)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -312,8 +341,6 @@ def test_moe_converted_weights_load_strictly_and_give_hf_logits(megatron_one_ran
     (``norm_topk_prob`` on: softmax over the top k; off: top k of the softmax over all experts); the
     router logits MegatronRouters records give the load-balancing loss of Hugging Face's logits."""
     from megatron.core import tensor_parallel
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from reroll.algorithms.router import load_balance_loss
     from reroll.strategies.megatron_moe import MegatronRouters, allow_routers_without_transformer_engine
@@ -324,11 +351,7 @@ def test_moe_converted_weights_load_strictly_and_give_hf_logits(megatron_one_ran
     monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: no_fork)
     for norm_topk_prob in (True, False):
         model, s = _moe(norm_topk_prob=norm_topk_prob)
-        config = mc.transformer_config(s, use_cpu_initialization=True)
-        spec = get_gpt_layer_local_spec(
-            num_experts=s.num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
-        )
-        gpt = GPTModel(config, spec, **mc.gpt_model_kwargs(s, 1))
+        gpt = _gpt_model(s)
         converted = mc.hf_to_megatron(model.state_dict(), s)
         extra = {k: v for k, v in gpt.state_dict().items() if k.endswith("_extra_state")}
         assert {k: v.shape for k, v in converted.items()} == {

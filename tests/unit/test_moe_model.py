@@ -131,3 +131,24 @@ def test_step_routing_weights_micro_batches_by_share(moe_dir):
     assert m["actor/expert_load_min"] <= 0.5 <= m["actor/expert_load_max"] <= 1
     assert 0 < m["actor/expert_load_entropy"] <= 1
     assert StepRouting(routers, coef=0.0).metrics("actor") == {}  # no micro-batch: nothing to say
+
+
+def test_a_split_row_is_refused_only_for_routers_that_see_whole_rows(moe_dir):
+    """Under context parallelism a rank's routers see part of each row: the trainer refuses transformers'
+    routers (their loss is built for whole rows) and takes routers that pool a row over its ranks
+    (``sees_split_rows``: Megatron's ``SplitRouted``)."""
+    import types
+
+    from reroll.errors import UserError
+    from reroll.roles.trainer import TrainerWorker
+
+    routers = Routers.of(AutoModelForCausalLM.from_pretrained(moe_dir))
+    assert routers is not None and not getattr(routers, "sees_split_rows", False)
+    cfg = types.SimpleNamespace(model=types.SimpleNamespace(router_aux_loss_coef=0.1))
+    split = types.SimpleNamespace(size=2)
+    worker = types.SimpleNamespace(routers=routers, context_parallel=split, cfg=cfg)
+    with pytest.raises(UserError, match=r"strategy\.context_parallel=2 with a mixture-of-experts model"):
+        TrainerWorker._routing(worker)
+    pooled = types.SimpleNamespace(sees_split_rows=True, coef=lambda setting: setting, top_k=2)
+    routing = TrainerWorker._routing(types.SimpleNamespace(routers=pooled, context_parallel=split, cfg=cfg))
+    assert isinstance(routing, StepRouting) and routing.coef == 0.1

@@ -27,7 +27,9 @@ def test_a_plain_config_starts_anywhere(tmp_path):
     assert start_problems(cfg) == start_problems(cfg, "cpu") == start_problems(cfg, "cuda") == []
 
 
-def test_megatron_expert_parallel_needs_experts_tp1_and_divides_the_data_parallel_ranks(tmp_path):
+def test_megatron_expert_parallel_needs_experts_sequence_parallel_at_tp2_and_divides_the_data_parallel_ranks(
+    tmp_path,
+):
     def messages(*overrides: str, model: str) -> str:
         base = ["strategy.name=megatron", "roles.actor_train.world_size=4", "roles.reference.world_size=4"]
         return " | ".join(m for _, m in start_problems(_cfg(tmp_path, *base, *overrides, model=model)))
@@ -41,11 +43,16 @@ def test_megatron_expert_parallel_needs_experts_tp1_and_divides_the_data_paralle
     assert "needs a mixture-of-experts model; model.path is a dense 'qwen3'" in messages(
         "strategy.megatron.expert_parallel=2", model="Qwen/Qwen3-8B"
     )
-    assert "tensor_parallel=2 with a mixture-of-experts model is not yet supported" in messages(
-        "strategy.megatron.tensor_parallel=2",
-        "strategy.megatron.expert_parallel=2",
-        model="Qwen/Qwen3-30B-A3B",
+    tp2 = ["strategy.megatron.tensor_parallel=2", "strategy.megatron.expert_parallel=2"]
+    assert (
+        "tensor_parallel=2 with a mixture-of-experts model needs strategy.megatron.sequence_parallel=true"
+        in (messages(*tp2, model="Qwen/Qwen3-30B-A3B"))
     )
+    assert messages(*tp2, "strategy.megatron.sequence_parallel=true", model="Qwen/Qwen3-30B-A3B") == ""
+    staged = ["strategy.megatron.pipeline_parallel=2", "strategy.megatron.sequence_parallel=true"]
+    assert messages(tp2[0], *staged, model="Qwen/Qwen3-30B-A3B") == ""  # TP x PP with SP: built
+    # a dense model takes sequence parallelism with or without Transformer Engine
+    assert messages(*tp2[:1], "strategy.megatron.sequence_parallel=true", model="Qwen/Qwen3-8B") == ""
     assert "expert_parallel (4) must divide the data-parallel size" in messages(
         "strategy.megatron.tensor_parallel=2",
         "strategy.megatron.expert_parallel=4",
