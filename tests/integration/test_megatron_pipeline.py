@@ -321,8 +321,13 @@ def _run_scheduled(
 @pytest.mark.long  # 2 x 2 spawned ranks: about 75 s on 2 CPU cores; 2 x 4 ranks: about 4 minutes each
 @pytest.mark.parametrize(
     "sizes",
-    [("pipeline_parallel=2",), ("pipeline_parallel=2", "tensor_parallel=2"), ("pipeline_parallel=2",)],
-    ids=["pp2", "pp2-tp2", "pp2-dp2"],
+    [
+        ("pipeline_parallel=2",),
+        ("pipeline_parallel=2", "tensor_parallel=2"),
+        ("pipeline_parallel=2", "tensor_parallel=2", "sequence_parallel=true"),
+        ("pipeline_parallel=2",),
+    ],
+    ids=["pp2", "pp2-tp2", "pp2-tp2-sp", "pp2-dp2"],
 )
 def test_stages_scheduled_equal_one_micro_batch_after_the_other(tmp_path, four_layers, sizes, request):
     """Pipeline stages, one-row micro-batches (four a rank at PP=2, two at four ranks): the 1F1B schedule
@@ -430,16 +435,24 @@ def test_trainer_workers_on_two_stages_scheduled_equal_one_micro_batch_after_the
             assert torch.equal(b["weights"][name], w), name
 
 
-@pytest.mark.long  # 2 x 2 spawned ranks of a mixture of experts: about 2 minutes on 2 CPU cores
+@pytest.mark.long  # 2 x 2 spawned ranks of a mixture of experts: about 40 s on 2 CPU cores; 2 x 4: minutes
+@pytest.mark.parametrize(
+    "sizes",
+    [("pipeline_parallel=2",), ("pipeline_parallel=2", "tensor_parallel=2", "sequence_parallel=true")],
+    ids=["pp2", "pp2-tp2-sp"],
+)
 def test_a_mixture_of_experts_on_two_stages_scheduled_equals_one_micro_batch_after_the_other(
-    tmp_path, small_moe
+    tmp_path, small_moe, sizes
 ):
     """A Qwen3-MoE on two stages with its router's load-balancing term, scheduled against the loop: each
     stage attaches its routers' part of the term to its output and gets the other stage's top-k counts
     by an all-gather waited for in the backward (``ScheduledRouting``), where the loop computes the same
-    part inside each rank's loss; the forward-only pass as for a dense model."""
-    one_by_one = _run_scheduled(tmp_path, small_moe, 2, False, "pipeline_parallel=2")
-    scheduled = _run_scheduled(tmp_path, small_moe, 2, True, "pipeline_parallel=2")
+    part inside each rank's loss; at TP=2 with sequence parallelism the TP ranks sum their columns' parts
+    at once (as ``SplitRouted.term``); the forward-only pass as for a dense model. The same arithmetic in
+    the same order: bit for bit."""
+    world_size = 2 if len(sizes) == 1 else 4  # at TP=2 with SP each rank routes half of every row
+    one_by_one = _run_scheduled(tmp_path, small_moe, world_size, False, *sizes)
+    scheduled = _run_scheduled(tmp_path, small_moe, world_size, True, *sizes)
     assert all(r["schedules"] == [False] * STEPS + [True] for r in scheduled)
     assert one_by_one[0]["metrics"][0]["actor/router_aux_loss"] > 0
     for a, b in zip(one_by_one, scheduled):
