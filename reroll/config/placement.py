@@ -14,6 +14,7 @@ touches Ray or a device.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -297,12 +298,14 @@ def keeps_state(cfg: RunConfig, role: str, resident_bytes: int, total: int) -> b
     return need <= 0.9 * total
 
 
-def may_park(cfg: RunConfig, role: str, state_bytes: int, total: int) -> bool:
+def may_park(cfg: RunConfig, role: str, state_bytes: int, total: int, *, room: float = math.inf) -> bool:
     """Whether rank 0 of ``role``, on a GPU of ``total`` bytes and holding ``state_bytes`` there (its
     state, or what was measured where more), is likely to move its state to host memory at some
     eviction, so that its host buffers are worth preparing ahead (``Strategy.prepare_offload``):
     colocated roles offload (``offload_between_phases``), another role shares its GPU, and it would
-    not keep its state there (``keeps_state``) with ``PARKING_MARGIN`` times those bytes reserved. A
+    not keep its state there (``keeps_state``, and no more than ``room`` bytes: what the other roles'
+    phases leave it, ``reroll.config.role_memory.room_beside_phases``) with ``PARKING_MARGIN`` times
+    those bytes reserved. A
     run that would keep it pins nothing ahead; should it move after all, its first offload pins, as
     without preparation."""
     if not offload_between_phases(cfg, "cuda"):
@@ -310,7 +313,8 @@ def may_park(cfg: RunConfig, role: str, state_bytes: int, total: int) -> bool:
     on = _beside_rank0(cfg, role)
     if on is None or not set(on) - {role}:
         return False
-    return not keeps_state(cfg, role, int(state_bytes * PARKING_MARGIN), total)
+    held = int(state_bytes * PARKING_MARGIN)
+    return not keeps_state(cfg, role, held, total) or held > room
 
 
 def engine_may_stay(cfg: RunConfig, device_type: str) -> bool:
@@ -564,6 +568,11 @@ def colocated_engines(cfg: RunConfig, role: str) -> int:
     device with rank 0 of ``role`` (1 without a pool)."""
     on = _beside_rank0(cfg, role)
     return 1 if on is None else on.count("actor_infer")
+
+
+def roles_beside(cfg: RunConfig, role: str) -> set[str]:
+    """The other roles with a rank on the device of ``role``'s rank 0 (none without a pool)."""
+    return set(_beside_rank0(cfg, role) or []) - {role}
 
 
 def _beside_rank0(cfg: RunConfig, role: str) -> list[str] | None:

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 from reroll.config.engines import engine_spec
 from reroll.config.memory import DTYPE_BYTES, Shape, checkpointed_layers, forward_only_limits, token_bytes
-from reroll.config.placement import device_map, offload_between_phases, run_roles, trainer_strategy
+from reroll.config.placement import (
+    colocated_engines,
+    colocated_trainer_roles,
+    device_map,
+    offload_between_phases,
+    roles_beside,
+    run_roles,
+    trainer_strategy,
+)
 from reroll.config.schema import RunConfig
 from reroll.config.startable import context_parallel_size
 
@@ -129,6 +137,25 @@ def checkpoint_counts(
         for spec in run_roles(cfg, "cuda").values()
         if spec.holds == "strategy" and spec.trainable
     }
+
+
+def room_beside_phases(
+    cfg: RunConfig, shape: Shape, role: str, *, prompt_tokens: int, gpu_memory_gib: float
+) -> float:
+    """GiB that ``role`` may keep on its GPU through the phases of the other roles that hold a model
+    there, by ``estimate`` (each training role's 'auto' count chosen as the run chooses it): 90 % of the
+    GPU less the largest of their peaks and a CUDA context (1 GiB) for each process on the GPU, an
+    engine's included (asleep, it keeps its context and graphs). ``keeps_state`` weighs the states
+    against the engine's share; this weighs them against the phase that runs beside them: a reference
+    kept through a 3B trainer's phase that the estimate fills to the limit leaves it short (H100 80GB,
+    2026-12-07: out of memory at step 2). Negative: no room at all."""
+    cfg = planned(cfg, None)
+    counts = checkpoint_counts(cfg, shape, prompt_tokens=prompt_tokens, gpu_memory_gib=gpu_memory_gib)
+    plans = estimate(cfg, shape, prompt_tokens=prompt_tokens, checkpointed=counts)
+    others = roles_beside(cfg, role) - {"actor_infer"}
+    peak = max((p.gib for p in plans if p.role in others), default=0.0)
+    contexts = colocated_trainer_roles(cfg, role) + colocated_engines(cfg, role)
+    return USABLE * gpu_memory_gib - peak - contexts
 
 
 def shards(cfg: RunConfig, world: int, shape: Shape) -> tuple[float, float, float]:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from reroll.config.memory import forward_only_limits, model_token_shape
 from reroll.config.placement import keeps_state, may_park, scaled_peak
-from reroll.config.role_memory import with_checkpointing
+from reroll.config.role_memory import GIB, room_beside_phases, with_checkpointing
 from reroll.config.schema import RunConfig
 from reroll.config.startable import context_parallel_size
 from reroll.config.vision import PACKING_REFUSED
@@ -98,6 +98,7 @@ class StrategyWorker:
         # this step's micro-batch losses (device scalars) and what each micro-batch held (``_train_micro_batches``)
         self._losses: list[tuple[torch.Tensor, str]] = []
         self._widest = (0, 0)  # the widest micro-batch seen (tokens a row, longest prompt part)
+        self._room = (0, math.inf)  # (prompt tokens, _room_beside_phases's bytes at them)
         self._resting = 0  # the most GPU bytes it held when asked to give the device away (its state)
         self.strategy = make_strategy(
             cfg,
@@ -209,7 +210,8 @@ class StrategyWorker:
 
     def _fits_beside_engine(self) -> bool:
         """'auto' on a GPU with a vLLM engine (``keeps_state``): this role's reserved memory, once the
-        allocator's cached blocks are freed, leaves the engines their shares. Where it does, that memory
+        allocator's cached blocks are freed, leaves the engines their shares, and the other colocated
+        roles the peaks of their phases by the plan's estimate (``_room_beside_phases``). Where it does, that memory
         may have grown nearer the limit than the state predicted: its host buffers are prepared then if
         so (``_park_ahead``), during the phase this rank gives the GPU to."""
         cfg = self.cfg
@@ -220,7 +222,7 @@ class StrategyWorker:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         reserved = torch.cuda.memory_reserved()
-        kept = keeps_state(cfg, self.role, reserved, total)
+        kept = keeps_state(cfg, self.role, reserved, total) and reserved <= self._room_beside_phases(total)
         if kept:
             self._park_ahead(reserved)
         return kept
@@ -236,9 +238,24 @@ class StrategyWorker:
         if device.type != "cuda":
             return
         total = torch.cuda.get_device_properties(device).total_memory
+        room = self._room_beside_phases(total)
         self.strategy.prepare_offload(
-            lambda state: may_park(self.cfg, self.role, max(state, measured), total)
+            lambda state: may_park(self.cfg, self.role, max(state, measured), total, room=room)
         )
+
+    def _room_beside_phases(self, total: int) -> float:
+        """Bytes this rank may keep on its GPU through the other colocated roles' phases
+        (``room_beside_phases``, at the longest prompt seen); unbounded where the model's shape is
+        unknown (off GPUs)."""
+        if self._shape is None:
+            return math.inf
+        prompt = max(self._widest[1], 1)
+        if self._room[0] != prompt:
+            gib = room_beside_phases(
+                self.cfg, self._shape, self.role, prompt_tokens=prompt, gpu_memory_gib=total / GIB
+            )
+            self._room = (prompt, gib * GIB)
+        return self._room[1]
 
     def micro_batches(
         self, batch: TrainBatch, *, forward_only: bool = False, by_length: bool = True

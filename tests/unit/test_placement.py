@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import time
 
@@ -720,6 +721,7 @@ def test_a_trainer_keeps_its_state_where_it_fits_beside_every_engine_on_its_gpu(
         base = {"placement.devices": 1, "placement.device_type": "cuda", "rollout.engine": "vllm"}
         worker.cfg = _cfg(tmp_path, **base, **overrides)
         worker.role, worker.strategy = "actor_train", Strategy()
+        worker._shape, worker._room = None, (0, math.inf)  # no shape: the other phases bound nothing
         return worker._fits_beside_engine()
 
     # two trainer roles x 20 GiB + 0.3 x 80 GiB = 64 <= 72 GiB

@@ -1,0 +1,109 @@
+"""What a colocated role may keep on its GPU through another role's phase (``room_beside_phases``): a
+role whose state the engine's share would leave resident (``keeps_state``) still moves where the phase
+beside it, by the plan's estimate, needs the room. Found on an H100 80GB (2026-12-07): the 3B row with
+``model.gradient_checkpointing: auto`` checkpointed layers until actor_train's phase alone filled 90 %
+of the GPU, the reference kept its 6 GiB of weights through that phase, and the trainer ran out of
+memory at step 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from reroll.config.placement import (
+    PARKING_MARGIN,
+    colocated_engines,
+    colocated_trainer_roles,
+    keeps_state,
+    may_park,
+)
+from reroll.config.role_memory import GIB, USABLE, checkpoint_counts, estimate, planned, room_beside_phases
+from reroll.plan import KNOWN
+from tests.conftest import small_config
+
+H100 = 79.18  # GiB torch reports for an H100 80GB HBM3
+
+
+def _bench(tmp_path, checkpointing):
+    """grpo_step.py's colocated row: actor_train, reference and a vLLM engine at 0.15 on one GPU."""
+    return small_config(
+        tmp_path,
+        "model.dtype=bfloat16",
+        "optim.micro_batch_size=64",
+        "optim.logprob_micro_batch_size=64",
+        "rollout.max_new_tokens=256",
+        "placement.devices=1",
+        "rollout.engine=vllm",
+        "rollout.vllm.gpu_memory_utilization=0.15",
+        "algorithm.kl_coef=0.04",
+        f"model.gradient_checkpointing={checkpointing}",
+    )
+
+
+def test_the_room_is_the_usable_gpu_less_the_largest_other_phase_and_the_contexts(tmp_path):
+    cfg, shape = _bench(tmp_path, "auto"), KNOWN["qwen2.5-3b"]
+    pl = planned(cfg, None)
+    counts = checkpoint_counts(pl, shape, prompt_tokens=128, gpu_memory_gib=H100)
+    plans = {p.role: p.gib for p in estimate(pl, shape, prompt_tokens=128, checkpointed=counts)}
+    contexts = colocated_trainer_roles(cfg, "reference") + colocated_engines(cfg, "reference")
+    assert contexts == 3  # actor_train, reference and the engine: one process each
+    room = room_beside_phases(cfg, shape, "reference", prompt_tokens=128, gpu_memory_gib=H100)
+    assert room == pytest.approx(USABLE * H100 - plans["actor_train"] - contexts)  # the engine's share: not
+    # a phase of its own here (keeps_state weighs it)
+
+
+@pytest.mark.parametrize(
+    ("size", "checkpointing", "kept"),
+    [("qwen2.5-3b", "auto", False), ("qwen2.5-3b", True, True), ("qwen2.5-0.5b", False, True)],
+)
+def test_the_reference_keeps_its_weights_only_where_the_trainers_phase_leaves_room(
+    tmp_path, size, checkpointing, kept
+):
+    """The reference's state is its bf16 weights. Beside the engine's share alone it always stays
+    (``keeps_state``); beside actor_train's phase it stays at 0.5B and at 3B with every layer
+    checkpointed, and moves (its host buffers prepared ahead, ``may_park``) where 'auto' lets the 3B
+    trainer's phase fill the usable GPU."""
+    cfg, shape = _bench(tmp_path, checkpointing), KNOWN[size]
+    weights = int(shape.params * 2)
+    total = int(H100 * GIB)
+    assert keeps_state(cfg, "reference", weights, total)
+    room = room_beside_phases(cfg, shape, "reference", prompt_tokens=128, gpu_memory_gib=H100) * GIB
+    assert (weights <= room) == kept
+    assert may_park(cfg, "reference", weights, total, room=room) == (weights * PARKING_MARGIN > room)
+    if not kept:
+        assert may_park(cfg, "reference", weights, total, room=room)
+
+
+@pytest.mark.parametrize(("checkpointing", "kept"), [("auto", False), (True, True)])
+def test_the_reference_worker_moves_where_the_trainers_phase_needs_its_room(
+    tmp_path, monkeypatch, checkpointing, kept
+):
+    """``StrategyWorker._fits_beside_engine`` (CUDA's memory calls faked: 6 GiB reserved, the 3B
+    reference's weights, on an H100) reads the room at the longest prompt it has seen."""
+    import math
+    import types
+
+    import torch
+
+    from reroll.roles import strategy_worker
+    from reroll.roles.strategy_worker import StrategyWorker
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    props = types.SimpleNamespace(total_memory=int(H100 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 6 * GIB)
+    monkeypatch.setattr(strategy_worker, "worker_device", lambda cfg, role: "cuda")
+
+    class Strategy:
+        device = torch.device("cuda", 0)
+
+        def prepare_offload(self, worth_it):
+            pass
+
+    worker = object.__new__(StrategyWorker)
+    worker.cfg = _bench(tmp_path, checkpointing).model_copy()
+    worker.cfg.placement.device_type = "cuda"
+    worker.role, worker.strategy = "reference", Strategy()
+    worker._shape, worker._widest, worker._room = KNOWN["qwen2.5-3b"], (384, 128), (0, math.inf)
+    assert worker._fits_beside_engine() == kept
