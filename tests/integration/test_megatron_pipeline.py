@@ -134,6 +134,22 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
+def assert_train_as_one(one: dict, ranks: list[dict]) -> None:
+    """``ranks``, each a share of the rows, trained as ``one`` rank on them all: their losses sum to its
+    (rel 1e-5: fp32 sums of ~200 terms in another order), every rank's gradient norm is its, their
+    log-probs joined are its (1e-5) and their weights are equal to each other and within 2 * lr * steps
+    of its (Adam can turn rounding in a near-zero gradient into a step of up to lr)."""
+    for step, (loss, norm) in enumerate(one["steps"]):
+        assert sum(r["steps"][step][0] for r in ranks) == pytest.approx(loss, rel=1e-5)
+        assert all(r["steps"][step][1] == pytest.approx(norm, rel=1e-5) for r in ranks)
+    torch.testing.assert_close(
+        torch.cat([_pad(r["scored"], 24) for r in ranks]), one["scored"], atol=1e-5, rtol=0
+    )
+    for name, w in one["weights"].items():
+        assert all(torch.equal(ranks[0]["weights"][name], r["weights"][name]) for r in ranks), name
+        torch.testing.assert_close(ranks[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
+
+
 @pytest.mark.long  # five spawned ranks: about 4 minutes on 2 CPU cores
 @pytest.mark.parametrize(
     "sizes",
@@ -154,15 +170,7 @@ def test_four_ranks_with_pipeline_stages_train_as_one_rank(tmp_path, four_layers
     one = _run(tmp_path, four_layers, 1)[0]
     four = _run(tmp_path, four_layers, 4, *sizes)
     assert all(bool(r["sequence_parallel"]) == ("sequence_parallel=true" in sizes) for r in four)  # its norms
-    for step, (loss, norm) in enumerate(one["steps"]):
-        assert sum(r["steps"][step][0] for r in four) == pytest.approx(loss, rel=1e-5)
-        assert all(r["steps"][step][1] == pytest.approx(norm, rel=1e-5) for r in four)
-    torch.testing.assert_close(
-        torch.cat([_pad(r["scored"], 24) for r in four]), one["scored"], atol=1e-5, rtol=0
-    )
-    for name, w in one["weights"].items():
-        assert all(torch.equal(four[0]["weights"][name], r["weights"][name]) for r in four), name
-        torch.testing.assert_close(four[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
+    assert_train_as_one(one, four)
 
 
 def _train_routed_rank(

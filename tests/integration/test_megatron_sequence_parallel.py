@@ -18,7 +18,14 @@ import torch
 from reroll.algorithms.logprobs import token_logprobs
 from tests.conftest import write_config
 from tests.integration.megatron_cpu import run_ranks
-from tests.integration.test_megatron_pipeline import LR, ROWS, STEPS, _megatron_rank, _pad, _run
+from tests.integration.test_megatron_pipeline import (
+    LR,
+    ROWS,
+    STEPS,
+    _megatron_rank,
+    _run,
+    assert_train_as_one,
+)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
@@ -94,15 +101,7 @@ def test_tp2_with_sequence_parallel_trains_as_one_rank(tmp_path, models, name):
     two = _run(tmp_path, models[name], 2, "tensor_parallel=2", "sequence_parallel=true")
     norms = 2 * (4 if name == "qwen3" else 2) + 1  # each layer's two (and q/k) norms, the final one
     assert not one["sequence_parallel"] and all(len(r["sequence_parallel"]) == norms for r in two)
-    for step, (loss, norm) in enumerate(one["steps"]):
-        assert two[0]["steps"][step][0] + two[1]["steps"][step][0] == pytest.approx(loss, rel=1e-5)
-        assert two[0]["steps"][step][1] == two[1]["steps"][step][1] == pytest.approx(norm, rel=1e-5)
-    torch.testing.assert_close(
-        torch.cat([_pad(r["scored"], 24) for r in two]), one["scored"], atol=1e-5, rtol=0
-    )
-    for key, w in one["weights"].items():
-        assert all(torch.equal(two[0]["weights"][key], r["weights"][key]) for r in two), key
-        torch.testing.assert_close(two[0]["weights"][key], w, atol=2 * LR * STEPS, rtol=0)
+    assert_train_as_one(one, two)
 
 
 def _routed_rank(
