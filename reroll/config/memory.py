@@ -95,26 +95,29 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int, *, context_parallel: int
     the response; ``context_parallel``: the size of the role's groups that split each row (Ulysses, fsdp2's
     or megatron's: a rank holds 1/n of a row's activations and runs the head at 1/n of its positions)."""
     p_bytes = DTYPE_BYTES[cfg.compute_dtype]
-    layer = _layer_activations(cfg, shape, p_bytes)
-    checkpointed = checkpointed_layers(cfg.model.gradient_checkpointing, shape.layers)
-    kept = kept_activations(shape.layers, checkpointed, layer=layer, layer_input=shape.hidden * p_bytes)
-    model_par = 1
-    if cfg.strategy.name == "fsdp2" and context_parallel > 1:
-        model_par = context_parallel
-        kept /= model_par
-        layer /= model_par
-    stage_rows = 1
+    inside, outside = _layer_activations(cfg, shape, p_bytes)
+    tp, sequence = 1, 1  # the TP ranks splitting the TP regions', the ranks splitting every activation
+    pp = 1  # pipeline stages
+    if cfg.strategy.name == "fsdp2":
+        sequence = context_parallel
     if cfg.strategy.name == "megatron":
         m = cfg.strategy.megatron
-        model_par = m.tensor_parallel * context_parallel
-        # a pipeline stage runs the rows of its pipeline_parallel ranks through 1/pipeline_parallel of the
-        # layers (reroll.strategies.megatron_pipeline): per rank, as many layer-rows as without stages
-        kept /= model_par
-        # 1F1B (megatron_pipeline.run_schedule): the first stage holds the kept activations of up to
-        # pipeline_parallel micro-batches at once
-        kept *= m.pipeline_parallel
-        layer *= m.pipeline_parallel / model_par
-        stage_rows = m.pipeline_parallel  # the last stage computes those rows' logits
+        tp, sequence, pp = m.tensor_parallel, context_parallel, m.pipeline_parallel
+    # under sequence parallelism a TP group's ranks split the activations outside attention and MLP (the
+    # norms', the residual stream, a checkpointed layer's input) by sequence too; without it they are
+    # replicated on each TP rank
+    outside_tp = tp if cfg.strategy.name == "megatron" and cfg.strategy.megatron.sequence_parallel else 1
+    layer = (inside / tp + outside / outside_tp) / sequence
+    layer_input = shape.hidden * p_bytes / outside_tp / sequence
+    checkpointed = checkpointed_layers(cfg.model.gradient_checkpointing, shape.layers)
+    kept = kept_activations(shape.layers, checkpointed, layer=layer, layer_input=layer_input)
+    # a pipeline stage runs the rows of its pipeline_parallel ranks through 1/pipeline_parallel of the
+    # layers (reroll.strategies.megatron_pipeline): per rank, as many layer-rows as without stages; under
+    # 1F1B (megatron_pipeline.run_schedule) the first stage holds the kept activations of up to
+    # pipeline_parallel micro-batches at once, and the last stage computes those rows' logits
+    kept *= pp
+    layer *= pp
+    model_par, stage_rows = tp * sequence, pp
     # the head runs at the positions before response tokens alone: their logits in the compute dtype
     # (and their gradient when training); log-probs take fp32 chunks of them
     every = shape.vocab * p_bytes / model_par * stage_rows
@@ -177,15 +180,17 @@ def forward_only_limits(
     return (None, int(tokens * scale)) if tokens else (int(rows * scale), None)
 
 
-def _layer_activations(cfg: RunConfig, shape: Shape, p_bytes: int) -> float:
-    """Bytes a token leaves in one decoder layer for the backward pass of a Hugging Face model: the MLP's
-    four tensors of its width (gate, up, the activation, their product) and about nine of the hidden
-    size (attention's inputs and outputs, the norms' inputs), four more where the RMSNorm layers run
-    the model's own fp32 code (``model.fused_norm: false``). Calibrated on one measurement: the
-    Qwen2.5-0.5B shape's training pass at 64 rows of 384 tokens in bf16 peaked at 41.6 GiB (45.6 GiB
-    with the model's own norms) on an H100 (docs/benchmarks.md, run K); the estimate: 41.3 (45.3)."""
-    per_hidden = 9 if cfg.model.fused_norm else 13
-    return p_bytes * (per_hidden * shape.hidden + 4 * shape.mlp)
+def _layer_activations(cfg: RunConfig, shape: Shape, p_bytes: int) -> tuple[float, float]:
+    """Bytes a token leaves in one decoder layer for the backward pass of a Hugging Face model, as
+    ``(inside, outside)`` the tensor-parallel regions: inside, the MLP's four tensors of its width (gate,
+    up, the activation, their product) and attention's four of the hidden size (queries, keys, values,
+    its output before the projection); outside, five of the hidden size (the two norms' inputs and
+    outputs, the residual stream), four more where the RMSNorm layers run the model's own fp32 code
+    (``model.fused_norm: false``). Calibrated on one measurement: the Qwen2.5-0.5B shape's training pass
+    at 64 rows of 384 tokens in bf16 peaked at 41.6 GiB (45.6 GiB with the model's own norms) on an H100
+    (docs/benchmarks.md, run K); the estimate: 41.3 (45.3)."""
+    outside = 5 if cfg.model.fused_norm else 9
+    return p_bytes * (4 * shape.hidden + 4 * shape.mlp), p_bytes * outside * shape.hidden
 
 
 # Published shapes of the model families the example configs use (parameters from the model cards).

@@ -74,11 +74,6 @@ def megatron_parallel_problems(
     split sequences, else 1)."""
     problems = []
     cp = context_parallel
-    if cp > 1 and m.sequence_parallel:
-        problems.append(
-            f"strategy.megatron.context_parallel={cp} with sequence_parallel is not built (a rank's slice of "
-            "a row would have to split evenly over the TP ranks too): set sequence_parallel=false"
-        )
     model_parallel = m.tensor_parallel * m.pipeline_parallel * cp
     if world_size % model_parallel:
         problems.append(

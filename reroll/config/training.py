@@ -143,8 +143,9 @@ class MegatronConfig(StrictModel):
         description="Context parallelism: groups of this many of actor_train's (and the reference's) ranks "
         "split every sequence between them, each a contiguous 1/n of its tokens, attention by Ulysses "
         "all-to-alls over the heads in Megatron-Core's local attention (no Transformer Engine needed); "
-        "tensor_parallel x context_parallel must divide the attention and key-value heads. Not with "
-        "sequence_parallel. 1: off.",
+        "tensor_parallel x context_parallel must divide the attention and key-value heads; with "
+        "sequence_parallel each rank's tokens are split again over its TP ranks (rows padded to a multiple "
+        "of context_parallel x tensor_parallel). 1: off.",
     )
     expert_parallel: int = Field(1, ge=1, description="Expert-parallel size (MoE models).")
     sequence_parallel: bool = Field(

@@ -9,7 +9,9 @@ data-parallel ranks include the context-parallel ones and its DDP sums their gra
 stages hold consecutive layers (split as Megatron-Core splits them) and run a step's micro-batches by
 Megatron-Core's 1F1B schedule (``train_micro_batches``; ``reroll.strategies.megatron_pipeline``).
 Sequence parallelism runs on Transformer Engine's layer spec or on Megatron-Core's local one, whose norms
-take a rank's slice of the sequence (``reroll.strategies.megatron_spec``). A Qwen3-MoE (on pipeline
+take a rank's slice of the sequence (``reroll.strategies.megatron_spec``); with context parallelism a
+rank's columns are scattered again over its TP ranks, rows padded to a multiple of ``context_parallel x
+tensor_parallel`` (``_padded``). A Qwen3-MoE (on pipeline
 stages too; at tensor_parallel > 1 with sequence parallelism, its experts split over the TP ranks as the
 dense MLP) spreads its experts over groups of
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
@@ -211,6 +213,8 @@ class MegatronStrategy(MicroBatchLoop):
         self.model: torch.nn.Module | None = None  # what forward runs: DDP-wrapped when trainable
         self.pipe: Pipeline | None = None  # this rank's pipeline stage (pipeline_parallel > 1)
         self.context_parallel: ContextParallel | None = None  # this rank's group (context_parallel > 1)
+        # the ranks whose routers each see a slice of a row's tokens under context and sequence parallelism
+        self.column_group: dist.ProcessGroup | None = None
         # inside a scheduled micro-batch's loss (run_schedule): what ``logits`` returns for its rows
         self._handed: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.optimizer = None
@@ -276,16 +280,34 @@ class MegatronStrategy(MicroBatchLoop):
         )
         return int(most)
 
+    def _split_width(self, width: int) -> int:
+        """The width a context-parallel group splits rows of ``width`` tokens at (a collective): its
+        tensor-parallel group's widest (``_group_width``), under sequence parallelism padded to a multiple
+        of ``context_parallel x tensor_parallel``, so that each rank's columns scatter evenly over its TP
+        ranks (``_padded``)."""
+        return self._padded(self._group_width(width))
+
+    def _padded(self, width: int) -> int:
+        """``width`` rounded up to a multiple of the ranks that split a row's tokens: ``tensor_parallel``
+        under sequence parallelism (Megatron scatters the sequence over them), times ``context_parallel``
+        (each of its ranks' columns scattered so)."""
+        if not self._sequence_parallel():
+            return width
+        split = self.tp * self.cp
+        return -(-width // split) * split
+
     def _build(self, init_method: str | None) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
 
-        from reroll.strategies.megatron_context import chunk_rotary, join_groups
+        from reroll.strategies.megatron_context import chunk_rotary, join_column_groups, join_groups
 
         self._init_groups(init_method)
         if self.cp > 1:  # under TP or PP a group's rows run at the widest one's width
-            widths = self._group_width if self.tp * self.pp > 1 else None
+            widths = self._split_width if self.tp * self.pp > 1 else None
             self.context_parallel = join_groups(self.world_size, self.rank, self.cp, self.tp, widths)
+        if self.cp > 1 and self._sequence_parallel():  # a row's columns, split by CP then by SP
+            self.column_group = join_column_groups(self.world_size, self.rank, self.cp * self.tp)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.ep_group = ps.get_expert_model_parallel_group() if self.ep > 1 else None
@@ -509,10 +531,13 @@ class MegatronStrategy(MicroBatchLoop):
     def _row_split(self) -> RowSplit | None:
         """How the rows this rank's routers see are split (``megatron_moe.RowSplit``): the group whose
         ranks' rows run together (``logits``'), the pipeline stages' layers, and a row's tokens over the TP
-        ranks under sequence parallelism or over a context-parallel group; None where a rank routes every
-        token of its own rows through every layer."""
-        cp = self.context_parallel
-        columns = cp.group if cp is not None else self.tp_group if self._sequence_parallel() else None
+        ranks under sequence parallelism, over a context-parallel group, or over both (``column_group``);
+        None where a rank routes every token of its own rows through every layer."""
+        columns = self.column_group  # context and sequence parallel: a CP group's ranks with their TP ranks
+        if columns is None and self.context_parallel is not None:
+            columns = self.context_parallel.group
+        elif columns is None and self._sequence_parallel():
+            columns = self.tp_group
         if self.tp * self.pp == 1:
             return None if columns is None else RowSplit(None, 0, columns=columns)  # one member
         members = self.tp_group if self.pipe is None else self.mp_group
@@ -524,11 +549,12 @@ class MegatronStrategy(MicroBatchLoop):
         rows (``rows_of``: each rank's of the group that ran them together, in its rank order)."""
         start, stop = 0, width
         if self.context_parallel is not None:
-            start, stop = split_columns(mask.shape[1], self.context_parallel.size, self.context_parallel.rank)
+            whole = self._padded(mask.shape[1])
+            start, stop = split_columns(whole, self.context_parallel.size, self.context_parallel.rank)
             width = self.context_parallel.size * (stop - start)
-        elif self._sequence_parallel():  # Megatron scatters the sequence over the TP ranks in rank order
-            chunk = width // self.tp
-            start, stop = self.tp_rank * chunk, (self.tp_rank + 1) * chunk
+        if self._sequence_parallel():  # Megatron scatters the columns run over the TP ranks in rank order
+            chunk = (stop - start) // self.tp
+            start, stop = start + self.tp_rank * chunk, start + (self.tp_rank + 1) * chunk
         real = torch.nn.functional.pad(mask, (0, width - mask.shape[1]))[:, start:stop]
         self.moe_routers.start_forward(real, [(sum(rows_of[:m]), n) for m, n in enumerate(rows_of)])
 
@@ -540,11 +566,10 @@ class MegatronStrategy(MicroBatchLoop):
         the rows' (``t``)."""
         from reroll.strategies.megatron_context import causal_mask, columns_of
 
+        t = ids.shape[1]
+        ids = torch.nn.functional.pad(ids, (0, self._padded(t) - t))  # the sequence splits evenly
         if self.context_parallel is not None:
             return columns_of(ids, self.context_parallel)
-        t = ids.shape[1]
-        if self._sequence_parallel() and t % self.tp:  # the sequence splits evenly
-            ids = torch.nn.functional.pad(ids, (0, self.tp - t % self.tp))
         causal = None if self.te else causal_mask(ids.shape[1], ids.device)
         return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), causal, t
 

@@ -52,6 +52,19 @@ def join_groups(
     return mine
 
 
+def join_column_groups(world_size: int, rank: int, size: int) -> dist.ProcessGroup:
+    """Form the groups of ``size`` consecutive ranks (a collective): under sequence parallelism a
+    context-parallel group's ranks with their TP ranks, ``context_parallel x tensor_parallel`` in all, each
+    of which runs a slice of the same rows' tokens. Returns this rank's."""
+    mine = None
+    for ranks in group_ranks(world_size, size):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    assert mine is not None
+    return mine
+
+
 def columns_of(
     ids: torch.Tensor, cp: ContextParallel
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -10,8 +10,8 @@ in that order (``start_forward``). Megatron's own auxiliary loss is off (``megat
 
 Under pipeline parallelism a stage's routers see the rows of every rank of its pipeline group, through
 its own layers only; under tensor parallelism with sequence parallelism a rank's routers see its slice
-of the sequence of its TP group's rows, and in a context-parallel group its columns of the group's rows
-(``RowSplit``). ``SplitRouted`` then gives each rank what it would backpropagate unsplit: the loss of
+of the sequence of its TP group's rows, in a context-parallel group its columns of the group's rows, and
+under both its TP slice of its columns (the column ranks: the CP group's with their TP ranks) (``RowSplit``). ``SplitRouted`` then gives each rank what it would backpropagate unsplit: the loss of
 each member's rows (a member: a rank of the group whose rows ran together) pools all layers and columns
 (``f``, the top-k share, summed over the stages and column ranks; ``P``, the mean probability, a sum of
 the ranks' parts), so each rank backpropagates the part ``E * sum_e f_e * P_e`` owes to its layers and
@@ -112,7 +112,8 @@ class RowSplit:
     where every rank of the split ran the same rows (one member: a context-parallel group's). ``own``:
     this rank's member index. ``pipe``: the stages, each holding its layers (None: one stage).
     ``columns``: the group whose ranks each route a slice of every row's tokens (the TP ranks under
-    sequence parallelism, a context-parallel group; None: each routes every token)."""
+    sequence parallelism, a context-parallel group, or its ranks with their TP ranks under both; None:
+    each routes every token)."""
 
     members: dist.ProcessGroup | None
     own: int

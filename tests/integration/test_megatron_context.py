@@ -139,7 +139,9 @@ def _split_rank(
             entropy=False, split=(split, width),
         )  # fmt: skip
     weights = s.full_state_dict()
-    torch.save({"steps": steps, "scored": scored, "weights": weights, "share": share}, f"{out}/rank{rank}.pt")
+    sp = s.module.config.sequence_parallel  # the model ran as configured
+    saved = {"steps": steps, "scored": scored, "weights": weights, "share": share, "sequence_parallel": sp}
+    torch.save(saved, f"{out}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -168,13 +170,17 @@ def gqa_model(tmp_path_factory) -> Path:
 @pytest.mark.long  # three spawned ranks importing megatron-core, five with TP or PP: 0.5-2 minutes each on
 # 2 CPU cores; the CI sibling is test_ulysses_attention_on_two_ranks_equals_the_unsplit_attention
 @pytest.mark.parametrize(
-    ("kv", "tp", "pp"), [(2, 1, 1), (4, 2, 1), (2, 1, 2)], ids=["cp2-gqa", "cp2-tp2", "cp2-pp2"]
+    ("kv", "tp", "pp", "sp"),
+    [(2, 1, 1, False), (4, 2, 1, False), (4, 2, 1, True), (2, 1, 2, False)],
+    ids=["cp2-gqa", "cp2-tp2", "cp2-tp2-sp", "cp2-pp2"],
 )
-def test_context_parallel_ranks_train_as_one_rank(tmp_path, gqa_model, kv, tp, pp):
+def test_context_parallel_ranks_train_as_one_rank(tmp_path, gqa_model, kv, tp, pp, sp):
     """CP=2 (every row split over two ranks; 4 query heads over 2 key-value heads: one key-value head a
     rank), CP=2 x TP=2 (each TP rank half the rows, each split over two ranks; a rank attends with one
     head) and CP=2 x PP=2 (a layer a stage) against one rank on the whole batch; under TP and PP a group
-    runs its ranks' rows at the widest one's width, and every rank's columns are split at it. Compared:
+    runs its ranks' rows at the widest one's width, and every rank's columns are split at it; with
+    sequence parallelism (``sp``) at a multiple of 4, each rank's columns scattered again over its two TP
+    ranks for the norms and residuals, gathered for attention and the MLP. Compared:
     losses (the groups' summed), the gradient norm, log-probs of a forward-only pass after the steps (the
     worker's path: each rank's scored tokens, combined) and the weights after ``STEPS`` Adam steps.
 
@@ -194,11 +200,12 @@ def test_context_parallel_ranks_train_as_one_rank(tmp_path, gqa_model, kv, tp, p
     sizes = [
         f"strategy.megatron.{k}={v}"
         for k, v in (("context_parallel", cp), ("tensor_parallel", tp), ("pipeline_parallel", pp))
-    ]
+    ] + [f"strategy.megatron.sequence_parallel={str(sp).lower()}"]
     out = tmp_path / "split"
     out.mkdir()
     split = run_ranks(_split_rank, world, out, str(cfg), sizes, cp, tp)
     leaders = group_leaders(split, cp, tp)
+    assert all(r["sequence_parallel"] == sp for r in split)
     for step, (loss, norm) in enumerate(one["steps"]):
         assert sum(r["steps"][step][0] for r in leaders) == pytest.approx(loss, rel=1e-5)
         assert all(r["steps"][step][1] == pytest.approx(norm, rel=1e-5) for r in split)

@@ -50,7 +50,8 @@ def _assets(root: Path) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """Configs of a tiny Qwen2 (qkv bias, tied), a tiny Qwen3 (q/k norms, its own head) and a tiny
-    Qwen3-MoE (4 experts, top-2, q/k norms), 2 layers, 4 heads over 2 key-value heads, fp32; weights
+    Qwen3-MoE (4 experts, top-2, q/k norms; also over 4 key-value heads), 2 layers, 4 heads over 2
+    key-value heads, fp32; weights
     drawn away from their init (norms off 1), so a norm's gradient that misses a rank's tokens shows."""
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
@@ -65,6 +66,14 @@ def models(tmp_path_factory) -> dict[str, Path]:
         "qwen3": Qwen3Config(**shape, intermediate_size=128, tie_word_embeddings=False),
         "qwen3_moe": Qwen3MoeConfig(
             **shape, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
+        ),
+        # 4 key-value heads: CP=2 x TP=2 gives each rank one
+        "qwen3_moe_kv4": Qwen3MoeConfig(
+            **(shape | {"num_key_value_heads": 4}),
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
         ),
     }
     out = {"qwen2": write_config(root / "qwen2.yaml", assets, model={"path": str(assets["model"]),
@@ -113,18 +122,21 @@ def _routed_rank(
     sizes: list[str],
     parts: int,
     same_rows: int,
+    stride: int = 1,
 ) -> None:
     """``STEPS`` steps of next-token loss plus the router's load-balancing term as the trainer adds it
     (``StepRouting``, each micro-batch's share its rows over the batch's) on this rank's rows cut into
-    ``parts`` micro-batches; ``same_rows`` ranks in a row take the same rows (a context-parallel group,
-    whose columns' logits are gathered as the worker gathers them). Saves per step the next-token loss,
+    ``parts`` micro-batches; ``same_rows`` ranks ``stride`` apart take the same rows (a context-parallel
+    group, ``tensor_parallel`` apart, whose columns' logits are gathered as the worker gathers them). Saves per step the next-token loss,
     this rank's router term and the grad norm, the router metrics and the gathered weights."""
     from reroll.models.moe import StepRouting
 
     s, ids, mask, n_tokens = _megatron_rank(rank, world_size, address, cfg_path, sizes)
-    mine, first = ROWS * same_rows // world_size, (rank // same_rows) * ROWS * same_rows // world_size
+    block = (rank // (same_rows * stride)) * stride + rank % stride  # data_shards' order
+    mine = ROWS * same_rows // world_size
+    first = block * mine
     cuts = [slice(first + i * mine // parts, first + (i + 1) * mine // parts) for i in range(parts)]
-    steps, metrics = [], []
+    steps, metrics, columns = [], [], []
     for _ in range(STEPS):
         routing, main, router = StepRouting(s.moe_routers, ROUTER_COEF), 0.0, 0.0
         for cut in cuts:
@@ -132,6 +144,7 @@ def _routed_rank(
             i, m = ids[cut, :width], mask[cut, :width]
             with s.moe_routers.capture() as routed:
                 logits = s.logits(i, m)
+            columns.append(logits.shape[1])
             if s.context_parallel is not None:  # this rank's columns: the group's gathered
                 logits = s.context_parallel.gather(logits, width)
             loss = -(token_logprobs(logits, i) * m).sum() / n_tokens
@@ -142,16 +155,17 @@ def _routed_rank(
         metrics.append(routing.metrics("actor"))
     split = s.moe_routers.split is not None and s.moe_routers.split.columns is not None  # a row's slice
     saved = {"steps": steps, "metrics": metrics, "weights": s.full_state_dict(), "split": split}
+    saved["columns"] = columns  # the width of each forward's logits: a context-parallel rank's columns
     torch.save(saved, f"{out}/rank{rank}.pt")
 
 
 def _routed(
-    tmp_path: Path, cfg: Path, world_size: int, parts: int, same_rows: int, *sizes: str
+    tmp_path: Path, cfg: Path, world_size: int, parts: int, same_rows: int, *sizes: str, stride: int = 1
 ) -> list[dict]:
     out = tmp_path / f"routed{world_size}_{len(list(tmp_path.iterdir()))}"
     out.mkdir()
     overrides = [f"strategy.megatron.{s}" for s in sizes]
-    return run_ranks(_routed_rank, world_size, out, str(cfg), overrides, parts, same_rows)
+    return run_ranks(_routed_rank, world_size, out, str(cfg), overrides, parts, same_rows, stride)
 
 
 @pytest.mark.long  # three (five) spawned ranks of a mixture of experts: 30 (50) s on 2 CPU cores, 2 (4) min busy
@@ -218,3 +232,33 @@ def test_a_mixture_of_experts_with_context_parallel_trains_as_one_rank(tmp_path,
     for key, w in one["weights"].items():
         assert all(torch.equal(two[0]["weights"][key], r["weights"][key]) for r in two), key
         torch.testing.assert_close(two[0]["weights"][key], w, atol=2 * LR * STEPS, rtol=0)
+
+
+@pytest.mark.long  # five spawned ranks of a mixture of experts: about a minute on 2 CPU cores
+def test_a_mixture_of_experts_at_cp2_x_tp2_with_sequence_parallel_trains_as_one_rank(tmp_path, models):
+    """A Qwen3-MoE at CP=2 x TP=2 with sequence parallelism on four ranks: a context-parallel group's two
+    ranks (two apart) take the same rows, each TP rank its own, two micro-batches; a CP rank's columns of
+    its TP group's rows are scattered again over its TP ranks, padded to a multiple of 4 (the second
+    micro-batch's widest row, 18 tokens, runs at 20), so each rank routes a quarter of the columns, and
+    the router term pools the four ranks' counts (``SplitRouted`` over the CP x TP column group). Against
+    one rank on the same micro-batches: the CP leaders' next-token losses add up to its, the four ranks'
+    router terms too, the router metrics average to its; tolerances as the TP=2 with SP test (sums in
+    another order: rel 1e-5 in fp32; weights within 2 * lr * steps, Adam on near-zero gradients)."""
+    from reroll.strategies.context_parallel import group_leaders
+
+    one = _routed(tmp_path, models["qwen3_moe_kv4"], 1, 4, 1)[0]
+    sizes = ("context_parallel=2", "tensor_parallel=2", "sequence_parallel=true")
+    split = _routed(tmp_path, models["qwen3_moe_kv4"], 4, 2, 2, *sizes, stride=2)
+    assert one["metrics"][0]["actor/router_aux_loss"] > 0 and one["steps"][0][1] > 0
+    assert all(r["split"] for r in split)
+    assert all(r["columns"] == [12, 10] * STEPS for r in split)  # a CP rank's half of 24, of 18 padded to 20
+    leaders = group_leaders(split, 2, 2)  # each computes its rows' whole next-token loss
+    for step, (loss, router, norm) in enumerate(one["steps"]):
+        assert sum(r["steps"][step][0] for r in leaders) == pytest.approx(loss, rel=1e-5)
+        assert sum(r["steps"][step][1] for r in split) == pytest.approx(router, rel=1e-5)
+        assert all(r["steps"][step][2] == pytest.approx(norm, rel=1e-5) for r in split)
+        aux = [r["metrics"][step]["actor/router_aux_loss"] for r in split]
+        assert sum(aux) / 4 == pytest.approx(one["metrics"][step]["actor/router_aux_loss"], rel=1e-5)
+    for key, w in one["weights"].items():
+        assert all(torch.equal(split[0]["weights"][key], r["weights"][key]) for r in split), key
+        torch.testing.assert_close(split[0]["weights"][key], w, atol=2 * LR * STEPS, rtol=0)

@@ -163,8 +163,9 @@ def test_megatron_context_parallel_refusals_name_the_fix(tmp_path):
     assert (
         messages("strategy.megatron.context_parallel=2", "strategy.megatron.pipeline_parallel=2", **moe) == {}
     )
-    sp = messages("strategy.megatron.context_parallel=2", "strategy.megatron.sequence_parallel=true")
-    assert "with sequence_parallel is not built" in sp["strategy.megatron"]
+    sp = [*split, "strategy.megatron.sequence_parallel=true"]  # CP x TP with SP, a MoE's too
+    assert messages(*sp, heads=8, kv_heads=4) == {}
+    assert messages(*sp, heads=8, kv_heads=4, **moe) == {}
     odd = messages("strategy.megatron.context_parallel=2", "strategy.megatron.tensor_parallel=4")
     assert "must be divisible by strategy.megatron tensor_parallel (4)" in odd["strategy.megatron"]
 
