@@ -84,6 +84,7 @@ class EngineSpec:
     scores: bool = True  # score(input_ids, mask, temperature): log-probs of given sequences
     multimodal: bool = False  # images in prompts (``ImagePrompt``: a vision-language model's rows)
     max_model_len: Callable[[RolloutConfig], int | None] = _none  # a context cap of its own setting
+    max_model_len_key: str = ""  # that setting's dotted key, for messages
 
     def can_sleep(self, rollout: RolloutConfig) -> bool:
         """Whether the engine is built able to sleep (its switch not off)."""
@@ -103,11 +104,14 @@ VLLM_BATCH_LIMITS = {True: (1024, 16384), False: (256, 8192)}
 # Bytes a logit takes at the peak of vLLM's profile run of its sampler (GPUModelRunner._dummy_sampler_run
 # on max_num_seqs rows of the vocabulary, with top-p and top-k set so that their pass is profiled): the
 # fp32 logits (4), their log-softmax for logprobs_mode processed_logprobs (4), and the top-k/top-p pass's
-# sorted copy and probabilities (8), its indices not counted. Calibrated on an H100 80GB (vLLM 0.25,
-# enforce_eager, Qwen2.5-0.5B: 1024 x 151936 logits): at a share of 2.97 GiB the engine found no memory
-# for its KV cache, so weights (0.92 GiB) and profile took more than 2.97 GiB, at least 14.1 bytes a
-# logit; at 5.9 GiB it started.
-VLLM_SAMPLER_BYTES_PER_LOGIT = 16
+# sorted copy (4) and its int64 indices (8). Checked against three H100 80GB starts (79.2 GiB; vLLM 0.25,
+# enforce_eager, benchmarks/grpo_step.py's Qwen2.5-0.5B shape in bf16: 0.92 GiB of weights, 1024 x 151936
+# logits, a context of 392 tokens; docs/benchmarks.md): four engines on the GPU at 0.0375 and at 0.05 of
+# it (2.97, 3.96 GiB) each found no memory for a KV cache, two at 0.075 (5.94 GiB) started. So weights and
+# profile took more than 3.96 GiB (where several engines start at once, each one's profile may also
+# count the others' allocations as memory outside torch, which vLLM measures on the whole device) and
+# less than 5.94: 20 bytes a logit and VLLM_NON_TORCH put them at 4.07 GiB.
+VLLM_SAMPLER_BYTES_PER_LOGIT = 20
 # Per token of the profile run's forward pass (max_num_batched_tokens at once): a decoder layer's MLP
 # input to its down projection (gate and up, then their product: 3 x its width) and a few hidden-size
 # tensors (residual, norm, attention output), in the model's dtype.
@@ -183,6 +187,7 @@ ENGINES: dict[str, EngineSpec] = {
         multimodal=True,
         receives_in_worker=lambda r: r.vllm.in_process,
         max_model_len=lambda r: r.vllm.max_model_len,
+        max_model_len_key="rollout.vllm.max_model_len",
     ),
     "sglang": EngineSpec(
         name="sglang",

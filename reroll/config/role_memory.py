@@ -233,6 +233,7 @@ class EngineShare:
     gpu_gib: float
     need_gib: float  # weights + overhead + one sequence's KV cache
     parts: str
+    context_kv_gib: float = 0.0  # that KV cache, where its length is the model's context by default
 
     @property
     def share_gib(self) -> float:
@@ -248,9 +249,10 @@ def engine_share(
     cfg: RunConfig, shape: Shape, *, gpu_memory_gib: float, prompt_tokens: int
 ) -> EngineShare | None:
     """A GPU engine rank's share against its weights, the overhead its spec states (``share_overhead``)
-    and the KV cache of one sequence: ``max_model_len`` where the engine sets one (vLLM asks room for one
-    sequence of it), else ``prompt_tokens`` plus ``rollout.max_new_tokens``. None for an engine without a
-    fixed share or a stated overhead."""
+    and the KV cache of one sequence of the engine's longest (vLLM refuses to start without room for
+    one of its max_model_len): its ``max_model_len`` where set, else the model's context where known,
+    else ``prompt_tokens`` plus ``rollout.max_new_tokens``. None for an engine without a fixed share or
+    a stated overhead."""
     spec, r = engine_spec(cfg.rollout.engine), cfg.rollout
     share = spec.memory_share(r)
     if share is None or spec.share_overhead is None:
@@ -258,13 +260,16 @@ def engine_share(
     tp, dtype = spec.span(r), DTYPE_BYTES[cfg.model.dtype]
     weights = shape.params * dtype / tp
     overhead = spec.share_overhead(r, shape, dtype, gpu_memory_gib * GIB)
-    seq = spec.max_model_len(r) or prompt_tokens + r.max_new_tokens
+    # vLLM's max_model_len, unset, is the model's context (max_position_embeddings, read where the
+    # model is local)
+    seq = spec.max_model_len(r) or shape.context or prompt_tokens + r.max_new_tokens
     kv = seq * _kv_per_token(cfg, shape, tp)
     parts = (
         f"weights {weights / GIB:.2f} + start-up profile and buffers {overhead / GIB:.2f} + "
         f"kv cache of one {seq}-token sequence {kv / GIB:.2f}"
     )
-    return EngineShare(share, gpu_memory_gib, (weights + overhead + kv) / GIB, parts)
+    by_context = not spec.max_model_len(r) and shape.context > 0
+    return EngineShare(share, gpu_memory_gib, (weights + overhead + kv) / GIB, parts, kv / GIB * by_context)
 
 
 def engine_share_problem(
@@ -282,10 +287,17 @@ def engine_share_problem(
         if n > 1
         else ""
     )
+    spec = engine_spec(cfg.rollout.engine)
+    shorter = (
+        f", or set {spec.max_model_len_key} to the longest prompt + response (unset, it is the model's "
+        f"context, whose one sequence takes {s.context_kv_gib:.2f} GiB)"
+        if s.context_kv_gib and spec.max_model_len_key
+        else ""
+    )
     return (
-        engine_spec(cfg.rollout.engine).memory_share_key,
+        spec.memory_share_key,
         f"{s.share:g} of a {s.gpu_gib:.1f} GiB GPU is {s.share_gib:.2f} GiB for one engine rank, which needs "
-        f"{s.need_gib:.2f} GiB to start ({s.parts}): set it to at least {s.least:g}{fewer}",
+        f"{s.need_gib:.2f} GiB to start ({s.parts}): set it to at least {s.least:g}{fewer}{shorter}",
     )
 
 
