@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from reroll.config.engines import engine_spec
+from reroll.config.engines import EngineSpec, engine_spec, resolve_engine
 from reroll.config.memory import DTYPE_BYTES, Shape, checkpointed_layers, forward_only_limits, token_bytes
 from reroll.config.placement import (
     colocated_engines,
@@ -225,6 +225,11 @@ def _kv_per_token(cfg: RunConfig, shape: Shape, tp: int) -> float:
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * DTYPE_BYTES[cfg.model.dtype] / tp
 
 
+def _gpu_engine(cfg: RunConfig) -> EngineSpec:
+    """The spec of the engine a GPU run starts ('auto' resolved as on a GPU of this machine)."""
+    return engine_spec(resolve_engine(cfg.rollout.engine, "cuda"))
+
+
 @dataclass(frozen=True)
 class EngineShare:
     """One engine rank's share of its GPU (``EngineSpec.memory_share``) against what its start needs."""
@@ -253,7 +258,7 @@ def engine_share(
     one of its max_model_len): its ``max_model_len`` where set, else the model's context where known,
     else ``prompt_tokens`` plus ``rollout.max_new_tokens``. None for an engine without a fixed share or
     a stated overhead."""
-    spec, r = engine_spec(cfg.rollout.engine), cfg.rollout
+    spec, r = _gpu_engine(cfg), cfg.rollout
     share = spec.memory_share(r)
     if share is None or spec.share_overhead is None:
         return None
@@ -287,7 +292,7 @@ def engine_share_problem(
         if n > 1
         else ""
     )
-    spec = engine_spec(cfg.rollout.engine)
+    spec = _gpu_engine(cfg)
     shorter = (
         f", or set {spec.max_model_len_key} to the longest prompt + response (unset, it is the model's "
         f"context, whose one sequence takes {s.context_kv_gib:.2f} GiB)"

@@ -511,9 +511,12 @@ def _check_engine_share(cfg: RunConfig, machine: Machine | None, kind: str | Non
         return []
     if "actor_infer" not in cfg.started_roles() or role_device(cfg, "actor_infer", kind) != "cuda":
         return []
+    from reroll.config.engines import engine_spec, resolve_engine
     from reroll.config.role_memory import engine_share_problem, planned
     from reroll.models.shape import model_shape
 
+    if engine_spec(resolve_engine(cfg.rollout.engine, kind)).share_overhead is None:
+        return []  # no fixed share to check: the model's shape is not read
     try:
         shape = model_shape(cfg.model.path)
     except Exception:  # a size not known here (a hub id of no known family): the engine will say

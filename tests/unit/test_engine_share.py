@@ -147,3 +147,14 @@ def test_train_s_preflight_on_this_machine_raises_it_before_anything_starts(tmp_
         preflight.preflight(_cfg(tmp_path, 4, 0.0375))
     assert "rollout.vllm.gpu_memory_utilization" in str(e.value) and "at least 0.052" in str(e.value)
     preflight.preflight(_cfg(tmp_path, 2, 0.075))  # two engines at 0.075: nothing raised
+
+
+def test_auto_is_checked_as_the_engine_a_gpu_run_starts(tmp_path, monkeypatch):
+    """'auto' starts vLLM on a GPU where it is installed (``resolve_engine``), else hf: no fixed share."""
+    from reroll.config import engines
+
+    cfg = _cfg(tmp_path, 4, 0.0375, "rollout.engine=auto")
+    monkeypatch.setattr(engines.importlib.util, "find_spec", lambda name: None)
+    assert engine_share(cfg, SHAPE, gpu_memory_gib=H100, prompt_tokens=128) is None
+    monkeypatch.setattr(engines.importlib.util, "find_spec", lambda name: object())
+    assert engine_share_problem(cfg, SHAPE, gpu_memory_gib=H100, prompt_tokens=128) is not None
