@@ -61,7 +61,7 @@ def flops_per_token(model: torch.nn.Module, seq: int) -> float:
 def estimated_gib(cfg, model_dir: Path, seq: int) -> float:
     """``reroll plan``'s estimate of the trainer's peak for this config (its head at every position)."""
     from reroll.config.role_memory import estimate
-    from reroll.plan import model_shape
+    from reroll.models.shape import model_shape
 
     plans = estimate(cfg, model_shape(str(model_dir)), prompt_tokens=0)
     return next(p.gib for p in plans if p.role == "actor_train")

@@ -5,7 +5,9 @@ which a rank's ``model.gradient_checkpointing: auto`` reads too): weights, gradi
 state per training rank after sharding (fsdp2 / deepspeed / megatron), activations of one micro-batch
 (with each training role's count of checkpointed layers) and the logits at its response positions,
 or a forward-only pass's at the size the run takes where larger (``reroll.config.memory``), the
-engine's weights and KV cache, and the reference's weights. Colocated roles that offload between phases need the largest of them on a GPU; without offloading,
+engine's weights and KV cache, and the reference's weights; and each engine rank's share of its GPU
+against what its start needs (``role_memory.engine_share``: a share too small is refused, as
+``reroll validate`` refuses it). Colocated roles that offload between phases need the largest of them on a GPU; without offloading,
 their sum, and host memory for what they park there (``_host_lines``). The shape comes from
 ``model.path``'s config.json where it is a local directory, else from a table of the model families
 the examples use.
@@ -13,13 +15,11 @@ the examples use.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from reroll.config.memory import KNOWN, Shape, forward_only_limits, known_shape, token_shape
+from reroll.config.memory import Shape, forward_only_limits
 from reroll.config.placement import (
     device_map,
     offload_between_phases,
+    run_roles,
     trainer_strategy,
     weight_sync_transport,
 )
@@ -27,6 +27,8 @@ from reroll.config.role_memory import (
     USABLE,
     RolePlan,
     checkpoint_counts,
+    engine_share,
+    engine_share_problem,
     estimate,
     held,
     planned,
@@ -34,36 +36,7 @@ from reroll.config.role_memory import (
 )
 from reroll.config.schema import RunConfig
 from reroll.config.startable import context_parallel_size, start_problems
-from reroll.errors import UserError
-
-
-def model_shape(path: str) -> Shape:
-    """The shape of ``path``: its config.json when local, else the known family its name contains."""
-    config = Path(path) / "config.json"
-    if config.exists():
-        return _shape_from_config(json.loads(config.read_text()), Path(path))
-    known = known_shape(path)
-    if known is not None:
-        return known
-    raise UserError(
-        f"plan: cannot tell the size of model.path {path!r}: it is not a local directory with a "
-        f"config.json and not one of the known families ({', '.join(KNOWN)}); download the model first"
-    )
-
-
-def _shape_from_config(c: dict, path: Path) -> Shape:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from reroll.models.loading import parameter_counts
-    from reroll.models.vision import is_vision_language
-
-    config = AutoConfig.from_pretrained(path)
-    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(config)
-    params, experts = parameter_counts(model)
-    return token_shape(c, params=params, expert_params=experts)
+from reroll.models.shape import model_shape
 
 
 def _forward_only_lines(cfg: RunConfig, shape: Shape, seq: int, roles: list[str]) -> list[str]:
@@ -93,6 +66,10 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     shape = model_shape(cfg.model.path)
     refused = start_problems(cfg, "cuda")  # the check `reroll validate` and the run's start make
     pool = cfg.placement.devices or gpus
+    share = engine_share_problem(
+        planned(cfg, pool), shape, gpu_memory_gib=gpu_memory_gib, prompt_tokens=prompt_tokens
+    )
+    refused += [share] if share and "actor_infer" in run_roles(cfg, "cuda") else []
     chosen = trainer_strategy(cfg, "cuda")  # the plan is for GPUs
     shown = chosen if chosen == cfg.strategy.name else f"{chosen} (strategy.name {cfg.strategy.name})"
     cp = context_parallel_size(cfg, "actor_train")
@@ -112,6 +89,7 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
         "per role, per GPU at its peak:",
     ]
     lines += [f"  {p.role:<12} {p.ranks:>3} ranks  {p.gib:8.1f} GiB  ({p.parts})" for p in plans.values()]
+    lines += _share_lines(cfg, shape, plans, gpu_memory_gib, prompt_tokens)
     lines += _checkpointing_lines(cfg, shape, counts, prompt_tokens)
     lines += ["", "per GPU:"]
     fits = pool <= gpus
@@ -143,6 +121,21 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
             "optim.micro_batch_size or rollout.generate_batch_size, or train LoRA adapters (strategy.lora)"
         )
     return "\n".join(lines), fits
+
+
+def _share_lines(
+    cfg: RunConfig, shape: Shape, plans: dict[str, RolePlan], gpu_memory_gib: float, prompt_tokens: int
+) -> list[str]:
+    """Each engine rank's share of its GPU against what its start needs (``engine_share``), where the
+    engine holds a fixed share."""
+    s = engine_share(cfg, shape, gpu_memory_gib=gpu_memory_gib, prompt_tokens=prompt_tokens)
+    if s is None or "actor_infer" not in plans:
+        return []
+    verdict = "holds it" if s.share_gib >= s.need_gib else f"too small: at least {s.least:g}"
+    return [
+        f"engine share, each rank: {s.share:g} = {s.share_gib:.2f} GiB against {s.need_gib:.2f} GiB to "
+        f"start ({s.parts}): {verdict}"
+    ]
 
 
 def _checkpointing_lines(

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from reroll.errors import UserError
 
 if TYPE_CHECKING:
+    from reroll.config.memory import Shape
     from reroll.config.rollout import RolloutConfig
 
 
@@ -64,6 +65,11 @@ class EngineSpec:
     parks_weights: Callable[[RolloutConfig], bool] = _yes
     # it holds a fixed share of the GPU (its KV cache included), so it may stay awake beside trainers
     memory_share: Callable[[RolloutConfig], float | None] = _none
+    memory_share_key: str = ""  # that share's dotted key, for messages
+    # what one rank of such an engine takes of its share besides its weights and KV cache, in bytes, for
+    # a model of ``Shape`` in a dtype of so many bytes on a GPU of so many bytes (its start's profile run,
+    # memory outside torch); None: not known, and the share is not checked
+    share_overhead: Callable[[RolloutConfig, Shape, int, float], float] | None = None
     streams: bool = False  # stream() and interrupt(): partial rollouts, over-sampling
     # stream_tokens(): each response's tokens as the engine makes them (reroll serve's `stream: true`)
     streams_tokens: bool = False
@@ -78,6 +84,7 @@ class EngineSpec:
     scores: bool = True  # score(input_ids, mask, temperature): log-probs of given sequences
     multimodal: bool = False  # images in prompts (``ImagePrompt``: a vision-language model's rows)
     max_model_len: Callable[[RolloutConfig], int | None] = _none  # a context cap of its own setting
+    max_model_len_key: str = ""  # that setting's dotted key, for messages
 
     def can_sleep(self, rollout: RolloutConfig) -> bool:
         """Whether the engine is built able to sleep (its switch not off)."""
@@ -86,6 +93,45 @@ class EngineSpec:
 
 def _vllm_share(r: RolloutConfig) -> float:
     return r.vllm.gpu_memory_utilization
+
+
+# vLLM's defaults for the ``LLM`` class, which reroll builds without max_num_seqs or
+# max_num_batched_tokens (vllm.engine.arg_utils, EngineArgs._set_default_args): on a GPU of at least
+# 70 GiB (A100s aside, which this arithmetic does not tell apart: it takes the larger), 1024 sequences and
+# 16384 tokens a step; on a smaller one 256 and 8192.
+VLLM_LARGE_GPU = 70 * 2**30
+VLLM_BATCH_LIMITS = {True: (1024, 16384), False: (256, 8192)}
+# Bytes a logit takes at the peak of vLLM's profile run of its sampler (GPUModelRunner._dummy_sampler_run
+# on max_num_seqs rows of the vocabulary, with top-p and top-k set so that their pass is profiled): the
+# fp32 logits (4), their log-softmax for logprobs_mode processed_logprobs (4), and the top-k/top-p pass's
+# sorted copy (4) and its int64 indices (8). Checked against three H100 80GB starts (79.2 GiB; vLLM 0.25,
+# enforce_eager, benchmarks/grpo_step.py's Qwen2.5-0.5B shape in bf16: 0.92 GiB of weights, 1024 x 151936
+# logits, a context of 392 tokens; docs/benchmarks.md): four engines on the GPU at 0.0375 and at 0.05 of
+# it (2.97, 3.96 GiB) each found no memory for a KV cache, two at 0.075 (5.94 GiB) started. So weights and
+# profile took more than 3.96 GiB (where several engines start at once, each one's profile may also
+# count the others' allocations as memory outside torch, which vLLM measures on the whole device) and
+# less than 5.94: 20 bytes a logit and VLLM_NON_TORCH put them at 4.07 GiB.
+VLLM_SAMPLER_BYTES_PER_LOGIT = 20
+# Per token of the profile run's forward pass (max_num_batched_tokens at once): a decoder layer's MLP
+# input to its down projection (gate and up, then their product: 3 x its width) and a few hidden-size
+# tensors (residual, norm, attention output), in the model's dtype.
+VLLM_HIDDEN_TENSORS = 6
+# Memory outside torch's allocator that vLLM counts against its share (cuBLAS workspaces, the attention
+# backend's buffers; NCCL's at tensor_parallel_size > 1): an allowance, not a measurement.
+VLLM_NON_TORCH = 0.25 * 2**30
+
+
+def _vllm_overhead(r: RolloutConfig, shape: Shape, dtype_bytes: int, gpu_bytes: float) -> float:
+    """What vLLM's ``determine_available_memory`` takes from its share beside the weights before any KV
+    cache: the profile run's peak, the larger of its forward pass over max_num_batched_tokens and its
+    sampler over max_num_seqs rows of logits (each rank gathers the whole vocabulary), and memory outside
+    torch. CUDA graphs (``enforce_eager: false``) are captured after the KV cache is sized and are not
+    counted in the share."""
+    seqs, tokens = VLLM_BATCH_LIMITS[gpu_bytes >= VLLM_LARGE_GPU]
+    tp = r.vllm.tensor_parallel_size
+    forward = tokens * (3 * shape.mlp / tp + VLLM_HIDDEN_TENSORS * shape.hidden) * dtype_bytes
+    sampler = seqs * shape.vocab * VLLM_SAMPLER_BYTES_PER_LOGIT
+    return max(forward, sampler) + VLLM_NON_TORCH
 
 
 def _vllm_span_problem(r: RolloutConfig, device: str) -> tuple[str, str] | None:
@@ -132,6 +178,8 @@ ENGINES: dict[str, EngineSpec] = {
         sleep_needs_cuda=True,
         parks_weights=lambda r: r.vllm.sleep_level == 1,
         memory_share=_vllm_share,
+        memory_share_key="rollout.vllm.gpu_memory_utilization",
+        share_overhead=_vllm_overhead,
         streams=True,
         streams_tokens=True,
         top_logprobs=True,
@@ -139,6 +187,7 @@ ENGINES: dict[str, EngineSpec] = {
         multimodal=True,
         receives_in_worker=lambda r: r.vllm.in_process,
         max_model_len=lambda r: r.vllm.max_model_len,
+        max_model_len_key="rollout.vllm.max_model_len",
     ),
     "sglang": EngineSpec(
         name="sglang",

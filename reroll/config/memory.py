@@ -29,6 +29,7 @@ class Shape:
     vocab: int
     expert_params: float = 0.0  # the part of ``params`` in routed experts
     intermediate: int = 0  # MLP width a token passes through (MoE: its experts'); 0: 4 x hidden
+    context: int = 0  # max_position_embeddings where the config says it (0: not known)
 
     @property
     def mlp(self) -> int:
@@ -48,6 +49,7 @@ def token_shape(c: dict, *, params: float = 0.0, expert_params: float = 0.0) -> 
         c["vocab_size"],
         expert_params,
         _mlp_width(c),
+        c.get("max_position_embeddings") or 0,
     )
 
 

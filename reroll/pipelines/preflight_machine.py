@@ -81,6 +81,7 @@ class Machine:
 
     cpus: float
     gpus: int
+    gpu_memory_gib: float | None = None  # the smallest GPU's memory, where NVML tells it
 
     @classmethod
     def here(cls) -> Machine:
@@ -93,12 +94,34 @@ class Machine:
             cpus = float(get_num_cpus())
         except Exception:  # another Ray version: the CPUs this process may run on
             cpus = float(len(os.sched_getaffinity(0)))
-        return cls(cpus=cpus, gpus=torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        return cls(cpus=cpus, gpus=gpus, gpu_memory_gib=_gpu_memory_gib() if gpus else None)
 
     def device_type(self, cfg: RunConfig) -> str:
         """``placement.device_type``, 'auto' resolved as a run on this machine resolves it."""
         kind = cfg.placement.device_type
         return kind if kind != "auto" else ("cuda" if self.gpus else "cpu")
+
+
+def _gpu_memory_gib() -> float | None:
+    """The smallest visible GPU's memory in GiB, from NVML (nvidia-ml-py, which vLLM installs), which
+    opens no CUDA context in this process as torch's device properties would; None without it. Counts
+    every GPU of the machine, CUDA_VISIBLE_DEVICES aside."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            sizes = [
+                pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total
+                for i in range(count)
+            ]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML binding or driver: the share is checked by the engine at start
+        return None
+    return min(sizes) / 2**30 if sizes else None
 
 
 def starts_own_cluster(cfg: RunConfig) -> bool:

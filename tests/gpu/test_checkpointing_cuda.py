@@ -70,7 +70,7 @@ def _peak(path, setting, strategy: str) -> int:
 @pytest.mark.parametrize("strategy", ["torch", "fsdp2"])
 def test_measured_peak_falls_with_each_first_layer_checkpointed(eight_layers, strategy):
     from reroll.config.memory import token_bytes
-    from reroll.plan import model_shape
+    from reroll.models.shape import model_shape
 
     counts = [0, 2, 4, 6, 7, LAYERS]
     peaks = {n: _peak(eight_layers, n, strategy) for n in counts}

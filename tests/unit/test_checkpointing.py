@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from reroll.config.memory import DTYPE_BYTES, checkpointed_layers, kept_activations, token_bytes
+from reroll.config.memory import DTYPE_BYTES, KNOWN, checkpointed_layers, kept_activations, token_bytes
 from reroll.config.role_memory import (
     auto_checkpointed_layers,
     estimate,
@@ -19,7 +19,7 @@ from reroll.config.role_memory import (
     with_checkpointing,
 )
 from reroll.errors import UserError
-from reroll.plan import KNOWN, plan
+from reroll.plan import plan
 from tests.conftest import small_config
 
 SHAPE = KNOWN["qwen2.5-3b"]  # 36 layers
@@ -271,7 +271,7 @@ def test_a_rank_estimates_with_the_shape_the_plan_reads(four_layers):
     from config.json and a model built on the meta device: the same Shape, so the same count."""
     from reroll.config.memory import model_token_shape
     from reroll.models.loading import load_causal_lm, parameter_counts
-    from reroll.plan import model_shape
+    from reroll.models.shape import model_shape
 
     params, experts = parameter_counts(load_causal_lm(four_layers))
     on_rank = dataclasses.replace(model_token_shape(str(four_layers)), params=params, expert_params=experts)

@@ -166,6 +166,8 @@ def test_plan_refuses_an_impossible_config_with_the_fix():
         "roles.actor_train.world_size=1",
         "roles.actor_infer.world_size=1",
         "roles.reference.world_size=1",
+        # the engine's share holds the 7B's start on 24 GiB (0.6 would not: the check of its own)
+        "rollout.vllm.gpu_memory_utilization=0.7",
     )
     assert out.returncode == 2
     assert "the plan does not fit" in out.stderr and "<- does not fit" in out.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from reroll.config.memory import KNOWN
 from reroll.config.placement import (
     PARKING_MARGIN,
     colocated_engines,
@@ -17,7 +18,6 @@ from reroll.config.placement import (
     may_park,
 )
 from reroll.config.role_memory import GIB, USABLE, checkpoint_counts, estimate, planned, room_beside_phases
-from reroll.plan import KNOWN
 from tests.conftest import small_config
 
 H100 = 79.18  # GiB torch reports for an H100 80GB HBM3
