@@ -363,16 +363,23 @@ def run_reroll(path: Path, args: argparse.Namespace, mode: str) -> list[dict]:
     from reroll.pipelines.run import run
 
     cfg = load_config(path, RunConfig)
-    if mode == "ray-sleep":  # the engine sleeps at every trainer phase (auto before 2026-12-05)
-        with mock.patch.object(Roles, "_staying", lambda self: set()):
+    try:
+        if mode == "ray-sleep":  # the engine sleeps at every trainer phase (auto before 2026-12-05)
+            with mock.patch.object(Roles, "_staying", lambda self: set()):
+                run(RLVR, cfg)
+        else:
             run(RLVR, cfg)
-    else:
-        run(RLVR, cfg)
+        finished = True
+    except Exception as e:  # a row that fails (out of memory at step 2) keeps its steps; the next rows run
+        print(f"[reroll {mode}] failed: {type(e).__name__}: {str(e)[:600]}", flush=True)
+        finished = False
     packing = wants_packing(cfg.optim.packing, torch.device(args.device), getattr(torch, args.dtype))
     tail = cfg.rollout.tail_threshold or 0
     return [
         r | {"packing": packing, "tail_threshold": tail}
-        for r in read_steps(path.parent / cfg.name, args.prompts * args.group)  # output_dir: root/{name}
+        for r in read_steps(
+            path.parent / cfg.name, args.prompts * args.group, finished
+        )  # output_dir: root/{name}
     ]
 
 
@@ -397,14 +404,18 @@ def fits_the_gpu(path: Path, args: argparse.Namespace, name: str) -> bool:
     return fits or args.ignore_plan
 
 
-def read_steps(run_dir: Path, samples: int) -> list[dict]:
+def read_steps(run_dir: Path, samples: int, finished: bool = True) -> list[dict]:
     """A bench run's steps from its ``metrics.jsonl``: each phase's seconds, the step's wall time, its new
     tokens (``samples`` responses) and, under "metrics", all the step logged (for ``--json``). Step 0 (the
-    first evaluation) and the last step (which also evaluates and checkpoints) are left out."""
+    first evaluation) and the last step of a finished run (which also evaluates and checkpoints) are left
+    out; a run that failed keeps every step it logged."""
     from reroll.runtime.metrics import read_metrics
 
+    if not (run_dir / "metrics.jsonl").exists():  # failed before its first step
+        return []
     out = []
-    for row in read_metrics(run_dir)[1:-1]:
+    logged = read_metrics(run_dir)
+    for row in logged[1:-1] if finished else logged[1:]:
         phases = {p: row.get(f"timing/{p}", 0.0) for p in PHASES}
         # the response tokens of the batch the step trains (``samples`` responses but with tail batching,
         # where a step trains its finished groups and a tail step the ones set aside: each response counted
