@@ -138,6 +138,44 @@ def pipeline_split_problem(num_layers: int, pp: int) -> str:
     )
 
 
+def virtual_pipeline_problems(num_layers: int, pp: int, vp: int) -> list[str]:
+    """Why ``num_layers`` decoder layers cannot be split over ``pp`` pipeline stages of ``vp`` model
+    chunks each (the interleaved schedule; ``virtual_stage_layers``): every chunk needs the same number
+    of layers, so ``pp x vp`` must divide them (Megatron-Core's uneven first and last stages would also
+    need their counts divisible by ``vp``; not offered)."""
+    if vp == 1:
+        return []
+    if pp == 1:
+        return [
+            f"strategy.megatron.virtual_pipeline ({vp}) needs pipeline_parallel > 1: model chunks "
+            "interleave over pipeline stages; set virtual_pipeline to 1 or pipeline_parallel to 2 or more"
+        ]
+    if num_layers % (pp * vp):
+        fits = [v for v in range(1, num_layers // pp + 1) if num_layers % (pp * v) == 0]
+        return [
+            f"strategy.megatron.pipeline_parallel ({pp}) x virtual_pipeline ({vp}) = {pp * vp} must divide "
+            f"the model's {num_layers} layers (num_hidden_layers): each model chunk holds an equal share; "
+            f"use a virtual_pipeline of {fits}" + ("" if fits else " or another pipeline_parallel")
+        ]
+    return []
+
+
+def interleaved_micro_batch_problem(micro_batches: int, pp: int) -> str | None:
+    """Why Megatron-Core's interleaved schedule cannot run ``micro_batches`` micro-batches over ``pp``
+    stages, or None. It runs them in groups of ``microbatch_group_size_per_vp_stage`` (by default
+    ``pp``) per model chunk and refuses fewer than ``pp`` in all or a last group smaller than ``pp``
+    (``forward_backward_pipelining_with_interleaving``), so with the default group the count must be a
+    multiple of ``pp``."""
+    if micro_batches % pp == 0:
+        return None
+    return (
+        f"{micro_batches} micro-batches in a step: the interleaved pipeline schedule "
+        f"(strategy.megatron.virtual_pipeline > 1) needs a multiple of pipeline_parallel ({pp}); change "
+        "the rows per step or optim.micro_batch_size (or max_tokens_per_micro_batch) so they split into a "
+        f"multiple of {pp}, or set virtual_pipeline to 1"
+    )
+
+
 def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
     """What the Megatron strategy cannot do with the model of config ``c`` under ``m``'s sizes: pipeline
     stages need an even share of the layers, expert parallelism needs experts, and a mixture of experts

@@ -55,6 +55,7 @@ from reroll.config.startable import (
     megatron_model_problems,
     pipeline_split_problem,
     pipeline_stage_sizes,
+    virtual_pipeline_problems,
 )
 from reroll.errors import UserError
 from reroll.models.expert_fusion import expert_row
@@ -540,6 +541,22 @@ def stage_layers(num_layers: int, stage: int, pp: int) -> range:
     if not sizes:
         raise UserError(pipeline_split_problem(num_layers, pp))
     return range(sum(sizes[:stage]), sum(sizes[: stage + 1]))
+
+
+def virtual_stage_layers(num_layers: int, stage: int, pp: int, vp: int, chunk: int) -> range:
+    """The (global) decoder layers of model chunk ``chunk`` of ``vp`` on pipeline stage ``stage`` of
+    ``pp`` (interleaved schedule): ``num_layers / (pp vp)`` consecutive layers each, chunk ``c`` of stage
+    ``p`` the ``c pp + p``-th such run, as Megatron-Core assigns them with
+    ``virtual_pipeline_model_parallel_size`` (``get_transformer_layer_offset``); so a micro-batch
+    crosses every stage's chunk 0, then every stage's chunk 1, and so on."""
+    if vp == 1:
+        return stage_layers(num_layers, stage, pp)
+    problems = virtual_pipeline_problems(num_layers, pp, vp)
+    if problems:
+        raise UserError(problems[0])
+    n = num_layers // (pp * vp)
+    start = (chunk * pp + stage) * n
+    return range(start, start + n)
 
 
 def pipeline_config(num_layers: int, pp: int) -> dict[str, Any]:

@@ -160,6 +160,65 @@ def test_pipeline_stage_sizes_split_as_megatron_core_does():
     }
 
 
+def test_virtual_stage_layers_are_megatron_cores_interleaved_assignment():
+    """Chunk c of stage p holds the (c pp + p)-th run of L / (pp vp) layers: PP=2 x VPP=2 on 4 layers
+    puts layers 0 and 2 on stage 0, 1 and 3 on stage 1; each chunk's start and length equal
+    Megatron-Core's own ``get_transformer_layer_offset`` / ``get_num_layers_to_build`` at
+    ``virtual_pipeline_model_parallel_size``, and every layer is held exactly once."""
+    assert [mc.virtual_stage_layers(4, p, 2, 2, c) for c in range(2) for p in range(2)] == [
+        range(0, 1),
+        range(1, 2),
+        range(2, 3),
+        range(3, 4),
+    ]
+    assert mc.virtual_stage_layers(6, 1, 2, 1, 0) == mc.stage_layers(6, 1, 2)  # vp = 1: no chunks
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    for layers, pp, vp in ((4, 2, 2), (8, 2, 2), (12, 2, 3), (24, 4, 2), (48, 4, 3)):
+        config = types.SimpleNamespace(
+            num_layers=layers,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp,
+            pipeline_model_parallel_layout=None,
+            num_layers_in_first_pipeline_stage=None,
+            num_layers_in_last_pipeline_stage=None,
+            account_for_embedding_in_pipeline_split=False,
+            account_for_loss_in_pipeline_split=False,
+            mtp_num_layers=None,
+        )
+        held = []
+        for p in range(pp):
+            for c in range(vp):
+                r = mc.virtual_stage_layers(layers, p, pp, vp, c)
+                assert r.start == get_transformer_layer_offset(config, vp_stage=c, pp_rank=p)
+                assert len(r) == get_num_layers_to_build(config, vp_stage=c, pp_rank=p)
+                held += r
+        assert sorted(held) == list(range(layers))
+
+
+def test_virtual_pipeline_sizes_are_user_errors():
+    """pp x vp must divide the layers (the fix lists the vp that do), vp > 1 needs pp > 1, and the
+    interleaved schedule's micro-batch count must be a multiple of pp (Megatron-Core's default group of
+    pp micro-batches per chunk: fewer, or a smaller last group, raise inside its schedule)."""
+    from reroll.config.startable import interleaved_micro_batch_problem, virtual_pipeline_problems
+
+    assert virtual_pipeline_problems(4, 2, 2) == []
+    assert virtual_pipeline_problems(6, 2, 1) == []
+    (msg,) = virtual_pipeline_problems(6, 2, 2)
+    assert "pipeline_parallel (2) x virtual_pipeline (2) = 4 must divide the model's 6 layers" in msg
+    assert "use a virtual_pipeline of [1, 3]" in msg
+    (msg,) = virtual_pipeline_problems(4, 1, 2)
+    assert "needs pipeline_parallel > 1" in msg
+    with pytest.raises(UserError, match=r"= 4 must divide the model's 6 layers"):
+        mc.virtual_stage_layers(6, 0, 2, 2, 0)
+    assert interleaved_micro_batch_problem(4, 2) is None
+    assert interleaved_micro_batch_problem(6, 3) is None
+    assert "3 micro-batches in a step" in interleaved_micro_batch_problem(3, 2)
+    assert "a multiple of pipeline_parallel (2)" in interleaved_micro_batch_problem(1, 2)
+
+
 def test_unsupported_models_and_sizes_are_user_errors():
     with pytest.raises(UserError, match=r"'gpt2' model: use strategy\.name=fsdp2"):
         mc.gpt_shape(GPT2Config())
