@@ -562,6 +562,17 @@ def virtual_stage_layers(num_layers: int, stage: int, pp: int, vp: int, chunk: i
     return range(start, start + n)
 
 
+def layer_owner(num_layers: int, layer: int, pp: int, vp: int = 1) -> tuple[int, int, int]:
+    """``(stage, chunk, index there)`` of global decoder layer ``layer``: where ``virtual_stage_layers``
+    puts it (``stage_layers`` at ``vp = 1``)."""
+    for stage in range(pp):
+        for chunk in range(vp):
+            held = virtual_stage_layers(num_layers, stage, pp, vp, chunk)
+            if layer in held:
+                return stage, chunk, layer - held.start
+    raise ValueError(f"layer {layer} is not one of the model's {num_layers}")
+
+
 def pipeline_config(num_layers: int, pp: int) -> dict[str, Any]:
     """``TransformerConfig`` fields of a split over ``pp`` stages that is not even (first and last
     stage sizes; Megatron-Core splits the rest evenly, as ``pipeline_stage_sizes``)."""

@@ -172,6 +172,15 @@ def test_virtual_stage_layers_are_megatron_cores_interleaved_assignment():
         range(3, 4),
     ]
     assert mc.virtual_stage_layers(6, 1, 2, 1, 0) == mc.stage_layers(6, 1, 2)  # vp = 1: no chunks
+    # (stage, chunk, index there) of each layer: the inverse, also of an uneven split without chunks
+    assert [mc.layer_owner(4, i, 2, 2) for i in range(4)] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    assert [mc.layer_owner(5, i, 2) for i in range(5)] == [
+        (0, 0, 0),
+        (0, 0, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 0, 2),
+    ]
     pytest.importorskip("megatron.core")
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
