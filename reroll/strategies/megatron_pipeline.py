@@ -35,8 +35,19 @@ before, and so on to the first. A stage idles while the others run: this way pip
 (1/pp of the layers and their optimizer state per rank), not speed. Every rank of a group must make
 the same calls.
 
-Not built: the interleaved (virtual pipeline) schedule, which needs each rank's layers built as
-several model chunks (and their weights loaded and gathered per chunk).
+Not built: the interleaved (virtual pipeline) schedule, which needs each rank's layers built as ``vp``
+model chunks. Its parts that are pure or stand alone are built and tested: which layers each chunk
+holds (``megatron_convert.virtual_stage_layers``, Megatron-Core's own assignment; ``layer_owner`` the
+inverse), a chunk's share of a checkpoint (``rank_from_hf(..., chunk, vp)``), weight sync and export
+over every chunk (``megatron_weights.hf_weights`` with ``Groups.vp``), and the size checks
+(``reroll.config.startable.virtual_pipeline_problems``, ``interleaved_micro_batch_problem``). Left: a
+``GPTModel`` per chunk (``vp_stage``; ``pre_process`` on stage 0's chunk 0, ``post_process`` on the last
+stage's last chunk), each wrapped in DDP and the optimizer over the list; ``run_schedule`` handing
+Megatron-Core the list of chunks and one data iterator per chunk (the loss on the last chunk); the
+strategy's one-after-other path (``logits``/``backward``), which crosses the stages once, refused or
+driven through the schedule; checkpoints (``megatron_optimizer_state``), offload and MoE routing over
+the chunks; then the config field, its checks wired into ``startable``, and the PP=2 x VPP=2 test
+against one rank.
 """
 
 from __future__ import annotations
