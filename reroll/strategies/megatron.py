@@ -501,11 +501,8 @@ class MegatronStrategy(MicroBatchLoop):
             raise UserError(
                 "the megatron strategy takes right-padded rows with an attention_mask, not packed rows"
             )
-        ids, mask = input_ids.to(self.device), attention_mask.to(self.device).long()
+        ids, mask = self._right_padded(input_ids, attention_mask)
         rows, width = ids.shape
-        right_padded = torch.arange(width, device=mask.device) < mask.sum(-1, keepdim=True)
-        if not torch.equal(right_padded, mask.bool()):
-            raise UserError("the megatron strategy needs right-padded rows (real tokens first, then padding)")
         offset, rows_of = 0, [rows]
         if self.tp * self.pp > 1:  # the group's ranks run their rows together
             group = self.tp_group if self.pipe is None else self.mp_group
@@ -522,6 +519,17 @@ class MegatronStrategy(MicroBatchLoop):
         if self.tp > 1:
             out = _SumGradOverGroup.apply(out, self.tp_group)[offset : offset + rows, :width]
         return out
+
+    def _right_padded(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows and their mask on this rank's device; a ``UserError`` unless every row is right-padded
+        (real tokens first, then padding), the only rows the model's inputs are built for."""
+        ids, mask = input_ids.to(self.device), attention_mask.to(self.device).long()
+        right_padded = torch.arange(ids.shape[1], device=mask.device) < mask.sum(-1, keepdim=True)
+        if not torch.equal(right_padded, mask.bool()):
+            raise UserError("the megatron strategy needs right-padded rows (real tokens first, then padding)")
+        return ids, mask
 
     def _sequence_parallel(self) -> bool:
         """Whether the model's activations outside attention and MLP are split over the TP ranks by
@@ -670,10 +678,11 @@ class MegatronStrategy(MicroBatchLoop):
         assert self.pipe is not None
         counts = torch.tensor([len(batches), -len(batches)], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.mp_group)
-        if int(counts[0]) != -int(counts[1]):
+        most, fewest = counts.tolist()  # one copy back
+        if most != -fewest:
             raise RuntimeError(
-                f"the ranks of a Megatron model-parallel group have from {-int(counts[1])} to "
-                f"{int(counts[0])} micro-batches: every rank must run as many"
+                f"the ranks of a Megatron model-parallel group have from {-fewest} to {most} "
+                "micro-batches: every rank must run as many"
             )
         group_rows = [self._group_rows(mb.input_ids, mb.attention_mask) for mb in batches]
         return run_schedule(
@@ -685,10 +694,7 @@ class MegatronStrategy(MicroBatchLoop):
         """The model-parallel group's rows of one micro-batch, as the stages run them."""
         from reroll.strategies.megatron_pipeline import GroupRows
 
-        ids, mask = input_ids.to(self.device), attention_mask.to(self.device).long()
-        right_padded = torch.arange(ids.shape[1], device=mask.device) < mask.sum(-1, keepdim=True)
-        if not torch.equal(right_padded, mask.bool()):
-            raise UserError("the megatron strategy needs right-padded rows (real tokens first, then padding)")
+        ids, mask = self._right_padded(input_ids, attention_mask)
         rows, mask, rows_of = _gather_rows(ids, mask, self.mp_group)
         model_ids, positions, causal, t = self._model_inputs(rows)
         return GroupRows(rows, mask, rows_of, model_ids, positions, causal, t, self._spans(rows_of))
@@ -760,8 +766,15 @@ class MegatronStrategy(MicroBatchLoop):
         weights = {
             k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")
         }
+        return self.hf_named(weights, on_device=on_device)
+
+    def hf_named(
+        self, local: Mapping[str, torch.Tensor], *, on_device: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``local`` (tensors named and shaped as this rank's ``GPTModel`` state: its weights, or an
+        optimizer state of theirs) in Hugging Face names, gathered as ``named_weights`` gathers them."""
         groups = Groups(self.tp, self.tp_group, self.ep, self.ep_group, self.pipe, self.device)
-        return hf_weights(weights, self.shape, groups, on_device=on_device)
+        return hf_weights(local, self.shape, groups, on_device=on_device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """Hugging Face weights into ``directory/model`` (``export``) and the optimizer state into
@@ -773,20 +786,13 @@ class MegatronStrategy(MicroBatchLoop):
             optimizer_state.save_optimizer_state(self, directory / optimizer_state.DIRECTORY)
 
     def export(self, directory: Path) -> int:
-        """Write the model as ``save_pretrained`` would, one decoder layer at a time: each comes whole to
-        every rank from ``named_weights`` (gathered over TP, EP and the stages, as for weight sync), and
-        every rank writes its share of the files (``hf_export``: ranks write in parallel, none holds more
-        than about two layers). A collective; returns a bound on the bytes of whole tensors this rank held
-        at once: the writer's most (the unit written, the one gathered) plus the stream reader's most."""
-        model = self._meta_hf_model()
-        shapes = distinct_state(model)  # a tied head's copy dropped, as save_pretrained drops it
-        units = layer_units(model, shapes, decoder_layers(model))
-        stream = StreamGather(self.named_weights(on_device=False), units)
-        held = write_hf_model(
-            directory, HFNames(model), shapes, units, stream, rank=self.rank, world_size=self.world_size
-        )
-        stream.finish()
-        held += stream.peak_bytes
+        """Write the model as ``save_pretrained`` would, one decoder layer at a time (``write_layers``),
+        with the checkpoint's generation config (where it has one). A collective; returns ``write_layers``'
+        bound on the bytes this rank held at once."""
+        model = self.meta_hf_model(DTYPES[self.dtype])
+        with contextlib.suppress(OSError):
+            model.generation_config = GenerationConfig.from_pretrained(self.model_path)
+        held = self.write_layers(directory, model, self.named_weights(on_device=False))
         log.info(
             "megatron: rank %d wrote its share of %s, holding at most %.2f GB",
             self.rank,
@@ -795,15 +801,29 @@ class MegatronStrategy(MicroBatchLoop):
         )
         return held
 
-    def _meta_hf_model(self) -> torch.nn.Module:
-        """The Hugging Face model on the meta device in the strategy's dtype: the names, shapes and dtypes
-        of what is exported, its config and weight conversions, and the checkpoint's generation config
-        (where it has one)."""
+    def write_layers(
+        self, directory: Path, model: torch.nn.Module, named: Iterator[tuple[str, torch.Tensor]]
+    ) -> int:
+        """``named`` (whole tensors in Hugging Face names, one decoder layer at a time: ``named_weights``
+        or ``hf_named``) as ``save_pretrained`` of ``model`` (on the meta device: the names, shapes, dtype
+        and weight conversions) would write them, every rank writing its share of the files
+        (``hf_export``: ranks write in parallel, none holds more than about two layers). A collective;
+        returns a bound on the bytes of whole tensors this rank held at once: the writer's most (the unit
+        written, the one gathered) plus the stream reader's most."""
+        shapes = distinct_state(model)  # a tied head's copy dropped, as save_pretrained drops it
+        units = layer_units(model, shapes, decoder_layers(model))
+        stream = StreamGather(named, units)
+        held = write_hf_model(
+            directory, HFNames(model), shapes, units, stream, rank=self.rank, world_size=self.world_size
+        )
+        stream.finish()
+        return held + stream.peak_bytes
+
+    def meta_hf_model(self, dtype: torch.dtype) -> torch.nn.Module:
+        """The Hugging Face model on the meta device in ``dtype``: the names, shapes and dtypes of what is
+        written, its config and weight conversions."""
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.hf_config, dtype=DTYPES[self.dtype])
-        with contextlib.suppress(OSError):
-            model.generation_config = GenerationConfig.from_pretrained(self.model_path)
-        return model
+            return AutoModelForCausalLM.from_config(self.hf_config, dtype=dtype)
 
     def load(self, directory: Path) -> None:
         """Weights from ``directory/model`` and, where present, the optimizer state: ``optimizer/``, read at

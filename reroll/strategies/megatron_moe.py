@@ -143,17 +143,7 @@ class SplitRouted(Routed):
         split = self.split
         assert split is not None and self.spans, "SplitRouted.term before a forward"
         members = range(len(self.spans[0][1]))
-        sums = [_member_sums(self, m, top_k) for m in members]
-        probs = torch.stack([p for p, _, _ in sums])  # (M, E), this rank's layers and columns
-        counts = torch.stack([c for _, c, _ in sums])  # (M, L_here, E)
-        tokens = torch.stack([r for _, _, r in sums])  # (M,) in this rank's columns
-        part_p = probs.detach()
-        if split.columns is not None:  # every column: counts, tokens and P's part at once
-            layers, experts = counts.shape[1:]
-            totals = torch.cat([counts.reshape(len(members), -1), tokens[:, None], part_p], 1)
-            dist.all_reduce(totals, group=split.columns)
-            counts = totals[:, : layers * experts].reshape(counts.shape)
-            tokens, part_p = totals[:, layers * experts], totals[:, layers * experts + 1 :]
+        probs, counts, tokens, part_p = _column_sums(self, top_k, split.columns)
         real = tokens.clamp_min(1) * self.num_layers  # (M,) token-layers
         total_p = part_p.clone()
         if split.pipe is not None:  # stages hold consecutive layers
@@ -171,6 +161,28 @@ class SplitRouted(Routed):
         weighted = (shares[:, None] * experts * f * probs / real[:, None]).sum()
         aux = experts * (f[own] * total_p[own] / real[own]).sum()
         return weighted, aux, counts[own]
+
+
+def _column_sums(
+    routed: SplitRouted, top_k: int, columns: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every member's sums over ``routed``'s forwards (``_member_sums``): this rank's router
+    probabilities ``(M, E)`` (with their gradient), and over every column rank (``columns``; None: this
+    rank's columns are the row's) the top-k counts ``(M, L_here, E)``, the real tokens ``(M,)`` and the
+    probabilities' sum ``(M, E)`` (no gradient), all summed in one collective."""
+    members = range(len(routed.spans[0][1]))
+    sums = [_member_sums(routed, m, top_k) for m in members]
+    probs = torch.stack([p for p, _, _ in sums])  # (M, E), this rank's layers and columns
+    counts = torch.stack([c for _, c, _ in sums])  # (M, L_here, E)
+    tokens = torch.stack([r for _, _, r in sums])  # (M,) in this rank's columns
+    part_p = probs.detach()
+    if columns is not None:  # every column: counts, tokens and P's part at once
+        layers, experts = counts.shape[1:]
+        totals = torch.cat([counts.reshape(len(members), -1), tokens[:, None], part_p], 1)
+        dist.all_reduce(totals, group=columns)
+        counts = totals[:, : layers * experts].reshape(counts.shape)
+        tokens, part_p = totals[:, layers * experts], totals[:, layers * experts + 1 :]
+    return probs, counts, tokens, part_p
 
 
 def _member_sums(
@@ -253,17 +265,7 @@ class ScheduledRouting:
         assert isinstance(routed, SplitRouted)
         members = range(len(routed.spans[0][1]))
         with contextlib.nullcontext() if coef else torch.no_grad():
-            sums = [_member_sums(routed, m, top_k) for m in members]
-        probs = torch.stack([p for p, _, _ in sums])  # (M, E), this rank's layers and columns
-        counts = torch.stack([c for _, c, _ in sums])  # (M, L_here, E)
-        tokens = torch.stack([r for _, _, r in sums])  # (M,) in this rank's columns
-        part_p = probs.detach()
-        layers, experts = counts.shape[1:]
-        if split.columns is not None:  # every column: counts, tokens and P's part at once
-            totals = torch.cat([counts.reshape(len(members), -1), tokens[:, None], part_p], 1)
-            dist.all_reduce(totals, group=split.columns)
-            counts = totals[:, : layers * experts].reshape(counts.shape)
-            tokens, part_p = totals[:, layers * experts], totals[:, layers * experts + 1 :]
+            probs, counts, tokens, part_p = _column_sums(routed, top_k, split.columns)
         real = tokens.clamp_min(1) * self.routers.num_layers  # (M,) token-layers
         packed = torch.cat([counts.reshape(len(members), -1), part_p], 1).contiguous()
         gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(self.group))]

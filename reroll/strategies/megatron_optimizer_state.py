@@ -38,20 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
 
 from reroll.errors import UserError
 from reroll.models.checkpoint_reader import CheckpointReader, checkpoint_files
 from reroll.strategies import SavedAtOtherWorldSize
-from reroll.strategies.hf_export import (
-    HFNames,
-    StreamGather,
-    decoder_layers,
-    distinct_state,
-    layer_units,
-    write_hf_model,
-)
-from reroll.strategies.megatron_weights import Groups, hf_weights
 
 if TYPE_CHECKING:
     from reroll.strategies.megatron import MegatronStrategy
@@ -167,15 +157,9 @@ def save_optimizer_state(s: MegatronStrategy, directory: Path) -> None:
 
 def _write(s: MegatronStrategy, directory: Path, local: Mapping[str, torch.Tensor]) -> None:
     """``local`` (one kind of state, this rank's shard) as an fp32 Hugging Face model directory, one
-    decoder layer at a time, every rank writing its share (as ``MegatronStrategy.export``)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(s.hf_config, dtype=torch.float32)
-    shapes = distinct_state(model)
-    units = layer_units(model, shapes, decoder_layers(model))
-    groups = Groups(s.tp, s.tp_group, s.ep, s.ep_group, s.pipe, s.device)
-    stream = StreamGather(hf_weights(local, s.shape, groups, on_device=False), units)
-    write_hf_model(directory, HFNames(model), shapes, units, stream, rank=s.rank, world_size=s.world_size)
-    stream.finish()
+    decoder layer at a time, every rank writing its share (``MegatronStrategy.write_layers``, as the
+    weights' export)."""
+    s.write_layers(directory, s.meta_hf_model(torch.float32), s.hf_named(local, on_device=False))
 
 
 def _adam_step(by_param: dict[torch.Tensor, Slot], device: torch.device) -> int:

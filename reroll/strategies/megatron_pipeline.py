@@ -23,7 +23,7 @@ accumulate over the micro-batches in the same order as one after the other, so b
 gradients bit for bit (``tests/integration/test_megatron_pipeline.py``). A mixture of experts' router
 term, which pools every stage's layers, is added by each stage to its own output, the other stages'
 top-k counts gathered asynchronously after each forward (``megatron_moe.ScheduledRouting``), where one
-after the other each rank adds it inside its loss (``megatron_moe.StageRouted``). Rows split by context
+after the other each rank adds it inside its loss (``megatron_moe.SplitRouted``). Rows split by context
 parallelism are not scheduled.
 
 One after the other (``logits`` and ``backward``): the last stage computes the logits and sends each

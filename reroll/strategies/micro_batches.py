@@ -25,9 +25,6 @@ if TYPE_CHECKING:
 MB = TypeVar("MB")
 Record = TypeVar("Record")
 
-LossOf = Callable[[Any], tuple[torch.Tensor, Any]]
-"""``loss_of(mb) -> (loss to backpropagate, record)``: a micro-batch's forward and loss."""
-
 
 @dataclass(frozen=True)
 class RouterLoss:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.grpo_step import QWEN25_05B
 from reroll.engines import engine_available
 from tests.conftest import small_config
 
@@ -29,11 +30,7 @@ def test_the_least_accepted_share_starts_and_generates(tmp_path):
     model = build_tiny_model(
         tmp_path / "model",
         alphabet="0123456789abcdefghijklmnopqrstuvwxyz ",
-        hidden_size=896,
-        num_layers=24,
-        num_heads=14,
-        num_kv_heads=2,
-        intermediate_size=4864,
+        **QWEN25_05B,
         vocab_size=151936,
         max_position_embeddings=392,
         dtype="bfloat16",

@@ -70,12 +70,10 @@ def optimizer_state_in_hf_names(s) -> dict[str, Any]:
     """The optimizer's moments and main parameters in Hugging Face names, gathered as ``save`` gathers
     them (a collective), and its step counts (Adam's, the warm-up's)."""
     from reroll.strategies import megatron_optimizer_state as ost
-    from reroll.strategies.megatron_weights import Groups, hf_weights
 
-    groups = Groups(s.tp, s.tp_group, s.ep, s.ep_group, s.pipe, s.device)
     by_param = ost.slots(s.optimizer)
     out = {
-        kind: dict(hf_weights(ost.ParamState(s.module, by_param, kind), s.shape, groups, on_device=False))
+        kind: dict(s.hf_named(ost.ParamState(s.module, by_param, kind), on_device=False))
         for kind in (*ost.MOMENTS, ost.MAIN)
     }
     return out | {"scalars": {"adam_step": ost._adam_step(by_param, s.device), "warmup_steps": s.steps}}

@@ -55,6 +55,15 @@ SPAN = [
 ]
 
 
+def _tiny_moe(path, experts: int) -> str:
+    from reroll.config.model import TinyMoEConfig
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+    from reroll.models.tiny import build_tiny_model
+
+    moe = TinyMoEConfig(experts=experts, top_k=2)
+    return str(build_tiny_model(path, alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_heads=2, moe=moe))
+
+
 def _sharers_held(roles) -> list[int]:
     """Buffers each trainer rank still holds shared (0 once a sync has freed them)."""
     import ray
@@ -64,10 +73,20 @@ def _sharers_held(roles) -> list[int]:
 
 
 @pytest.mark.long  # vLLM's TP workers and two fsdp2 ranks on 2 shared cores: minutes
-def test_two_fsdp2_ranks_sync_a_tp2_vllm_engine_on_their_own_devices(tmp_path, assets):
+@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe-expert-parallel"])
+def test_two_fsdp2_ranks_sync_a_tp2_vllm_engine_on_their_own_devices(tmp_path, assets, experts):
+    """``moe-expert-parallel``: a tiny Qwen3-MoE (4 experts, top 2) with ``rollout.vllm.expert_parallel``,
+    each vLLM worker holding 2 whole experts: every worker opens the full tensors its trainer rank
+    gathered (the experts fused) and vLLM's loader keeps its own. The same bound: the experts' GEMMs are
+    no longer than the dense MLP's (n = 128 x 2 and 128 against 256). That the workers hold 2 experts
+    each is checked by ``test_vllm_expert_parallel.py`` (the engine alone)."""
     from reroll.pipelines.roles import Roles
 
-    cfg = load_config(write_config(tmp_path / "c.yaml", assets), RunConfig, SPAN)
+    overrides = list(SPAN)
+    if experts:
+        assets = {**assets, "model": _tiny_moe(tmp_path / "moe", experts)}
+        overrides.append("rollout.vllm.expert_parallel=true")
+    cfg = load_config(write_config(tmp_path / "c.yaml", assets), RunConfig, overrides)
     roles = Roles.start(cfg)
     try:
         assert roles.placement is not None and roles.placement.map is not None

@@ -50,6 +50,41 @@ SPAN = [
 
 
 def test_a_tp2_engine_on_the_trainers_gpus_takes_their_weights_over_cuda_ipc(tmp_path, assets, kit_record):
+    _tp2_engine_takes_the_trainers_weights(tmp_path, assets, kit_record, [])
+
+
+def test_an_expert_parallel_tp2_engine_takes_every_expert_over_cuda_ipc(tmp_path, assets, kit_record):
+    """The same with a tiny Qwen3-MoE (4 experts, top 2) and ``rollout.vllm.expert_parallel``: each vLLM
+    worker holds 2 whole experts (its layers' ``expert_map``, checked) and, handed the full tensors,
+    keeps its own; an expert loaded into another's slot would leave the gap of a stale engine. The CPU
+    twin: ``tests/integration/test_vllm_expert_parallel.py``."""
+    from reroll.config.model import TinyMoEConfig
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+    from reroll.models.tiny import build_tiny_model
+
+    moe = build_tiny_model(
+        tmp_path / "moe", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_heads=2, moe=TinyMoEConfig()
+    )
+
+    def expert_maps(worker) -> list[list[int]]:
+        runner = worker.model_runner
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        return [m.expert_map.tolist() for m in model.modules() if getattr(m, "expert_map", None) is not None]
+
+    def check(engine_handle) -> None:
+        import ray
+
+        held = ray.get(
+            engine_handle.__ray_call__.remote(lambda w: w.engine.llm.collective_rpc(expert_maps)), timeout=120
+        )
+        assert [{tuple(m) for m in maps} for maps in held] == [{(0, 1, -1, -1)}, {(-1, -1, 0, 1)}], held
+
+    _tp2_engine_takes_the_trainers_weights(
+        tmp_path, {**assets, "model": moe}, kit_record, ["rollout.vllm.expert_parallel=true"], check
+    )
+
+
+def _tp2_engine_takes_the_trainers_weights(tmp_path, assets, kit_record, overrides, check=None) -> None:
     import ray
     import torch
 
@@ -63,7 +98,7 @@ def test_a_tp2_engine_on_the_trainers_gpus_takes_their_weights_over_cuda_ipc(tmp
     from reroll.roles.objectives import NextToken
     from tests.conftest import write_config
 
-    cfg = load_config(write_config(tmp_path / "c.yaml", assets), RunConfig, SPAN)
+    cfg = load_config(write_config(tmp_path / "c.yaml", assets), RunConfig, [*SPAN, *overrides])
     roles = Roles.start(cfg)
     try:
         assert weight_sync_transport(roles.cfg, "cuda") == "ipc"
@@ -73,6 +108,8 @@ def test_a_tp2_engine_on_the_trainers_gpus_takes_their_weights_over_cuda_ipc(tmp
         workers = lambda w: w.engine.llm.collective_rpc(uuid)  # noqa: E731
         assert len(set(trainer_gpus)) == 2
         assert ray.get(engine.handles[0].__ray_call__.remote(workers), timeout=120) == trainer_gpus
+        if check is not None:
+            check(engine.handles[0])
 
         tok = load_tokenizer(str(assets["model"]))
         samples = load_samples([str(assets["train"])], template="{question}=")[:16]

