@@ -135,7 +135,17 @@ class MegatronConfig(StrictModel):
         ge=1,
         description="Pipeline-parallel size: stages of consecutive layers (evenly where it divides them, "
         "else fewer on the first and last stage, as Megatron-Core splits them), a micro-batch crossing them "
-        "in turn (no interleaving, no virtual stages).",
+        "in turn.",
+    )
+    virtual_pipeline: int = Field(
+        1,
+        ge=1,
+        description="Model chunks per pipeline stage (Megatron-Core's interleaved schedule, virtual pipeline "
+        "stages): each stage holds this many non-consecutive runs of num_layers / (pipeline_parallel x "
+        "virtual_pipeline) layers and a micro-batch crosses every stage this many times, which shrinks the "
+        "pipeline's idle time by about this factor at the cost of more point-to-point traffic. Needs "
+        "pipeline_parallel > 1, a dense model, no context_parallel; at least pipeline_parallel micro-batches "
+        "a step (fewer are padded with empty ones). 1: off.",
     )
     context_parallel: int = Field(
         1,

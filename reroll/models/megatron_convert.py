@@ -573,9 +573,15 @@ def layer_owner(num_layers: int, layer: int, pp: int, vp: int = 1) -> tuple[int,
     raise ValueError(f"layer {layer} is not one of the model's {num_layers}")
 
 
-def pipeline_config(num_layers: int, pp: int) -> dict[str, Any]:
+def pipeline_config(num_layers: int, pp: int, vp: int = 1) -> dict[str, Any]:
     """``TransformerConfig`` fields of a split over ``pp`` stages that is not even (first and last
-    stage sizes; Megatron-Core splits the rest evenly, as ``pipeline_stage_sizes``)."""
+    stage sizes; Megatron-Core splits the rest evenly, as ``pipeline_stage_sizes``), or of ``vp`` model
+    chunks a stage (an even split: ``virtual_stage_layers``)."""
+    if vp > 1:
+        problems = virtual_pipeline_problems(num_layers, pp, vp)
+        if problems:
+            raise UserError(problems[0])
+        return {"virtual_pipeline_model_parallel_size": vp}
     sizes = pipeline_stage_sizes(num_layers, pp)
     if not sizes:
         raise UserError(pipeline_split_problem(num_layers, pp))

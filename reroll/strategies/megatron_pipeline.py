@@ -192,37 +192,44 @@ class GroupRows:
 
 def run_schedule(
     pipe: Pipeline,
-    model: torch.nn.Module,
+    models: list[torch.nn.Module],
     group_rows: list[GroupRows],
     batches: Sequence[Any],
     fn: Callable[[Any], Any],
-    stage_forward: Callable[[GroupRows], torch.Tensor],
+    stage_forward: Callable[[GroupRows, int], torch.Tensor],
     hand: Callable[[Callable[[torch.Tensor], torch.Tensor] | None], None],
     *,
     forward_only: bool,
 ) -> list[Any]:
     """``fn`` of this rank's micro-batches ``batches`` (``group_rows``: the group's rows of each), the
-    stages running them by Megatron-Core's 1F1B schedule; its results in order: each micro-batch's
-    record (training: ``fn(mb) -> (loss, record)``, the loss backpropagated) or output (``forward_only``).
+    stages running them by Megatron-Core's 1F1B schedule, interleaved over the model chunks ``models``
+    where a stage holds more than one (``stage_forward(rows, chunk)``: chunk ``chunk``'s output); its
+    results in order: each micro-batch's record (training: ``fn(mb) -> (loss, record)``, the loss
+    backpropagated) or output (``forward_only``).
 
     The last stage runs ``fn`` for every rank of its pipeline group: their micro-batches come to it
     first, and the results go back at the end (tensors on the host). Inside ``fn``, the strategy's
     ``logits`` hands over the last stage's logits of that rank's rows (``hand``; the call must be for
     the micro-batch's own ``input_ids``); the members' losses are summed, so each rank's rows' logits get
-    the gradient of that rank's loss, as without the schedule."""
+    the gradient of that rank's loss, as without the schedule. ``group_rows`` past ``batches`` are
+    fillers (``interleaved_group``): run, their loss ``0 * logits`` (exact zero gradients), no result."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
     members = _to_last_stage(list(batches), pipe)  # the last stage: every member's; others: None
     results: list[list[Any]] = [[] for _ in pipe.ranks]
+    real = len(batches)
 
-    def step(data: Iterator[int], stage_model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
-        i = next(data)
-        return stage_forward(group_rows[i]), partial(_loss, i)
+    def step(data: Iterator[tuple[int, int]], chunk_model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
+        chunk, i = next(data)
+        return stage_forward(group_rows[i], chunk), partial(_loss, i)
 
     def _loss(i: int, logits: torch.Tensor, non_loss_data: bool = False) -> Any:
-        assert members is not None  # the last stage
+        assert members is not None  # the last stage('s last chunk)
         g, total = group_rows[i], None
+        if i >= real:  # a filler: every weight's gradient gets exact zeros
+            zero = torch.zeros((), dtype=torch.int, device=logits.device)
+            return None if forward_only else (logits.sum() * 0, zero, None)
         for member, (first, n) in enumerate(g.spans):
             hand(partial(_handed, logits[first : first + n], g.rows[first : first + n]))
             try:
@@ -239,19 +246,62 @@ def run_schedule(
             return None
         return total, torch.zeros((), dtype=torch.int, device=logits.device), None
 
-    config = get_model_config(model)
-    config.variable_seq_lengths = True  # micro-batches differ in rows and width: shapes go first
+    config = get_model_config(models[0])
+    count, (rows, seq) = len(group_rows), group_rows[0].ids.shape
+    # micro-batches differ in rows and width: their shapes go first, but the interleaved schedule
+    # exchanges one shape for all (``one_shape``)
+    config.variable_seq_lengths = len(models) == 1
+    if len(models) > 1:  # each chunk runs the micro-batches in groups of this many, in order
+        if any(g.ids.shape != (rows, seq) for g in group_rows):
+            raise ValueError("the interleaved schedule's micro-batches need one shape: see one_shape")
+        config.microbatch_group_size_per_vp_stage = interleaved_group(count, len(pipe.ranks))
+        config.batch_p2p_comm = False  # see one_shape
     get_forward_backward_func()(
         forward_step_func=step,
-        data_iterator=iter(range(len(group_rows))),
-        model=[model],
-        num_microbatches=len(group_rows),
-        seq_length=1,  # ignored: variable_seq_lengths
-        micro_batch_size=1,
+        data_iterator=[iter([(chunk, i) for i in range(count)]) for chunk in range(len(models))],
+        model=models,
+        num_microbatches=count,
+        seq_length=seq,  # the model's columns (a sequence-parallel split divides them over the TP ranks)
+        micro_batch_size=rows,
         forward_only=forward_only,
         collect_non_loss_data=forward_only,
     )
     return _from_last_stage(results if pipe.last else None, pipe)
+
+
+def one_shape(rows: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """The ``(rows, width)`` every micro-batch of a step runs at under the interleaved schedule: the most
+    rows of any and the widest (``rows``: each one's token ids).
+
+    Why one shape: the interleaved schedule's steady state may send both ways at once, and a rank's
+    calls need not pair with its neighbour's (a receive posted in one call is met by a send in the
+    neighbour's later call). Shapes that differ per micro-batch (``variable_seq_lengths``) are exchanged
+    first, batched and waited for within each call; at two stages, where a rank's previous and next
+    stage are one rank, the batch [send to previous, receive from previous, send to next, receive from
+    next] hands the peer's first receive from this rank (the activation's shape) this rank's first send
+    (the gradient's); split by direction, it waits on a receive the neighbour posts a call later while
+    that neighbour waits for this rank's tensor (both seen on two CPU ranks over gloo). One shape for all
+    is the schedule's own design (its ``tensor_shape``); the tensors then go by Megatron-Core's unbatched
+    exchange (``batch_p2p_comm`` off, as Megatron-LM runs a virtual pipeline), which orders the two
+    directions by rank parity and at two stages puts them on two process groups."""
+    return max(r.shape[0] for r in rows), max(r.shape[1] for r in rows)
+
+
+def interleaved_group(micro_batches: int, pp: int) -> int:
+    """How many micro-batches each model chunk runs in a row under the interleaved schedule
+    (``microbatch_group_size_per_vp_stage``): the fewest (the least memory: the warm-up holds ``(vp - 1)
+    x`` that many micro-batches' activations) that Megatron-Core takes for ``micro_batches`` over ``pp``
+    stages: at least ``pp``, and a last group of none or at least ``pp``. ``micro_batches`` must be at
+    least ``pp`` (``fillers``)."""
+    if micro_batches < pp:
+        raise ValueError(f"the interleaved schedule needs at least {pp} micro-batches, got {micro_batches}")
+    return next(g for g in range(pp, micro_batches + 1) if micro_batches % g in (0, *range(pp, g)))
+
+
+def fillers(micro_batches: int, pp: int, vp: int) -> int:
+    """How many empty micro-batches the interleaved schedule (``vp`` > 1) needs beside ``micro_batches``
+    over ``pp`` stages: it runs no fewer than ``pp``."""
+    return max(pp - micro_batches, 0) if vp > 1 else 0
 
 
 def _handed(logits: torch.Tensor, rows: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

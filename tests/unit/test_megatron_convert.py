@@ -208,10 +208,12 @@ def test_virtual_stage_layers_are_megatron_cores_interleaved_assignment():
 
 
 def test_virtual_pipeline_sizes_are_user_errors():
-    """pp x vp must divide the layers (the fix lists the vp that do), vp > 1 needs pp > 1, and the
-    interleaved schedule's micro-batch count must be a multiple of pp (Megatron-Core's default group of
-    pp micro-batches per chunk: fewer, or a smaller last group, raise inside its schedule)."""
-    from reroll.config.startable import interleaved_micro_batch_problem, virtual_pipeline_problems
+    """pp x vp must divide the layers (the fix lists the vp that do), vp > 1 needs pp > 1, no context
+    parallelism and a dense model: each refused with the fix, by the checks the strategy and ``reroll
+    validate`` run."""
+    from reroll.config.startable import megatron_moe_problems, virtual_pipeline_problems
+    from reroll.config.training import MegatronConfig
+    from reroll.strategies.megatron import check_parallel_sizes
 
     assert virtual_pipeline_problems(4, 2, 2) == []
     assert virtual_pipeline_problems(6, 2, 1) == []
@@ -222,10 +224,34 @@ def test_virtual_pipeline_sizes_are_user_errors():
     assert "needs pipeline_parallel > 1" in msg
     with pytest.raises(UserError, match=r"= 4 must divide the model's 6 layers"):
         mc.virtual_stage_layers(6, 0, 2, 2, 0)
-    assert interleaved_micro_batch_problem(4, 2) is None
-    assert interleaved_micro_batch_problem(6, 3) is None
-    assert "3 micro-batches in a step" in interleaved_micro_batch_problem(3, 2)
-    assert "a multiple of pipeline_parallel (2)" in interleaved_micro_batch_problem(1, 2)
+    assert check_parallel_sizes(4, MegatronConfig(pipeline_parallel=2, virtual_pipeline=2)) == 2
+    with pytest.raises(UserError, match=r"virtual_pipeline \(2\) needs pipeline_parallel > 1"):
+        check_parallel_sizes(4, MegatronConfig(virtual_pipeline=2))
+    with pytest.raises(UserError, match=r"virtual_pipeline \(2\) with context_parallel \(2\)"):
+        check_parallel_sizes(4, MegatronConfig(pipeline_parallel=2, virtual_pipeline=2), 2)
+    vpp = MegatronConfig(pipeline_parallel=2, virtual_pipeline=2)
+    dense = types.SimpleNamespace(model_type="qwen3", num_hidden_layers=6)
+    assert ["= 4 must divide the model's 6 layers" in m for m in megatron_moe_problems(dense, vpp)] == [True]
+    moe = types.SimpleNamespace(model_type="qwen3_moe", num_hidden_layers=4, num_experts=4)
+    (msg,) = megatron_moe_problems(moe, vpp)
+    assert "virtual_pipeline (2) with a mixture-of-experts model" in msg
+
+
+def test_the_interleaved_schedule_takes_any_count_of_micro_batches():
+    """Megatron-Core's interleaved schedule runs each chunk's micro-batches in groups (at least pp, and a
+    last group of none or at least pp): the smallest group that fits the count, which is pp where pp
+    divides it; fewer than pp micro-batches get empty fillers. Every micro-batch runs at one shape."""
+    from reroll.strategies.megatron_pipeline import fillers, interleaved_group, one_shape
+
+    assert [interleaved_group(m, 2) for m in range(2, 9)] == [2, 3, 2, 3, 2, 4, 2]
+    assert [interleaved_group(m, 3) for m in (3, 4, 5, 6, 7, 8)] == [3, 4, 5, 3, 4, 4]
+    for m in range(2, 30):  # a valid group: Megatron-Core's two conditions
+        g = interleaved_group(m, 2)
+        assert 2 <= g <= m and (m % g == 0 or m % g >= 2)
+    with pytest.raises(ValueError, match="at least 2 micro-batches"):
+        interleaved_group(1, 2)
+    assert (fillers(1, 2, 2), fillers(1, 4, 2), fillers(2, 2, 2), fillers(1, 2, 1)) == (1, 3, 0, 0)
+    assert one_shape([torch.zeros(2, 5), torch.zeros(3, 4), torch.zeros(1, 7)]) == (3, 7)
 
 
 def test_unsupported_models_and_sizes_are_user_errors():

@@ -1,0 +1,108 @@
+"""Megatron's interleaved schedule (``strategy.megatron.virtual_pipeline``) on CPU ranks over gloo (CUDA
+calls pointed at the CPU, ``tests/integration/megatron_cpu.py``): two stages of two model chunks each
+train as two stages of one chunk do, bit for bit, and as one rank does within rounding; a checkpoint
+saved at that layout resumes at another.
+
+A 4-layer model at PP=2 x VPP=2: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3, so a micro-batch
+crosses the stages twice (0 -> 1 -> 0 -> 1). The micro-batches and the steps are
+``test_megatron_pipeline``'s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.megatron_cpu import run_ranks
+from tests.integration.test_megatron_pipeline import (  # noqa: F401 (four_layers: a fixture)
+    LR,
+    ROWS,
+    STEPS,
+    _run_scheduled,
+    four_layers,
+)
+from tests.integration.test_megatron_resume import (
+    _config,
+    _resume_rank,
+    _save_rank,
+    check_loaded,
+    check_step,
+)
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core (pip install 'reroll[megatron]')",
+)
+
+
+@pytest.mark.long  # 2 + 2 + 1 spawned ranks importing megatron-core: about 2 minutes on 2 CPU cores; the CI
+# siblings are tests/unit/test_megatron_convert.py's virtual pipeline tests (layers, sizes, groups)
+def test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank(tmp_path, four_layers):  # noqa: F811
+    """PP=2 x VPP=2 against PP=2 (both scheduled: four one-row micro-batches a rank, the last stage
+    computing both ranks' losses) and against one rank taking the 8 rows one after the other.
+
+    Each micro-batch's group rows cross the same layers as at PP=2 (a chunk is a run of whole layers,
+    its output sent on exactly), each rank's loss is the same function of its logits, and each weight's
+    gradient accumulates over the micro-batches in the same order (the interleaved schedule runs every
+    chunk's micro-batches in order, forward and backward; the tied embedding's two copies, on stage 0's
+    chunk 0 and stage 1's chunk 1, are summed by ``finalize_model_grads``). What differs is rounding:
+    the interleaved schedule runs every micro-batch at the step's widest shape (``one_shape``: padding
+    rows and columns, so sums run over other lengths), and the gradient norm's squares are summed per
+    stage over other layers ({0, 2} and {1, 3}). So against both, the bounds of
+    ``test_megatron_pipeline.assert_train_as_one``: losses (fp32 sums of ~200 terms) and the clipped
+    gradient norm within rel 1e-5, log-probs within 1e-5, weights within 2 * lr * steps (Adam can turn
+    rounding in a near-zero gradient into a step of up to lr). Measured: losses to 1e-7, norm to 5e-8,
+    log-probs to 5e-7, weights to 1e-6 (PP=2) and 4e-6 (one rank)."""
+    from tests.integration.test_megatron_pipeline import _scheduled_rank
+
+    interleaved = _run_scheduled(tmp_path, four_layers, 2, True, "pipeline_parallel=2", "virtual_pipeline=2")
+    (tmp_path / "plain").mkdir()
+    plain = _run_scheduled(tmp_path / "plain", four_layers, 2, True, "pipeline_parallel=2")
+    (tmp_path / "one").mkdir()
+    (one,) = run_ranks(_scheduled_rank, 1, tmp_path / "one", str(four_layers), [], False)
+    assert all(r["schedules"] == [False] * STEPS + [True] for r in interleaved)  # each step, then the scores
+    assert one["steps"][0][1] > 1.0  # the clip acted
+    assert all("model.layers.2.mlp.down_proj.weight" in r["weights"] for r in interleaved)  # chunk 1 of 0
+    for a, b in zip(plain, interleaved):
+        assert len(b["steps"][0][0]) == ROWS // 2  # every micro-batch's record came back
+        for (losses, norm), (their_losses, their_norm) in zip(a["steps"], b["steps"]):
+            assert their_losses == pytest.approx(losses, rel=1e-5)
+            assert their_norm == pytest.approx(norm, rel=1e-5)
+        torch.testing.assert_close(b["scored"], a["scored"], atol=1e-5, rtol=0)
+        for name, w in a["weights"].items():
+            torch.testing.assert_close(b["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
+    for step, (losses, norm) in enumerate(one["steps"]):
+        assert sum(sum(r["steps"][step][0]) for r in interleaved) == pytest.approx(sum(losses), rel=1e-5)
+        assert all(r["steps"][step][1] == pytest.approx(norm, rel=1e-5) for r in interleaved)
+    joined = torch.cat([r["scored"] for r in interleaved])
+    torch.testing.assert_close(joined, one["scored"], atol=1e-5, rtol=0)
+    for name, w in one["weights"].items():
+        assert torch.equal(interleaved[0]["weights"][name], interleaved[1]["weights"][name]), name
+        torch.testing.assert_close(interleaved[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
+
+
+@pytest.mark.long  # two spawned ranks, then one: about a minute on 2 CPU cores
+def test_a_checkpoint_saved_at_two_stages_of_two_chunks_resumes_on_one_rank(tmp_path):
+    """A tied bf16 model saved at PP=2 x VPP=2 after two steps (each rank's one micro-batch and a filler:
+    the interleaved schedule runs at least pipeline_parallel micro-batches) resumes on one rank: the
+    optimizer state it loads is what was saved, bit for bit, and its next step matches the uninterrupted
+    run's within ``check_step``'s bound."""
+    cfg = _config(tmp_path)
+    first, second = tmp_path / "save", tmp_path / "resume"
+    first.mkdir()
+    second.mkdir()
+    sizes = ["strategy.megatron.pipeline_parallel=2", "strategy.megatron.virtual_pipeline=2"]
+    saved = run_ranks(_save_rank, 2, first, str(cfg), sizes)
+    assert json_of(first / "ck" / "optimizer" / "state.json")["saved_at"]["virtual_pipeline"] == 2
+    resumed = run_ranks(_resume_rank, 1, second, str(cfg), [], str(first / "ck"))
+    check_loaded(saved[0]["saved"], resumed[0]["loaded"])
+    check_step(saved[0]["after"], resumed[0]["after"])
+
+
+def json_of(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text())
