@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from reroll.config.loader import load_config
+from reroll.config.schema import RunConfig
 from tests.integration.megatron_cpu import run_ranks
 from tests.integration.test_megatron_pipeline import (  # noqa: F401 (four_layers: a fixture)
     LR,
@@ -106,3 +108,37 @@ def json_of(path: Path) -> dict:
     import json
 
     return json.loads(path.read_text())
+
+
+@pytest.mark.long  # 2 x 2 spawned ranks: about a minute on 2 CPU cores
+def test_trainer_workers_on_two_stages_of_two_chunks_train_as_on_two_stages(tmp_path, assets, four_layers):  # noqa: F811
+    """The path a run takes: two actor_train ``TrainerWorker`` ranks, each given half of 10 rows in
+    micro-batches of 2 (3 a rank: the interleaved schedule's groups of 3), a log-prob pass, an SFT step
+    and an RL step, at PP=2 x VPP=2 against PP=2. ``test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank``
+    says why they agree to rounding only; the same bounds: log-probs within 1e-5, every metric (but the
+    throughput) within rel 1e-5 (abs 1e-6 for those near zero), weights within 2 * lr * steps."""
+    from reroll.data.datasets import load_samples
+    from reroll.models.loading import load_tokenizer
+    from reroll.pipelines.common import sft_batch
+    from tests.integration.test_megatron_pipeline import _worker_rank
+
+    samples = load_samples([str(assets["train"])], template="{question}=")[:10]
+    tokenizer = load_tokenizer(str(load_config(four_layers, RunConfig).model.path))
+    batch = sft_batch(samples, tokenizer, "{answer}")
+    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    batch.advantages *= batch.response_mask
+    runs = {}
+    for name, more in (("plain", []), ("interleaved", ["strategy.megatron.virtual_pipeline=2"])):
+        (tmp_path / name).mkdir()
+        runs[name] = run_ranks(_worker_rank, 2, tmp_path / name, str(four_layers), batch, True, more)
+    assert all(r["schedules"] == [True, False, False] for r in runs["interleaved"])  # log-probs, SFT, RL
+    for a, b in zip(runs["plain"], runs["interleaved"]):
+        assert (a["logprobs"] != 0).sum() > 5
+        torch.testing.assert_close(b["logprobs"], a["logprobs"], atol=1e-5, rtol=0)
+        for key, prefix in (("sft", "sft"), ("rl", "actor")):
+            assert a[key][f"{prefix}/loss"] != 0
+            for metric, value in a[key].items():
+                if metric != "train/tokens_per_s":
+                    assert b[key][metric] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, metric)
+        for name, w in a["weights"].items():
+            torch.testing.assert_close(b["weights"][name], w, atol=2 * LR * 2, rtol=0)

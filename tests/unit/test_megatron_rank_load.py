@@ -182,9 +182,10 @@ def test_the_strategy_reads_a_bin_checkpoint_whole_and_says_so(tmp_path, caplog)
     assert checkpoint_files(binary) is None
     rank = types.SimpleNamespace(
         shape=s, pipe=types.SimpleNamespace(stage=1), pp=2, tp_rank=0, tp=1, ep_rank=1, ep=2, te=False,
-        dtype="float32", rank=3, module=Module(),
+        dtype="float32", rank=3, chunks=[Module()], vp=1,
     )  # fmt: skip
-    rank._share = lambda: MegatronStrategy._share(rank)
+    rank._shares = lambda: MegatronStrategy._shares(rank)
+    rank._load_chunk = lambda *a: MegatronStrategy._load_chunk(rank, *a)
     with caplog.at_level(logging.INFO, logger="reroll.strategies.megatron"):
         for path in (safe, binary):
             MegatronStrategy._load_hf(rank, path)
