@@ -7,7 +7,8 @@ attention by Ulysses all-to-alls in the core attention, without Transformer Engi
 (``reroll.strategies.megatron_context``); Megatron-Core's own context-parallel size stays 1, so its
 data-parallel ranks include the context-parallel ones and its DDP sums their gradients. Pipeline
 stages hold consecutive layers (split as Megatron-Core splits them) and run a step's micro-batches by
-Megatron-Core's 1F1B schedule (``train_micro_batches``; ``reroll.strategies.megatron_pipeline``).
+Megatron-Core's 1F1B schedule (``train_micro_batches``; ``reroll.strategies.megatron_pipeline``), or
+``virtual_pipeline`` model chunks each, interleaved by its schedule (``chunks``: a ``GPTModel`` each).
 Sequence parallelism runs on Transformer Engine's layer spec or on Megatron-Core's local one, whose norms
 take a rank's slice of the sequence (``reroll.strategies.megatron_spec``); with context parallelism a
 rank's columns are scattered again over its TP ranks, rows padded to a multiple of ``context_parallel x

@@ -1,7 +1,7 @@
-"""Pipeline parallelism for the Megatron strategy: a ``GPTModel`` per stage, its micro-batches run by
-Megatron-Core's 1F1B schedule where the strategy is handed a step's micro-batches together
-(``run_schedule``), else driven through the same ``logits`` -> loss -> ``backward`` calls as every
-other strategy.
+"""Pipeline parallelism for the Megatron strategy: a ``GPTModel`` per stage (per model chunk under a
+virtual pipeline), its micro-batches run by Megatron-Core's 1F1B schedule (interleaved over the chunks)
+where the strategy is handed a step's micro-batches together (``run_schedule``), else driven through the
+same ``logits`` -> loss -> ``backward`` calls as every other strategy (not under a virtual pipeline).
 
 The ranks of one model-parallel group (``tensor_parallel x pipeline_parallel``) gather their rows and
 run them together, as the TP ranks of a group do. Stage ``p`` receives the hidden states of stage
@@ -35,19 +35,31 @@ before, and so on to the first. A stage idles while the others run: this way pip
 (1/pp of the layers and their optimizer state per rank), not speed. Every rank of a group must make
 the same calls.
 
-Not built: the interleaved (virtual pipeline) schedule, which needs each rank's layers built as ``vp``
-model chunks. Its parts that are pure or stand alone are built and tested: which layers each chunk
-holds (``megatron_convert.virtual_stage_layers``, Megatron-Core's own assignment; ``layer_owner`` the
-inverse), a chunk's share of a checkpoint (``rank_from_hf(..., chunk, vp)``), weight sync and export
-over every chunk (``megatron_weights.hf_weights`` with ``Groups.vp``), and the size checks
-(``reroll.config.startable.virtual_pipeline_problems``, ``interleaved_micro_batch_problem``). Left: a
-``GPTModel`` per chunk (``vp_stage``; ``pre_process`` on stage 0's chunk 0, ``post_process`` on the last
-stage's last chunk), each wrapped in DDP and the optimizer over the list; ``run_schedule`` handing
-Megatron-Core the list of chunks and one data iterator per chunk (the loss on the last chunk); the
-strategy's one-after-other path (``logits``/``backward``), which crosses the stages once, refused or
-driven through the schedule; checkpoints (``megatron_optimizer_state``), offload and MoE routing over
-the chunks; then the config field, its checks wired into ``startable``, and the PP=2 x VPP=2 test
-against one rank.
+Virtual pipeline (``strategy.megatron.virtual_pipeline`` = ``vp`` > 1): each stage holds ``vp`` model
+chunks, a ``GPTModel`` each (``vp_stage``; the embedding on stage 0's chunk 0, the final norm and head
+on the last stage's last chunk), chunk ``c`` of stage ``p`` the ``(c pp + p)``-th run of
+``num_layers / (pp vp)`` layers (``megatron_convert.virtual_stage_layers``, Megatron-Core's own
+assignment; ``layer_owner`` the inverse), so a micro-batch crosses the stages ``vp`` times. Each chunk
+is wrapped in DDP, the optimizer and ``finalize_model_grads`` take the list; weights load per chunk
+(``rank_from_hf(..., chunk, vp)``), go out over every chunk (``megatron_weights.hf_weights`` with
+``Groups.vp``), and the optimizer state saves and resumes per chunk in the layout-free form, so a
+checkpoint moves between virtual and plain layouts; offload covers every chunk's buffers. The step's
+micro-batches run by Megatron-Core's ``forward_backward_pipelining_with_interleaving`` (chosen by
+``get_forward_backward_func`` from ``parallel_state``'s virtual size), given the list of chunks and a
+data iterator per chunk (``run_schedule``); the loss is computed on the last stage's last chunk. It runs
+each chunk's micro-batches in groups (``interleaved_group``: the smallest that Megatron-Core takes for
+the count), needs at least ``pp`` of them (fewer get ``fillers``: one-token micro-batches whose loss
+is ``0 x logits``, exact zero gradients), and exchanges one tensor shape for all, so every micro-batch
+of a step runs at the widest rows and the most rows of any (``one_shape`` says why: its per-micro-batch
+shape exchange swaps or deadlocks at two stages), tensors sent unbatched. A weight's gradient still
+accumulates over the micro-batches in order, so the interleaved steps equal the plain ones within
+rounding (the padding and the gradient norm's per-stage sums); ``tests/integration/
+test_megatron_virtual_pipeline.py``. Under a virtual pipeline the model runs only scheduled:
+``logits`` one call at a time is refused (a ``UserError``); context parallelism (which is not scheduled)
+and a mixture of experts (its router loss pools each stage's consecutive layers once a micro-batch) are
+refused before anything starts (``reroll.config.startable``). Left: micro-batches at their own shapes
+(receive shapes known in advance from the gathered rows, in the schedule's order), a mixture of experts'
+routing over the chunks, and the uneven first and last stages Megatron-Core allows with chunks.
 """
 
 from __future__ import annotations
