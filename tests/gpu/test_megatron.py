@@ -573,9 +573,11 @@ def _pp2_scheduled_rank(rank: int, address: str, cfg_path: str, result_dir: str,
         return token_logprobs(logits, mb.input_ids.to(logits.device)).cpu()
 
     out = []
-    for _ in range(3):
+    for step in range(3):
         losses = s.train_micro_batches(mbs, loss_of)
         out.append((sum(losses), s.step(1.0)["grad_norm"]))
+        if step == 0 and s.vp > 1:  # offload moves every model chunk's parameters, grads and Adam state
+            _offload_frees_every_chunk(s)
     with torch.no_grad():
         scheduled = s.score_micro_batches(mbs, scored)
         one_by_one = MicroBatchLoop.score_micro_batches(s, mbs, scored) if s.vp == 1 else scheduled
@@ -583,6 +585,19 @@ def _pp2_scheduled_rank(rank: int, address: str, cfg_path: str, result_dir: str,
     for a, b in zip(scheduled, one_by_one):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # the same rows, kernels: a few fp32 ulps of ~3
     torch.save({"steps": out, "weights": s.full_state_dict()}, f"{result_dir}/rank{rank}.pt")
+
+
+def _offload_frees_every_chunk(s) -> None:
+    """``offload`` frees at least twice every model chunk's parameter bytes (params, grads, Adam state:
+    about 4x), and ``reload`` brings them back (the steps after it are checked against the torch
+    strategy's)."""
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    s.offload()
+    param_bytes = sum(p.numel() * p.element_size() for chunk in s.chunks for p in chunk.parameters())
+    freed = allocated - torch.cuda.memory_allocated()
+    assert freed >= 2 * param_bytes, (freed, param_bytes)
+    s.reload()
 
 
 @dataclass(frozen=True)
@@ -612,7 +627,8 @@ def test_pp2_vpp2_scheduled_equals_torch_on_the_whole_batch(tmp_path, assets):
     """``test_pp2_scheduled_equals_torch_on_the_whole_batch`` with two model chunks a stage (a 4-layer
     model: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3), run by Megatron-Core's interleaved
     schedule over NCCL (every micro-batch at the step's widest shape, tensors sent unbatched), a
-    forward-only pass scheduled too: the same tolerances (the torch strategy's whole batch differs by
+    forward-only pass scheduled too, offload and reload after the first step freeing every chunk's
+    state: the same tolerances (the torch strategy's whole batch differs by
     summation order only). On CPU over gloo PP=2 x VPP=2 trains as PP=2 and as one rank within rounding
     (tests/integration/test_megatron_virtual_pipeline.py)."""
     from reroll.data.arithmetic import ARITHMETIC_ALPHABET
