@@ -145,7 +145,7 @@ class MegatronConfig(StrictModel):
         "virtual_pipeline) layers and a micro-batch crosses every stage this many times, which shrinks the "
         "pipeline's idle time by about this factor at the cost of more point-to-point traffic. Needs "
         "pipeline_parallel > 1, a dense model, no context_parallel; at least pipeline_parallel micro-batches "
-        "a step (fewer are padded with empty ones). 1: off.",
+        "a step (fewer are padded with one-token ones). 1: off.",
     )
     context_parallel: int = Field(
         1,

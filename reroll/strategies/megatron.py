@@ -633,8 +633,7 @@ class MegatronStrategy(MicroBatchLoop):
         pipe, dtype, vocab = self.pipe, DTYPES[self.dtype], self.shape.vocab_size
         assert pipe is not None
         if not pipe.first:
-            seq = ids.shape[1] // self.tp if self._sequence_parallel() else ids.shape[1]
-            x = pipe.receive((seq, ids.shape[0], self.shape.hidden_size), dtype, self.device)
+            x = pipe.receive(self._hidden_shape(ids), dtype, self.device)
             self.module.set_input_tensor(x)
         out = self._require()(ids, positions, causal)
         if pipe.last:
@@ -711,7 +710,7 @@ class MegatronStrategy(MicroBatchLoop):
     ) -> list[Any]:
         """``fn`` of every micro-batch by ``megatron_pipeline.run_schedule``, each micro-batch's rows
         gathered over the model-parallel group first (as ``logits`` gathers them)."""
-        from reroll.strategies.megatron_pipeline import fillers, one_shape, run_schedule
+        from reroll.strategies.megatron_pipeline import fillers, run_schedule
 
         assert self.pipe is not None
         counts = torch.tensor([len(batches), -len(batches)], device=self.device)
@@ -723,15 +722,13 @@ class MegatronStrategy(MicroBatchLoop):
                 "micro-batches: every rank must run as many"
             )
         group_rows = [self._group_rows(mb.input_ids, mb.attention_mask) for mb in batches]
-        filler = torch.zeros((1, 1), dtype=torch.long)  # one token, at the step's shape below
+        filler = torch.zeros((1, 1), dtype=torch.long)  # one token: what a micro-batch costs least
         group_rows += [self._group_rows(filler, filler + 1) for _ in range(fillers(most, self.pp, self.vp))]
-        if self.vp > 1:  # the interleaved schedule: one shape for all
-            size = one_shape([g.rows for g in group_rows])
-            group_rows = [self._at_size(g, size) for g in group_rows]
         self._require()
         return run_schedule(
             self.pipe, self.models, group_rows, batches, fn, partial(self._stage_forward, routing=routing),
             partial(setattr, self, "_handed"), forward_only=forward_only,
+            shapes=[self._hidden_shape(g.ids) for g in group_rows],
         )  # fmt: skip
 
     def _group_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> GroupRows:
@@ -743,15 +740,11 @@ class MegatronStrategy(MicroBatchLoop):
         model_ids, positions, causal, t = self._model_inputs(rows)
         return GroupRows(rows, mask, rows_of, model_ids, positions, causal, t, self._spans(rows_of))
 
-    def _at_size(self, g: GroupRows, size: tuple[int, int]) -> GroupRows:
-        """``g`` with its rows padded to ``size`` ``(rows, width)``: rows of padding below, padding columns
-        to the right (what the causal attention keeps from every real token)."""
-        from reroll.strategies.megatron_pipeline import GroupRows
-
-        rows, width = size
-        pad = (0, width - g.rows.shape[1], 0, rows - g.rows.shape[0])
-        ids, mask = torch.nn.functional.pad(g.rows, pad), torch.nn.functional.pad(g.mask, pad)
-        return GroupRows(ids, mask, g.rows_of, *self._model_inputs(ids), g.spans)
+    def _hidden_shape(self, ids: torch.Tensor) -> tuple[int, int, int]:
+        """The ``[s, b, h]`` hidden states a stage sends on for the model's input ``ids`` (``(b, s)``): the
+        sequence split over the TP ranks under sequence parallelism."""
+        seq = ids.shape[1] // self.tp if self._sequence_parallel() else ids.shape[1]
+        return seq, ids.shape[0], self.shape.hidden_size
 
     def _stage_forward(
         self, g: GroupRows, chunk: int = 0, routing: ScheduledRouting | None = None

@@ -48,22 +48,24 @@ micro-batches run by Megatron-Core's ``forward_backward_pipelining_with_interlea
 ``get_forward_backward_func`` from ``parallel_state``'s virtual size), given the list of chunks and a
 data iterator per chunk (``run_schedule``); the loss is computed on the last stage's last chunk. It runs
 each chunk's micro-batches in groups (``interleaved_group``: the smallest that Megatron-Core takes for
-the count), needs at least ``pp`` of them (fewer get ``fillers``: one-token micro-batches whose loss
-is ``0 x logits``, exact zero gradients), and exchanges one tensor shape for all, so every micro-batch
-of a step runs at the widest rows and the most rows of any (``one_shape`` says why: its per-micro-batch
-shape exchange swaps or deadlocks at two stages), tensors sent unbatched. A weight's gradient still
-accumulates over the micro-batches in order, so the interleaved steps equal the plain ones within
-rounding (the padding and the gradient norm's per-stage sums); ``tests/integration/
+the count) and needs at least ``pp`` of them (fewer get ``fillers``: one-token micro-batches whose loss
+is ``0 x logits``, exact zero gradients). Each micro-batch keeps its own shape: the schedule's exchange
+is told every received tensor's shape from the gathered rows, in the order the neighbour sends them
+(``KnownShapes``, ``received_micro_batches``; Megatron-Core's own exchange of shapes swaps or deadlocks
+at two stages), tensors sent unbatched. A weight's gradient accumulates over the micro-batches in the
+same order as at ``vp = 1``, so the first step's losses equal the plain schedule's bit for bit and the
+rest within rounding (the gradient norm's sums per stage); ``tests/integration/
 test_megatron_virtual_pipeline.py``. Under a virtual pipeline the model runs only scheduled:
 ``logits`` one call at a time is refused (a ``UserError``); context parallelism (which is not scheduled)
 and a mixture of experts (its router loss pools each stage's consecutive layers once a micro-batch) are
-refused before anything starts (``reroll.config.startable``). Left: micro-batches at their own shapes
-(receive shapes known in advance from the gathered rows, in the schedule's order), a mixture of experts'
-routing over the chunks, and the uneven first and last stages Megatron-Core allows with chunks.
+refused before anything starts (``reroll.config.startable``). Left: a mixture of experts' routing over
+the chunks, context parallelism under the schedule, the uneven first and last stages Megatron-Core
+allows with chunks, Megatron-Core's overlapped exchange (``overlap_p2p_comm``), and a run on GPUs.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -212,6 +214,7 @@ def run_schedule(
     hand: Callable[[Callable[[torch.Tensor], torch.Tensor] | None], None],
     *,
     forward_only: bool,
+    shapes: Sequence[tuple[int, ...]] = (),
 ) -> list[Any]:
     """``fn`` of this rank's micro-batches ``batches`` (``group_rows``: the group's rows of each), the
     stages running them by Megatron-Core's 1F1B schedule, interleaved over the model chunks ``models``
@@ -224,7 +227,9 @@ def run_schedule(
     ``logits`` hands over the last stage's logits of that rank's rows (``hand``; the call must be for
     the micro-batch's own ``input_ids``); the members' losses are summed, so each rank's rows' logits get
     the gradient of that rank's loss, as without the schedule. ``group_rows`` past ``batches`` are
-    fillers (``interleaved_group``): run, their loss ``0 * logits`` (exact zero gradients), no result."""
+    fillers (``fillers``): run, their loss ``0 * logits`` (exact zero gradients), no result. ``shapes``:
+    the hidden states' shape of each micro-batch, which the interleaved schedule's exchange is told
+    (``KnownShapes``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
@@ -259,44 +264,117 @@ def run_schedule(
         return total, torch.zeros((), dtype=torch.int, device=logits.device), None
 
     config = get_model_config(models[0])
-    count, (rows, seq) = len(group_rows), group_rows[0].ids.shape
-    # micro-batches differ in rows and width: their shapes go first, but the interleaved schedule
-    # exchanges one shape for all (``one_shape``)
+    count, exchange = len(group_rows), {}
+    # micro-batches differ in rows and width: the plain schedule exchanges their shapes first, the
+    # interleaved one is told them (``KnownShapes``)
     config.variable_seq_lengths = len(models) == 1
     if len(models) > 1:  # each chunk runs the micro-batches in groups of this many, in order
-        if any(g.ids.shape != (rows, seq) for g in group_rows):
-            raise ValueError("the interleaved schedule's micro-batches need one shape: see one_shape")
-        config.microbatch_group_size_per_vp_stage = interleaved_group(count, len(pipe.ranks))
-        config.batch_p2p_comm = False  # see one_shape
+        group = interleaved_group(count, len(pipe.ranks))
+        config.microbatch_group_size_per_vp_stage = group
+        exchange = KnownShapes.for_schedule(config, shapes, group, len(models), forward_only)
     get_forward_backward_func()(
         forward_step_func=step,
         data_iterator=[iter([(chunk, i) for i in range(count)]) for chunk in range(len(models))],
         model=models,
         num_microbatches=count,
-        seq_length=seq,  # the model's columns (a sequence-parallel split divides them over the TP ranks)
-        micro_batch_size=rows,
+        seq_length=1,  # ignored: variable_seq_lengths, or the shapes the exchange is told
+        micro_batch_size=1,
         forward_only=forward_only,
         collect_non_loss_data=forward_only,
+        **exchange,
     )
     return _from_last_stage(results if pipe.last else None, pipe)
 
 
-def one_shape(rows: Sequence[torch.Tensor]) -> tuple[int, int]:
-    """The ``(rows, width)`` every micro-batch of a step runs at under the interleaved schedule: the most
-    rows of any and the widest (``rows``: each one's token ids).
+def received_micro_batches(
+    table: Sequence[tuple[int, int]], stage: int, pp: int, vp: int
+) -> tuple[list[int], list[int]]:
+    """The micro-batches whose tensors stage ``stage`` receives under the interleaved schedule, in the
+    order they come: activations from the previous stage, gradients from the next. ``table``: the
+    schedule's ``(micro-batch, model chunk)`` of each forward step, every stage taking the same steps in
+    that order (Megatron-Core's ``get_schedule_table``); backward step ``k`` runs chunk ``vp - 1 - c``
+    of the table's ``k``-th entry. A stage sends each forward's output on, but the last stage's last
+    chunk's, and each backward's input gradient back, but the first stage's first chunk's, in the order
+    it runs them; the neighbour receives them in that order (the exchange between two ranks keeps it)."""
+    before, after = (stage - 1) % pp, (stage + 1) % pp
+    forward = [mb for mb, chunk in table if not (before == pp - 1 and chunk == vp - 1)]
+    backward = [mb for mb, chunk in table if not (after == 0 and vp - 1 - chunk == 0)]
+    return forward, backward
 
-    Why one shape: the interleaved schedule's steady state may send both ways at once, and a rank's
+
+def _known_shapes_class() -> type:
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, _p2p_ops
+
+    class _KnownShapes(P2PCommunicator):
+        """Megatron-Core's point-to-point exchange for the interleaved schedule, told each received
+        tensor's shape (``KnownShapes``)."""
+
+        def __init__(self, pp_group: dist.ProcessGroup, config: Any, forward: list, backward: list) -> None:
+            super().__init__(pp_group=pp_group, config=config)
+            self.forward, self.backward = deque(forward), deque(backward)
+
+        def _communicate(  # type: ignore[override]
+            self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, wait_on_reqs=True
+        ):
+            dtype, device = self.config.pipeline_dtype, torch.cuda.current_device()
+            received = [
+                torch.empty(queue.popleft(), requires_grad=True, device=device, dtype=dtype)
+                if wanted
+                else None
+                for wanted, queue in ((recv_prev, self.forward), (recv_next, self.backward))
+            ]
+            reqs = _p2p_ops(
+                tensor_send_prev=tensor_send_prev, tensor_recv_prev=received[0],
+                tensor_send_next=tensor_send_next, tensor_recv_next=received[1], group=self.pp_group,
+                prev_pipeline_rank=self.prev_rank, next_pipeline_rank=self.next_rank,
+            )  # fmt: skip
+            if wait_on_reqs:
+                for req in reqs.values():
+                    req.wait()
+                reqs = None
+            return received[0], received[1], reqs
+
+    return _KnownShapes
+
+
+class KnownShapes:
+    """The exchange the interleaved schedule is given: Megatron-Core's own, but told each received
+    tensor's shape (``received_micro_batches``) where its ``variable_seq_lengths`` would exchange them.
+
+    That exchange is broken here: the schedule's steady state may send both ways at once, and a rank's
     calls need not pair with its neighbour's (a receive posted in one call is met by a send in the
-    neighbour's later call). Shapes that differ per micro-batch (``variable_seq_lengths``) are exchanged
-    first, batched and waited for within each call; at two stages, where a rank's previous and next
-    stage are one rank, the batch [send to previous, receive from previous, send to next, receive from
-    next] hands the peer's first receive from this rank (the activation's shape) this rank's first send
-    (the gradient's); split by direction, it waits on a receive the neighbour posts a call later while
-    that neighbour waits for this rank's tensor (both seen on two CPU ranks over gloo). One shape for all
-    is the schedule's own design (its ``tensor_shape``); the tensors then go by Megatron-Core's unbatched
-    exchange (``batch_p2p_comm`` off, as Megatron-LM runs a virtual pipeline), which orders the two
-    directions by rank parity and at two stages puts them on two process groups."""
-    return max(r.shape[0] for r in rows), max(r.shape[1] for r in rows)
+    neighbour's later call). Shapes are exchanged first, batched and waited for within each call; at two
+    stages, where a rank's previous and next stage are one rank, the batch [send to previous, receive
+    from previous, send to next, receive from next] hands the peer's first receive from this rank (the
+    activation's shape) this rank's first send (the gradient's); split by direction, it waits on a
+    receive the neighbour posts a call later while that neighbour waits for this rank's tensor (both
+    seen on two CPU ranks over gloo). The tensors go by Megatron-Core's unbatched exchange (as
+    Megatron-LM runs a virtual pipeline), which orders the two directions by rank parity and at two
+    stages puts them on two process groups."""
+
+    @staticmethod
+    def for_schedule(
+        config: Any, shapes: Sequence[tuple[int, ...]], group: int, vp: int, forward_only: bool
+    ) -> dict[str, Any]:
+        """``forward_backward_pipelining_with_interleaving``'s ``p2p_communicator`` and ``pg_collection``
+        for micro-batches of hidden-state ``shapes``, each chunk running them in groups of ``group``."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel.schedules import get_schedule_table
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        groups = ProcessGroupCollection.use_mpu_process_groups(
+            ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"]
+        )
+        table = get_schedule_table(len(shapes), vp, group)
+        stage, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+        forward, backward = received_micro_batches(table, stage, pp, vp)
+        told = _known_shapes_class()(
+            groups.pp,
+            config,
+            [shapes[i] for i in forward],
+            [] if forward_only else [shapes[i] for i in backward],
+        )
+        return {"p2p_communicator": told, "pg_collection": groups}
 
 
 def interleaved_group(micro_batches: int, pp: int) -> int:

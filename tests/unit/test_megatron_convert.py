@@ -240,8 +240,8 @@ def test_virtual_pipeline_sizes_are_user_errors():
 def test_the_interleaved_schedule_takes_any_count_of_micro_batches():
     """Megatron-Core's interleaved schedule runs each chunk's micro-batches in groups (at least pp, and a
     last group of none or at least pp): the smallest group that fits the count, which is pp where pp
-    divides it; fewer than pp micro-batches get empty fillers. Every micro-batch runs at one shape."""
-    from reroll.strategies.megatron_pipeline import fillers, interleaved_group, one_shape
+    divides it; fewer than pp micro-batches get empty fillers."""
+    from reroll.strategies.megatron_pipeline import fillers, interleaved_group
 
     assert [interleaved_group(m, 2) for m in range(2, 9)] == [2, 3, 2, 3, 2, 4, 2]
     assert [interleaved_group(m, 3) for m in (3, 4, 5, 6, 7, 8)] == [3, 4, 5, 3, 4, 4]
@@ -251,7 +251,30 @@ def test_the_interleaved_schedule_takes_any_count_of_micro_batches():
     with pytest.raises(ValueError, match="at least 2 micro-batches"):
         interleaved_group(1, 2)
     assert (fillers(1, 2, 2), fillers(1, 4, 2), fillers(2, 2, 2), fillers(1, 2, 1)) == (1, 3, 0, 0)
-    assert one_shape([torch.zeros(2, 5), torch.zeros(3, 4), torch.zeros(1, 7)]) == (3, 7)
+
+
+def test_each_stage_knows_the_micro_batch_of_every_tensor_it_receives():
+    """PP=2 x VPP=2, 4 micro-batches in groups of 2: the schedule's forward steps are (micro-batch,
+    chunk) (0,0) (1,0) (0,1) (1,1) (2,0) (3,0) (2,1) (3,1) on both stages, its backward steps the same
+    with the chunks reversed. Stage 0 receives activations for its chunk 1 only (stage 1's chunk-0
+    outputs: 0 1 2 3) and a gradient from every backward step of stage 1 (each of its chunks has a
+    chunk before it on stage 0); stage 1 receives every activation, and gradients only from stage 0's
+    chunk 1 (stage 0's chunk 0 has nothing before it to send to)."""
+    from reroll.strategies.megatron_pipeline import received_micro_batches
+
+    table = [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    assert received_micro_batches(table, 0, 2, 2) == ([0, 1, 2, 3], [0, 1, 0, 1, 2, 3, 2, 3])
+    assert received_micro_batches(table, 1, 2, 2) == ([0, 1, 0, 1, 2, 3, 2, 3], [0, 1, 2, 3])
+    pytest.importorskip("megatron.core")
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+    assert get_schedule_table(4, 2, 2) == table  # the order Megatron-Core's schedule takes
+    # four stages: a middle stage receives every tensor both ways; each stage receives as many
+    # activations as its predecessor sends (all but the last stage's last chunk's)
+    table = get_schedule_table(5, 2, 5)
+    middle = received_micro_batches(table, 1, 4, 2)
+    assert middle == ([mb for mb, _ in table], [mb for mb, _ in table])
+    assert len(received_micro_batches(table, 0, 4, 2)[0]) == 5
 
 
 def test_unsupported_models_and_sizes_are_user_errors():
