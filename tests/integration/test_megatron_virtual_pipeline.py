@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from reroll.algorithms.logprobs import token_logprobs
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
 from tests.integration.megatron_cpu import run_ranks
@@ -40,11 +41,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.long  # 2 + 2 + 1 spawned ranks importing megatron-core: about 2 minutes on 2 CPU cores; the CI
-# siblings are tests/unit/test_megatron_convert.py's virtual pipeline tests (layers, sizes, groups)
-def test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank(tmp_path, four_layers):  # noqa: F811
-    """PP=2 x VPP=2 against PP=2 (both scheduled: four one-row micro-batches a rank, the last stage
-    computing both ranks' losses) and against one rank taking the 8 rows one after the other.
+@pytest.mark.long  # 2 + 2 + 1 spawned ranks importing megatron-core: 35 s on 2 CPU cores (4 + 4 + 1: about 2
+# minutes); the CI siblings are tests/unit/test_megatron_convert.py's virtual pipeline tests
+@pytest.mark.parametrize("world_size", [2, 4], ids=["pp2", "pp2-dp2"])
+def test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank(tmp_path, four_layers, world_size):  # noqa: F811
+    """PP=2 x VPP=2 against PP=2 (both scheduled: one-row micro-batches, four a rank, or two at two
+    data-parallel ranks a stage, whose distributed optimizer shards every chunk's state; the last stage
+    computing its pipeline group's losses) and against one rank taking the 8 rows one after the other.
 
     Against PP=2: every micro-batch's group rows cross the same layers in the same shapes (a chunk is a
     run of whole layers, its output sent on exactly, each micro-batch at its own shape: ``KnownShapes``),
@@ -66,16 +69,18 @@ def test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank(tmp_path, 
     rank)."""
     from tests.integration.test_megatron_pipeline import _scheduled_rank
 
-    interleaved = _run_scheduled(tmp_path, four_layers, 2, True, "pipeline_parallel=2", "virtual_pipeline=2")
+    interleaved = _run_scheduled(
+        tmp_path, four_layers, world_size, True, "pipeline_parallel=2", "virtual_pipeline=2"
+    )
     (tmp_path / "plain").mkdir()
-    plain = _run_scheduled(tmp_path / "plain", four_layers, 2, True, "pipeline_parallel=2")
+    plain = _run_scheduled(tmp_path / "plain", four_layers, world_size, True, "pipeline_parallel=2")
     (tmp_path / "one").mkdir()
     (one,) = run_ranks(_scheduled_rank, 1, tmp_path / "one", str(four_layers), [], False)
     assert all(r["schedules"] == [False] * STEPS + [True] for r in interleaved)  # each step, then the scores
     assert one["steps"][0][1] > 1.0  # the clip acted
     assert all("model.layers.2.mlp.down_proj.weight" in r["weights"] for r in interleaved)  # chunk 1 of 0
     for a, b in zip(plain, interleaved):
-        assert len(b["steps"][0][0]) == ROWS // 2  # every micro-batch's record came back
+        assert len(b["steps"][0][0]) == ROWS // world_size  # every micro-batch's record came back
         assert a["steps"][0][0] == b["steps"][0][0]  # the first step's losses
         for (losses, norm), (their_losses, their_norm) in zip(a["steps"], b["steps"]):
             assert their_losses == pytest.approx(losses, rel=1e-5)
@@ -89,7 +94,9 @@ def test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank(tmp_path, 
     joined = torch.cat([r["scored"] for r in interleaved])
     torch.testing.assert_close(joined, one["scored"], atol=1e-5, rtol=0)
     for name, w in one["weights"].items():
-        assert torch.equal(interleaved[0]["weights"][name], interleaved[1]["weights"][name]), name
+        assert all(torch.equal(interleaved[0]["weights"][name], r["weights"][name]) for r in interleaved), (
+            name
+        )
         torch.testing.assert_close(interleaved[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
 
 
@@ -151,3 +158,83 @@ def test_trainer_workers_on_two_stages_of_two_chunks_train_as_on_two_stages(tmp_
                     assert b[key][metric] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, metric)
         for name, w in a["weights"].items():
             torch.testing.assert_close(b["weights"][name], w, atol=1e-6, rtol=0)
+
+
+def _counts_rank(
+    rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str], counts: list[int]
+) -> None:
+    """For each of ``counts``: that many micro-batches on this rank (of one or two rows, different widths),
+    through ``train_micro_batches`` (no optimizer step: the weights stay) and ``score_micro_batches``;
+    saves each count's losses and log-probs."""
+    from tests.integration.test_megatron_pipeline import _megatron_rank, _Rows
+
+    s, ids, mask, n_tokens = _megatron_rank(rank, world_size, address, cfg_path, sizes)
+
+    def loss_of(mb: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = s.logits(mb.input_ids, mb.attention_mask)
+        loss = -(token_logprobs(logits, mb.input_ids) * mb.attention_mask).sum() / n_tokens
+        return loss, loss.detach()
+
+    def scored(mb: _Rows) -> torch.Tensor:
+        return token_logprobs(s.logits(mb.input_ids, mb.attention_mask), mb.input_ids) * mb.attention_mask
+
+    saved = {}
+    for count in counts:
+        mbs = []
+        for j in range(count):
+            picked = [(rank * 5 + j * 3 + k) % ROWS for k in range(1 + j % 2)]  # 1 or 2 rows
+            width = int(mask[picked].sum(-1).max())
+            mbs.append(_Rows(ids[picked, :width], mask[picked, :width]))
+        losses = [float(v) for v in s.train_micro_batches(mbs, loss_of)]
+        with torch.no_grad():
+            saved[count] = (losses, [x.cpu() for x in s.score_micro_batches(mbs, scored)])
+    torch.save(saved, f"{out}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def eight_layers(tmp_path_factory) -> Path:
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+    from reroll.models.tiny import build_tiny_model
+    from tests.conftest import write_config
+
+    root = tmp_path_factory.mktemp("pp4")
+    model = build_tiny_model(
+        root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=8, num_heads=2
+    )
+    data = root / "rows.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    assets = {"model": Path(model), "train": data, "test": data}
+    return write_config(root / "c.yaml", assets, model={"path": str(model), "dtype": "float32"})
+
+
+@pytest.mark.long  # 2 x 2 spawned ranks: 25 s on 2 CPU cores; 2 x 4 ranks: minutes each
+@pytest.mark.parametrize(
+    ("model", "sizes"),
+    [
+        ("four_layers", ("pipeline_parallel=2",)),
+        ("four_layers", ("pipeline_parallel=2", "tensor_parallel=2", "sequence_parallel=true")),
+        ("eight_layers", ("pipeline_parallel=4",)),
+    ],
+    ids=["pp2", "pp2-tp2-sp", "pp4"],
+)
+def test_any_count_of_micro_batches_runs_interleaved_as_without(tmp_path, request, model, sizes):
+    """1 (fillers beside it), 2, 3, 5 and 7 micro-batches a rank, of different rows and widths, at two
+    model chunks a stage against one: the interleaved schedule's groups (``interleaved_group``; at PP=2:
+    2, 2, 3, 3 and 4) and the shape of every tensor a stage receives (``received_micro_batches``: at
+    PP=2 a stage's previous and next are one rank, at PP=4 not; under sequence parallelism a TP rank's
+    slice of the sequence) hold for each count, forward and backward: the losses of a training pass and
+    the log-probs of a forward-only one equal the plain schedule's bit for bit (the same layers, on the
+    same rows in the same shapes; no optimizer step between)."""
+    counts = [1, 2, 3, 5, 7]
+    cfg_path = request.getfixturevalue(model)
+    world_size = 4 if len(sizes) > 1 or model == "eight_layers" else 2
+    runs = {}
+    for name, more in (("plain", []), ("interleaved", ["virtual_pipeline=2"])):
+        (tmp_path / name).mkdir()
+        overrides = [f"strategy.megatron.{s}" for s in (*sizes, *more)]
+        runs[name] = run_ranks(_counts_rank, world_size, tmp_path / name, str(cfg_path), overrides, counts)
+    for a, b in zip(runs["plain"], runs["interleaved"]):
+        for count in counts:
+            assert len(b[count][0]) == len(b[count][1]) == count  # the fillers' results dropped
+            assert a[count][0] == b[count][0], count
+            assert all(torch.equal(x, y) for x, y in zip(a[count][1], b[count][1])), count
