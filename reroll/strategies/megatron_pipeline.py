@@ -51,7 +51,7 @@ each chunk's micro-batches in groups (``interleaved_group``: the smallest that M
 the count) and needs at least ``pp`` of them (fewer get ``fillers``: one-token micro-batches whose loss
 is ``0 x logits``, exact zero gradients). Each micro-batch keeps its own shape: the schedule's exchange
 is told every received tensor's shape from the gathered rows, in the order the neighbour sends them
-(``KnownShapes``, ``received_micro_batches``; Megatron-Core's own exchange of shapes swaps or deadlocks
+(``known_shapes_exchange``, ``received_micro_batches``; Megatron-Core's own exchange of shapes swaps or deadlocks
 at two stages), tensors sent unbatched. A weight's gradient accumulates over the micro-batches in the
 same order as at ``vp = 1``, so the first step's losses equal the plain schedule's bit for bit and the
 rest within rounding (the gradient norm's sums per stage); ``tests/integration/
@@ -68,7 +68,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -229,7 +229,7 @@ def run_schedule(
     the gradient of that rank's loss, as without the schedule. ``group_rows`` past ``batches`` are
     fillers (``fillers``): run, their loss ``0 * logits`` (exact zero gradients), no result. ``shapes``:
     the hidden states' shape of each micro-batch, which the interleaved schedule's exchange is told
-    (``KnownShapes``)."""
+    (``known_shapes_exchange``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
@@ -266,12 +266,12 @@ def run_schedule(
     config = get_model_config(models[0])
     count, exchange = len(group_rows), {}
     # micro-batches differ in rows and width: the plain schedule exchanges their shapes first, the
-    # interleaved one is told them (``KnownShapes``)
+    # interleaved one is told them (``known_shapes_exchange``)
     config.variable_seq_lengths = len(models) == 1
     if len(models) > 1:  # each chunk runs the micro-batches in groups of this many, in order
         group = interleaved_group(count, len(pipe.ranks))
         config.microbatch_group_size_per_vp_stage = group
-        exchange = KnownShapes.for_schedule(config, shapes, group, len(models), forward_only)
+        exchange = known_shapes_exchange(config, shapes, group, len(models), forward_only=forward_only)
     get_forward_backward_func()(
         forward_step_func=step,
         data_iterator=[iter([(chunk, i) for i in range(count)]) for chunk in range(len(models))],
@@ -283,6 +283,8 @@ def run_schedule(
         collect_non_loss_data=forward_only,
         **exchange,
     )
+    if exchange:
+        _all_received(exchange["p2p_communicator"])
     return _from_last_stage(results if pipe.last else None, pipe)
 
 
@@ -302,12 +304,13 @@ def received_micro_batches(
     return forward, backward
 
 
+@cache
 def _known_shapes_class() -> type:
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, _p2p_ops
 
     class _KnownShapes(P2PCommunicator):
         """Megatron-Core's point-to-point exchange for the interleaved schedule, told each received
-        tensor's shape (``KnownShapes``)."""
+        tensor's shape (``known_shapes_exchange``)."""
 
         def __init__(self, pp_group: dist.ProcessGroup, config: Any, forward: list, backward: list) -> None:
             super().__init__(pp_group=pp_group, config=config)
@@ -337,9 +340,13 @@ def _known_shapes_class() -> type:
     return _KnownShapes
 
 
-class KnownShapes:
-    """The exchange the interleaved schedule is given: Megatron-Core's own, but told each received
-    tensor's shape (``received_micro_batches``) where its ``variable_seq_lengths`` would exchange them.
+def known_shapes_exchange(
+    config: Any, shapes: Sequence[tuple[int, ...]], group: int, vp: int, *, forward_only: bool
+) -> dict[str, Any]:
+    """``forward_backward_pipelining_with_interleaving``'s ``p2p_communicator`` and ``pg_collection`` for
+    micro-batches of hidden-state ``shapes``, each chunk running them in groups of ``group``: Megatron-
+    Core's own exchange, but told each received tensor's shape (``received_micro_batches``) where its
+    ``variable_seq_lengths`` would exchange them.
 
     That exchange is broken here: the schedule's steady state may send both ways at once, and a rank's
     calls need not pair with its neighbour's (a receive posted in one call is met by a send in the
@@ -351,30 +358,30 @@ class KnownShapes:
     seen on two CPU ranks over gloo). The tensors go by Megatron-Core's unbatched exchange (as
     Megatron-LM runs a virtual pipeline), which orders the two directions by rank parity and at two
     stages puts them on two process groups."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
-    @staticmethod
-    def for_schedule(
-        config: Any, shapes: Sequence[tuple[int, ...]], group: int, vp: int, forward_only: bool
-    ) -> dict[str, Any]:
-        """``forward_backward_pipelining_with_interleaving``'s ``p2p_communicator`` and ``pg_collection``
-        for micro-batches of hidden-state ``shapes``, each chunk running them in groups of ``group``."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel.schedules import get_schedule_table
-        from megatron.core.process_groups_config import ProcessGroupCollection
+    groups = ProcessGroupCollection.use_mpu_process_groups(["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"])
+    table = get_schedule_table(len(shapes), vp, group)
+    stage, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    forward, backward = received_micro_batches(table, stage, pp, vp)
+    backward = [] if forward_only else backward
+    told = _known_shapes_class()(
+        groups.pp, config, [shapes[i] for i in forward], [shapes[i] for i in backward]
+    )
+    return {"p2p_communicator": told, "pg_collection": groups}
 
-        groups = ProcessGroupCollection.use_mpu_process_groups(
-            ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"]
+
+def _all_received(exchange: Any) -> None:
+    """A ``known_shapes_exchange`` after its schedule: every shape it was told was received, or the order
+    ``received_micro_batches`` gives is not the schedule's."""
+    left = len(exchange.forward), len(exchange.backward)
+    if left != (0, 0):
+        raise RuntimeError(
+            f"the interleaved schedule received {left[0]} activations and {left[1]} gradients fewer than "
+            "received_micro_batches expects: its order is not Megatron-Core's"
         )
-        table = get_schedule_table(len(shapes), vp, group)
-        stage, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-        forward, backward = received_micro_batches(table, stage, pp, vp)
-        told = _known_shapes_class()(
-            groups.pp,
-            config,
-            [shapes[i] for i in forward],
-            [] if forward_only else [shapes[i] for i in backward],
-        )
-        return {"p2p_communicator": told, "pg_collection": groups}
 
 
 def interleaved_group(micro_batches: int, pp: int) -> int:

@@ -626,7 +626,7 @@ def _pp2_vpp2_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> N
 def test_pp2_vpp2_scheduled_equals_torch_on_the_whole_batch(tmp_path, assets):
     """``test_pp2_scheduled_equals_torch_on_the_whole_batch`` with two model chunks a stage (a 4-layer
     model: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3), run by Megatron-Core's interleaved
-    schedule over NCCL (each micro-batch at its own shape, ``KnownShapes``; tensors sent unbatched), a
+    schedule over NCCL (each micro-batch at its own shape, ``known_shapes_exchange``; tensors sent unbatched), a
     forward-only pass scheduled too, offload and reload after the first step freeing every chunk's
     state: the same tolerances (the torch strategy's whole batch differs by
     summation order only). On CPU over gloo PP=2 x VPP=2 trains as PP=2 and as one rank within rounding

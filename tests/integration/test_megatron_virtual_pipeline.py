@@ -50,7 +50,7 @@ def test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank(tmp_path, 
     computing its pipeline group's losses) and against one rank taking the 8 rows one after the other.
 
     Against PP=2: every micro-batch's group rows cross the same layers in the same shapes (a chunk is a
-    run of whole layers, its output sent on exactly, each micro-batch at its own shape: ``KnownShapes``),
+    run of whole layers, its output sent on exactly, each micro-batch at its own shape: ``known_shapes_exchange``),
     each rank's loss is the same function of the same logits, and each weight's gradient accumulates
     over the micro-batches in the same order (the interleaved schedule runs every chunk's micro-batches
     in order, forward and backward; the tied embedding's two copies, on stage 0's chunk 0 and stage 1's
