@@ -11,6 +11,7 @@ crosses the stages twice (0 -> 1 -> 0 -> 1). The micro-batches and the steps are
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -27,13 +28,7 @@ from tests.integration.test_megatron_pipeline import (  # noqa: F401 (four_layer
     _run_scheduled,
     four_layers,
 )
-from tests.integration.test_megatron_resume import (
-    _config,
-    _resume_rank,
-    _save_rank,
-    check_loaded,
-    check_step,
-)
+from tests.integration.test_megatron_resume import _config, _resume
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
@@ -100,28 +95,22 @@ def test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank(tmp_path, 
         torch.testing.assert_close(interleaved[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
 
 
-@pytest.mark.long  # two spawned ranks, then one: about a minute on 2 CPU cores
-def test_a_checkpoint_saved_at_two_stages_of_two_chunks_resumes_on_one_rank(tmp_path):
-    """A tied bf16 model saved at PP=2 x VPP=2 after two steps (each rank's one micro-batch and a filler:
-    the interleaved schedule runs at least pipeline_parallel micro-batches) resumes on one rank: the
-    optimizer state it loads is what was saved, bit for bit, and its next step matches the uninterrupted
-    run's within ``check_step``'s bound."""
-    cfg = _config(tmp_path)
-    first, second = tmp_path / "save", tmp_path / "resume"
-    first.mkdir()
-    second.mkdir()
-    sizes = ["strategy.megatron.pipeline_parallel=2", "strategy.megatron.virtual_pipeline=2"]
-    saved = run_ranks(_save_rank, 2, first, str(cfg), sizes)
-    assert json_of(first / "ck" / "optimizer" / "state.json")["saved_at"]["virtual_pipeline"] == 2
-    resumed = run_ranks(_resume_rank, 1, second, str(cfg), [], str(first / "ck"))
-    check_loaded(saved[0]["saved"], resumed[0]["loaded"])
-    check_step(saved[0]["after"], resumed[0]["after"])
+VPP2 = ["pipeline_parallel=2", "virtual_pipeline=2"]
 
 
-def json_of(path: Path) -> dict:
-    import json
-
-    return json.loads(path.read_text())
+@pytest.mark.long  # two spawned ranks and one: about 40 s each on 2 CPU cores
+@pytest.mark.parametrize(
+    ("saving", "resuming"), [((2, VPP2), (1, [])), ((1, []), (2, VPP2))], ids=["vpp2-to-1", "1-to-vpp2"]
+)
+def test_a_checkpoint_moves_between_two_stages_of_two_chunks_and_one_rank(tmp_path, saving, resuming):
+    """A tied bf16 model saved after two steps at PP=2 x VPP=2 (each rank's one micro-batch and a filler:
+    the interleaved schedule runs at least pipeline_parallel micro-batches) resumes on one rank, and the
+    other way: the optimizer state loaded is what was saved, bit for bit (every model chunk's share of
+    it written and read in the layout-free form), and the next step matches the uninterrupted run's
+    within ``check_step``'s bound (``test_megatron_resume``)."""
+    _resume(tmp_path, _config(tmp_path), saving, resuming)
+    saved_at = json.loads((tmp_path / "save" / "ck" / "optimizer" / "state.json").read_text())["saved_at"]
+    assert saved_at["virtual_pipeline"] == (2 if saving[0] == 2 else 1)
 
 
 @pytest.mark.long  # 2 x 2 spawned ranks: about a minute on 2 CPU cores
