@@ -1,7 +1,9 @@
 """Megatron's interleaved schedule (``strategy.megatron.virtual_pipeline``) on CPU ranks over gloo (CUDA
 calls pointed at the CPU, ``tests/integration/megatron_cpu.py``): two stages of two model chunks each
-train as two stages of one chunk do, bit for bit, and as one rank does within rounding; a checkpoint
-saved at that layout resumes at another.
+run a step's micro-batches as two stages of one chunk do (bit for bit until the first optimizer step,
+within rounding after it: the gradient norm's sums split per stage), train as one rank does within
+rounding, through the trainer workers too, and any count of micro-batches; a checkpoint moves between
+that layout and one rank.
 
 A 4-layer model at PP=2 x VPP=2: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3, so a micro-batch
 crosses the stages twice (0 -> 1 -> 0 -> 1). The micro-batches and the steps are
@@ -113,7 +115,7 @@ def test_a_checkpoint_moves_between_two_stages_of_two_chunks_and_one_rank(tmp_pa
     assert saved_at["virtual_pipeline"] == (2 if saving[0] == 2 else 1)
 
 
-@pytest.mark.long  # 2 x 2 spawned ranks: about a minute on 2 CPU cores
+@pytest.mark.long  # 2 x 2 spawned ranks: 25 s on 2 CPU cores
 def test_trainer_workers_on_two_stages_of_two_chunks_train_as_on_two_stages(tmp_path, assets, four_layers):  # noqa: F811
     """The path a run takes: two actor_train ``TrainerWorker`` ranks, each given half of 10 rows in
     micro-batches of 2 rows (3 a rank: the interleaved schedule's groups of 3), a log-prob pass, an SFT
