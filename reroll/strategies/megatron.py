@@ -366,9 +366,8 @@ class MegatronStrategy(MicroBatchLoop):
         if self.shape.num_experts:
             allow_routers_without_transformer_engine()
         stage = self.pipe.stage if self.pipe is not None else 0
-        for chunk in range(
-            self.vp
-        ):  # a virtual pipeline's model chunks: stage 0's first embeds, the last's last
+        # one model chunk, or a virtual pipeline's: stage 0's first embeds, the last stage's last has the head
+        for chunk in range(self.vp):
             module = GPTModel(
                 config,
                 self._layer_spec(config),
