@@ -5,6 +5,7 @@ batches``, ``reroll.strategies.megatron_pipeline.run_schedule``), and the same f
     python benchmarks/megatron_pipeline_schedule.py                         # 8 layers of hidden 256, PP=2
     python benchmarks/megatron_pipeline_schedule.py --micro-batches 2 4 8 16 --steps 3
     python benchmarks/megatron_pipeline_schedule.py --moe 4                 # a Qwen3-MoE, its router loss
+    python benchmarks/megatron_pipeline_schedule.py --virtual 2             # and interleaved, 2 chunks a stage
 
 A Qwen2-shaped model (or a Qwen3-MoE, ``--moe``) with random init (nothing downloaded, fp32), Megatron-Core on CPU ranks over gloo
 (its CUDA calls pointed at the CPU, ``tests/integration/megatron_cpu.py``), each rank a process of its
@@ -13,7 +14,11 @@ cut into ``--micro-batches`` micro-batches of ``--rows`` rows of ``--tokens`` to
 ``train_micro_batches`` (next-token loss) and the optimizer step. Both ways run in the same processes,
 alternating, after one unmeasured step each; the median of ``--steps`` is printed (rank 0's clock, the
 ranks synchronised by a barrier before each). With ``p`` stages and ``m`` micro-batches the schedule's
-ideal is ``(m + p - 1) / (m p)`` of the sequential time (the pipeline's fill and drain).
+ideal is ``(m + p - 1) / (m p)`` of the sequential time (the pipeline's fill and drain). With
+``--virtual v`` the same steps run again in fresh processes at ``v`` model chunks a stage
+(``strategy.megatron.virtual_pipeline``, Megatron-Core's interleaved schedule; a dense model only),
+whose ideal is ``(m + (p - 1) / v) / (m p)``: the fill and drain shrink by ``v``, each of the ``v``
+crossings moving 1/v of the layers.
 """
 
 from __future__ import annotations
@@ -77,10 +82,12 @@ def _rank(rank: int, world_size: int, port: int, config: Path, shape: str, out: 
     from reroll.strategies.megatron import MegatronStrategy
     from reroll.strategies.micro_batches import MicroBatchLoop, RouterLoss
 
-    micro_batches, rows, tokens, steps = (int(x) for x in shape.split(","))
-    cfg = load_config(
-        config, RunConfig, ["strategy.name=megatron", f"strategy.megatron.pipeline_parallel={world_size}"]
-    )
+    micro_batches, rows, tokens, steps, virtual = (int(x) for x in shape.split(","))
+    sizes = [
+        f"strategy.megatron.pipeline_parallel={world_size}",
+        f"strategy.megatron.virtual_pipeline={virtual}",
+    ]
+    cfg = load_config(config, RunConfig, ["strategy.name=megatron", *sizes])
     s = MegatronStrategy(cfg.model.path, cfg=cfg, device="cpu", rank=rank, world_size=world_size)
     s.init_distributed(f"127.0.0.1:{port}")
     s.configure_optimizer(lr=1e-5, betas=(0.9, 0.99), weight_decay=0.0, warmup_steps=0)
@@ -115,7 +122,7 @@ def _rank(rank: int, world_size: int, port: int, config: Path, shape: str, out: 
     times: dict[tuple[str, bool], list[float]] = {}
     for i in range(steps + 1):
         for name, call in (("train step", train), ("forward-only", score)):
-            for scheduled in (False, True):
+            for scheduled in (False, True) if virtual == 1 else (True,):  # interleaved: scheduled only
                 torch.distributed.barrier()
                 start = time.perf_counter()
                 call(scheduled)
@@ -136,6 +143,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--moe", type=int, default=0, help="a Qwen3-MoE of this many experts (2 a token)")
+    parser.add_argument("--virtual", type=int, default=1, help="also interleaved: model chunks a stage")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
@@ -158,19 +166,26 @@ def main() -> None:
             f"({os.cpu_count()} cores); {args.rows} rows x {args.tokens} tokens a micro-batch a rank; "
             f"torch {torch.__version__}"
         )
-        print(f"{'pass':<14}{'micro-batches':>14}{'sequential s':>14}{'1F1B s':>9}{'ratio':>8}{'ideal':>8}")
+        v = args.virtual
+        header = f"{'pass':<14}{'micro-batches':>14}{'sequential s':>14}{'1F1B s':>9}{'ratio':>8}{'ideal':>8}"
+        more = f"{f'VPP={v} s':>10}{'ratio':>8}{'ideal':>8}" if v > 1 else ""
+        print(header + more)
         for m in args.micro_batches:
-            shape = f"{m},{args.rows},{args.tokens},{args.steps}"
-            (root / f"m{m}").mkdir()
-            rows = rank_rows(_rank, args.stages, config, shape, root / f"m{m}")
-            times = rows[0][1]
+            times = {}
+            for virtual in sorted({1, v}):
+                shape = f"{m},{args.rows},{args.tokens},{args.steps},{virtual}"
+                (root / f"m{m}v{virtual}").mkdir()
+                rows = rank_rows(_rank, args.stages, config, shape, root / f"m{m}v{virtual}")
+                times |= {(name, scheduled, virtual): t for (name, scheduled), t in rows[0][1].items()}
             p = args.stages
             for name in ("train step", "forward-only"):
-                seq, sched = times[(name, False)], times[(name, True)]
+                seq, sched = times[(name, False, 1)], times[(name, True, 1)]
                 ideal = (m + p - 1) / (m * p)
-                print(
-                    f"{name:<14}{m:>14}{seq:>14.2f}{sched:>9.2f}{sched / seq:>8.2f}{ideal:>8.2f}", flush=True
-                )
+                line = f"{name:<14}{m:>14}{seq:>14.2f}{sched:>9.2f}{sched / seq:>8.2f}{ideal:>8.2f}"
+                if v > 1:
+                    inter = times[(name, True, v)]
+                    line += f"{inter:>10.2f}{inter / seq:>8.2f}{(m + (p - 1) / v) / (m * p):>8.2f}"
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -99,12 +99,12 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int, *, context_parallel: int
     p_bytes = DTYPE_BYTES[cfg.compute_dtype]
     inside, outside = _layer_activations(cfg, shape, p_bytes)
     tp, sequence = 1, 1  # the TP ranks splitting the TP regions', the ranks splitting every activation
-    pp = 1  # pipeline stages
+    pp, vp = 1, 1  # pipeline stages, model chunks a stage
     if cfg.strategy.name == "fsdp2":
         sequence = context_parallel
     if cfg.strategy.name == "megatron":
         m = cfg.strategy.megatron
-        tp, sequence, pp = m.tensor_parallel, context_parallel, m.pipeline_parallel
+        tp, sequence, pp, vp = m.tensor_parallel, context_parallel, m.pipeline_parallel, m.virtual_pipeline
     # under sequence parallelism a TP group's ranks split the activations outside attention and MLP (the
     # norms', the residual stream, a checkpointed layer's input) by sequence too; without it they are
     # replicated on each TP rank
@@ -116,8 +116,9 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int, *, context_parallel: int
     # a pipeline stage runs the rows of its pipeline_parallel ranks through 1/pipeline_parallel of the
     # layers (reroll.strategies.megatron_pipeline): per rank, as many layer-rows as without stages; under
     # 1F1B (megatron_pipeline.run_schedule) the first stage holds the kept activations of up to
-    # pipeline_parallel micro-batches at once, and the last stage computes those rows' logits
-    kept *= pp
+    # pipeline_parallel micro-batches at once (more when interleaved: ``pipeline_in_flight``), and the
+    # last stage computes those rows' logits
+    kept *= pipeline_in_flight(pp, vp)
     layer *= pp
     model_par, stage_rows = tp * sequence, pp
     # the head runs at the positions before response tokens alone: their logits in the compute dtype
@@ -125,6 +126,17 @@ def token_bytes(cfg: RunConfig, shape: Shape, seq: int, *, context_parallel: int
     every = shape.vocab * p_bytes / model_par * stage_rows
     head = min(cfg.rollout.max_new_tokens / seq, 1.0) * every
     return TokenBytes(kept=kept, layer=layer, train_logits=2 * head, scored_logits=head, all_logits=every)
+
+
+def pipeline_in_flight(pp: int, vp: int) -> float:
+    """How many micro-batches' activations (in whole stages' worth) the first of ``pp`` pipeline stages
+    holds at once: ``pp`` under 1F1B; the interleaved schedule over ``vp`` model chunks runs
+    ``2 (pp - 1) + (vp - 1) pp`` chunk forwards before its first backward (Megatron-Core's warm-up, with
+    groups of ``pp`` micro-batches a chunk: ``megatron_pipeline.interleaved_group``) and one more, each
+    chunk ``1 / vp`` of the stage's layers. An upper bound: a step of fewer micro-batches holds fewer."""
+    if vp == 1:
+        return float(pp)
+    return (2 * (pp - 1) + (vp - 1) * pp + 1) / vp
 
 
 def checkpointed_layers(setting: bool | int | str, layers: int) -> int:

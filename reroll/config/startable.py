@@ -87,6 +87,13 @@ def megatron_parallel_problems(
             f"(roles.{role}.world_size {world_size} / (tensor_parallel x pipeline_parallel x "
             f"context_parallel) = {world_size // model_parallel}): change expert_parallel or the world_size"
         )
+    problems += virtual_pipeline_problems(None, m.pipeline_parallel, m.virtual_pipeline)
+    if m.virtual_pipeline > 1 and cp > 1:
+        problems.append(
+            f"strategy.megatron.virtual_pipeline ({m.virtual_pipeline}) with context_parallel ({cp}) on "
+            f"roles.{role}: the interleaved schedule does not run rows split by context parallelism; set "
+            "virtual_pipeline to 1 or context_parallel to 1"
+        )
     return problems
 
 
@@ -145,9 +152,32 @@ def pipeline_split_problem(num_layers: int, pp: int) -> str:
     )
 
 
+def virtual_pipeline_problems(num_layers: int | None, pp: int, vp: int) -> list[str]:
+    """Why ``num_layers`` decoder layers cannot be split over ``pp`` pipeline stages of ``vp`` model
+    chunks each (the interleaved schedule; ``virtual_stage_layers``): model chunks need stages, and every
+    chunk the same number of layers, so ``pp x vp`` must divide them (Megatron-Core's uneven first and
+    last stages would also need their counts divisible by ``vp``; not offered). ``num_layers`` None (the
+    model not read): the layout alone."""
+    if vp == 1:
+        return []
+    if pp == 1:
+        return [
+            f"strategy.megatron.virtual_pipeline ({vp}) needs pipeline_parallel > 1: model chunks "
+            "interleave over pipeline stages; set virtual_pipeline to 1 or pipeline_parallel to 2 or more"
+        ]
+    if num_layers is not None and num_layers % (pp * vp):
+        fits = [v for v in range(1, num_layers // pp + 1) if num_layers % (pp * v) == 0]
+        return [
+            f"strategy.megatron.pipeline_parallel ({pp}) x virtual_pipeline ({vp}) = {pp * vp} must divide "
+            f"the model's {num_layers} layers (num_hidden_layers): each model chunk holds an equal share; "
+            f"use a virtual_pipeline of {fits}" + ("" if fits else " or another pipeline_parallel")
+        ]
+    return []
+
+
 def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
     """What the Megatron strategy cannot do with the model of config ``c`` under ``m``'s sizes: pipeline
-    stages need an even share of the layers, expert parallelism needs experts, and a mixture of experts
+    stages (and their model chunks) need an even share of the layers, a virtual pipeline a dense model, expert parallelism needs experts, and a mixture of experts
     at tensor_parallel > 1 needs sequence parallelism (Megatron-Core's MoE layer refuses to train
     without it)."""
     kind = getattr(c, "model_type", None)
@@ -155,8 +185,17 @@ def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
     experts = int(getattr(c, "num_experts", 0) or 0) if moe else 0  # 0 also where only the name is known
     problems = []
     layers = int(getattr(c, "num_hidden_layers", 0) or 0)
-    if layers and not pipeline_stage_sizes(layers, m.pipeline_parallel):
+    vp = m.virtual_pipeline
+    if layers and vp == 1 and not pipeline_stage_sizes(layers, m.pipeline_parallel):
         problems.append(pipeline_split_problem(layers, m.pipeline_parallel))
+    if layers and m.pipeline_parallel > 1:  # at pipeline_parallel 1: megatron_parallel_problems'
+        problems += virtual_pipeline_problems(layers, m.pipeline_parallel, vp)
+    if moe and vp > 1:
+        problems.append(
+            f"strategy.megatron.virtual_pipeline ({vp}) with a mixture-of-experts model: its router's "
+            "load-balancing loss pools every stage's layers once a micro-batch, which the interleaved "
+            "schedule's model chunks do not (yet); set virtual_pipeline to 1"
+        )
     if m.expert_parallel > 1 and kind in MEGATRON_MODEL_TYPES and not moe:
         problems.append(
             f"strategy.megatron.expert_parallel={m.expert_parallel} needs a mixture-of-experts model; "

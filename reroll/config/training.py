@@ -135,7 +135,19 @@ class MegatronConfig(StrictModel):
         ge=1,
         description="Pipeline-parallel size: stages of consecutive layers (evenly where it divides them, "
         "else fewer on the first and last stage, as Megatron-Core splits them), a micro-batch crossing them "
-        "in turn (no interleaving, no virtual stages).",
+        "in turn.",
+    )
+    virtual_pipeline: int = Field(
+        1,
+        ge=1,
+        description="Model chunks per pipeline stage (Megatron-Core's interleaved schedule, virtual pipeline "
+        "stages): each stage holds this many non-consecutive runs of num_layers / (pipeline_parallel x "
+        "virtual_pipeline) layers and a micro-batch crosses every stage this many times, which shrinks the "
+        "pipeline's idle time by about this factor at the cost of more point-to-point traffic and of more "
+        "activations held on the first stage ((2 (pp - 1) + (vp - 1) pp + 1) / vp micro-batches' worth "
+        "against pp). Needs pipeline_parallel > 1, a dense model, no context_parallel, and runs the model "
+        "only through the trainer's scheduled passes; a step of fewer than pipeline_parallel micro-batches "
+        "gets one-token fillers. 1: off.",
     )
     context_parallel: int = Field(
         1,

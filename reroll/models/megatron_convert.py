@@ -55,6 +55,7 @@ from reroll.config.startable import (
     megatron_model_problems,
     pipeline_split_problem,
     pipeline_stage_sizes,
+    virtual_pipeline_problems,
 )
 from reroll.errors import UserError
 from reroll.models.expert_fusion import expert_row
@@ -191,17 +192,20 @@ def rank_from_hf(
     ep_rank: int = 0,
     ep: int = 1,
     fused_norms: bool = False,
+    chunk: int = 0,
+    vp: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """One Megatron rank's state dict straight from the Hugging Face weights: what
-    ``shard(shard_experts(shard_stage(hf_to_megatron(hf, ...), stage, pp), ep_rank, ep), tp_rank, tp)``
-    gives, reading from ``hf`` only what the rank holds: its stage's layers, the embedding on the first
-    stage (and a tied model's last), the final norm and head on the last, of each layer's experts its EP
+    """One Megatron rank's state dict (of its model chunk ``chunk`` of ``vp`` under a virtual pipeline)
+    straight from the Hugging Face weights: what ``shard(shard_experts(shard_stage(hf_to_megatron(hf,
+    ...), stage, pp, chunk, vp), ep_rank, ep), tp_rank, tp)`` gives, reading from ``hf`` only what the
+    rank holds: its stage's (chunk's) layers, the embedding on the first stage's first chunk (and a tied
+    model's last), the final norm and head on the last stage's last chunk, of each layer's experts its EP
     rank's only, and of each TP-split weight the rows or columns of its TP rank (``layer_from_hf``; a
     fused expert's whole tensor). With ``hf`` a lazy mapping over the checkpoint's files that can read a
     chunk (``reroll.models.checkpoint_reader.CheckpointReader``) a rank reads its share alone."""
     _check_tp(s, tp)
-    layers = stage_layers(s.num_layers, stage, pp) if pp > 1 else range(s.num_layers)
-    first, last = stage == 0, stage == pp - 1
+    layers = virtual_stage_layers(s.num_layers, stage, pp, vp, chunk) if pp > 1 else range(s.num_layers)
+    first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == vp - 1
     experts = expert_range(s, ep_rank, ep) if s.num_experts else None
     out = {}
     if first or (last and s.tied):
@@ -214,7 +218,7 @@ def rank_from_hf(
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
         if not s.tied:
             out["output_layer.weight"] = _vocab_share(hf, "lm_head.weight", s, tp_rank, tp)
-    return shard_experts(shard_stage(out, s, stage, pp), s, ep_rank, ep)
+    return shard_experts(shard_stage(out, s, stage, pp, chunk, vp), s, ep_rank, ep)
 
 
 def _vocab_share(hf: Mapping[str, torch.Tensor], name: str, s: GPTShape, rank: int, tp: int) -> torch.Tensor:
@@ -542,9 +546,42 @@ def stage_layers(num_layers: int, stage: int, pp: int) -> range:
     return range(sum(sizes[:stage]), sum(sizes[: stage + 1]))
 
 
-def pipeline_config(num_layers: int, pp: int) -> dict[str, Any]:
+def virtual_stage_layers(num_layers: int, stage: int, pp: int, vp: int, chunk: int) -> range:
+    """The (global) decoder layers of model chunk ``chunk`` of ``vp`` on pipeline stage ``stage`` of
+    ``pp`` (interleaved schedule): ``num_layers / (pp vp)`` consecutive layers each, chunk ``c`` of stage
+    ``p`` the ``c pp + p``-th such run, as Megatron-Core assigns them with
+    ``virtual_pipeline_model_parallel_size`` (``get_transformer_layer_offset``); so a micro-batch
+    crosses every stage's chunk 0, then every stage's chunk 1, and so on."""
+    if vp == 1:
+        return stage_layers(num_layers, stage, pp)
+    problems = virtual_pipeline_problems(num_layers, pp, vp)
+    if problems:
+        raise UserError(problems[0])
+    n = num_layers // (pp * vp)
+    start = (chunk * pp + stage) * n
+    return range(start, start + n)
+
+
+def layer_owner(num_layers: int, layer: int, pp: int, vp: int = 1) -> tuple[int, int, int]:
+    """``(stage, chunk, index there)`` of global decoder layer ``layer``: where ``virtual_stage_layers``
+    puts it (``stage_layers`` at ``vp = 1``)."""
+    for stage in range(pp):
+        for chunk in range(vp):
+            held = virtual_stage_layers(num_layers, stage, pp, vp, chunk)
+            if layer in held:
+                return stage, chunk, layer - held.start
+    raise ValueError(f"layer {layer} is not one of the model's {num_layers}")
+
+
+def pipeline_config(num_layers: int, pp: int, vp: int = 1) -> dict[str, Any]:
     """``TransformerConfig`` fields of a split over ``pp`` stages that is not even (first and last
-    stage sizes; Megatron-Core splits the rest evenly, as ``pipeline_stage_sizes``)."""
+    stage sizes; Megatron-Core splits the rest evenly, as ``pipeline_stage_sizes``), or of ``vp`` model
+    chunks a stage (an even split: ``virtual_stage_layers``)."""
+    if vp > 1:
+        problems = virtual_pipeline_problems(num_layers, pp, vp)
+        if problems:
+            raise UserError(problems[0])
+        return {"virtual_pipeline_model_parallel_size": vp}
     sizes = pipeline_stage_sizes(num_layers, pp)
     if not sizes:
         raise UserError(pipeline_split_problem(num_layers, pp))
@@ -553,14 +590,18 @@ def pipeline_config(num_layers: int, pp: int) -> dict[str, Any]:
     return {"num_layers_in_first_pipeline_stage": sizes[0], "num_layers_in_last_pipeline_stage": sizes[-1]}
 
 
-def shard_stage(mc: dict[str, torch.Tensor], s: GPTShape, stage: int, pp: int) -> dict[str, torch.Tensor]:
+def shard_stage(
+    mc: dict[str, torch.Tensor], s: GPTShape, stage: int, pp: int, chunk: int = 0, vp: int = 1
+) -> dict[str, torch.Tensor]:
     """Stage ``stage``'s share of a Megatron-Core state dict (unsharded or one TP/EP rank's) at pipeline
-    size ``pp``: its layers numbered from 0, the embedding on the first stage, the final norm and output
-    layer on the last (a tied model's last stage gets the embedding as ``output_layer.weight``)."""
+    size ``pp`` (under a virtual pipeline, its model chunk ``chunk`` of ``vp``: ``virtual_stage_layers``):
+    its layers numbered from 0, the embedding on the first stage('s first chunk), the final norm and
+    output layer on the last stage('s last chunk) (a tied model's gets the embedding as
+    ``output_layer.weight``)."""
     if pp == 1:
         return dict(mc)
-    layers = stage_layers(s.num_layers, stage, pp)
-    first, last = stage == 0, stage == pp - 1
+    layers = virtual_stage_layers(s.num_layers, stage, pp, vp, chunk)
+    first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == vp - 1
     out = {}
     for name, w in mc.items():
         match = _LAYER.match(name)

@@ -7,7 +7,8 @@ attention by Ulysses all-to-alls in the core attention, without Transformer Engi
 (``reroll.strategies.megatron_context``); Megatron-Core's own context-parallel size stays 1, so its
 data-parallel ranks include the context-parallel ones and its DDP sums their gradients. Pipeline
 stages hold consecutive layers (split as Megatron-Core splits them) and run a step's micro-batches by
-Megatron-Core's 1F1B schedule (``train_micro_batches``; ``reroll.strategies.megatron_pipeline``).
+Megatron-Core's 1F1B schedule (``train_micro_batches``; ``reroll.strategies.megatron_pipeline``), or
+``virtual_pipeline`` model chunks each, interleaved by its schedule (``chunks``: a ``GPTModel`` each).
 Sequence parallelism runs on Transformer Engine's layer spec or on Megatron-Core's local one, whose norms
 take a rank's slice of the sequence (``reroll.strategies.megatron_spec``); with context parallelism a
 rank's columns are scattered again over its TP ranks, rows padded to a multiple of ``context_parallel x
@@ -188,7 +189,7 @@ class MegatronStrategy(MicroBatchLoop):
         self.cp = self.mcfg.context_parallel if context_parallel is None else context_parallel
         self.dp = check_parallel_sizes(world_size, self.mcfg, self.cp)
         self.tp, self.ep = self.mcfg.tensor_parallel, self.mcfg.expert_parallel
-        self.pp = self.mcfg.pipeline_parallel
+        self.pp, self.vp = self.mcfg.pipeline_parallel, self.mcfg.virtual_pipeline
         self.model_path, self.dtype, self.seed = model_path, cfg.model.dtype, cfg.seed
         self.trainable, self.rank, self.world_size = trainable, rank, world_size
         # model.gradient_checkpointing: True every layer, a count the first that many (block), 0 / False none
@@ -208,9 +209,13 @@ class MegatronStrategy(MicroBatchLoop):
         if moe_problems:
             raise UserError("; ".join(moe_problems))
         self.te = use_transformer_engine(self.mcfg.transformer_engine)
-        self.module: torch.nn.Module | None = None  # the GPTModel
+        # the GPTModel of each model chunk (one but under a virtual pipeline) and what runs each: DDP-wrapped
+        # when trainable; ``module`` and ``model`` are the one chunk's, or a ModuleList of the chunks'
+        self.chunks: list[torch.nn.Module] = []
+        self.models: list[torch.nn.Module] = []
+        self.module: torch.nn.Module | None = None
         self.moe_routers: MegatronRouters | None = None  # a trainable mixture of experts' routers
-        self.model: torch.nn.Module | None = None  # what forward runs: DDP-wrapped when trainable
+        self.model: torch.nn.Module | None = None
         self.pipe: Pipeline | None = None  # this rank's pipeline stage (pipeline_parallel > 1)
         self.context_parallel: ContextParallel | None = None  # this rank's group (context_parallel > 1)
         # the ranks whose routers each see a slice of a row's tokens under context and sequence parallelism
@@ -256,17 +261,20 @@ class MegatronStrategy(MicroBatchLoop):
                 ps.get_tensor_model_parallel_world_size(),
                 ps.get_pipeline_model_parallel_world_size(),
                 ps.get_expert_model_parallel_world_size(),
+                ps.get_virtual_pipeline_model_parallel_world_size() or 1,
             )
-            if sizes != (self.tp, self.pp, self.ep):
+            if sizes != (self.tp, self.pp, self.ep, self.vp):
                 raise UserError(
                     "roles sharing a process must use the same strategy.megatron tensor_parallel, "
-                    "pipeline_parallel and expert_parallel"
+                    "pipeline_parallel, expert_parallel and virtual_pipeline"
                 )
             return
-        # expert parallelism: groups of `ep` of the data-parallel ranks hold different experts
+        # expert parallelism: groups of `ep` of the data-parallel ranks hold different experts; a virtual
+        # pipeline's size picks the interleaved schedule (``get_forward_backward_func``)
         ps.initialize_model_parallel(
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vp if self.vp > 1 else None,
             expert_model_parallel_size=self.ep,
         )
         tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
@@ -344,7 +352,7 @@ class MegatronStrategy(MicroBatchLoop):
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
             pipeline_dtype=dtype,
-            **mc.pipeline_config(self.shape.num_layers, self.pp),
+            **mc.pipeline_config(self.shape.num_layers, self.pp, self.vp),
             expert_model_parallel_size=self.ep,
             sequence_parallel=self._sequence_parallel(),
             params_dtype=dtype,
@@ -357,35 +365,46 @@ class MegatronStrategy(MicroBatchLoop):
         )
         if self.shape.num_experts:
             allow_routers_without_transformer_engine()
-        self.module = GPTModel(
-            config,
-            self._layer_spec(config),
-            parallel_output=False,
-            pre_process=self.pipe is None or self.pipe.first,
-            post_process=self.pipe is None or self.pipe.last,
-            **mc.gpt_model_kwargs(self.shape, self.tp),
-        )
-        # The local spec's norms (torch.nn.RMSNorm's) are built on the CPU in fp32 whatever the config
-        # says; Megatron's own training casts the whole module (Float16Module), so do we.
-        self.module.to(device=self.device, dtype=dtype)
-        if self.context_parallel is not None:
-            chunk_rotary(self.module, self.context_parallel)
+        stage = self.pipe.stage if self.pipe is not None else 0
+        # one model chunk, or a virtual pipeline's: stage 0's first embeds, the last stage's last has the head
+        for chunk in range(self.vp):
+            module = GPTModel(
+                config,
+                self._layer_spec(config),
+                parallel_output=False,
+                pre_process=stage == 0 and chunk == 0,
+                post_process=stage == self.pp - 1 and chunk == self.vp - 1,
+                vp_stage=chunk if self.vp > 1 else None,
+                **mc.gpt_model_kwargs(self.shape, self.tp),
+            )
+            # The local spec's norms (torch.nn.RMSNorm's) are built on the CPU in fp32 whatever the config
+            # says; Megatron's own training casts the whole module (Float16Module), so do we.
+            module.to(device=self.device, dtype=dtype)
+            if self.context_parallel is not None:
+                chunk_rotary(module, self.context_parallel)
+            self.chunks.append(module)
         self._load_hf(self.model_path)
-        self.module.requires_grad_(self.trainable)
-        if self.shape.num_experts and self.trainable:
-            self.moe_routers = MegatronRouters(self.module, self.shape, self.hf_config, self._row_split())
-        self.module.train(self.trainable)
-        self.model = self.module
+        for module in self.chunks:
+            module.requires_grad_(self.trainable)
+            module.train(self.trainable)
+        if self.shape.num_experts and self.trainable:  # one chunk: a virtual pipeline refuses experts
+            self.moe_routers = MegatronRouters(self.chunks[0], self.shape, self.hf_config, self._row_split())
+        self.models = list(self.chunks)
         if self.trainable:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
             ddp = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, use_distributed_optimizer=self.mcfg.distributed_optimizer
             )
-            self.model = DistributedDataParallel(config=config, ddp_config=ddp, module=self.module)
+            self.models = [
+                DistributedDataParallel(config=config, ddp_config=ddp, module=m) for m in self.chunks
+            ]
+        one = len(self.chunks) == 1
+        self.module = self.chunks[0] if one else torch.nn.ModuleList(self.chunks)
+        self.model = self.models[0] if one else torch.nn.ModuleList(self.models)
         log.info(
-            "megatron: %s layers, TP %d x PP %d x CP %d x DP %d (EP %d), %s spec, rank %d",
-            self.shape.num_layers, self.tp, self.pp, self.cp, self.dp, self.ep,
+            "megatron: %s layers, TP %d x PP %d (VP %d) x CP %d x DP %d (EP %d), %s spec, rank %d",
+            self.shape.num_layers, self.tp, self.pp, self.vp, self.cp, self.dp, self.ep,
             "transformer_engine" if self.te else "local", self.rank,
         )  # fmt: skip
 
@@ -410,11 +429,20 @@ class MegatronStrategy(MicroBatchLoop):
         return spec
 
     def _load_hf(self, path: str | Path) -> None:
-        """This rank's stage, experts and TP shard of the Hugging Face weights at ``path`` into the
-        ``GPTModel``: read from the safetensors files tensor by tensor, only those the rank holds
+        """This rank's stage, experts and TP shard of the Hugging Face weights at ``path`` into each model
+        chunk's ``GPTModel``: read from the safetensors files tensor by tensor, only those the rank holds
         (``mc.rank_from_hf``); a checkpoint without safetensors files (``.bin``), or whose files name
         weights otherwise than the conversion expects, is read whole through transformers."""
-        share = self._share()
+        for module, share in zip(self.chunks, self._shares(), strict=True):
+            self._load_chunk(path, module, share)
+
+    def _load_chunk(
+        self,
+        path: str | Path,
+        module: torch.nn.Module,
+        share: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
+    ) -> None:
+        """``_load_hf`` of one model chunk, ``share`` picking its tensors."""
         files = checkpoint_files(path)
         ours = None
         if files is None:
@@ -433,7 +461,7 @@ class MegatronStrategy(MicroBatchLoop):
         if ours is None:
             ours = share(load_causal_lm(path, self.dtype, "cpu").state_dict())
         with torch.no_grad():
-            result = self.module.load_state_dict(ours, strict=False)
+            result = module.load_state_dict(ours, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing or result.unexpected_keys:
             raise RuntimeError(
@@ -441,13 +469,15 @@ class MegatronStrategy(MicroBatchLoop):
                 f"unexpected {result.unexpected_keys[:5]}"
             )
 
-    def _share(self) -> Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]:
-        """What this rank holds of a checkpoint's tensors (``mc.rank_from_hf`` at its layout)."""
+    def _shares(self) -> list[Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]]:
+        """What each model chunk of this rank holds of a checkpoint's tensors (``mc.rank_from_hf`` at its
+        layout), in chunk order."""
         stage = self.pipe.stage if self.pipe is not None else 0
-        return partial(
-            mc.rank_from_hf, s=self.shape, stage=stage, pp=self.pp, tp_rank=self.tp_rank, tp=self.tp,
+        layout = dict(
+            s=self.shape, stage=stage, pp=self.pp, vp=self.vp, tp_rank=self.tp_rank, tp=self.tp,
             ep_rank=self.ep_rank, ep=self.ep, fused_norms=self.te,
         )  # fmt: skip
+        return [partial(mc.rank_from_hf, chunk=chunk, **layout) for chunk in range(self.vp)]
 
     def _require(self) -> torch.nn.Module:
         if self.model is None:
@@ -462,7 +492,7 @@ class MegatronStrategy(MicroBatchLoop):
         """Megatron-Core's Adam (decoupled weight decay on every parameter), linear warm-up to ``lr``."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        model = self._require()
+        self._require()
         opt = OptimizerConfig(
             optimizer="adam",
             lr=lr,
@@ -476,8 +506,9 @@ class MegatronStrategy(MicroBatchLoop):
             clip_grad=0.0,  # step() clips
         )
         # config_overrides={}: no parameter is exempt from weight decay (Megatron's default exempts 1-D)
-        self.optimizer = get_megatron_optimizer(opt, [model], config_overrides={})
-        model.zero_grad_buffer()
+        self.optimizer = get_megatron_optimizer(opt, self.models, config_overrides={})
+        for model in self.models:
+            model.zero_grad_buffer()
         self.lr, self.weight_decay, self.warmup, self.steps = lr, weight_decay, max(warmup_steps, 0), 0
 
     def logits(
@@ -493,6 +524,12 @@ class MegatronStrategy(MicroBatchLoop):
         model = self._require()
         if self._handed is not None:  # a scheduled step's loss: the last stage's logits of these rows
             return self._handed(input_ids)
+        if self.vp > 1:
+            raise UserError(
+                "strategy.megatron.virtual_pipeline > 1 runs the model only through the interleaved "
+                "schedule (train_micro_batches / score_micro_batches with rows given as input_ids and "
+                "attention_mask), not by logits() one call at a time: set virtual_pipeline to 1 for this use"
+            )
         if images is not None:
             raise UserError(
                 "the megatron strategy converts text models only: rows with images need fsdp2 or torch"
@@ -595,8 +632,7 @@ class MegatronStrategy(MicroBatchLoop):
         pipe, dtype, vocab = self.pipe, DTYPES[self.dtype], self.shape.vocab_size
         assert pipe is not None
         if not pipe.first:
-            seq = ids.shape[1] // self.tp if self._sequence_parallel() else ids.shape[1]
-            x = pipe.receive((seq, ids.shape[0], self.shape.hidden_size), dtype, self.device)
+            x = pipe.receive(self._hidden_shape(ids), dtype, self.device)
             self.module.set_input_tensor(x)
         out = self._require()(ids, positions, causal)
         if pipe.last:
@@ -673,7 +709,7 @@ class MegatronStrategy(MicroBatchLoop):
     ) -> list[Any]:
         """``fn`` of every micro-batch by ``megatron_pipeline.run_schedule``, each micro-batch's rows
         gathered over the model-parallel group first (as ``logits`` gathers them)."""
-        from reroll.strategies.megatron_pipeline import run_schedule
+        from reroll.strategies.megatron_pipeline import fillers, run_schedule
 
         assert self.pipe is not None
         counts = torch.tensor([len(batches), -len(batches)], device=self.device)
@@ -685,9 +721,13 @@ class MegatronStrategy(MicroBatchLoop):
                 "micro-batches: every rank must run as many"
             )
         group_rows = [self._group_rows(mb.input_ids, mb.attention_mask) for mb in batches]
+        filler = torch.zeros((1, 1), dtype=torch.long)  # one token: what a micro-batch costs least
+        group_rows += [self._group_rows(filler, filler + 1) for _ in range(fillers(most, self.pp, self.vp))]
+        self._require()
         return run_schedule(
-            self.pipe, self._require(), group_rows, batches, fn, partial(self._stage_forward, routing=routing),
+            self.pipe, self.models, group_rows, batches, fn, partial(self._stage_forward, routing=routing),
             partial(setattr, self, "_handed"), forward_only=forward_only,
+            shapes=[self._hidden_shape(g.ids) for g in group_rows],
         )  # fmt: skip
 
     def _group_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> GroupRows:
@@ -699,17 +739,26 @@ class MegatronStrategy(MicroBatchLoop):
         model_ids, positions, causal, t = self._model_inputs(rows)
         return GroupRows(rows, mask, rows_of, model_ids, positions, causal, t, self._spans(rows_of))
 
-    def _stage_forward(self, g: GroupRows, routing: ScheduledRouting | None = None) -> torch.Tensor:
-        """This stage's output for the group's rows ``g`` under the schedule: the hidden states it sends
-        on, or the last stage's ``(rows, t, V)`` logits, their gradient summed over the TP group (as the
-        ``logits`` of a TP group's rows); ``routing``: with its routers' term attached."""
+    def _hidden_shape(self, ids: torch.Tensor) -> tuple[int, int, int]:
+        """The ``[s, b, h]`` hidden states a stage sends on for the model's input ``ids`` (``(b, s)``): the
+        sequence split over the TP ranks under sequence parallelism."""
+        seq = ids.shape[1] // self.tp if self._sequence_parallel() else ids.shape[1]
+        return seq, ids.shape[0], self.shape.hidden_size
+
+    def _stage_forward(
+        self, g: GroupRows, chunk: int = 0, routing: ScheduledRouting | None = None
+    ) -> torch.Tensor:
+        """Model chunk ``chunk``'s output for the group's rows ``g`` under the schedule: the hidden states
+        it sends on, or the last stage's last chunk's ``(rows, t, V)`` logits, their gradient summed over
+        the TP group (as the ``logits`` of a TP group's rows); ``routing``: with its routers' term
+        attached."""
         assert self.pipe is not None
-        run = partial(self._require(), g.ids, g.positions, g.causal)
+        run = partial(self.models[chunk], g.ids, g.positions, g.causal)
         if routing is None:
             out = run()
         else:  # the routers told of the forward as ``logits`` tells them
             out = routing.forward(partial(self._start_routing, g.mask, g.ids.shape[1], g.rows_of), run)
-        if not self.pipe.last:
+        if not (self.pipe.last and chunk == self.vp - 1):
             return out
         out = out[:, : g.t, : self.shape.vocab_size].to(DTYPES[self.dtype])
         return out if self.tp == 1 else _SumGradOverGroup.apply(out, self.tp_group)
@@ -720,7 +769,7 @@ class MegatronStrategy(MicroBatchLoop):
 
         if self.optimizer is None:
             raise RuntimeError("MegatronStrategy.step: configure_optimizer first")
-        finalize_model_grads([self.model])  # DP sum; sequence-parallel norm grads over TP
+        finalize_model_grads(self.models)  # DP sum; sequence-parallel norm grads over TP; tied embedding
         lr = self.lr * warmup_factor(self.steps, self.warmup)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
@@ -748,7 +797,8 @@ class MegatronStrategy(MicroBatchLoop):
                 clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm)
 
     def _zero_grad(self) -> None:
-        self.model.zero_grad_buffer()
+        for model in self.models:
+            model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     # -- weights out and in ----------------------------------------------------------------------
@@ -763,17 +813,19 @@ class MegatronStrategy(MicroBatchLoop):
         ranks and the pipeline stages (``reroll.strategies.megatron_weights``): on the device
         (``on_device``) or on CPU. A collective: every rank iterates to the end, and gets all."""
         self._require()
-        weights = {
-            k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")
-        }
+        weights = [
+            {k: v.detach() for k, v in m.state_dict().items() if not k.endswith("_extra_state")}
+            for m in self.chunks
+        ]
         return self.hf_named(weights, on_device=on_device)
 
     def hf_named(
-        self, local: Mapping[str, torch.Tensor], *, on_device: bool
+        self, local: Sequence[Mapping[str, torch.Tensor]], *, on_device: bool
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``local`` (tensors named and shaped as this rank's ``GPTModel`` state: its weights, or an
-        optimizer state of theirs) in Hugging Face names, gathered as ``named_weights`` gathers them."""
-        groups = Groups(self.tp, self.tp_group, self.ep, self.ep_group, self.pipe, self.device)
+        """``local`` (of each model chunk, tensors named and shaped as its ``GPTModel`` state: its weights,
+        or an optimizer state of theirs) in Hugging Face names, gathered as ``named_weights`` gathers
+        them."""
+        groups = Groups(self.tp, self.tp_group, self.ep, self.ep_group, self.pipe, self.device, self.vp)
         return hf_weights(local, self.shape, groups, on_device=on_device)
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
@@ -832,7 +884,7 @@ class MegatronStrategy(MicroBatchLoop):
         self._require()
         restore = None
         if self.optimizer is not None:  # refuses a checkpoint it cannot resume before reading weights
-            restore = optimizer_state.restorer(self, directory, self._share())
+            restore = optimizer_state.restorer(self, directory, self._shares())
         self._load_hf(directory / "model")
         if self.optimizer is None:
             return
@@ -874,7 +926,7 @@ class MegatronStrategy(MicroBatchLoop):
         ranks); none for a frozen model."""
         if not self.trainable:
             return []
-        return list(self.model.buffers) + list(self.model.expert_parallel_buffers)
+        return [b for m in self.models for b in (*m.buffers, *m.expert_parallel_buffers)]
 
     def _parked_storages(self, buffers: list[Any]) -> list[torch.UntypedStorage]:
         """The GPU storages ``offload`` parks in host memory: the parameters' and the optimizer's (main
@@ -885,7 +937,7 @@ class MegatronStrategy(MicroBatchLoop):
             for t in (b.param_data, b.grad_data)
             if t is not None
         }
-        tensors = list(self.module.parameters())
+        tensors = [p for m in self.chunks for p in m.parameters()]
         for inner in (
             o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]) if o
         ):

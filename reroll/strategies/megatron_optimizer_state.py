@@ -138,7 +138,7 @@ def save_optimizer_state(s: MegatronStrategy, directory: Path) -> None:
     if s.dtype != "float32":
         kinds.append(MAIN)
     for kind in kinds:
-        _write(s, directory / kind, ParamState(s.module, by_param, kind))
+        _write(s, directory / kind, [ParamState(chunk, by_param, kind) for chunk in s.chunks])
     if s.rank == 0:
         scalers = [_scaler_state(o) for o in getattr(s.optimizer, "chained_optimizers", [s.optimizer])]
         state = {
@@ -148,15 +148,17 @@ def save_optimizer_state(s: MegatronStrategy, directory: Path) -> None:
             "grad_scalers": scalers,
             "saved_at": {
                 "world_size": s.world_size, "tensor_parallel": s.tp, "pipeline_parallel": s.pp,
-                "expert_parallel": s.ep, "context_parallel": s.cp, "data_parallel": s.dp,
+                "virtual_pipeline": s.vp, "expert_parallel": s.ep, "context_parallel": s.cp,
+                "data_parallel": s.dp,
                 "distributed_optimizer": s.mcfg.distributed_optimizer, "dtype": s.dtype,
             },
         }  # fmt: skip
         (directory / STATE_FILE).write_text(json.dumps(state, indent=2))
 
 
-def _write(s: MegatronStrategy, directory: Path, local: Mapping[str, torch.Tensor]) -> None:
-    """``local`` (one kind of state, this rank's shard) as an fp32 Hugging Face model directory, one
+def _write(s: MegatronStrategy, directory: Path, local: list[Mapping[str, torch.Tensor]]) -> None:
+    """``local`` (one kind of state, this rank's shard of each model chunk) as an fp32 Hugging Face
+    model directory, one
     decoder layer at a time, every rank writing its share (``MegatronStrategy.write_layers``, as the
     weights' export)."""
     s.write_layers(directory, s.meta_hf_model(torch.float32), s.hf_named(local, on_device=False))
@@ -189,11 +191,11 @@ def _scaler_state(o: Any) -> dict[str, float] | None:
 def restorer(
     s: MegatronStrategy,
     checkpoint: Path,
-    share: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
+    shares: list[Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]],
 ) -> Callable[[], None] | None:
     """What restores ``s``'s optimizer state from ``checkpoint`` once its weights are loaded (None: the
     checkpoint holds none), checked now: a checkpoint ``s`` cannot resume from is refused here, before
-    any weight is read. ``share`` picks this rank's tensors out of a checkpoint's
+    any weight is read. ``shares`` pick each model chunk's tensors out of a checkpoint's
     (``megatron_convert.rank_from_hf`` at ``s``'s layout)."""
     directory = checkpoint / DIRECTORY
     if directory.is_dir():
@@ -203,7 +205,7 @@ def restorer(
                 f"{directory} holds optimizer state of format {state.get('format')}, which this reroll "
                 f"cannot read (it reads format {FORMAT}): resume with the reroll that wrote it"
             )
-        return partial(_load_optimizer_state, s, directory, state, checkpoint / "model", share)
+        return partial(_load_optimizer_state, s, directory, state, checkpoint / "model", shares)
     if any(checkpoint.glob("optimizer_rank*.pt")):
         return partial(_load_rank_file, s, checkpoint, _read_rank_file(s, checkpoint))
     return None
@@ -214,14 +216,13 @@ def _load_optimizer_state(
     directory: Path,
     state: dict[str, Any],
     weights: Path,
-    share: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
+    shares: list[Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]],
 ) -> None:
     """``s``'s optimizer state from ``directory`` (written by ``save_optimizer_state`` at any layout;
     ``state`` its ``state.json``), main parameters from ``directory/main`` or else from the ``weights``
     directory read in fp32 (an fp32 model's weights are its main parameters, loaded already). Sets
     ``s.steps``."""
     by_param = slots(s.optimizer)
-    params = dict(s.module.state_dict(keep_vars=True))
     step = state["adam_step"]
     kinds = [(k, directory / k) for k in MOMENTS if step]
     if (directory / MAIN).is_dir():
@@ -229,23 +230,12 @@ def _load_optimizer_state(
     elif s.dtype != "float32":  # saved in fp32: its weights are the main parameters
         kinds.append((MAIN, weights))
     log.info(
-        "megatron: rank %d resumes the optimizer state saved at %s, at TP %d x PP %d x EP %d x DP %d",
-        s.rank, state["saved_at"], s.tp, s.pp, s.ep, s.dp,
+        "megatron: rank %d resumes the optimizer state saved at %s, at TP %d x PP %d (VP %d) x EP %d x DP %d",
+        s.rank, state["saved_at"], s.tp, s.pp, s.vp, s.ep, s.dp,
     )  # fmt: skip
     for kind, path in kinds:
-        with CheckpointReader(checkpoint_files(path), torch.float32) as reader:
-            try:
-                ours = share(reader)
-            except KeyError as e:
-                raise UserError(
-                    f"{path} lacks {e}, which this model has: the checkpoint was written for another "
-                    f"model than model.path {s.model_path!r}; resume with the model it was trained from"
-                ) from e
-        for name, whole in ours.items():
-            slot = by_param.get(params.get(name))
-            if slot is not None and slot.main is not None:
-                _put(slot, kind, whole)
-        del ours
+        for chunk, share in zip(s.chunks, shares, strict=True):
+            _load_chunk(s, path, chunk, share, by_param, kind)
     if step:
         _set_step({id(slot.inner): slot.inner for slot in by_param.values()}.values(), by_param, step)
     chained = getattr(s.optimizer, "chained_optimizers", [s.optimizer])
@@ -255,6 +245,30 @@ def _load_optimizer_state(
             counts = {k: int(v) for k, v in saved.items() if k != "scale"}
             scaler.load_state_dict({"scale": torch.tensor(saved["scale"]), **counts})
     s.steps = state["steps"]
+
+
+def _load_chunk(
+    s: MegatronStrategy,
+    path: Path,
+    chunk: torch.nn.Module,
+    share: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
+    by_param: dict[torch.Tensor, Slot],
+    kind: str,
+) -> None:
+    """One kind of state of model chunk ``chunk`` (``share`` picks its tensors) from ``path``."""
+    params = dict(chunk.state_dict(keep_vars=True))
+    with CheckpointReader(checkpoint_files(path), torch.float32) as reader:
+        try:
+            ours = share(reader)
+        except KeyError as e:
+            raise UserError(
+                f"{path} lacks {e}, which this model has: the checkpoint was written for another "
+                f"model than model.path {s.model_path!r}; resume with the model it was trained from"
+            ) from e
+    for name, whole in ours.items():
+        slot = by_param.get(params.get(name))
+        if slot is not None and slot.main is not None:
+            _put(slot, kind, whole)
 
 
 def _set_step(inners: Iterable[torch.optim.Optimizer], by_param: dict[torch.Tensor, Slot], step: int) -> None:

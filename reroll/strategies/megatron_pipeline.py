@@ -1,7 +1,7 @@
-"""Pipeline parallelism for the Megatron strategy: a ``GPTModel`` per stage, its micro-batches run by
-Megatron-Core's 1F1B schedule where the strategy is handed a step's micro-batches together
-(``run_schedule``), else driven through the same ``logits`` -> loss -> ``backward`` calls as every
-other strategy.
+"""Pipeline parallelism for the Megatron strategy: a ``GPTModel`` per stage (per model chunk under a
+virtual pipeline), its micro-batches run by Megatron-Core's 1F1B schedule (interleaved over the chunks)
+where the strategy is handed a step's micro-batches together (``run_schedule``), else driven through the
+same ``logits`` -> loss -> ``backward`` calls as every other strategy (not under a virtual pipeline).
 
 The ranks of one model-parallel group (``tensor_parallel x pipeline_parallel``) gather their rows and
 run them together, as the TP ranks of a group do. Stage ``p`` receives the hidden states of stage
@@ -35,15 +35,40 @@ before, and so on to the first. A stage idles while the others run: this way pip
 (1/pp of the layers and their optimizer state per rank), not speed. Every rank of a group must make
 the same calls.
 
-Not built: the interleaved (virtual pipeline) schedule, which needs each rank's layers built as
-several model chunks (and their weights loaded and gathered per chunk).
+Virtual pipeline (``strategy.megatron.virtual_pipeline`` = ``vp`` > 1): each stage holds ``vp`` model
+chunks, a ``GPTModel`` each (``vp_stage``; the embedding on stage 0's chunk 0, the final norm and head
+on the last stage's last chunk), chunk ``c`` of stage ``p`` the ``(c pp + p)``-th run of
+``num_layers / (pp vp)`` layers (``megatron_convert.virtual_stage_layers``, Megatron-Core's own
+assignment; ``layer_owner`` the inverse), so a micro-batch crosses the stages ``vp`` times. Each chunk
+is wrapped in DDP, the optimizer and ``finalize_model_grads`` take the list; weights load per chunk
+(``rank_from_hf(..., chunk, vp)``), go out over every chunk (``megatron_weights.hf_weights`` with
+``Groups.vp``), and the optimizer state saves and resumes per chunk in the layout-free form, so a
+checkpoint moves between virtual and plain layouts; offload covers every chunk's buffers. The step's
+micro-batches run by Megatron-Core's ``forward_backward_pipelining_with_interleaving`` (chosen by
+``get_forward_backward_func`` from ``parallel_state``'s virtual size), given the list of chunks and a
+data iterator per chunk (``run_schedule``); the loss is computed on the last stage's last chunk. It runs
+each chunk's micro-batches in groups (``interleaved_group``: the smallest that Megatron-Core takes for
+the count) and needs at least ``pp`` of them (fewer get ``fillers``: one-token micro-batches whose loss
+is ``0 x logits``, exact zero gradients). Each micro-batch keeps its own shape: the schedule's exchange
+is told every received tensor's shape from the gathered rows, in the order the neighbour sends them
+(``known_shapes_exchange``, ``received_micro_batches``; Megatron-Core's own exchange of shapes swaps or deadlocks
+at two stages), tensors sent unbatched. A weight's gradient accumulates over the micro-batches in the
+same order as at ``vp = 1``, so the first step's losses equal the plain schedule's bit for bit and the
+rest within rounding (the gradient norm's sums per stage); ``tests/integration/
+test_megatron_virtual_pipeline.py``. Under a virtual pipeline the model runs only scheduled:
+``logits`` one call at a time is refused (a ``UserError``); context parallelism (which is not scheduled)
+and a mixture of experts (its router loss pools each stage's consecutive layers once a micro-batch) are
+refused before anything starts (``reroll.config.startable``). Left: a mixture of experts' routing over
+the chunks, context parallelism under the schedule, the uneven first and last stages Megatron-Core
+allows with chunks, Megatron-Core's overlapped exchange (``overlap_p2p_comm``), and a run on GPUs.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -181,37 +206,47 @@ class GroupRows:
 
 def run_schedule(
     pipe: Pipeline,
-    model: torch.nn.Module,
+    models: list[torch.nn.Module],
     group_rows: list[GroupRows],
     batches: Sequence[Any],
     fn: Callable[[Any], Any],
-    stage_forward: Callable[[GroupRows], torch.Tensor],
+    stage_forward: Callable[[GroupRows, int], torch.Tensor],
     hand: Callable[[Callable[[torch.Tensor], torch.Tensor] | None], None],
     *,
     forward_only: bool,
+    shapes: Sequence[tuple[int, ...]] = (),
 ) -> list[Any]:
     """``fn`` of this rank's micro-batches ``batches`` (``group_rows``: the group's rows of each), the
-    stages running them by Megatron-Core's 1F1B schedule; its results in order: each micro-batch's
-    record (training: ``fn(mb) -> (loss, record)``, the loss backpropagated) or output (``forward_only``).
+    stages running them by Megatron-Core's 1F1B schedule, interleaved over the model chunks ``models``
+    where a stage holds more than one (``stage_forward(rows, chunk)``: chunk ``chunk``'s output); its
+    results in order: each micro-batch's record (training: ``fn(mb) -> (loss, record)``, the loss
+    backpropagated) or output (``forward_only``).
 
     The last stage runs ``fn`` for every rank of its pipeline group: their micro-batches come to it
     first, and the results go back at the end (tensors on the host). Inside ``fn``, the strategy's
     ``logits`` hands over the last stage's logits of that rank's rows (``hand``; the call must be for
     the micro-batch's own ``input_ids``); the members' losses are summed, so each rank's rows' logits get
-    the gradient of that rank's loss, as without the schedule."""
+    the gradient of that rank's loss, as without the schedule. ``group_rows`` past ``batches`` are
+    fillers (``fillers``): run, their loss ``0 * logits`` (exact zero gradients), no result. ``shapes``:
+    the hidden states' shape of each micro-batch, which the interleaved schedule's exchange is told
+    (``known_shapes_exchange``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
     members = _to_last_stage(list(batches), pipe)  # the last stage: every member's; others: None
     results: list[list[Any]] = [[] for _ in pipe.ranks]
+    real = len(batches)
 
-    def step(data: Iterator[int], stage_model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
-        i = next(data)
-        return stage_forward(group_rows[i]), partial(_loss, i)
+    def step(data: Iterator[tuple[int, int]], chunk_model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
+        chunk, i = next(data)
+        return stage_forward(group_rows[i], chunk), partial(_loss, i)
 
     def _loss(i: int, logits: torch.Tensor, non_loss_data: bool = False) -> Any:
-        assert members is not None  # the last stage
+        assert members is not None  # the last stage('s last chunk)
         g, total = group_rows[i], None
+        if i >= real:  # a filler: every weight's gradient gets exact zeros
+            zero = torch.zeros((), dtype=torch.int, device=logits.device)
+            return None if forward_only else (logits.sum() * 0, zero, None)
         for member, (first, n) in enumerate(g.spans):
             hand(partial(_handed, logits[first : first + n], g.rows[first : first + n]))
             try:
@@ -228,19 +263,142 @@ def run_schedule(
             return None
         return total, torch.zeros((), dtype=torch.int, device=logits.device), None
 
-    config = get_model_config(model)
-    config.variable_seq_lengths = True  # micro-batches differ in rows and width: shapes go first
+    config = get_model_config(models[0])
+    count, exchange = len(group_rows), {}
+    # micro-batches differ in rows and width: the plain schedule exchanges their shapes first, the
+    # interleaved one is told them (``known_shapes_exchange``)
+    config.variable_seq_lengths = len(models) == 1
+    if len(models) > 1:  # each chunk runs the micro-batches in groups of this many, in order
+        group = interleaved_group(count, len(pipe.ranks))
+        config.microbatch_group_size_per_vp_stage = group
+        exchange = known_shapes_exchange(config, shapes, group, len(models), forward_only=forward_only)
     get_forward_backward_func()(
         forward_step_func=step,
-        data_iterator=iter(range(len(group_rows))),
-        model=[model],
-        num_microbatches=len(group_rows),
-        seq_length=1,  # ignored: variable_seq_lengths
+        data_iterator=[iter([(chunk, i) for i in range(count)]) for chunk in range(len(models))],
+        model=models,
+        num_microbatches=count,
+        seq_length=1,  # ignored: variable_seq_lengths, or the shapes the exchange is told
         micro_batch_size=1,
         forward_only=forward_only,
         collect_non_loss_data=forward_only,
+        **exchange,
     )
+    if exchange:
+        _all_received(exchange["p2p_communicator"])
     return _from_last_stage(results if pipe.last else None, pipe)
+
+
+def received_micro_batches(
+    table: Sequence[tuple[int, int]], stage: int, pp: int, vp: int
+) -> tuple[list[int], list[int]]:
+    """The micro-batches whose tensors stage ``stage`` receives under the interleaved schedule, in the
+    order they come: activations from the previous stage, gradients from the next. ``table``: the
+    schedule's ``(micro-batch, model chunk)`` of each forward step, every stage taking the same steps in
+    that order (Megatron-Core's ``get_schedule_table``); backward step ``k`` runs chunk ``vp - 1 - c``
+    of the table's ``k``-th entry. A stage sends each forward's output on, but the last stage's last
+    chunk's, and each backward's input gradient back, but the first stage's first chunk's, in the order
+    it runs them; the neighbour receives them in that order (the exchange between two ranks keeps it)."""
+    before, after = (stage - 1) % pp, (stage + 1) % pp
+    forward = [mb for mb, chunk in table if not (before == pp - 1 and chunk == vp - 1)]
+    backward = [mb for mb, chunk in table if not (after == 0 and vp - 1 - chunk == 0)]
+    return forward, backward
+
+
+@cache
+def _known_shapes_class() -> type:
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, _p2p_ops
+
+    class _KnownShapes(P2PCommunicator):
+        """Megatron-Core's point-to-point exchange for the interleaved schedule, told each received
+        tensor's shape (``known_shapes_exchange``)."""
+
+        def __init__(self, pp_group: dist.ProcessGroup, config: Any, forward: list, backward: list) -> None:
+            super().__init__(pp_group=pp_group, config=config)
+            self.forward, self.backward = deque(forward), deque(backward)
+
+        def _communicate(  # type: ignore[override]
+            self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, wait_on_reqs=True
+        ):
+            dtype, device = self.config.pipeline_dtype, torch.cuda.current_device()
+            received = [
+                torch.empty(queue.popleft(), requires_grad=True, device=device, dtype=dtype)
+                if wanted
+                else None
+                for wanted, queue in ((recv_prev, self.forward), (recv_next, self.backward))
+            ]
+            reqs = _p2p_ops(
+                tensor_send_prev=tensor_send_prev, tensor_recv_prev=received[0],
+                tensor_send_next=tensor_send_next, tensor_recv_next=received[1], group=self.pp_group,
+                prev_pipeline_rank=self.prev_rank, next_pipeline_rank=self.next_rank,
+            )  # fmt: skip
+            if wait_on_reqs:
+                for req in reqs.values():
+                    req.wait()
+                reqs = None
+            return received[0], received[1], reqs
+
+    return _KnownShapes
+
+
+def known_shapes_exchange(
+    config: Any, shapes: Sequence[tuple[int, ...]], group: int, vp: int, *, forward_only: bool
+) -> dict[str, Any]:
+    """``forward_backward_pipelining_with_interleaving``'s ``p2p_communicator`` and ``pg_collection`` for
+    micro-batches of hidden-state ``shapes``, each chunk running them in groups of ``group``: Megatron-
+    Core's own exchange, but told each received tensor's shape (``received_micro_batches``) where its
+    ``variable_seq_lengths`` would exchange them.
+
+    That exchange is broken here: the schedule's steady state may send both ways at once, and a rank's
+    calls need not pair with its neighbour's (a receive posted in one call is met by a send in the
+    neighbour's later call). Shapes are exchanged first, batched and waited for within each call; at two
+    stages, where a rank's previous and next stage are one rank, the batch [send to previous, receive
+    from previous, send to next, receive from next] hands the peer's first receive from this rank (the
+    activation's shape) this rank's first send (the gradient's); split by direction, it waits on a
+    receive the neighbour posts a call later while that neighbour waits for this rank's tensor (both
+    seen on two CPU ranks over gloo). The tensors go by Megatron-Core's unbatched exchange (as
+    Megatron-LM runs a virtual pipeline), which orders the two directions by rank parity and at two
+    stages puts them on two process groups."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection.use_mpu_process_groups(["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"])
+    table = get_schedule_table(len(shapes), vp, group)
+    stage, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    forward, backward = received_micro_batches(table, stage, pp, vp)
+    backward = [] if forward_only else backward
+    told = _known_shapes_class()(
+        groups.pp, config, [shapes[i] for i in forward], [shapes[i] for i in backward]
+    )
+    return {"p2p_communicator": told, "pg_collection": groups}
+
+
+def _all_received(exchange: Any) -> None:
+    """A ``known_shapes_exchange`` after its schedule: every shape it was told was received, or the order
+    ``received_micro_batches`` gives is not the schedule's."""
+    left = len(exchange.forward), len(exchange.backward)
+    if left != (0, 0):
+        raise RuntimeError(
+            f"the interleaved schedule received {left[0]} activations and {left[1]} gradients fewer than "
+            "received_micro_batches expects: its order is not Megatron-Core's"
+        )
+
+
+def interleaved_group(micro_batches: int, pp: int) -> int:
+    """How many micro-batches each model chunk runs in a row under the interleaved schedule
+    (``microbatch_group_size_per_vp_stage``): the fewest (the least memory: the warm-up holds ``(vp - 1)
+    x`` that many micro-batches' activations) that Megatron-Core takes for ``micro_batches`` over ``pp``
+    stages: at least ``pp``, and a last group of none or at least ``pp``. ``micro_batches`` must be at
+    least ``pp`` (``fillers``)."""
+    if micro_batches < pp:
+        raise ValueError(f"the interleaved schedule needs at least {pp} micro-batches, got {micro_batches}")
+    return next(g for g in range(pp, micro_batches + 1) if micro_batches % g in (0, *range(pp, g)))
+
+
+def fillers(micro_batches: int, pp: int, vp: int) -> int:
+    """How many empty micro-batches the interleaved schedule (``vp`` > 1) needs beside ``micro_batches``
+    over ``pp`` stages: it runs no fewer than ``pp``."""
+    return max(pp - micro_batches, 0) if vp > 1 else 0
 
 
 def _handed(logits: torch.Tensor, rows: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ from the pipeline stage that holds it (broadcast over the pipeline group), then 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,25 +27,35 @@ class Groups:
     ep_group: dist.ProcessGroup | None
     pipe: Pipeline | None
     device: torch.device
+    vp: int = 1  # model chunks per stage (virtual pipeline)
 
 
 def hf_weights(
-    local: Mapping[str, torch.Tensor], s: mc.GPTShape, g: Groups, *, on_device: bool
+    local: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
+    s: mc.GPTShape,
+    g: Groups,
+    *,
+    on_device: bool,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight of the model whose this rank's share is ``local`` (its ``GPTModel``'s state dict, or
-    a mapping that makes each tensor when asked: each is asked for once, in its unit) in Hugging Face
-    names: the embedding first, the decoder layers in order, the final norm and head last; on
-    ``g.device`` or on CPU. A collective: every rank iterates to the end, and gets all."""
+    a mapping that makes each tensor when asked: each is asked for once, in its unit; under a virtual
+    pipeline one such mapping per model chunk, ``g.vp`` of them) in Hugging Face names: the embedding
+    first, the decoder layers in order, the final norm and head last; on ``g.device`` or on CPU. A
+    collective: every rank iterates to the end, and gets all."""
     stage, stages = (0, 1) if g.pipe is None else (g.pipe.stage, len(g.pipe.ranks))
+    chunks = [local] if isinstance(local, Mapping) else list(local)
+    if len(chunks) != g.vp:
+        raise ValueError(f"{len(chunks)} model chunks' weights, {g.vp} expected")
 
     def unit(
-        owner: int, prefixes: tuple[str, ...], here: str = "", named: str = ""
+        owner: int, prefixes: tuple[str, ...], here: str = "", named: str = "", chunk: int = 0
     ) -> dict[str, torch.Tensor]:
-        """The weights whose names start with ``prefixes`` (``here`` renamed ``named``), gathered on stage
-        ``owner`` and broadcast from it."""
+        """The weights of model chunk ``chunk`` whose names start with ``prefixes`` (``here`` renamed
+        ``named``), gathered on stage ``owner`` and broadcast from it."""
         part = None
         if owner == stage:
-            part = gathered({named + k[len(here) :]: local[k] for k in local if k.startswith(prefixes)}, g)
+            held = chunks[chunk]
+            part = gathered({named + k[len(here) :]: held[k] for k in held if k.startswith(prefixes)}, g)
         return part if g.pipe is None else broadcast_from(part, owner, g.pipe, g.device)
 
     def put(hf: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -54,12 +64,11 @@ def hf_weights(
 
     embedding = mc.embedding_to_hf(unit(0, ("embedding.",)), s)
     yield from put(embedding)
-    for owner in range(stages):
-        layers = mc.stage_layers(s.num_layers, owner, stages)
-        for i in layers:
-            here = f"decoder.layers.{i - layers.start}."
-            yield from put(mc.layer_to_hf(unit(owner, (here,), here, f"decoder.layers.{i}."), s, i))
-    head = unit(stages - 1, ("decoder.final_layernorm.", "output_layer."))
+    for i in range(s.num_layers):
+        owner, chunk, index = mc.layer_owner(s.num_layers, i, stages, g.vp)
+        here = f"decoder.layers.{index}."
+        yield from put(mc.layer_to_hf(unit(owner, (here,), here, f"decoder.layers.{i}.", chunk), s, i))
+    head = unit(stages - 1, ("decoder.final_layernorm.", "output_layer."), chunk=g.vp - 1)
     yield from put(mc.head_to_hf(head, s, embedding=embedding["model.embed_tokens.weight"]))
 
 

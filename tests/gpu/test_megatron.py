@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -544,15 +545,16 @@ def test_small_moe_full_state_dict_save_and_export_round_trip(tmp_path, assets):
 # -- two GPUs: pipeline and expert parallelism (the TP=2 test is above) ---------------------------------
 
 
-def _pp2_scheduled_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
+def _pp2_scheduled_rank(rank: int, address: str, cfg_path: str, result_dir: str, *more: str) -> None:
     """``_half_batch_steps`` through ``train_micro_batches``, one-row micro-batches scheduled 1F1B over the
-    two stages (NCCL's point-to-point), then a forward-only pass scheduled and one after the other."""
+    two stages (NCCL's point-to-point), then a forward-only pass scheduled and (but under a virtual
+    pipeline, which runs only scheduled) one after the other. ``more``: further overrides."""
     import reroll.strategies.megatron_pipeline as pipeline
     from reroll.strategies.micro_batches import MicroBatchLoop
 
     calls, run = [], pipeline.run_schedule
     pipeline.run_schedule = lambda *a, **k: calls.append(k["forward_only"]) or run(*a, **k)
-    s = _rank_of_two(rank, address, cfg_path, "strategy.megatron.pipeline_parallel=2")
+    s = _rank_of_two(rank, address, cfg_path, "strategy.megatron.pipeline_parallel=2", *more)
     ids, mask = _batch()
     n_tokens = mask[:, 1:].sum()
     mbs = [
@@ -571,16 +573,31 @@ def _pp2_scheduled_rank(rank: int, address: str, cfg_path: str, result_dir: str)
         return token_logprobs(logits, mb.input_ids.to(logits.device)).cpu()
 
     out = []
-    for _ in range(3):
+    for step in range(3):
         losses = s.train_micro_batches(mbs, loss_of)
         out.append((sum(losses), s.step(1.0)["grad_norm"]))
+        if step == 0 and s.vp > 1:  # offload moves every model chunk's parameters, grads and Adam state
+            _offload_frees_every_chunk(s)
     with torch.no_grad():
         scheduled = s.score_micro_batches(mbs, scored)
-        one_by_one = MicroBatchLoop.score_micro_batches(s, mbs, scored)
+        one_by_one = MicroBatchLoop.score_micro_batches(s, mbs, scored) if s.vp == 1 else scheduled
     assert calls == [False, False, False, True], calls  # the schedule ran
     for a, b in zip(scheduled, one_by_one):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # the same rows, kernels: a few fp32 ulps of ~3
     torch.save({"steps": out, "weights": s.full_state_dict()}, f"{result_dir}/rank{rank}.pt")
+
+
+def _offload_frees_every_chunk(s) -> None:
+    """``offload`` frees at least twice every model chunk's parameter bytes (params, grads, Adam state:
+    about 4x), and ``reload`` brings them back (the steps after it are checked against the torch
+    strategy's)."""
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    s.offload()
+    param_bytes = sum(p.numel() * p.element_size() for chunk in s.chunks for p in chunk.parameters())
+    freed = allocated - torch.cuda.memory_allocated()
+    assert freed >= 2 * param_bytes, (freed, param_bytes)
+    s.reload()
 
 
 @dataclass(frozen=True)
@@ -598,6 +615,30 @@ def test_pp2_scheduled_equals_torch_on_the_whole_batch(tmp_path, assets):
     whole batch by summation order only). On CPU over gloo the schedule equals the micro-batches one after
     the other bit for bit (tests/integration/test_megatron_pipeline.py)."""
     _two_ranks_equal_torch(tmp_path, assets, _pp2_scheduled_rank)
+
+
+def _pp2_vpp2_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:
+    _pp2_scheduled_rank(rank, address, cfg_path, result_dir, "strategy.megatron.virtual_pipeline=2")
+
+
+@pytest.mark.multigpu(gpus=2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="PP=2 x VPP=2 needs two GPUs")
+def test_pp2_vpp2_scheduled_equals_torch_on_the_whole_batch(tmp_path, assets):
+    """``test_pp2_scheduled_equals_torch_on_the_whole_batch`` with two model chunks a stage (a 4-layer
+    model: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3), run by Megatron-Core's interleaved
+    schedule over NCCL (each micro-batch at its own shape, ``known_shapes_exchange``; tensors sent unbatched), a
+    forward-only pass scheduled too, offload and reload after the first step freeing every chunk's
+    state: the same tolerances (the torch strategy's whole batch differs by
+    summation order only). On CPU over gloo PP=2 x VPP=2 trains as PP=2 and as one rank within rounding
+    (tests/integration/test_megatron_virtual_pipeline.py)."""
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+    from reroll.models.tiny import build_tiny_model
+
+    model = build_tiny_model(
+        tmp_path / "four_layers", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=4, num_heads=2
+    )
+    (tmp_path / "run").mkdir()
+    _two_ranks_equal_torch(tmp_path / "run", {**assets, "model": Path(model)}, _pp2_vpp2_rank)
 
 
 def _pp2_rank(rank: int, address: str, cfg_path: str, result_dir: str) -> None:

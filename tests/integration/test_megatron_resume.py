@@ -12,6 +12,7 @@ uninterrupted run's within the bound of the math (``check_step``).
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +60,25 @@ def train_step(s, rank: int, world_size: int) -> None:
     share = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
     width = int(mask[share].sum(-1).max())
     ids, mask = ids[share, :width], mask[share, :width]
-    logits = s.logits(ids, mask)
-    ids, mask = ids.to(logits.device), mask.to(logits.device)
-    loss = -(token_logprobs(logits, ids) * mask).sum() / n_tokens
-    s.backward(loss)
+
+    def loss_of(rows: Rows) -> tuple[torch.Tensor, None]:
+        logits = s.logits(rows.input_ids, rows.attention_mask)
+        i, m = rows.input_ids.to(logits.device), rows.attention_mask.to(logits.device)
+        return -(token_logprobs(logits, i) * m).sum() / n_tokens, None
+
+    if s.vp > 1:  # the interleaved schedule runs the model (a filler beside the one micro-batch)
+        s.train_micro_batches([Rows(ids, mask)], loss_of)
+    else:
+        s.backward(loss_of(Rows(ids, mask))[0])
     s.step(1.0)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A micro-batch as the schedule takes it."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
 
 
 def optimizer_state_in_hf_names(s) -> dict[str, Any]:
@@ -73,7 +88,7 @@ def optimizer_state_in_hf_names(s) -> dict[str, Any]:
 
     by_param = ost.slots(s.optimizer)
     out = {
-        kind: dict(s.hf_named(ost.ParamState(s.module, by_param, kind), on_device=False))
+        kind: dict(s.hf_named([ost.ParamState(c, by_param, kind) for c in s.chunks], on_device=False))
         for kind in (*ost.MOMENTS, ost.MAIN)
     }
     return out | {"scalars": {"adam_step": ost._adam_step(by_param, s.device), "warmup_steps": s.steps}}

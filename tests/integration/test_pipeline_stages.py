@@ -192,3 +192,48 @@ def test_the_router_loss_on_split_columns_is_each_members_own_over_every_column(
     for rank in range(2):
         half = slice(rank * TOKENS // 2 * ROWS, (rank + 1) * TOKENS // 2 * ROWS)
         torch.testing.assert_close(ranks[rank]["grad"], logits.grad[:, half], atol=1e-7, rtol=0)
+
+
+def _chunked_hf():
+    """A 4-layer tied Qwen2 (q/k/v biases) with weights away from their init: the same in every process."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=37, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return config, model.state_dict()
+
+
+def _chunks_rank(rank: int, world_size: int, address: str, out: str) -> None:
+    from reroll.models import megatron_convert as mc
+    from reroll.strategies.megatron_weights import Groups, hf_weights
+
+    dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=world_size)
+    config, hf = _chunked_hf()
+    s = mc.gpt_shape(config)
+    chunks = [mc.rank_from_hf(hf, s, stage=rank, pp=2, chunk=c, vp=2) for c in range(2)]
+    groups = Groups(1, None, 1, None, _pipe(), torch.device("cpu"), vp=2)
+    torch.save(list(hf_weights(chunks, s, groups, on_device=False)), f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_hf_weights_gather_every_model_chunk_of_a_virtual_pipeline(tmp_path: Path):
+    """PP=2 x VPP=2 on 4 layers (stage 0 holds layers 0 and 2, stage 1 layers 1 and 3, each chunk's
+    numbered from 0): weight sync and export's ``hf_weights`` give both ranks every Hugging Face weight,
+    in the model's order, bit-equal to the model they were read from (a split and a broadcast: no
+    arithmetic)."""
+    _, hf = _chunked_hf()
+    for got in run_ranks(_chunks_rank, 2, tmp_path):
+        names = [name for name, _ in got]
+        assert sorted(names) == sorted(hf)  # each once, the tied head included
+        layers = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
+        assert layers == sorted(layers)  # layer by layer, 0 to 3, whichever chunk holds it
+        assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
+        for name, w in got:
+            assert torch.equal(w, hf[name]), name

@@ -160,6 +160,123 @@ def test_pipeline_stage_sizes_split_as_megatron_core_does():
     }
 
 
+def test_virtual_stage_layers_are_megatron_cores_interleaved_assignment():
+    """Chunk c of stage p holds the (c pp + p)-th run of L / (pp vp) layers: PP=2 x VPP=2 on 4 layers
+    puts layers 0 and 2 on stage 0, 1 and 3 on stage 1; each chunk's start and length equal
+    Megatron-Core's own ``get_transformer_layer_offset`` / ``get_num_layers_to_build`` at
+    ``virtual_pipeline_model_parallel_size``, and every layer is held exactly once."""
+    assert [mc.virtual_stage_layers(4, p, 2, 2, c) for c in range(2) for p in range(2)] == [
+        range(0, 1),
+        range(1, 2),
+        range(2, 3),
+        range(3, 4),
+    ]
+    assert mc.virtual_stage_layers(6, 1, 2, 1, 0) == mc.stage_layers(6, 1, 2)  # vp = 1: no chunks
+    # (stage, chunk, index there) of each layer: the inverse, also of an uneven split without chunks
+    assert [mc.layer_owner(4, i, 2, 2) for i in range(4)] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    assert [mc.layer_owner(5, i, 2) for i in range(5)] == [
+        (0, 0, 0),
+        (0, 0, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 0, 2),
+    ]
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    for layers, pp, vp in ((4, 2, 2), (8, 2, 2), (12, 2, 3), (24, 4, 2), (48, 4, 3)):
+        config = types.SimpleNamespace(
+            num_layers=layers,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp,
+            pipeline_model_parallel_layout=None,
+            num_layers_in_first_pipeline_stage=None,
+            num_layers_in_last_pipeline_stage=None,
+            account_for_embedding_in_pipeline_split=False,
+            account_for_loss_in_pipeline_split=False,
+            mtp_num_layers=None,
+        )
+        held = []
+        for p in range(pp):
+            for c in range(vp):
+                r = mc.virtual_stage_layers(layers, p, pp, vp, c)
+                assert r.start == get_transformer_layer_offset(config, vp_stage=c, pp_rank=p)
+                assert len(r) == get_num_layers_to_build(config, vp_stage=c, pp_rank=p)
+                held += r
+        assert sorted(held) == list(range(layers))
+
+
+def test_virtual_pipeline_sizes_are_user_errors():
+    """pp x vp must divide the layers (the fix lists the vp that do), vp > 1 needs pp > 1, no context
+    parallelism and a dense model: each refused with the fix, by the checks the strategy and ``reroll
+    validate`` run."""
+    from reroll.config.startable import megatron_moe_problems, virtual_pipeline_problems
+    from reroll.config.training import MegatronConfig
+    from reroll.strategies.megatron import check_parallel_sizes
+
+    assert virtual_pipeline_problems(4, 2, 2) == []
+    assert virtual_pipeline_problems(6, 2, 1) == []
+    (msg,) = virtual_pipeline_problems(6, 2, 2)
+    assert "pipeline_parallel (2) x virtual_pipeline (2) = 4 must divide the model's 6 layers" in msg
+    assert "use a virtual_pipeline of [1, 3]" in msg
+    (msg,) = virtual_pipeline_problems(4, 1, 2)
+    assert "needs pipeline_parallel > 1" in msg
+    with pytest.raises(UserError, match=r"= 4 must divide the model's 6 layers"):
+        mc.virtual_stage_layers(6, 0, 2, 2, 0)
+    assert check_parallel_sizes(4, MegatronConfig(pipeline_parallel=2, virtual_pipeline=2)) == 2
+    with pytest.raises(UserError, match=r"virtual_pipeline \(2\) needs pipeline_parallel > 1"):
+        check_parallel_sizes(4, MegatronConfig(virtual_pipeline=2))
+    with pytest.raises(UserError, match=r"virtual_pipeline \(2\) with context_parallel \(2\)"):
+        check_parallel_sizes(4, MegatronConfig(pipeline_parallel=2, virtual_pipeline=2), 2)
+    vpp = MegatronConfig(pipeline_parallel=2, virtual_pipeline=2)
+    dense = types.SimpleNamespace(model_type="qwen3", num_hidden_layers=6)
+    assert ["= 4 must divide the model's 6 layers" in m for m in megatron_moe_problems(dense, vpp)] == [True]
+    moe = types.SimpleNamespace(model_type="qwen3_moe", num_hidden_layers=4, num_experts=4)
+    (msg,) = megatron_moe_problems(moe, vpp)
+    assert "virtual_pipeline (2) with a mixture-of-experts model" in msg
+
+
+def test_the_interleaved_schedule_takes_any_count_of_micro_batches():
+    """Megatron-Core's interleaved schedule runs each chunk's micro-batches in groups (at least pp, and a
+    last group of none or at least pp): the smallest group that fits the count, which is pp where pp
+    divides it; fewer than pp micro-batches get empty fillers."""
+    from reroll.strategies.megatron_pipeline import fillers, interleaved_group
+
+    assert [interleaved_group(m, 2) for m in range(2, 9)] == [2, 3, 2, 3, 2, 4, 2]
+    assert [interleaved_group(m, 3) for m in (3, 4, 5, 6, 7, 8)] == [3, 4, 5, 3, 4, 4]
+    for m in range(2, 30):  # a valid group: Megatron-Core's two conditions
+        g = interleaved_group(m, 2)
+        assert 2 <= g <= m and (m % g == 0 or m % g >= 2)
+    with pytest.raises(ValueError, match="at least 2 micro-batches"):
+        interleaved_group(1, 2)
+    assert (fillers(1, 2, 2), fillers(1, 4, 2), fillers(2, 2, 2), fillers(1, 2, 1)) == (1, 3, 0, 0)
+
+
+def test_each_stage_knows_the_micro_batch_of_every_tensor_it_receives():
+    """PP=2 x VPP=2, 4 micro-batches in groups of 2: the schedule's forward steps are (micro-batch,
+    chunk) (0,0) (1,0) (0,1) (1,1) (2,0) (3,0) (2,1) (3,1) on both stages, its backward steps the same
+    with the chunks reversed. Stage 0 receives activations for its chunk 1 only (stage 1's chunk-0
+    outputs: 0 1 2 3) and a gradient from every backward step of stage 1 (each of its chunks has a
+    chunk before it on stage 0); stage 1 receives every activation, and gradients only from stage 0's
+    chunk 1 (stage 0's chunk 0 has nothing before it to send to)."""
+    from reroll.strategies.megatron_pipeline import received_micro_batches
+
+    table = [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    assert received_micro_batches(table, 0, 2, 2) == ([0, 1, 2, 3], [0, 1, 0, 1, 2, 3, 2, 3])
+    assert received_micro_batches(table, 1, 2, 2) == ([0, 1, 0, 1, 2, 3, 2, 3], [0, 1, 2, 3])
+    pytest.importorskip("megatron.core")
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+    assert get_schedule_table(4, 2, 2) == table  # the order Megatron-Core's schedule takes
+    # four stages: a middle stage receives every tensor both ways; each stage receives as many
+    # activations as its predecessor sends (all but the last stage's last chunk's)
+    table = get_schedule_table(5, 2, 5)
+    middle = received_micro_batches(table, 1, 4, 2)
+    assert middle == ([mb for mb, _ in table], [mb for mb, _ in table])
+    assert len(received_micro_batches(table, 0, 4, 2)[0]) == 5
+
+
 def test_unsupported_models_and_sizes_are_user_errors():
     with pytest.raises(UserError, match=r"'gpt2' model: use strategy\.name=fsdp2"):
         mc.gpt_shape(GPT2Config())

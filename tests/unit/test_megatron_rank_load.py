@@ -182,9 +182,10 @@ def test_the_strategy_reads_a_bin_checkpoint_whole_and_says_so(tmp_path, caplog)
     assert checkpoint_files(binary) is None
     rank = types.SimpleNamespace(
         shape=s, pipe=types.SimpleNamespace(stage=1), pp=2, tp_rank=0, tp=1, ep_rank=1, ep=2, te=False,
-        dtype="float32", rank=3, module=Module(),
+        dtype="float32", rank=3, chunks=[Module()], vp=1,
     )  # fmt: skip
-    rank._share = lambda: MegatronStrategy._share(rank)
+    rank._shares = lambda: MegatronStrategy._shares(rank)
+    rank._load_chunk = lambda *a: MegatronStrategy._load_chunk(rank, *a)
     with caplog.at_level(logging.INFO, logger="reroll.strategies.megatron"):
         for path in (safe, binary):
             MegatronStrategy._load_hf(rank, path)
@@ -220,3 +221,52 @@ def test_a_checkpoint_with_fused_experts_reads_the_same(tmp_path):
         with CheckpointReader(files, torch.float32) as reader:
             ours = mc.rank_from_hf(reader, s, **where)
         _assert_same(ours, _today(full, s, *where.values(), False))
+
+
+@pytest.mark.parametrize("name", ["qwen2_tied", "moe"])
+def test_every_model_chunk_reads_its_layers_of_the_interleaved_split(tmp_path, name):
+    """PP=2 x VPP=2 on 4 layers: each (stage, chunk) at TP 1/2 reads from the files what the whole model
+    split gives (bit-equal), chunk c of stage p its layer c pp + p numbered from 0, the embedding on
+    stage 0's chunk 0 only and the head on stage 1's chunk 1 only (a tied model's head the embedding's
+    copy); and the chunks together hold every weight of the converted model once."""
+    torch.manual_seed(0)
+    four = {**COMMON, "num_hidden_layers": 4}
+    config = {
+        "qwen2_tied": lambda: Qwen2Config(**four, tie_word_embeddings=True),
+        "moe": lambda: Qwen3MoeConfig(
+            **four, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False
+        ),
+    }[name]()
+    model = AutoModelForCausalLM.from_config(config).float()
+    path = tmp_path / name
+    model.save_pretrained(path)
+    s = mc.gpt_shape(config)
+    full = load_causal_lm(path, "float32", "cpu").state_dict()
+    files = checkpoint_files(path)
+    whole = mc.hf_to_megatron(full, s, padded_vocab=s.padded_vocab(1))
+    rebuilt: dict[str, torch.Tensor] = {}
+    for tp in (1, 2):
+        for stage in range(2):
+            for chunk in range(2):
+                for tp_rank in range(tp):
+                    where = dict(stage=stage, pp=2, tp_rank=tp_rank, tp=tp, chunk=chunk, vp=2)
+                    mega = mc.hf_to_megatron(full, s, padded_vocab=s.padded_vocab(tp))
+                    theirs = mc.shard(mc.shard_stage(mega, s, stage, 2, chunk, 2), s, tp_rank, tp)
+                    with CheckpointReader(files, DTYPES["float32"]) as reader:
+                        ours = mc.rank_from_hf(reader, s, **where)
+                    _assert_same(ours, theirs)
+                    _assert_same(mc.rank_from_hf(full, s, **where), theirs)
+                    assert ("embedding.word_embeddings.weight" in ours) == ((stage, chunk) == (0, 0))
+                    assert ("output_layer.weight" in ours) == ((stage, chunk) == (1, 1))
+                    assert ("decoder.final_layernorm.weight" in ours) == (stage == 1 and chunk == 1)
+                    if tp > 1:
+                        continue
+                    (layer,) = mc.virtual_stage_layers(4, stage, 2, 2, chunk)
+                    assert layer == chunk * 2 + stage
+                    for k, w in ours.items():
+                        if k == "output_layer.weight" and s.tied:
+                            continue  # the tied copy of the embedding
+                        g = k.replace("decoder.layers.0.", f"decoder.layers.{layer}.")
+                        assert g not in rebuilt, g
+                        rebuilt[g] = w
+    _assert_same(rebuilt, whole)

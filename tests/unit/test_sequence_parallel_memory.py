@@ -63,3 +63,20 @@ def test_sequence_parallel_splits_the_activations_outside_the_tp_regions(
     # (``shards``) whatever SP; at the 8 of 16 positions before response tokens, and their gradient
     assert none.all_logits == 200 / shards
     assert none.train_logits == 2 * 200 / shards * 8 / 16
+
+
+def test_an_interleaved_pipeline_holds_more_micro_batches_on_its_first_stage(tmp_path):
+    """1F1B's first stage holds ``pp`` micro-batches' activations; the interleaved schedule's warm-up
+    runs ``2 (pp - 1) + (vp - 1) pp`` chunk forwards (Megatron-Core's ``get_pp_rank_microbatches`` with
+    groups of pp) and one more, each 1/vp of the stage: at PP=2 x VPP=2 (2 + 2 + 1) / 2 = 2.5, at
+    PP=4 x VPP=2 (6 + 4 + 1) / 2 = 5.5. ``reroll plan`` scales the kept activations by it (the SHAPE's 2
+    layers: 2 x 420 bytes a token without checkpointing)."""
+    from reroll.config.memory import pipeline_in_flight
+
+    assert (pipeline_in_flight(2, 1), pipeline_in_flight(2, 2), pipeline_in_flight(4, 2)) == (2.0, 2.5, 5.5)
+    staged = ["strategy.name=megatron", "strategy.megatron.pipeline_parallel=2"]
+    plain = _bytes(tmp_path, *staged, "model.gradient_checkpointing=false")
+    interleaved = _bytes(
+        tmp_path, *staged, "strategy.megatron.virtual_pipeline=2", "model.gradient_checkpointing=false"
+    )
+    assert (plain.kept, interleaved.kept) == (2 * 2 * 420.0, 2.5 * 2 * 420.0)

@@ -306,3 +306,26 @@ def test_plan_shards_a_moe_by_expert_parallel_and_its_optimizer_state_over_tp_pp
         20.0 + 80.0 / 4
     )  # per-rank weights: dense + a quarter of the experts
     assert weights == grads and optim == 8
+
+
+def test_megatron_virtual_pipeline_needs_stages_an_even_split_a_dense_model_and_whole_rows(tmp_path):
+    """``strategy.megatron.virtual_pipeline``: refused before anything starts without pipeline stages,
+    where pipeline_parallel x virtual_pipeline does not divide the layers (Qwen3-8B's 36), for a mixture
+    of experts, and with context parallelism (on the roles that split rows)."""
+
+    def messages(*overrides: str, model: str = "Qwen/Qwen3-8B") -> str:
+        base = ["strategy.name=megatron", "roles.actor_train.world_size=4", "roles.reference.world_size=4"]
+        return " | ".join(m for _, m in start_problems(_cfg(tmp_path, *base, *overrides, model=model)))
+
+    vpp = ["strategy.megatron.pipeline_parallel=2", "strategy.megatron.virtual_pipeline=2"]
+    assert messages(*vpp) == ""
+    assert "virtual_pipeline (2) needs pipeline_parallel > 1" in messages(
+        "strategy.megatron.virtual_pipeline=2"
+    )
+    assert "= 16 must divide the model's 36 layers" in messages(
+        vpp[0], "strategy.megatron.virtual_pipeline=8"
+    )
+    assert "with a mixture-of-experts model" in messages(*vpp, model="Qwen/Qwen3-30B-A3B")
+    assert "virtual_pipeline (2) with context_parallel (2)" in messages(
+        *vpp, "strategy.megatron.context_parallel=2"
+    )

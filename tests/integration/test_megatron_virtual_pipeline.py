@@ -1,0 +1,231 @@
+"""Megatron's interleaved schedule (``strategy.megatron.virtual_pipeline``) on CPU ranks over gloo (CUDA
+calls pointed at the CPU, ``tests/integration/megatron_cpu.py``): two stages of two model chunks each
+run a step's micro-batches as two stages of one chunk do (bit for bit until the first optimizer step,
+within rounding after it: the gradient norm's sums split per stage), train as one rank does within
+rounding, through the trainer workers too, and any count of micro-batches; a checkpoint moves between
+that layout and one rank.
+
+A 4-layer model at PP=2 x VPP=2: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3, so a micro-batch
+crosses the stages twice (0 -> 1 -> 0 -> 1). The micro-batches and the steps are
+``test_megatron_pipeline``'s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from reroll.algorithms.logprobs import token_logprobs
+from reroll.config.loader import load_config
+from reroll.config.schema import RunConfig
+from tests.integration.megatron_cpu import run_ranks
+from tests.integration.test_megatron_pipeline import (  # noqa: F401 (four_layers: a fixture)
+    LR,
+    ROWS,
+    STEPS,
+    _run_scheduled,
+    four_layers,
+)
+from tests.integration.test_megatron_resume import _config, _resume
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core (pip install 'reroll[megatron]')",
+)
+
+
+@pytest.mark.long  # 2 + 2 + 1 spawned ranks importing megatron-core: 35 s on 2 CPU cores (4 + 4 + 1: about 2
+# minutes); the CI siblings are tests/unit/test_megatron_convert.py's virtual pipeline tests
+@pytest.mark.parametrize("world_size", [2, 4], ids=["pp2", "pp2-dp2"])
+def test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank(tmp_path, four_layers, world_size):  # noqa: F811
+    """PP=2 x VPP=2 against PP=2 (both scheduled: one-row micro-batches, four a rank, or two at two
+    data-parallel ranks a stage, whose distributed optimizer shards every chunk's state; the last stage
+    computing its pipeline group's losses) and against one rank taking the 8 rows one after the other.
+
+    Against PP=2: every micro-batch's group rows cross the same layers in the same shapes (a chunk is a
+    run of whole layers, its output sent on exactly, each micro-batch at its own shape: ``known_shapes_exchange``),
+    each rank's loss is the same function of the same logits, and each weight's gradient accumulates
+    over the micro-batches in the same order (the interleaved schedule runs every chunk's micro-batches
+    in order, forward and backward; the tied embedding's two copies, on stage 0's chunk 0 and stage 1's
+    chunk 1, are summed by ``finalize_model_grads`` as at PP=2): the first step's losses bit for bit,
+    and the gradients. The gradient norm's squares are summed per stage over other layers ({0, 2} and
+    {1, 3} against {0, 1} and {2, 3}): within rel 1e-5 (fp32 sums); it scales every gradient alike when
+    clipping, which Adam's m / sqrt(v) cancels but for its eps, so the weights move apart by a few ulps a
+    step (``test_megatron_pipeline``'s PP=2 test argues the bound): within 1e-6 after two, the later
+    losses within rel 1e-5 and the log-probs after the steps within 1e-5.
+
+    Against one rank: the stages run two rows together where the one rank runs one, so sums are split
+    differently; the bounds are ``test_megatron_pipeline.assert_train_as_one``'s: losses (fp32 sums of
+    ~200 terms) and the clipped gradient norm within rel 1e-5, log-probs within 1e-5, and weights within
+    2 * lr * steps (Adam can turn rounding in a near-zero gradient into a step of up to lr). Measured:
+    norms to 5e-8, later losses to 1e-7, log-probs to 5e-7, weights to 2.5e-7 (PP=2) and 3.3e-6 (one
+    rank)."""
+    from tests.integration.test_megatron_pipeline import _scheduled_rank
+
+    interleaved = _run_scheduled(
+        tmp_path, four_layers, world_size, True, "pipeline_parallel=2", "virtual_pipeline=2"
+    )
+    (tmp_path / "plain").mkdir()
+    plain = _run_scheduled(tmp_path / "plain", four_layers, world_size, True, "pipeline_parallel=2")
+    (tmp_path / "one").mkdir()
+    (one,) = run_ranks(_scheduled_rank, 1, tmp_path / "one", str(four_layers), [], False)
+    assert all(r["schedules"] == [False] * STEPS + [True] for r in interleaved)  # each step, then the scores
+    assert one["steps"][0][1] > 1.0  # the clip acted
+    assert all("model.layers.2.mlp.down_proj.weight" in r["weights"] for r in interleaved)  # chunk 1 of 0
+    for a, b in zip(plain, interleaved):
+        assert len(b["steps"][0][0]) == ROWS // world_size  # every micro-batch's record came back
+        assert a["steps"][0][0] == b["steps"][0][0]  # the first step's losses
+        for (losses, norm), (their_losses, their_norm) in zip(a["steps"], b["steps"]):
+            assert their_losses == pytest.approx(losses, rel=1e-5)
+            assert their_norm == pytest.approx(norm, rel=1e-5)
+        torch.testing.assert_close(b["scored"], a["scored"], atol=1e-5, rtol=0)
+        for name, w in a["weights"].items():
+            torch.testing.assert_close(b["weights"][name], w, atol=1e-6, rtol=0)
+    for step, (losses, norm) in enumerate(one["steps"]):
+        assert sum(sum(r["steps"][step][0]) for r in interleaved) == pytest.approx(sum(losses), rel=1e-5)
+        assert all(r["steps"][step][1] == pytest.approx(norm, rel=1e-5) for r in interleaved)
+    joined = torch.cat([r["scored"] for r in interleaved])
+    torch.testing.assert_close(joined, one["scored"], atol=1e-5, rtol=0)
+    for name, w in one["weights"].items():
+        assert all(torch.equal(interleaved[0]["weights"][name], r["weights"][name]) for r in interleaved), (
+            name
+        )
+        torch.testing.assert_close(interleaved[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
+
+
+VPP2 = ["pipeline_parallel=2", "virtual_pipeline=2"]
+
+
+@pytest.mark.long  # two spawned ranks and one: about 40 s each on 2 CPU cores
+@pytest.mark.parametrize(
+    ("saving", "resuming"), [((2, VPP2), (1, [])), ((1, []), (2, VPP2))], ids=["vpp2-to-1", "1-to-vpp2"]
+)
+def test_a_checkpoint_moves_between_two_stages_of_two_chunks_and_one_rank(tmp_path, saving, resuming):
+    """A tied bf16 model saved after two steps at PP=2 x VPP=2 (each rank's one micro-batch and a filler:
+    the interleaved schedule runs at least pipeline_parallel micro-batches) resumes on one rank, and the
+    other way: the optimizer state loaded is what was saved, bit for bit (every model chunk's share of
+    it written and read in the layout-free form), and the next step matches the uninterrupted run's
+    within ``check_step``'s bound (``test_megatron_resume``)."""
+    _resume(tmp_path, _config(tmp_path), saving, resuming)
+    saved_at = json.loads((tmp_path / "save" / "ck" / "optimizer" / "state.json").read_text())["saved_at"]
+    assert saved_at["virtual_pipeline"] == (2 if saving[0] == 2 else 1)
+
+
+@pytest.mark.long  # 2 x 2 spawned ranks: 25 s on 2 CPU cores
+def test_trainer_workers_on_two_stages_of_two_chunks_train_as_on_two_stages(tmp_path, assets, four_layers):  # noqa: F811
+    """The path a run takes: two actor_train ``TrainerWorker`` ranks, each given half of 10 rows in
+    micro-batches of 2 rows (3 a rank: the interleaved schedule's groups of 3), a log-prob pass, an SFT
+    step and an RL step, at PP=2 x VPP=2 against PP=2. As in
+    ``test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank``: the log-prob pass and the SFT
+    step's loss (before any step) bit for bit, every other metric (but the throughput) within rel 1e-5
+    (abs 1e-6 for those near zero), weights within 1e-6."""
+    from reroll.data.datasets import load_samples
+    from reroll.models.loading import load_tokenizer
+    from reroll.pipelines.common import sft_batch
+    from tests.integration.test_megatron_pipeline import _worker_rank
+
+    samples = load_samples([str(assets["train"])], template="{question}=")[:10]
+    tokenizer = load_tokenizer(str(load_config(four_layers, RunConfig).model.path))
+    batch = sft_batch(samples, tokenizer, "{answer}")
+    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    batch.advantages *= batch.response_mask
+    runs = {}
+    for name, more in (("plain", []), ("interleaved", ["strategy.megatron.virtual_pipeline=2"])):
+        (tmp_path / name).mkdir()
+        runs[name] = run_ranks(_worker_rank, 2, tmp_path / name, str(four_layers), batch, True, more)
+    assert all(r["schedules"] == [True, False, False] for r in runs["interleaved"])  # log-probs, SFT, RL
+    for a, b in zip(runs["plain"], runs["interleaved"]):
+        assert (a["logprobs"] != 0).sum() > 5
+        assert torch.equal(b["logprobs"], a["logprobs"])
+        assert b["sft"]["sft/loss"] == a["sft"]["sft/loss"]
+        for key, prefix in (("sft", "sft"), ("rl", "actor")):
+            assert a[key][f"{prefix}/loss"] != 0
+            for metric, value in a[key].items():
+                if metric != "train/tokens_per_s":
+                    assert b[key][metric] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, metric)
+        for name, w in a["weights"].items():
+            torch.testing.assert_close(b["weights"][name], w, atol=1e-6, rtol=0)
+
+
+def _counts_rank(
+    rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str], counts: list[int]
+) -> None:
+    """For each of ``counts``: that many micro-batches on this rank (of one or two rows, different widths),
+    through ``train_micro_batches`` (no optimizer step: the weights stay) and ``score_micro_batches``;
+    saves each count's losses and log-probs."""
+    from tests.integration.test_megatron_pipeline import _megatron_rank, _Rows
+
+    s, ids, mask, n_tokens = _megatron_rank(rank, world_size, address, cfg_path, sizes)
+
+    def loss_of(mb: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = s.logits(mb.input_ids, mb.attention_mask)
+        loss = -(token_logprobs(logits, mb.input_ids) * mb.attention_mask).sum() / n_tokens
+        return loss, loss.detach()
+
+    def scored(mb: _Rows) -> torch.Tensor:
+        return token_logprobs(s.logits(mb.input_ids, mb.attention_mask), mb.input_ids) * mb.attention_mask
+
+    saved = {}
+    for count in counts:
+        mbs = []
+        for j in range(count):
+            picked = [(rank * 5 + j * 3 + k) % ROWS for k in range(1 + j % 2)]  # 1 or 2 rows
+            width = int(mask[picked].sum(-1).max())
+            mbs.append(_Rows(ids[picked, :width], mask[picked, :width]))
+        losses = [float(v) for v in s.train_micro_batches(mbs, loss_of)]
+        with torch.no_grad():
+            saved[count] = (losses, [x.cpu() for x in s.score_micro_batches(mbs, scored)])
+    torch.save(saved, f"{out}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def eight_layers(tmp_path_factory) -> Path:
+    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
+    from reroll.models.tiny import build_tiny_model
+    from tests.conftest import write_config
+
+    root = tmp_path_factory.mktemp("pp4")
+    model = build_tiny_model(
+        root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=8, num_heads=2
+    )
+    data = root / "rows.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    assets = {"model": Path(model), "train": data, "test": data}
+    return write_config(root / "c.yaml", assets, model={"path": str(model), "dtype": "float32"})
+
+
+@pytest.mark.long  # 2 x 2 spawned ranks: 25 s on 2 CPU cores; 2 x 4 ranks: minutes each
+@pytest.mark.parametrize(
+    ("model", "sizes"),
+    [
+        ("four_layers", ("pipeline_parallel=2",)),
+        ("four_layers", ("pipeline_parallel=2", "tensor_parallel=2", "sequence_parallel=true")),
+        ("eight_layers", ("pipeline_parallel=4",)),
+    ],
+    ids=["pp2", "pp2-tp2-sp", "pp4"],
+)
+def test_any_count_of_micro_batches_runs_interleaved_as_without(tmp_path, request, model, sizes):
+    """1 (fillers beside it), 2, 3, 5 and 7 micro-batches a rank, of different rows and widths, at two
+    model chunks a stage against one: the interleaved schedule's groups (``interleaved_group``; at PP=2:
+    2, 2, 3, 3 and 4) and the shape of every tensor a stage receives (``received_micro_batches``: at
+    PP=2 a stage's previous and next are one rank, at PP=4 not; under sequence parallelism a TP rank's
+    slice of the sequence) hold for each count, forward and backward: the losses of a training pass and
+    the log-probs of a forward-only one equal the plain schedule's bit for bit (the same layers, on the
+    same rows in the same shapes; no optimizer step between)."""
+    counts = [1, 2, 3, 5, 7]
+    cfg_path = request.getfixturevalue(model)
+    world_size = 4 if len(sizes) > 1 or model == "eight_layers" else 2
+    runs = {}
+    for name, more in (("plain", []), ("interleaved", ["virtual_pipeline=2"])):
+        (tmp_path / name).mkdir()
+        overrides = [f"strategy.megatron.{s}" for s in (*sizes, *more)]
+        runs[name] = run_ranks(_counts_rank, world_size, tmp_path / name, str(cfg_path), overrides, counts)
+    for a, b in zip(runs["plain"], runs["interleaved"]):
+        for count in counts:
+            assert len(b[count][0]) == len(b[count][1]) == count  # the fillers' results dropped
+            assert a[count][0] == b[count][0], count
+            assert all(torch.equal(x, y) for x, y in zip(a[count][1], b[count][1])), count
