@@ -210,7 +210,7 @@ def run_schedule(
     group_rows: list[GroupRows],
     batches: Sequence[Any],
     fn: Callable[[Any], Any],
-    stage_forward: Callable[[GroupRows, int], torch.Tensor],
+    stage_forward: Callable[[GroupRows, int, int], torch.Tensor],
     hand: Callable[[Callable[[torch.Tensor], torch.Tensor] | None], None],
     *,
     forward_only: bool,
@@ -218,7 +218,8 @@ def run_schedule(
 ) -> list[Any]:
     """``fn`` of this rank's micro-batches ``batches`` (``group_rows``: the group's rows of each), the
     stages running them by Megatron-Core's 1F1B schedule, interleaved over the model chunks ``models``
-    where a stage holds more than one (``stage_forward(rows, chunk)``: chunk ``chunk``'s output); its
+    where a stage holds more than one (``stage_forward(rows, i, chunk)``: chunk ``chunk``'s output for
+    micro-batch ``i``, of rows ``rows``); its
     results in order: each micro-batch's record (training: ``fn(mb) -> (loss, record)``, the loss
     backpropagated) or output (``forward_only``).
 
@@ -239,7 +240,7 @@ def run_schedule(
 
     def step(data: Iterator[tuple[int, int]], chunk_model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         chunk, i = next(data)
-        return stage_forward(group_rows[i], chunk), partial(_loss, i)
+        return stage_forward(group_rows[i], i, chunk), partial(_loss, i)
 
     def _loss(i: int, logits: torch.Tensor, non_loss_data: bool = False) -> Any:
         assert members is not None  # the last stage('s last chunk)

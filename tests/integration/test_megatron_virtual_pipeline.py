@@ -23,12 +23,13 @@ from reroll.algorithms.logprobs import token_logprobs
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
 from tests.integration.megatron_cpu import run_ranks
-from tests.integration.test_megatron_pipeline import (  # noqa: F401 (four_layers: a fixture)
+from tests.integration.test_megatron_pipeline import (  # noqa: F401 (four_layers, small_moe: fixtures)
     LR,
     ROWS,
     STEPS,
     _run_scheduled,
     four_layers,
+    small_moe,
 )
 from tests.integration.test_megatron_resume import _config, _resume
 
@@ -95,6 +96,45 @@ def test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank(tmp_path, 
             name
         )
         torch.testing.assert_close(interleaved[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
+
+
+@pytest.mark.long  # 2 x 2 spawned ranks of a mixture of experts: about a minute and a half on 2 CPU cores
+def test_a_mixture_of_experts_on_two_stages_of_two_chunks_trains_as_on_two_stages(tmp_path, small_moe):  # noqa: F811
+    """A Qwen3-MoE at PP=2 x VPP=2 against PP=2, both scheduled (one-row micro-batches, four a rank) with
+    the router's load-balancing term (coef 0.1): each model chunk attaches its routers' part to its
+    output and gets the other chunks' and stage's top-k counts by the all-gathers started after each
+    chunk's forward, waited for in the micro-batch's backward (``ScheduledRouting``).
+
+    The forward is the plain schedule's (the same layers on the same rows in the same shapes), and so are
+    the top-k counts of every layer (integers, exact in fp32; joined in the model's layer order:
+    ``layer_runs``), hence ``f`` and the gradient given to each router's probabilities (a constant per
+    member and expert, whichever chunk holds the layer): the first step's losses and experts' load bit
+    for bit. The router loss's ``P`` is summed per chunk then over chunks and stages, where PP=2 sums
+    per stage ({0, 2} and {1, 3} against {0, 1} and {2, 3}), and the gradient norm's squares likewise:
+    fp32 sums of a few hundred terms in another order, within rel 1e-5. From the second step the
+    tolerances are ``test_megatron_pipeline``'s for a mixture of experts on stages: losses, norms and the
+    router's mean loss within rel 1e-5 (a top-k choice flips only at a near tie), weights within 2 * lr *
+    steps (Adam can turn rounding in a near-zero gradient into a step of up to lr)."""
+    interleaved = _run_scheduled(tmp_path, small_moe, 2, True, *VPP2)
+    (tmp_path / "plain").mkdir()
+    plain = _run_scheduled(tmp_path / "plain", small_moe, 2, True, "pipeline_parallel=2")
+    assert all(r["schedules"] == [False] * STEPS + [True] for r in interleaved)  # each step, then the scores
+    assert all("model.layers.2.mlp.gate.weight" in r["weights"] for r in interleaved)
+    for a, b in zip(plain, interleaved):
+        assert a["metrics"][0]["actor/router_aux_loss"] > 0  # the term ran, on every rank
+        assert a["metrics"][0]["actor/router_aux_coef"] == b["metrics"][0]["actor/router_aux_coef"] == 0.1
+        assert a["steps"][0][0] == b["steps"][0][0]  # the first step's losses
+        load = [k for k in a["metrics"][0] if k.startswith("actor/expert_load")]
+        assert len(load) == 3 and all(a["metrics"][0][k] == b["metrics"][0][k] for k in load)
+        for step, ((losses, norm), (their_losses, their_norm)) in enumerate(zip(a["steps"], b["steps"])):
+            assert their_losses == pytest.approx(losses, rel=1e-5)
+            assert their_norm == pytest.approx(norm, rel=1e-5)
+            aux = a["metrics"][step]["actor/router_aux_loss"]
+            assert b["metrics"][step]["actor/router_aux_loss"] == pytest.approx(aux, rel=1e-5)
+        torch.testing.assert_close(b["scored"], a["scored"], atol=1e-5, rtol=0)
+        for name, w in a["weights"].items():
+            assert torch.equal(interleaved[0]["weights"][name], b["weights"][name]), name
+            torch.testing.assert_close(b["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
 
 
 VPP2 = ["pipeline_parallel=2", "virtual_pipeline=2"]
