@@ -13,8 +13,8 @@ Sequence parallelism runs on Transformer Engine's layer spec or on Megatron-Core
 take a rank's slice of the sequence (``reroll.strategies.megatron_spec``); with context parallelism a
 rank's columns are scattered again over its TP ranks, rows padded to a multiple of ``context_parallel x
 tensor_parallel`` (``_padded``). A Qwen3-MoE (on pipeline
-stages too; at tensor_parallel > 1 with sequence parallelism, its experts split over the TP ranks as the
-dense MLP) spreads its experts over groups of
+stages too, and their model chunks under a virtual pipeline; at tensor_parallel > 1 with sequence
+parallelism, its experts split over the TP ranks as the dense MLP) spreads its experts over groups of
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
 to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
 logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face

@@ -18,7 +18,9 @@ the ranks' parts), so each rank backpropagates the part ``E * sum_e f_e * P_e`` 
 columns (``f`` fixed: it has no gradient), weighted by each member's share of the step; the members'
 losses and loads are reported to their own ranks. Where the pipeline schedule runs a step's micro-batches
 (``megatron_pipeline.run_schedule``), each stage adds its part itself, attached to its output, the other
-stages' counts gathered while the schedule goes on (``ScheduledRouting``).
+stages' counts gathered while the schedule goes on (``ScheduledRouting``); under a virtual pipeline each
+model chunk of a stage adds its part, every chunk's counts joined in the model's layer order
+(``layer_runs``).
 """
 
 from __future__ import annotations

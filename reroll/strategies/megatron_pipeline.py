@@ -57,10 +57,12 @@ same order as at ``vp = 1``, so the first step's losses equal the plain schedule
 rest within rounding (the gradient norm's sums per stage); ``tests/integration/
 test_megatron_virtual_pipeline.py``. Under a virtual pipeline the model runs only scheduled:
 ``logits`` one call at a time is refused (a ``UserError``); context parallelism (which is not scheduled)
-and a mixture of experts (its router loss pools each stage's consecutive layers once a micro-batch) are
-refused before anything starts (``reroll.config.startable``). Left: a mixture of experts' routing over
-the chunks, context parallelism under the schedule, the uneven first and last stages Megatron-Core
-allows with chunks, Megatron-Core's overlapped exchange (``overlap_p2p_comm``), and a run on GPUs.
+is refused before anything starts (``reroll.config.startable``). A mixture of experts' router term pools
+every chunk of every stage: each chunk adds its part to its output, its top-k counts gathered after its
+forward (``megatron_moe.ScheduledRouting``, told the micro-batch and chunk), so it trains as at
+``vp = 1`` (the first step bit for bit). Left: context parallelism under the schedule, the uneven first
+and last stages Megatron-Core allows with chunks, Megatron-Core's overlapped exchange
+(``overlap_p2p_comm``), and a run on GPUs.
 """
 
 from __future__ import annotations
