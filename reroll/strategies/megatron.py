@@ -662,9 +662,9 @@ class MegatronStrategy(MicroBatchLoop):
         router: RouterLoss | None = None,
     ) -> list[Record]:
         """Pipeline stages run a step's micro-batches by a 1F1B schedule where they can
-        (``_schedules``), the last stage computing every rank's loss, each stage adding its routers' part
-        of a mixture of experts' ``router`` term (``megatron_moe.ScheduledRouting``); else one after the
-        other."""
+        (``_schedules``), the last stage computing every rank's loss, each stage (each of its model
+        chunks) adding its routers' part of a mixture of experts' ``router`` term
+        (``megatron_moe.ScheduledRouting``); else one after the other."""
         if not self._schedules(batches):
             return super().train_micro_batches(batches, loss_of, router)
         if self.optimizer is None:

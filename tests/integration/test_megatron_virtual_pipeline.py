@@ -98,14 +98,25 @@ def test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank(tmp_path, 
         torch.testing.assert_close(interleaved[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
 
 
-@pytest.mark.long  # 2 x 2 spawned ranks of a mixture of experts: about 25 s on 2 CPU cores
-@pytest.mark.parametrize("rows", [1, 4], ids=["four-a-rank", "one-a-rank-and-a-filler"])
-def test_a_mixture_of_experts_on_two_stages_of_two_chunks_trains_as_on_two_stages(tmp_path, small_moe, rows):  # noqa: F811
+@pytest.mark.long  # 2 x 2 spawned ranks of a mixture of experts: about 25 s on 2 CPU cores; 2 x 4: minutes
+@pytest.mark.parametrize(
+    ("sizes", "rows"),
+    [((), 1), ((), 4), (("tensor_parallel=2", "sequence_parallel=true"), 1)],
+    ids=["pp2", "pp2-one-and-a-filler", "pp2-tp2-sp"],
+)
+def test_a_mixture_of_experts_on_two_stages_of_two_chunks_trains_as_on_two_stages(
+    tmp_path,
+    small_moe,  # noqa: F811
+    sizes,
+    rows,
+):
     """A Qwen3-MoE at PP=2 x VPP=2 against PP=2, both scheduled (four one-row micro-batches a rank, or one
     of four rows, which the interleaved schedule runs beside a one-token filler: without the router
-    term) with the router's load-balancing term (coef 0.1): each model chunk attaches its routers' part
-    to its output and gets the other chunks' and stage's top-k counts by the all-gathers started after
-    each chunk's forward, waited for in the micro-batch's backward (``ScheduledRouting``).
+    term; at TP=2 with sequence parallelism two one-row micro-batches a rank, each TP rank routing its
+    half of every row, the TP ranks' parts summed at once) with the router's load-balancing term (coef
+    0.1): each model chunk attaches its routers' part to its output and gets the other chunks' and
+    stage's top-k counts by the all-gathers started after each chunk's forward, waited for in the
+    micro-batch's backward (``ScheduledRouting``).
 
     The forward is the plain schedule's (the same layers on the same rows in the same shapes), and so are
     the top-k counts of every layer (integers, exact in fp32; joined in the model's layer order:
@@ -119,15 +130,18 @@ def test_a_mixture_of_experts_on_two_stages_of_two_chunks_trains_as_on_two_stage
     steps (Adam can turn rounding in a near-zero gradient into a step of up to lr). The norm checks the
     routers' gradient: with one chunk's part left out it moved by rel 4e-4 (measured), and the second
     step's router loss by 3e-3."""
-    interleaved = _run_scheduled(tmp_path, small_moe, 2, True, *VPP2, rows=rows)
+    world_size = 4 if sizes else 2
+    interleaved = _run_scheduled(tmp_path, small_moe, world_size, True, *VPP2, *sizes, rows=rows)
     (tmp_path / "plain").mkdir()
-    plain = _run_scheduled(tmp_path / "plain", small_moe, 2, True, "pipeline_parallel=2", rows=rows)
+    plain = _run_scheduled(
+        tmp_path / "plain", small_moe, world_size, True, "pipeline_parallel=2", *sizes, rows=rows
+    )
     assert all(r["schedules"] == [False] * STEPS + [True] for r in interleaved)  # each step, then the scores
     assert all("model.layers.2.mlp.gate.weight" in r["weights"] for r in interleaved)
     for a, b in zip(plain, interleaved):
         assert a["metrics"][0]["actor/router_aux_loss"] > 0  # the term ran, on every rank
         assert a["metrics"][0]["actor/router_aux_coef"] == b["metrics"][0]["actor/router_aux_coef"] == 0.1
-        assert len(b["steps"][0][0]) == ROWS // 2 // rows  # every micro-batch's record, no filler's
+        assert len(b["steps"][0][0]) == ROWS // world_size // rows  # every micro-batch's, no filler's
         assert a["steps"][0][0] == b["steps"][0][0]  # the first step's losses
         load = [k for k in a["metrics"][0] if k.startswith("actor/expert_load")]
         assert len(load) == 3 and all(a["metrics"][0][k] == b["metrics"][0][k] for k in load)
