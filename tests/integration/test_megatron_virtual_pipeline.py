@@ -98,7 +98,7 @@ def test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank(tmp_path, 
         torch.testing.assert_close(interleaved[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
 
 
-@pytest.mark.long  # 2 x 2 spawned ranks of a mixture of experts: about 25 s on 2 CPU cores; 2 x 4: minutes
+@pytest.mark.long  # 2 x 2 spawned ranks of a mixture of experts: about 25 s on 2 CPU cores; 2 x 4: about 40 s
 @pytest.mark.parametrize(
     ("sizes", "rows"),
     [((), 1), ((), 4), (("tensor_parallel=2", "sequence_parallel=true"), 1)],
