@@ -177,9 +177,9 @@ def virtual_pipeline_problems(num_layers: int | None, pp: int, vp: int) -> list[
 
 def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
     """What the Megatron strategy cannot do with the model of config ``c`` under ``m``'s sizes: pipeline
-    stages (and their model chunks) need an even share of the layers, a virtual pipeline a dense model, expert parallelism needs experts, and a mixture of experts
-    at tensor_parallel > 1 needs sequence parallelism (Megatron-Core's MoE layer refuses to train
-    without it)."""
+    stages (and their model chunks) need an even share of the layers, expert parallelism needs experts,
+    and a mixture of experts at tensor_parallel > 1 needs sequence parallelism (Megatron-Core's MoE layer
+    refuses to train without it)."""
     kind = getattr(c, "model_type", None)
     moe = kind == "qwen3_moe"
     experts = int(getattr(c, "num_experts", 0) or 0) if moe else 0  # 0 also where only the name is known
@@ -190,12 +190,6 @@ def megatron_moe_problems(c: Any, m: MegatronConfig) -> list[str]:
         problems.append(pipeline_split_problem(layers, m.pipeline_parallel))
     if layers and m.pipeline_parallel > 1:  # at pipeline_parallel 1: megatron_parallel_problems'
         problems += virtual_pipeline_problems(layers, m.pipeline_parallel, vp)
-    if moe and vp > 1:
-        problems.append(
-            f"strategy.megatron.virtual_pipeline ({vp}) with a mixture-of-experts model: its router's "
-            "load-balancing loss pools every stage's layers once a micro-batch, which the interleaved "
-            "schedule's model chunks do not (yet); set virtual_pipeline to 1"
-        )
     if m.expert_parallel > 1 and kind in MEGATRON_MODEL_TYPES and not moe:
         problems.append(
             f"strategy.megatron.expert_parallel={m.expert_parallel} needs a mixture-of-experts model; "

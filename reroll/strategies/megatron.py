@@ -13,8 +13,8 @@ Sequence parallelism runs on Transformer Engine's layer spec or on Megatron-Core
 take a rank's slice of the sequence (``reroll.strategies.megatron_spec``); with context parallelism a
 rank's columns are scattered again over its TP ranks, rows padded to a multiple of ``context_parallel x
 tensor_parallel`` (``_padded``). A Qwen3-MoE (on pipeline
-stages too; at tensor_parallel > 1 with sequence parallelism, its experts split over the TP ranks as the
-dense MLP) spreads its experts over groups of
+stages too, and their model chunks under a virtual pipeline; at tensor_parallel > 1 with sequence
+parallelism, its experts split over the TP ranks as the dense MLP) spreads its experts over groups of
 ``expert_parallel`` of the data-parallel ranks (Megatron-Core's expert-model-parallel groups); tokens go
 to their experts' rank by all-to-all, and the trainer adds the router's load-balancing loss from the
 logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights come from the Hugging Face
@@ -387,8 +387,9 @@ class MegatronStrategy(MicroBatchLoop):
         for module in self.chunks:
             module.requires_grad_(self.trainable)
             module.train(self.trainable)
-        if self.shape.num_experts and self.trainable:  # one chunk: a virtual pipeline refuses experts
-            self.moe_routers = MegatronRouters(self.chunks[0], self.shape, self.hf_config, self._row_split())
+        if self.shape.num_experts and self.trainable:  # every model chunk's routers
+            chunks = torch.nn.ModuleList(self.chunks)
+            self.moe_routers = MegatronRouters(chunks, self.shape, self.hf_config, self._row_split())
         self.models = list(self.chunks)
         if self.trainable:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -661,9 +662,9 @@ class MegatronStrategy(MicroBatchLoop):
         router: RouterLoss | None = None,
     ) -> list[Record]:
         """Pipeline stages run a step's micro-batches by a 1F1B schedule where they can
-        (``_schedules``), the last stage computing every rank's loss, each stage adding its routers' part
-        of a mixture of experts' ``router`` term (``megatron_moe.ScheduledRouting``); else one after the
-        other."""
+        (``_schedules``), the last stage computing every rank's loss, each stage (each of its model
+        chunks) adding its routers' part of a mixture of experts' ``router`` term
+        (``megatron_moe.ScheduledRouting``); else one after the other."""
         if not self._schedules(batches):
             return super().train_micro_batches(batches, loss_of, router)
         if self.optimizer is None:
@@ -677,7 +678,7 @@ class MegatronStrategy(MicroBatchLoop):
             shares = [torch.empty_like(mine) for _ in range(dist.get_world_size(members))]
             dist.all_gather(shares, mine, group=members)
             routing = ScheduledRouting(
-                self.moe_routers, router.routing, torch.stack(shares), list(router.shares)
+                self.moe_routers, router.routing, torch.stack(shares), list(router.shares), self.vp
             )
         records = self._schedule(batches, loss_of, forward_only=False, routing=routing)
         if routing is not None:
@@ -746,18 +747,19 @@ class MegatronStrategy(MicroBatchLoop):
         return seq, ids.shape[0], self.shape.hidden_size
 
     def _stage_forward(
-        self, g: GroupRows, chunk: int = 0, routing: ScheduledRouting | None = None
+        self, g: GroupRows, i: int, chunk: int = 0, routing: ScheduledRouting | None = None
     ) -> torch.Tensor:
-        """Model chunk ``chunk``'s output for the group's rows ``g`` under the schedule: the hidden states
-        it sends on, or the last stage's last chunk's ``(rows, t, V)`` logits, their gradient summed over
-        the TP group (as the ``logits`` of a TP group's rows); ``routing``: with its routers' term
-        attached."""
+        """Model chunk ``chunk``'s output for the group's rows ``g`` (micro-batch ``i``) under the
+        schedule: the hidden states it sends on, or the last stage's last chunk's ``(rows, t, V)`` logits,
+        their gradient summed over the TP group (as the ``logits`` of a TP group's rows); ``routing``:
+        with its routers' term attached."""
         assert self.pipe is not None
         run = partial(self.models[chunk], g.ids, g.positions, g.causal)
         if routing is None:
             out = run()
         else:  # the routers told of the forward as ``logits`` tells them
-            out = routing.forward(partial(self._start_routing, g.mask, g.ids.shape[1], g.rows_of), run)
+            start = partial(self._start_routing, g.mask, g.ids.shape[1], g.rows_of)
+            out = routing.forward(i, chunk, start, run)
         if not (self.pipe.last and chunk == self.vp - 1):
             return out
         out = out[:, : g.t, : self.shape.vocab_size].to(DTYPES[self.dtype])

@@ -18,7 +18,9 @@ the ranks' parts), so each rank backpropagates the part ``E * sum_e f_e * P_e`` 
 columns (``f`` fixed: it has no gradient), weighted by each member's share of the step; the members'
 losses and loads are reported to their own ranks. Where the pipeline schedule runs a step's micro-batches
 (``megatron_pipeline.run_schedule``), each stage adds its part itself, attached to its output, the other
-stages' counts gathered while the schedule goes on (``ScheduledRouting``).
+stages' counts gathered while the schedule goes on (``ScheduledRouting``); under a virtual pipeline each
+model chunk of a stage adds its part, every chunk's counts joined in the model's layer order
+(``layer_runs``).
 """
 
 from __future__ import annotations
@@ -229,36 +231,59 @@ def gather_experts(
     return mc.merge_experts(shards)
 
 
+def layer_runs(num_layers: int, pp: int, vp: int = 1) -> list[tuple[int, int]]:
+    """The ``(stage, model chunk)`` of each run of consecutive decoder layers over ``pp`` stages of ``vp``
+    chunks each, in the model's order (where ``mc.virtual_stage_layers`` puts them): at ``vp = 1`` the
+    stages in order; under a virtual pipeline every stage's chunk 0, then every stage's chunk 1, ..."""
+    held = [(p, c) for p in range(pp) for c in range(vp)]
+    return sorted(held, key=lambda pc: mc.virtual_stage_layers(num_layers, pc[0], pp, vp, pc[1]).start)
+
+
 class ScheduledRouting:
     """The router term of a step whose micro-batches the pipeline schedule runs
     (``megatron_pipeline.run_schedule``): each stage adds its routers' part itself, as ``SplitRouted.term``
     computes it inside a rank's loss without the schedule, with the same arithmetic.
 
-    Each micro-batch's forward through the stage records its routers' logits (``forward``); the stage's
-    part of every member's share-weighted term, ``sum_m share_m E f_m . P_m / real_m``, is attached to the
-    stage's output (``_RouterGrad``), its gradient given in that micro-batch's backward: ``f`` (top-k
-    counts over every layer, no gradient) comes from the other stages by an all-gather started after the
-    forward and waited for there (every stage's forward of a micro-batch precedes any stage's backward of
-    it). The column ranks (TP under sequence parallelism) sum their parts at once, as they run in step.
-    ``finish`` gives the step's ``StepRouting`` this rank's statistics, micro-batch by micro-batch.
-    ``shares``: ``(M, m)``, each member's micro-batches' shares of the step (fp32, as ``SplitRouted.term``
-    gathers them), ``own_shares`` this rank's as given."""
+    Each micro-batch's forward through a model chunk of the stage (one but under a virtual pipeline:
+    ``chunks``) records its routers' logits (``forward``); the chunk's part of every member's
+    share-weighted term, ``sum_m share_m E f_m . P_m / real_m``, is attached to the chunk's output
+    (``_RouterGrad``), its gradient given in that micro-batch's backward through the chunk: ``f`` (top-k
+    counts over every layer of every chunk of every stage, no gradient) comes from the other stages by an
+    all-gather started after each chunk's forward and waited for there (every forward of a micro-batch,
+    each chunk's on each stage, precedes any backward of it; every stage runs the forwards in one order,
+    so the all-gathers pair). The column ranks (TP under sequence parallelism) sum their parts at once,
+    as they run in step. ``finish`` gives the step's ``StepRouting`` this rank's statistics, micro-batch
+    by micro-batch, the layers' counts joined in the model's order (``layer_runs``). ``shares``: ``(M,
+    m)``, each member's micro-batches' shares of the step (fp32, as ``SplitRouted.term`` gathers them),
+    ``own_shares`` this rank's as given; micro-batches past them (the interleaved schedule's
+    ``fillers``) run without the term."""
 
     def __init__(
-        self, routers: MegatronRouters, routing: Any, shares: torch.Tensor, own_shares: list[float]
+        self,
+        routers: MegatronRouters,
+        routing: Any,
+        shares: torch.Tensor,
+        own_shares: list[float],
+        chunks: int = 1,
     ) -> None:
         split = routers.split
         assert split is not None and split.pipe is not None and split.members is not None
         self.routers, self.routing, self.shares, self.own_shares = routers, routing, shares, own_shares
         self.split, self.group = split, split.members  # not the stages' group: its point-to-point is busy
         self.stages = [dist.get_group_rank(split.members, rank) for rank in split.pipe.ranks]
-        self._pending: list[tuple[Any, list[torch.Tensor], torch.Size, torch.Tensor]] = []
+        self.runs = layer_runs(routers.num_layers, len(split.pipe.ranks), chunks)
+        self.chunks = chunks
+        # by (micro-batch, chunk): the all-gather of the counts and P's parts, its buffers, the counts' shape
+        self._pending: dict[tuple[int, int], tuple[Any, list[torch.Tensor], torch.Size]] = {}
+        self._real: dict[int, torch.Tensor] = {}  # by micro-batch: each member's token-layers (M,)
         self._done: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, start: Any, run: Any) -> torch.Tensor:
-        """``run()``, the stage's forward of the next micro-batch (``start()`` tells the routers it
-        begins), with the router term's gradient attached to its output."""
-        i, coef, top_k, split = len(self._pending), self.routing.coef, self.routers.top_k, self.split
+    def forward(self, i: int, chunk: int, start: Any, run: Any) -> torch.Tensor:
+        """``run()``, model chunk ``chunk``'s forward of micro-batch ``i`` (``start()`` tells the routers it
+        begins), with the router term's gradient attached to its output; a filler's alone."""
+        if i >= len(self.own_shares):
+            return run()
+        coef, top_k, split = self.routing.coef, self.routers.top_k, self.split
         with self.routers.capture() as routed:
             start()
             out = run()
@@ -266,36 +291,40 @@ class ScheduledRouting:
         members = range(len(routed.spans[0][1]))
         with contextlib.nullcontext() if coef else torch.no_grad():
             probs, counts, tokens, part_p = _column_sums(routed, top_k, split.columns)
-        real = tokens.clamp_min(1) * self.routers.num_layers  # (M,) token-layers
+        self._real[i] = tokens.clamp_min(1) * self.routers.num_layers  # (M,) token-layers
         packed = torch.cat([counts.reshape(len(members), -1), part_p], 1).contiguous()
         gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(self.group))]
-        self._pending.append(
-            (dist.all_gather(gathered, packed, group=self.group, async_op=True), gathered, counts.shape, real)
-        )
+        gathering = dist.all_gather(gathered, packed, group=self.group, async_op=True)
+        self._pending[i, chunk] = gathering, gathered, counts.shape
         if not coef:
             return out
         return _RouterGrad.apply(out, probs, partial(self._grad, i, probs))
 
     def _f(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Micro-batch ``i``'s ``(M, L, E)`` counts over every layer, ``f`` ``(M, E)`` and ``P`` summed over
-        the stages, once gathered."""
+        """Micro-batch ``i``'s ``(M, L, E)`` counts over every layer (in the model's order), ``f`` ``(M,
+        E)`` and ``P`` summed over the stages and chunks (in that order), once gathered."""
         if i not in self._done:
-            gathering, gathered, shape, real = self._pending[i]
-            gathering.wait()
-            size = shape[1] * shape[2]
-            stages = [gathered[g] for g in self.stages]
-            every_layer = torch.cat([s[:, :size].reshape(shape) for s in stages], 1)  # consecutive layers
-            total_p = stages[0][:, size:].clone()
-            for s in stages[1:]:
-                total_p += s[:, size:]
-            self._done[i] = every_layer, every_layer.sum(1) / real[:, None], total_p
+            for chunk in range(self.chunks):
+                self._pending[i, chunk][0].wait()
+            counts, parts = [], []
+            for stage, chunk in self.runs:
+                _, gathered, shape = self._pending[i, chunk]
+                size = shape[1] * shape[2]
+                mine = gathered[self.stages[stage]]
+                counts.append(mine[:, :size].reshape(shape))
+                parts.append(mine[:, size:])
+            every_layer = torch.cat(counts, 1)
+            total_p = parts[0].clone()
+            for part in parts[1:]:
+                total_p += part
+            self._done[i] = every_layer, every_layer.sum(1) / self._real[i][:, None], total_p
         return self._done[i]
 
     def _grad(self, i: int, probs: torch.Tensor) -> torch.Tensor:
-        """The gradient of ``coef`` times the rank's part of micro-batch ``i``'s term, by its probs, in the
-        order autograd takes it through ``SplitRouted.term``'s expression."""
+        """The gradient of ``coef`` times the chunk's part of micro-batch ``i``'s term, by its probs, in
+        the order autograd takes it through ``SplitRouted.term``'s expression."""
         _, f, _ = self._f(i)
-        real = self._pending[i][3]
+        real = self._real[i]
         shares = self.shares[:, i].to(probs.device, torch.float32)
         weights = shares[:, None] * probs.shape[-1] * f
         return torch.full_like(probs, self.routing.coef) / real[:, None] * weights
@@ -303,9 +332,9 @@ class ScheduledRouting:
     def finish(self) -> None:
         """This rank's statistics of every micro-batch into the step's ``StepRouting``, in order."""
         own = self.split.own
-        for i in range(len(self._pending)):
+        for i in range(len(self.own_shares)):
             every_layer, f, total_p = self._f(i)
-            real = self._pending[i][3]
+            real = self._real[i]
             aux = self.routers.experts * (f[own] * total_p[own] / real[own]).sum()
             self.routing.add(aux, self.own_shares[i], every_layer[own])
 

@@ -57,10 +57,12 @@ same order as at ``vp = 1``, so the first step's losses equal the plain schedule
 rest within rounding (the gradient norm's sums per stage); ``tests/integration/
 test_megatron_virtual_pipeline.py``. Under a virtual pipeline the model runs only scheduled:
 ``logits`` one call at a time is refused (a ``UserError``); context parallelism (which is not scheduled)
-and a mixture of experts (its router loss pools each stage's consecutive layers once a micro-batch) are
-refused before anything starts (``reroll.config.startable``). Left: a mixture of experts' routing over
-the chunks, context parallelism under the schedule, the uneven first and last stages Megatron-Core
-allows with chunks, Megatron-Core's overlapped exchange (``overlap_p2p_comm``), and a run on GPUs.
+is refused before anything starts (``reroll.config.startable``). A mixture of experts' router term pools
+every chunk of every stage: each chunk adds its part to its output, its top-k counts gathered after its
+forward (``megatron_moe.ScheduledRouting``, told the micro-batch and chunk), so it trains as at
+``vp = 1`` (the first step bit for bit). Left: context parallelism under the schedule, the uneven first
+and last stages Megatron-Core allows with chunks, Megatron-Core's overlapped exchange
+(``overlap_p2p_comm``), and a run on GPUs.
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ def run_schedule(
     group_rows: list[GroupRows],
     batches: Sequence[Any],
     fn: Callable[[Any], Any],
-    stage_forward: Callable[[GroupRows, int], torch.Tensor],
+    stage_forward: Callable[[GroupRows, int, int], torch.Tensor],
     hand: Callable[[Callable[[torch.Tensor], torch.Tensor] | None], None],
     *,
     forward_only: bool,
@@ -218,7 +220,8 @@ def run_schedule(
 ) -> list[Any]:
     """``fn`` of this rank's micro-batches ``batches`` (``group_rows``: the group's rows of each), the
     stages running them by Megatron-Core's 1F1B schedule, interleaved over the model chunks ``models``
-    where a stage holds more than one (``stage_forward(rows, chunk)``: chunk ``chunk``'s output); its
+    where a stage holds more than one (``stage_forward(rows, i, chunk)``: chunk ``chunk``'s output for
+    micro-batch ``i``, of rows ``rows``); its
     results in order: each micro-batch's record (training: ``fn(mb) -> (loss, record)``, the loss
     backpropagated) or output (``forward_only``).
 
@@ -239,7 +242,7 @@ def run_schedule(
 
     def step(data: Iterator[tuple[int, int]], chunk_model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         chunk, i = next(data)
-        return stage_forward(group_rows[i], chunk), partial(_loss, i)
+        return stage_forward(group_rows[i], i, chunk), partial(_loss, i)
 
     def _loss(i: int, logits: torch.Tensor, non_loss_data: bool = False) -> Any:
         assert members is not None  # the last stage('s last chunk)

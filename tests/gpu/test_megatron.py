@@ -677,7 +677,10 @@ def _moe2_rank(
     s.configure_optimizer(lr=1e-5, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
     mine = [n for n, _ in s.module.named_parameters() if n.startswith("decoder.layers.0.mlp.experts.")]
     layers = {n.split(".")[2] for n, _ in s.module.named_parameters() if n.startswith("decoder.layers.")}
-    if size == "expert_parallel=2":
+    if "virtual_pipeline=2" in size:  # two model chunks of one layer each, every expert in both
+        held = [n for n, _ in s.module.named_parameters() if ".mlp.experts." in n]
+        assert len(held) == 2 * 8 * 2 and len(s.moe_routers.modules) == 2, held
+    elif size == "expert_parallel=2":
         assert len(mine) == 4 * 2, mine  # this rank's 4 of the 8 experts, fc1 and fc2 each
     elif size.startswith("tensor_parallel=2"):  # every expert, each split over the TP ranks
         assert len(mine) == 8 * 2 and s.moe_routers.split.columns is not None, mine
@@ -763,6 +766,17 @@ def test_moe_pp2_scheduled_equals_torch_on_the_whole_batch(tmp_path, assets):
     (each stage adds its part; the top-k counts gathered over the stages on a second NCCL communicator
     while the schedule's point-to-point goes on: this checks it does not hang); same tolerances."""
     _moe_two_ranks_equal_torch(tmp_path, assets, "pipeline_parallel=2", scheduled=True)
+
+
+@pytest.mark.multigpu(gpus=2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two pipeline stages of a MoE need two GPUs")
+def test_moe_pp2_vpp2_scheduled_equals_torch_on_the_whole_batch(tmp_path, assets):
+    """As the scheduled PP=2 test, with two model chunks a stage (one layer each) run by the interleaved
+    schedule: each chunk adds its routers' part, the top-k counts of every chunk gathered after its
+    forward while the schedule's point-to-point goes on (this checks it does not hang over NCCL); one
+    micro-batch a rank, so the schedule runs a one-token filler beside it, without the router term; same
+    tolerances (on CPU over gloo it trains as PP=2: tests/integration/test_megatron_virtual_pipeline.py)."""
+    _moe_two_ranks_equal_torch(tmp_path, assets, "pipeline_parallel=2,virtual_pipeline=2", scheduled=True)
 
 
 @pytest.mark.multigpu(gpus=2)

@@ -261,10 +261,17 @@ class _Rows:
 
 
 def _scheduled_rank(
-    rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str], scheduled: bool
+    rank: int,
+    world_size: int,
+    address: str,
+    out: str,
+    cfg_path: str,
+    sizes: list[str],
+    scheduled: bool,
+    rows: int = 1,
 ) -> None:
-    """``STEPS`` optimizer steps of next-token loss on this rank's share of the rows cut into one-row
-    micro-batches, through ``train_micro_batches`` (``scheduled``) or the one-after-the-other loop every
+    """``STEPS`` optimizer steps of next-token loss on this rank's share of the rows cut into micro-batches
+    of ``rows`` rows, through ``train_micro_batches`` (``scheduled``) or the one-after-the-other loop every
     strategy has; then a forward-only pass the same way. A mixture of experts adds its router's
     load-balancing term as the trainer does (``StepRouting``). Saves the losses, grad norms, router
     metrics, log-probs and weights."""
@@ -275,9 +282,9 @@ def _scheduled_rank(
     s, ids, mask, n_tokens = _megatron_rank(rank, world_size, address, cfg_path, sizes)
     mine = ROWS // world_size
     mbs = []
-    for row in range(rank * mine, (rank + 1) * mine):
-        width = int(mask[row].sum())
-        mbs.append(_Rows(ids[row : row + 1, :width], mask[row : row + 1, :width]))
+    for row in range(rank * mine, (rank + 1) * mine, rows):
+        width = int(mask[row : row + rows].sum(-1).max())
+        mbs.append(_Rows(ids[row : row + rows, :width], mask[row : row + rows, :width]))
 
     def loss_of(mb: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
         logits = s.logits(mb.input_ids, mb.attention_mask)
@@ -318,12 +325,12 @@ def _counted_schedules() -> list[bool]:
 
 
 def _run_scheduled(
-    tmp_path: Path, cfg_path: Path, world_size: int, scheduled: bool, *sizes: str
+    tmp_path: Path, cfg_path: Path, world_size: int, scheduled: bool, *sizes: str, rows: int = 1
 ) -> list[dict]:
     out = tmp_path / f"{'scheduled' if scheduled else 'sequential'}{world_size}"
     out.mkdir()
     overrides = [f"strategy.megatron.{s}" for s in sizes]
-    return run_ranks(_scheduled_rank, world_size, out, str(cfg_path), overrides, scheduled)
+    return run_ranks(_scheduled_rank, world_size, out, str(cfg_path), overrides, scheduled, rows)
 
 
 @pytest.mark.long  # 2 x 2 spawned ranks: about 75 s on 2 CPU cores; 2 x 4 ranks: about 4 minutes each

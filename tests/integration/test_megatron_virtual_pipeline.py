@@ -2,8 +2,8 @@
 calls pointed at the CPU, ``tests/integration/megatron_cpu.py``): two stages of two model chunks each
 run a step's micro-batches as two stages of one chunk do (bit for bit until the first optimizer step,
 within rounding after it: the gradient norm's sums split per stage), train as one rank does within
-rounding, through the trainer workers too, and any count of micro-batches; a checkpoint moves between
-that layout and one rank.
+rounding, through the trainer workers too, and any count of micro-batches; a mixture of experts with
+its router loss trains as on two stages; a checkpoint moves between that layout and one rank.
 
 A 4-layer model at PP=2 x VPP=2: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3, so a micro-batch
 crosses the stages twice (0 -> 1 -> 0 -> 1). The micro-batches and the steps are
@@ -23,12 +23,13 @@ from reroll.algorithms.logprobs import token_logprobs
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
 from tests.integration.megatron_cpu import run_ranks
-from tests.integration.test_megatron_pipeline import (  # noqa: F401 (four_layers: a fixture)
+from tests.integration.test_megatron_pipeline import (  # noqa: F401 (four_layers, small_moe: fixtures)
     LR,
     ROWS,
     STEPS,
     _run_scheduled,
     four_layers,
+    small_moe,
 )
 from tests.integration.test_megatron_resume import _config, _resume
 
@@ -97,6 +98,64 @@ def test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank(tmp_path, 
         torch.testing.assert_close(interleaved[0]["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
 
 
+@pytest.mark.long  # 2 x 2 spawned ranks of a mixture of experts: about 25 s on 2 CPU cores; 2 x 4: about 40 s
+@pytest.mark.parametrize(
+    ("sizes", "rows"),
+    [((), 1), ((), 4), (("tensor_parallel=2", "sequence_parallel=true"), 1)],
+    ids=["pp2", "pp2-one-and-a-filler", "pp2-tp2-sp"],
+)
+def test_a_mixture_of_experts_on_two_stages_of_two_chunks_trains_as_on_two_stages(
+    tmp_path,
+    small_moe,  # noqa: F811
+    sizes,
+    rows,
+):
+    """A Qwen3-MoE at PP=2 x VPP=2 against PP=2, both scheduled (four one-row micro-batches a rank, or one
+    of four rows, which the interleaved schedule runs beside a one-token filler: without the router
+    term; at TP=2 with sequence parallelism two one-row micro-batches a rank, each TP rank routing its
+    half of every row, the TP ranks' parts summed at once) with the router's load-balancing term (coef
+    0.1): each model chunk attaches its routers' part to its output and gets the other chunks' and
+    stage's top-k counts by the all-gathers started after each chunk's forward, waited for in the
+    micro-batch's backward (``ScheduledRouting``).
+
+    The forward is the plain schedule's (the same layers on the same rows in the same shapes), and so are
+    the top-k counts of every layer (integers, exact in fp32; joined in the model's layer order:
+    ``layer_runs``), hence ``f`` and the gradient given to each router's probabilities (a constant per
+    member and expert, whichever chunk holds the layer): the first step's losses and experts' load bit
+    for bit. The router loss's ``P`` is summed per chunk then over chunks and stages, where PP=2 sums
+    per stage ({0, 2} and {1, 3} against {0, 1} and {2, 3}), and the gradient norm's squares likewise:
+    fp32 sums of a few hundred terms in another order, within rel 1e-5. From the second step the
+    tolerances are ``test_megatron_pipeline``'s for a mixture of experts on stages: losses, norms and the
+    router's mean loss within rel 1e-5 (a top-k choice flips only at a near tie), weights within 2 * lr *
+    steps (Adam can turn rounding in a near-zero gradient into a step of up to lr). The norm checks the
+    routers' gradient: with one chunk's part left out it moved by rel 4e-4 (measured), and the second
+    step's router loss by 3e-3."""
+    world_size = 4 if sizes else 2
+    interleaved = _run_scheduled(tmp_path, small_moe, world_size, True, *VPP2, *sizes, rows=rows)
+    (tmp_path / "plain").mkdir()
+    plain = _run_scheduled(
+        tmp_path / "plain", small_moe, world_size, True, "pipeline_parallel=2", *sizes, rows=rows
+    )
+    assert all(r["schedules"] == [False] * STEPS + [True] for r in interleaved)  # each step, then the scores
+    assert all("model.layers.2.mlp.gate.weight" in r["weights"] for r in interleaved)
+    for a, b in zip(plain, interleaved):
+        assert a["metrics"][0]["actor/router_aux_loss"] > 0  # the term ran, on every rank
+        assert a["metrics"][0]["actor/router_aux_coef"] == b["metrics"][0]["actor/router_aux_coef"] == 0.1
+        assert len(b["steps"][0][0]) == ROWS // world_size // rows  # every micro-batch's, no filler's
+        assert a["steps"][0][0] == b["steps"][0][0]  # the first step's losses
+        load = [k for k in a["metrics"][0] if k.startswith("actor/expert_load")]
+        assert len(load) == 3 and all(a["metrics"][0][k] == b["metrics"][0][k] for k in load)
+        for step, ((losses, norm), (their_losses, their_norm)) in enumerate(zip(a["steps"], b["steps"])):
+            assert their_losses == pytest.approx(losses, rel=1e-5)
+            assert their_norm == pytest.approx(norm, rel=1e-5)
+            aux = a["metrics"][step]["actor/router_aux_loss"]
+            assert b["metrics"][step]["actor/router_aux_loss"] == pytest.approx(aux, rel=1e-5)
+        torch.testing.assert_close(b["scored"], a["scored"], atol=1e-5, rtol=0)
+        for name, w in a["weights"].items():
+            assert torch.equal(interleaved[0]["weights"][name], b["weights"][name]), name
+            torch.testing.assert_close(b["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
+
+
 VPP2 = ["pipeline_parallel=2", "virtual_pipeline=2"]
 
 
@@ -115,28 +174,39 @@ def test_a_checkpoint_moves_between_two_stages_of_two_chunks_and_one_rank(tmp_pa
     assert saved_at["virtual_pipeline"] == (2 if saving[0] == 2 else 1)
 
 
-@pytest.mark.long  # 2 x 2 spawned ranks: 25 s on 2 CPU cores
-def test_trainer_workers_on_two_stages_of_two_chunks_train_as_on_two_stages(tmp_path, assets, four_layers):  # noqa: F811
+@pytest.mark.long  # 2 x 2 spawned ranks: 25 s on 2 CPU cores (a mixture of experts: about 40 s)
+@pytest.mark.parametrize(
+    ("model", "more"),
+    [("four_layers", []), ("small_moe", ["model.router_aux_loss_coef=0.1"])],
+    ids=["dense", "moe"],
+)
+def test_trainer_workers_on_two_stages_of_two_chunks_train_as_on_two_stages(
+    tmp_path, assets, request, model, more
+):
     """The path a run takes: two actor_train ``TrainerWorker`` ranks, each given half of 10 rows in
     micro-batches of 2 rows (3 a rank: the interleaved schedule's groups of 3), a log-prob pass, an SFT
-    step and an RL step, at PP=2 x VPP=2 against PP=2. As in
-    ``test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank``: the log-prob pass and the SFT
-    step's loss (before any step) bit for bit, every other metric (but the throughput) within rel 1e-5
-    (abs 1e-6 for those near zero), weights within 1e-6."""
+    step and an RL step, at PP=2 x VPP=2 against PP=2; a Qwen3-MoE with its router's load-balancing term
+    too. As in ``test_two_stages_of_two_chunks_train_as_two_stages_and_as_one_rank``: the log-prob pass
+    and the SFT step's loss (before any step) bit for bit, every other metric (but the throughput)
+    within rel 1e-5 (abs 1e-6 for those near zero), weights within 1e-6; a mixture of experts' within
+    2 * lr * steps, ``test_a_mixture_of_experts_on_two_stages_of_two_chunks_trains_as_on_two_stages``'
+    bound (after the first step a top-k choice may flip at a near tie)."""
     from reroll.data.datasets import load_samples
     from reroll.models.loading import load_tokenizer
     from reroll.pipelines.common import sft_batch
     from tests.integration.test_megatron_pipeline import _worker_rank
 
     samples = load_samples([str(assets["train"])], template="{question}=")[:10]
-    tokenizer = load_tokenizer(str(load_config(four_layers, RunConfig).model.path))
+    cfg_path = request.getfixturevalue(model)
+    tokenizer = load_tokenizer(str(load_config(cfg_path, RunConfig).model.path))
     batch = sft_batch(samples, tokenizer, "{answer}")
     batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
     batch.advantages *= batch.response_mask
     runs = {}
-    for name, more in (("plain", []), ("interleaved", ["strategy.megatron.virtual_pipeline=2"])):
+    for name, vp in (("plain", []), ("interleaved", ["strategy.megatron.virtual_pipeline=2"])):
         (tmp_path / name).mkdir()
-        runs[name] = run_ranks(_worker_rank, 2, tmp_path / name, str(four_layers), batch, True, more)
+        runs[name] = run_ranks(_worker_rank, 2, tmp_path / name, str(cfg_path), batch, True, [*more, *vp])
+    weights_within = 1e-6 if model == "four_layers" else 2 * LR * 2  # two steps: SFT, RL
     assert all(r["schedules"] == [True, False, False] for r in runs["interleaved"])  # log-probs, SFT, RL
     for a, b in zip(runs["plain"], runs["interleaved"]):
         assert (a["logprobs"] != 0).sum() > 5
@@ -144,11 +214,13 @@ def test_trainer_workers_on_two_stages_of_two_chunks_train_as_on_two_stages(tmp_
         assert b["sft"]["sft/loss"] == a["sft"]["sft/loss"]
         for key, prefix in (("sft", "sft"), ("rl", "actor")):
             assert a[key][f"{prefix}/loss"] != 0
+            assert model == "four_layers" or a[key][f"{prefix}/router_aux_coef"] == 0.1  # the term ran
+            assert b[key].keys() == a[key].keys()
             for metric, value in a[key].items():
                 if metric != "train/tokens_per_s":
                     assert b[key][metric] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, metric)
         for name, w in a["weights"].items():
-            torch.testing.assert_close(b["weights"][name], w, atol=1e-6, rtol=0)
+            torch.testing.assert_close(b["weights"][name], w, atol=weights_within, rtol=0)
 
 
 def _counts_rank(

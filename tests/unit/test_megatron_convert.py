@@ -208,9 +208,9 @@ def test_virtual_stage_layers_are_megatron_cores_interleaved_assignment():
 
 
 def test_virtual_pipeline_sizes_are_user_errors():
-    """pp x vp must divide the layers (the fix lists the vp that do), vp > 1 needs pp > 1, no context
-    parallelism and a dense model: each refused with the fix, by the checks the strategy and ``reroll
-    validate`` run."""
+    """pp x vp must divide the layers (the fix lists the vp that do; a mixture of experts' too), vp > 1
+    needs pp > 1 and no context parallelism: each refused with the fix, by the checks the strategy and
+    ``reroll validate`` run."""
     from reroll.config.startable import megatron_moe_problems, virtual_pipeline_problems
     from reroll.config.training import MegatronConfig
     from reroll.strategies.megatron import check_parallel_sizes
@@ -233,8 +233,27 @@ def test_virtual_pipeline_sizes_are_user_errors():
     dense = types.SimpleNamespace(model_type="qwen3", num_hidden_layers=6)
     assert ["= 4 must divide the model's 6 layers" in m for m in megatron_moe_problems(dense, vpp)] == [True]
     moe = types.SimpleNamespace(model_type="qwen3_moe", num_hidden_layers=4, num_experts=4)
-    (msg,) = megatron_moe_problems(moe, vpp)
-    assert "virtual_pipeline (2) with a mixture-of-experts model" in msg
+    assert megatron_moe_problems(moe, vpp) == []  # its routers pool every chunk (``ScheduledRouting``)
+    odd = types.SimpleNamespace(model_type="qwen3_moe", num_hidden_layers=6, num_experts=4)
+    assert ["= 4 must divide the model's 6 layers" in m for m in megatron_moe_problems(odd, vpp)] == [True]
+
+
+def test_router_counts_join_in_the_models_layer_order():
+    """``ScheduledRouting`` joins each (stage, model chunk)'s top-k counts of a micro-batch in the order
+    ``layer_runs`` gives: the runs of ``virtual_stage_layers`` in the model's order, so the joined
+    ``(L, E)`` counts (the experts' load per layer) are every layer's once, where the plain pipeline
+    puts them, whatever the layout. At PP=2 x VPP=2 over 4 layers: stage 0's chunk 0 (layer 0), stage
+    1's chunk 0 (1), stage 0's chunk 1 (2), stage 1's chunk 1 (3); at VPP=1 the stages in order (an
+    uneven split too)."""
+    from reroll.strategies.megatron_moe import layer_runs
+
+    assert layer_runs(4, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert layer_runs(5, 2) == [(0, 0), (1, 0)]
+    for layers, pp, vp in ((4, 2, 2), (8, 2, 2), (12, 3, 2), (8, 2, 4), (24, 4, 3), (5, 2, 1), (6, 3, 1)):
+        runs = layer_runs(layers, pp, vp)
+        assert sorted(runs) == [(p, c) for p in range(pp) for c in range(vp)]  # each chunk once
+        joined = [i for p, c in runs for i in mc.virtual_stage_layers(layers, p, pp, vp, c)]
+        assert joined == list(range(layers)), (layers, pp, vp)
 
 
 def test_the_interleaved_schedule_takes_any_count_of_micro_batches():
