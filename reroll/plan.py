@@ -147,7 +147,8 @@ def _checkpointing_lines(
     why = ""
     if cfg.model.gradient_checkpointing == "auto":
         why = (
-            f" (auto: the fewest first layers whose phase fits, at {prompt_tokens}-token prompts; a run "
+            f" (auto: the fewest first layers whose phase fits beside an engine kept awake, else alone, at "
+            f"{prompt_tokens}-token prompts; a run "
             "chooses from its own)"
         )
     each = ", ".join(f"{role} {n} of {shape.layers}" for role, n in counts.items())

@@ -112,7 +112,8 @@ class ModelConfig(StrictModel):
         description="Recompute decoder layers' activations in backward to save memory: true every layer, "
         "false none, a count N the first N (what each keeps and why the first: "
         "reroll.config.memory.kept_activations), 'auto' the fewest first layers that make a training "
-        "role's phase fit its GPU by `reroll plan`'s estimate (on GPUs, from the longest prompt seen "
+        "role's phase fit its GPU beside a colocated vLLM engine's share, so that the engine stays awake "
+        "(placement.offload auto), else alone, by `reroll plan`'s estimate (on GPUs, from the longest prompt seen "
         "and raised as longer ones come; none on CPUs). 'auto': torch and fsdp2 strategies; a count: those and megatron (dense models, "
         "pipeline_parallel 1); deepspeed: true or false.",
     )

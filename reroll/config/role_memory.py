@@ -21,6 +21,7 @@ from reroll.config.placement import (
     colocated_engines,
     colocated_trainer_roles,
     device_map,
+    engine_may_stay,
     offload_between_phases,
     roles_beside,
     run_roles,
@@ -110,15 +111,45 @@ def auto_checkpointed_layers(
 ) -> int:
     """``model.gradient_checkpointing: auto``'s count for training role ``role``: the fewest first decoder
     layers whose checkpointing brings the GPU that ``role``'s phase fills most under ``USABLE`` of
-    ``gpu_memory_gib``, by ``estimate`` at rows of ``prompt_tokens`` plus ``rollout.max_new_tokens``
-    (every training role evaluated at the same count). Where none does, ``shape.layers - 1``: the
-    least the estimate can hold (``kept_activations``)."""
+    ``gpu_memory_gib`` less what the engines beside it need to stay awake through the phase
+    (``awake_beside``), by ``estimate`` at rows of ``prompt_tokens`` plus ``rollout.max_new_tokens``
+    (every training role evaluated at the same count). Where no count leaves the engines that room, the
+    fewest under ``USABLE`` alone (the engines then sleep through the phase); where none does that
+    either, ``shape.layers - 1``: the least the estimate can hold (``kept_activations``).
+
+    Awake first: a layer recomputed costs about a third of its forward again, while an engine that must
+    sleep costs a sleep, a wake and a weight sync through host memory every step (the 3B row on an H100
+    80GB, 2026-12-07: 'auto' filled 90 % of the GPU with the trainer's phase, 24 of 36 layers
+    checkpointed, and each step's sync then took 20 s of a 28 s step; train was 4.6 s)."""
     best = max(shape.layers - 1, 0)
-    for n in range(best + 1):
-        plans = {p.role: p for p in estimate(with_checkpointing(cfg, n), shape, prompt_tokens=prompt_tokens)}
-        if phase_peak(cfg, plans, role) <= USABLE * gpu_memory_gib:
-            return n
+    for awake in (True, False):
+        for n in range(best + 1):
+            plans = {
+                p.role: p for p in estimate(with_checkpointing(cfg, n), shape, prompt_tokens=prompt_tokens)
+            }
+            room = USABLE * gpu_memory_gib - (
+                awake_beside(cfg, plans, role, gpu_memory_gib) if awake else 0.0
+            )
+            if phase_peak(cfg, plans, role) <= room:
+                return n
     return best
+
+
+def awake_beside(cfg: RunConfig, plans: dict[str, RolePlan], role: str, gpu_memory_gib: float) -> float:
+    """GiB that ``role``'s phase must leave on its GPU for the engines there to stay awake through it,
+    as the run's residency check counts (``reroll.config.placement.engine_headroom``): each engine's
+    share, a CUDA context (1 GiB) for each process on the GPU and the state the other training roles
+    there keep (what they would park: ``RolePlan.parked_gib``). 0 where no engine may stay awake
+    (``engine_may_stay``: ``placement.offload`` 'auto', an engine of a fixed share) or none shares the
+    GPU of ``role``'s rank 0."""
+    share = _gpu_engine(cfg).memory_share(cfg.rollout)
+    beside = roles_beside(cfg, role)
+    if share is None or "actor_infer" not in beside or not engine_may_stay(cfg, "cuda"):
+        return 0.0
+    engines = colocated_engines(cfg, role)
+    contexts = colocated_trainer_roles(cfg, role) + engines
+    others = sum(p.parked_gib for r, p in plans.items() if r in beside and r != "actor_infer")
+    return engines * share * gpu_memory_gib + contexts + others
 
 
 def checkpoint_counts(

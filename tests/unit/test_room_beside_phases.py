@@ -23,8 +23,9 @@ from tests.conftest import small_config
 H100 = 79.18  # GiB torch reports for an H100 80GB HBM3
 
 
-def _bench(tmp_path, checkpointing):
-    """grpo_step.py's colocated row: actor_train, reference and a vLLM engine at 0.15 on one GPU."""
+def _bench(tmp_path, checkpointing, share=0.15):
+    """grpo_step.py's colocated row: actor_train, reference and a vLLM engine at ``share`` (0.15 on an
+    80 GB card) on one GPU."""
     return small_config(
         tmp_path,
         "model.dtype=bfloat16",
@@ -33,7 +34,7 @@ def _bench(tmp_path, checkpointing):
         "rollout.max_new_tokens=256",
         "placement.devices=1",
         "rollout.engine=vllm",
-        "rollout.vllm.gpu_memory_utilization=0.15",
+        f"rollout.vllm.gpu_memory_utilization={share}",
         "algorithm.kl_coef=0.04",
         f"model.gradient_checkpointing={checkpointing}",
     )
@@ -52,17 +53,24 @@ def test_the_room_is_the_usable_gpu_less_the_largest_other_phase_and_the_context
 
 
 @pytest.mark.parametrize(
-    ("size", "checkpointing", "kept"),
-    [("qwen2.5-3b", "auto", False), ("qwen2.5-3b", True, True), ("qwen2.5-0.5b", False, True)],
+    ("size", "checkpointing", "share", "kept"),
+    [
+        ("qwen2.5-3b", "auto", 0.35, False),
+        ("qwen2.5-3b", "auto", 0.15, True),
+        ("qwen2.5-3b", True, 0.15, True),
+        ("qwen2.5-0.5b", False, 0.15, True),
+    ],
 )
 def test_the_reference_keeps_its_weights_only_where_the_trainers_phase_leaves_room(
-    tmp_path, size, checkpointing, kept
+    tmp_path, size, checkpointing, share, kept
 ):
     """The reference's state is its bf16 weights. Beside the engine's share alone it always stays
-    (``keeps_state``); beside actor_train's phase it stays at 0.5B and at 3B with every layer
-    checkpointed, and moves (its host buffers prepared ahead, ``may_park``) where 'auto' lets the 3B
-    trainer's phase fill the usable GPU."""
-    cfg, shape = _bench(tmp_path, checkpointing), KNOWN[size]
+    (``keeps_state``); beside actor_train's phase it stays at 0.5B, at 3B with every layer
+    checkpointed and at 3B under 'auto' where the engine's share of 0.15 lets 'auto' keep the engine
+    awake (``awake_beside`` counts the reference's state), and moves (its host buffers prepared ahead,
+    ``may_park``) where the engine's 0.35 leaves no count that keeps it awake, so that 'auto' lets the
+    3B trainer's phase fill the usable GPU."""
+    cfg, shape = _bench(tmp_path, checkpointing, share), KNOWN[size]
     weights = int(shape.params * 2)
     total = int(H100 * GIB)
     assert keeps_state(cfg, "reference", weights, total)
@@ -76,7 +84,7 @@ def test_the_reference_keeps_its_weights_only_where_the_trainers_phase_leaves_ro
 @pytest.mark.parametrize(("checkpointing", "kept"), [("auto", False), (True, True)])
 def test_the_reference_worker_moves_where_the_trainers_phase_needs_its_room(
     tmp_path, monkeypatch, checkpointing, kept
-):
+):  # at the engine's share of 0.35, where 'auto' cannot keep the 3B engine awake and fills the GPU
     """``StrategyWorker._fits_beside_engine`` (CUDA's memory calls faked: 6 GiB reserved, the 3B
     reference's weights, on an H100) reads the room at the longest prompt it has seen."""
     import math
@@ -102,8 +110,31 @@ def test_the_reference_worker_moves_where_the_trainers_phase_needs_its_room(
             pass
 
     worker = object.__new__(StrategyWorker)
-    worker.cfg = _bench(tmp_path, checkpointing).model_copy()
+    worker.cfg = _bench(tmp_path, checkpointing, 0.35).model_copy()
     worker.cfg.placement.device_type = "cuda"
     worker.role, worker.strategy = "reference", Strategy()
     worker._shape, worker._widest, worker._room = KNOWN["qwen2.5-3b"], (384, 128), (0, math.inf)
     assert worker._fits_beside_engine() == kept
+
+
+@pytest.mark.parametrize(("share", "awake"), [(0.15, True), (0.35, False)])
+def test_auto_checkpoints_enough_layers_for_the_engine_to_stay_awake_where_a_count_can(
+    tmp_path, share, awake
+):
+    """'auto' first looks for the fewest layers at which actor_train's phase, the engine's share, the
+    reference's weights and a CUDA context for each of the three processes fit in 90 % of the GPU (what
+    the run's residency check asks before it keeps the engine awake: ``engine_headroom``), and only
+    where no count does for the fewest at which the phase alone fits (the engine then sleeps, and the
+    weights go through host memory: 20 s of the 3B row's 28 s step on an H100, 2026-12-07). The
+    estimate is arithmetic, so the bounds are exact: the chosen count fits, one fewer does not."""
+    cfg, shape = planned(_bench(tmp_path, "auto", share), None), KNOWN["qwen2.5-3b"]
+    count = checkpoint_counts(cfg, shape, prompt_tokens=128, gpu_memory_gib=H100)["actor_train"]
+
+    def need(n: int, with_engine: bool) -> float:
+        plans = {p.role: p for p in estimate(cfg, shape, prompt_tokens=128, checkpointed={"actor_train": n})}
+        engine = share * H100 + 3 + plans["reference"].parked_gib if with_engine else 0.0
+        return plans["actor_train"].gib + engine
+
+    assert need(count, with_engine=awake) <= USABLE * H100 < need(count - 1, with_engine=awake)
+    if not awake:  # no count keeps it awake, not even the most the estimate checkpoints
+        assert need(shape.layers - 1, with_engine=True) > USABLE * H100
