@@ -63,6 +63,9 @@ class EngineSpec:
     sleep_needs_cuda: bool = False  # its sleep mode exists on CUDA only
     # an asleep engine keeps its weights in host memory (reroll plan counts them there)
     parks_weights: Callable[[RolloutConfig], bool] = _yes
+    # wake_weights(): the weights of a sleeping engine brought back alone, its KV cache left asleep, so that
+    # a weight sync can load into them while a colocated trainer still holds the rest of the GPU
+    wakes_weights_alone: bool = False
     # it holds a fixed share of the GPU (its KV cache included), so it may stay awake beside trainers
     memory_share: Callable[[RolloutConfig], float | None] = _none
     memory_share_key: str = ""  # that share's dotted key, for messages
@@ -187,6 +190,7 @@ ENGINES: dict[str, EngineSpec] = {
         sleep_switch_key="rollout.vllm.enable_sleep_mode",
         sleep_needs_cuda=True,
         parks_weights=lambda r: r.vllm.sleep_level == 1,
+        wakes_weights_alone=True,
         memory_share=_vllm_share,
         memory_share_key="rollout.vllm.gpu_memory_utilization",
         share_overhead=_vllm_overhead,

@@ -178,6 +178,7 @@ class VLLMEngine:
         self.model_path = model_path
         self._tokens, self._seconds, self._requests = 0, 0.0, 0
         self._asleep: int | None = None
+        self._weights_awake = False  # asleep, with the weights alone brought back (``wake_weights``)
         self._missing_weights = False
         self._abort = threading.Event()
         self._interrupt = threading.Event()
@@ -442,7 +443,7 @@ class VLLMEngine:
         self.llm.collective_rpc(load)
 
     def _check_awake(self, what: str) -> None:
-        if self._asleep is not None:
+        if self._asleep is not None and not self._weights_awake:
             raise RuntimeError(f"VLLMEngine.{what}: the engine is asleep; call wake_up() first")
 
     def finish_weight_update(self) -> None:
@@ -499,12 +500,25 @@ class VLLMEngine:
             self.llm.sleep(level=level)
             self._asleep = level
 
+    def wake_weights(self) -> None:
+        """Asleep: bring back the weights' memory alone (their values too after level 1), the KV cache
+        left asleep, so that a weight sync loads into them while a colocated trainer still holds the
+        rest of the GPU (``Roles.sync_weights``); ``wake_up`` then brings the KV cache back."""
+        if self._asleep is not None and not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
+            self._missing_weights = self._asleep == 2  # memory without values, until a whole sync
+
     def wake_up(self) -> None:
-        """Take the memory back after ``sleep``; after level 2 the weights must be loaded again."""
+        """Take the memory back after ``sleep``; after level 2 the weights must be loaded again (unless
+        a sync loaded them after ``wake_weights``)."""
         if self._asleep is not None:
-            self.llm.wake_up()
-            self._missing_weights = self._asleep == 2
-            self._asleep = None
+            if self._weights_awake:  # the weights are back: vLLM maps an allocation once
+                self.llm.wake_up(tags=["kv_cache"])
+            else:
+                self.llm.wake_up()
+                self._missing_weights = self._asleep == 2
+            self._asleep, self._weights_awake = None, False
 
     def abort(self) -> None:
         """Stop an in-flight ``generate`` at its next engine step; it raises ``EngineAborted``."""

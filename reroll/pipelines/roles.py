@@ -23,6 +23,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from reroll.config.engines import engine_spec
 from reroll.config.placement import (
     RoleSpec,
     engine_may_stay,
@@ -31,6 +32,7 @@ from reroll.config.placement import (
     run_roles,
     weight_sync_transport,
 )
+from reroll.config.role_memory import USABLE
 from reroll.config.run import RunConfig
 from reroll.errors import RoleError
 from reroll.pipelines.residency import ENGINE_AWAKE_OOM, staying
@@ -82,6 +84,7 @@ class Roles:
     resident_headroom_gb: float | None = None  # the same with nothing moved at all
     share_hint_shown: bool = False  # ``share_hint`` is printed once a run
     host_sync_said: bool = False  # ``_both_fit``'s fallback is said once a run
+    weights_bytes: int = 0  # the last weight sync's bytes (``_weights_fit`` weighs them)
 
     # -- the roles, typed (None where the run does not start the role) --
     @property
@@ -235,12 +238,15 @@ class Roles:
                     sent, stats = self._broadcast_weights()
                 elif transport == "ipc" and self._both_fit():
                     sent = self._share_weights()
+                elif transport == "ipc" and self._weights_fit():
+                    sent = self._share_into_sleeping_engine()
                 else:  # object_store, or an 'ipc' sync whose two roles cannot hold the device together
                     buckets = actor.weight_buckets(self.cfg.rollout.weight_sync_bucket_mb, "object_store")
                     sent = actor.sync_bytes()  # runs once the buckets are made
                     self.hold("actor_infer")
                     engine.load_weight_buckets(buckets)
             engine.weights_version = actor.weights_version
+        self.weights_bytes = int(sent)
         seconds = time.perf_counter() - began
         self.sync_stats = stats | {"sync/gb_per_s": sent / seconds / 1e9}
         return float(sent)
@@ -278,20 +284,67 @@ class Roles:
         if not self.host_sync_said and self.engine_headroom_gb is not None:  # measured: say why once
             self.host_sync_said = True
             tqdm.write(
-                "weight sync: actor_train and the awake engine do not fit on their device together, so "
-                "the weights go through host memory while the trainer leaves it (rollout."
-                "weight_sync_transport 'ipc' needs both resident)"
+                "weight sync: actor_train and the awake engine do not fit on their device together: the "
+                "engine's weights alone wake for the sync where they fit beside the trainer's state, else "
+                "the weights go through host memory while the trainer leaves (rollout.weight_sync_transport "
+                "'ipc' needs both resident)"
             )
         return False
+
+    def _weights_fit(self) -> bool:
+        """Whether an 'ipc' sync can load into a sleeping engine's weights alone (``wake_weights``: its
+        KV cache left asleep) while actor_train stays resident: an engine whose spec can
+        (``wakes_weights_alone``), asleep now, and, by the trainers' measured memory, their state
+        (each resident colocated trainer's resting bytes), the weights of the last sync and a CUDA
+        context for each process on the GPU under 90 % of it. Not at the first sync (nothing measured
+        yet). Where an engine must sleep through the trainers' phases (the 3B row with the trainer's
+        phase filling the GPU, H100, 2026-12-07), the host path this saves took 20 s of a 28 s step."""
+        c, engine = self.colocation, self.actor_infer
+        spec = engine_spec(self.cfg.rollout.engine)
+        if c is None or engine is None or not spec.wakes_weights_alone or "actor_infer" not in c.offloaded:
+            return False
+        if not self.weights_bytes or not c.map:
+            return False
+        rest, total, processes = 0, 0, 1  # the engine's process
+        for name, group in c.groups.items():
+            if name == "actor_infer" or not c.map.colocated(name, "actor_infer"):
+                continue
+            processes += 1
+            if name in c.offloaded:
+                continue
+            if not hasattr(group, "memory_need"):
+                return False
+            _, resting, total = group.memory_need()
+            if not total:
+                return False
+            rest += resting
+        return rest + self.weights_bytes + processes * 2**30 <= USABLE * total
+
+    def _share_into_sleeping_engine(self) -> int:
+        """An 'ipc' sync into a sleeping engine (``_weights_fit``): its weights woken alone, loaded from
+        the resident trainer over CUDA IPC as ``_share_weights`` does, then the trainer leaves the GPU
+        (if it must) and the engine's KV cache comes back. Returns the bytes of the weights."""
+        engine = self.actor_infer
+        assert engine is not None
+        engine.wake_weights()
+        sent = self._stream_shared(finish=False)
+        self.hold("actor_infer")  # the rest of the engine wakes; the trainer moves where it must
+        engine.finish_weight_update()  # the prefix cache is dropped once the engine is awake
+        return sent
 
     def _share_weights(self) -> int:
         """The 'ipc' transport: both roles resident; every trainer rank gathers each bucket and those
         beside engine workers share it (``ipc_senders``); the engines load bucket b while the trainers
         make b + 1, and a trainer frees a buffer once its loads are done (two buckets held at most).
         Returns the bytes of the weights (``sync/bytes``)."""
+        self.hold("actor_train", "actor_infer")
+        return self._stream_shared(finish=True)
+
+    def _stream_shared(self, *, finish: bool) -> int:
+        """The buckets of an 'ipc' sync from the trainer ranks into the engines (see ``_share_weights``);
+        ``finish``: the engines then drop their prefix caches."""
         actor, engine = self.actor_train, self.actor_infer
         assert actor is not None and engine is not None
-        self.hold("actor_train", "actor_infer")
         cfg = self.cfg
         actor.begin_share(cfg.rollout.weight_sync_bucket_mb, ipc_senders(cfg, cfg.placement.device_type))
         loads: list[Any] = []
@@ -300,7 +353,8 @@ class Roles:
                 engine.wait_loaded(loads)
                 loads = engine.submit_shared(shared)
             engine.wait_loaded(loads)
-            engine.finish_weight_update()
+            if finish:
+                engine.finish_weight_update()
         except RoleError:
             with suppress(RoleError):  # the first failure is the one to report
                 actor.release_shared()

@@ -189,6 +189,10 @@ class EngineWorker:
         if self.sleeps:
             self.engine.wake_up()
 
+    def wake_weights(self) -> None:
+        if self.sleeps:
+            self.engine.wake_weights()
+
 
 class EngineGroup(WorkerGroup):
     """All actor_infer ranks; prompts are dealt to ranks in contiguous blocks."""
@@ -356,6 +360,10 @@ class EngineGroup(WorkerGroup):
 
     def reload(self) -> None:
         self._wait([h.reload.remote() for h in self._handles], "wake_up")
+
+    def wake_weights(self) -> None:
+        """Asleep: every rank's weights back on its GPU, the KV caches still asleep (``reload`` wakes them)."""
+        self._wait([h.wake_weights.remote() for h in self._handles], "wake_up")
 
     def metrics(self, *, now: bool = False) -> dict[str, float]:
         """Each rank's ``engine/*`` metrics summed (throughput, requests), the KV-cache usage averaged.

@@ -113,6 +113,51 @@ def test_sleep_frees_the_engines_memory_and_wake_brings_it_back(roles):
     assert len(out[0][0].response_ids) > 0
 
 
+def test_a_sleeping_engine_takes_its_weights_over_ipc_with_the_kv_cache_still_asleep(roles, assets):
+    """Where the engine sleeps through the trainer's phase, the sync wakes its weights alone
+    (``wake_weights``), loads them from the resident trainer over CUDA IPC, and only then wakes the KV
+    cache: afterwards the engine's log-probs are the trainer's, as after a sync into an awake engine,
+    and no bytes went through host memory."""
+    from reroll.data.datasets import load_samples
+    from reroll.data.types import Rollout, SamplingParams, build_train_batch
+    from reroll.models.loading import load_tokenizer
+    from reroll.pipelines.common import sft_batch
+
+    tok = load_tokenizer(str(assets["model"]))
+    samples = load_samples([str(assets["train"])], template="{question}=")[:16]
+    roles.colocation.let_stay(set)  # the engine sleeps at every trainer phase
+    shared = []
+    real = roles._share_into_sleeping_engine
+    roles._share_into_sleeping_engine = lambda: shared.append(1) or real()
+    try:
+        roles.sync_weights()  # an engine awake from the test before: sets the weights' bytes
+        before = {
+            k: sum(r.get(k, 0) for r in roles.actor_infer.loaded_bytes()) for k in ("ipc", "object_store")
+        }
+        with roles.phase("train", "actor_train"):  # the engine goes to sleep
+            roles.actor_train.train(sft_batch(samples, tok, "{answer}"), NextToken())
+        roles.sync_weights()
+        after = {
+            k: sum(r.get(k, 0) for r in roles.actor_infer.loaded_bytes()) for k in ("ipc", "object_store")
+        }
+        with roles.phase("generate", "actor_infer"):
+            groups = roles.actor_infer.generate(
+                [s.prompt for s in samples], SamplingParams(n=2, max_new_tokens=6)
+            )
+    finally:
+        del roles._share_into_sleeping_engine
+        roles.colocation.let_stay(roles._staying)
+    assert shared == [1]
+    assert after["ipc"] > before["ipc"] and after["object_store"] == before["object_store"]
+    rollouts = [Rollout(s, i, c) for i, (s, cs) in enumerate(zip(samples, groups)) for c in cs]
+    batch = build_train_batch(rollouts, tok.pad_token_id)
+    with roles.phase("reference", "actor_train"):
+        trainer = roles.actor_train.compute_logprobs(batch)
+    m = batch.response_mask
+    diff = (batch.rollout_logprobs[m] - trainer[m]).abs()  # the bound of the awake sync's test
+    assert diff.mean() < 0.02 and diff.max() < 0.25, (diff.mean(), diff.max())
+
+
 def test_killed_engine_is_reported_within_a_minute(roles):
     # the last test on the module's roles: it kills their engine
     with roles.phase("generate", "actor_infer"):

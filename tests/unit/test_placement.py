@@ -861,3 +861,98 @@ def test_an_ipc_sync_holds_both_roles_only_where_they_fit_together(tmp_path):
     groups["actor_train"].need = 50 * 2**30
     assert not roles._both_fit() and roles.host_sync_said
     assert Roles(cfg, {}, colocation=Colocation(groups, device_map(cfg, "cuda"), False))._both_fit()
+
+
+def test_a_sync_into_a_sleeping_engine_wakes_its_weights_alone_where_they_fit_beside_the_trainer(tmp_path):
+    """Where the engine sleeps through the trainers' phases, an 'ipc' sync wakes the engine's weights
+    alone, loads them from the resident trainer over CUDA IPC, and only then lets the trainer leave and
+    the engine's KV cache come back, its prefix cache dropped once awake; where the trainer's state,
+    the weights and a CUDA context per process do not fit in 90 % of the GPU, or at the first sync
+    (no weights measured yet), the weights go through host memory as before. The roles are stand-ins:
+    what is checked is the order of their calls."""
+    from reroll.pipelines.roles import Roles
+
+    GiB = 2**30
+    log: list[str] = []
+
+    class Trainer(_Group):
+        weights_version, rest = 1, 20 * GiB
+
+        def memory_need(self):
+            return 70 * GiB, self.rest, 80 * GiB  # a phase too large for the engine to stay awake
+
+        def begin_share(self, bucket_mb, senders):
+            self.left = 2
+            log.append("begin_share")
+
+        def share_next(self):
+            self.left -= 1
+            return None if self.left < 0 else [f"bucket {1 - self.left}"]
+
+        def release_shared(self):
+            log.append("release_shared")
+
+        def sync_bytes(self):
+            return 6 * GiB
+
+        def weight_buckets(self, bucket_mb, transport):
+            log.append(f"buckets via {transport}")
+            return []
+
+    class Engine(_Group):
+        weights_version = 0
+
+        def wake_weights(self):
+            log.append("wake_weights actor_infer")
+
+        def submit_shared(self, shared):
+            log.append(f"load {shared[0]}")
+            return []
+
+        def wait_loaded(self, loads):
+            pass
+
+        def finish_weight_update(self):
+            log.append("finish_weight_update")
+
+        def load_weight_buckets(self, buckets):
+            log.append("load from host")
+
+    cfg = _cfg(
+        tmp_path,
+        **{"placement.devices": 1, "rollout.engine": "vllm", "rollout.vllm.gpu_memory_utilization": 0.35},
+    )
+    cfg.placement.device_type = "cuda"
+    groups = {"actor_train": Trainer(log, "actor_train"), "actor_infer": Engine(log, "actor_infer")}
+    colocation = Colocation(groups, device_map(cfg, "cuda"), True)
+    roles = Roles(cfg, groups, colocation=colocation)
+    colocation.let_stay(roles._staying)  # 70 GiB + 28 GiB of share: the engine sleeps
+
+    def sync_after_a_train_phase() -> list[str]:
+        colocation.use("actor_train")  # the train phase: the engine asleep, the trainer resident
+        log.clear()
+        groups["actor_train"].weights_version += 1
+        roles.sync_weights()
+        return list(log)
+
+    # the first sync: no weights measured yet, so through host memory
+    assert sync_after_a_train_phase() == [
+        "buckets via object_store",
+        "offload actor_train",
+        "reload actor_infer",
+        "load from host",
+    ]
+    assert roles.weights_bytes == 6 * GiB
+    # 20 GiB of state + 6 of weights + 2 contexts <= 72 GiB: the weights wake alone, over CUDA IPC
+    assert sync_after_a_train_phase() == [
+        "wake_weights actor_infer",
+        "begin_share",
+        "load bucket 0",
+        "load bucket 1",
+        "release_shared",
+        "offload actor_train",
+        "reload actor_infer",
+        "finish_weight_update",
+    ]
+    groups["actor_train"].rest = 65 * GiB  # 65 + 6 + 2 > 72: through host memory again
+    assert sync_after_a_train_phase()[0] == "buckets via object_store"
