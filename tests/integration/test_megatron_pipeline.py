@@ -76,19 +76,23 @@ def _train_rank(rank: int, world_size: int, address: str, out: str, cfg_path: st
     torch.save(saved, f"{out}/rank{rank}.pt")
 
 
-@pytest.fixture(scope="module")
-def four_layers(tmp_path_factory) -> Path:
+def tiny_megatron_config(root: Path, layers: int) -> Path:
+    """A config over a tiny fp32 model of ``layers`` decoder layers built in ``root`` (one data row)."""
     from reroll.data.arithmetic import ARITHMETIC_ALPHABET
     from reroll.models.tiny import build_tiny_model
 
-    root = tmp_path_factory.mktemp("pp")
     model = build_tiny_model(
-        root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=4, num_heads=2
+        root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=layers, num_heads=2
     )
     data = root / "rows.jsonl"
     data.write_text('{"question": "1+1", "answer": "2"}\n')
     assets = {"model": Path(model), "train": data, "test": data}
     return write_config(root / "c.yaml", assets, model={"path": str(model), "dtype": "float32"})
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory) -> Path:
+    return tiny_megatron_config(tmp_path_factory.mktemp("pp"), 4)
 
 
 def _run(tmp_path: Path, cfg_path: Path, world_size: int, *sizes: str) -> list[dict]:
@@ -405,6 +409,21 @@ def _worker_rank(
     torch.save(result | {"schedules": schedules}, f"{out}/rank{rank}.pt")
 
 
+def worker_batch(assets: dict, cfg_path: Path) -> Any:
+    """The trainer-worker tests' batch: 10 SFT rows of the test data, with seeded advantages on their
+    responses (for the RL step)."""
+    from reroll.data.datasets import load_samples
+    from reroll.models.loading import load_tokenizer
+    from reroll.pipelines.common import sft_batch
+
+    samples = load_samples([str(assets["train"])], template="{question}=")[:10]
+    tokenizer = load_tokenizer(str(load_config(cfg_path, RunConfig).model.path))
+    batch = sft_batch(samples, tokenizer, "{answer}")
+    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    batch.advantages *= batch.response_mask
+    return batch
+
+
 @pytest.mark.long  # 2 x 2 spawned ranks: about a minute and a half on 2 CPU cores
 @pytest.mark.parametrize(
     ("model", "more"),
@@ -420,16 +439,8 @@ def test_trainer_workers_on_two_stages_scheduled_equal_one_micro_batch_after_the
     metric of an SFT and an RL step (but the throughput) and the weights after them, bit for bit
     (``test_stages_scheduled_equal_one_micro_batch_after_the_other`` says why); a Qwen3-MoE with its
     router's load-balancing term too (each stage adding its part: ``ScheduledRouting``)."""
-    from reroll.data.datasets import load_samples
-    from reroll.models.loading import load_tokenizer
-    from reroll.pipelines.common import sft_batch
-
-    samples = load_samples([str(assets["train"])], template="{question}=")[:10]
     cfg_path = request.getfixturevalue(model)
-    tokenizer = load_tokenizer(str(load_config(cfg_path, RunConfig).model.path))
-    batch = sft_batch(samples, tokenizer, "{answer}")
-    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
-    batch.advantages *= batch.response_mask
+    batch = worker_batch(assets, cfg_path)
     runs = {}
     for scheduled in (False, True):
         out = tmp_path / f"scheduled_{scheduled}"

@@ -20,8 +20,6 @@ import pytest
 import torch
 
 from reroll.algorithms.logprobs import token_logprobs
-from reroll.config.loader import load_config
-from reroll.config.schema import RunConfig
 from tests.integration.megatron_cpu import run_ranks
 from tests.integration.test_megatron_pipeline import (  # noqa: F401 (four_layers, small_moe: fixtures)
     LR,
@@ -30,6 +28,7 @@ from tests.integration.test_megatron_pipeline import (  # noqa: F401 (four_layer
     _run_scheduled,
     four_layers,
     small_moe,
+    tiny_megatron_config,
 )
 from tests.integration.test_megatron_resume import _config, _resume
 
@@ -191,17 +190,10 @@ def test_trainer_workers_on_two_stages_of_two_chunks_train_as_on_two_stages(
     within rel 1e-5 (abs 1e-6 for those near zero), weights within 1e-6; a mixture of experts' within
     2 * lr * steps, ``test_a_mixture_of_experts_on_two_stages_of_two_chunks_trains_as_on_two_stages``'
     bound (after the first step a top-k choice may flip at a near tie)."""
-    from reroll.data.datasets import load_samples
-    from reroll.models.loading import load_tokenizer
-    from reroll.pipelines.common import sft_batch
-    from tests.integration.test_megatron_pipeline import _worker_rank
+    from tests.integration.test_megatron_pipeline import _worker_rank, worker_batch
 
-    samples = load_samples([str(assets["train"])], template="{question}=")[:10]
     cfg_path = request.getfixturevalue(model)
-    tokenizer = load_tokenizer(str(load_config(cfg_path, RunConfig).model.path))
-    batch = sft_batch(samples, tokenizer, "{answer}")
-    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
-    batch.advantages *= batch.response_mask
+    batch = worker_batch(assets, cfg_path)
     runs = {}
     for name, vp in (("plain", []), ("interleaved", ["strategy.megatron.virtual_pipeline=2"])):
         (tmp_path / name).mkdir()
@@ -256,18 +248,7 @@ def _counts_rank(
 
 @pytest.fixture(scope="module")
 def eight_layers(tmp_path_factory) -> Path:
-    from reroll.data.arithmetic import ARITHMETIC_ALPHABET
-    from reroll.models.tiny import build_tiny_model
-    from tests.conftest import write_config
-
-    root = tmp_path_factory.mktemp("pp4")
-    model = build_tiny_model(
-        root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=8, num_heads=2
-    )
-    data = root / "rows.jsonl"
-    data.write_text('{"question": "1+1", "answer": "2"}\n')
-    assets = {"model": Path(model), "train": data, "test": data}
-    return write_config(root / "c.yaml", assets, model={"path": str(model), "dtype": "float32"})
+    return tiny_megatron_config(tmp_path_factory.mktemp("pp4"), 8)
 
 
 @pytest.mark.long  # 2 x 2 spawned ranks: 25 s on 2 CPU cores; 2 x 4 ranks: minutes each
