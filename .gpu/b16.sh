@@ -4,7 +4,7 @@
 # bundle is already unpacked in /tmp/site (an earlier call on this machine), megatron-core goes beside it;
 # else ray + pydantic + megatron-core go in /tmp/msite.
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-if [ -d /tmp/site/vllm ]; then S=/tmp/site; else S=/tmp/msite; mkdir -p $S && tar -xJf .devbundle/site.tar.xz -C $S; fi
+if [ -f /tmp/site/.unpacked ]; then S=/tmp/site; else S=/tmp/msite; mkdir -p $S && tar -xJf .devbundle/site.tar.xz -C $S; fi
 tar -xJf .devbundle/mcore.tar.xz -C $S
 export PYTHONPATH=$S:$PWD PYTHONUNBUFFERED=1
 python -c "import megatron.core as m; print('megatron-core', m.__version__)" || exit 3

@@ -1,6 +1,6 @@
 # The colocated vLLM quickstart (test_vllm_gpu's 40 steps) with the engine's log-probs on, once per transport,
 # metrics to $OUT: does the engine hold the trainer's weights after each sync (mismatch/*)?
-[ -d /tmp/site/vllm ] || cp .devbundle/vllm/p3/* /tmp/vstage/; source .gpu/env.sh || exit 3
+[ -f /tmp/site/.unpacked ] || cp .devbundle/vllm/p3/* /tmp/vstage/; source .gpu/env.sh || exit 3
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for t in ipc object_store; do
   d=/tmp/diag-$t; A=$d/assets

@@ -5,7 +5,7 @@
 #   generation)  ROWS=ray (ROWS= : the peers alone)  STEP_T=520  PEER_T=240 (seconds a peer may take)
 [ -d .devbundle/vllm/p3 ] && mkdir -p /tmp/vstage && cp .devbundle/vllm/p3/* /tmp/vstage/
 ls /tmp/vstage
-[ -d /tmp/site/vllm ] || { mkdir -p /tmp/site && cat /tmp/vstage/part* | xz -dc -T0 | tar -x -C /tmp/site; } || exit 3
+source .gpu/env.sh || exit 3
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
 # each peer costs ~100-150 s here (an engine start, compilation, 7 steps): three peers and the ray row fill 560 s.
 # verl only where asked (PEERS=...,verl): it has not yet run to the end on the GPU machine; its row stops at
