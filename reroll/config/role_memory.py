@@ -122,17 +122,14 @@ def auto_checkpointed_layers(
     80GB, 2026-12-07: 'auto' filled 90 % of the GPU with the trainer's phase, 24 of 36 layers
     checkpointed, and each step's sync then took 20 s of a 28 s step; train was 4.6 s)."""
     best = max(shape.layers - 1, 0)
-    for awake in (True, False):
-        for n in range(best + 1):
-            plans = {
-                p.role: p for p in estimate(with_checkpointing(cfg, n), shape, prompt_tokens=prompt_tokens)
-            }
-            room = USABLE * gpu_memory_gib - (
-                awake_beside(cfg, plans, role, gpu_memory_gib) if awake else 0.0
-            )
-            if phase_peak(cfg, plans, role) <= room:
-                return n
-    return best
+    alone = []  # whether each count fits with the engines asleep, the fallback
+    for n in range(best + 1):
+        plans = {p.role: p for p in estimate(with_checkpointing(cfg, n), shape, prompt_tokens=prompt_tokens)}
+        peak = phase_peak(cfg, plans, role)
+        if peak <= USABLE * gpu_memory_gib - awake_beside(cfg, plans, role, gpu_memory_gib):
+            return n
+        alone.append(peak <= USABLE * gpu_memory_gib)
+    return alone.index(True) if True in alone else best
 
 
 def awake_beside(cfg: RunConfig, plans: dict[str, RolePlan], role: str, gpu_memory_gib: float) -> float:

@@ -71,6 +71,21 @@ class Residency:
         return share_hint(self.share, self.engine, self.resident or 0, self.total, self.engines)
 
 
+def colocated_needs(
+    groups: dict[str, Any], colocated: Callable[[str, str], bool]
+) -> dict[str, tuple[int, int, int]] | None:
+    """Each role that shares the engine's device: its ``memory_need()``, ``(most bytes in a phase,
+    resting bytes, the GPU's bytes)``, measured (``(0, 0, 0)`` before its first pass). None where one
+    cannot say (no ``memory_need``): the engine then sleeps, and no sync wakes its weights alone."""
+    needs = {}
+    for name, group in groups.items():
+        if name != "actor_infer" and colocated(name, "actor_infer"):
+            if not hasattr(group, "memory_need"):
+                return None
+            needs[name] = group.memory_need()
+    return needs
+
+
 def staying(cfg: RunConfig, groups: dict[str, Any], colocated: Callable[[str, str], bool]) -> Residency:
     """The roles left resident at an eviction, beside the engine's share of the GPU, from the colocated
     trainers' measured memory (``memory_need``: a role's peak scaled to the longest responses, its state
@@ -80,14 +95,12 @@ def staying(cfg: RunConfig, groups: dict[str, Any], colocated: Callable[[str, st
     peak beside the others' state) fits beside it (no sleep, no wake, a weight sync into an awake
     engine; ``engine`` headroom); else none (``engine_headroom``). ``colocated(a, b)``: whether two
     roles share a device."""
-    needs, trainers, total = [], [], 0
-    for name, group in groups.items():
-        if name != "actor_infer" and colocated(name, "actor_infer"):
-            if not hasattr(group, "memory_need"):
-                return Residency(set())  # a role that cannot say what it needs: the engine sleeps
-            peak, rest, total = group.memory_need()
-            needs.append((peak, rest))
-            trainers.append(name)
+    found = colocated_needs(groups, colocated)
+    if found is None:
+        return Residency(set())  # a role that cannot say what it needs: the engine sleeps
+    trainers = list(found)
+    needs = [(peak, rest) for peak, rest, _ in found.values()]
+    total = max((gpu for *_, gpu in found.values()), default=0)  # one GPU: every role measures the same
     share = engine_spec(cfg.rollout.engine).memory_share(cfg.rollout) or 0.0
     engines = max((colocated_engines(cfg, name) for name in trainers), default=1)
     engine = engine_headroom(needs, share, total, engines=engines)

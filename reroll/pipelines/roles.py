@@ -35,7 +35,7 @@ from reroll.config.placement import (
 from reroll.config.role_memory import USABLE
 from reroll.config.run import RunConfig
 from reroll.errors import RoleError
-from reroll.pipelines.residency import ENGINE_AWAKE_OOM, staying
+from reroll.pipelines.residency import ENGINE_AWAKE_OOM, colocated_needs, staying
 from reroll.roles.actor_infer import EngineGroup, form_weight_group
 from reroll.roles.critic import CriticGroup
 from reroll.roles.env import EnvGroup
@@ -305,19 +305,15 @@ class Roles:
             return False
         if not self.weights_bytes or not c.map:
             return False
-        rest, total, processes = 0, 0, 1  # the engine's process
-        for name, group in c.groups.items():
-            if name == "actor_infer" or not c.map.colocated(name, "actor_infer"):
-                continue
-            processes += 1
-            if name in c.offloaded:
-                continue
-            if not hasattr(group, "memory_need"):
-                return False
-            _, resting, total = group.memory_need()
-            if not total:
-                return False
-            rest += resting
+        needs = colocated_needs(c.groups, c.map.colocated)
+        if not needs:
+            return False
+        resident = [need for name, need in needs.items() if name not in c.offloaded]
+        if not all(gpu for *_, gpu in resident):  # a resident trainer not measured yet
+            return False
+        rest = sum(resting for _, resting, _ in resident)
+        total = max(gpu for *_, gpu in needs.values())
+        processes = len(needs) + 1  # the trainers' and the engine's
         return rest + self.weights_bytes + processes * 2**30 <= USABLE * total
 
     def _share_into_sleeping_engine(self) -> int:
