@@ -10,6 +10,7 @@ same inputs in the same shapes: what can differ is only where sums are split dif
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -264,6 +265,21 @@ class _Rows:
     attention_mask: torch.Tensor
 
 
+def next_token_fns(s: Any, n_tokens: int) -> tuple[Callable, Callable]:
+    """A micro-batch's next-token loss (token mean over ``n_tokens`` of the whole batch) with its record,
+    and its masked log-probs, through strategy ``s``'s logits: what the scheduled tests train and score."""
+
+    def loss_of(mb: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = s.logits(mb.input_ids, mb.attention_mask)
+        loss = -(token_logprobs(logits, mb.input_ids) * mb.attention_mask).sum() / n_tokens
+        return loss, loss.detach()
+
+    def scored(mb: _Rows) -> torch.Tensor:
+        return token_logprobs(s.logits(mb.input_ids, mb.attention_mask), mb.input_ids) * mb.attention_mask
+
+    return loss_of, scored
+
+
 def _scheduled_rank(
     rank: int,
     world_size: int,
@@ -290,13 +306,7 @@ def _scheduled_rank(
         width = int(mask[row : row + rows].sum(-1).max())
         mbs.append(_Rows(ids[row : row + rows, :width], mask[row : row + rows, :width]))
 
-    def loss_of(mb: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = s.logits(mb.input_ids, mb.attention_mask)
-        loss = -(token_logprobs(logits, mb.input_ids) * mb.attention_mask).sum() / n_tokens
-        return loss, loss.detach()
-
-    def scored(mb: _Rows) -> torch.Tensor:
-        return token_logprobs(s.logits(mb.input_ids, mb.attention_mask), mb.input_ids) * mb.attention_mask
+    loss_of, scored = next_token_fns(s, n_tokens)
 
     train = s.train_micro_batches if scheduled else partial(MicroBatchLoop.train_micro_batches, s)
     score = s.score_micro_batches if scheduled else partial(MicroBatchLoop.score_micro_batches, s)

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from reroll.algorithms.logprobs import token_logprobs
 from tests.integration.megatron_cpu import run_ranks
 from tests.integration.test_megatron_pipeline import (  # noqa: F401 (four_layers, small_moe: fixtures)
     LR,
@@ -221,17 +220,10 @@ def _counts_rank(
     """For each of ``counts``: that many micro-batches on this rank (of one or two rows, different widths),
     through ``train_micro_batches`` (no optimizer step: the weights stay) and ``score_micro_batches``;
     saves each count's losses and log-probs."""
-    from tests.integration.test_megatron_pipeline import _megatron_rank, _Rows
+    from tests.integration.test_megatron_pipeline import _megatron_rank, _Rows, next_token_fns
 
     s, ids, mask, n_tokens = _megatron_rank(rank, world_size, address, cfg_path, sizes)
-
-    def loss_of(mb: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = s.logits(mb.input_ids, mb.attention_mask)
-        loss = -(token_logprobs(logits, mb.input_ids) * mb.attention_mask).sum() / n_tokens
-        return loss, loss.detach()
-
-    def scored(mb: _Rows) -> torch.Tensor:
-        return token_logprobs(s.logits(mb.input_ids, mb.attention_mask), mb.input_ids) * mb.attention_mask
+    loss_of, scored = next_token_fns(s, n_tokens)
 
     saved = {}
     for count in counts:
