@@ -100,6 +100,10 @@ class StrategyWorker:
         self._widest = (0, 0)  # the widest micro-batch seen (tokens a row, longest prompt part)
         self._room = (0, math.inf)  # (prompt tokens, _room_beside_phases's bytes at them)
         self._resting = 0  # the most GPU bytes it held when asked to give the device away (its state)
+        # (bytes above the state it started from, tokens a row) of the pass that last raised the reserved
+        # peak, and (allocated at its start, the reserved peak before it, tokens a row) of the pass running
+        self._transient = (0, 0)
+        self._pass: tuple[int, int, int] | None = None
         self.strategy = make_strategy(
             cfg,
             model_path=model_path,
@@ -194,19 +198,46 @@ class StrategyWorker:
 
     def memory_need(self) -> tuple[int, int, int]:
         """``(most bytes, resting bytes, GPU bytes)``: the most this rank may hold on its GPU in a phase,
-        its measured peak with the part above what it keeps between phases scaled from the widest
-        micro-batch seen to rows of the longest prompt seen plus ``rollout.max_new_tokens``
+        its state now plus what its largest pass took above the state it started from, scaled from that
+        pass's micro-batch width to rows of the longest prompt seen plus ``rollout.max_new_tokens``
         (``scaled_peak``); what it keeps between phases (its state: what it holds between calls, or
         held when last asked to offload, should it be in host memory now); its GPU's memory.
-        ``(0, 0, 0)`` off GPUs or before its first pass."""
+        ``(0, 0, 0)`` off GPUs or before its first pass.
+
+        Above the state the pass started from, not the state now: a trainer's first step measures its
+        peak before the optimizer's moments exist, and every later step holds them through its pass
+        (the 3B row on an H100 80GB, 2026-12-07: the engine kept awake from step 1's peak read against
+        the state after it, and step 2's training ran out of memory 4.6 GiB short)."""
         device = self.strategy.device
-        if device.type != "cuda" or not self._widest[0]:
+        self._end_pass()
+        transient, width = self._transient
+        if device.type != "cuda" or not width:
             return 0, 0, 0
-        width, prompt = self._widest
-        longest = prompt + self.cfg.rollout.max_new_tokens
+        longest = self._widest[1] + self.cfg.rollout.max_new_tokens
         rest = max(self._resting, torch.cuda.memory_allocated(device))
-        need = scaled_peak(reserved_peak(device), rest, width, longest)
+        need = scaled_peak(rest + transient, rest, width, longest)
         return need, rest, torch.cuda.get_device_properties(device).total_memory
+
+    def _begin_pass(self, width: int) -> None:
+        """A pass over micro-batches ``width`` tokens a row starts: the state it starts from and the
+        reserved peak before it, for ``_end_pass`` (on a GPU)."""
+        device = self.strategy.device
+        if device.type != "cuda":
+            return
+        self._end_pass()
+        self._pass = (torch.cuda.memory_allocated(device), reserved_peak(device), width)
+
+    def _end_pass(self) -> None:
+        """Close the pass ``_begin_pass`` opened (at the next pass, or when the need is asked): where it
+        raised the reserved peak (or none has yet), what it took above its starting state becomes the
+        transient ``memory_need`` adds to the state; a pass under an earlier peak says nothing new."""
+        if self._pass is None:
+            return
+        start, before, width = self._pass
+        self._pass = None
+        peak = reserved_peak(self.strategy.device)
+        if peak > before or not self._transient[1]:
+            self._transient = (max(peak - start, 0), width)
 
     def _fits_beside_engine(self) -> bool:
         """'auto' on a GPU with a vLLM engine (``keeps_state``): this role's reserved memory, once the
@@ -291,6 +322,7 @@ class StrategyWorker:
         (what ``memory_need`` scales the measured peak from)."""
         width = max((p.input_ids.shape[1] for p in parts), default=0)
         self._widest = (max(self._widest[0], width), max(self._widest[1], _longest_prompt(batch)))
+        self._begin_pass(width)
 
     def forward(self, mb: TrainBatch) -> torch.Tensor:
         """The model's output on a micro-batch, ``(b, t, ...)`` right-padded like ``mb.input_ids``; with

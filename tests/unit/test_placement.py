@@ -956,3 +956,53 @@ def test_a_sync_into_a_sleeping_engine_wakes_its_weights_alone_where_they_fit_be
     ]
     groups["actor_train"].rest = 65 * GiB  # 65 + 6 + 2 > 72: through host memory again
     assert sync_after_a_train_phase()[0] == "buckets via object_store"
+
+
+def test_a_trainers_need_adds_its_pass_to_the_state_it_holds_now_not_to_the_one_it_started_from(
+    tmp_path, monkeypatch
+):
+    """``StrategyWorker.memory_need`` (CUDA's memory calls faked) after a first step: what the training
+    pass took above the state it started from (weights), added to the state now (weights and the
+    optimizer's moments, created at that step's end). Reading the peak against the state now counted
+    the moments once, in the state, where step 2 holds them beside the pass: the 3B row's engine was
+    kept awake from that reading and step 2 ran out of memory (H100 80GB, 2026-12-07)."""
+    import types
+
+    from reroll.roles import strategy_worker
+    from reroll.roles.strategy_worker import StrategyWorker
+
+    gib = 2**30
+    memory = {"allocated": 6 * gib, "peak": 7 * gib}  # the weights built, the load's transient peak
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory["allocated"])
+    monkeypatch.setattr(strategy_worker, "reserved_peak", lambda device: memory["peak"])
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=80 * gib)
+    )
+
+    class Strategy:
+        device = torch.device("cuda", 0)
+
+    worker = object.__new__(StrategyWorker)
+    worker.cfg = _cfg(tmp_path, **{"rollout.max_new_tokens": 256})
+    worker.strategy, worker._resting, worker._widest = Strategy(), 0, (384, 128)
+    worker._transient, worker._pass = (0, 0), None
+    assert worker.memory_need() == (0, 0, 0)  # no pass yet
+
+    worker._begin_pass(384)  # old log-probs: 4 GiB of logits above the weights
+    memory["peak"] = 10 * gib
+    worker._begin_pass(384)  # training: gradients (6) and activations (20) above the weights
+    memory["peak"] = 32 * gib
+    memory["allocated"] = 18 * gib  # the step's end: the moments (12 GiB) are kept
+    need, rest, total = worker.memory_need()
+    assert (rest, total) == (18 * gib, 80 * gib)
+    assert need == 18 * gib + 26 * gib  # what step 2 holds: 44 GiB, not the 32 measured before the moments
+
+    worker._begin_pass(384)  # step 2's forward-only pass, under the peak: the training pass's reading stays
+    memory["peak"] = 32 * gib
+    assert worker.memory_need()[0] == 44 * gib
+    worker._begin_pass(384)  # step 2's training, from the full state: 26 GiB above it again
+    memory["peak"] = 44 * gib
+    assert worker.memory_need()[0] == 44 * gib
+    worker._begin_pass(192)  # a narrower pass raising the peak scales from its own width to 384 tokens
+    memory["peak"] = 45 * gib
+    assert worker.memory_need()[0] == 18 * gib + 2 * 27 * gib
