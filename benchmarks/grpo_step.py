@@ -124,6 +124,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -375,12 +376,19 @@ def run_reroll(path: Path, args: argparse.Namespace, mode: str) -> list[dict]:
         finished = False
     packing = wants_packing(cfg.optim.packing, torch.device(args.device), getattr(torch, args.dtype))
     tail = cfg.rollout.tail_threshold or 0
-    return [
-        r | {"packing": packing, "tail_threshold": tail}
-        for r in read_steps(
-            path.parent / cfg.name, args.prompts * args.group, finished
-        )  # output_dir: root/{name}
-    ]
+    run_dir = path.parent / cfg.name  # output_dir: root/{name}
+    steps = read_steps(run_dir, args.prompts * args.group, finished)
+    drop_saved_models(run_dir)
+    return [r | {"packing": packing, "tail_threshold": tail} for r in steps]
+
+
+def drop_saved_models(run_dir: Path) -> None:
+    """Remove what a finished row saved besides its metrics (the reference's copy, the final checkpoint:
+    about 40 GB at 3B), before the next row: the lent GPU machine's disk filled with three rows' copies
+    at the 7B row (2026-12-07)."""
+    for child in run_dir.iterdir() if run_dir.is_dir() else ():
+        if child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
 
 
 def fits_the_gpu(path: Path, args: argparse.Namespace, name: str) -> bool:
@@ -779,6 +787,15 @@ def main() -> None:
     peak = peak_tflops(args)
 
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
+    try:
+        bench(args, sizes, peers, peak, root)
+    finally:  # the models built for the rows (15 GB at 7B) and the rows' outputs; --json keeps the results
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def bench(args: argparse.Namespace, sizes: list[str], peers: list[str], peak: float | None, root: Path) -> None:
+    """Every size's peers and reroll rows, each row printed as it ends, then the tables (scratch under
+    ``root``)."""
     results: dict[str, list[dict]] = {}
     models: dict[str, Path] = {}
     for size in sizes:
