@@ -153,6 +153,7 @@ def build_tiny_model(
     chat_template: bool = True,
     moe: TinyMoEConfig | None = None,
     tie_word_embeddings: bool = True,
+    init_device: str = "cpu",
 ) -> Path:
     """Save a random-init ``Qwen2ForCausalLM`` (fp32 unless ``dtype``) and its ``char_tokenizer(alphabet)`` to ``out_dir``.
 
@@ -164,7 +165,9 @@ def build_tiny_model(
     off for a model meant for GPUs, e.g. Qwen2.5-3B's head size 128); ``chat_template=False`` saves a
     tokenizer without one. ``moe`` (a ``model.build_tiny.moe`` section) makes it a
     ``Qwen3MoeForCausalLM`` whose every decoder layer's MLP is ``moe.experts`` experts
-    (``intermediate_size`` is then unused). Returns ``out_dir`` as a ``Path``,
+    (``intermediate_size`` is then unused). ``init_device`` other than 'cpu' (a benchmark's 'cuda')
+    initialises the weights there, in ``dtype``: seconds for a 7B shape, other random values than a
+    CPU's. Returns ``out_dir`` as a ``Path``,
     loadable offline with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -190,7 +193,12 @@ def build_tiny_model(
     else:
         config = moe_config(shape, moe)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    if init_device == "cpu":
+        model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    else:  # a benchmark's 7B shape: initialised in fp32 on a CPU it took minutes of a lent GPU's call
+        with torch.device(init_device):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = model.cpu()
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

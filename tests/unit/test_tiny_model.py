@@ -88,3 +88,18 @@ def test_same_seed_same_weights(tmp_path):
     a = build_tiny_model(tmp_path / "a", alphabet="01", hidden_size=64, num_heads=2, num_layers=1, seed=3)
     b = build_tiny_model(tmp_path / "b", alphabet="01", hidden_size=64, num_heads=2, num_layers=1, seed=3)
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+
+
+def test_a_model_initialised_on_a_device_is_saved_in_its_dtype_and_loads(tmp_path):
+    """``init_device`` (the benchmark's 'cuda'; 'cpu:0' takes the same path here): the weights are made
+    there in ``dtype`` and saved from host memory, a loadable model of the same shape."""
+    out = build_tiny_model(
+        tmp_path / "m", alphabet=ALPHABET, hidden_size=64, num_heads=2, dtype="bfloat16", init_device="cpu:0"
+    )
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    reference = build_tiny_model(tmp_path / "r", alphabet=ALPHABET, hidden_size=64, num_heads=2)
+    base = AutoModelForCausalLM.from_pretrained(reference)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {
+        k: v.shape for k, v in base.state_dict().items()
+    }
+    assert all(p.dtype == torch.bfloat16 and torch.isfinite(p).all() for p in model.parameters())
