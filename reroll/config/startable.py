@@ -88,12 +88,6 @@ def megatron_parallel_problems(
             f"context_parallel) = {world_size // model_parallel}): change expert_parallel or the world_size"
         )
     problems += virtual_pipeline_problems(None, m.pipeline_parallel, m.virtual_pipeline)
-    if m.virtual_pipeline > 1 and cp > 1:
-        problems.append(
-            f"strategy.megatron.virtual_pipeline ({m.virtual_pipeline}) with context_parallel ({cp}) on "
-            f"roles.{role}: the interleaved schedule does not run rows split by context parallelism; set "
-            "virtual_pipeline to 1 or context_parallel to 1"
-        )
     return problems
 
 

@@ -525,12 +525,6 @@ class MegatronStrategy(MicroBatchLoop):
         model = self._require()
         if self._handed is not None:  # a scheduled step's loss: the last stage's logits of these rows
             return self._handed(input_ids)
-        if self.vp > 1:
-            raise UserError(
-                "strategy.megatron.virtual_pipeline > 1 runs the model only through the interleaved "
-                "schedule (train_micro_batches / score_micro_batches with rows given as input_ids and "
-                "attention_mask), not by logits() one call at a time: set virtual_pipeline to 1 for this use"
-            )
         if images is not None:
             raise UserError(
                 "the megatron strategy converts text models only: rows with images need fsdp2 or torch"
@@ -629,13 +623,21 @@ class MegatronStrategy(MicroBatchLoop):
     ) -> torch.Tensor:
         """This rank's rows' ``(rows, t, V)`` logits of the model-parallel group's rows ``ids`` (``spans``:
         each stage's rank's ``(first row, rows)``), through this rank's stage
-        (``reroll.strategies.megatron_pipeline``)."""
+        (``reroll.strategies.megatron_pipeline``): one micro-batch, unscheduled. With a virtual pipeline
+        it runs each of the stage's chunks in turn, every chunk but the last handing its output on
+        (``Pipeline.pass_on``: the last stage's to the first, where the next chunk starts): rows cross
+        the stages ``virtual_pipeline`` times, as under the interleaved schedule."""
         pipe, dtype, vocab = self.pipe, DTYPES[self.dtype], self.shape.vocab_size
         assert pipe is not None
-        if not pipe.first:
-            x = pipe.receive(self._hidden_shape(ids), dtype, self.device)
-            self.module.set_input_tensor(x)
-        out = self._require()(ids, positions, causal)
+        shape = self._hidden_shape(ids)
+        self._require()
+        x = None if pipe.first else pipe.receive(shape, dtype, self.device)
+        for chunk in range(self.vp):
+            if x is not None:
+                self.chunks[chunk].set_input_tensor(x)
+            out = self.models[chunk](ids, positions, causal)
+            if chunk < self.vp - 1:
+                x = pipe.pass_on(out, shape, dtype)
         if pipe.last:
             out = out[:, :t, :vocab].to(dtype)
         return pipe.output(out, spans, (t, vocab), dtype)
@@ -695,7 +697,8 @@ class MegatronStrategy(MicroBatchLoop):
     def _schedules(self, batches: Sequence[Any]) -> bool:
         """Whether the stages schedule these micro-batches (the same answer on every rank of a group):
         rows given as ``input_ids`` and ``attention_mask``, no context parallelism (its groups gather
-        columns inside the loss)."""
+        columns inside the loss: its micro-batches run one after the other, through every chunk of a
+        virtual pipeline by ``_pipelined``)."""
         if self.pipe is None or self.context_parallel is not None:
             return False
         return all(hasattr(mb, "input_ids") and hasattr(mb, "attention_mask") for mb in batches)

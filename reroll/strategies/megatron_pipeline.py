@@ -55,14 +55,14 @@ is told every received tensor's shape from the gathered rows, in the order the n
 at two stages), tensors sent unbatched. A weight's gradient accumulates over the micro-batches in the
 same order as at ``vp = 1``, so the first step's losses equal the plain schedule's bit for bit and the
 rest within rounding (the gradient norm's sums per stage); ``tests/integration/
-test_megatron_virtual_pipeline.py``. Under a virtual pipeline the model runs only scheduled:
-``logits`` one call at a time is refused (a ``UserError``); context parallelism (which is not scheduled)
-is refused before anything starts (``reroll.config.startable``). A mixture of experts' router term pools
-every chunk of every stage: each chunk adds its part to its output, its top-k counts gathered after its
-forward (``megatron_moe.ScheduledRouting``, told the micro-batch and chunk), so it trains as at
-``vp = 1`` (the first step bit for bit). Left: context parallelism under the schedule, the uneven first
-and last stages Megatron-Core allows with chunks, Megatron-Core's overlapped exchange
-(``overlap_p2p_comm``), and a run on GPUs.
+test_megatron_virtual_pipeline.py``. A mixture of experts' router term pools every chunk of every
+stage: each chunk adds its part to its output, its top-k counts gathered after its forward
+(``megatron_moe.ScheduledRouting``, told the micro-batch and chunk), so it trains as at ``vp = 1``
+(the first step bit for bit). Outside the schedule (``logits`` one call at a time, and context
+parallelism, whose micro-batches run one after the other) a micro-batch goes through every chunk in
+turn, each chunk's output handed round the ring of stages (``Pipeline.pass_on``). Left: context
+parallelism under the schedule, the uneven first and last stages Megatron-Core allows with chunks,
+Megatron-Core's overlapped exchange (``overlap_p2p_comm``), and a run on GPUs.
 """
 
 from __future__ import annotations
@@ -102,6 +102,13 @@ class Pipeline:
             return x
         return _FromPreviousStage.apply(x.requires_grad_(), self)
 
+    def pass_on(self, out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A virtual pipeline's chunk output ``out`` sent to the next stage (the last stage's to the
+        first, whose next chunk takes it), and this stage's next chunk's input (``shape``) received from
+        the previous stage (the first stage's from the last); backward sends the input's gradient back
+        and receives the output's. One micro-batch at a time, unscheduled (``MegatronStrategy._pipelined``)."""
+        return _PassOn.apply(out, self, shape, dtype)
+
     def output(
         self,
         out: torch.Tensor,
@@ -127,6 +134,28 @@ class _FromPreviousStage(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
         dist.send(grad.contiguous(), ctx.pipe.ranks[ctx.pipe.stage - 1])
         return None, None
+
+
+class _PassOn(torch.autograd.Function):
+    """``Pipeline.pass_on``: forward sends on and receives the next chunk's input; backward the reverse,
+    each to the neighbour it came from (the stages form a ring across chunks)."""
+
+    @staticmethod
+    def forward(ctx, out, pipe, shape, dtype):  # type: ignore[override]
+        stages = len(pipe.ranks)
+        ctx.pipe, ctx.out_shape, ctx.out_dtype = pipe, out.shape, out.dtype
+        ctx.after, ctx.before = pipe.ranks[(pipe.stage + 1) % stages], pipe.ranks[pipe.stage - 1]
+        dist.send(out.contiguous(), ctx.after)
+        x = torch.empty(shape, dtype=dtype, device=out.device)
+        dist.recv(x, ctx.before)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        dist.send(grad.contiguous(), ctx.before)
+        back = torch.empty(ctx.out_shape, dtype=ctx.out_dtype, device=grad.device)
+        dist.recv(back, ctx.after)
+        return back, None, None, None
 
 
 class _StageOutput(torch.autograd.Function):

@@ -2,7 +2,7 @@
 core attention, ``reroll.strategies.megatron_context``) on CPU ranks over gloo, CUDA calls pointed at the
 CPU (``tests/integration/megatron_cpu.py``): the attention and the rotary embedding of two ranks equal
 the unsplit ones (seconds), and two ranks splitting every row train as one rank does (``-m long``):
-the strategy alone, at CP=2, CP=2 x TP=2 and CP=2 x PP=2, and actor_train's ``TrainerWorker`` (the
+the strategy alone, at CP=2, CP=2 x TP=2, CP=2 x PP=2 and CP=2 x PP=2 x VPP=2, and actor_train's ``TrainerWorker`` (the
 worker's gather and combine of a group's columns, its micro-batches, SFT and RL steps).
 """
 
@@ -139,24 +139,24 @@ def _split_rank(
             entropy=False, split=(split, width),
         )  # fmt: skip
     weights = s.full_state_dict()
-    sp = s.module.config.sequence_parallel  # the model ran as configured
+    sp = s.chunks[0].config.sequence_parallel  # the model ran as configured
     saved = {"steps": steps, "scored": scored, "weights": weights, "share": share, "sequence_parallel": sp}
     torch.save(saved, f"{out}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory) -> Path:
-    """A config over a tiny Qwen2 (a Qwen3-MoE of 4 experts, top-2, where ``moe``) of 2 layers, 4 attention
-    heads over ``kv`` key-value heads."""
+    """A config over a tiny Qwen2 (a Qwen3-MoE of 4 experts, top-2, where ``moe``) of ``layers`` layers
+    (2), 4 attention heads over ``kv`` key-value heads."""
     from reroll.data.arithmetic import ARITHMETIC_ALPHABET
     from reroll.models.tiny import build_tiny_model
 
-    def build(kv: int, moe: bool = False) -> Path:
+    def build(kv: int, moe: bool = False, layers: int = 2) -> Path:
         from reroll.config.model import TinyMoEConfig
 
-        root = tmp_path_factory.mktemp(f"cp_kv{kv}")
+        root = tmp_path_factory.mktemp(f"cp_kv{kv}_l{layers}")
         model = build_tiny_model(
-            root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=2, num_heads=4,
+            root / "model", alphabet=ARITHMETIC_ALPHABET, hidden_size=64, num_layers=layers, num_heads=4,
             num_kv_heads=kv, for_cpu_engine=False, moe=TinyMoEConfig(experts=4, top_k=2) if moe else None,
         )  # fmt: skip
         data = root / "rows.jsonl"
@@ -170,14 +170,21 @@ def gqa_model(tmp_path_factory) -> Path:
 @pytest.mark.long  # three spawned ranks importing megatron-core, five with TP or PP: 0.5-2 minutes each on
 # 2 CPU cores; the CI sibling is test_ulysses_attention_on_two_ranks_equals_the_unsplit_attention
 @pytest.mark.parametrize(
-    ("kv", "tp", "pp", "sp"),
-    [(2, 1, 1, False), (4, 2, 1, False), (4, 2, 1, True), (2, 1, 2, False)],
-    ids=["cp2-gqa", "cp2-tp2", "cp2-tp2-sp", "cp2-pp2"],
+    ("kv", "tp", "pp", "sp", "vp"),
+    [
+        (2, 1, 1, False, 1),
+        (4, 2, 1, False, 1),
+        (4, 2, 1, True, 1),
+        (2, 1, 2, False, 1),
+        (2, 1, 2, False, 2),
+    ],
+    ids=["cp2-gqa", "cp2-tp2", "cp2-tp2-sp", "cp2-pp2", "cp2-pp2-vp2"],
 )
-def test_context_parallel_ranks_train_as_one_rank(tmp_path, gqa_model, kv, tp, pp, sp):
+def test_context_parallel_ranks_train_as_one_rank(tmp_path, gqa_model, kv, tp, pp, sp, vp):
     """CP=2 (every row split over two ranks; 4 query heads over 2 key-value heads: one key-value head a
     rank), CP=2 x TP=2 (each TP rank half the rows, each split over two ranks; a rank attends with one
-    head) and CP=2 x PP=2 (a layer a stage) against one rank on the whole batch; under TP and PP a group
+    head) and CP=2 x PP=2 (a layer a stage; with ``vp`` 2, four layers, two chunks a stage that the rows
+    cross in turn, unscheduled: ``Pipeline.pass_on``) against one rank on the whole batch; under TP and PP a group
     runs its ranks' rows at the widest one's width, and every rank's columns are split at it; with
     sequence parallelism (``sp``) at a multiple of 4, each rank's columns scattered again over its two TP
     ranks for the norms and residuals, gathered for attention and the MLP. Compared:
@@ -194,13 +201,17 @@ def test_context_parallel_ranks_train_as_one_rank(tmp_path, gqa_model, kv, tp, p
     CP=2 alone), log-probs to 5e-7, weights to 7e-6."""
     from reroll.strategies.context_parallel import group_leaders
 
-    cfg = gqa_model(kv)
+    cfg = gqa_model(kv, layers=2 * vp)
     one = _run(tmp_path, cfg, 1)[0]
     cp, world = 2, 2 * tp * pp
-    sizes = [
-        f"strategy.megatron.{k}={v}"
-        for k, v in (("context_parallel", cp), ("tensor_parallel", tp), ("pipeline_parallel", pp))
-    ] + [f"strategy.megatron.sequence_parallel={str(sp).lower()}"]
+    parallel = (
+        ("context_parallel", cp),
+        ("tensor_parallel", tp),
+        ("pipeline_parallel", pp),
+        ("virtual_pipeline", vp),
+    )
+    sizes = [f"strategy.megatron.{k}={v}" for k, v in parallel]
+    sizes.append(f"strategy.megatron.sequence_parallel={str(sp).lower()}")
     out = tmp_path / "split"
     out.mkdir()
     split = run_ranks(_split_rank, world, out, str(cfg), sizes, cp, tp)

@@ -157,6 +157,41 @@ def test_a_mixture_of_experts_on_two_stages_of_two_chunks_trains_as_on_two_stage
 VPP2 = ["pipeline_parallel=2", "virtual_pipeline=2"]
 
 
+@pytest.mark.long  # 2 x 2 spawned ranks: about 30 s on 2 CPU cores (a mixture of experts: about 45 s)
+@pytest.mark.parametrize("model", ["four_layers", "small_moe"])
+def test_two_stages_of_two_chunks_run_one_micro_batch_after_the_other_as_scheduled(tmp_path, request, model):
+    """PP=2 x VPP=2 outside the schedule (``logits`` one micro-batch at a time, as context parallelism
+    and any caller of ``logits`` run it: each chunk's output handed round the ring of stages,
+    ``Pipeline.pass_on``) against the interleaved schedule. A dense model's micro-batches cross the same
+    layers in the same shapes, each rank's loss is the same function of the same logits and every
+    weight's gradient accumulates over the micro-batches in the same order: losses, norms, log-probs and
+    weights bit for bit. A mixture of experts' router term is summed over this rank's routers at once
+    in the loop, per chunk under the schedule (fp32 sums in another order): the first step's losses bit
+    for bit (the term enters the gradient, not the loss records), the rest within
+    ``test_a_mixture_of_experts_on_two_stages_of_two_chunks_trains_as_on_two_stages``'s bounds."""
+    cfg = request.getfixturevalue(model)
+    one_by_one = _run_scheduled(tmp_path, cfg, 2, False, *VPP2)
+    (tmp_path / "scheduled").mkdir()
+    scheduled = _run_scheduled(tmp_path / "scheduled", cfg, 2, True, *VPP2)
+    assert all(r["schedules"] == [] for r in one_by_one)  # the loop: no schedule ran
+    assert all(r["schedules"] == [False] * STEPS + [True] for r in scheduled)
+    for a, b in zip(one_by_one, scheduled):
+        assert len(a["steps"][0][0]) == ROWS // 2  # every micro-batch's record came back
+        if model == "four_layers":
+            assert a["steps"] == b["steps"]
+            assert torch.equal(a["scored"], b["scored"])
+            assert all(torch.equal(b["weights"][name], w) for name, w in a["weights"].items())
+            continue
+        assert a["metrics"][0]["actor/router_aux_loss"] > 0  # the term ran
+        assert a["steps"][0][0] == b["steps"][0][0]
+        for (losses, norm), (their_losses, their_norm) in zip(a["steps"], b["steps"]):
+            assert their_losses == pytest.approx(losses, rel=1e-5)
+            assert their_norm == pytest.approx(norm, rel=1e-5)
+        torch.testing.assert_close(b["scored"], a["scored"], atol=1e-5, rtol=0)
+        for name, w in a["weights"].items():
+            torch.testing.assert_close(b["weights"][name], w, atol=2 * LR * STEPS, rtol=0)
+
+
 @pytest.mark.long  # two spawned ranks and one: about 40 s each on 2 CPU cores
 @pytest.mark.parametrize(
     ("saving", "resuming"), [((2, VPP2), (1, [])), ((1, []), (2, VPP2))], ids=["vpp2-to-1", "1-to-vpp2"]

@@ -84,6 +84,58 @@ def test_two_stages_give_each_rank_its_logits_and_the_unsplit_gradients(tmp_path
                     assert got is None, (rank, name)
 
 
+def _chunked_rank(rank: int, world_size: int, address: str, out: str) -> None:
+    """Two chunks a stage, unscheduled (``Pipeline.pass_on``): stage 0 holds layers 0 and 2, stage 1
+    layers 1 and 3 and the head; the rows cross the stages twice (0 -> 1 -> 0 -> 1)."""
+    dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=world_size)
+    x, layers, head, c = _chunked_toy()
+    pipe = _pipe()
+    shape, cpu = (ROWS, T, H), torch.device("cpu")
+    h = x if pipe.first else pipe.receive(shape, torch.float32, cpu)
+    h = torch.tanh(layers[rank](h))  # chunk 0
+    h = pipe.pass_on(h, shape, torch.float32)  # round the ring: stage 1's chunk 0 -> stage 0's chunk 1
+    h = torch.tanh(layers[rank + 2](h))  # chunk 1
+    mine = pipe.output(head(h) if pipe.last else h, SPANS, (T, V), torch.float32)
+    start, n = SPANS[rank]
+    (mine * c[start : start + n]).sum().backward()
+    grads = {f"{i}.{n}": p.grad for i, layer in enumerate(layers) for n, p in layer.named_parameters()}
+    saved = {"logits": mine.detach(), "grads": grads, "head": head.weight.grad}
+    torch.save(saved, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _chunked_toy() -> tuple[torch.Tensor, list[torch.nn.Linear], torch.nn.Linear, torch.Tensor]:
+    torch.manual_seed(0)
+    x = torch.randn(ROWS, T, H)
+    return x, [torch.nn.Linear(H, H) for _ in range(4)], torch.nn.Linear(H, V), torch.randn(ROWS, T, V)
+
+
+def test_two_chunks_a_stage_pass_the_rows_round_the_ring_and_the_gradients_back(tmp_path: Path):
+    """``Pipeline.pass_on`` (a virtual pipeline outside the schedule: ``logits`` calls, context
+    parallelism): each stage's non-final chunk sends its output on (the last stage's to the first) and
+    receives its next chunk's input, and backward brings each gradient back the same way. The logits
+    equal one process's exactly (the same operations on the same tensors); the weights' gradients to
+    fp32 summation order (each rank's loss is its own rows': a weight's sum over the rows is split in
+    two), and each stage has gradients only for the layers it holds."""
+    ranks = run_ranks(_chunked_rank, 2, tmp_path)
+    x, layers, head, c = _chunked_toy()
+    h = x
+    for layer in layers:
+        h = torch.tanh(layer(h))
+    logits = head(h)
+    (logits * c).sum().backward()
+    for rank, (start, n) in enumerate(SPANS):
+        assert torch.equal(ranks[rank]["logits"], logits[start : start + n].detach())
+        for i, layer in enumerate(layers):
+            for pn, p in layer.named_parameters():
+                got = ranks[rank]["grads"][f"{i}.{pn}"]
+                if i % 2 == rank:  # stage 0: layers 0 and 2; stage 1: layers 1 and 3
+                    torch.testing.assert_close(got, p.grad, atol=1e-6, rtol=0)
+                else:
+                    assert got is None, (rank, i)
+    torch.testing.assert_close(ranks[1]["head"], head.weight.grad, atol=1e-6, rtol=0)
+
+
 LAYERS, TOKENS, EXPERTS, TOP_K = 4, 6, 4, 2  # the router logits of a 4-layer MoE, 2 layers a stage
 SHARES = (0.25, 0.75)
 

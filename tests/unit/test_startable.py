@@ -327,6 +327,5 @@ def test_megatron_virtual_pipeline_needs_stages_an_even_split_and_whole_rows(tmp
         vpp[0], "strategy.megatron.virtual_pipeline=8"
     )
     assert messages(*vpp, model="Qwen/Qwen3-30B-A3B") == ""
-    assert "virtual_pipeline (2) with context_parallel (2)" in messages(
-        *vpp, "strategy.megatron.context_parallel=2"
-    )
+    # with context parallelism its micro-batches run unscheduled, through every chunk in turn
+    assert messages(*vpp, "strategy.megatron.context_parallel=2") == ""
