@@ -36,7 +36,9 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   the forward-only passes take as many rows as hold a training micro-batch's memory, the library's
   default since 2026-12-06, where the other rows take ``--logprob-micro-batch``; the row ``ray-tail``
   turns on tail batching, ``rollout.tail_threshold: --tail-threshold``: responses longer than it are set
-  aside and finished together in a later step, which the mean over steps then includes).
+  aside and finished together in a later step, which the mean over steps then includes); the row
+  ``ray-ckpt`` checkpoints every decoder layer, ``model.gradient_checkpointing: true``, beside the
+  count ``--gradient-checkpointing`` gives the others (``auto``: the fewest by ``reroll plan``).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 
@@ -304,6 +306,8 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
         cfg["optim"]["packing"] = False
     if mode == "ray-fwdsized":  # forward-only passes sized by the library (optim.logprob_* unset)
         cfg["optim"].pop("logprob_micro_batch_size")
+    if mode == "ray-ckpt":  # every decoder layer checkpointed, whatever --gradient-checkpointing says
+        cfg["model"]["gradient_checkpointing"] = True
     if ray:  # every role on the one GPU, taking turns as the phases say
         cfg["placement"] = {"devices": 1, "device_type": "cuda" if gpu else "cpu", "offload": "auto"}
     else:
@@ -737,7 +741,7 @@ def parser() -> argparse.ArgumentParser:
         default="ray,local",
         help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), "
         "ray-resident, ray-offload, ray-sleep, ray-ownnorm, ray-fusedhead, ray-padded, ray-fwdsized, ray-tail, "
-        "local",
+        "ray-ckpt, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(

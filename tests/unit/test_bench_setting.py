@@ -94,13 +94,15 @@ def test_settings_refused_up_front():
 
 def test_each_switch_row_changes_only_its_own_setting(tmp_path):
     """The rows that measure a setting against the default in the same call: ``ray-fusedhead``
-    (``model.fused_head: true``), ``ray-ownnorm`` (``model.fused_norm: false``); ``ray`` keeps the
-    defaults (the logits head, fused norms)."""
+    (``model.fused_head: true``), ``ray-ownnorm`` (``model.fused_norm: false``), ``ray-ckpt`` (every
+    layer checkpointed); ``ray`` keeps the defaults (the logits head, fused norms) and the bench's count."""
     args, setting, model = setting_for(tmp_path, "0.5b")
     rows = {
         m: reroll_config(tmp_path, model, args, m, setting)["model"]
-        for m in ("ray", "ray-fusedhead", "ray-ownnorm")
+        for m in ("ray", "ray-fusedhead", "ray-ownnorm", "ray-ckpt")
     }
+    assert rows["ray-ckpt"].pop("gradient_checkpointing") is True
+    assert rows["ray-ckpt"] == {k: v for k, v in rows["ray"].items() if k != "gradient_checkpointing"}
     assert (rows["ray"]["fused_head"], rows["ray"]["fused_norm"]) == (False, True)
     assert (rows["ray-fusedhead"]["fused_head"], rows["ray-fusedhead"]["fused_norm"]) == (True, True)
     assert (rows["ray-ownnorm"]["fused_head"], rows["ray-ownnorm"]["fused_norm"]) == (False, False)
