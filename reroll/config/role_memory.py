@@ -133,8 +133,10 @@ def auto_checkpointed_layers(
     for n in range(best + 1):
         plans = {p.role: p for p in estimate(with_checkpointing(cfg, n), shape, prompt_tokens=prompt_tokens)}
         peak = phase_peak(cfg, plans, role)
-        awake = USABLE * gpu_memory_gib - awake_beside(cfg, plans, role, gpu_memory_gib)
-        if peak * RESERVED_OVER_ALLOCATED <= awake:  # as the runtime will measure it: reserved
+        beside = awake_beside(cfg, plans, role, gpu_memory_gib)
+        # beside an engine that stays, as the runtime's residency check will measure it: reserved
+        weighed = peak * RESERVED_OVER_ALLOCATED if beside else peak
+        if weighed <= USABLE * gpu_memory_gib - beside:
             return n
         alone.append(peak <= USABLE * gpu_memory_gib)
     return alone.index(True) if True in alone else best
