@@ -30,6 +30,7 @@ from reroll.config.role_memory import (
     engine_share,
     engine_share_problem,
     estimate,
+    forward_sized,
     held,
     planned,
     with_checkpointing,
@@ -39,8 +40,11 @@ from reroll.config.startable import context_parallel_size, start_problems
 from reroll.models.shape import model_shape
 
 
-def _forward_only_lines(cfg: RunConfig, shape: Shape, seq: int, roles: list[str]) -> list[str]:
-    """What ``forward_only_limits`` gives the run's forward-only passes, and why (none in SFT)."""
+def _forward_only_lines(
+    cfg: RunConfig, shape: Shape, seq: int, roles: list[str], *, resident: bool = False
+) -> list[str]:
+    """What ``forward_only_limits`` gives the run's forward-only passes, and why (none in SFT);
+    ``resident``: ``forward_sized`` set their size, so that every role stays beside the engine."""
     if not any(r in roles for r in ("reference", "critic", "teacher")) and not cfg.trains_on_rollouts:
         return []  # no forward-only pass: nothing scores the policy's samples
     o = cfg.optim
@@ -49,7 +53,12 @@ def _forward_only_lines(cfg: RunConfig, shape: Shape, seq: int, roles: list[str]
         rows, tokens = forward_only_limits(cfg, shape, seq, every_position=every_position)
         return f"{tokens} tokens" if tokens else f"{rows} rows"
 
-    if o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch:
+    if resident:
+        why = (
+            "optim.logprob_* unset: the most that lets every colocated role stay resident beside the "
+            "engine, as a training micro-batch's memory would not"
+        )
+    elif o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch:
         why = "optim.logprob_*"
     elif not offload_between_phases(cfg, "cuda"):
         why = "as training's micro-batches: colocated roles that never offload keep each pass's memory"
@@ -78,6 +87,11 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     cfg = planned(cfg, pool)
     dmap = device_map(cfg, "cuda")
     counts = checkpoint_counts(cfg, shape, prompt_tokens=prompt_tokens, gpu_memory_gib=gpu_memory_gib)
+    sized = forward_sized(
+        cfg, shape, prompt_tokens=prompt_tokens, gpu_memory_gib=gpu_memory_gib, checkpointed=counts
+    )
+    resident_sized = sized is not cfg  # the forward-only passes kept to what lets every role stay
+    cfg = sized
     plans = {p.role: p for p in estimate(cfg, shape, prompt_tokens=prompt_tokens, checkpointed=counts)}
     offload = offload_between_phases(cfg, "cuda")
     lines = [
@@ -105,7 +119,8 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     lines += _phase_lines(cfg, dmap, plans, pool, offload, usable=USABLE * gpu_memory_gib)
     lines += _host_lines(dmap, plans, pool) if offload else []
     policy = with_checkpointing(cfg, counts["actor_train"]) if "actor_train" in counts else cfg
-    lines += _forward_only_lines(policy, shape, prompt_tokens + cfg.rollout.max_new_tokens, list(plans))
+    seq = prompt_tokens + cfg.rollout.max_new_tokens
+    lines += _forward_only_lines(policy, shape, seq, list(plans), resident=resident_sized)
     if pool > gpus:
         lines.append(f"\nthe pool needs {pool} GPUs but only {gpus} are available")
     verdict = "fits" if fits else "does NOT fit"

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from reroll.config.memory import forward_only_limits, model_token_shape
 from reroll.config.placement import keeps_state, may_park, scaled_peak
-from reroll.config.role_memory import GIB, room_beside_phases, with_checkpointing
+from reroll.config.role_memory import GIB, forward_sized, room_beside_phases, with_checkpointing
 from reroll.config.schema import RunConfig
 from reroll.config.startable import context_parallel_size
 from reroll.config.vision import PACKING_REFUSED
@@ -99,6 +99,7 @@ class StrategyWorker:
         self._losses: list[tuple[torch.Tensor, str]] = []
         self._widest = (0, 0)  # the widest micro-batch seen (tokens a row, longest prompt part)
         self._room = (0, math.inf)  # (prompt tokens, _room_beside_phases's bytes at them)
+        self._sized: dict[tuple[int, object], RunConfig] = {}  # _forward_sized's, per width and count
         self._resting = 0  # the most GPU bytes it held when asked to give the device away (its state)
         # (bytes above the state it started from, tokens a row) of the pass that last raised the reserved
         # peak, and (allocated at its start, the reserved peak before it, tokens a row) of the pass running
@@ -389,15 +390,31 @@ class StrategyWorker:
         """``micro_batches``' limits for rows ``width`` tokens wide: ``optim.max_tokens_per_micro_batch``
         real tokens when set, else ``optim.micro_batch_size`` rows; for a forward-only pass the
         ``optim.logprob_*`` ones when set, and where unset on a GPU, training's scaled to the same memory
-        (``forward_only_limits``)."""
+        (``forward_only_limits``), no larger than lets every colocated role stay resident beside the
+        engine where training's size does (``forward_sized``)."""
         o = self.cfg.optim
         rows, budget = o.micro_batch_size, o.max_tokens_per_micro_batch
         if forward_only:
             cfg = self.cfg
             if self._checkpointing is not None:  # 'auto': the count training checkpoints now
                 cfg = with_checkpointing(cfg, self._checkpointing.count)
+            cfg = self._forward_sized(cfg, width)
             rows, budget = forward_only_limits(cfg, self._shape, width, every_position=self.head_everywhere)
         return {"max_rows": None if budget else rows, "max_tokens": budget}
+
+    def _forward_sized(self, cfg: RunConfig, width: int) -> RunConfig:
+        """``forward_sized`` of ``cfg`` for rows ``width`` tokens wide on this rank's GPU (unchanged off
+        GPUs), kept per width and checkpointed count."""
+        if self._shape is None:
+            return cfg
+        key = (width, cfg.model.gradient_checkpointing)
+        if key not in self._sized:
+            total = torch.cuda.get_device_properties(self.strategy.device).total_memory
+            prompt = max(width - cfg.rollout.max_new_tokens, 1)
+            self._sized[key] = forward_sized(
+                cfg, self._shape, prompt_tokens=prompt, gpu_memory_gib=total / GIB
+            )
+        return self._sized[key]
 
     def _row_order(self, batch: TrainBatch, *, forward_only: bool = False) -> torch.Tensor:
         """The order micro-batches take the rows in: longest first with ``optim.group_by_length`` (rows of
