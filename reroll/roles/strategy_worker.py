@@ -405,7 +405,7 @@ class StrategyWorker:
     def _forward_sized(self, cfg: RunConfig, width: int) -> RunConfig:
         """``forward_sized`` of ``cfg`` for rows ``width`` tokens wide on this rank's GPU (unchanged off
         GPUs), kept per width and checkpointed count."""
-        if self._shape is None:
+        if self._shape is None or self.strategy.device.type != "cuda":
             return cfg
         key = (width, cfg.model.gradient_checkpointing)
         if key not in self._sized:
