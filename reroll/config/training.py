@@ -145,9 +145,9 @@ class MegatronConfig(StrictModel):
         "virtual_pipeline) layers and a micro-batch crosses every stage this many times, which shrinks the "
         "pipeline's idle time by about this factor at the cost of more point-to-point traffic and of more "
         "activations held on the first stage ((2 (pp - 1) + (vp - 1) pp + 1) / vp micro-batches' worth "
-        "against pp). Needs pipeline_parallel > 1. With context_parallel the micro-batches run one after "
-        "the other (unscheduled), each through every chunk in turn; a scheduled step of fewer than "
-        "pipeline_parallel micro-batches gets one-token fillers. 1: off.",
+        "against pp). Needs pipeline_parallel > 1. A mixture of experts with context_parallel runs its "
+        "micro-batches one after the other (unscheduled), each through every chunk in turn; a scheduled "
+        "step of fewer than pipeline_parallel micro-batches gets one-token fillers. 1: off.",
     )
     context_parallel: int = Field(
         1,

@@ -292,7 +292,10 @@ class MegatronStrategy(MicroBatchLoop):
         """The width a context-parallel group splits rows of ``width`` tokens at (a collective): its
         tensor-parallel group's widest (``_group_width``), under sequence parallelism padded to a multiple
         of ``context_parallel x tensor_parallel``, so that each rank's columns scatter evenly over its TP
-        ranks (``_padded``)."""
+        ranks (``_padded``). Inside a scheduled loss, where only the last stage runs, the width of the
+        group's rows it was handed (gathered at the widest: what the collective would find)."""
+        if self._handed is not None:
+            return self._padded(self._handed.args[1].shape[1])  # partial(_handed, logits, rows)
         return self._padded(self._group_width(width))
 
     def _padded(self, width: int) -> int:
@@ -696,10 +699,13 @@ class MegatronStrategy(MicroBatchLoop):
 
     def _schedules(self, batches: Sequence[Any]) -> bool:
         """Whether the stages schedule these micro-batches (the same answer on every rank of a group):
-        rows given as ``input_ids`` and ``attention_mask``, no context parallelism (its groups gather
-        columns inside the loss: its micro-batches run one after the other, through every chunk of a
-        virtual pipeline by ``_pipelined``)."""
-        if self.pipe is None or self.context_parallel is not None:
+        rows given as ``input_ids`` and ``attention_mask``. Under context parallelism too, for a dense
+        model: a group's ranks run the same schedule in step, each stage's attention exchanging heads
+        within its group, and the last stage's ranks gather their columns inside the loss together. A
+        mixture of experts split by context parallelism runs one micro-batch after the other (its
+        router term pools the group's columns, not yet scheduled), through every chunk of a virtual
+        pipeline by ``_pipelined``."""
+        if self.pipe is None or (self.context_parallel is not None and self.moe_routers is not None):
             return False
         return all(hasattr(mb, "input_ids") and hasattr(mb, "attention_mask") for mb in batches)
 

@@ -58,11 +58,14 @@ rest within rounding (the gradient norm's sums per stage); ``tests/integration/
 test_megatron_virtual_pipeline.py``. A mixture of experts' router term pools every chunk of every
 stage: each chunk adds its part to its output, its top-k counts gathered after its forward
 (``megatron_moe.ScheduledRouting``, told the micro-batch and chunk), so it trains as at ``vp = 1``
-(the first step bit for bit). Outside the schedule (``logits`` one call at a time, and context
-parallelism, whose micro-batches run one after the other) a micro-batch goes through every chunk in
-turn, each chunk's output handed round the ring of stages (``Pipeline.pass_on``). Left: context
-parallelism under the schedule, the uneven first and last stages Megatron-Core allows with chunks,
-Megatron-Core's overlapped exchange (``overlap_p2p_comm``), and a run on GPUs.
+(the first step bit for bit). A dense model under context parallelism is scheduled too: a group's
+ranks run the same schedule in step, and the last stage's ranks gather their columns inside the loss
+(``tests/integration/test_megatron_context.py``). Outside the schedule (``logits`` one call at a
+time, and a mixture of experts under context parallelism, whose micro-batches run one after the other)
+a micro-batch goes through every chunk in turn, each chunk's output handed round the ring of stages
+(``Pipeline.pass_on``). Left: a mixture of experts under context parallelism scheduled, the uneven
+first and last stages Megatron-Core allows with chunks, Megatron-Core's overlapped exchange
+(``overlap_p2p_comm``), and a run on GPUs.
 """
 
 from __future__ import annotations

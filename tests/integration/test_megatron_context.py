@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
 from tests.conftest import write_config
 from tests.integration.megatron_cpu import patch_cuda_for_cpu, run_ranks
-from tests.integration.test_megatron_pipeline import LR, ROWS, STEPS, _megatron_rank, _run
+from tests.integration.test_megatron_pipeline import LR, ROWS, STEPS, _megatron_rank, _Rows, _run
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
@@ -106,12 +107,23 @@ def test_ulysses_attention_on_two_ranks_equals_the_unsplit_attention(tmp_path):
 
 
 def _split_rank(
-    rank: int, world_size: int, address: str, out: str, cfg_path: str, sizes: list[str], cp: int, tp: int
+    rank: int,
+    world_size: int,
+    address: str,
+    out: str,
+    cfg_path: str,
+    sizes: list[str],
+    cp: int,
+    tp: int,
+    scheduled: bool = False,
 ) -> None:
     """As ``test_megatron_pipeline._train_rank``, the rows shared as the role shares them
     (``data_shards``: a context-parallel group's ranks get the same rows) and each rank's columns' logits
     gathered as the worker gathers them (``ContextParallel.gather``): ``STEPS`` Adam steps, then the
-    scored tokens' log-probs by the worker's path (``scored_token_stats``: picks and combine)."""
+    scored tokens' log-probs by the worker's path (``scored_token_stats``: picks and combine).
+    ``scheduled``: each step's rows in two micro-batches through ``train_micro_batches`` (the
+    pipeline's schedule), the loss gathered inside it, and the log-probs by ``score_micro_batches``
+    (the scored columns split at the width of the rows the last stage is handed, no collective)."""
     from reroll.roles.scored_tokens import scored_token_stats
     from reroll.strategies.context_parallel import data_shards
 
@@ -125,22 +137,41 @@ def _split_rank(
     width = int(mask[share].sum(-1).max())
     ids, mask = ids[share, :width], mask[share, :width]
     steps = []
-    for _ in range(STEPS):
+    for _ in range(STEPS if scheduled else 0):
+
+        def loss_of(mb: Any) -> tuple[torch.Tensor, float]:
+            local = s.logits(mb.input_ids, mb.attention_mask)
+            logprobs = token_logprobs(split.gather(local, mb.input_ids.shape[1]), mb.input_ids)
+            loss = -(logprobs * mb.attention_mask).sum() / n_tokens
+            return loss, float(loss.detach())
+
+        half = len(ids) // 2
+        mbs = [_Rows(ids[:half], mask[:half]), _Rows(ids[half:], mask[half:])]
+        records = s.train_micro_batches(mbs, loss_of)
+        steps.append((sum(records), s.step(1.0)["grad_norm"]))
+    for _ in range(0 if scheduled else STEPS):
         local = s.logits(ids, mask)
         start, stop = split.columns(width)  # (a collective under TP or PP: the group's widest row)
         assert local.shape[1] == stop - start  # this rank's columns only
         loss = -(token_logprobs(split.gather(local, width), ids) * mask).sum() / n_tokens
         s.backward(loss)
         steps.append((float(loss), s.step(1.0)["grad_norm"]))
-    rows, cols = mask[:, 1:].bool().nonzero(as_tuple=True)  # every real next token scored
-    with torch.no_grad():
+
+    def score(mb: Any) -> torch.Tensor:  # scheduled, the last stage runs it for each stage's rows
+        w = mb.input_ids.shape[1]
+        rows, cols = mb.attention_mask[:, 1:].bool().nonzero(as_tuple=True)  # every real next token
         scored, _ = scored_token_stats(
-            s.model, lambda: s.logits(ids, mask), rows * width + cols, rows, cols, ids, 1.0,
-            entropy=False, split=(split, width),
+            s.model, lambda: s.logits(mb.input_ids, mb.attention_mask), rows * w + cols, rows, cols,
+            mb.input_ids, 1.0, entropy=False, split=(split, w),
         )  # fmt: skip
+        return scored
+
+    with torch.no_grad():
+        scored = s.score_micro_batches([_Rows(ids, mask)], score)[0] if scheduled else score(_Rows(ids, mask))
     weights = s.full_state_dict()
     sp = s.chunks[0].config.sequence_parallel  # the model ran as configured
     saved = {"steps": steps, "scored": scored, "weights": weights, "share": share, "sequence_parallel": sp}
+    saved["schedules"] = s._schedules([_Rows(ids, mask)])
     torch.save(saved, f"{out}/rank{rank}.pt")
 
 
@@ -170,17 +201,27 @@ def gqa_model(tmp_path_factory) -> Path:
 @pytest.mark.long  # three spawned ranks importing megatron-core, five with TP or PP: 0.5-2 minutes each on
 # 2 CPU cores; the CI sibling is test_ulysses_attention_on_two_ranks_equals_the_unsplit_attention
 @pytest.mark.parametrize(
-    ("kv", "tp", "pp", "sp", "vp"),
+    ("kv", "tp", "pp", "sp", "vp", "scheduled"),
     [
-        (2, 1, 1, False, 1),
-        (4, 2, 1, False, 1),
-        (4, 2, 1, True, 1),
-        (2, 1, 2, False, 1),
-        (2, 1, 2, False, 2),
+        (2, 1, 1, False, 1, False),
+        (4, 2, 1, False, 1, False),
+        (4, 2, 1, True, 1, False),
+        (2, 1, 2, False, 1, False),
+        (2, 1, 2, False, 2, False),
+        (2, 1, 2, False, 1, True),
+        (2, 1, 2, False, 2, True),
     ],
-    ids=["cp2-gqa", "cp2-tp2", "cp2-tp2-sp", "cp2-pp2", "cp2-pp2-vp2"],
+    ids=[
+        "cp2-gqa",
+        "cp2-tp2",
+        "cp2-tp2-sp",
+        "cp2-pp2",
+        "cp2-pp2-vp2",
+        "cp2-pp2-1f1b",
+        "cp2-pp2-vp2-interleaved",
+    ],
 )
-def test_context_parallel_ranks_train_as_one_rank(tmp_path, gqa_model, kv, tp, pp, sp, vp):
+def test_context_parallel_ranks_train_as_one_rank(tmp_path, gqa_model, kv, tp, pp, sp, vp, scheduled):
     """CP=2 (every row split over two ranks; 4 query heads over 2 key-value heads: one key-value head a
     rank), CP=2 x TP=2 (each TP rank half the rows, each split over two ranks; a rank attends with one
     head) and CP=2 x PP=2 (a layer a stage; with ``vp`` 2, four layers, two chunks a stage that the rows
@@ -214,7 +255,8 @@ def test_context_parallel_ranks_train_as_one_rank(tmp_path, gqa_model, kv, tp, p
     sizes.append(f"strategy.megatron.sequence_parallel={str(sp).lower()}")
     out = tmp_path / "split"
     out.mkdir()
-    split = run_ranks(_split_rank, world, out, str(cfg), sizes, cp, tp)
+    split = run_ranks(_split_rank, world, out, str(cfg), sizes, cp, tp, scheduled)
+    assert all(r["schedules"] == (pp > 1) for r in split)  # dense: the stages schedule under CP
     leaders = group_leaders(split, cp, tp)
     assert all(r["sequence_parallel"] == sp for r in split)
     for step, (loss, norm) in enumerate(one["steps"]):
