@@ -5,7 +5,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 source .gpu/env.sh || exit 3
 nvidia-smi dmon -s pucm -d 2 > $OUT/dmon7b.log 2>&1 &
 timeout ${STEP_T:-570} python benchmarks/grpo_step.py --sizes 7b --tune ${TUNE:-lora} --peers "${PEERS-trl-vllm}" \
-  --rows ${ROWS:-ray} --steps ${STEPS:-3} --warmup 1 --micro-batch 16 --logprob-micro-batch 16 \
+  --rows "${ROWS-ray}" --steps ${STEPS:-3} --warmup 1 --micro-batch 16 --logprob-micro-batch 16 \
   --peer-timeout ${PEER_T:-270} --json $OUT/b7.json > $OUT/b7.log 2>&1; echo rc=$?
 grep -v "^(" $OUT/b7.log | grep -E "^\[|^phase|^[a-z_]+ {3,}|^[a-z]+ (tok/s|MFU)|^row|^fastest|^trl|^reroll|^GRPO|rror|plan" \
   | grep -v "it/s\]" | tail -60
