@@ -149,14 +149,29 @@ def awake_beside(cfg: RunConfig, plans: dict[str, RolePlan], role: str, gpu_memo
     there keep (what they would park: ``RolePlan.parked_gib``). 0 where no engine may stay awake
     (``engine_may_stay``: ``placement.offload`` 'auto', an engine of a fixed share) or none shares the
     GPU of ``role``'s rank 0."""
-    share = _gpu_engine(cfg).memory_share(cfg.rollout)
-    beside = roles_beside(cfg, role)
-    if share is None or "actor_infer" not in beside or not engine_may_stay(cfg, "cuda"):
+    if not _engine_stays_beside(cfg, role):
         return 0.0
-    engines = colocated_engines(cfg, role)
-    contexts = colocated_trainer_roles(cfg, role) + engines
+    beside = roles_beside(cfg, role)
     others = sum(p.parked_gib for r, p in plans.items() if r in beside and r != "actor_infer")
-    return engines * share * gpu_memory_gib + contexts + others
+    return _engines_gib(cfg, role, gpu_memory_gib) + _contexts(cfg, role) + others
+
+
+def _engine_stays_beside(cfg: RunConfig, role: str) -> bool:
+    """Whether an engine of a fixed share of the GPU shares ``role``'s rank-0 GPU and may stay awake
+    there (``engine_may_stay``)."""
+    share = _gpu_engine(cfg).memory_share(cfg.rollout)
+    return share is not None and "actor_infer" in roles_beside(cfg, role) and engine_may_stay(cfg, "cuda")
+
+
+def _engines_gib(cfg: RunConfig, role: str, gpu_memory_gib: float) -> float:
+    """GiB the engines on ``role``'s rank-0 GPU take at their shares (0 for engines of no fixed share)."""
+    share = _gpu_engine(cfg).memory_share(cfg.rollout) or 0.0
+    return colocated_engines(cfg, role) * share * gpu_memory_gib
+
+
+def _contexts(cfg: RunConfig, role: str) -> int:
+    """GiB of CUDA contexts on ``role``'s rank-0 GPU: 1 for each process there, an engine's included."""
+    return colocated_trainer_roles(cfg, role) + colocated_engines(cfg, role)
 
 
 def forward_sized(
@@ -184,9 +199,7 @@ def forward_sized(
     o = cfg.optim
     if o.logprob_micro_batch_size or o.logprob_max_tokens_per_micro_batch:
         return cfg
-    if not engine_may_stay(cfg, "cuda") or "teacher" in run_roles(cfg, "cuda"):
-        return cfg
-    if "actor_infer" not in roles_beside(cfg, "actor_train"):
+    if not _engine_stays_beside(cfg, "actor_train") or "teacher" in run_roles(cfg, "cuda"):
         return cfg
     seq = prompt_tokens + cfg.rollout.max_new_tokens
     rows, tokens = forward_only_limits(cfg, shape, seq)
@@ -219,12 +232,10 @@ def resident_gib(cfg: RunConfig, plans: list[RolePlan], gpu_memory_gib: float) -
     its peak as its allocator reserves it (``RESERVED_OVER_ALLOCATED``), each engine at its share and a
     CUDA context (1 GiB) per process, as the runtime's residency check counts the measured peaks
     (``reroll.config.placement.engine_headroom`` with ``resident``)."""
-    share = _gpu_engine(cfg).memory_share(cfg.rollout) or 0.0
     here = roles_beside(cfg, "actor_train") | {"actor_train"}
-    engines = colocated_engines(cfg, "actor_train")
-    contexts = colocated_trainer_roles(cfg, "actor_train") + engines
     trainers = sum(p.gib for p in plans if p.role in here and p.role != "actor_infer")
-    return trainers * RESERVED_OVER_ALLOCATED + engines * share * gpu_memory_gib + contexts
+    engines = _engines_gib(cfg, "actor_train", gpu_memory_gib)
+    return trainers * RESERVED_OVER_ALLOCATED + engines + _contexts(cfg, "actor_train")
 
 
 def checkpoint_counts(
@@ -261,8 +272,7 @@ def room_beside_phases(
     plans = estimate(cfg, shape, prompt_tokens=prompt_tokens, checkpointed=counts)
     others = roles_beside(cfg, role) - {"actor_infer"}
     peak = max((p.gib for p in plans if p.role in others), default=0.0)
-    contexts = colocated_trainer_roles(cfg, role) + colocated_engines(cfg, role)
-    return USABLE * gpu_memory_gib - peak - contexts
+    return USABLE * gpu_memory_gib - peak - _contexts(cfg, role)
 
 
 def shards(cfg: RunConfig, world: int, shape: Shape) -> tuple[float, float, float]:
