@@ -79,7 +79,7 @@ from reroll.strategies.megatron_moe import (
     RowSplit,
     allow_routers_without_transformer_engine,
 )
-from reroll.strategies.megatron_pipeline import Pipeline
+from reroll.strategies.megatron_pipeline import Handed, Pipeline
 from reroll.strategies.megatron_weights import Groups, hf_weights
 from reroll.strategies.micro_batches import MicroBatchLoop
 from reroll.strategies.training import warmup_factor
@@ -221,7 +221,7 @@ class MegatronStrategy(MicroBatchLoop):
         # the ranks whose routers each see a slice of a row's tokens under context and sequence parallelism
         self.column_group: dist.ProcessGroup | None = None
         # inside a scheduled micro-batch's loss (run_schedule): what ``logits`` returns for its rows
-        self._handed: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._handed: Handed | None = None  # a scheduled loss's logits (megatron_pipeline.run_schedule)
         self.optimizer = None
         self._restore: list[Callable[[], None]] = []  # what reload runs after offload
         self._parked = HostParking()  # page-locked host buffers of the optimizer's storages, kept
@@ -295,7 +295,7 @@ class MegatronStrategy(MicroBatchLoop):
         ranks (``_padded``). Inside a scheduled loss, where only the last stage runs, the width of the
         group's rows it was handed (gathered at the widest: what the collective would find)."""
         if self._handed is not None:
-            return self._padded(self._handed.args[1].shape[1])  # partial(_handed, logits, rows)
+            return self._padded(self._handed.rows.shape[1])
         return self._padded(self._group_width(width))
 
     def _padded(self, width: int) -> int:

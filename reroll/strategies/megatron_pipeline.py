@@ -245,7 +245,7 @@ def run_schedule(
     batches: Sequence[Any],
     fn: Callable[[Any], Any],
     stage_forward: Callable[[GroupRows, int, int], torch.Tensor],
-    hand: Callable[[Callable[[torch.Tensor], torch.Tensor] | None], None],
+    hand: Callable[[Handed | None], None],
     *,
     forward_only: bool,
     shapes: Sequence[tuple[int, ...]] = (),
@@ -283,7 +283,7 @@ def run_schedule(
             zero = torch.zeros((), dtype=torch.int, device=logits.device)
             return None if forward_only else (logits.sum() * 0, zero, None)
         for member, (first, n) in enumerate(g.spans):
-            hand(partial(_handed, logits[first : first + n], g.rows[first : first + n]))
+            hand(Handed(logits[first : first + n], g.rows[first : first + n]))
             try:
                 out = fn(members[member][i])
             finally:
@@ -436,16 +436,23 @@ def fillers(micro_batches: int, pp: int, vp: int) -> int:
     return max(pp - micro_batches, 0) if vp > 1 else 0
 
 
-def _handed(logits: torch.Tensor, rows: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """``logits`` of ``rows`` (the group's, right-padded to the widest), cut to ``input_ids``' width:
-    what the strategy's ``logits(input_ids, ...)`` returns inside a scheduled ``fn``."""
-    width = input_ids.shape[1]
-    if input_ids.shape[0] != rows.shape[0] or not torch.equal(input_ids.to(rows.device), rows[:, :width]):
-        raise RuntimeError(
-            "a scheduled micro-batch's loss ran the Megatron strategy's logits on other rows than the "
-            "micro-batch's input_ids: under pipeline stages the loss must run it once, on those rows"
-        )
-    return logits[:, :width]
+@dataclass(frozen=True)
+class Handed:
+    """The last stage's ``logits`` of one member's ``rows`` (the group's, right-padded to the widest),
+    handed to the strategy while a scheduled ``fn`` runs: called with ``input_ids``, they are cut to its
+    width, what the strategy's ``logits(input_ids, ...)`` returns there."""
+
+    logits: torch.Tensor
+    rows: torch.Tensor
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows, width = self.rows, input_ids.shape[1]
+        if input_ids.shape[0] != rows.shape[0] or not torch.equal(input_ids.to(rows.device), rows[:, :width]):
+            raise RuntimeError(
+                "a scheduled micro-batch's loss ran the Megatron strategy's logits on other rows than the "
+                "micro-batch's input_ids: under pipeline stages the loss must run it once, on those rows"
+            )
+        return self.logits[:, :width]
 
 
 def _to_last_stage(batches: list[Any], pipe: Pipeline) -> list[list[Any]] | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from reroll.strategies.megatron_pipeline import _handed, _on_host
+from reroll.strategies.megatron_pipeline import Handed, _on_host
 from reroll.strategies.micro_batches import MicroBatchLoop
 
 
@@ -73,10 +73,10 @@ def test_the_loop_adds_each_micro_batchs_router_term_from_the_routers_its_forwar
 def test_a_scheduled_loss_gets_its_rows_logits_cut_to_its_width_and_no_other_rows():
     rows = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])  # a member's rows among the group's: padded to 4
     logits = torch.arange(2 * 4 * 3.0).reshape(2, 4, 3)
-    assert torch.equal(_handed(logits, rows, rows[:, :3]), logits[:, :3])
+    assert torch.equal(Handed(logits, rows)(rows[:, :3]), logits[:, :3])
     for other in (rows[:1, :3], torch.tensor([[5, 6, 7], [8, 1, 0]])):  # fewer rows; another token
         with pytest.raises(RuntimeError, match="other rows than the micro-batch's input_ids"):
-            _handed(logits, rows, other)
+            Handed(logits, rows)(other)
 
 
 def test_records_go_back_to_their_rank_on_the_host_detached():
