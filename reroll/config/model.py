@@ -119,10 +119,10 @@ class ModelConfig(StrictModel):
     )
     compile: bool = Field(
         False,
-        description="torch.compile the trained and reference models (the torch strategy; dynamic shapes, "
-        "so sequence lengths do not recompile). Experimental: on an H200 with Ray roles (0.5B shape) the "
-        "first step had not finished after 5 minutes of compiling, and the profile shows that model's "
-        "training pass GPU-bound, not launch-bound; docs/benchmarks.md.",
+        description="torch.compile the trained and reference models' decoder layers (the torch strategy; "
+        "dynamic shapes, so sequence lengths do not recompile, and the layers share one compiled graph). "
+        "Experimental: compiling the whole model had not finished its first step after 5 minutes on an "
+        "H200 (0.5B shape); the layers alone are not yet measured on a GPU; docs/benchmarks.md.",
     )
     fused_norm: bool = Field(
         True,
