@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from reroll.errors import UserError
+from reroll.runtime.weight_sync import layer_key
 from reroll.strategies.lora import merged_weight
 
 _PEFT_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
@@ -63,15 +64,41 @@ def merge_lora(
     scale: float,
 ) -> dict[str, torch.Tensor]:
     """``{name: W0 + scale * B @ A}`` for each adapted weight, in ``W0``'s dtype and device."""
+    _check_targets(base, pairs)
     out = {}
     for name, (a, b) in pairs.items():
-        if name not in base:
-            raise UserError(f"LoRA adapter targets {name!r}, which the model does not have")
         try:
             out[name] = merged_weight(base[name], a, b, scale)
         except ValueError as e:
             raise UserError(f"LoRA update for {name!r}: {e}") from e
     return out
+
+
+def merged_layers(
+    base: Mapping[str, torch.Tensor],
+    pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    names: Sequence[str],
+    device: torch.device,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The tensors ``names`` of ``base`` on ``device``, one decoder layer (``layer_key``) at a time, each
+    adapted weight merged there (``merge_lora``). On a GPU the merge is a matrix product per weight
+    where the host's took about a second per 68M-element weight (a 7B model's LoRA sync took 58 s
+    a step on an H100 machine's host, 2026-12-07), and only one layer's tensors are on it at a time."""
+    _check_targets(base, pairs)
+    by_layer: dict[str, list[str]] = {}
+    for name in names:
+        by_layer.setdefault(layer_key(name), []).append(name)
+    for layer in by_layer.values():
+        here = {n: base[n].to(device, non_blocking=True) for n in layer}
+        merged = merge_lora(here, {n: pairs[n] for n in layer if n in pairs}, scale)
+        yield [(n, merged.get(n, here[n])) for n in layer]
+
+
+def _check_targets(base: Mapping[str, torch.Tensor], pairs: Mapping[str, Any]) -> None:
+    unknown = [name for name in pairs if name not in base]
+    if unknown:
+        raise UserError(f"LoRA adapter targets {unknown[0]!r}, which the model does not have")
 
 
 def checkpoint_names(model_path: str) -> list[str]:

@@ -82,7 +82,7 @@ from reroll.config.startable import VLLM_SLEEP_NEEDS_CUDA
 from reroll.data.images import open_image
 from reroll.data.types import Completion, ImagePrompt, Prompt, SamplingParams, TokenDelta
 from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prompt_order
-from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merge_lora
+from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merged_layers
 from reroll.engines.vllm_cpu_moe import map_experts_to_local_slots, repack_experts
 from reroll.errors import UserError
 from reroll.models.vision import VisionProcessor, is_vision_language, processor_size
@@ -459,20 +459,27 @@ class VLLMEngine:
         their layers from the checkpoint (a LoRA run freezes the base). vLLM's own LoRA path
         (``LoRARequest``) takes an adapter directory only (0.32: no in-memory tensors) and every request
         must carry it; merging keeps ``generate`` as it is and decodes at the base model's speed, at the
-        cost of host memory for the adapted layers' base weights."""
+        cost of host memory for the adapted layers' base weights. The merge runs on the GPU where the
+        tensors stay in this process (``_merge_device``), a layer at a time (``merged_layers``)."""
         scale, pairs = lora_scale(config), lora_pairs(adapter)
         layers = {layer_key(name) for name in pairs}
         wanted = [n for n in checkpoint_names(self.model_path) if layer_key(n) in layers]
         new = [n for n in wanted if n not in self._lora_base]
-        if new:
-            self._lora_base.update(checkpoint_tensors(self.model_path, new))
-        merged = merge_lora(self._lora_base, pairs, scale)
-        by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        for name in wanted:
-            by_layer.setdefault(layer_key(name), []).append((name, merged.get(name, self._lora_base[name])))
-        for layer in by_layer.values():
+        device = self._merge_device()
+        if new:  # pinned where the merge runs on the GPU: each sync copies them there
+            fetched = checkpoint_tensors(self.model_path, new)
+            pin = device.type == "cuda"
+            self._lora_base.update({k: v.pin_memory() if pin else v for k, v in fetched.items()})
+        for layer in merged_layers(self._lora_base, pairs, scale, wanted, device):
             self.load_weights(layer)
         self.finish_weight_update()
+
+    def _merge_device(self) -> torch.device:
+        """Where ``update_lora`` merges: the GPU where its tensors reach vLLM's model without leaving this
+        process (the engine core in it, one worker), else the host (tensors sent to other processes go
+        through host memory anyway)."""
+        here = self.device == "cuda" and self.cfg.in_process and self.cfg.tensor_parallel_size == 1
+        return torch.device("cuda" if here else "cpu")
 
     @engine_call
     def score(

@@ -99,6 +99,38 @@ def test_merge_lora_by_hand():
     assert merged["layers.0.q_proj.weight"].tolist() == [[3.0, 4.0], [0.0, 1.0]]
 
 
+def test_merged_layers_come_a_layer_at_a_time_with_the_rest_of_each_layer():
+    """What the vllm engine loads per call (vLLM rebuilds a fused layer from one call's tensors): each
+    layer's named tensors, its adapted weights merged and the others as the checkpoint has them; a layer
+    without an adapter is not sent, and a target the checkpoint lacks is refused before anything is."""
+    import torch
+
+    from reroll.engines.lora import lora_pairs, merged_layers
+
+    base = {
+        "model.layers.0.q_proj.weight": torch.eye(2),
+        "model.layers.0.k_proj.weight": torch.ones(2, 2),
+        "model.layers.0.norm.weight": torch.ones(2),
+        "model.layers.1.q_proj.weight": torch.eye(2),
+    }
+    adapter = {
+        "base_model.model.model.layers.0.q_proj.lora_A.weight": torch.tensor([[1.0, 2.0]]),
+        "base_model.model.model.layers.0.q_proj.lora_B.weight": torch.tensor([[1.0], [0.0]]),
+    }
+    names = [n for n in base if n.startswith("model.layers.0.")]
+    layers = list(merged_layers(base, lora_pairs(adapter), 2.0, names, torch.device("cpu")))
+    assert [[n for n, _ in layer] for layer in layers] == [names]
+    got = dict(layers[0])
+    assert got["model.layers.0.q_proj.weight"].tolist() == [[3.0, 4.0], [0.0, 1.0]]
+    assert (
+        got["model.layers.0.k_proj.weight"] is base["model.layers.0.k_proj.weight"]
+    )  # no copy on its device
+    assert base["model.layers.0.q_proj.weight"].tolist() == [[1.0, 0.0], [0.0, 1.0]]  # the base stays
+    stray = {k.replace("layers.0", "layers.7"): v for k, v in adapter.items()}
+    with pytest.raises(UserError, match="layers.7.q_proj.weight"):
+        next(merged_layers(base, lora_pairs(stray), 2.0, names, torch.device("cpu")))
+
+
 def test_lora_config_it_cannot_merge_is_refused():
     import torch
 
