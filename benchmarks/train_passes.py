@@ -49,7 +49,9 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     shape = dict(TINY if args.tiny else QWEN25_05B)
     if args.layers:
         shape["num_layers"] = args.layers
-    cfg = qwen2_config(shape, args.vocab, max_position_embeddings=args.seq + 8)
+    # no KV cache, as the trainers run it: a cache's layer index made compile_model's graphs one per layer,
+    # past dynamo's limit of 8 (H100, 2026-12-07: the compiled passes slower than eager)
+    cfg = qwen2_config(shape, args.vocab, max_position_embeddings=args.seq + 8, use_cache=False)
     torch.manual_seed(0)
     with torch.device(args.device):
         return Qwen2ForCausalLM(cfg).to(getattr(torch, args.dtype))
