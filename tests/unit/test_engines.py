@@ -127,7 +127,7 @@ def test_merged_layers_come_a_layer_at_a_time_with_the_rest_of_each_layer():
     )  # no copy on its device
     assert base["model.layers.0.q_proj.weight"].tolist() == [[1.0, 0.0], [0.0, 1.0]]  # the base stays
     stray = {k.replace("layers.0", "layers.7"): v for k, v in adapter.items()}
-    with pytest.raises(UserError, match="layers.7.q_proj.weight"):
+    with pytest.raises(UserError, match=r"layers\.7\.q_proj\.weight"):
         next(merged_layers(base, lora_pairs(stray), 2.0, names, torch.device("cpu")))
 
 
