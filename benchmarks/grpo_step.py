@@ -319,6 +319,10 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
         cfg["placement"]["offload"] = "never"
     if mode == "ray-offload":  # everything moves at every phase: trainers to host memory, the engine asleep
         cfg["placement"]["offload"] = "always"
+    if mode == "ray-async":  # one step off-policy on the one GPU: the engine generates the next batch
+        # while the reference and the trainer compute beside it (nothing moves), weights over CUDA IPC
+        cfg["placement"]["offload"] = "never"
+        cfg["rollout"]["async_steps"] = 1
     if mode.startswith("ray-dp"):  # ray-dpN: N engines on the one GPU, 1/N of the prompts each: N host loops
         engines = int(mode.removeprefix("ray-dp"))
         cfg["roles"] = {"actor_infer": {"world_size": engines}}
@@ -740,7 +744,7 @@ def parser() -> argparse.ArgumentParser:
         "--rows",
         default="ray,local",
         help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), "
-        "ray-resident, ray-offload, ray-sleep, ray-ownnorm, ray-fusedhead, ray-padded, ray-fwdsized, ray-tail, "
+        "ray-resident, ray-offload, ray-async, ray-sleep, ray-ownnorm, ray-fusedhead, ray-padded, ray-fwdsized, ray-tail, "
         "ray-ckpt, local",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")

@@ -461,24 +461,27 @@ def weight_sync_transport(cfg: RunConfig, device_type: str) -> str:
     - ipc: every engine worker (each actor_infer rank's span of devices) sits on a pool device where an
       actor_train rank sits (``ipc_senders``), on Ray, with an engine whose spec ``opens_shared``. Each
       of those trainer ranks gathers the full weights and hands the worker on its device a handle to
-      each bucket: CUDA IPC on GPUs, POSIX shared memory on CPUs. Not with ``rollout.async_steps``
-      (which needs the engine on devices of its own), nor with LoRA merged by a trainer of several
-      sending ranks (fsdp2 merges on rank 0 alone).
+      each bucket: CUDA IPC on GPUs, POSIX shared memory on CPUs. With ``rollout.async_steps`` too (the
+      roles then share devices where nothing moves, ``placement.offload: never``): a sync first waits
+      for the generations in flight. Not with LoRA merged by a trainer of several sending ranks (fsdp2
+      merges on rank 0 alone).
     - collective: on GPUs, no actor_infer rank on a GPU any actor_train rank uses (an NCCL group cannot
       hold two members on one GPU, and both roles stay resident while the buffers stream) and an engine
       that receives in the worker's process (hf, or in-process vLLM).
-    - object_store: everything else: no pool, the local backend, ``rollout.async_steps`` (its loads
-      queue behind the generations in flight, where a broadcast would hold the trainer until the
-      engine is free), separate CPU devices ('collective' with gloo is for a CPU cluster of several
+    - object_store: everything else: no pool, the local backend, ``rollout.async_steps`` on devices of
+      the engine's own (its loads queue behind the generations in flight, where a broadcast would hold
+      the trainer until the engine is free), separate CPU devices ('collective' with gloo is for a CPU cluster of several
       nodes, or to test the GPU path)."""
     mode = cfg.rollout.weight_sync_transport
     if mode != "auto":
         return mode
-    if not cfg.placement.devices or cfg.runtime.backend == "local" or cfg.rollout.async_steps:
+    if not cfg.placement.devices or cfg.runtime.backend == "local":
         return "object_store"
     if not _ipc_problem(cfg, device_type):
         return "ipc"
-    if device_type != "cuda" or not engine_spec(cfg.rollout.engine).receives_in_worker(cfg.rollout):
+    if cfg.rollout.async_steps or device_type != "cuda":
+        return "object_store"
+    if not engine_spec(cfg.rollout.engine).receives_in_worker(cfg.rollout):
         return "object_store"
     dmap = device_map(cfg, device_type)
     return "object_store" if dmap.colocated("actor_train", "actor_infer") else "collective"
@@ -611,26 +614,20 @@ def rollout_source_problems(cfg: RunConfig) -> list[tuple[str, str]]:
                 f"{r.async_steps}, or lower async_steps",
             )
         )
-    if r.weight_sync_transport == "ipc":
-        problems.append(
-            (
-                "rollout.weight_sync_transport",
-                "'ipc' shares actor_train's buffers with the engine workers on the same devices, but "
-                "rollout.async_steps needs actor_infer on devices of its own: use 'auto' or 'object_store'",
-            )
-        )
     if cfg.placement.devices:
         dmap = device_map(cfg, cfg.placement.device_type)
         shared = [o for o in dmap.ranks if o != "actor_infer" and dmap.colocated("actor_infer", o)]
-        if shared:
+        if shared and cfg.placement.offload != "never":
             problems.append(
                 (
                     "roles.actor_infer.devices",
                     f"rollout.async_steps={r.async_steps} generates while {', '.join(shared)} compute(s), but "
                     f"actor_infer shares pool devices with {', '.join(shared)}, so they would take turns "
-                    f"(colocated):\n{dmap.table()}\nfix: give actor_infer devices of its own (e.g. "
-                    f"placement.devices={_devices_needed(cfg)} with roles.actor_infer.devices set to the "
-                    f"last), or set rollout.async_steps to 0",
+                    f"(colocated, placement.offload {cfg.placement.offload!r}):\n{dmap.table()}\nfix: give "
+                    f"actor_infer devices of its own (e.g. placement.devices={_devices_needed(cfg)} with "
+                    f"roles.actor_infer.devices set to the last), or set placement.offload to 'never' (every "
+                    f"role stays on the device, so the engine generates the next batch beside the trainers: "
+                    f"`reroll plan` says whether they fit), or set rollout.async_steps to 0",
                 )
             )
     elif 0 < cfg.roles.actor_infer.num_gpus_per_worker < 1:
@@ -693,6 +690,10 @@ def streaming_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         if r.weight_sync_transport not in ("auto", "object_store"):
             problems.append((path, f"weight_sync_transport {r.weight_sync_transport!r} waits for the "
                              "generations in flight: use 'auto' or 'object_store'"))  # fmt: skip
+        elif weight_sync_transport(cfg, cfg.placement.device_type) != "object_store":
+            problems.append((path, "weight_sync_transport 'auto' is 'ipc' here (actor_infer beside "
+                             "actor_train), which waits for the generations in flight: set "
+                             "rollout.weight_sync_transport=object_store, or remove partial_rollouts"))  # fmt: skip
     if r.oversample is not None:
         path = "rollout.oversample"
         others = {

@@ -103,6 +103,25 @@ def test_async_on_separate_cpu_slots_through_ray(tmp_path, assets):
     assert all(math.isfinite(m["actor/loss"]) for m in rows.values())
 
 
+def test_async_on_one_device_where_nothing_moves_through_ray(tmp_path, assets):
+    """Ray, every role on one pool slot that none leaves (``placement.offload: never``): the engine
+    generates the next batch while the trainers compute, and the weights go over the 'ipc' transport
+    ('auto' resolves to it: shared memory on CPUs, CUDA IPC on GPUs), each sync after the generations in
+    flight; the run completes one step off-policy."""
+    from reroll.config.loader import load_config
+    from reroll.config.placement import weight_sync_transport
+    from reroll.config.schema import RunConfig
+
+    cfg = write_config(tmp_path / "c.yaml", assets, total_steps=3, eval={"every": 0}, reward=SEVENS)
+    one = ["rollout.async_steps=1", "placement.devices=1", "placement.offload=never"]
+    assert weight_sync_transport(load_config(cfg, RunConfig, one), "cpu") == "ipc"
+    assert main(["train", str(cfg), *one]) == 0
+    rows = _rows(tmp_path / "runs" / "t")
+    assert [rows[s]["staleness/max"] for s in (1, 2, 3)] == [0, 1, 1]
+    assert all(rows[s]["sync/bytes"] > 0 for s in (1, 2))  # pushed after each update but the last
+    assert all(math.isfinite(m["actor/loss"]) for m in rows.values())
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -111,6 +130,10 @@ def test_async_on_separate_cpu_slots_through_ray(tmp_path, assets):
             "roles.actor_infer.devices: rollout.async_steps=1 generates while actor_train",
         ),
         (["rollout.max_staleness=0"], "rollout.max_staleness: (0) is below rollout.async_steps (1)"),
+        (  # one device where nothing moves: the weights go over 'ipc', after the generations in flight
+            ["placement.devices=1", "placement.offload=never", "rollout.partial_rollouts=true"],
+            "rollout.partial_rollouts: weight_sync_transport 'auto' is 'ipc' here",
+        ),
         (
             [*ASYNC_POOL, "rollout.weight_sync_transport=ipc"],
             "rollout.weight_sync_transport: 'ipc'",

@@ -106,3 +106,18 @@ def test_each_switch_row_changes_only_its_own_setting(tmp_path):
     assert (rows["ray"]["fused_head"], rows["ray"]["fused_norm"]) == (False, True)
     assert (rows["ray-fusedhead"]["fused_head"], rows["ray-fusedhead"]["fused_norm"]) == (True, True)
     assert (rows["ray-ownnorm"]["fused_head"], rows["ray-ownnorm"]["fused_norm"]) == (False, False)
+
+
+def test_the_async_row_runs_one_step_off_policy_where_nothing_moves(tmp_path):
+    """``ray-async``: the ``ray`` row with ``rollout.async_steps: 1`` and ``placement.offload: never``, a
+    setting the rollout source takes on the one GPU (the engine generates beside the trainers)."""
+    from reroll.config.placement import rollout_source_problems
+    from reroll.config.schema import RunConfig
+
+    args, setting, model = setting_for(tmp_path, "0.5b")
+    ray, run = (reroll_config(tmp_path, model, args, m, setting) for m in ("ray", "ray-async"))
+    assert (run["rollout"].pop("async_steps"), run["placement"].pop("offload")) == (1, "never")
+    ray["placement"].pop("offload")
+    assert run | {"name": ray["name"]} == ray  # its own name (the run's directory)
+    cfg = RunConfig.model_validate(reroll_config(tmp_path, model, args, "ray-async", setting))
+    assert rollout_source_problems(cfg) == []
