@@ -26,6 +26,7 @@ from reroll.config.placement import (
 from reroll.config.role_memory import (
     USABLE,
     RolePlan,
+    at_engine_share,
     checkpoint_counts,
     engine_share,
     engine_share_problem,
@@ -92,7 +93,8 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     )
     resident_sized = sized is not cfg  # the forward-only passes kept to what lets every role stay
     cfg = sized
-    plans = {p.role: p for p in estimate(cfg, shape, prompt_tokens=prompt_tokens, checkpointed=counts)}
+    estimated = estimate(cfg, shape, prompt_tokens=prompt_tokens, checkpointed=counts)
+    plans = {p.role: p for p in at_engine_share(cfg, estimated, gpu_memory_gib)}
     offload = offload_between_phases(cfg, "cuda")
     lines = [
         f"model {cfg.model.path}: {shape.params / 1e9:.2f}B parameters, {cfg.model.dtype}, "

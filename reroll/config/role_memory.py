@@ -13,7 +13,7 @@ estimated as the policy's."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from reroll.config.engines import EngineSpec, engine_spec, resolve_engine
 from reroll.config.memory import DTYPE_BYTES, Shape, checkpointed_layers, forward_only_limits, token_bytes
@@ -154,6 +154,23 @@ def awake_beside(cfg: RunConfig, plans: dict[str, RolePlan], role: str, gpu_memo
     beside = roles_beside(cfg, role)
     others = sum(p.parked_gib for r, p in plans.items() if r in beside and r != "actor_infer")
     return _engines_gib(cfg, role, gpu_memory_gib) + _contexts(cfg, role) + others
+
+
+def at_engine_share(cfg: RunConfig, plans: list[RolePlan], gpu_memory_gib: float) -> list[RolePlan]:
+    """``plans`` with an engine of a fixed share of the GPU (vLLM's ``gpu_memory_utilization``) counted at
+    what it takes on its GPU while awake: its share of ``gpu_memory_gib``, which its KV cache fills, or
+    its need where that is more. ``estimate`` gives the need alone (weights and the KV cache of the
+    batch), by which an engine of share 0.6 beside resident trainers read as 5 GiB on an 80 GiB GPU."""
+    share = _gpu_engine(cfg).memory_share(cfg.rollout)
+    if share is None:
+        return plans
+    taken = share * gpu_memory_gib
+    return [
+        replace(p, gib=taken, parts=f"{p.parts}; its share {share:g} of the GPU: {taken:.1f}")
+        if p.role == "actor_infer" and taken > p.gib
+        else p
+        for p in plans
+    ]
 
 
 def _engine_stays_beside(cfg: RunConfig, role: str) -> bool:

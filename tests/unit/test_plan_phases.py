@@ -63,6 +63,19 @@ def test_without_offloading_every_phase_holds_every_role(tmp_path):
         assert phases[name].startswith(f"{gpus[0]:.1f} GiB on gpu 0"), (name, phases[name])
 
 
+def test_an_engine_of_a_fixed_share_counts_at_the_share_it_takes(tmp_path):
+    """vLLM takes ``gpu_memory_utilization`` of the GPU whatever its weights and batch need (its KV cache
+    fills the rest): the plan counts that, so every role resident beside an engine of 0.6 needs 0.6 of
+    the GPU and the trainers; an engine whose need is more than its share counts its need."""
+    share = {"rollout.vllm.gpu_memory_utilization": 0.6}
+    cfg = _cfg(tmp_path, **SMALL, **share, **{"placement.devices": 1, "placement.offload": "never"})
+    peaks, _, gpus = _sections(plan(cfg, gpus=1, gpu_memory_gib=80)[0])
+    assert peaks["actor_infer"] == pytest.approx(48.0)
+    assert gpus[0] == pytest.approx(sum(peaks.values()), abs=0.11) and gpus[0] > 48.0
+    tiny, _ = plan(cfg, gpus=1, gpu_memory_gib=1)  # 0.6 of 1 GiB is less than the weights (0.9)
+    assert _sections(tiny)[0]["actor_infer"] > 0.9
+
+
 def test_apart_the_engines_gpu_is_busy_only_while_generating_and_the_sync_is_a_broadcast(tmp_path):
     apart = {"placement.devices": 2, "roles.actor_infer.devices": "[1]", "algorithm.kl_coef": 0.0}
     text, _ = plan(_cfg(tmp_path, **SMALL, **apart), gpus=2, gpu_memory_gib=80)
