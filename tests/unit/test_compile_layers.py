@@ -11,16 +11,11 @@ def test_the_decoder_layers_are_compiled_and_the_model_around_them_is_not():
     """Each decoder layer (the class transformers names in ``_no_split_modules``) gets its compiled call;
     the model, its embedding and head do not, and the state dict keeps its names. Nothing runs here:
     ``tests/integration/test_packed_training.py`` runs the compiled model against the eager one."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=32,
-    )
+    from benchmarks.grpo_step import TINY, qwen2_config
+
+    cfg = qwen2_config(TINY | {"num_layers": 3}, 64)
     model = Qwen2ForCausalLM(cfg)
     names = list(model.state_dict())
     assert compile_model(model) == 3
