@@ -555,10 +555,14 @@ def matmul_params(model: Path) -> int:
     return total - experts + routed - embedding.numel() + (head.numel() if head is embedding else 0)
 
 
-def add_rates(rows: list[dict], n_params: int, peak: float | None, *, lora: bool = False) -> None:
+def add_rates(
+    rows: list[dict], n_params: int, peak: float | None, *, lora: bool = False, overlapped: bool = False
+) -> None:
     """Each reroll step's engine new tokens/s (``tokens/generated`` over ``timing/generate`` and, with tail
     batching, ``timing/generate_tail``: there only roughly, as a tail step's responses began in earlier
-    steps) and, with a
+    steps; ``overlapped``, an async row whose generate phase is only the wait for a generation that ran
+    beside the previous step: the engine's own ``engine/tokens_per_s``, its seconds inside generate) and,
+    with a
     known peak, its training and reference MFU (6·N·``tokens/trained`` over ``timing/train``, 2·N·
     ``tokens/reference`` over ``timing/reference``; the phase's wall time, optimizer step included). With
     ``lora`` a trained token costs 4·N: the frozen weights take no gradient (the adapters' FLOPs, rank/hidden
@@ -566,7 +570,9 @@ def add_rates(rows: list[dict], n_params: int, peak: float | None, *, lora: bool
     for r in rows:
         m = r.get("metrics", {})
         generating = m.get("timing/generate", 0.0) + m.get("timing/generate_tail", 0.0)
-        if generating:
+        if overlapped:
+            r["engine_tok_s"] = m.get("engine/tokens_per_s", 0.0)
+        elif generating:
             r["engine_tok_s"] = m.get("tokens/generated", r["new_tokens"]) / generating
         for key, phase, flops in (("train_mfu", "train", 4 if lora else 6), ("ref_mfu", "reference", 2)):
             tokens, seconds = (
@@ -832,7 +838,13 @@ def bench(
         for mode in modes:
             ran = fits.get(mode, True)
             results[f"reroll {mode} {label}"] = run_reroll(configs[mode], args, mode) if ran else []
-            add_rates(results[f"reroll {mode} {label}"], n_params, peak, lora=setting.lora is not None)
+            add_rates(
+                results[f"reroll {mode} {label}"],
+                n_params,
+                peak,
+                lora=setting.lora is not None,
+                overlapped=mode == "ray-async",
+            )
             print_row(f"reroll {mode} {label}", results[f"reroll {mode} {label}"], args.warmup)
             save_json(args, results)
             if args.device == "cuda":

@@ -121,3 +121,17 @@ def test_the_async_row_runs_one_step_off_policy_where_nothing_moves(tmp_path):
     assert run | {"name": ray["name"]} == ray  # its own name (the run's directory)
     cfg = RunConfig.model_validate(reroll_config(tmp_path, model, args, "ray-async", setting))
     assert rollout_source_problems(cfg) == []
+
+
+def test_an_overlapped_rows_engine_rate_is_the_engines_own():
+    """An async row's generate phase is the wait for a generation that ran beside the previous step: its
+    engine rate is the engine's own (seconds inside generate), not new tokens over that wait."""
+    from benchmarks.grpo_step import add_rates
+
+    def rate(overlapped: bool) -> float:
+        m = {"timing/generate": 0.01, "tokens/generated": 1000, "engine/tokens_per_s": 5000.0}
+        rows = [{"metrics": m, "new_tokens": 1000}]
+        add_rates(rows, 10, None, overlapped=overlapped)
+        return rows[0]["engine_tok_s"]
+
+    assert (rate(False), rate(True)) == (100_000, 5000.0)
