@@ -388,7 +388,8 @@ def run_reroll(path: Path, args: argparse.Namespace, mode: str) -> list[dict]:
     run_dir = path.parent / cfg.name  # output_dir: root/{name}
     steps = read_steps(run_dir, args.prompts * args.group, finished)
     drop_saved_models(run_dir)
-    return [r | {"packing": packing, "tail_threshold": tail} for r in steps]
+    extra = {"packing": packing, "tail_threshold": tail, "async_steps": cfg.rollout.async_steps}
+    return [r | extra for r in steps]
 
 
 def drop_saved_models(run_dir: Path) -> None:
@@ -555,14 +556,12 @@ def matmul_params(model: Path) -> int:
     return total - experts + routed - embedding.numel() + (head.numel() if head is embedding else 0)
 
 
-def add_rates(
-    rows: list[dict], n_params: int, peak: float | None, *, lora: bool = False, overlapped: bool = False
-) -> None:
+def add_rates(rows: list[dict], n_params: int, peak: float | None, *, lora: bool = False) -> None:
     """Each reroll step's engine new tokens/s (``tokens/generated`` over ``timing/generate`` and, with tail
     batching, ``timing/generate_tail``: there only roughly, as a tail step's responses began in earlier
-    steps; ``overlapped``, an async row whose generate phase is only the wait for a generation that ran
-    beside the previous step: the engine's own ``engine/tokens_per_s``, its seconds inside generate) and,
-    with a
+    steps; a step of an async row, ``async_steps`` > 0, whose generate phase is only the wait for a
+    generation that ran beside the previous step: the engine's own ``engine/tokens_per_s``, its seconds
+    inside generate) and, with a
     known peak, its training and reference MFU (6·N·``tokens/trained`` over ``timing/train``, 2·N·
     ``tokens/reference`` over ``timing/reference``; the phase's wall time, optimizer step included). With
     ``lora`` a trained token costs 4·N: the frozen weights take no gradient (the adapters' FLOPs, rank/hidden
@@ -570,7 +569,7 @@ def add_rates(
     for r in rows:
         m = r.get("metrics", {})
         generating = m.get("timing/generate", 0.0) + m.get("timing/generate_tail", 0.0)
-        if overlapped:
+        if r.get("async_steps"):
             r["engine_tok_s"] = m.get("engine/tokens_per_s", 0.0)
         elif generating:
             r["engine_tok_s"] = m.get("tokens/generated", r["new_tokens"]) / generating
@@ -837,15 +836,10 @@ def bench(
         n_params = matmul_params(model)
         for mode in modes:
             ran = fits.get(mode, True)
-            results[f"reroll {mode} {label}"] = run_reroll(configs[mode], args, mode) if ran else []
-            add_rates(
-                results[f"reroll {mode} {label}"],
-                n_params,
-                peak,
-                lora=setting.lora is not None,
-                overlapped=mode == "ray-async",
-            )
-            print_row(f"reroll {mode} {label}", results[f"reroll {mode} {label}"], args.warmup)
+            name = f"reroll {mode} {label}"
+            results[name] = run_reroll(configs[mode], args, mode) if ran else []
+            add_rates(results[name], n_params, peak, lora=setting.lora is not None)
+            print_row(name, results[name], args.warmup)
             save_json(args, results)
             if args.device == "cuda":
                 torch.cuda.empty_cache()

@@ -128,10 +128,10 @@ def test_an_overlapped_rows_engine_rate_is_the_engines_own():
     engine rate is the engine's own (seconds inside generate), not new tokens over that wait."""
     from benchmarks.grpo_step import add_rates
 
-    def rate(overlapped: bool) -> float:
+    def rate(async_steps: int) -> float:
         m = {"timing/generate": 0.01, "tokens/generated": 1000, "engine/tokens_per_s": 5000.0}
-        rows = [{"metrics": m, "new_tokens": 1000}]
-        add_rates(rows, 10, None, overlapped=overlapped)
+        rows = [{"metrics": m, "new_tokens": 1000, "async_steps": async_steps}]
+        add_rates(rows, 10, None)
         return rows[0]["engine_tok_s"]
 
-    assert (rate(False), rate(True)) == (100_000, 5000.0)
+    assert (rate(0), rate(1)) == (100_000, 5000.0)
