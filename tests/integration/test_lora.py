@@ -94,6 +94,27 @@ def test_lora_fsdp2_sync_and_checkpoint(tmp_path, assets):
         torch.testing.assert_close(v, update.tensors[k], atol=1e-6, rtol=1e-5)
 
 
+def test_torch_adapter_update_copies_the_adapters_alone(tmp_path, assets, monkeypatch):
+    """A LoRA sync's host copies are the adapters' bytes: the frozen base (15 GB at 7B) is never
+    copied to be dropped, which made 16 s of a 7B step on an H100 (2026-12-07)."""
+    path = write_config(tmp_path / "c.yaml", assets, strategy={"name": "torch", "lora": LORA})
+    cfg = load_config(path, RunConfig)
+    s = TorchStrategy(cfg.model.path, cfg=cfg)
+    copied, to = [], torch.Tensor.to
+
+    def counting(t, *args, **kwargs):
+        out = to(t, *args, **kwargs)
+        if out.data_ptr() != t.data_ptr():
+            copied.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", counting)
+    update = s.adapter_update()
+    monkeypatch.undo()
+    assert update.tensors and all(".lora_" in k for k in update.tensors)
+    assert sum(copied) == update.num_bytes
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_lora_grpo_quickstart_learns_and_syncs_only_adapters(tmp_path):
