@@ -20,7 +20,7 @@ SHARE=""; [ "$MEM" -lt 100000 ] && SHARE="--vllm-memory 0.15"  # as the earlier 
 echo "peers: $PEERS; share: ${SHARE:-default 0.35}"
 nvidia-smi dmon -s pucm -d 1 > $OUT/dmon.log 2>&1 &
 DMON=$!
-timeout ${STEP_T:-520} python benchmarks/grpo_step.py --rows "${ROWS-ray}" --peers "${PEERS/none/}" --steps 6 $SHARE \
+timeout ${STEP_T:-520} python benchmarks/grpo_step.py --rows "${ROWS-ray}" --peers "${PEERS/none/}" --steps ${STEPS:-6} $SHARE \
   --peer-timeout ${PEER_T:-240} --json $OUT/peers.json > $OUT/peers.log 2>&1; echo rc=$?
 kill $DMON
 # each row's per-step lines, then the tables (the peers' own logs stay in $OUT/peers.log)

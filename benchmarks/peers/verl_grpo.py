@@ -65,24 +65,42 @@ def write_data(spec: PeerSpec, work: Path) -> Path:
 
 def verl_model(spec: PeerSpec, work: Path) -> Path:
     """``spec.model`` as verl can open it: the same weights (linked) and a tokenizer that also knows a
-    newline and ``<|im_end|>``. verl's agent loop picks its Qwen turn handling from ``model_type: qwen2``
-    and refuses a tokenizer without those two tokens ("Expected Qwen newline to tokenize to one
-    token"); the bench's character tokenizer has neither. Both ids are new (above the characters', below
-    the model's vocabulary size, so no row of the weights changes), and the prompts, which hold neither,
-    tokenize as they do for the other rows."""
-    from transformers import AutoTokenizer
+    newline and ``<|im_end|>`` and is as long as the model's vocabulary.
+
+    verl's agent loop picks its Qwen turn handling from ``model_type: qwen2`` and refuses a tokenizer
+    without those two tokens ("Expected Qwen newline to tokenize to one token"); the bench's character
+    tokenizer has neither. And verl's rollout sets every logit at or past ``len(tokenizer)`` to -inf
+    (``monkey_patch_compute_logits``): with the character tokenizer's ~40 tokens it sampled from those
+    alone, end of sequence among them, and its responses averaged 43 tokens where every other row's run
+    to the cap (H100, 2026-12-07: rollout log-perplexity 3.6 against the actor's 11.8). So the
+    tokenizer's vocabulary is filled up to the model's with tokens no text encodes to (a BPE without
+    merges never makes a token of several characters), the two new tokens last: the prompts tokenize as
+    they do for the other rows and the engine samples from the whole vocabulary, as theirs do."""
+    from transformers import AutoConfig, AutoTokenizer
 
     src, out = Path(spec.model), work / "model"
     out.mkdir(exist_ok=True)
     for f in src.iterdir():
         if not (out / f.name).exists():
             (out / f.name).symlink_to(f.resolve())
-    tok = AutoTokenizer.from_pretrained(src)
-    tok.add_tokens(["\n"])
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
     for f in out.iterdir():  # the tokenizer's files are written anew, not through the links
         if f.is_symlink() and ("token" in f.name or f.name == "chat_template.jinja"):
             f.unlink()
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    size = AutoConfig.from_pretrained(src).vocab_size
+    tokenizer_json = out / "tokenizer.json"
+    data = json.loads(tokenizer_json.read_text())
+    vocab = data["model"]["vocab"]
+    ids = set(vocab.values()) | {t["id"] for t in data["added_tokens"]}
+    taken = len(ids)
+    if ids != set(range(taken)):
+        raise SystemExit(f"verl row: {src}'s tokenizer ids are not 0..{taken - 1}, so it cannot be filled up")
+    for i in range(size - 2 - taken):
+        vocab[f"fill{i}"] = taken + i
+    tokenizer_json.write_text(json.dumps(data))
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.add_tokens(["\n"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
     tok.save_pretrained(out)
     return out
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.grpo_step import (
+    ALPHABET,
     LONG_TAIL_CAP,
     bench_setting,
     parser,
@@ -16,8 +17,9 @@ from benchmarks.grpo_step import (
     resolved,
     setting_problems,
 )
+from benchmarks.peers.spec import PeerSpec
 from benchmarks.peers.trl_grpo import peft_fields, trl_config_fields
-from benchmarks.peers.verl_grpo import overrides
+from benchmarks.peers.verl_grpo import overrides, verl_model
 from reroll.config.training import LoRAConfig
 
 
@@ -135,3 +137,29 @@ def test_an_overlapped_rows_engine_rate_is_the_engines_own():
         return rows[0]["engine_tok_s"]
 
     assert (rate(0), rate(1)) == (100_000, 5000.0)
+
+
+def test_verl_samples_from_the_whole_vocabulary_and_tokenizes_as_the_others(tmp_path):
+    """verl's rollout masks every logit at or past ``len(tokenizer)``: its model directory's tokenizer
+    is as long as the model's vocabulary (not the ~40 characters, which cut its responses to a mean of
+    43 tokens where the other rows ran to the cap), knows verl's newline and ``<|im_end|>``, and
+    tokenizes the prompts as the bench's tokenizer does."""
+    from transformers import AutoTokenizer
+
+    from reroll.models.tiny import build_tiny_model
+
+    vocab = 4096
+    model = build_tiny_model(tmp_path / "m", alphabet=ALPHABET, hidden_size=64, num_heads=2, vocab_size=vocab)
+    spec = PeerSpec("verl", str(model), "", str(tmp_path / "o.json"), 1, 1, 8, 8, 1, 1)
+    ours, theirs = (
+        AutoTokenizer.from_pretrained(model),
+        AutoTokenizer.from_pretrained(verl_model(spec, tmp_path)),
+    )
+    assert len(theirs) == vocab
+    assert len(theirs.encode("\n", add_special_tokens=False)) == 1
+    assert theirs.convert_tokens_to_ids("<|im_end|>") < vocab
+    prompt = ALPHABET * 2
+    assert theirs.encode(prompt, add_special_tokens=False) == ours.encode(prompt, add_special_tokens=False)
+    chat = [{"role": "user", "content": prompt}]
+    assert theirs.apply_chat_template(chat, tokenize=False) == ours.apply_chat_template(chat, tokenize=False)
+    assert isinstance(theirs.decode([vocab - 3, 5]), str)  # a filler and a character decode
