@@ -15,6 +15,7 @@ import logging
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from reroll.config.run import RunConfig
@@ -32,6 +33,7 @@ from reroll.pipelines.run_dir import (
 )
 from reroll.runtime import checkpoint
 from reroll.runtime.console import step_line
+from reroll.runtime.placement import driver_threads
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
     resume_from, run_dir = open_run_dir(cfg, resume=resume)
     roles = Roles.start(cfg)
     step, ckpt, last, total = 0, resume_from, {}, pipeline.total_steps
+    threads = torch.get_num_threads()
+    torch.set_num_threads(driver_threads(cfg) or threads)
     try:
         start = _begin(pipeline, roles, resume_from)
         # roles.cfg: the config with the device type and strategy.name resolved, as config.yaml records it
@@ -103,6 +107,7 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
         raise (e.at_step(step) if step else e) from e
     finally:
         roles.shutdown()
+        torch.set_num_threads(threads)
     return RunResult(run_dir, ckpt, run_dir / "metrics.jsonl", run_dir / "config.yaml", last)
 
 

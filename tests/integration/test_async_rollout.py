@@ -103,11 +103,16 @@ def test_async_on_separate_cpu_slots_through_ray(tmp_path, assets):
     assert all(math.isfinite(m["actor/loss"]) for m in rows.values())
 
 
-def test_async_on_one_device_where_nothing_moves_through_ray(tmp_path, assets):
+def test_async_on_one_device_where_nothing_moves_through_ray(tmp_path, assets, monkeypatch):
     """Ray, every role on one pool slot that none leaves (``placement.offload: never``): the engine
     generates the next batch while the trainers compute, and the weights go over the 'ipc' transport
     ('auto' resolves to it: shared memory on CPUs, CUDA IPC on GPUs), each sync after the generations in
-    flight; the run completes one step off-policy."""
+    flight; the run completes one step off-policy. The driver computes the advantages on one torch
+    thread (``driver_threads``: on many, each op waited for cores the engine held) and gets its own
+    thread count back after the run."""
+    import torch
+
+    import reroll.pipelines.rlvr as rlvr
     from reroll.config.loader import load_config
     from reroll.config.placement import weight_sync_transport
     from reroll.config.schema import RunConfig
@@ -115,7 +120,12 @@ def test_async_on_one_device_where_nothing_moves_through_ray(tmp_path, assets):
     cfg = write_config(tmp_path / "c.yaml", assets, total_steps=3, eval={"every": 0}, reward=SEVENS)
     one = ["rollout.async_steps=1", "placement.devices=1", "placement.offload=never"]
     assert weight_sync_transport(load_config(cfg, RunConfig, one), "cpu") == "ipc"
+    threads, advantages, seen = torch.get_num_threads(), rlvr.batch_advantages, []
+    monkeypatch.setattr(
+        rlvr, "batch_advantages", lambda *a, **k: seen.append(torch.get_num_threads()) or advantages(*a, **k)
+    )
     assert main(["train", str(cfg), *one]) == 0
+    assert seen == [1, 1, 1] and torch.get_num_threads() == threads
     rows = _rows(tmp_path / "runs" / "t")
     assert [rows[s]["staleness/max"] for s in (1, 2, 3)] == [0, 1, 1]
     assert all(rows[s]["sync/bytes"] > 0 for s in (1, 2))  # pushed after each update but the last

@@ -585,7 +585,7 @@ def test_explicit_collective_is_checked(tmp_path):
 def test_worker_threads_default_to_the_cores_a_worker_has_to_itself(tmp_path, monkeypatch):
     """Ray gives a worker of num_cpus 0.25 one OMP thread; on CPU, roles that take turns get the
     machine's cores (over a role's ranks), roles on a CPU pool their device's cpus_per_device."""
-    from reroll.runtime.placement import with_threads, worker_threads
+    from reroll.runtime.placement import driver_threads, with_threads, worker_threads
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     cpu = {"placement.device_type": "cpu"}
@@ -602,6 +602,8 @@ def test_worker_threads_default_to_the_cores_a_worker_has_to_itself(tmp_path, mo
     gpu_pool = {"placement.device_type": "cuda", "placement.devices": 1}
     assert worker_threads(_cfg(tmp_path, **gpu_pool), "actor_train") is None
     assert worker_threads(_cfg(tmp_path, **cpu, **{"runtime.backend": "local"}), "actor_train") is None
+    assert driver_threads(cfg) == 1  # the roles are Ray workers: the driver's tensors are a batch's
+    assert driver_threads(_cfg(tmp_path, **cpu, **{"runtime.backend": "local"})) is None  # roles in it
     resolved = with_threads(cfg)  # what config.yaml records
     assert (resolved.roles.actor_train.torch_threads, resolved.roles.reference.torch_threads) == (4, 8)
     assert resolved.roles.reward.torch_threads is None
