@@ -279,7 +279,6 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
             "generate_batch_size": args.prompts * args.group,
             "hf_static_cache": gpu,
             "vllm": {
-                "enforce_eager": not gpu,  # CUDA graphs on the GPU
                 "gpu_memory_utilization": args.vllm_memory,
                 "max_model_len": args.prompt_len + args.new_tokens + 8,
                 "in_process": mode != "ray-mp",

@@ -105,7 +105,7 @@ def run_steps(root: Path, model: Path, rows: Path, args: argparse.Namespace) -> 
             "max_new_tokens": args.new_tokens,
             "temperature": 1.0,
             "images": {"max_per_prompt": 1, "max_pixels": args.image_size * args.image_size},
-            "vllm": {"enforce_eager": not gpu, "gpu_memory_utilization": args.vllm_memory},
+            "vllm": {"gpu_memory_utilization": args.vllm_memory},
         },
         "reward": {"fn": "exact_match", "isolation": "thread"},
         "algorithm": {"preset": "grpo", "kl_coef": 0.04},

@@ -40,7 +40,7 @@ def build_engine(args: argparse.Namespace, model: Path):
     from reroll.engines import make_engine
 
     gpu = args.device == "cuda"
-    vllm_cfg = VLLMConfig(enforce_eager=not gpu, gpu_memory_utilization=args.vllm_memory if gpu else 0.1)
+    vllm_cfg = VLLMConfig(gpu_memory_utilization=args.vllm_memory if gpu else 0.1)
     rollout = RolloutConfig(engine="vllm", generate_batch_size=args.prompts * args.n, vllm=vllm_cfg)
     return make_engine(str(model), rollout, dtype=args.dtype, device=args.device)
 
