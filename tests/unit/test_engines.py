@@ -197,9 +197,10 @@ def test_vllm_sampled_logprobs_read_from_either_container():
     assert _logprobs(SimpleNamespace(token_ids=[7, 4], logprobs=None)) == []
 
 
-def test_vllm_step_hook_feeds_the_stats_and_honours_abort_also_without_vllms_stat_loggers():
-    """An engine built with ``disable_log_stats`` has no stat logger manager: the hook still wraps the
-    step loop (abort works) and skips the stats; with a manager it drops Prometheus and adds its own."""
+def test_vllm_step_hook_feeds_the_stats_and_honours_abort_in_and_out_of_process():
+    """The hook wraps the step loop (abort works) and feeds the engine's peaks: with the engine core in
+    this process (built with ``disable_log_stats``: no stat logger manager) from its scheduler after
+    each ``schedule``; with a core of its own, through a stat logger that replaces Prometheus's."""
     pytest.importorskip("vllm")
     import threading
     from types import SimpleNamespace
@@ -210,11 +211,23 @@ def test_vllm_step_hook_feeds_the_stats_and_honours_abort_also_without_vllms_sta
     class PrometheusStatLogger:
         pass
 
+    class Scheduler:
+        running, waiting = ["a", "b", "c"], ["d"]
+        kv_cache_manager = SimpleNamespace(usage=0.25)
+
+        def schedule(self):
+            return "batch"
+
     aborted: list[list[str]] = []
-    for manager in (None, SimpleNamespace(stat_loggers=[PrometheusStatLogger()])):
+    in_process = SimpleNamespace(engine_core=SimpleNamespace(scheduler=Scheduler()))
+    for manager, core in (
+        (None, in_process),
+        (SimpleNamespace(stat_loggers=[PrometheusStatLogger()]), object()),
+    ):
         engine = SimpleNamespace(
             step=lambda: ["out"],
             logger_manager=manager,
+            engine_core=core,
             output_processor=SimpleNamespace(request_states={"r1": None}),
             abort_request=lambda ids, internal: aborted.append(ids),
         )
@@ -224,7 +237,12 @@ def test_vllm_step_hook_feeds_the_stats_and_honours_abort_also_without_vllms_sta
         abort.set()
         with pytest.raises(EngineAborted, match="1 requests unfinished"):
             engine.step()
-        if manager is not None:
+        if manager is None:
+            assert core.engine_core.scheduler.schedule() == "batch"
+            peaks = stats.take(0, 1.0)
+            assert (peaks["engine/num_running"], peaks["engine/num_waiting"]) == (3.0, 1.0)
+            assert peaks["engine/kv_cache_usage"] == 0.25
+        else:
             [logger] = manager.stat_loggers  # Prometheus dropped, reroll's peaks added
             logger.record(SimpleNamespace(num_running_reqs=7, num_waiting_reqs=2, kv_cache_usage=0.5), None)
             assert stats.take(0, 1.0)["engine/num_running"] == 7.0

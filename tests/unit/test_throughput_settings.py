@@ -54,8 +54,10 @@ class _Started(Exception):
 
 
 def test_vllm_engine_caches_prompt_prefixes(tmp_path, monkeypatch):
-    """The engine starts with ``enable_prefix_caching``: a group's samples share their prompt's KV blocks.
-    A stand-in ``vllm`` module records the engine's arguments (no vLLM runs)."""
+    """The engine starts with ``enable_prefix_caching``: a group's samples share their prompt's KV blocks;
+    on a GPU with CUDA graphs unless the config says otherwise; and without vLLM's per-token stats where
+    its core runs in this process (the scheduler's load is read directly: ``_observe_scheduler``). A
+    stand-in ``vllm`` module records the engine's arguments (no vLLM runs)."""
     from reroll.engines.vllm import VLLMEngine
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
@@ -77,6 +79,7 @@ def test_vllm_engine_caches_prompt_prefixes(tmp_path, monkeypatch):
         VLLMEngine(str(tmp_path), VLLMConfig(), device="cuda")
     assert seen["model"] == str(tmp_path)  # the engine got as far as starting vLLM
     assert seen["enable_prefix_caching"] is True
+    assert seen["enforce_eager"] is False and seen["disable_log_stats"] is True
 
 
 def test_a_step_counts_the_tokens_each_pass_computes(tmp_path):
