@@ -61,12 +61,11 @@ from reroll.strategies.lora import (
     adapter_names_to_saved,
     apply_lora,
     full_modules,
-    is_adapter_key,
-    is_full_key,
     load_adapter,
     lora_config_dict,
     merged_state_dict,
     save_adapter,
+    trained_key,
 )
 from reroll.strategies.micro_batches import MicroBatchLoop
 from reroll.strategies.shard_fill import Target, adapters_on_host, fill, meta_parameters, plan
@@ -290,9 +289,7 @@ class FSDP2Strategy(MicroBatchLoop):
         ``full_state_dict`` (the tensors on rank 0 only)."""
         if self.lora is None:
             raise RuntimeError("adapter_update needs strategy.lora")
-        state = {
-            k: v for k, v in self.model.state_dict().items() if is_adapter_key(k) or is_full_key(k, self.full)
-        }
+        state = {k: v for k, v in self.model.state_dict().items() if trained_key(k, self.full)}
         adapters = adapter_names_to_saved(_gather(state, keep=self.rank == 0))
         return AdapterUpdate(adapters, lora_config_dict(self.lora))
 
@@ -373,7 +370,7 @@ class FSDP2Strategy(MicroBatchLoop):
         """Which tensors ``state/`` holds: with LoRA those that train (the base is ``model.path``), else all."""
         if self.lora is None:
             return None
-        return lambda name: is_adapter_key(name) or is_full_key(name, self.full)
+        return lambda name: trained_key(name, self.full)
 
 
 @dataclass

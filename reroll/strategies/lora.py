@@ -102,6 +102,11 @@ def is_full_key(name: str, full: Sequence[str]) -> bool:
     return any(name.startswith(f"{m}.") for m in full)
 
 
+def trained_key(name: str, full: Sequence[str]) -> bool:
+    """Whether ``name`` is a tensor a LoRA run trains: an adapter's, or one of a module in ``full``."""
+    return is_adapter_key(name) or is_full_key(name, full)
+
+
 def full_modules(head: str) -> tuple[str, ...]:
     """The modules trained in full beside the adapters: a reward model's ``score`` head (new at zero, it
     must learn everything), none for a causal LM."""

@@ -26,11 +26,11 @@ from reroll.strategies.lora import (
     apply_lora,
     full_modules,
     is_adapter_key,
-    is_full_key,
     load_adapter,
     lora_config_dict,
     merged_state_dict,
     save_adapter,
+    trained_key,
 )
 from reroll.strategies.micro_batches import MicroBatchLoop
 from reroll.strategies.sharded_state import load_state, save_state
@@ -166,9 +166,7 @@ class TorchStrategy(MicroBatchLoop):
             raise RuntimeError("adapter_update needs strategy.lora")
         # the adapters picked before any copy: the frozen base is most of the state (a 7B model's 15 GB
         # copied to the host and dropped made most of its 16 s sync on an H100, 2026-12-07)
-        wanted = {
-            k: v for k, v in self.model.state_dict().items() if is_adapter_key(k) or is_full_key(k, self.full)
-        }
+        wanted = {k: v for k, v in self.model.state_dict().items() if trained_key(k, self.full)}
         adapters = adapter_names_to_saved({k: v.detach().to("cpu", copy=True) for k, v in wanted.items()})
         return AdapterUpdate(adapters, lora_config_dict(self.lora))
 
@@ -245,4 +243,4 @@ class TorchStrategy(MicroBatchLoop):
         """Which tensors ``state/`` holds: with LoRA those that train (the base is ``model.path``), else all."""
         if self.lora is None:
             return None
-        return lambda name: is_adapter_key(name) or is_full_key(name, self.full)
+        return lambda name: trained_key(name, self.full)
