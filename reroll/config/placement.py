@@ -683,8 +683,7 @@ def streaming_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         if cfg.runtime.backend == "local":
             problems.append((path, "runtime.backend 'local' runs each generation to its end when it is "
                              "submitted, so nothing is ever in flight to interrupt: use runtime.backend=ray"))  # fmt: skip
-        lora = cfg.strategy.lora
-        if lora is not None and lora.sync == "adapters":
+        if cfg.strategy.synced_adapters is not None:
             problems.append((path, "adapter weight sync waits for the generations in flight: set "
                              "strategy.lora.sync=merged, or remove partial_rollouts"))  # fmt: skip
         if r.weight_sync_transport not in ("auto", "object_store"):

@@ -544,8 +544,7 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
 def engine_problems(cfg: RunConfig, device_type: str | None) -> list[tuple[str, str]]:
     """What actor_infer's engine cannot do that the config asks of it (its ``EngineSpec``)."""
     spec, r, problems = engine_spec(cfg.rollout.engine), cfg.rollout, []
-    lora = cfg.strategy.lora
-    if lora is not None and lora.sync == "adapters" and not spec.lora:
+    if cfg.strategy.synced_adapters is not None and not spec.lora:
         problems.append(
             (
                 "strategy.lora.sync",

@@ -201,6 +201,11 @@ class StrategyConfig(StrictModel):
         "merged into model/.",
     )
 
+    @property
+    def synced_adapters(self) -> LoRAConfig | None:
+        """``lora`` where a weight sync sends actor_infer the adapters alone (``lora.sync: adapters``)."""
+        return self.lora if self.lora is not None and self.lora.sync == "adapters" else None
+
 
 class SFTConfig(StrictModel):
     """Supervised fine-tuning on prompt/answer rows (a pipeline of its own, or RLVR's warm start)."""

@@ -8,6 +8,7 @@ when the engine is built, so ``import reroll`` works without either installed.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 
 from reroll.config.engines import AUTO, ENGINES, engine_class, engine_spec
 from reroll.config.rollout import RolloutConfig
@@ -45,10 +46,13 @@ def make_engine(
     dtype: str = "float32",
     device: str = "cpu",
     shared_device: bool = False,
+    lora_targets: Sequence[str] = (),
 ) -> Engine:
     """The engine ``rollout.engine`` names, loaded from ``model_path``. ``shared_device``: another role
     takes the engine's GPU in turn, so it is built able to sleep where that is a choice (vLLM's
-    ``enable_sleep_mode`` left unset).
+    ``enable_sleep_mode`` left unset). ``lora_targets``: the modules whose LoRA adapters will reach the
+    engine (``update_lora``); the vllm and sglang engines, which merge them into the checkpoint's base
+    weights, start reading those at once (the hf engine keeps its own weights as the base).
 
     A backend that is not installed is a ``UserError`` saying what to install.
     """
@@ -75,10 +79,16 @@ def make_engine(
             vllm = vllm.model_copy(update={"enable_sleep_mode": shared_device})
         keep_cut = rollout.partial_rollouts or rollout.oversample is not None
         return VLLMEngine(
-            model_path, vllm, dtype=dtype, device=device, keep_cut=keep_cut, images=rollout.images
+            model_path,
+            vllm,
+            dtype=dtype,
+            device=device,
+            keep_cut=keep_cut,
+            images=rollout.images,
+            lora_targets=lora_targets,
         )
     if name == "sglang":
         from reroll.engines.sglang import SGLangEngine
 
-        return SGLangEngine(model_path, dtype=dtype)
+        return SGLangEngine(model_path, dtype=dtype, lora_targets=lora_targets)
     return engine_class(name)(model_path, rollout, dtype=dtype, device=device)

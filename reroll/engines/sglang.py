@@ -50,7 +50,14 @@ import torch
 
 from reroll.data.types import Completion, SamplingParams
 from reroll.engines.base import EngineAborted, EngineStats, engine_call
-from reroll.engines.lora import checkpoint_tensors, lora_pairs, lora_scale, merge_lora
+from reroll.engines.lora import (
+    BaseWeights,
+    adapted_names,
+    checkpoint_names,
+    lora_pairs,
+    lora_scale,
+    merge_lora,
+)
 from reroll.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -72,13 +79,15 @@ class SGLangEngine:
         mem_fraction_static: float | None = None,
         deterministic: bool = False,
         seed: int = 0,
+        lora_targets: Sequence[str] = (),
         **engine_args: Any,
     ):
         """``memory_saver``: ``sleep``/``wake_up`` work (needs ``torch_memory_saver``);
         ``weights_cpu_backup``: ``sleep(1)`` keeps the weights in host memory; ``mem_fraction_static``:
         the share of GPU memory for weights and KV cache (None: SGLang's choice; lower it when roles
         share the GPU); ``deterministic``: SGLang's batch-invariant kernels, which also make per-request
-        seeds work; ``engine_args``: any other ``sglang.Engine`` (``ServerArgs``) keyword."""
+        seeds work; ``lora_targets``: the modules a LoRA run's adapters will reach this engine for, whose
+        base weights are read from the checkpoint from the start, in the background; ``engine_args``: any other ``sglang.Engine`` (``ServerArgs``) keyword."""
         import sglang
 
         if mem_fraction_static is not None:
@@ -105,7 +114,9 @@ class SGLangEngine:
         self._abort = threading.Event()
         self._in_flight = False  # an engine.generate call is running (read on the engine's loop)
         self._warned_seed = False
-        self._lora_base: dict[str, torch.Tensor] = {}
+        self._lora_base = BaseWeights(model_path)
+        if lora_targets:
+            self._lora_base.prefetch(lambda: adapted_names(checkpoint_names(model_path), lora_targets))
 
     def _sampling_params(self, params: SamplingParams, seed: int | None) -> dict[str, Any]:
         greedy = params.temperature == 0
@@ -226,7 +237,7 @@ class SGLangEngine:
         self._missing_weights = False
 
     def update_lora(self, adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> None:
-        """Merge a peft adapter into its base weights (read once from the checkpoint) and load those.
+        """Merge a peft adapter into its base weights (the checkpoint's, ``BaseWeights``) and load those.
 
         SGLang's own LoRA serving (``load_lora_adapter_from_tensors``) needs the engine started with
         ``enable_lora`` and the largest rank and target modules known in advance, every request to carry
@@ -234,10 +245,7 @@ class SGLangEngine:
         ``generate`` as it is (as in the vllm engine) at the cost of host memory for the adapted
         weights' base values; a LoRA run freezes the base, so the checkpoint's values are the base."""
         scale, pairs = lora_scale(config), lora_pairs(adapter)
-        new = [name for name in pairs if name not in self._lora_base]
-        if new:
-            self._lora_base.update(checkpoint_tensors(self.model_path, new))
-        merged = merge_lora(self._lora_base, pairs, scale)
+        merged = merge_lora(self._lora_base.take(list(pairs)), pairs, scale)
         self.load_weights(list(merged.items()))
         self.finish_weight_update()
 

@@ -72,7 +72,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -82,7 +82,14 @@ from reroll.config.startable import VLLM_SLEEP_NEEDS_CUDA
 from reroll.data.images import open_image
 from reroll.data.types import Completion, ImagePrompt, Prompt, SamplingParams, TokenDelta
 from reroll.engines.base import EngineAborted, EngineStats, engine_call, in_prompt_order
-from reroll.engines.lora import checkpoint_names, checkpoint_tensors, lora_pairs, lora_scale, merged_layers
+from reroll.engines.lora import (
+    BaseWeights,
+    adapted_names,
+    checkpoint_names,
+    lora_pairs,
+    lora_scale,
+    merged_layers,
+)
 from reroll.engines.vllm_cpu_moe import map_experts_to_local_slots, repack_experts
 from reroll.errors import UserError
 from reroll.models.vision import VisionProcessor, is_vision_language, processor_size
@@ -119,11 +126,14 @@ class VLLMEngine:
         device: str = "cpu",
         keep_cut: bool = False,
         images: ImagesConfig | None = None,
+        lora_targets: Sequence[str] = (),
     ):
         """``keep_cut``: responses an ``interrupt`` cuts keep the tokens they had (partial rollouts and
         over-sampling need them): vLLM then returns every request's new tokens at every step. Without
         it vLLM returns a response once, when it finishes (no per-step output objects for the whole
-        batch: less Python per decoding step), and a cut response comes back empty."""
+        batch: less Python per decoding step), and a cut response comes back empty. ``lora_targets``:
+        the modules a LoRA run's adapters will reach this engine for (``update_lora``), whose layers'
+        base weights are read from the checkpoint from the start, in the background."""
         if cfg.enable_sleep_mode and device == "cpu":
             raise UserError(VLLM_SLEEP_NEEDS_CUDA)
         os.environ.update(_vllm_env(cfg, device))
@@ -187,7 +197,11 @@ class VLLMEngine:
         self._interrupt = threading.Event()
         self._calls = itertools.count()
         self._stats = EngineStats(scheduler=True)
-        self._lora_base: dict[str, torch.Tensor] = {}
+        self._lora_base = BaseWeights(model_path, pin=self._merge_device().type == "cuda")
+        if lora_targets:
+            self._lora_base.prefetch(
+                lambda: self._layers_of(adapted_names(checkpoint_names(model_path), lora_targets))
+            )
         _hook_step_loop(self.llm.llm_engine, self._abort, self._stats)
 
     def _sampling_params(
@@ -455,27 +469,26 @@ class VLLMEngine:
         self._missing_weights = False
 
     def update_lora(self, adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> None:
-        """Merge a peft adapter into its base weights (read once from the checkpoint) and load those.
+        """Merge a peft adapter into its base weights (the checkpoint's) and load those.
 
         vLLM reprocesses a fused layer (``qkv_proj``, ``gate_up_proj``) from what one ``reload_weights``
         call gave it, so each call carries whole decoder layers: the merged weights and the rest of
         their layers from the checkpoint (a LoRA run freezes the base). vLLM's own LoRA path
         (``LoRARequest``) takes an adapter directory only (0.32: no in-memory tensors) and every request
         must carry it; merging keeps ``generate`` as it is and decodes at the base model's speed, at the
-        cost of host memory for the adapted layers' base weights. The merge runs on the GPU where the
+        cost of host memory for the adapted layers' base weights (``BaseWeights``: read from the engine's start
+        where it was built with ``lora_targets``). The merge runs on the GPU where the
         tensors stay in this process (``_merge_device``), a layer at a time (``merged_layers``)."""
         scale, pairs = lora_scale(config), lora_pairs(adapter)
-        layers = {layer_key(name) for name in pairs}
-        wanted = [n for n in checkpoint_names(self.model_path) if layer_key(n) in layers]
-        new = [n for n in wanted if n not in self._lora_base]
-        device = self._merge_device()
-        if new:  # pinned where the merge runs on the GPU: each sync copies them there
-            fetched = checkpoint_tensors(self.model_path, new)
-            pin = device.type == "cuda"
-            self._lora_base.update({k: v.pin_memory() if pin else v for k, v in fetched.items()})
-        for layer in merged_layers(self._lora_base, pairs, scale, wanted, device):
+        wanted = self._layers_of(pairs)
+        for layer in merged_layers(self._lora_base.take(wanted), pairs, scale, wanted, self._merge_device()):
             self.load_weights(layer)
         self.finish_weight_update()
+
+    def _layers_of(self, names: Iterable[str]) -> list[str]:
+        """The checkpoint's tensors in the decoder layers of ``names`` (what ``update_lora`` loads)."""
+        layers = {layer_key(name) for name in names}
+        return [n for n in checkpoint_names(self.model_path) if layer_key(n) in layers]
 
     def _merge_device(self) -> torch.device:
         """Where ``update_lora`` merges: the GPU where its tensors reach vLLM's model without leaving this

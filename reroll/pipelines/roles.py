@@ -223,11 +223,10 @@ class Roles:
         assert actor is not None and engine is not None, (
             "sync_weights: this run has no actor_train or actor_infer"
         )
-        lora = self.cfg.strategy.lora
         began = time.perf_counter()
         stats: dict[str, float] = {}
         with self.phase("weight_sync", "actor_train"):
-            if lora is not None and lora.sync == "adapters":  # small: through the object store
+            if self.cfg.strategy.synced_adapters is not None:  # small: through the object store
                 update = actor.adapter_update()
                 sent = actor.sync_bytes()
                 self.hold("actor_infer")

@@ -394,9 +394,8 @@ class RolloutSource:
         """actor_train's weights after ``step`` into actor_infer with generations in flight: the bytes
         sent. Full weights through the object store are queued behind the generations submitted,
         without waiting for them; anything else waits for them first."""
-        lora = self.cfg.strategy.lora
         transport = weight_sync_transport(self.cfg, self.cfg.placement.device_type)
-        if (lora is not None and lora.sync == "adapters") or transport != "object_store":
+        if self.cfg.strategy.synced_adapters is not None or transport != "object_store":
             self._drain(roles)
             return roles.sync_weights()
         partial = self.cfg.rollout.partial_rollouts

@@ -59,6 +59,7 @@ class EngineWorker:
             dtype=cfg.model.dtype,
             device=device,
             shared_device=shared and offload_between_phases(cfg, cfg.placement.device_type),
+            lora_targets=adapters.target_modules if (adapters := cfg.strategy.synced_adapters) else (),
         )
 
     def generate(

@@ -58,6 +58,9 @@ def groups(tmp_path_factory, assets):
             "rollout.weight_sync_bucket_mb=0.05",
             "rollout.oversample=1.0",
             "roles.actor_infer.torch_threads=2",
+            # an adapter run's engine reads its LoRA base from the start (the LoRA test's first update
+            # takes it); the trainer group, built from ``cfg``, trains every weight
+            "strategy.lora.rank=4",
         ],
     )
     made = [TrainerGroup("actor_train", cfg, trainable=True), EngineGroup(local), EngineGroup(vllm_cfg)]

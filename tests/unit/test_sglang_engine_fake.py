@@ -248,6 +248,24 @@ def test_update_lora_merges_into_the_checkpoint_base_and_loads_it(make, tmp_path
     torch.testing.assert_close(merged, w0 + 3.0 * (2 * b) @ (2 * a))
 
 
+def test_update_lora_reads_the_base_ahead_when_told_the_targets(make, tmp_path):
+    """Built with ``lora_targets``, the engine reads the adapted weights' base from the start: the
+    first update needs the checkpoint no more."""
+    w0 = torch.arange(12.0).reshape(3, 4)
+    save_file({"model.layers.0.self_attn.q_proj.weight": w0}, tmp_path / "model.safetensors")
+    engine, fake = make(str(tmp_path), lora_targets=["q_proj"])
+    engine._lora_base._ahead.result()  # the read ahead has ended
+    (tmp_path / "model.safetensors").unlink()
+    a, b = torch.randn(2, 4), torch.randn(3, 2)
+    adapter = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b,
+    }
+    engine.update_lora(adapter, {"r": 2, "lora_alpha": 6})
+    [(_, merged)] = fake.calls[0][1]["named_tensors"]
+    torch.testing.assert_close(merged, w0 + 3.0 * b @ a)
+
+
 def test_sleep_releases_every_tag_and_the_guard_refuses_work_while_asleep(make):
     engine, fake = make()
     params = SamplingParams(max_new_tokens=1)
