@@ -15,7 +15,8 @@ the examples use.
 
 from __future__ import annotations
 
-from reroll.config.memory import Shape, forward_only_limits
+from reroll.config.engines import engine_spec
+from reroll.config.memory import DTYPE_BYTES, Shape, forward_only_limits
 from reroll.config.placement import (
     device_map,
     offload_between_phases,
@@ -24,6 +25,7 @@ from reroll.config.placement import (
     weight_sync_transport,
 )
 from reroll.config.role_memory import (
+    GIB,
     USABLE,
     RolePlan,
     at_engine_share,
@@ -120,6 +122,7 @@ def plan(cfg: RunConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int
         lines.append(f"  gpu {d}: {peak:8.1f} GiB  {' '.join(roles) or '(unused)'}{flag}")
     lines += _phase_lines(cfg, dmap, plans, pool, offload, usable=USABLE * gpu_memory_gib)
     lines += _host_lines(dmap, plans, pool) if offload else []
+    lines += _lora_base_lines(cfg, shape, plans)
     policy = with_checkpointing(cfg, counts["actor_train"]) if "actor_train" in counts else cfg
     seq = prompt_tokens + cfg.rollout.max_new_tokens
     lines += _forward_only_lines(policy, shape, seq, list(plans), resident=resident_sized)
@@ -242,6 +245,22 @@ def _by_gpu(need: list[float]) -> str:
     return ", ".join(
         f"{gib:.1f} GiB on gpu{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}" for gib, a, b in runs
     )
+
+
+def _lora_base_lines(cfg: RunConfig, shape: Shape, plans: dict[str, RolePlan]) -> list[str]:
+    """Host memory an engine that merges LoRA adapters into the checkpoint's base weights keeps for
+    them from its start (``reroll.engines.lora.BaseWeights``): about the decoder layers' weights (the
+    model less its embedding), once per engine rank."""
+    spec = engine_spec(cfg.rollout.engine)
+    if cfg.strategy.synced_adapters is None or "actor_infer" not in plans or not spec.lora_base_on_host:
+        return []
+    each = (shape.params - shape.vocab * shape.hidden) * DTYPE_BYTES[cfg.model.dtype] / GIB
+    engines = plans["actor_infer"].ranks // spec.span(cfg.rollout)
+    return [
+        f"\nhost memory of actor_infer's LoRA base (the adapted layers' weights, read from the checkpoint "
+        f"as each engine starts, merged with the adapters at every sync): about {each:.1f} GiB x {engines} "
+        f"engine{'s' if engines > 1 else ''}"
+    ]
 
 
 def _host_lines(dmap, plans: dict[str, RolePlan], pool: int) -> list[str]:

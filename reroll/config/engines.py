@@ -84,6 +84,8 @@ class EngineSpec:
     # device (``load_shared``, or for an engine of one worker its ``load_weights`` given views of it)
     opens_shared: bool = True
     lora: bool = True  # update_lora: LoRA adapters applied over the base weights
+    # update_lora merges into the checkpoint's base weights, which it keeps in host memory (reroll plan)
+    lora_base_on_host: bool = False
     scores: bool = True  # score(input_ids, mask, temperature): log-probs of given sequences
     multimodal: bool = False  # images in prompts (``ImagePrompt``: a vision-language model's rows)
     max_model_len: Callable[[RolloutConfig], int | None] = _none  # a context cap of its own setting
@@ -202,6 +204,7 @@ ENGINES: dict[str, EngineSpec] = {
         receives_in_worker=lambda r: r.vllm.in_process,
         max_model_len=lambda r: r.vllm.max_model_len,
         max_model_len_key="rollout.vllm.max_model_len",
+        lora_base_on_host=True,
     ),
     "sglang": EngineSpec(
         name="sglang",
@@ -210,6 +213,7 @@ ENGINES: dict[str, EngineSpec] = {
         receives_in_worker=lambda r: False,
         opens_shared=False,
         sleep_needs_cuda=True,
+        lora_base_on_host=True,
     ),
 }
 

@@ -93,3 +93,20 @@ def test_an_ipc_sync_that_does_not_fit_says_it_goes_through_host_memory(tmp_path
     text, _ = plan(cfg, gpus=1, gpu_memory_gib=5)
     _, phases, _ = _sections(text)
     assert "this sync goes through host memory" in phases["weight sync (ipc)"]
+
+
+def test_an_engine_merging_lora_adapters_counts_their_base_in_host_memory(tmp_path):
+    """vLLM merges each adapter sync into the checkpoint's base weights, which it reads at its start
+    and keeps in host memory: the model less its embedding, per engine (two here); an engine sent
+    merged weights, or the hf engine (its own weights are the base), keeps none."""
+    from reroll.models.shape import model_shape
+
+    lora = {"strategy.lora.rank": 16, "placement.devices": 2, "roles.actor_infer.world_size": 2}
+    text, _ = plan(_cfg(tmp_path, **SMALL, **lora), gpus=2, gpu_memory_gib=80)
+    shape = model_shape(SMALL["model.path"])
+    each = (shape.params - shape.vocab * shape.hidden) * 2 / 2**30  # bf16
+    assert "actor_infer's LoRA base" in text and f"about {each:.1f} GiB x 2 engines" in text
+    merged = _cfg(tmp_path, **SMALL, **lora, **{"strategy.lora.sync": "merged"})
+    assert "LoRA base" not in plan(merged, gpus=2, gpu_memory_gib=80)[0]
+    hf = _cfg(tmp_path, **{**SMALL, "rollout.engine": "hf"}, **lora)
+    assert "LoRA base" not in plan(hf, gpus=2, gpu_memory_gib=80)[0]
