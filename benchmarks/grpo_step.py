@@ -250,11 +250,13 @@ def build_inputs(root: Path, args: argparse.Namespace, size: str) -> tuple[Path,
 def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, setting: PeerSpec) -> dict:
     """The run config of reroll's row ``mode`` (``run_reroll``) in ``setting``, as a dict for YAML: its
     prompts in ``root/prompts.jsonl``, its reward ``bench_reward:digits``."""
-    rows = root / "prompts.jsonl"
+    rows, row = root / "prompts.jsonl", mode
     gpu = args.device == "cuda"
+    # a row named ...-compile is the row before the suffix with model.compile ('ray-compile': 'ray')
+    compiled, mode = mode.endswith("-compile"), mode.removesuffix("-compile")
     ray = mode.startswith("ray")
     engine = args.engine if ray else "hf"
-    name = f"reroll-{mode}-{model.name}"
+    name = f"reroll-{row}-{model.name}"
     cfg = {
         "pipeline": "rlvr",
         "name": name,
@@ -264,7 +266,7 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
             "path": str(model),
             "dtype": args.dtype,
             "gradient_checkpointing": checkpointing(args, setting.gradient_checkpointing),
-            "compile": args.compile or mode == "ray-compile",
+            "compile": args.compile or compiled,
             "cudnn_attention": mode == "ray-cudnn",
             "fused_norm": mode != "ray-ownnorm",
             "fused_head": mode == "ray-fusedhead",
@@ -747,7 +749,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--rows",
         default="ray,local",
-        help="reroll rows to run: ray, ray-compile, ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), "
+        help="reroll rows to run: ray, ray-compile (any row + '-compile': with model.compile), ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), "
         "ray-resident, ray-offload, ray-async, ray-sleep, ray-ownnorm, ray-fusedhead, ray-padded, ray-fwdsized, ray-tail, "
         "ray-ckpt, local",
     )

@@ -125,6 +125,19 @@ def test_the_async_row_runs_one_step_off_policy_where_nothing_moves(tmp_path):
     assert rollout_source_problems(cfg) == []
 
 
+
+def test_a_compile_suffix_is_the_row_before_it_with_model_compile(tmp_path):
+    """``ray-compile`` is ``ray`` with ``model.compile``, ``ray-async-compile`` is ``ray-async`` with it:
+    nothing else differs but the run's name."""
+    args, setting, model = setting_for(tmp_path, "0.5b")
+    for row in ("ray", "ray-async", "ray-ckpt"):
+        plain = reroll_config(tmp_path, model, args, row, setting)
+        compiled = reroll_config(tmp_path, model, args, f"{row}-compile", setting)
+        assert (plain["model"].pop("compile"), compiled["model"].pop("compile")) == (False, True)
+        assert compiled["name"] == plain["name"].replace(row, f"{row}-compile")
+        assert compiled | {"name": plain["name"], "output_dir": plain["output_dir"]} == plain
+
+
 def test_an_overlapped_rows_engine_rate_is_the_engines_own():
     """An async row's generate phase is the wait for a generation that ran beside the previous step: its
     engine rate is the engine's own (seconds inside generate), not new tokens over that wait."""
