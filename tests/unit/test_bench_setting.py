@@ -125,7 +125,6 @@ def test_the_async_row_runs_one_step_off_policy_where_nothing_moves(tmp_path):
     assert rollout_source_problems(cfg) == []
 
 
-
 def test_a_compile_suffix_is_the_row_before_it_with_model_compile(tmp_path):
     """``ray-compile`` is ``ray`` with ``model.compile``, ``ray-async-compile`` is ``ray-async`` with it:
     nothing else differs but the run's name."""
