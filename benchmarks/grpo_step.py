@@ -261,7 +261,7 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
         "pipeline": "rlvr",
         "name": name,
         "output_dir": str(root / "{name}"),
-        "total_steps": args.steps + 1,  # the last step also evaluates and checkpoints: left out below
+        "total_steps": args.steps + 1,  # the last step also evaluates: left out below
         "model": {
             "path": str(model),
             "dtype": args.dtype,
@@ -295,7 +295,8 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
             "logprob_micro_batch_size": args.logprob_micro_batch or None,
         },
         "eval": {"every": 0},
-        "checkpoint": {"every": 0, "keep_last": 1},
+        # no save at the end: 94 s of the 7B LoRA row's call on an H100 (2026-12-07)
+        "checkpoint": {"every": 0, "keep_last": 1, "at_end": False},
         "logging": {"tensorboard": False, "sample_every": 0, "profile_steps": args.profile_steps},
         "runtime": {"backend": "ray" if ray else "local"},
     }
@@ -426,7 +427,7 @@ def fits_the_gpu(path: Path, args: argparse.Namespace, name: str) -> bool:
 def read_steps(run_dir: Path, samples: int, finished: bool = True) -> list[dict]:
     """A bench run's steps from its ``metrics.jsonl``: each phase's seconds, the step's wall time, its new
     tokens (``samples`` responses) and, under "metrics", all the step logged (for ``--json``). Step 0 (the
-    first evaluation) and the last step of a finished run (which also evaluates and checkpoints) are left
+    first evaluation) and the last step of a finished run (which also evaluates) are left
     out; a run that failed keeps every step it logged."""
     from reroll.runtime.metrics import read_metrics
 

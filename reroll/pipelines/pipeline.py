@@ -107,10 +107,10 @@ class Pipeline:
         return None
 
 
-def every(n: int, step: int, total: int) -> bool:
-    """Whether an every-``n``-steps duty falls on ``step``: every ``n``-th step (none with n=0) and
-    always the last, so a finished run is evaluated and checkpointed."""
-    return (n > 0 and step % n == 0) or step == total
+def every(n: int, step: int, total: int, *, at_end: bool = True) -> bool:
+    """Whether an every-``n``-steps duty falls on ``step``: every ``n``-th step (none with n=0) and, unless
+    ``at_end`` is off, the last, so a finished run is evaluated and checkpointed."""
+    return (n > 0 and step % n == 0) or (at_end and step == total)
 
 
 _PIPELINES: dict[str, type[Pipeline]] = {}

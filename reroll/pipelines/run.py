@@ -129,7 +129,7 @@ def _step(
         metrics |= roles.sync_if_stale()
         with roles.phase("evaluate", *pipeline.evaluate_uses):
             metrics |= pipeline.evaluate(roles)
-    if every(cfg.checkpoint.every, step, total):
+    if every(cfg.checkpoint.every, step, total, at_end=cfg.checkpoint.at_end):
         with roles.phase("checkpoint", "actor_train", "critic"):
             ckpt = save_checkpoint(cfg, roles.actor_train, step, pipeline.checkpointed(), roles.critic)
     return metrics, ckpt
