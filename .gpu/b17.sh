@@ -3,6 +3,7 @@
 [ -d .devbundle/vllm/p3 ] && mkdir -p /tmp/vstage && cp .devbundle/vllm/p3/* /tmp/vstage/
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 source .gpu/env.sh || exit 3
+[ -n "$TESTS" ] && timeout 120 python -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -5  # e.g. TESTS=tests/gpu/test_lora_export_cuda.py
 nvidia-smi dmon -s pucm -d 2 > $OUT/dmon7b.log 2>&1 &
 timeout ${STEP_T:-570} python benchmarks/grpo_step.py --sizes 7b --tune ${TUNE:-lora} --peers "${PEERS-trl-vllm}" \
   --rows "${ROWS-ray}" --steps ${STEPS:-3} --warmup 1 --micro-batch 16 --logprob-micro-batch 16 \
