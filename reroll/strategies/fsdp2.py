@@ -337,7 +337,7 @@ class FSDP2Strategy(MicroBatchLoop):
             HFNames(self.hf_model, scale),
             state,
             units,
-            lambda names, keep: _gather({n: state[n] for n in names}, keep=keep, copy=False),
+            lambda names, keep: _gather({n: state[n] for n in names}, keep=keep, on_host=False),
             rank=self.rank,
             world_size=self.world_size,
         )
@@ -418,16 +418,17 @@ def _start_model(
     return model, _Unfilled(targets, reader)
 
 
-def _gather(state: dict[str, torch.Tensor], *, keep: bool, copy: bool = True) -> dict[str, torch.Tensor]:
+def _gather(state: dict[str, torch.Tensor], *, keep: bool, on_host: bool = True) -> dict[str, torch.Tensor]:
     """Full CPU copies of a state dict's tensors where ``keep``, else {} (a DTensor is all-gathered, one
-    at a time: a collective every rank joins). ``copy=False``: a tensor already whole on the CPU is
-    returned as it is, not copied (for reading it before the weights change again)."""
+    at a time: a collective every rank joins). ``on_host=False``: the whole tensors where they are, not
+    copied (for ``export``, which merges LoRA adapters on their device and copies each tensor to the
+    host as it writes it, before the weights change again)."""
     out = {}
     for name, value in state.items():
         value = value.detach()
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if keep:
-            out[name] = full.to("cpu", copy=copy)
+            out[name] = full.to("cpu", copy=True) if on_host else full
     return out
 
 
