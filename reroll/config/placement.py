@@ -519,12 +519,6 @@ def _ipc_problem(cfg: RunConfig, device_type: str) -> str | None:
             f"{sorted(dmap.covered('actor_infer'))}): place actor_infer on actor_train's devices, or use "
             "'auto'"
         )
-    lora = cfg.strategy.lora
-    if lora is not None and lora.sync == "merged" and set(ipc_senders(cfg, device_type)) != {0}:
-        return (
-            "with strategy.lora (merged) only actor_train rank 0 holds the merged weights, but engine "
-            "workers sit beside other ranks: use 'object_store', or strategy.lora.sync=adapters"
-        )
     return None
 
 

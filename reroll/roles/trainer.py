@@ -170,11 +170,11 @@ class TrainerWorker(PairWorkerMixin, StrategyWorker):
 
     def _full_weights(self, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """The full weights one at a time where the strategy can (``named_weights``, every rank gets
-        them), so the full state dict never sits in memory; else (LoRA merged into the base, the
-        strategies that gather all at once) its ``full_state_dict`` (fsdp2 with LoRA: rank 0's only).
-        Weights that never change (a frozen vision tower) only at the first call (``_frozen``)."""
+        them; LoRA merged into the base a layer at a time), so the full state dict never sits in memory;
+        else (the strategies that gather all at once) its ``full_state_dict``. Weights that never change
+        (a frozen vision tower) only at the first call (``_frozen``)."""
         named_weights = getattr(self.strategy, "named_weights", None)
-        if named_weights is not None and self.cfg.strategy.lora is None:
+        if named_weights is not None:
             named = named_weights(on_device=on_device)
             skip, self._frozen_sent = self._frozen if self._frozen_sent else set(), True
             return ((k, v) for k, v in named if k not in skip) if skip else named

@@ -54,7 +54,14 @@ from reroll.models.loading import (
 )
 from reroll.strategies import Head, SavedAtOtherWorldSize
 from reroll.strategies.context_parallel import ContextParallel, group_ranks
-from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
+from reroll.strategies.hf_export import (
+    HFNames,
+    decoder_layers,
+    distinct_state,
+    layer_units,
+    merged_by_layer,
+    write_hf_model,
+)
 from reroll.strategies.host_parking import HostParking
 from reroll.strategies.lora import (
     AdapterUpdate,
@@ -279,10 +286,20 @@ class FSDP2Strategy(MicroBatchLoop):
     def named_weights(self, *, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights one at a time, unsharded, in Hugging Face names: on the device (``on_device``)
         or as CPU copies. A collective (each DTensor is all-gathered in turn): every rank iterates to
-        the end; only rank 0's values are meant to be used. LoRA models: use ``full_state_dict``."""
-        for name, value in self.model.state_dict().items():
-            full = (value.full_tensor() if isinstance(value, DTensor) else value).detach()
-            yield name, full if on_device else full.to("cpu", copy=True)
+        the end. With LoRA, the base weights with the adapters merged in, a decoder layer at a time,
+        merged on the device (``merged_by_layer``)."""
+
+        def whole(value: torch.Tensor) -> torch.Tensor:
+            return (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+
+        state = self.model.state_dict()
+        if self.lora is None:
+            named = ((k, whole(v)) for k, v in state.items())
+        else:
+            scale = self.lora.alpha / self.lora.rank
+            named = merged_by_layer(self.model, decoder_layers(self.hf_model), state, scale, whole)
+        for name, value in named:
+            yield name, value if on_device else value.to("cpu", copy=True)
 
     def adapter_update(self) -> AdapterUpdate:
         """The adapters alone (peft's saved names) and their ``LoraConfig``; a collective, like

@@ -23,7 +23,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -107,6 +107,22 @@ def layer_units(
             owner = _ADAPTER_PART.sub("", name.rpartition(".")[0])
         units.setdefault(owner, []).append(name)
     return list(units.values())
+
+
+def merged_by_layer(
+    model: torch.nn.Module,
+    layers: Sequence[torch.nn.Module],
+    state: Mapping[str, torch.Tensor],
+    scale: float,
+    whole: Callable[[torch.Tensor], torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA model's weights in Hugging Face names, a unit at a time (``layer_units``: a decoder layer,
+    or a module outside them): each unit's tensors made whole (``whole``: detached, or an FSDP2
+    all-gather, a collective every rank joins in the same order) and its adapters merged into their
+    base weights where the tensors are (``merged_state_dict``), so the merged model is never whole in
+    memory and never merged on the host when it sits on a GPU."""
+    for unit in layer_units(model, state, layers):
+        yield from merged_state_dict({n: whole(state[n]) for n in unit}, scale=scale).items()
 
 
 def write_hf_model(

@@ -18,7 +18,14 @@ import torch.distributed as dist
 from reroll.data.types import ImageInputs
 from reroll.models.loading import load_causal_lm, load_sequence_classifier, load_value_model, use_kernels
 from reroll.strategies import Head
-from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
+from reroll.strategies.hf_export import (
+    HFNames,
+    decoder_layers,
+    distinct_state,
+    layer_units,
+    merged_by_layer,
+    write_hf_model,
+)
 from reroll.strategies.host_parking import HostParking
 from reroll.strategies.lora import (
     AdapterUpdate,
@@ -156,9 +163,18 @@ class TorchStrategy(MicroBatchLoop):
 
     def named_weights(self, *, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights one at a time, in Hugging Face names: the live tensors (``on_device``) or CPU
-        copies; never the whole state dict at once (LoRA models: use ``full_state_dict``)."""
-        for name, value in self.model.state_dict().items():
-            yield name, value.detach() if on_device else value.detach().to("cpu", copy=True)
+        copies; never the whole state dict at once. With LoRA, the base weights with the adapters merged
+        in, a decoder layer at a time, merged where the weights are (``merged_by_layer``)."""
+        state = self.model.state_dict()
+        if self.lora is None:
+            named = ((k, v.detach()) for k, v in state.items())
+        else:
+            scale = self.lora.alpha / self.lora.rank
+            named = merged_by_layer(
+                self.model, decoder_layers(self.hf_model), state, scale, torch.Tensor.detach
+            )
+        for name, value in named:
+            yield name, value if on_device else value.to("cpu", copy=True)
 
     def adapter_update(self) -> AdapterUpdate:
         """The LoRA adapters alone (peft's saved names) and their ``LoraConfig``."""

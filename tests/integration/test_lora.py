@@ -60,6 +60,9 @@ def test_lora_fsdp2_sync_and_checkpoint(tmp_path, assets):
     # merged weights in the base model's names: a plain model loads them and computes the policy
     merged = s.full_state_dict()
     assert merged.keys() == base.state_dict().keys()
+    # what a merged sync streams (named_weights: a layer at a time, merged where the weights are)
+    streamed = dict(s.named_weights(on_device=False))
+    assert streamed.keys() == merged.keys() and all(torch.equal(streamed[k], merged[k]) for k in merged)
     base.load_state_dict(merged)
     torch.testing.assert_close(sequence_logprobs(base, ids, mask), policy, atol=1e-5, rtol=0)
 
@@ -90,6 +93,9 @@ def test_lora_fsdp2_sync_and_checkpoint(tmp_path, assets):
 
     # the torch strategy with the same LoRA takes the same two steps
     t = _trained(TorchStrategy, cfg, batch)
+    whole = t.full_state_dict()
+    streamed = dict(t.named_weights(on_device=False))
+    assert streamed.keys() == whole.keys() and all(torch.equal(streamed[k], whole[k]) for k in whole)
     for k, v in t.adapter_update().tensors.items():
         torch.testing.assert_close(v, update.tensors[k], atol=1e-6, rtol=1e-5)
 

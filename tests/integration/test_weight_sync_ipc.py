@@ -128,15 +128,19 @@ def test_two_fsdp2_ranks_sync_a_tp2_vllm_engine_on_their_own_devices(tmp_path, a
         roles.shutdown()
 
 
-def test_each_fsdp2_rank_hands_the_hf_engine_on_its_device_its_buckets(tmp_path, assets):
+@pytest.mark.parametrize(
+    "lora", [[], ["strategy.lora.rank=4", "strategy.lora.sync=merged"]], ids=["full", "lora-merged"]
+)
+def test_each_fsdp2_rank_hands_the_hf_engine_on_its_device_its_buckets(tmp_path, assets, lora):
     """The CI-sized run of the same path: two fsdp2 ranks and two hf engines on a 2-device CPU pool,
     engine i beside trainer rank i, so both ranks send. After a step and a sync each engine holds
-    exactly the trainer's weights (fp32 both), all through the shared segments."""
+    exactly the trainer's weights (fp32 both), all through the shared segments. With LoRA sent merged,
+    every rank merges its layers as it streams them (``named_weights``), so both ranks send too."""
     import ray
 
     from reroll.pipelines.roles import Roles
 
-    overrides = [*SPAN[:5], "roles.actor_infer.world_size=2", "rollout.weight_sync_bucket_mb=0.05"]
+    overrides = [*SPAN[:5], "roles.actor_infer.world_size=2", "rollout.weight_sync_bucket_mb=0.05", *lora]
     cfg = load_config(
         write_config(tmp_path / "c.yaml", assets), RunConfig, [*overrides, "algorithm.kl_coef=0.0"]
     )
