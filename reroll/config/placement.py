@@ -463,8 +463,7 @@ def weight_sync_transport(cfg: RunConfig, device_type: str) -> str:
       of those trainer ranks gathers the full weights and hands the worker on its device a handle to
       each bucket: CUDA IPC on GPUs, POSIX shared memory on CPUs. With ``rollout.async_steps`` too (the
       roles then share devices where nothing moves, ``placement.offload: never``): a sync first waits
-      for the generations in flight. Not with LoRA merged by a trainer of several sending ranks (fsdp2
-      merges on rank 0 alone).
+      for the generations in flight.
     - collective: on GPUs, no actor_infer rank on a GPU any actor_train rank uses (an NCCL group cannot
       hold two members on one GPU, and both roles stay resident while the buffers stream) and an engine
       that receives in the worker's process (hf, or in-process vLLM).
