@@ -87,7 +87,8 @@ class SGLangEngine:
         the share of GPU memory for weights and KV cache (None: SGLang's choice; lower it when roles
         share the GPU); ``deterministic``: SGLang's batch-invariant kernels, which also make per-request
         seeds work; ``lora_targets``: the modules a LoRA run's adapters will reach this engine for, whose
-        base weights are read from the checkpoint from the start, in the background; ``engine_args``: any other ``sglang.Engine`` (``ServerArgs``) keyword."""
+        base weights are read from the checkpoint from the start, in the background; ``engine_args``: any
+        other ``sglang.Engine`` (``ServerArgs``) keyword."""
         import sglang
 
         if mem_fraction_static is not None:

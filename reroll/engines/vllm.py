@@ -476,9 +476,9 @@ class VLLMEngine:
         their layers from the checkpoint (a LoRA run freezes the base). vLLM's own LoRA path
         (``LoRARequest``) takes an adapter directory only (0.32: no in-memory tensors) and every request
         must carry it; merging keeps ``generate`` as it is and decodes at the base model's speed, at the
-        cost of host memory for the adapted layers' base weights (``BaseWeights``: read from the engine's start
-        where it was built with ``lora_targets``). The merge runs on the GPU where the
-        tensors stay in this process (``_merge_device``), a layer at a time (``merged_layers``)."""
+        cost of host memory for the adapted layers' base weights (``BaseWeights``: read from the engine's
+        start where it was built with ``lora_targets``). The merge runs on the GPU where the tensors stay
+        in this process (``_merge_device``), a layer at a time (``merged_layers``)."""
         scale, pairs = lora_scale(config), lora_pairs(adapter)
         wanted = self._layers_of(pairs)
         for layer in merged_layers(self._lora_base.take(wanted), pairs, scale, wanted, self._merge_device()):

@@ -35,7 +35,6 @@ from reroll.strategies.lora import (
     is_adapter_key,
     load_adapter,
     lora_config_dict,
-    merged_state_dict,
     save_adapter,
     trained_key,
 )
@@ -154,12 +153,9 @@ class TorchStrategy(MicroBatchLoop):
         return optimizer_step(self.optimizer, self.scheduler, grad_norm, self.device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter, unsharded, on CPU, in Hugging Face names (for weight sync and export); with
-        LoRA, the base weights with the adapters merged in."""
-        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        return (
-            state if self.lora is None else merged_state_dict(state, scale=self.lora.alpha / self.lora.rank)
-        )
+        """Every parameter, unsharded, on CPU, in Hugging Face names; with LoRA, the base weights with
+        the adapters merged in (``named_weights``' copies, all at once)."""
+        return dict(self.named_weights(on_device=False))
 
     def named_weights(self, *, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights one at a time, in Hugging Face names: the live tensors (``on_device``) or CPU

@@ -17,6 +17,7 @@ from reroll.models.loading import load_causal_lm, load_tokenizer, sequence_logpr
 from reroll.pipelines.common import sft_batch
 from reroll.runtime.metrics import read_metrics
 from reroll.strategies.fsdp2 import FSDP2Strategy
+from reroll.strategies.lora import merged_state_dict
 from reroll.strategies.torch_strategy import TorchStrategy
 from tests.conftest import QUICKSTART, reroll_cli, write_config
 
@@ -93,7 +94,9 @@ def test_lora_fsdp2_sync_and_checkpoint(tmp_path, assets):
 
     # the torch strategy with the same LoRA takes the same two steps
     t = _trained(TorchStrategy, cfg, batch)
-    whole = t.full_state_dict()
+    # what its merged sync streams is the whole state merged at once (full_state_dict reads the stream)
+    state = {k: v.detach().cpu() for k, v in t.model.state_dict().items()}
+    whole = merged_state_dict(state, scale=LORA["alpha"] / LORA["rank"])
     streamed = dict(t.named_weights(on_device=False))
     assert streamed.keys() == whole.keys() and all(torch.equal(streamed[k], whole[k]) for k in whole)
     for k, v in t.adapter_update().tensors.items():
