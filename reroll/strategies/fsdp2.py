@@ -58,8 +58,8 @@ from reroll.strategies.hf_export import (
     HFNames,
     decoder_layers,
     distinct_state,
+    full_weights,
     layer_units,
-    merged_by_layer,
     write_hf_model,
 )
 from reroll.strategies.host_parking import HostParking
@@ -287,19 +287,13 @@ class FSDP2Strategy(MicroBatchLoop):
         """The weights one at a time, unsharded, in Hugging Face names: on the device (``on_device``)
         or as CPU copies. A collective (each DTensor is all-gathered in turn): every rank iterates to
         the end. With LoRA, the base weights with the adapters merged in, a decoder layer at a time,
-        merged on the device (``merged_by_layer``)."""
+        merged on the device (``full_weights``)."""
 
         def whole(value: torch.Tensor) -> torch.Tensor:
             return (value.full_tensor() if isinstance(value, DTensor) else value).detach()
 
-        state = self.model.state_dict()
-        if self.lora is None:
-            named = ((k, whole(v)) for k, v in state.items())
-        else:
-            scale = self.lora.alpha / self.lora.rank
-            named = merged_by_layer(self.model, decoder_layers(self.hf_model), state, scale, whole)
-        for name, value in named:
-            yield name, value if on_device else value.to("cpu", copy=True)
+        scale = self.lora.alpha / self.lora.rank if self.lora is not None else None
+        return full_weights(self.model, self.hf_model, scale, whole, on_device=on_device)
 
     def adapter_update(self) -> AdapterUpdate:
         """The adapters alone (peft's saved names) and their ``LoraConfig``; a collective, like

@@ -109,20 +109,32 @@ def layer_units(
     return list(units.values())
 
 
-def merged_by_layer(
+def full_weights(
     model: torch.nn.Module,
-    layers: Sequence[torch.nn.Module],
-    state: Mapping[str, torch.Tensor],
-    scale: float,
+    hf_model: torch.nn.Module,
+    lora_scale: float | None,
     whole: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    on_device: bool,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A LoRA model's weights in Hugging Face names, a unit at a time (``layer_units``: a decoder layer,
-    or a module outside them): each unit's tensors made whole (``whole``: detached, or an FSDP2
-    all-gather, a collective every rank joins in the same order) and its adapters merged into their
-    base weights where the tensors are (``merged_state_dict``), so the merged model is never whole in
-    memory and never merged on the host when it sits on a GPU."""
-    for unit in layer_units(model, state, layers):
-        yield from merged_state_dict({n: whole(state[n]) for n in unit}, scale=scale).items()
+    """``model``'s weights (``hf_model``: the Hugging Face model inside any peft wrapper) one at a time
+    in Hugging Face names, each made whole (``whole``: detached, or an FSDP2 all-gather, a collective
+    every rank joins in the same order): on their device (``on_device``) or as CPU copies. With LoRA
+    (``lora_scale``: alpha / r) a unit at a time (``layer_units``: a decoder layer, or a module outside
+    them), its adapters merged into their base weights where the tensors are (``merged_state_dict``),
+    so the merged model is never whole in memory and never merged on the host when it sits on a GPU."""
+    state = model.state_dict()
+    if lora_scale is None:
+        named: Iterable[tuple[str, torch.Tensor]] = ((k, whole(v)) for k, v in state.items())
+    else:
+        units = layer_units(model, state, decoder_layers(hf_model))
+        named = (
+            item
+            for unit in units
+            for item in merged_state_dict({n: whole(state[n]) for n in unit}, scale=lora_scale).items()
+        )
+    for name, value in named:
+        yield name, value if on_device else value.to("cpu", copy=True)
 
 
 def write_hf_model(

@@ -22,8 +22,8 @@ from reroll.strategies.hf_export import (
     HFNames,
     decoder_layers,
     distinct_state,
+    full_weights,
     layer_units,
-    merged_by_layer,
     write_hf_model,
 )
 from reroll.strategies.host_parking import HostParking
@@ -160,17 +160,9 @@ class TorchStrategy(MicroBatchLoop):
     def named_weights(self, *, on_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights one at a time, in Hugging Face names: the live tensors (``on_device``) or CPU
         copies; never the whole state dict at once. With LoRA, the base weights with the adapters merged
-        in, a decoder layer at a time, merged where the weights are (``merged_by_layer``)."""
-        state = self.model.state_dict()
-        if self.lora is None:
-            named = ((k, v.detach()) for k, v in state.items())
-        else:
-            scale = self.lora.alpha / self.lora.rank
-            named = merged_by_layer(
-                self.model, decoder_layers(self.hf_model), state, scale, torch.Tensor.detach
-            )
-        for name, value in named:
-            yield name, value if on_device else value.to("cpu", copy=True)
+        in, a decoder layer at a time, merged where the weights are (``full_weights``)."""
+        scale = self.lora.alpha / self.lora.rank if self.lora is not None else None
+        return full_weights(self.model, self.hf_model, scale, torch.Tensor.detach, on_device=on_device)
 
     def adapter_update(self) -> AdapterUpdate:
         """The LoRA adapters alone (peft's saved names) and their ``LoraConfig``."""
