@@ -247,14 +247,54 @@ def build_inputs(root: Path, args: argparse.Namespace, size: str) -> tuple[Path,
     return model, prompts
 
 
+# what each word after 'ray-' in a row's name changes (reroll_config); 'dpN' takes a number
+ROW_FEATURES = (
+    "async",
+    "ckpt",
+    "compile",
+    "cudnn",
+    "dp",
+    "fusedhead",
+    "fwdsized",
+    "logprobs",
+    "mp",
+    "offload",
+    "ownnorm",
+    "padded",
+    "resident",
+    "sleep",
+    "tail",
+)
+
+
+def row_features(row: str) -> tuple[bool, dict[str, int]]:
+    """Whether ``row`` runs on Ray, and its features: the words after ``ray-``, each a change to the
+    ``ray`` row (``ray-async-dp2-compile``: one step off-policy, two engines, ``model.compile``); ``dpN``
+    maps to N, every other word to 1. Raises ``ValueError`` naming an unknown word."""
+    if row == "local":
+        return False, {}
+    head, *words = row.split("-")
+    if head != "ray":
+        raise ValueError(f"row {row!r}: a row is 'local' or 'ray' followed by -feature words")
+    features: dict[str, int] = {}
+    for word in words:
+        name = "dp" if word.startswith("dp") and word[2:].isdigit() else word
+        if name not in ROW_FEATURES or (name == "dp" and int(word[2:]) < 1):
+            raise ValueError(
+                f"row {row!r}: unknown feature {word!r}; the features are {', '.join(ROW_FEATURES)} (dpN)"
+            )
+        features[name] = int(word[2:]) if name == "dp" else 1
+    if len(moves := [w for w in ("async", "offload", "resident", "sleep") if w in features]) > 1:
+        raise ValueError(f"row {row!r}: {' and '.join(moves)} each set what moves between phases; keep one")
+    return True, features
+
+
 def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, setting: PeerSpec) -> dict:
     """The run config of reroll's row ``mode`` (``run_reroll``) in ``setting``, as a dict for YAML: its
     prompts in ``root/prompts.jsonl``, its reward ``bench_reward:digits``."""
     rows, row = root / "prompts.jsonl", mode
     gpu = args.device == "cuda"
-    # a row named ...-compile is the row before the suffix with model.compile ('ray-compile': 'ray')
-    compiled, mode = mode.endswith("-compile"), mode.removesuffix("-compile")
-    ray = mode.startswith("ray")
+    ray, features = row_features(mode)
     engine = args.engine if ray else "hf"
     name = f"reroll-{row}-{model.name}"
     cfg = {
@@ -266,10 +306,10 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
             "path": str(model),
             "dtype": args.dtype,
             "gradient_checkpointing": checkpointing(args, setting.gradient_checkpointing),
-            "compile": args.compile or compiled,
-            "cudnn_attention": mode == "ray-cudnn",
-            "fused_norm": mode != "ray-ownnorm",
-            "fused_head": mode == "ray-fusedhead",
+            "compile": args.compile or "compile" in features,
+            "cudnn_attention": "cudnn" in features,
+            "fused_norm": "ownnorm" not in features,
+            "fused_head": "fusedhead" in features,
         },
         "data": {"train_files": [str(rows)], "prompt_template": "{question}", "eval_limit": 1},
         "rollout": {
@@ -283,7 +323,7 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
             "vllm": {
                 "gpu_memory_utilization": args.vllm_memory,
                 "max_model_len": args.prompt_len + args.new_tokens + 8,
-                "in_process": mode != "ray-mp",
+                "in_process": "mp" not in features,
             },
         },
         "reward": {"fn": "bench_reward:digits", "isolation": "thread"},
@@ -300,15 +340,15 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
         "logging": {"tensorboard": False, "sample_every": 0, "profile_steps": args.profile_steps},
         "runtime": {"backend": "ray" if ray else "local"},
     }
-    if mode == "ray-tail":  # tail batching: responses past --tail-threshold tokens finish in a later step
+    if "tail" in features:  # tail batching: responses past --tail-threshold tokens finish in a later step
         cfg["rollout"]["tail_threshold"] = args.tail_threshold
-    if mode == "ray-logprobs":  # the engine returns its log-probs (for mismatch/*) though nothing needs them
+    if "logprobs" in features:  # the engine returns its log-probs (for mismatch/*) though nothing needs them
         cfg["rollout"]["logprobs"] = True
-    if mode == "ray-padded":  # the trainers compute padded rows instead of packing them
+    if "padded" in features:  # the trainers compute padded rows instead of packing them
         cfg["optim"]["packing"] = False
-    if mode == "ray-fwdsized":  # forward-only passes sized by the library (optim.logprob_* unset)
+    if "fwdsized" in features:  # forward-only passes sized by the library (optim.logprob_* unset)
         cfg["optim"].pop("logprob_micro_batch_size")
-    if mode == "ray-ckpt":  # every decoder layer checkpointed, whatever --gradient-checkpointing says
+    if "ckpt" in features:  # every decoder layer checkpointed, whatever --gradient-checkpointing says
         cfg["model"]["gradient_checkpointing"] = True
     if ray:  # every role on the one GPU, taking turns as the phases say
         cfg["placement"] = {"devices": 1, "device_type": "cuda" if gpu else "cpu", "offload": "auto"}
@@ -317,16 +357,17 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
             r: {"num_gpus_per_worker": 1.0 if gpu else 0.0}
             for r in ("actor_train", "actor_infer", "reference")
         }
-    if mode == "ray-resident":  # nothing moves between phases: the engine awake beside the trainers
+    if "resident" in features:  # nothing moves between phases: the engine awake beside the trainers
         cfg["placement"]["offload"] = "never"
-    if mode == "ray-offload":  # everything moves at every phase: trainers to host memory, the engine asleep
+    if "offload" in features:  # everything moves at every phase: trainers to host memory, the engine asleep
         cfg["placement"]["offload"] = "always"
-    if mode == "ray-async":  # one step off-policy on the one GPU: the engine generates the next batch
+    if "async" in features:  # one step off-policy on the one GPU: the engine generates the next batch
         # while the reference and the trainer compute beside it (nothing moves), weights over CUDA IPC
         cfg["placement"]["offload"] = "never"
         cfg["rollout"]["async_steps"] = 1
-    if mode.startswith("ray-dp"):  # ray-dpN: N engines on the one GPU, 1/N of the prompts each: N host loops
-        engines = int(mode.removeprefix("ray-dp"))
+    if engines := features.get(
+        "dp", 0
+    ):  # ray-dpN: N engines on the one GPU, 1/N of the prompts each: N host loops
         cfg["roles"] = {"actor_infer": {"world_size": engines}}
         cfg["rollout"]["vllm"]["gpu_memory_utilization"] = args.vllm_memory / engines
     return cfg
@@ -376,7 +417,9 @@ def run_reroll(path: Path, args: argparse.Namespace, mode: str) -> list[dict]:
 
     cfg = load_config(path, RunConfig)
     try:
-        if mode == "ray-sleep":  # the engine sleeps at every trainer phase (auto before 2026-12-05)
+        if (
+            "sleep" in row_features(mode)[1]
+        ):  # the engine sleeps at every trainer phase (auto before 2026-12-05)
             with mock.patch.object(Roles, "_staying", lambda self: set()):
                 run(RLVR, cfg)
         else:
@@ -649,10 +692,17 @@ def setting_problems(args: argparse.Namespace, sizes: list[str]) -> list[str]:
     problems = [f"unknown size {s!r}; the sizes are {', '.join(SHAPES)}" for s in sizes if s not in SHAPES]
     if args.lengths == "long-tail" and "moe" in sizes and not args.tiny:
         problems.append("--lengths long-tail edits a dense Qwen2 model's layers; leave out --sizes moe")
-    if "ray-tail" in args.rows.split(",") and args.tail_threshold >= args.new_tokens:
+    rows = [r for r in args.rows.split(",") if r]
+    for row in rows:
+        try:
+            row_features(row)
+        except ValueError as e:
+            problems.append(str(e))
+    tailed = [r for r in rows if "tail" in r.split("-")[1:]]
+    if tailed and args.tail_threshold >= args.new_tokens:
         problems.append(
-            f"--tail-threshold ({args.tail_threshold}) must be below --new-tokens ({args.new_tokens}), or the "
-            "ray-tail row sets nothing aside"
+            f"--tail-threshold ({args.tail_threshold}) must be below --new-tokens ({args.new_tokens}), or "
+            f"{', '.join(tailed)} set nothing aside"
         )
     return problems
 
@@ -750,9 +800,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--rows",
         default="ray,local",
-        help="reroll rows to run: ray, ray-compile (any row + '-compile': with model.compile), ray-cudnn, ray-mp, ray-logprobs, ray-dp2 (ray-dpN), "
-        "ray-resident, ray-offload, ray-async, ray-sleep, ray-ownnorm, ray-fusedhead, ray-padded, ray-fwdsized, ray-tail, "
-        "ray-ckpt, local",
+        help="reroll rows to run: local, or ray followed by any of the features, each after a '-' (ray-async-dp2-compile): "
+        + ", ".join(ROW_FEATURES)
+        + " (dpN: N engines)",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(

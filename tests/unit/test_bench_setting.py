@@ -137,6 +137,43 @@ def test_a_compile_suffix_is_the_row_before_it_with_model_compile(tmp_path):
         assert compiled | {"name": plain["name"], "output_dir": plain["output_dir"]} == plain
 
 
+def test_a_rows_features_compose_each_as_it_does_alone(tmp_path):
+    """``ray-async-dp2-compile`` is ``ray`` with what ``ray-async``, ``ray-dp2`` and ``ray-compile`` each
+    change on their own, and nothing else but its name; a word the bench does not know, or two words that
+    each set what moves between phases, are refused before anything is built, naming the row."""
+    from benchmarks.grpo_step import row_features
+    from reroll.config.placement import rollout_source_problems
+    from reroll.config.schema import RunConfig
+
+    args, setting, model = setting_for(tmp_path, "0.5b")
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            out |= flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value}
+        return out
+
+    def changes(row: str) -> dict:
+        base, cfg = (flat(reroll_config(tmp_path, model, args, r, setting)) for r in ("ray", row))
+        keys = (base.keys() | cfg.keys()) - {"name", "output_dir"}
+        return {k: cfg.get(k) for k in keys if base.get(k) != cfg.get(k)}
+
+    alone = changes("ray-async") | changes("ray-dp2") | changes("ray-compile")
+    assert changes("ray-async-dp2-compile") == alone
+    assert alone["rollout.async_steps"] == 1 and alone["roles.actor_infer.world_size"] == 2
+    composed = RunConfig.model_validate(
+        reroll_config(tmp_path, model, args, "ray-async-dp2-compile", setting)
+    )
+    assert rollout_source_problems(composed) == []
+    assert row_features("ray-dp4-ckpt") == (True, {"dp": 4, "ckpt": 1})
+    assert row_features("local") == (False, {})
+    bad = parser().parse_args(["--rows", "ray-asyc,ray-async-offload,ray"])
+    problems = setting_problems(bad, ["0.5b"])
+    assert len(problems) == 2
+    assert "'ray-asyc'" in problems[0] and "unknown feature 'asyc'" in problems[0]
+    assert "async and offload" in problems[1]
+
+
 def test_an_overlapped_rows_engine_rate_is_the_engines_own():
     """An async row's generate phase is the wait for a generation that ran beside the previous step: its
     engine rate is the engine's own (seconds inside generate), not new tokens over that wait."""
