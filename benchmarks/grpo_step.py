@@ -39,6 +39,8 @@ every row runs a reference pass), one optimizer step per batch in bf16 and a mod
   aside and finished together in a later step, which the mean over steps then includes); the row
   ``ray-ckpt`` checkpoints every decoder layer, ``model.gradient_checkpointing: true``, beside the
   count ``--gradient-checkpointing`` gives the others (``auto``: the fewest by ``reroll plan``).
+  A row's features compose: ``ray-async-dp2-compile`` is one step off-policy with two engines and
+  ``model.compile``, each feature changing what it changes alone (``ROW_FEATURES``).
 - ``reroll local``: everything in one process (``runtime.backend: local``), torch strategy and the
   Hugging Face engine with a static cache: the lower bound without Ray or colocation.
 
