@@ -249,7 +249,7 @@ def build_inputs(root: Path, args: argparse.Namespace, size: str) -> tuple[Path,
     return model, prompts
 
 
-# what each word after 'ray-' in a row's name changes (reroll_config); 'dpN' takes a number
+# what each word after 'ray-' in a row's name changes (reroll_config); 'dpN' and 'mbN' take a number
 ROW_FEATURES = (
     "async",
     "ckpt",
@@ -259,6 +259,7 @@ ROW_FEATURES = (
     "fusedhead",
     "fwdsized",
     "logprobs",
+    "mb",
     "mp",
     "offload",
     "ownnorm",
@@ -267,12 +268,13 @@ ROW_FEATURES = (
     "sleep",
     "tail",
 )
+NUMBERED = ("dp", "mb")  # the features that take a count: ray-dp2, ray-mb32
 
 
 def row_features(row: str) -> tuple[bool, dict[str, int]]:
     """Whether ``row`` runs on Ray, and its features: the words after ``ray-``, each a change to the
     ``ray`` row (``ray-async-dp2-compile``: one step off-policy, two engines, ``model.compile``); ``dpN``
-    maps to N, every other word to 1. Raises ``ValueError`` naming an unknown word."""
+    and ``mbN`` map to N, every other word to 1. Raises ``ValueError`` naming an unknown word."""
     if row == "local":
         return False, {}
     head, *words = row.split("-")
@@ -280,12 +282,14 @@ def row_features(row: str) -> tuple[bool, dict[str, int]]:
         raise ValueError(f"row {row!r}: a row is 'local' or 'ray' followed by -feature words")
     features: dict[str, int] = {}
     for word in words:
-        name = "dp" if word.startswith("dp") and word[2:].isdigit() else word
-        if name not in ROW_FEATURES or (name == "dp" and int(word[2:]) < 1):
+        counted = word[:2] in NUMBERED and word[2:].isdigit() and int(word[2:]) >= 1
+        name = word[:2] if counted else word
+        if name not in ROW_FEATURES or (name in NUMBERED and not counted):
             raise ValueError(
-                f"row {row!r}: unknown feature {word!r}; the features are {', '.join(ROW_FEATURES)} (dpN)"
+                f"row {row!r}: unknown feature {word!r}; the features are {', '.join(ROW_FEATURES)} "
+                "(dpN: N engines; mbN: N rows a training micro-batch)"
             )
-        features[name] = int(word[2:]) if name == "dp" else 1
+        features[name] = int(word[2:]) if counted else 1
     if len(moves := [w for w in ("async", "offload", "resident", "sleep") if w in features]) > 1:
         raise ValueError(f"row {row!r}: {' and '.join(moves)} each set what moves between phases; keep one")
     return True, features
@@ -350,6 +354,8 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
         cfg["optim"]["packing"] = False
     if "fwdsized" in features:  # forward-only passes sized by the library (optim.logprob_* unset)
         cfg["optim"].pop("logprob_micro_batch_size")
+    if rows_a_pass := features.get("mb"):  # ray-mbN: N rows a training micro-batch, not --micro-batch
+        cfg["optim"]["micro_batch_size"] = rows_a_pass
     if "ckpt" in features:  # every decoder layer checkpointed, whatever --gradient-checkpointing says
         cfg["model"]["gradient_checkpointing"] = True
     if ray:  # every role on the one GPU, taking turns as the phases say
@@ -804,7 +810,7 @@ def parser() -> argparse.ArgumentParser:
         default="ray,local",
         help="reroll rows to run: local, or ray followed by any of the features, each after a '-' (ray-async-dp2-compile): "
         + ", ".join(ROW_FEATURES)
-        + " (dpN: N engines)",
+        + " (dpN: N engines; mbN: N rows a training micro-batch)",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every step's metrics of every row here")
     ap.add_argument(

@@ -166,6 +166,9 @@ def test_a_rows_features_compose_each_as_it_does_alone(tmp_path):
     )
     assert rollout_source_problems(composed) == []
     assert row_features("ray-dp4-ckpt") == (True, {"dp": 4, "ckpt": 1})
+    assert changes("ray-mb16") == {"optim.micro_batch_size": 16}
+    with pytest.raises(ValueError, match="'mb0'"):
+        row_features("ray-mb0")
     assert row_features("local") == (False, {})
     bad = parser().parse_args(["--rows", "ray-asyc,ray-async-offload,ray"])
     problems = setting_problems(bad, ["0.5b"])
