@@ -85,6 +85,9 @@ class Roles:
     share_hint_shown: bool = False  # ``share_hint`` is printed once a run
     host_sync_said: bool = False  # ``_both_fit``'s fallback is said once a run
     weights_bytes: int = 0  # the last weight sync's bytes (``_weights_fit`` weighs them)
+    # the sleeping engine's weights woken alone for an 'ipc' load (``_share_into_sleeping_engine``): its
+    # calls pass the residency check while its KV cache stays asleep
+    engine_weights_awake: bool = False
 
     # -- the roles, typed (None where the run does not start the role) --
     @property
@@ -206,7 +209,7 @@ class Roles:
 
     def _check_resident(self, role: str) -> None:
         assert self.colocation is not None
-        if role in self.colocation.offloaded:
+        if role in self.colocation.offloaded and not (role == "actor_infer" and self.engine_weights_awake):
             phase = self.current_phase or "(outside any phase)"
             raise RuntimeError(
                 f"{role} was called in phase {phase!r} while offloaded (another role holds its device): "
@@ -322,7 +325,11 @@ class Roles:
         engine = self.actor_infer
         assert engine is not None
         engine.wake_weights()
-        sent = self._stream_shared(finish=False)
+        self.engine_weights_awake = True
+        try:
+            sent = self._stream_shared(finish=False)
+        finally:
+            self.engine_weights_awake = False
         self.hold("actor_infer")  # the rest of the engine wakes; the trainer moves where it must
         engine.finish_weight_update()  # the prefix cache is dropped once the engine is awake
         return sent

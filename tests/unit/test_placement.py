@@ -907,12 +907,13 @@ def test_a_sync_into_a_sleeping_engine_wakes_its_weights_alone_where_they_fit_be
         def wake_weights(self):
             log.append("wake_weights actor_infer")
 
-        def submit_shared(self, shared):
+        def submit_shared(self, shared):  # through the role's handles, as EngineGroup's does
+            self.residency_check("actor_infer")
             log.append(f"load {shared[0]}")
             return []
 
         def wait_loaded(self, loads):
-            pass
+            self.residency_check("actor_infer")
 
         def finish_weight_update(self):
             log.append("finish_weight_update")
@@ -928,6 +929,8 @@ def test_a_sync_into_a_sleeping_engine_wakes_its_weights_alone_where_they_fit_be
     groups = {"actor_train": Trainer(log, "actor_train"), "actor_infer": Engine(log, "actor_infer")}
     colocation = Colocation(groups, device_map(cfg, "cuda"), True)
     roles = Roles(cfg, groups, colocation=colocation)
+    for group in groups.values():  # as Roles.build sets it where colocated roles offload
+        group.residency_check = roles._check_resident
     colocation.let_stay(roles._staying)  # 70 GiB + 28 GiB of share: the engine sleeps
 
     def sync_after_a_train_phase() -> list[str]:
@@ -956,6 +959,12 @@ def test_a_sync_into_a_sleeping_engine_wakes_its_weights_alone_where_they_fit_be
         "reload actor_infer",
         "finish_weight_update",
     ]
+    # the engine's calls passed the residency check while its weights alone were awake, and only then
+    # (on an H100 the check refused the first load: the path had run only with stand-ins that skipped it)
+    assert not roles.engine_weights_awake
+    with pytest.raises(RuntimeError, match="actor_infer was called in phase"):
+        colocation.use("actor_train")
+        groups["actor_infer"].submit_shared(["bucket 0"])
     groups["actor_train"].rest = 65 * GiB  # 65 + 6 + 2 > 72: through host memory again
     assert sync_after_a_train_phase()[0] == "buckets via object_store"
 
