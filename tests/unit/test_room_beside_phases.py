@@ -154,3 +154,28 @@ def test_auto_checkpoints_enough_layers_for_the_engine_to_stay_awake_where_a_cou
     assert need(count, with_engine=awake) <= USABLE * H100 < need(count - 1, with_engine=awake)
     if not awake:  # no count keeps it awake, not even the most the estimate checkpoints
         assert need(shape.layers - 1, with_engine=True) > USABLE * H100
+
+
+def test_the_plan_names_the_counts_fewer_rows_a_micro_batch_would_recompute(tmp_path):
+    """Where 'auto' recomputes half of the trainer's layers or more, the plan gives the counts it would
+    choose at a half and a quarter of the rows (the 3B row at 64 rows: 33 of 36 layers on an H100; at
+    16 rows 7, which trained faster there, 2026-12-07). Each count is ``checkpoint_counts``' own at that
+    micro-batch; nothing is said at a fixed count, or where 'auto' recomputes under half the layers."""
+    from reroll.plan import _smaller_micro_batch_lines
+
+    shape = KNOWN["qwen2.5-3b"]
+
+    def lines(checkpointing, rows=64):
+        cfg = planned(_bench(tmp_path, checkpointing), None)
+        cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"micro_batch_size": rows})})
+        counts = checkpoint_counts(cfg, shape, prompt_tokens=128, gpu_memory_gib=H100)
+        return counts["actor_train"], _smaller_micro_batch_lines(cfg, shape, counts, 128, H100)
+
+    def count_at(rows):
+        return lines("auto", rows)[0]
+
+    n, [line] = lines("auto")
+    assert 2 * n >= shape.layers and count_at(16) < count_at(32) < n
+    assert f"32 rows: {count_at(32)} of 36; 16 rows: {count_at(16)} of 36" in line
+    assert lines(30)[1] == [] and lines(True)[1] == []
+    assert 2 * count_at(16) < shape.layers and lines("auto", 16)[1] == []
