@@ -3,6 +3,7 @@
 # carry .devbundle/vllm/p3 (staged here if carried) and, for the verl row, .devbundle/verl.tar.xz.
 #   PEERS=trl-vllm,trl-vllm-nois (default; verl needs .devbundle/verl.tar.xz carried; trl: transformers
 #   generation)  ROWS=ray (ROWS= : the peers alone)  STEP_T=520  PEER_T=240 (seconds a peer may take)
+#   EXTRA: more arguments for grpo_step.py, after the share (EXTRA="--vllm-memory 0.3" overrides it)
 [ -d .devbundle/vllm/p3 ] && mkdir -p /tmp/vstage && cp .devbundle/vllm/p3/* /tmp/vstage/
 ls /tmp/vstage
 source .gpu/env.sh || exit 3
@@ -20,7 +21,7 @@ SHARE=""; [ "$MEM" -lt 100000 ] && SHARE="--vllm-memory 0.15"  # as the earlier 
 echo "peers: $PEERS; share: ${SHARE:-default 0.35}"
 nvidia-smi dmon -s pucm -d 1 > $OUT/dmon.log 2>&1 &
 DMON=$!
-timeout ${STEP_T:-520} python benchmarks/grpo_step.py --rows "${ROWS-ray}" --peers "${PEERS/none/}" --steps ${STEPS:-6} $SHARE \
+timeout ${STEP_T:-520} python benchmarks/grpo_step.py --rows "${ROWS-ray}" --peers "${PEERS/none/}" --steps ${STEPS:-6} $SHARE $EXTRA \
   --peer-timeout ${PEER_T:-240} --json $OUT/peers.json > $OUT/peers.log 2>&1; echo rc=$?
 kill $DMON
 # each row's per-step lines, then the tables (the peers' own logs stay in $OUT/peers.log)
