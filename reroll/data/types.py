@@ -20,6 +20,14 @@ from typing import Any, Protocol
 import torch
 
 
+def field_values(record: Any) -> dict[str, Any]:
+    """A dataclass record's fields as a dict of the values themselves, not copies: what a checkpoint
+    saves and ``Completion(**d)`` / ``Sample(**d)`` read back. ``dataclasses.asdict`` rebuilds every list
+    of token ids on the way, about 0.1 s for a step's 256 responses of 256 tokens; a snapshot copies the
+    whole state once anyway (``Pipeline.snapshot``)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
 @dataclass(frozen=True)
 class Sample:
     """A dataset row rendered into a prompt. ``row`` keeps every field for the reward function.

@@ -22,11 +22,11 @@ share, finished in their own step).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from reroll.config.schema import RunConfig
-from reroll.data.types import Completion, Sample
+from reroll.data.types import Completion, Sample, field_values
 from reroll.pipelines.common import sampling
 from reroll.pipelines.roles import Roles
 
@@ -50,8 +50,8 @@ class Partial:
 
     def to_state(self) -> dict[str, Any]:
         return {
-            "sample": asdict(self.sample),
-            "completions": [asdict(c) for c in self.completions],
+            "sample": field_values(self.sample),
+            "completions": [field_values(c) for c in self.completions],
             "versions": self.versions,
         }
 

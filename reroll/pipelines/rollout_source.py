@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from reroll.algorithms.shaping import equal_reward_mask
 from reroll.config.placement import weight_sync_transport
 from reroll.config.schema import RunConfig
 from reroll.data.datasets import DomainSampler, PromptSampler
-from reroll.data.types import Completion, RewardItem, Rollout, Sample, SamplingParams
+from reroll.data.types import Completion, RewardItem, Rollout, Sample, SamplingParams, field_values
 from reroll.pipelines.common import sampling, step_seed
 from reroll.pipelines.long_tail import Partial, TailBatcher, partials
 from reroll.pipelines.roles import Roles
@@ -442,8 +442,8 @@ class RolloutSource:
                 {
                     "step": q.step,
                     "version": q.version,
-                    "prompts": [asdict(s) for s in q.prompts],
-                    "groups": [[asdict(c) for c in g] for g in q.groups or []],
+                    "prompts": [field_values(s) for s in q.prompts],
+                    "groups": [[field_values(c) for c in g] for g in q.groups or []],
                     "versions": q.versions,
                 }
                 for q in self.queue.values()

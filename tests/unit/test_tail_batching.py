@@ -137,3 +137,37 @@ def test_tail_configs_that_cannot_run_are_refused(rollout, message):
         }
     )
     assert any(message in str(p) for p in cfg.check())
+
+
+def test_a_snapshot_holds_the_pending_groups_as_they_were_and_rewinds_to_them():
+    """``Pipeline.snapshot`` (taken before every step, for a retry after a worker died) copies the
+    groups set aside: the queue's records now hand over their own lists (``field_values``, not
+    ``dataclasses.asdict``'s copies), so the snapshot alone must keep them from what the step does next;
+    ``rewind`` brings them back through ``restore``."""
+    import copy
+
+    from reroll.pipelines.pipeline import Checkpointed, Pipeline
+
+    class Tail(Pipeline):
+        name = "tail-test"
+
+        def __init__(self, src: RolloutSource) -> None:
+            self.src = src
+
+        def checkpointed(self) -> Checkpointed:
+            return Checkpointed({"source": self.src.state()}, {"rollout_queue.pt": self.src.queue_state()})
+
+        def restore(self, saved, directory):
+            self.src.restore(saved["source"], directory)
+
+    src = source(["2,9", "5,1", "1,1", "2,2"], 0.5)
+    src.next(FakeRoles(), step=1)
+    pipeline = Tail(src)
+    before = copy.deepcopy([(p.completions, p.versions) for p in src.tail.pending])
+    saved = pipeline.snapshot()
+    for p in src.tail.pending:  # the live lists change after the snapshot; the snapshot must not
+        p.completions[0].response_ids.append(7)
+        p.versions[0].append(99)
+    assert [(p.completions, p.versions) for p in src.tail.pending] != before
+    pipeline.rewind(saved)
+    assert [(p.completions, p.versions) for p in src.tail.pending] == before
