@@ -883,11 +883,13 @@ def test_a_sync_into_a_sleeping_engine_wakes_its_weights_alone_where_they_fit_be
         def memory_need(self):
             return 70 * GiB, self.rest, 80 * GiB  # a phase too large for the engine to stay awake
 
-        def begin_share(self, bucket_mb, senders):
+        def begin_share(self, bucket_mb, senders):  # through the role's handles, as TrainerGroup's does
+            self.residency_check("actor_train")
             self.left = 2
             log.append("begin_share")
 
         def share_next(self):
+            self.residency_check("actor_train")
             self.left -= 1
             return None if self.left < 0 else [f"bucket {1 - self.left}"]
 
