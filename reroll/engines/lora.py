@@ -75,31 +75,51 @@ def merge_lora(
     return out
 
 
-def merged_layers(
+def layer_parts(
     base: Mapping[str, torch.Tensor],
     pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-    scale: float,
     names: Sequence[str],
-    device: torch.device,
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The tensors ``names`` of ``base`` on ``device``, one decoder layer (``layer_key``) at a time, each
-    adapted weight merged there (``merge_lora``). On a GPU the merge is a matrix product per weight
-    where the host's took about a second per 68M-element weight (a 7B model's LoRA sync took 58 s
-    a step on an H100 machine's host, 2026-12-07), and only one layer's tensors are on it at a time."""
+) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]]:
+    """The tensors ``names`` of ``base`` a decoder layer (``layer_key``) at a time, each layer with the
+    adapter pairs that reach it: what the vllm engine merges and loads per call (vLLM rebuilds a fused
+    layer from one call's tensors). A target the checkpoint lacks is refused before any layer is given."""
     _check_targets(base, pairs)
     by_layer: dict[str, list[str]] = {}
     for name in names:
         by_layer.setdefault(layer_key(name), []).append(name)
     for layer in by_layer.values():
-        here = {n: base[n].to(device, non_blocking=True) for n in layer}
-        merged = merge_lora(here, {n: pairs[n] for n in layer if n in pairs}, scale)
-        yield [(n, merged.get(n, here[n])) for n in layer]
+        yield {n: base[n] for n in layer}, {n: pairs[n] for n in layer if n in pairs}
+
+
+def merged_layer(
+    layer: Mapping[str, torch.Tensor],
+    pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    device: torch.device,
+) -> list[tuple[str, torch.Tensor]]:
+    """One layer's tensors (``layer_parts``) on ``device``, each adapted weight merged there
+    (``merge_lora``). On a GPU the merge is a matrix product per weight where the host's took about a
+    second per 68M-element weight (a 7B model's LoRA sync took 58 s a step on an H100 machine's host,
+    2026-12-07), and only one layer's tensors are on it at a time."""
+    here = {n: t.to(device, non_blocking=True) for n, t in layer.items()}
+    merged = merge_lora(here, pairs, scale)
+    return [(n, merged.get(n, here[n])) for n in layer]
 
 
 def _check_targets(base: Mapping[str, torch.Tensor], pairs: Mapping[str, Any]) -> None:
+    """Every target in ``base``, and each update ``B @ A`` of its weight's shape: checked where the
+    adapter arrives, before a worker in another process merges it (an error there would come back as
+    that worker's failure)."""
     unknown = [name for name in pairs if name not in base]
     if unknown:
         raise UserError(f"LoRA adapter targets {unknown[0]!r}, which the model does not have")
+    for name, (a, b) in pairs.items():
+        shape, weight = (b.shape[0], a.shape[-1]), tuple(base[name].shape)
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or shape != weight:
+            raise UserError(
+                f"LoRA update for {name!r}: A {tuple(a.shape)} and B {tuple(b.shape)} do not make an update "
+                f"of the weight's shape {weight}"
+            )
 
 
 def checkpoint_names(model_path: str) -> list[str]:

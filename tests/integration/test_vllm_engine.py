@@ -203,19 +203,26 @@ def test_vllm_streams_groups_as_they_finish_and_resumes_interrupted_ones(groups)
 def test_vllm_lora_update_equals_peft_model(assets, groups):
     """A peft adapter sent as tensors + config: the engine's log-probs are the peft model's (the base
     is the checkpoint; a second adapter replaces the first)."""
+    from reroll.models.loading import load_causal_lm
+
+    engine = groups[2]
+    base = load_causal_lm(str(assets["model"]), "float32", "cpu")
+    # earlier tests synced trained weights; LoRA runs freeze the base
+    engine.load_weight_buckets(split_into_buckets(base.state_dict().items(), 2**20))
+    assert_lora_scores_are_the_peft_models(engine, assets)
+
+
+def assert_lora_scores_are_the_peft_models(engine, assets) -> None:
+    """Two adapters in turn: after each ``update_lora`` the engine's log-probs are the peft model's."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
     from reroll.models.loading import load_causal_lm
 
-    engine = groups[2]
     tok = load_tokenizer(str(assets["model"]))
     ids = torch.tensor([tok.encode("12+13=25", add_special_tokens=False)])
     mask = torch.ones_like(ids)
     cfg = {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "gate_proj"]}
-    base = load_causal_lm(str(assets["model"]), "float32", "cpu")
-    # earlier tests synced trained weights; LoRA runs freeze the base
-    engine.load_weight_buckets(split_into_buckets(base.state_dict().items(), 2**20))
-    peft_model = get_peft_model(base, LoraConfig(**cfg))
+    peft_model = get_peft_model(load_causal_lm(str(assets["model"]), "float32", "cpu"), LoraConfig(**cfg))
     for seed in (0, 1):
         torch.manual_seed(seed)
         for name, p in peft_model.named_parameters():
@@ -274,3 +281,6 @@ def test_seeded_sampling_with_the_engine_core_in_its_own_process(assets):
         return [c.response_ids for g in engine.generate(prompts, params) for c in g]
 
     assert ids(5) == ids(5) != ids(6)
+    # a LoRA update merged in the engine's worker, a process of its own (the merge moved there from
+    # this process so that GPU workers merge on their GPU)
+    assert_lora_scores_are_the_peft_models(engine, assets)

@@ -56,3 +56,14 @@ def test_vllm_tp2_matches_the_hf_engine_before_and_after_a_weight_update(assets)
         for bucket in split_into_buckets(state.items(), 2**16):  # one layer per bucket, each sharded in two
             engine.load_weights(bucket)
         engine.finish_weight_update()
+
+
+@pytest.mark.long  # about a minute on 2 cores
+def test_vllm_tp2_lora_update_equals_peft_model(assets):
+    """A LoRA update into a tensor-parallel engine: each worker merges the adapter into its base on its
+    own device (a GPU in a GPU run) and loads its slice; the log-probs are the peft model's."""
+    from reroll.engines.vllm import VLLMEngine
+    from tests.integration.test_vllm_engine import assert_lora_scores_are_the_peft_models
+
+    cfg = VLLMConfig(tensor_parallel_size=2, in_process=False, cpu_omp_threads_bind="0|1")
+    assert_lora_scores_are_the_peft_models(VLLMEngine(str(assets["model"]), cfg), assets)

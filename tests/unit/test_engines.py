@@ -99,13 +99,14 @@ def test_merge_lora_by_hand():
     assert merged["layers.0.q_proj.weight"].tolist() == [[3.0, 4.0], [0.0, 1.0]]
 
 
-def test_merged_layers_come_a_layer_at_a_time_with_the_rest_of_each_layer():
-    """What the vllm engine loads per call (vLLM rebuilds a fused layer from one call's tensors): each
-    layer's named tensors, its adapted weights merged and the others as the checkpoint has them; a layer
-    without an adapter is not sent, and a target the checkpoint lacks is refused before anything is."""
+def test_layers_come_a_layer_at_a_time_with_the_rest_of_each_layer_and_merge_where_asked():
+    """What the vllm engine hands each worker per call (vLLM rebuilds a fused layer from one call's
+    tensors): each layer's named tensors with the adapter pairs that reach it, merged on the worker's
+    device into its adapted weights, the others as the checkpoint has them; a target the checkpoint
+    lacks, or an update of another shape than its weight, is refused before any layer is given."""
     import torch
 
-    from reroll.engines.lora import lora_pairs, merged_layers
+    from reroll.engines.lora import layer_parts, lora_pairs, merged_layer
 
     base = {
         "model.layers.0.q_proj.weight": torch.eye(2),
@@ -118,9 +119,12 @@ def test_merged_layers_come_a_layer_at_a_time_with_the_rest_of_each_layer():
         "base_model.model.model.layers.0.q_proj.lora_B.weight": torch.tensor([[1.0], [0.0]]),
     }
     names = [n for n in base if n.startswith("model.layers.0.")]
-    layers = list(merged_layers(base, lora_pairs(adapter), 2.0, names, torch.device("cpu")))
-    assert [[n for n, _ in layer] for layer in layers] == [names]
-    got = dict(layers[0])
+    parts = list(layer_parts(base, lora_pairs(adapter), names))
+    assert [list(layer) for layer, _ in parts] == [names]
+    [(layer, adapted)] = parts
+    assert list(adapted) == ["model.layers.0.q_proj.weight"]
+    got = dict(merged_layer(layer, adapted, 2.0, torch.device("cpu")))
+    assert list(got) == names
     assert got["model.layers.0.q_proj.weight"].tolist() == [[3.0, 4.0], [0.0, 1.0]]
     assert (
         got["model.layers.0.k_proj.weight"] is base["model.layers.0.k_proj.weight"]
@@ -128,7 +132,12 @@ def test_merged_layers_come_a_layer_at_a_time_with_the_rest_of_each_layer():
     assert base["model.layers.0.q_proj.weight"].tolist() == [[1.0, 0.0], [0.0, 1.0]]  # the base stays
     stray = {k.replace("layers.0", "layers.7"): v for k, v in adapter.items()}
     with pytest.raises(UserError, match=r"layers\.7\.q_proj\.weight"):
-        next(merged_layers(base, lora_pairs(stray), 2.0, names, torch.device("cpu")))
+        next(layer_parts(base, lora_pairs(stray), names))
+    wide = dict(adapter) | {
+        "base_model.model.model.layers.0.q_proj.lora_A.weight": torch.tensor([[1.0, 2.0, 3.0]])
+    }
+    with pytest.raises(UserError, match=r"q_proj\.weight.*A \(1, 3\).*shape \(2, 2\)"):
+        next(layer_parts(base, lora_pairs(wide), names))
 
 
 def test_lora_base_read_ahead_in_a_thread_and_only_what_is_asked_kept(tmp_path, monkeypatch):
