@@ -64,15 +64,10 @@ def merge_lora(
     pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     scale: float,
 ) -> dict[str, torch.Tensor]:
-    """``{name: W0 + scale * B @ A}`` for each adapted weight, in ``W0``'s dtype and device."""
+    """``{name: W0 + scale * B @ A}`` for each adapted weight, in ``W0``'s dtype and device (targets and
+    shapes checked first, ``_check_targets``)."""
     _check_targets(base, pairs)
-    out = {}
-    for name, (a, b) in pairs.items():
-        try:
-            out[name] = merged_weight(base[name], a, b, scale)
-        except ValueError as e:
-            raise UserError(f"LoRA update for {name!r}: {e}") from e
-    return out
+    return {name: merged_weight(base[name], a, b, scale) for name, (a, b) in pairs.items()}
 
 
 def layer_parts(
