@@ -298,11 +298,11 @@ def row_features(row: str) -> tuple[bool, dict[str, int]]:
 def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, setting: PeerSpec) -> dict:
     """The run config of reroll's row ``mode`` (``run_reroll``) in ``setting``, as a dict for YAML: its
     prompts in ``root/prompts.jsonl``, its reward ``bench_reward:digits``."""
-    rows, row = root / "prompts.jsonl", mode
+    rows = root / "prompts.jsonl"
     gpu = args.device == "cuda"
     ray, features = row_features(mode)
     engine = args.engine if ray else "hf"
-    name = f"reroll-{row}-{model.name}"
+    name = f"reroll-{mode}-{model.name}"
     cfg = {
         "pipeline": "rlvr",
         "name": name,
@@ -373,9 +373,8 @@ def reroll_config(root: Path, model: Path, args: argparse.Namespace, mode: str, 
         # while the reference and the trainer compute beside it (nothing moves), weights over CUDA IPC
         cfg["placement"]["offload"] = "never"
         cfg["rollout"]["async_steps"] = 1
-    if engines := features.get(
-        "dp", 0
-    ):  # ray-dpN: N engines on the one GPU, 1/N of the prompts each: N host loops
+    # ray-dpN: N engines on the one GPU, 1/N of the prompts each: N host loops
+    if engines := features.get("dp", 0):
         cfg["roles"] = {"actor_infer": {"world_size": engines}}
         cfg["rollout"]["vllm"]["gpu_memory_utilization"] = args.vllm_memory / engines
     return cfg
@@ -425,9 +424,8 @@ def run_reroll(path: Path, args: argparse.Namespace, mode: str) -> list[dict]:
 
     cfg = load_config(path, RunConfig)
     try:
-        if (
-            "sleep" in row_features(mode)[1]
-        ):  # the engine sleeps at every trainer phase (auto before 2026-12-05)
+        # the engine sleeps at every trainer phase (auto before 2026-12-05)
+        if "sleep" in row_features(mode)[1]:
             with mock.patch.object(Roles, "_staying", lambda self: set()):
                 run(RLVR, cfg)
         else:
