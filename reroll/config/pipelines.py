@@ -19,7 +19,7 @@ from reroll.config.data import DataConfig, HubDatasetConfig
 from reroll.config.loader import ConfigProblem
 from reroll.config.preference import DPOConfig, PreferenceConfig, RewardModelConfig, check_dpo
 from reroll.config.reward import RewardConfig, check_reward
-from reroll.config.run import RunConfig, local_path, register_pipeline_config
+from reroll.config.run import RunConfig, register_pipeline_config
 from reroll.config.teacher import DistillConfig, check_distill
 from reroll.config.training import CriticConfig, SFTConfig
 
@@ -176,18 +176,13 @@ class RLVRConfig(_RLConfig):
         """Where the critic starts from: ``critic.model_path``, else the policy's ``model.path``."""
         return (self.critic and self.critic.model_path) or self.model.path
 
-    def _model_paths(self) -> dict[str, Any]:
-        update: dict[str, Any] = {}
+    def _pipeline_model_paths(self) -> dict[tuple[str, ...], str]:
+        paths = {}
         if self.critic is not None and self.critic.model_path is not None:
-            update["critic"] = self.critic.model_copy(
-                update={"model_path": local_path(self.critic.model_path)}
-            )
+            paths["critic", "model_path"] = self.critic.model_path
         if self.reward.judge is not None:
-            judge = self.reward.judge.model_copy(
-                update={"model_path": local_path(self.reward.judge.model_path)}
-            )
-            update["reward"] = self.reward.model_copy(update={"judge": judge})
-        return update
+            paths["reward", "judge", "model_path"] = self.reward.judge.model_path
+        return paths
 
     @property
     def reward_domains(self) -> dict[str, Any]:
@@ -428,14 +423,13 @@ class DistillRunConfig(RunConfig):
     def _scoring_roles(self) -> list[str]:
         return _scoring(self.reward)
 
-    def _model_paths(self) -> dict[str, Any]:
+    def _pipeline_model_paths(self) -> dict[tuple[str, ...], str]:
         if self.distill is None:
             return {}
-        teachers = {
-            name: t.model_copy(update={"model_path": local_path(t.model_path)})
+        return {
+            ("distill", "teachers", name, "model_path"): t.model_path
             for name, t in self.distill.teachers.items()
         }
-        return {"distill": self.distill.model_copy(update={"teachers": teachers})}
 
     @property
     def reward_domains(self) -> dict[str, Any]:

@@ -175,18 +175,22 @@ class RunConfig(StrictModel):
 
     def absolute_paths(self) -> RunConfig:
         """This config with the paths workers use made absolute against this process's working
-        directory: the run directory (``output_dir``: checkpoints, the reference snapshot), ``model.path``
-        and the pipeline's own model paths (``_model_paths``) where they are local. A Ray worker's
-        working directory is its node's (where ``ray start`` ran), not the driver's, so a relative path
-        would land there."""
-        update: dict[str, Any] = {
-            "output_dir": str(self.run_dir.resolve()),
-            "model": self.model.model_copy(update={"path": local_path(self.model.path)}),
-        }
-        return self.model_copy(update=update | self._model_paths())
+        directory: the run directory (``output_dir``: checkpoints, the reference snapshot) and every
+        model path (``model_paths``) where it is local. A Ray worker's working directory is its node's
+        (where ``ray start`` ran), not the driver's, so a relative path would land there."""
+        out = self.model_copy(update={"output_dir": str(self.run_dir.resolve())})
+        for keys, path in self.model_paths().items():
+            out = _with_value(out, keys, local_path(path))
+        return out
 
-    def _model_paths(self) -> dict[str, Any]:
-        """The pipeline's sections with their model paths made absolute (``absolute_paths``)."""
+    def model_paths(self) -> dict[tuple[str, ...], str]:
+        """Every model path the run's workers load, by its keys (``("model", "path")``; a teacher's name
+        may hold a dot): ``model.path`` and the pipeline's own (``_pipeline_model_paths``). Local
+        directories or hub ids."""
+        return {("model", "path"): self.model.path} | self._pipeline_model_paths()
+
+    def _pipeline_model_paths(self) -> dict[tuple[str, ...], str]:
+        """The pipeline's own model paths (a critic's, a judge's, teachers'), by their keys."""
         return {}
 
     @property
@@ -313,6 +317,16 @@ class RunConfig(StrictModel):
     def _pipeline_problems(self) -> list[ConfigProblem]:
         """The pipeline's own cross-section checks (its model overrides this)."""
         return []
+
+
+def _with_value(obj: Any, keys: tuple[str, ...], value: Any) -> Any:
+    """``obj`` (a config model, or a dict of them) with the value at ``keys`` replaced, copied on the way."""
+    if not keys:
+        return value
+    head, rest = keys[0], keys[1:]
+    if isinstance(obj, dict):
+        return {**obj, head: _with_value(obj[head], rest, value)}
+    return obj.model_copy(update={head: _with_value(getattr(obj, head), rest, value)})
 
 
 def local_path(path: str) -> str:
