@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 from reroll.config.loader import ConfigProblem
 from reroll.config.placement import cluster_problems
@@ -26,19 +27,24 @@ from reroll.rewards.routing import domain_terms, term_key
 _TRAINERS = ("actor_train", "reference", "critic")
 
 
-def package_problems(cfg: RunConfig, *, generate_only: bool = False) -> list[ConfigProblem]:
+def package_problems(
+    cfg: RunConfig, *, generate_only: bool = False, on: Literal["driver", "pool", "node"] = "driver"
+) -> list[ConfigProblem]:
     """The packages and programs the config needs that this machine lacks (module doc); ``generate_only``:
-    for the roles ``reroll generate`` starts."""
+    for the roles ``reroll generate`` starts. ``on``: what runs here: the driver, which needs every one
+    (it logs to the trackers and tries the rewards), a node of the device pool (the roles' packages:
+    engines, strategies, rewards, environments), or another node of the cluster (only roles that need
+    no device land there: rewards and environments)."""
     from reroll.engines import engine_missing
     from reroll.runtime.metrics import tracker_missing
     from reroll.strategies import strategy_missing
 
-    roles = cfg.started_roles(generate_only=generate_only)
+    roles = cfg.started_roles(generate_only=generate_only) if on != "node" else []
     problems = []
     if "actor_infer" in roles and (missing := engine_missing(cfg.rollout.engine)):
         problems.append(ConfigProblem("rollout.engine", missing))
     reward = cfg.section("reward")
-    judge = reward.judge if reward is not None else None
+    judge = reward.judge if reward is not None and on != "node" else None
     if judge is not None and (missing := engine_missing(judge.engine)):
         problems.append(
             ConfigProblem("reward.judge.engine", missing.replace("rollout.engine", "reward.judge.engine"))
@@ -53,8 +59,9 @@ def package_problems(cfg: RunConfig, *, generate_only: bool = False) -> list[Con
 
         if missing := gem_missing():
             problems.append(ConfigProblem("agentic.env", f"is {agentic.env!r}: {missing}"))
-    lg = cfg.logging
-    problems += [ConfigProblem(k, m) for k, m in tracker_missing(wandb=lg.wandb, mlflow=lg.mlflow)]
+    if on == "driver":
+        lg = cfg.logging
+        problems += [ConfigProblem(k, m) for k, m in tracker_missing(wandb=lg.wandb, mlflow=lg.mlflow)]
     return problems
 
 

@@ -35,6 +35,7 @@ from reroll.config.placement import (
 from reroll.config.role_memory import USABLE
 from reroll.config.run import RunConfig
 from reroll.errors import RoleError
+from reroll.pipelines.preflight_nodes import check_nodes
 from reroll.pipelines.residency import ENGINE_AWAKE_OOM, colocated_needs, staying
 from reroll.roles.actor_infer import EngineGroup, form_weight_group
 from reroll.roles.critic import CriticGroup
@@ -132,6 +133,13 @@ class Roles:
         stacks.configure(cfg.run_dir)  # where a call past its bound writes every worker's stack
         placement = ResourceManager(cfg, generate_only=generate_only)
         cfg = placement.cfg  # device type resolved, for the workers
+        if cfg.runtime.backend == "ray":
+            try:  # what each node of a joined cluster lacks, before any worker starts there
+                pool = set(placement.bundle_nodes.values())
+                check_nodes(cfg, placement.device_type, pool, run_dir=not generate_only)
+            except BaseException:
+                placement.shutdown()
+                raise
         specs = run_roles(cfg, placement.device_type, generate_only=generate_only)
         groups: dict[str, Any] = {}
         try:

@@ -181,8 +181,9 @@ def _check_run(run_dir: Path) -> None:
     assert (run_dir / "checkpoints/step_000001/COMPLETE").exists()
     assert (run_dir / "checkpoints/step_000002/model/config.json").exists()
     metrics = {r["step"]: r for r in read_metrics(run_dir)}
+    # the warm start's weights are synced before step 0 (``_begin``), unlogged; step 1's update, at step 2
+    assert "sync/bytes" not in metrics[1] and metrics[2]["sync/bytes"] > 0
     for step in (1, 2):
-        assert metrics[step]["sync/bytes"] > 0
         assert metrics[step]["mismatch/logprob_abs_max"] < 1e-4
         assert metrics[step]["rollout/response_length"] > 0  # batches came back from node_b
     assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[2]
@@ -223,6 +224,8 @@ def test_train_joins_a_two_node_cluster_with_roles_on_different_nodes(tmp_path, 
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert "joined the Ray cluster" in out.stderr and "2 nodes" in out.stderr
+    # each node was asked what it lacks (tests/integration/test_cluster_node_check.py: one that lacks the files)
+    assert "each of the 2 nodes has what the run needs there" in out.stderr
 
     # where the driver says: its summary's paths, below its own working directory, and nowhere else
     ckpt = Path("runs/cluster/checkpoints/step_000002")

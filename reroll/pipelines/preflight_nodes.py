@@ -1,0 +1,192 @@
+"""What every node of a Ray cluster the run joins must have, asked of the nodes themselves before any role
+starts (``check_nodes``, from ``Roles.start``).
+
+The driver's own checks (``reroll.pipelines.preflight``) see the driver's machine. On a cluster the
+roles run on other machines, and what differs there fails late and far from its cause: a package
+missing on one node fails that node's workers at start; an ``output_dir`` that is a directory of the
+driver's disk alone takes checkpoints that no later run can read back (each node writes its shards
+to its own disk); a local ``model.path`` missing on a node fails its workers' load. So each node
+answers, in a task pinned to it:
+
+- **the run directory**: the driver writes a token into it; the node must read the same token there
+  and be able to write (``output_dir`` on a filesystem every node mounts: NFS, a cluster filesystem);
+- **the model paths** the workers load (``RunConfig.model_paths``) that are directories on the driver:
+  the same path on the node;
+- **packages**: ``package_problems`` run on the node, for what can land there (``on``): a node of the
+  device pool (a bundle of the run's placement group, or with no pool, a node with the device type)
+  needs the engines' and strategies' packages; every node, the rewards' and environments';
+- **reroll itself**: importable, of the driver's version.
+
+Asked where the run joined a cluster (``runtime.ray_address``, ``RAY_ADDRESS``) or the cluster it
+holds has several nodes; a cluster ``reroll train`` starts on its own machine has one node, the
+driver's. Nodes that join later (an autoscaler's) are not asked."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import reroll
+from reroll.config.loader import ConfigError, ConfigProblem
+from reroll.config.schema import RunConfig
+
+log = logging.getLogger(__name__)
+
+PROBE = ".reroll-node-check"  # the token file, in the run directory while the nodes are asked
+ANSWER_S = (
+    180.0  # a node's answer: a worker's start and reroll's import (a few seconds; minutes on a slow disk)
+)
+
+
+@dataclass
+class NodeAnswer:
+    """What one node found: ``problems`` as ``(config path, message)``."""
+
+    version: str
+    problems: list[tuple[str, str]] = field(default_factory=list)
+
+
+def node_answer(
+    cfg: RunConfig, token: str | None, on: Literal["pool", "node"], model_paths: dict[str, str]
+) -> NodeAnswer:
+    """On a node: what it lacks for ``cfg`` (the module doc). ``token``: what the driver wrote into the
+    run directory (None: no run directory to check, as for ``reroll generate``); ``model_paths``: the
+    model directories the driver has, by dotted key (checked on pool nodes, whose workers load them)."""
+    from reroll.pipelines.preflight_machine import package_problems
+
+    problems = [(p.path, p.message) for p in package_problems(cfg, on=on)]
+    if on == "pool":
+        if token is not None:
+            problems += run_dir_problems(cfg.run_dir, token)
+        problems += [
+            (
+                key,
+                f"{path!r} is a directory on the driver's machine and does not exist here: put it on a "
+                "filesystem every node mounts, or at the same path on every node",
+            )
+            for key, path in model_paths.items()
+            if not Path(path).is_dir()
+        ]
+    return NodeAnswer(reroll.__version__, problems)
+
+
+def run_dir_problems(run_dir: Path, token: str) -> list[tuple[str, str]]:
+    """Whether this machine sees the driver's run directory: the token the driver wrote is read back
+    from it, and the directory is writable here."""
+    try:
+        seen = (run_dir / PROBE).read_text()
+    except OSError:
+        seen = None
+    if seen != token:
+        what = (
+            "is missing"
+            if not run_dir.is_dir()
+            else "is another directory than the driver's (its check file differs)"
+        )
+        return [
+            (
+                "output_dir",
+                f"the run directory {str(run_dir)!r} {what} here: checkpoints written here would "
+                "not reach the driver or a resumed run. Put output_dir on a filesystem every node mounts (NFS, "
+                "a cluster filesystem)",
+            )
+        ]
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        return [("output_dir", f"the run directory {str(run_dir)!r} is not writable here: every node "
+                 "writes checkpoint shards into it")]  # fmt: skip
+    return []
+
+
+def asks_nodes(cfg: RunConfig, alive: int) -> bool:
+    """Whether ``check_nodes`` asks the nodes: a joined cluster, or one of several nodes."""
+    joined = bool(cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS"))
+    return cfg.runtime.backend == "ray" and (joined or alive > 1)
+
+
+def check_nodes(cfg: RunConfig, device_type: str, pool_nodes: set[str], *, run_dir: bool = True) -> None:
+    """Ask every alive node with CPUs or GPUs what it lacks for ``cfg`` (the module doc), where
+    ``asks_nodes``; raise one ``ConfigError`` naming each problem and its nodes. ``pool_nodes``: the
+    nodes holding the run's placement group (empty: no pool, so every node with ``device_type``
+    devices may hold a device role). ``run_dir``: whether the nodes write into the run directory (not
+    for ``reroll generate``, whose driver writes its output alone)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and _hosts_workers(n.get("Resources", {}))]
+    if not asks_nodes(cfg, len(nodes)):
+        return
+    token = secrets.token_hex(16) if run_dir and cfg.run_dir.is_dir() else None
+    models = {".".join(k): str(Path(p).resolve()) for k, p in cfg.model_paths().items() if Path(p).is_dir()}
+    ask = ray.remote(num_cpus=0, max_retries=0)(node_answer)
+    probe = cfg.run_dir / PROBE
+    if token is not None:
+        probe.write_text(token)
+    try:
+        refs = {}
+        for n in nodes:
+            on = "pool" if _on_pool(n, device_type, pool_nodes) else "node"
+            strategy = NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            refs[n["NodeID"]] = ask.options(scheduling_strategy=strategy).remote(cfg, token, on, models)
+        answers = {node: _answer(ref) for node, ref in refs.items()}
+    finally:
+        probe.unlink(missing_ok=True)
+    problems = node_problems({_name(n): answers[n["NodeID"]] for n in nodes})
+    if problems:
+        raise ConfigError(problems, f"the Ray cluster ({len(nodes)} nodes)")
+    log.info(
+        "each of the %d nodes has what the run needs there (packages, the run directory, the model paths)",
+        len(nodes),
+    )
+
+
+def node_problems(answers: dict[str, NodeAnswer | str]) -> list[ConfigProblem]:
+    """The nodes' answers (or why a node gave none) as problems, each naming the nodes it was found on."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for node, answer in answers.items():
+        if isinstance(answer, str):
+            found.setdefault(("runtime", answer), []).append(node)
+            continue
+        if answer.version != reroll.__version__:
+            what = f"reroll {answer.version} is installed, the driver runs {reroll.__version__}: the same on every node"
+            found.setdefault(("runtime", what), []).append(node)
+        for path, message in answer.problems:
+            found.setdefault((path, message), []).append(node)
+    return [
+        ConfigProblem(path, f"on {', '.join(nodes)}: {message}") for (path, message), nodes in found.items()
+    ]
+
+
+def _answer(ref: Any) -> NodeAnswer | str:
+    """A node's answer, or why there is none: reroll not importable there, no answer in time."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=ANSWER_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        return f"no answer within {ANSWER_S:.0f} s to a task pinned to the node (its workers do not start?)"
+    except ray.exceptions.RayError as e:
+        cause = getattr(e, "cause", None) or e
+        return (
+            f"reroll could not run there ({type(cause).__name__}: {str(cause).splitlines()[-1][:200]}): install "
+            f"reroll {reroll.__version__} and its extras on every node, or start every node from the driver's "
+            "environment"
+        )
+
+
+def _hosts_workers(resources: dict[str, float]) -> bool:
+    return resources.get("CPU", 0) > 0 or resources.get("GPU", 0) > 0
+
+
+def _on_pool(node: dict[str, Any], device_type: str, pool_nodes: set[str]) -> bool:
+    if pool_nodes:
+        return node["NodeID"] in pool_nodes
+    return device_type != "cuda" or node.get("Resources", {}).get("GPU", 0) > 0
+
+
+def _name(node: dict[str, Any]) -> str:
+    return f"node {node.get('NodeManagerAddress', '?')} ({node['NodeID'][:8]})"
