@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 # tokens, 64 rows a pass, `benchmarks/train_passes.py`): train 1.44 -> 1.38 s, reference 0.49 -> 0.46 s.
 CHUNK_ELEMENTS = 2**24
 CHUNK_ELEMENTS_CUDA = 2**26
-# The fused head (``linear_logprobs_and_entropy``) on a GPU: 2**28 elements a chunk (1765 tokens at 152k).
+# The fused head (``linear_logprobs_and_entropy``) on a GPU: 2**28 elements a chunk (about 1,766 tokens at 152k).
 # Its backward makes each block's logits again, and larger blocks pay: on an H100 80GB (2026-12-07, 0.5B
 # shape, 256 x 384 tokens, 64 rows a pass, `benchmarks/train_passes.py`) the training pass took 1.52 s at
 # 2**26 and 1.27 s at 2**28 (1.06 s with the logits kept), its peak 32.8 and 35.0 GiB (41.5 GiB kept).
