@@ -689,7 +689,9 @@ def streaming_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     if r.oversample is not None:
         path = "rollout.oversample"
         others = {
-            "rollout.async_steps": r.async_steps > 0,
+            # with async the engines interrupt the groups over the quota themselves, and an update's
+            # interrupt would cut the kept ones
+            "rollout.partial_rollouts": r.partial_rollouts,
             "rollout.tail_threshold": r.tail_threshold is not None,
         }
         for what, on in others.items():

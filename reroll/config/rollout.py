@@ -179,11 +179,13 @@ class RolloutConfig(StrictModel):
     oversample: float | None = Field(
         None,
         ge=1.0,
-        description="Streaming with over-sampling (rlvr, synchronous): generate ceil(oversample * "
-        "batch_size / group_size) prompts, score each group as soon as its samples finish, keep the first "
-        "batch_size / group_size groups that finish and interrupt the rest (rollout/oversample_*: dropped "
-        "groups and the lengths of kept vs dropped samples, the bias toward short responses). 1.0: streamed "
-        "rewards, no extra prompts. None: off. hf or vllm engine. See docs/async.md.",
+        description="Streaming with over-sampling (rlvr): generate ceil(oversample * batch_size / "
+        "group_size) prompts, score each group as soon as its samples finish, keep the first batch_size / "
+        "group_size groups that finish and interrupt the rest (rollout/oversample_*: dropped groups and the "
+        "lengths of kept vs dropped samples, the bias toward short responses). With async_steps the engines "
+        "keep the first groups and interrupt the rest themselves, each its share, and the kept groups are "
+        "scored when their step takes them. 1.0: streamed rewards, no extra prompts. None: off. hf or vllm "
+        "engine. See docs/async.md.",
     )
     tail_threshold: int | None = Field(
         None,

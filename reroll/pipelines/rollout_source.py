@@ -28,10 +28,13 @@ the pipelines' steps stay one screen:
   continuation takes the interrupted call's Ray reference as its argument, so the controller never
   waits for it; each continuation is a segment whose new tokens carry the version of the weights it
   ran with.
-* **Streaming with over-sampling** (``rollout.oversample``, synchronous). A round draws
+* **Streaming with over-sampling** (``rollout.oversample``). A round draws
   ``ceil(oversample * prompts_per_step)`` prompts; each group is sent to the reward workers the moment
   the engine yields it; once ``prompts_per_step`` groups are in, the engine is interrupted and the rest
   is dropped (``rollout/oversample_*`` say how many and how long the kept and dropped responses were).
+  With ``async_steps`` the engines keep the first groups and interrupt the rest themselves
+  (``EngineGroup.submit_first``: each engine its share of the groups), since the driver is training
+  while they generate; the kept groups are scored when their step takes them.
 """
 
 from __future__ import annotations
@@ -131,6 +134,10 @@ class _Queued:
     # partial rollouts: the continuations queued after interrupts, (version of their tokens, refs)
     resumed: list[tuple[int, list[Any]]] = field(default_factory=list)
     versions: list[list[list[int]]] | None = None  # per group, per sample, per token (once collected)
+    # over-sampling: the groups to keep of the prompts drawn (None once collected: prompts and groups are
+    # then the kept ones), and what the engine dropped
+    keep: int | None = None
+    dropped: list[Completion] = field(default_factory=list)
 
     def last_refs(self) -> list[Any]:
         return self.resumed[-1][1] if self.resumed else self.refs
@@ -334,22 +341,42 @@ class RolloutSource:
         with roles.phase("generate", "actor_infer"):
             self._collect(roles, queued)
             self.engine_metrics = roles.actor_infer.metrics(now=True)
-        return self._score(roles, queued.parts())
+        scored = self._score(roles, queued.parts())
+        if self.cfg.rollout.oversample is not None:
+            self.streamed[0].append(scored)
+            self.streamed[1].extend(queued.dropped)
+        return scored
 
     def _submit(self, roles: Roles, step: int) -> _Queued:
-        prompts = self.sampler.next_batch()
+        """Step ``step``'s generation, submitted now (with ``rollout.oversample``, more prompts than a
+        step trains on, of which the engine keeps the first ``prompts_per_step`` groups to finish)."""
         # generated ahead on purpose: the weights loads queued behind it keep it within async_steps
-        refs = roles.actor_infer.submit(
-            [s.engine_prompt for s in prompts], self._params(step, 0), stale_ok=True
-        )
-        queued = _Queued(step, prompts, self.engine_version, refs, self.loads)
+        oversample, keep = self.cfg.rollout.oversample, None
+        if oversample is None:
+            prompts = self.sampler.next_batch()
+            refs = roles.actor_infer.submit(
+                [s.engine_prompt for s in prompts], self._params(step, 0), stale_ok=True
+            )
+        else:
+            keep = self.cfg.prompts_per_step
+            prompts = self._draw(math.ceil(keep * oversample - 1e-9))
+            refs = roles.actor_infer.submit_first(
+                [s.engine_prompt for s in prompts], self._params(step, 0), keep, stale_ok=True
+            )
+        queued = _Queued(step, prompts, self.engine_version, refs, self.loads, keep=keep)
         self.loads = []
         return queued
 
     def _collect(self, roles: Roles, queued: _Queued) -> list[list[Completion]]:
         if queued.groups is None:
             roles.actor_infer.wait_loaded(queued.loads_before)
-            queued.groups = roles.actor_infer.collect(queued.refs)
+            if queued.keep is None:
+                queued.groups = roles.actor_infer.collect(queued.refs)
+            else:  # over-sampling: the kept groups, in the order they finished, and what was dropped
+                kept, groups = roles.actor_infer.collect_first(queued.refs)
+                queued.dropped = [c for i, g in enumerate(groups) if i not in set(kept) for c in g]
+                queued.prompts = [queued.prompts[i] for i in kept]
+                queued.groups, queued.keep = [groups[i] for i in kept], None
             if queued.resumed:  # partial rollouts: each segment's new tokens carry its weights' version
                 queued.versions = [[[queued.version] * len(c.response_ids) for c in g] for g in queued.groups]
                 for version, refs in queued.resumed:
@@ -445,6 +472,7 @@ class RolloutSource:
                     "prompts": [field_values(s) for s in q.prompts],
                     "groups": [[field_values(c) for c in g] for g in q.groups or []],
                     "versions": q.versions,
+                    "dropped": [field_values(c) for c in q.dropped],
                 }
                 for q in self.queue.values()
             ],
@@ -463,8 +491,14 @@ class RolloutSource:
             for q in saved["queued"]:
                 prompts = [Sample(**s) for s in q["prompts"]]
                 groups = [[Completion(**c) for c in g] for g in q["groups"]]
+                dropped = [Completion(**c) for c in q.get("dropped", [])]
                 self.queue[q["step"]] = _Queued(
-                    q["step"], prompts, q["version"], groups=groups, versions=q.get("versions")
+                    q["step"],
+                    prompts,
+                    q["version"],
+                    groups=groups,
+                    versions=q.get("versions"),
+                    dropped=dropped,
                 )
 
 

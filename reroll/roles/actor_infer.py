@@ -77,6 +77,26 @@ class EngineWorker:
     ) -> Iterator[TokenDelta]:
         yield from self.engine.stream_tokens(prompts, params)
 
+    def generate_first(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams, keep: int
+    ) -> tuple[list[int], list[list[Completion]]]:
+        """Over-sampling's round on the engine itself: every prompt's group in prompt order, and the
+        indices of the first ``keep`` groups to finish whole, in the order they finished. Once those are
+        in, the rest are interrupted and come back as they stand (cut responses marked ``abort``). Run
+        here, a generation submitted ahead (``rollout.async_steps``) needs no driver to stop it. ``keep``
+        0: nothing generated, an empty group per prompt."""
+        if keep == 0:
+            return [], [[] for _ in prompts]
+        groups: list[list[Completion]] = [[] for _ in prompts]
+        kept: list[int] = []
+        for i, group in self.engine.stream(prompts, params):
+            groups[i] = group
+            if len(kept) < keep and all(c.finish_reason != "abort" for c in group):
+                kept.append(i)
+                if len(kept) == keep and keep < len(prompts):
+                    self.engine.interrupt()
+        return kept, groups
+
     def resume(self, groups: list[list[Completion]], params: SamplingParams) -> list[list[Completion]]:
         """``groups`` with every response an interrupt cut (``finish_reason == "abort"``) continued
         from its tokens with the engine's current weights, up to ``params.max_new_tokens`` in all."""
@@ -244,6 +264,34 @@ class EngineGroup(WorkerGroup):
         """The completions of a ``submit``, in prompt order (waits for them)."""
         return [group for part in self._wait(refs, phase) for group in part]
 
+    def submit_first(
+        self,
+        prompts: Sequence[str] | Sequence[list[int]],
+        params: SamplingParams,
+        keep: int,
+        *,
+        stale_ok: bool = False,
+    ) -> list[Any]:
+        """``submit`` for over-sampling: each rank keeps the first groups of its block to finish, its share
+        of ``keep`` (``shares``: in proportion to its block), and interrupts the rest
+        (``EngineWorker.generate_first``). For ``collect_first``."""
+        self.check_fresh(stale_ok)
+        parts = self._deal(prompts)
+        quotas = shares(keep, [len(p) for p in parts])
+        return [h.generate_first.remote(p, params, q) for h, p, q in zip(self.handles, parts, quotas)]
+
+    def collect_first(
+        self, refs: Sequence[Any], phase: str = "generate"
+    ) -> tuple[list[int], list[list[Completion]]]:
+        """What a ``submit_first`` made: the kept groups' prompt indices (rank by rank, each in the order
+        its groups finished) and every prompt's group in prompt order (waits for them)."""
+        kept: list[int] = []
+        groups: list[list[Completion]] = []
+        for kept_here, part in self._wait(refs, phase):
+            kept += [len(groups) + i for i in kept_here]
+            groups += part
+        return kept, groups
+
     def stream(
         self,
         prompts: Sequence[str] | Sequence[list[int]],
@@ -390,3 +438,15 @@ def form_weight_group(actor: TrainerGroup, rollout: EngineGroup, backend: str) -
     ]
     rollout._wait(engines, "weight_group")
     actor._wait([source], "weight_group")
+
+
+def shares(keep: int, sizes: list[int]) -> list[int]:
+    """``keep`` split over blocks of ``sizes`` items in proportion to them (largest remainders first), so
+    that no block's share exceeds its size (``keep`` at most their sum)."""
+    total = sum(sizes)
+    exact = [keep * s / total if total else 0.0 for s in sizes]
+    out = [int(e) for e in exact]
+    by_remainder = sorted(range(len(sizes)), key=lambda r: exact[r] - out[r], reverse=True)
+    for r in by_remainder[: keep - sum(out)]:
+        out[r] += 1
+    return out

@@ -49,6 +49,46 @@ def test_oversampling_keeps_the_first_groups_and_reports_what_it_dropped(tmp_pat
 ASYNC_POOL = ["placement.devices=2", "placement.cpus_per_device=0.5", "roles.actor_infer.devices=[1]"]
 
 
+def test_oversampling_one_step_off_policy_keeps_the_first_groups_the_engine_finishes(tmp_path, assets):
+    """Over-sampling with ``async_steps``: the engine keeps the first 4 of 6 groups and interrupts the rest
+    itself (the driver is training meanwhile), as the synchronous round above does; the kept groups are
+    one step old from step 2 on, and a resumed run (the queue's dropped responses saved with it) matches."""
+    rollout = {"oversample": 1.5, "generate_batch_size": 8, "max_new_tokens": 6, "async_steps": 1}
+    sections = {"eval": {"every": 0}, "rollout": rollout, "reward": SEVENS, "checkpoint": {"every": 1}}
+    cfg = write_config(tmp_path / "c.yaml", assets, total_steps=3, **sections)
+    run = ["train", str(cfg), "runtime.backend=local"]
+    assert main([*run, "name=straight"]) == 0
+    rows = _rows(tmp_path / "runs" / "straight")
+    assert [rows[s]["staleness/max"] for s in (1, 2, 3)] == [0, 1, 1]
+    for m in rows.values():
+        assert m["rollout/oversample_dropped_groups"] == 2
+        assert m["rollout/oversample_dropped_unfinished"] == 1  # interrupted before they started
+        assert m["rollout/oversample_kept_length"] == m["rollout/response_length"] > 0
+        assert m["filter/kept_samples"] == 16  # a full batch
+        assert math.isfinite(m["actor/loss"])
+    assert main([*run, "name=stopped", "total_steps=1"]) == 0
+    assert main([*run, "name=stopped", "--resume"]) == 0
+    for step in (2, 3):
+        straight = step_metrics(tmp_path / "runs" / "straight", step)
+        resumed = step_metrics(tmp_path / "runs" / "stopped", step)
+        assert straight.keys() == resumed.keys()
+        for key in straight:
+            assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-6), (step, key)
+
+
+def test_oversampling_off_policy_through_ray_on_an_engine_of_its_own(tmp_path, assets):
+    """The same through Ray, actor_infer on a pool slot of its own: its worker stops its own generation."""
+    rollout = {"oversample": 1.5, "generate_batch_size": 8, "max_new_tokens": 6, "async_steps": 1}
+    sections = {"eval": {"every": 0}, "rollout": rollout, "reward": SEVENS}
+    cfg = write_config(tmp_path / "c.yaml", assets, total_steps=2, **sections)
+    assert main(["train", str(cfg), *ASYNC_POOL]) == 0
+    rows = _rows(tmp_path / "runs" / "t")
+    assert [rows[s]["staleness/max"] for s in (1, 2)] == [0, 1]
+    assert all(
+        m["rollout/oversample_dropped_groups"] == 2 and m["filter/kept_samples"] == 16 for m in rows.values()
+    )
+
+
 PARTIAL = {"max_new_tokens": 64, "generate_batch_size": 2, "async_steps": 1, "partial_rollouts": True}
 
 
@@ -108,8 +148,13 @@ def test_partial_rollouts_resume_trains_on_the_saved_versions(tmp_path, assets):
             "rollout.partial_rollouts: runtime.backend 'local' runs each generation to its end",
         ),
         (
-            ["rollout.oversample=1.25", "rollout.async_steps=1", *ASYNC_POOL],
-            "rollout.oversample: streaming with over-sampling does not run with rollout.async_steps yet",
+            [
+                "rollout.oversample=1.25",
+                "rollout.async_steps=1",
+                "rollout.partial_rollouts=true",
+                *ASYNC_POOL,
+            ],
+            "rollout.oversample: streaming with over-sampling does not run with rollout.partial_rollouts yet",
         ),
         (
             ["rollout.oversample=1.25", "rollout.engine=sglang"],
@@ -131,11 +176,13 @@ needs_vllm = pytest.mark.skipif(not engine_available("vllm"), reason="vllm is no
 
 @pytest.mark.long
 @needs_vllm
-def test_oversampling_with_vllm_keeps_the_groups_that_finish_first(tmp_path, assets):
+@pytest.mark.parametrize("async_steps", [0, 1])
+def test_oversampling_with_vllm_keeps_the_groups_that_finish_first(tmp_path, assets, async_steps):
     """vLLM decodes every request together and finishes each at its own step: the groups kept are
     those whose samples all stopped first, so the kept responses are shorter than the dropped ones
-    (which had at least as many tokens as the longest kept one when the engine was interrupted)."""
-    rollout = {"oversample": 2.0, "max_new_tokens": 32, "engine": "vllm"}
+    (which had at least as many tokens as the longest kept one when the engine was interrupted).
+    One step off-policy the engine worker interrupts its own generation."""
+    rollout = {"oversample": 2.0, "max_new_tokens": 32, "engine": "vllm", "async_steps": async_steps}
     cfg = write_config(tmp_path / "c.yaml", assets, total_steps=3, eval={"every": 0}, rollout=rollout)
     assert main(["train", str(cfg), "runtime.backend=local"]) == 0
     rows = _rows(tmp_path / "runs" / "t")

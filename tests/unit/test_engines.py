@@ -312,3 +312,21 @@ def test_vllm_step_hook_feeds_the_stats_and_honours_abort_in_and_out_of_process(
             logger.record(SimpleNamespace(num_running_reqs=7, num_waiting_reqs=2, kv_cache_usage=0.5), None)
             assert stats.take(0, 1.0)["engine/num_running"] == 7.0
     assert aborted == [["r1"], ["r1"]]
+
+
+@pytest.mark.parametrize(
+    ("keep", "sizes", "want"),
+    [
+        (4, [3, 3], [2, 2]),
+        (5, [3, 3], [3, 2]),  # the larger remainder first; ties to the earlier rank
+        (1, [3, 3], [1, 0]),  # a rank may keep none: it generates nothing
+        (6, [3, 3], [3, 3]),
+        (7, [4, 3, 3], [3, 2, 2]),  # 2.8, 2.1, 2.1: one more to the first
+        (0, [2, 2], [0, 0]),
+    ],
+)
+def test_over_sampling_splits_the_groups_to_keep_over_the_engines_in_proportion(keep, sizes, want):
+    from reroll.roles.actor_infer import shares
+
+    assert shares(keep, sizes) == want
+    assert sum(want) == keep and all(w <= s for w, s in zip(want, sizes))
