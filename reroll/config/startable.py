@@ -525,16 +525,6 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
                 "set model.compile=false (or strategy.name=torch where the role has one rank)",
             )
         )
-    trainer = strategies.get("actor_train")
-    if cfg.policy_head == "reward" and cfg.optim.packing and trainer not in (None, "torch", "auto"):
-        problems.append(
-            (
-                "optim.packing",
-                f"a reward model packs rows on the torch strategy only (its score head's per-token output is "
-                f"read inside the forward, which {trainer}'s sharded backward does not see): set "
-                "strategy.name=torch or optim.packing=false",
-            )
-        )
     if "actor_infer" in specs:
         problems += engine_problems(cfg, device_type)
     problems += vision_model_problems(cfg, model_type(cfg.model.path))

@@ -339,10 +339,13 @@ class StrategyWorker:
             out = out if cp is None else cp.gather(out, packed.input_ids.shape[1])
             return unpack(out, packed, mb.input_ids.shape[1])
         # a sequence classifier pools its one packed row to one score: take the head's per-token
-        # output instead (inside the forward, where a sharded head is gathered), (b, t, 1) unpacked
+        # output instead (inside the forward, where a sharded head is gathered), (b, t, 1) unpacked.
+        # The pooled output stays in the graph (times 0): fsdp2 and ZeRO-3 gather the head for its
+        # backward by hooks on the model's output, which the per-token output alone would bypass
         with per_token_head(self.strategy.model) as scores:
-            self.strategy.logits(packed.input_ids, None, packed.position_ids)
-        return unpack(scores[0], packed, mb.input_ids.shape[1])
+            pooled = self.strategy.logits(packed.input_ids, None, packed.position_ids)
+        per_token = scores[0] + 0.0 * pooled.sum()
+        return unpack(per_token, packed, mb.input_ids.shape[1])
 
     def response_stats(
         self, mb: TrainBatch, temperature: float, *, entropy: bool
