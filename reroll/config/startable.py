@@ -448,14 +448,6 @@ MEGATRON_NEEDS_GPUS = (
 def deepspeed_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     """Options the DeepSpeed strategy does not take."""
     problems = all_or_nothing_checkpointing(cfg, "deepspeed")
-    if cfg.strategy.lora is not None:
-        problems.append(
-            (
-                "strategy.lora",
-                "strategy.lora is not supported by the deepspeed strategy: use strategy.name=fsdp2 or torch, "
-                "or remove strategy.lora",
-            )
-        )
     ds = cfg.strategy.deepspeed
     if ds.offload_params and ds.zero_stage != 3:
         problems.append(

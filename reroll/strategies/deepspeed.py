@@ -22,6 +22,12 @@ Checkpoints: ``model/`` in Hugging Face form, written by every rank one decoder 
 size resumes it through DeepSpeed's universal checkpoint: rank 0 converts ``deepspeed/`` once into
 ``deepspeed/universal/`` (one tensor per parameter and moment), which any number of ranks loads.
 ``full_state_dict`` gathers ZeRO-3 parameters on every rank: a collective that all ranks must call.
+
+LoRA (``strategy.lora``): the model is wrapped with peft before the engine is built, so the optimizer
+holds the adapters (and a reward model's score head) alone. Weight sync and ``model/`` get the base
+weights with the adapters merged in, ``adapter/`` the adapters; ``deepspeed/`` holds the trained
+tensors only (``exclude_frozen_parameters``), and a resume builds the base from ``model.path`` again
+and loads them into it. A LoRA checkpoint resumes at the world size that saved it.
 """
 
 from __future__ import annotations
@@ -47,9 +53,27 @@ from reroll.errors import UserError
 from reroll.models.loading import load_causal_lm, load_sequence_classifier, load_value_model, use_kernels
 from reroll.strategies import Head
 from reroll.strategies.hf_export import HFNames, decoder_layers, distinct_state, layer_units, write_hf_model
+from reroll.strategies.lora import (
+    AdapterUpdate,
+    adapter_names_to_saved,
+    apply_lora,
+    full_modules,
+    is_adapter_key,
+    load_adapter,
+    lora_config_dict,
+    merged_state_dict,
+    save_adapter,
+    trained_key,
+)
 from reroll.strategies.memory import peak_memory_gb
 from reroll.strategies.micro_batches import MicroBatchLoop
-from reroll.strategies.training import forward_logits, set_trainable, warmup_schedule
+from reroll.strategies.training import (
+    adapters_disabled,
+    forward_logits,
+    set_trainable,
+    start_checkpointing,
+    warmup_schedule,
+)
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -98,7 +122,10 @@ class DeepSpeedStrategy(MicroBatchLoop):
         o = cfg.optim
         self._optim: dict[str, Any] = dict(lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, warmup=0)
         self.engine: Any = None
-        self.model: torch.nn.Module | None = None
+        self.model: torch.nn.Module | None = None  # what the engine wraps: the peft model with LoRA
+        self.hf_model: torch.nn.Module | None = None  # the Hugging Face model inside it
+        self.lora = cfg.strategy.lora if head in ("causal_lm", "reward") else None
+        self.full = full_modules(head)  # trained in full beside the adapters
         if world_size == 1:
             if not dist.is_initialized():  # DeepSpeed needs a process group, even of one rank
                 dist.init_process_group(self._backend(), store=dist.HashStore(), rank=0, world_size=1)
@@ -151,10 +178,12 @@ class DeepSpeedStrategy(MicroBatchLoop):
         model = self._load(model_path, self.cfg.model.dtype, "cpu")
         use_kernels(model, self.cfg, self.device)
         set_trainable(model, self.cfg, self.trainable)
-        if self.cfg.model.gradient_checkpointing is True and self.trainable:  # a count: start_problems
-            model.gradient_checkpointing_enable()
+        start_checkpointing(model, self.cfg.model.gradient_checkpointing, self.trainable)  # counts: refused
         if getattr(model.config, "use_cache", None) is not None:
             model.config.use_cache = False
+        self.hf_model = model
+        if self.lora is not None:
+            model = apply_lora(model, self.lora, trainable=self.trainable, full=self.full)
         self.model = model
         if not self.trainable and self.ds.zero_stage == 2:  # nothing to shard: a plain copy
             model.to(self.device)
@@ -198,6 +227,10 @@ class DeepSpeedStrategy(MicroBatchLoop):
         for group in inner.param_groups:
             group.update(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         self.engine.lr_scheduler = self._new_schedule(inner)
+
+    def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
+        """The base model inside: forward passes skip the LoRA adapters (the reference policy)."""
+        return adapters_disabled(self.model, self.lora)
 
     # --- training --------------------------------------------------------------------------------
 
@@ -250,21 +283,38 @@ class DeepSpeedStrategy(MicroBatchLoop):
     # --- weights ---------------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every weight, unsharded, on CPU, in Hugging Face names (ZeRO-3: a collective on every rank)."""
+        """Every weight, unsharded, on CPU, in Hugging Face names, LoRA merged into the base weights
+        (ZeRO-3: a collective on every rank)."""
+        state = self._gathered(lambda name: True)
+        if self.lora is None:
+            return state
+        return merged_state_dict(state, scale=self.lora.alpha / self.lora.rank)
+
+    def adapter_update(self) -> AdapterUpdate:
+        """The LoRA adapters alone (peft's saved names) and their ``LoraConfig`` (ZeRO-3: a collective)."""
+        if self.lora is None:
+            raise RuntimeError("adapter_update needs strategy.lora")
+        adapters = adapter_names_to_saved(self._gathered(lambda name: trained_key(name, self.full)))
+        return AdapterUpdate(adapters, lora_config_dict(self.lora))
+
+    def _gathered(self, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+        """CPU copies of the model's state whose names ``wanted`` takes; ZeRO-3 gathers a module at a time."""
         assert self.model is not None
         if self.engine is None or self.ds.zero_stage != 3:
-            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        state: dict[str, torch.Tensor] = {}
+            state = self.model.state_dict()
+            return {k: v.detach().to("cpu", copy=True) for k, v in state.items() if wanted(k)}
+        out: dict[str, torch.Tensor] = {}
         for prefix, module in self.model.named_modules():
             prefix = f"{prefix}." if prefix else ""
-            params = list(module.parameters(recurse=False))
+            params = [p for n, p in module.named_parameters(recurse=False) if wanted(prefix + n)]
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):  # one module at a time
                 for name, p in module.named_parameters(recurse=False):
-                    state[prefix + name] = p.detach().to("cpu", copy=True)
+                    if wanted(prefix + name):
+                        out[prefix + name] = p.detach().to("cpu", copy=True)
             for name, buf in module.named_buffers(recurse=False):
-                if name not in module._non_persistent_buffers_set:
-                    state[prefix + name] = buf.detach().to("cpu", copy=True)
-        return state
+                if name not in module._non_persistent_buffers_set and wanted(prefix + name):
+                    out[prefix + name] = buf.detach().to("cpu", copy=True)
+        return out
 
     def save(self, directory: Path, *, with_optimizer: bool) -> None:
         """Hugging Face weights into ``directory/model`` (every rank its files); DeepSpeed's state into
@@ -272,8 +322,17 @@ class DeepSpeedStrategy(MicroBatchLoop):
         assert self.model is not None
         directory.mkdir(parents=True, exist_ok=True)
         self.export(directory / "model")
+        if self.lora is not None:
+            adapter = self.adapter_update()
+            if self.rank == 0:
+                save_adapter(directory / "adapter", adapter)
         if with_optimizer and self.trainable:
-            self.engine.save_checkpoint(str(directory / "deepspeed"), tag=_TAG, save_latest=False)
+            self.engine.save_checkpoint(
+                str(directory / "deepspeed"),
+                tag=_TAG,
+                save_latest=False,
+                exclude_frozen_parameters=self.lora is not None,  # the base is model.path's
+            )
 
     def export(self, directory: Path) -> None:
         """Write the model as ``save_pretrained`` would, one decoder layer at a time (ZeRO-3 gathers each
@@ -295,9 +354,17 @@ class DeepSpeedStrategy(MicroBatchLoop):
             ):
                 return {n: state[n].detach().to("cpu", copy=True) for n in names} if keep else {}
 
-        units = layer_units(self.model, state, decoder_layers(self.model))
+        assert self.hf_model is not None
+        units = layer_units(self.model, state, decoder_layers(self.hf_model))
+        scale = self.lora.alpha / self.lora.rank if self.lora is not None else None
         write_hf_model(
-            directory, HFNames(self.model), shapes, units, gather, rank=self.rank, world_size=self.world_size
+            directory,
+            HFNames(self.hf_model, scale),
+            shapes,
+            units,
+            gather,
+            rank=self.rank,
+            world_size=self.world_size,
         )
 
     def load(self, directory: Path) -> None:
@@ -308,18 +375,47 @@ class DeepSpeedStrategy(MicroBatchLoop):
         state = directory / "deepspeed"
         saved = len(list((state / _TAG).glob("*optim_states.pt"))) if self.trainable else 0
         universal = bool(saved) and saved != self.world_size
+        if universal and self.lora is not None:
+            raise UserError(
+                f"{directory}: a LoRA checkpoint of the deepspeed strategy saved by {saved} ranks resumes at "
+                f"{saved} ranks, not {self.world_size} (DeepSpeed's universal checkpoint needs every "
+                f"parameter): set roles.<role>.world_size={saved}"
+            )
         if universal:
             self._to_universal(state)
-        self._build(directory / "model", universal=universal)
+        # with LoRA the base comes from model.path and the trained tensors from deepspeed/ (or adapter/)
+        self._build(self._model_path if self.lora is not None else directory / "model", universal=universal)
+        if self.lora is not None and not saved:
+            self._load_trained(load_adapter(directory / "adapter"), directory)
         if saved:
             path, _ = self.engine.load_checkpoint(
                 str(state / _UNIVERSAL if universal else state),
                 tag=_TAG,
                 load_optimizer_states=True,
                 load_lr_scheduler_states=True,
+                load_module_strict=self.lora is None,
             )
             if path is None:
                 raise FileNotFoundError(f"DeepSpeed found no checkpoint to load in {state / _TAG}")
+
+    def _load_trained(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
+        """The adapters (and fully trained modules) saved in ``directory/adapter``, in the live model's
+        names, copied into the model (ZeRO-3: into each gathered parameter, partitioned again after)."""
+        assert self.model is not None
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(tensors) - set(params))
+        missing = sorted(n for n in params if is_adapter_key(n) and n not in tensors)
+        if unknown or missing:
+            raise KeyError(f"adapter in {directory} does not fit the model: {unknown or missing}")
+        zero3 = self.engine is not None and self.ds.zero_stage == 3
+        for name, value in tensors.items():
+            p = params[name]
+            with (
+                deepspeed.zero.GatheredParameters([p], modifier_rank=0) if zero3 else contextlib.nullcontext()
+            ):
+                if not zero3 or self.rank == 0:
+                    with torch.no_grad():
+                        p.copy_(value.to(p.device, p.dtype))
 
     def _to_universal(self, state: Path) -> None:
         """``state/universal/`` from ``state/``, converted by rank 0 unless an earlier resume did (the other

@@ -8,18 +8,15 @@ own looks like at those paths (as root, as on CI's machines; skipped where ``uns
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration.test_ray_cluster import RAY, _config, _free_port, _start_node, _stop, _token_exists
+from tests.integration.test_ray_cluster import _config, _node_env, _start_cluster, _stop, _train_joining
 
 pytestmark = pytest.mark.integration
 
@@ -39,30 +36,6 @@ def _can_unshare() -> bool:
         os.rmdir(probe)
 
 
-def _start_hidden_node(
-    args: list[str], log: Path, hidden: list[Path], env: dict[str, str]
-) -> subprocess.Popen:
-    """``ray start ARGS --block`` in a mount namespace where each of ``hidden`` is an empty tmpfs."""
-    command = shlex.join([*RAY, "start", *args, "--block", "--disable-usage-stats"])
-    mounts = " && ".join(f"mount -t tmpfs tmpfs {shlex.quote(str(h))}" for h in hidden)
-    out = log.open("w")
-    proc = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", f"{mounts} && exec {command}"],
-        cwd="/",
-        env=env,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 180
-    while "Ray runtime started" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _stop(proc)
-            raise RuntimeError(f"the hidden node did not come up:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    return proc
-
-
 @pytest.mark.long  # about 40 s each on 2 cores: two nodes' start, then the driver stops in seconds
 @pytest.mark.skipif(not _can_unshare(), reason="needs `unshare --mount` (root) to give a node its own files")
 @pytest.mark.parametrize("without", ["files", "reroll"])
@@ -74,37 +47,12 @@ def test_a_node_without_the_drivers_files_stops_the_run_before_any_role_starts(t
     driver.mkdir(parents=True)
     _config(driver, "unshared")
     hidden = [shared_by_none] + ([ROOT] if without == "reroll" else [])
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    if _token_exists() and "RAY_AUTH_MODE" not in env:
-        env["RAY_AUTH_MODE"] = "token"
     temp = [tempfile.mkdtemp(prefix="rr-", dir="/tmp") for _ in range(2)]
     nodes: list[subprocess.Popen] = []
     try:
-        port = _free_port()
-        head = ["--head", f"--port={port}", f"--ray-client-server-port={_free_port()}", "--include-dashboard=false",
-                "--num-cpus=3", '--resources={"node_a": 4}', f"--temp-dir={temp[0]}"]  # fmt: skip
-        nodes.append(_start_node(head, tmp_path / "head.log", tmp_path, env))
-        second = [
-            f"--address=127.0.0.1:{port}",
-            "--num-cpus=3",
-            '--resources={"node_b": 4}',
-            f"--temp-dir={temp[1]}",
-        ]
-        nodes.append(_start_hidden_node(second, tmp_path / "node_b.log", hidden, env))
-        run_env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"}
-        run_env.pop("RAY_AUTH_MODE", None)
+        address, _ = _start_cluster(nodes, temp, tmp_path / "logs", tmp_path, _node_env(), False, hidden)
         began = time.monotonic()
-        out = subprocess.run(
-            [sys.executable, "-m", "reroll.cli", "train", "unshared.yaml"],
-            cwd=driver,
-            env=run_env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        out, _ = _train_joining(driver, "unshared.yaml", address)
         seconds = time.monotonic() - began
     finally:
         for proc in reversed(nodes):

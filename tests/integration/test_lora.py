@@ -1,4 +1,4 @@
-"""LoRA (``strategy.lora``) on the fsdp2 and torch strategies: only adapters train, both sync forms give
+"""LoRA (``strategy.lora``) on the fsdp2, torch and deepspeed strategies: only adapters train, both sync forms give
 the engine the trainer's policy, checkpoints restore the adapter, and a LoRA GRPO run learns."""
 
 from __future__ import annotations
@@ -20,23 +20,44 @@ from reroll.strategies.fsdp2 import FSDP2Strategy
 from reroll.strategies.lora import merged_state_dict
 from reroll.strategies.torch_strategy import TorchStrategy
 from tests.conftest import QUICKSTART, reroll_cli, write_config
+from tests.same_step import EPS, assert_same_steps, sgd_eps
 
 pytestmark = pytest.mark.integration
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}
 
 
-def _trained(cls, cfg, batch):
-    """A strategy after two optimizer steps on ``batch`` (so the adapters' B is no longer 0)."""
+def _trained(cls, cfg, batch, steps: int = 2):
+    """A strategy after ``steps`` optimizer steps on ``batch`` (after two the adapters' B is no longer 0)."""
     torch.manual_seed(0)
     s = cls(cfg.model.path, cfg=cfg)
     s.configure_optimizer(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0)
-    for _ in range(2):
-        logits = s.logits(batch.input_ids, batch.attention_mask)
-        logp = logits.log_softmax(-1)[:, :-1].gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-        s.backward(-(logp * batch.response_mask[:, 1:]).sum() / batch.num_tokens)
-        s.step(1.0)
+    for _ in range(steps):
+        _step(s, batch)
     return s
+
+
+def _sgd_steps(cls, cfg, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A strategy's adapters before and after two SGD steps (``same_step``: learning rate 0.1) on ``batch``."""
+    torch.manual_seed(0)
+    s = cls(cfg.model.path, cfg=cfg)
+    s.configure_optimizer(lr=0.1 * EPS, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0)
+    assert sgd_eps(s) > 0
+    before = s.adapter_update().tensors
+    for _ in range(2):
+        _step(s, batch)
+    after = s.adapter_update().tensors
+    if getattr(s, "engine", None) is not None:
+        s.engine.destroy()
+    return before, after
+
+
+def _step(s, batch) -> None:
+    """One optimizer step of ``s`` on ``batch``'s next-token loss."""
+    logits = s.logits(batch.input_ids, batch.attention_mask)
+    logp = logits.log_softmax(-1)[:, :-1].gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    s.backward(-(logp * batch.response_mask[:, 1:]).sum() / batch.num_tokens)
+    s.step(1.0)
 
 
 def test_lora_fsdp2_sync_and_checkpoint(tmp_path, assets):
@@ -173,3 +194,70 @@ def test_lora_grpo_quickstart_learns_and_syncs_only_adapters(tmp_path):
 def _train_cli(*overrides: str, config: Path = QUICKSTART) -> None:
     out = reroll_cli("train", config, *overrides, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize(("stage", "checkpointing"), [(2, False), (3, False), (3, True)])
+def test_lora_deepspeed_takes_the_torch_steps_syncs_and_resumes(tmp_path, assets, stage, checkpointing):
+    """LoRA on DeepSpeed, ZeRO-2 and ZeRO-3 (parameters partitioned, one rank): the adapters alone train,
+    the reference is the untouched base, the merged weights and the adapters give the trainer's policy,
+    the two steps are the torch strategy's, and a checkpoint resumes the adapters and the optimizer on a
+    base built again from model.path (``deepspeed/`` holds no frozen weight)."""
+    from reroll.strategies import strategy_available
+
+    if not strategy_available("deepspeed"):
+        pytest.skip("deepspeed is not installed")
+    from reroll.strategies.deepspeed import DeepSpeedStrategy
+
+    strategy = {"name": "deepspeed", "lora": LORA, "deepspeed": {"zero_stage": stage}}
+    model = {"gradient_checkpointing": checkpointing}  # frozen embeddings: the adapters' gradients still flow
+    cfg = load_config(write_config(tmp_path / "c.yaml", assets, strategy=strategy, model=model), RunConfig)
+    samples = load_samples([str(assets["train"])], template="{question}=")[:6]
+    batch = sft_batch(samples, load_tokenizer(cfg.model.path), "{answer}")
+    ids, mask = batch.input_ids, batch.attention_mask
+
+    s = _trained(DeepSpeedStrategy, cfg, batch)
+    trainable = [n for n, p in s.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    base = load_causal_lm(cfg.model.path)
+
+    def score(model) -> torch.Tensor:
+        with torch.no_grad():
+            return sequence_logprobs(model, ids, mask)
+
+    policy = score(s.engine)
+    with s.adapters_disabled():  # the reference of a LoRA run: the base model, untouched by training
+        torch.testing.assert_close(score(s.engine), score(base))
+    assert (policy - score(base)).abs().max() > 1e-3  # the adapters changed it
+
+    merged = s.full_state_dict()
+    assert merged.keys() == base.state_dict().keys()
+    base.load_state_dict(merged)
+    torch.testing.assert_close(score(base), policy, atol=1e-5, rtol=0)
+    update = s.adapter_update()
+    engine = HFEngine(cfg.model.path)
+    engine.update_lora(update.tensors, update.config)
+    torch.testing.assert_close(engine.score(ids, mask), policy, atol=1e-5, rtol=0)
+
+    # the torch strategy's two steps, taken as SGD steps (tests/same_step.py: Adam's first steps turn
+    # ZeRO-3's other summation order into lr-sized moves of the elements whose gradient nearly cancels)
+    on_torch = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"name": "torch"})})
+    w0, on_ds = _sgd_steps(DeepSpeedStrategy, cfg, batch)
+    _, torch_steps = _sgd_steps(TorchStrategy, on_torch, batch)
+    assert_same_steps(torch_steps, on_ds, w0, steps=2)
+
+    s.save(tmp_path / "ckpt", with_optimizer=True)
+    exported = load_causal_lm(tmp_path / "ckpt" / "model")
+    torch.testing.assert_close(score(exported), policy, atol=1e-5, rtol=0)
+    saved = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "deepspeed").rglob("*model_states.pt"))
+    assert saved < 0.5 * sum(t.numel() * t.element_size() for t in merged.values())  # no frozen base in it
+    _step(s, batch)  # a third step from the saved state: what the resumed strategy must take
+    third = s.adapter_update().tensors
+    s.engine.destroy()
+    resumed = DeepSpeedStrategy(cfg.model.path, cfg=cfg)
+    resumed.configure_optimizer(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0)
+    resumed.load(tmp_path / "ckpt")
+    assert all(torch.equal(resumed.adapter_update().tensors[k], v) for k, v in update.tensors.items())
+    torch.testing.assert_close(score(resumed.engine), policy, atol=1e-6, rtol=0)
+    _step(resumed, batch)  # the optimizer's moments and step count came back too: the same third step
+    for k, v in resumed.adapter_update().tensors.items():
+        assert torch.equal(v, third[k]), k

@@ -125,7 +125,14 @@ def hf_pair_scores(checkpoint: Path, prefs) -> tuple[torch.Tensor, torch.Tensor]
     return scores[: len(pairs)], scores[len(pairs) :]
 
 
-@pytest.mark.parametrize("strategy", ["torch", pytest.param("fsdp2", marks=pytest.mark.long)])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "torch",
+        pytest.param("fsdp2", marks=pytest.mark.long),
+        pytest.param("deepspeed", marks=pytest.mark.long),
+    ],
+)
 def test_reward_model_with_lora_trains_adapters_and_the_head(tmp_path, assets, prefs, strategy):
     """LoRA on the body, the new score head trained in full; the checkpoint's model/ has the adapters
     merged, so Hugging Face alone loads it and scores as the run did; adapter/ holds adapters and head.

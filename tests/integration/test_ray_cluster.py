@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -47,11 +49,27 @@ def _token_exists() -> bool:
     return bool(os.environ.get("RAY_AUTH_TOKEN")) or os.path.isfile(path)
 
 
-def _start_node(args: list[str], log: Path, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
-    """``ray start ARGS --block`` in its own process group (stopped by ``_stop``); waits until it is up."""
+def _start_node(
+    args: list[str], log: Path, cwd: Path, env: dict[str, str], hidden: Sequence[Path] = ()
+) -> subprocess.Popen:
+    """``ray start ARGS --block`` in its own process group (stopped by ``_stop``); waits until it is up.
+    ``hidden``: directories the node sees as empty (a mount namespace of its own with a tmpfs over each,
+    ``unshare --mount``, as root): a node whose disk is its own at those paths."""
+    command = [*RAY, "start", *args, "--block", "--disable-usage-stats"]
+    if hidden:
+        mounts = " && ".join(f"mount -t tmpfs tmpfs {shlex.quote(str(h))}" for h in hidden)
+        command = [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f"{mounts} && exec {shlex.join(command)}",
+        ]
     out = log.open("w")
     proc = subprocess.Popen(
-        [*RAY, "start", *args, "--block", "--disable-usage-stats"],
+        command,
         cwd=cwd,
         env=env,
         stdout=out,
@@ -91,12 +109,7 @@ def two_nodes(tmp_path_factory, request):
     tmp_path = tmp_path_factory.mktemp("cluster")
     cwd = tmp_path / "cluster-cwd"
     cwd.mkdir()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    if _token_exists() and "RAY_AUTH_MODE" not in env:  # as Ray's docs say for a node joining a token cluster
-        env["RAY_AUTH_MODE"] = "token"
+    env = _node_env()
     temp = [tempfile.mkdtemp(prefix="rr-", dir="/tmp") for _ in range(2)]  # short: socket paths are bounded
     nodes: list[subprocess.Popen] = []
     try:
@@ -123,11 +136,28 @@ def two_nodes(tmp_path_factory, request):
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _node_env() -> dict[str, str]:
+    """The nodes' environment: this checkout importable, token authentication where a token exists."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    if _token_exists() and "RAY_AUTH_MODE" not in env:  # as Ray's docs say for a node joining a token cluster
+        env["RAY_AUTH_MODE"] = "token"
+    return env
+
+
 def _start_cluster(
-    nodes: list[subprocess.Popen], temp: list[str], logs: Path, cwd: Path, env: dict[str, str], jobs: bool
+    nodes: list[subprocess.Popen],
+    temp: list[str],
+    logs: Path,
+    cwd: Path,
+    env: dict[str, str],
+    jobs: bool,
+    hidden: Sequence[Path] = (),
 ) -> tuple[str, str | None]:
-    """Start the head and the second node (appended to ``nodes``): the GCS address and, with ``jobs``
-    where Ray's dashboard can run, its URL."""
+    """Start the head and the second node (appended to ``nodes``; ``hidden``: what the second one sees
+    empty, ``_start_node``): the GCS address and, with ``jobs`` where Ray's dashboard can run, its URL."""
     logs.mkdir()
     port, dashboard = _free_port(), _free_port() if jobs and _dashboard_available() else None
     head = ["--head", f"--port={port}", f"--ray-client-server-port={_free_port()}"]
@@ -143,7 +173,7 @@ def _start_cluster(
         '--resources={"node_b": 4}',
         f"--temp-dir={temp[1]}",
     ]
-    nodes.append(_start_node(second, logs / "node_b.log", cwd, env))
+    nodes.append(_start_node(second, logs / "node_b.log", cwd, env, hidden))
     return f"127.0.0.1:{port}", (f"http://127.0.0.1:{dashboard}" if dashboard else None)
 
 
@@ -189,6 +219,17 @@ def _check_run(run_dir: Path) -> None:
     assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[2]
 
 
+def _train_joining(
+    driver: Path, config: str, address: str, **extra: str
+) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+    """``reroll train CONFIG`` run in ``driver`` joining the cluster at ``address`` through RAY_ADDRESS,
+    and the environment it ran in (``extra`` added to this one's)."""
+    env = {**os.environ, "RAY_ADDRESS": address, **extra}
+    env.pop("RAY_AUTH_MODE", None)  # the driver turns token authentication on itself where a token exists
+    command = [sys.executable, "-m", "reroll.cli", "train", config]
+    return subprocess.run(command, cwd=driver, env=env, capture_output=True, text=True, timeout=600), env
+
+
 ACTOR_NODES = """
 import json, ray
 from ray._private.state import actors
@@ -204,24 +245,10 @@ def test_train_joins_a_two_node_cluster_with_roles_on_different_nodes(tmp_path, 
     driver = tmp_path / "driver"
     driver.mkdir()
     _config(driver, "cluster")
-    env = {
-        **os.environ,
-        "RAY_ADDRESS": address,
-        # what `ray job submit --runtime-env-json '{"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}'` hands
-        # its driver: reroll's own runtime env must not conflict with the job's
-        "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(
-            {"runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}}
-        ),
-    }
-    env.pop("RAY_AUTH_MODE", None)  # the driver turns token authentication on itself where a token exists
-    out = subprocess.run(
-        [sys.executable, "-m", "reroll.cli", "train", "cluster.yaml"],
-        cwd=driver,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # what `ray job submit --runtime-env-json '{"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}'` hands its
+    # driver: reroll's own runtime env must not conflict with the job's
+    job = {"runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}}
+    out, env = _train_joining(driver, "cluster.yaml", address, RAY_JOB_CONFIG_JSON_ENV_VAR=json.dumps(job))
     assert out.returncode == 0, out.stderr[-4000:]
     assert "joined the Ray cluster" in out.stderr and "2 nodes" in out.stderr
     # each node was asked what it lacks (tests/integration/test_cluster_node_check.py: one that lacks the files)

@@ -20,6 +20,18 @@ def _rows(run_dir):
     return {m["step"]: m for m in read_metrics(run_dir) if m["step"] > 0}
 
 
+def _resumed_after_step_1_matches(tmp_path, run: list[str]) -> None:
+    """``run`` stopped after step 1 and resumed logs steps 2-3 as the run named ``straight`` did."""
+    assert main([*run, "name=stopped", "total_steps=1"]) == 0
+    assert main([*run, "name=stopped", "--resume"]) == 0
+    for step in (2, 3):
+        straight = step_metrics(tmp_path / "runs" / "straight", step)
+        resumed = step_metrics(tmp_path / "runs" / "stopped", step)
+        assert straight.keys() == resumed.keys()
+        for key in straight:
+            assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-6), (step, key)
+
+
 def test_oversampling_keeps_the_first_groups_and_reports_what_it_dropped(tmp_path, assets):
     """hf engine, 2 prompts per micro-batch: 6 prompts drawn for 4 groups (oversample 1.5); the engine
     yields groups a micro-batch at a time, so the step keeps 4, interrupts, and drops the 2 not
@@ -37,13 +49,7 @@ def test_oversampling_keeps_the_first_groups_and_reports_what_it_dropped(tmp_pat
         assert m["rollout/oversample_kept_length"] == m["rollout/response_length"] > 0
         assert m["filter/kept_samples"] == 16  # a full batch
         assert math.isfinite(m["actor/loss"])
-    assert main([*run, "name=stopped", "total_steps=1"]) == 0
-    assert main([*run, "name=stopped", "--resume"]) == 0
-    for step in (2, 3):
-        straight = step_metrics(tmp_path / "runs" / "straight", step)
-        resumed = step_metrics(tmp_path / "runs" / "stopped", step)
-        for key in straight:
-            assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-6), (step, key)
+    _resumed_after_step_1_matches(tmp_path, run)
 
 
 ASYNC_POOL = ["placement.devices=2", "placement.cpus_per_device=0.5", "roles.actor_infer.devices=[1]"]
@@ -66,14 +72,7 @@ def test_oversampling_one_step_off_policy_keeps_the_first_groups_the_engine_fini
         assert m["rollout/oversample_kept_length"] == m["rollout/response_length"] > 0
         assert m["filter/kept_samples"] == 16  # a full batch
         assert math.isfinite(m["actor/loss"])
-    assert main([*run, "name=stopped", "total_steps=1"]) == 0
-    assert main([*run, "name=stopped", "--resume"]) == 0
-    for step in (2, 3):
-        straight = step_metrics(tmp_path / "runs" / "straight", step)
-        resumed = step_metrics(tmp_path / "runs" / "stopped", step)
-        assert straight.keys() == resumed.keys()
-        for key in straight:
-            assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-6), (step, key)
+    _resumed_after_step_1_matches(tmp_path, run)
 
 
 def test_oversampling_off_policy_through_ray_on_an_engine_of_its_own(tmp_path, assets):
