@@ -15,7 +15,9 @@ answers, in a task pinned to it:
 - **packages**: ``package_problems`` run on the node, for what can land there (``on``): a node of the
   device pool (a bundle of the run's placement group, or with no pool, a node with the device type)
   needs the engines' and strategies' packages; every node, the rewards' and environments';
-- **reroll itself**: importable, of the driver's version.
+- **reroll itself**: importable, of the driver's version, and the packages whose versions must agree
+  across the processes of a run (``SAME_VERSIONS``: tensors and weights cross between them) of the
+  driver's versions where both have them.
 
 Asked where the run joined a cluster (``runtime.ray_address``, ``RAY_ADDRESS``) or the cluster it
 holds has several nodes; a cluster ``reroll train`` starts on its own machine has one node, the
@@ -36,6 +38,9 @@ from reroll.config.schema import RunConfig
 
 log = logging.getLogger(__name__)
 
+# what the roles' processes exchange (pickled tensors, weights in a library's layout, adapters): a node
+# with another version of one of these fails far from the cause
+SAME_VERSIONS = ("torch", "transformers", "peft", "vllm", "sglang", "deepspeed", "megatron-core")
 PROBE = ".reroll-node-check"  # the token file, in the run directory while the nodes are asked
 ANSWER_S = (
     180.0  # a node's answer: a worker's start and reroll's import (a few seconds; minutes on a slow disk)
@@ -48,6 +53,7 @@ class NodeAnswer:
 
     version: str
     problems: list[tuple[str, str]] = field(default_factory=list)
+    packages: dict[str, str] = field(default_factory=dict)  # SAME_VERSIONS' installed versions
 
 
 def node_answer(
@@ -71,7 +77,20 @@ def node_answer(
             for key, path in model_paths.items()
             if not Path(path).is_dir()
         ]
-    return NodeAnswer(reroll.__version__, problems)
+    return NodeAnswer(reroll.__version__, problems, installed_versions())
+
+
+def installed_versions() -> dict[str, str]:
+    """The installed versions of ``SAME_VERSIONS``' packages (those not installed left out)."""
+    from importlib import metadata
+
+    found = {}
+    for name in SAME_VERSIONS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
 
 
 def run_dir_problems(run_dir: Path, token: str) -> list[tuple[str, str]]:
@@ -143,16 +162,23 @@ def check_nodes(cfg: RunConfig, device_type: str, pool_nodes: set[str], *, run_d
     )
 
 
-def node_problems(answers: dict[str, NodeAnswer | str]) -> list[ConfigProblem]:
-    """The nodes' answers (or why a node gave none) as problems, each naming the nodes it was found on."""
+def node_problems(
+    answers: dict[str, NodeAnswer | str], here: dict[str, str] | None = None
+) -> list[ConfigProblem]:
+    """The nodes' answers (or why a node gave none) as problems, each naming the nodes it was found on.
+    ``here``: the driver's ``installed_versions`` (default: read now)."""
+    here = installed_versions() if here is None else here
     found: dict[tuple[str, str], list[str]] = {}
     for node, answer in answers.items():
         if isinstance(answer, str):
             found.setdefault(("runtime", answer), []).append(node)
             continue
-        if answer.version != reroll.__version__:
-            what = f"reroll {answer.version} is installed, the driver runs {reroll.__version__}: the same on every node"
-            found.setdefault(("runtime", what), []).append(node)
+        versions = {"reroll": (answer.version, reroll.__version__)}
+        versions |= {k: (v, here[k]) for k, v in answer.packages.items() if k in here}
+        for name, (there, ours) in versions.items():
+            if there != ours:
+                what = f"{name} {there} is installed, the driver runs {ours}: the same version on every node"
+                found.setdefault(("runtime", what), []).append(node)
         for path, message in answer.problems:
             found.setdefault((path, message), []).append(node)
     return [

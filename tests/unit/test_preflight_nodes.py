@@ -12,7 +12,14 @@ import reroll
 from reroll.config.loader import load_config
 from reroll.config.schema import RunConfig
 from reroll.pipelines.preflight_machine import package_problems
-from reroll.pipelines.preflight_nodes import PROBE, NodeAnswer, asks_nodes, node_answer, node_problems
+from reroll.pipelines.preflight_nodes import (
+    PROBE,
+    NodeAnswer,
+    asks_nodes,
+    installed_versions,
+    node_answer,
+    node_problems,
+)
 from tests.conftest import ROOT, small_config
 
 
@@ -70,24 +77,32 @@ def test_a_node_outside_the_pool_is_asked_only_for_the_packages_of_the_roles_tha
     assert [p.path for p in package_problems(cfg, on="pool")] == ["rollout.engine", "strategy.name"]
 
 
-def test_the_answers_become_one_problem_a_finding_naming_its_nodes():
+def test_the_answers_become_one_problem_a_finding_naming_its_nodes(tmp_path):
     same = ("output_dir", "the run directory '/r' is missing here")
+    here = {"torch": "2.13.0", "vllm": "0.32.0"}
     answers = {
-        "node 10.0.0.2 (aaaaaaaa)": NodeAnswer(reroll.__version__, [same]),
+        "node 10.0.0.2 (aaaaaaaa)": NodeAnswer(reroll.__version__, [same], {"torch": "2.13.0"}),
         "node 10.0.0.3 (bbbbbbbb)": NodeAnswer("0.0.1", [same, ("rollout.engine", "vllm is not installed")]),
         "node 10.0.0.4 (cccccccc)": "reroll could not run there (ModuleNotFoundError: No module named 'reroll')",
-        "node 10.0.0.5 (dddddddd)": NodeAnswer(reroll.__version__, []),
+        # another torch than the driver's; a package the driver lacks is not compared
+        "node 10.0.0.5 (dddddddd)": NodeAnswer(
+            reroll.__version__, [], {"torch": "2.12.1", "sglang": "0.5.2"}
+        ),
     }
-    problems = [str(p) for p in node_problems(answers)]
+    problems = [str(p) for p in node_problems(answers, here)]
     assert problems == [
         "output_dir: on node 10.0.0.2 (aaaaaaaa), node 10.0.0.3 (bbbbbbbb): the run directory '/r' is missing here",
         f"runtime: on node 10.0.0.3 (bbbbbbbb): reroll 0.0.1 is installed, the driver runs {reroll.__version__}: "
-        "the same on every node",
+        "the same version on every node",
         "rollout.engine: on node 10.0.0.3 (bbbbbbbb): vllm is not installed",
         "runtime: on node 10.0.0.4 (cccccccc): reroll could not run there (ModuleNotFoundError: No module named "
         "'reroll')",
+        "runtime: on node 10.0.0.5 (dddddddd): torch 2.12.1 is installed, the driver runs 2.13.0: the same version "
+        "on every node",
     ]
-    assert node_problems({"node x": NodeAnswer(reroll.__version__, [])}) == []
+    assert node_problems({"node x": NodeAnswer(reroll.__version__, [], dict(here))}, here) == []
+    # what a node answers: this machine's versions, the driver's by construction
+    assert node_answer(small_config(tmp_path), None, "node", {}).packages == installed_versions()
 
 
 @pytest.mark.parametrize(
