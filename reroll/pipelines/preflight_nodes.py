@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -150,7 +151,8 @@ def check_nodes(cfg: RunConfig, device_type: str, pool_nodes: set[str], *, run_d
             on = "pool" if _on_pool(n, device_type, pool_nodes) else "node"
             strategy = NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
             refs[n["NodeID"]] = ask.options(scheduling_strategy=strategy).remote(cfg, token, on, models)
-        answers = {node: _answer(ref) for node, ref in refs.items()}
+        deadline = time.monotonic() + ANSWER_S  # one bound for all: the nodes answer at once
+        answers = {node: _answer(ref, deadline) for node, ref in refs.items()}
     finally:
         probe.unlink(missing_ok=True)
     problems = node_problems({_name(n): answers[n["NodeID"]] for n in nodes})
@@ -186,12 +188,12 @@ def node_problems(
     ]
 
 
-def _answer(ref: Any) -> NodeAnswer | str:
-    """A node's answer, or why there is none: reroll not importable there, no answer in time."""
+def _answer(ref: Any, deadline: float) -> NodeAnswer | str:
+    """A node's answer, or why there is none: reroll not importable there, no answer by ``deadline``."""
     import ray
 
     try:
-        return ray.get(ref, timeout=ANSWER_S)
+        return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
     except ray.exceptions.GetTimeoutError:
         ray.cancel(ref, force=True)
         return f"no answer within {ANSWER_S:.0f} s to a task pinned to the node (its workers do not start?)"
