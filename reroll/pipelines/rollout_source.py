@@ -226,7 +226,7 @@ class RolloutSource:
         """A round with ``rollout.oversample``: each group scored as it finishes, the first
         ``prompts_per_step`` kept, the rest interrupted and dropped."""
         want = self.cfg.prompts_per_step
-        prompts = self._draw(math.ceil(want * (self.cfg.rollout.oversample or 1.0) - 1e-9))
+        prompts = self._draw_oversampled()
         kept: list[Partial] = []
         pending, dropped = [], []
         with roles.phase("generate", "actor_infer"):
@@ -253,6 +253,10 @@ class RolloutSource:
         self.streamed[0].append(scored)
         self.streamed[1].extend(dropped)
         return scored
+
+    def _draw_oversampled(self) -> list[Sample]:
+        """A round's prompts with ``rollout.oversample``: ``ceil(oversample * prompts_per_step)``."""
+        return self._draw(math.ceil(self.cfg.prompts_per_step * (self.cfg.rollout.oversample or 1.0) - 1e-9))
 
     def _draw(self, n: int) -> list[Sample]:
         """``n`` prompts from the sampler (its batch size set to ``n`` for the draw)."""
@@ -351,15 +355,15 @@ class RolloutSource:
         """Step ``step``'s generation, submitted now (with ``rollout.oversample``, more prompts than a
         step trains on, of which the engine keeps the first ``prompts_per_step`` groups to finish)."""
         # generated ahead on purpose: the weights loads queued behind it keep it within async_steps
-        oversample, keep = self.cfg.rollout.oversample, None
-        if oversample is None:
+        keep = None
+        if self.cfg.rollout.oversample is None:
             prompts = self.sampler.next_batch()
             refs = roles.actor_infer.submit(
                 [s.engine_prompt for s in prompts], self._params(step, 0), stale_ok=True
             )
         else:
             keep = self.cfg.prompts_per_step
-            prompts = self._draw(math.ceil(keep * oversample - 1e-9))
+            prompts = self._draw_oversampled()
             refs = roles.actor_infer.submit_first(
                 [s.engine_prompt for s in prompts], self._params(step, 0), keep, stale_ok=True
             )
@@ -374,7 +378,8 @@ class RolloutSource:
                 queued.groups = roles.actor_infer.collect(queued.refs)
             else:  # over-sampling: the kept groups, in the order they finished, and what was dropped
                 kept, groups = roles.actor_infer.collect_first(queued.refs)
-                queued.dropped = [c for i, g in enumerate(groups) if i not in set(kept) for c in g]
+                keep = set(kept)
+                queued.dropped = [c for i, g in enumerate(groups) if i not in keep for c in g]
                 queued.prompts = [queued.prompts[i] for i in kept]
                 queued.groups, queued.keep = [groups[i] for i in kept], None
             if queued.resumed:  # partial rollouts: each segment's new tokens carry its weights' version
