@@ -49,11 +49,14 @@ RTOL = 1e-4  # the gradients' relative difference across summation orders (modul
 F32_EPS = torch.finfo(torch.float32).eps  # 2**-23: float32's spacing relative to the value
 
 
-def adamw_of(strategy: Any) -> torch.optim.AdamW:
-    """The AdamW a strategy steps: DeepSpeed's over this rank's fp32 partition, else the strategy's own."""
+def adamw_of(strategy: Any) -> torch.optim.Optimizer:
+    """The AdamW a strategy steps: DeepSpeed's over this rank's fp32 partition (``DeepSpeedCPUAdam`` in
+    its AdamW mode with ``offload_optimizer``, which reads each group's eps at every step as AdamW
+    does), else the strategy's own."""
     engine = getattr(strategy, "engine", None)
     optimizer = engine.basic_optimizer if engine is not None else strategy.optimizer
-    assert isinstance(optimizer, torch.optim.AdamW), type(optimizer)
+    cpu_adamw = getattr(optimizer, "adam_w_mode", False) is True  # DeepSpeedCPUAdam(adamw_mode=True)
+    assert isinstance(optimizer, torch.optim.AdamW) or cpu_adamw, type(optimizer)
     return optimizer
 
 
