@@ -60,16 +60,22 @@ def _step(s, batch) -> None:
     s.step(1.0)
 
 
-def test_lora_fsdp2_sync_and_checkpoint(tmp_path, assets):
-    path = write_config(tmp_path / "c.yaml", assets, strategy={"name": "fsdp2", "lora": LORA})
-    cfg = load_config(path, RunConfig)
+def _lora_trained(tmp_path, assets, cls, **sections):
+    """A config with ``sections`` (its strategy LoRA's), six rows of the assets' data as a batch, and ``cls``
+    after two steps on it (``_trained``), whose trainable parameters are the adapters alone."""
+    cfg = load_config(write_config(tmp_path / "c.yaml", assets, **sections), RunConfig)
     samples = load_samples([str(assets["train"])], template="{question}=")[:6]
     batch = sft_batch(samples, load_tokenizer(cfg.model.path), "{answer}")
-    ids, mask = batch.input_ids, batch.attention_mask
-
-    s = _trained(FSDP2Strategy, cfg, batch)
+    s = _trained(cls, cfg, batch)
     trainable = [n for n, p in s.model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
+    return cfg, batch, s, trainable
+
+
+def test_lora_fsdp2_sync_and_checkpoint(tmp_path, assets):
+    strategy = {"name": "fsdp2", "lora": LORA}
+    cfg, batch, s, trainable = _lora_trained(tmp_path, assets, FSDP2Strategy, strategy=strategy)
+    ids, mask = batch.input_ids, batch.attention_mask
     base = load_causal_lm(cfg.model.path)
     with torch.no_grad():
         policy = sequence_logprobs(s.model, ids, mask)
@@ -217,14 +223,8 @@ def test_lora_deepspeed_takes_the_torch_steps_syncs_and_resumes(tmp_path, assets
 
     strategy = {"name": "deepspeed", "lora": LORA, "deepspeed": {"zero_stage": stage}}
     model = {"gradient_checkpointing": checkpointing}  # frozen embeddings: the adapters' gradients still flow
-    cfg = load_config(write_config(tmp_path / "c.yaml", assets, strategy=strategy, model=model), RunConfig)
-    samples = load_samples([str(assets["train"])], template="{question}=")[:6]
-    batch = sft_batch(samples, load_tokenizer(cfg.model.path), "{answer}")
+    cfg, batch, s, _ = _lora_trained(tmp_path, assets, DeepSpeedStrategy, strategy=strategy, model=model)
     ids, mask = batch.input_ids, batch.attention_mask
-
-    s = _trained(DeepSpeedStrategy, cfg, batch)
-    trainable = [n for n, p in s.model.named_parameters() if p.requires_grad]
-    assert trainable and all(".lora_" in n for n in trainable)
     base = load_causal_lm(cfg.model.path)
 
     def score(model) -> torch.Tensor:
