@@ -52,7 +52,7 @@ def package_problems(
     if any(r in roles for r in _TRAINERS) and (missing := strategy_missing(cfg.strategy.name)):
         problems.append(ConfigProblem("strategy.name", missing))
     if reward is not None:
-        problems += _reward_packages(cfg)
+        problems += _reward_packages(cfg, own_modules=on != "driver")
     agentic = cfg.section("agentic")
     if agentic is not None and agentic.env.startswith("gem:"):
         from reroll.envs.gem import gem_missing
@@ -65,11 +65,21 @@ def package_problems(
     return problems
 
 
-def _reward_packages(cfg: RunConfig) -> list[ConfigProblem]:
+def _reward_packages(cfg: RunConfig, *, own_modules: bool = False) -> list[ConfigProblem]:
+    """What the rewards' functions need here; ``own_modules``: a ``module:function`` of the user's too
+    (on another node of a cluster: the driver's checks import them where it runs)."""
     problems = []
     for domain, terms in domain_terms(cfg.reward).items():
         for i, term in enumerate(terms):
             key, name = f"{term_key(cfg.reward, domain, i)}.fn", RENAMED.get(term.fn, term.fn)
+            if own_modules and ":" in name and not _importable(module := name.split(":", 1)[0]):
+                problems.append(
+                    ConfigProblem(
+                        key,
+                        f"{name!r}: module {module!r} is not importable here: ship it with the job (`ray job "
+                        "submit --working-dir .`) or install it on every node",
+                    )
+                )
             if name == "math_verify" and importlib.util.find_spec("math_verify") is None:
                 from reroll.rewards.math import MISSING
 
@@ -80,6 +90,13 @@ def _reward_packages(cfg: RunConfig) -> list[ConfigProblem]:
                 if problem := bubblewrap_problem():
                     problems.append(ConfigProblem(key, f"reward 'code_tests': {problem}"))
     return problems
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent package
+        return False
 
 
 @dataclass(frozen=True)

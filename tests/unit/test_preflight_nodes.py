@@ -145,3 +145,19 @@ def test_every_model_path_a_worker_loads_is_listed_and_made_absolute(tmp_path, m
     assert out.distill.teachers["arithmetic"].model_path == before  # not here: left as given
     assert out.model.path == "Qwen/Qwen2.5-0.5B"  # a hub id stays one
     assert out.model_paths()[("distill", "teachers", "v1.5", "model_path")] == str(tmp_path / "models" / "t")
+
+
+def test_a_node_is_asked_for_the_users_own_reward_modules_which_the_driver_imports_itself(tmp_path):
+    """A ``module:function`` reward the reward workers import: asked of every node, not of the driver
+    (its checks call the reward where it runs, with their own message)."""
+
+    def reward_problems(cfg: RunConfig, on: str) -> list[str]:
+        return [p.message for p in package_problems(cfg, on=on) if p.path == "reward.fn"]
+
+    cfg = small_config(tmp_path, "reward.fn=no_such_pkg.rewards:score")
+    [message] = reward_problems(cfg, "node")
+    assert "module 'no_such_pkg.rewards' is not importable here" in message and "--working-dir" in message
+    assert reward_problems(cfg, "pool") == [message]
+    assert reward_problems(cfg, "driver") == []
+    here = small_config(tmp_path, "reward.fn=tests.integration.shaped_rewards:sevens")
+    assert reward_problems(here, "node") == []
