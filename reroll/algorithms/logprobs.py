@@ -44,8 +44,8 @@ from torch.autograd.function import once_differentiable
 # tokens, 64 rows a pass, `benchmarks/train_passes.py`): train 1.44 -> 1.38 s, reference 0.49 -> 0.46 s.
 CHUNK_ELEMENTS = 2**24
 CHUNK_ELEMENTS_CUDA = 2**26
-# The fused head (``linear_logprobs_and_entropy``) on a GPU: 2**28 elements a chunk (about 1,766 tokens at 152k).
-# Its backward makes each block's logits again, and larger blocks pay: on an H100 80GB (2026-12-07, 0.5B
+# The fused head (``linear_logprobs_and_entropy``) on a GPU: 2**28 elements a chunk (about 1,766 tokens
+# at 152k). Its backward makes each block's logits again, and larger blocks pay: on an H100 80GB (2026-12-07, 0.5B
 # shape, 256 x 384 tokens, 64 rows a pass, `benchmarks/train_passes.py`) the training pass took 1.52 s at
 # 2**26 and 1.27 s at 2**28 (1.06 s with the logits kept), its peak 32.8 and 35.0 GiB (41.5 GiB kept).
 LINEAR_CHUNK_ELEMENTS_CUDA = 2**28
@@ -56,8 +56,8 @@ def chunk_rows(logits: Tensor) -> int:
     return _rows_of(logits.shape[-1], logits.is_cuda)
 
 
-def _rows_of(vocab: int, cuda: bool) -> int:
-    return max(1, (CHUNK_ELEMENTS_CUDA if cuda else CHUNK_ELEMENTS) // vocab)
+def _rows_of(vocab: int, cuda: bool, cuda_elements: int = CHUNK_ELEMENTS_CUDA) -> int:
+    return max(1, (cuda_elements if cuda else CHUNK_ELEMENTS) // vocab)
 
 
 def token_logprobs(
@@ -135,8 +135,8 @@ def linear_logprobs_and_entropy(
     log p(target) and the entropy (zeros unless ``entropy``), ``(K,)`` fp32 each.
 
     Forward makes the logits ``chunk_tokens`` rows at a time (default: ``chunk_rows``'s count, on a GPU
-    ``LINEAR_CHUNK_ELEMENTS_CUDA``'s) in the head's dtype, as ``F.linear`` makes them, and reduces each chunk as ``selected_logprobs_and_entropy``
-    does (the same function), keeping each row's log-sum-exp too. Autograd keeps ``hidden`` and ``weight``
+    ``LINEAR_CHUNK_ELEMENTS_CUDA``'s) in the head's dtype, as ``F.linear`` makes them, and reduces each
+    chunk as ``selected_logprobs_and_entropy`` does (the same function), keeping each row's log-sum-exp too. Autograd keeps ``hidden`` and ``weight``
     (which it holds anyway: the head's input and parameter), the entropy and the log-sum-exp (``K``
     floats each). Backward goes over blocks of the vocabulary with all ``K`` rows (as many elements a
     block as a chunk): it makes the block's logits again, their softmax from the log-sum-exp and their
@@ -150,10 +150,7 @@ def linear_logprobs_and_entropy(
     for a 7B model's head, read and written once a chunk). Gradients only for the inputs that need them
     (a frozen head: none for the weight); the entropy's backward only when its gradient is used."""
     scale = temperature if temperature > 0 else 1.0
-    default = (
-        LINEAR_CHUNK_ELEMENTS_CUDA // weight.shape[0] if weight.is_cuda else _rows_of(weight.shape[0], False)
-    )
-    rows = chunk_tokens or max(1, default)
+    rows = chunk_tokens or _rows_of(weight.shape[0], weight.is_cuda, LINEAR_CHUNK_ELEMENTS_CUDA)
     return _LinearNextToken.apply(hidden, weight, bias, targets.to(hidden.device), scale, entropy, rows)
 
 

@@ -139,9 +139,9 @@ class ModelConfig(StrictModel):
         "entropy are computed from the last hidden states and the head's weight a chunk at a time, forward "
         "and backward (the backward computes the chunks' logits again), so a micro-batch's (tokens x "
         "vocabulary) logits are never kept: memory for time. On an H100 at the 0.5B shape (64 rows of 384 "
-        "tokens a pass) the training pass took 1.27 s a batch at its GPU chunk (about 1,766 tokens) against 1.06 s on "
-        "the logits path, for a peak 6.5 GiB lower (benchmarks/train_passes.py): turn it on where the logits are what does not fit "
-        "(long responses, large vocabularies). Models whose head is not a plain linear layer, or whose "
+        "tokens a pass) the training pass took 1.27 s a batch at its GPU chunk (about 1,766 tokens) against "
+        "1.06 s on the logits path, for a peak 6.5 GiB lower (benchmarks/train_passes.py): turn it on where "
+        "the logits are what does not fit (long responses, large vocabularies). Models whose head is not a plain linear layer, or whose "
         "forward changes the head's output, keep the logits path by themselves; deepspeed and megatron "
         "always take it. false (default): the response positions' logits, kept for backward.",
     )

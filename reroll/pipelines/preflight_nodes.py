@@ -43,9 +43,8 @@ log = logging.getLogger(__name__)
 # with another version of one of these fails far from the cause
 SAME_VERSIONS = ("torch", "transformers", "peft", "vllm", "sglang", "deepspeed", "megatron-core")
 PROBE = ".reroll-node-check"  # the token file, in the run directory while the nodes are asked
-ANSWER_S = (
-    180.0  # a node's answer: a worker's start and reroll's import (a few seconds; minutes on a slow disk)
-)
+# a node's answer: a worker's start and reroll's import (a few seconds; minutes on a slow disk)
+ANSWER_S = 180.0
 
 
 @dataclass
@@ -154,7 +153,8 @@ def check_nodes(cfg: RunConfig, device_type: str, pool_nodes: set[str], *, run_d
         deadline = time.monotonic() + ANSWER_S  # one bound for all: the nodes answer at once
         answers = {node: _answer(ref, deadline) for node, ref in refs.items()}
     finally:
-        probe.unlink(missing_ok=True)
+        if token is not None:  # only what this check wrote
+            probe.unlink(missing_ok=True)
     problems = node_problems({_name(n): answers[n["NodeID"]] for n in nodes})
     if problems:
         raise ConfigError(problems, f"the Ray cluster ({len(nodes)} nodes)")

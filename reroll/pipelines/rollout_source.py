@@ -134,8 +134,8 @@ class _Queued:
     # partial rollouts: the continuations queued after interrupts, (version of their tokens, refs)
     resumed: list[tuple[int, list[Any]]] = field(default_factory=list)
     versions: list[list[list[int]]] | None = None  # per group, per sample, per token (once collected)
-    # over-sampling: the groups to keep of the prompts drawn (None once collected: prompts and groups are
-    # then the kept ones), and what the engine dropped
+    # over-sampling: the groups to keep of the prompts drawn (once collected, prompts and groups are the
+    # kept ones), and what the engine dropped
     keep: int | None = None
     dropped: list[Completion] = field(default_factory=list)
 
@@ -381,7 +381,7 @@ class RolloutSource:
                 keep = set(kept)
                 queued.dropped = [c for i, g in enumerate(groups) if i not in keep for c in g]
                 queued.prompts = [queued.prompts[i] for i in kept]
-                queued.groups, queued.keep = [groups[i] for i in kept], None
+                queued.groups = [groups[i] for i in kept]
             if queued.resumed:  # partial rollouts: each segment's new tokens carry its weights' version
                 queued.versions = [[[queued.version] * len(c.response_ids) for c in g] for g in queued.groups]
                 for version, refs in queued.resumed:

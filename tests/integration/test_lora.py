@@ -268,3 +268,12 @@ def test_lora_deepspeed_takes_the_torch_steps_syncs_and_resumes(tmp_path, assets
     _step(resumed, batch)  # the optimizer's moments and step count came back too: the same third step
     for k, v in resumed.adapter_update().tensors.items():
         assert torch.equal(v, third[k]), k
+
+    # a checkpoint without the optimizer (no deepspeed/): the adapters come back from adapter/ alone
+    resumed.save(tmp_path / "weights", with_optimizer=False)
+    assert not (tmp_path / "weights" / "deepspeed").exists()
+    resumed.engine.destroy()
+    weights = DeepSpeedStrategy(cfg.model.path, cfg=cfg)
+    weights.configure_optimizer(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0)
+    weights.load(tmp_path / "weights")
+    assert all(torch.equal(weights.adapter_update().tensors[k], v) for k, v in third.items())
