@@ -27,7 +27,7 @@ LoRA (``strategy.lora``): the model is wrapped with peft before the engine is bu
 holds the adapters (and a reward model's score head) alone. Weight sync and ``model/`` get the base
 weights with the adapters merged in, ``adapter/`` the adapters; ``deepspeed/`` holds the trained
 tensors only (``exclude_frozen_parameters``), and a resume builds the base from ``model.path`` again
-and loads them into it. A LoRA checkpoint resumes at the world size that saved it.
+and loads them into it, at any world size (the universal form holds the trained tensors alone).
 """
 
 from __future__ import annotations
@@ -375,12 +375,6 @@ class DeepSpeedStrategy(MicroBatchLoop):
         state = directory / "deepspeed"
         saved = len(list((state / _TAG).glob("*optim_states.pt"))) if self.trainable else 0
         universal = bool(saved) and saved != self.world_size
-        if universal and self.lora is not None:
-            raise UserError(
-                f"{directory}: a LoRA checkpoint of the deepspeed strategy saved by {saved} ranks resumes at "
-                f"{saved} ranks, not {self.world_size} (DeepSpeed's universal checkpoint needs every "
-                f"parameter): set roles.<role>.world_size={saved}"
-            )
         if universal:
             self._to_universal(state)
         # with LoRA the base comes from model.path and the trained tensors from deepspeed/ (or adapter/)
