@@ -45,9 +45,10 @@ from torch.autograd.function import once_differentiable
 CHUNK_ELEMENTS = 2**24
 CHUNK_ELEMENTS_CUDA = 2**26
 # The fused head (``linear_logprobs_and_entropy``) on a GPU: 2**28 elements a chunk (about 1,766 tokens
-# at 152k). Its backward makes each block's logits again, and larger blocks pay: on an H100 80GB (2026-12-07, 0.5B
-# shape, 256 x 384 tokens, 64 rows a pass, `benchmarks/train_passes.py`) the training pass took 1.52 s at
-# 2**26 and 1.27 s at 2**28 (1.06 s with the logits kept), its peak 32.8 and 35.0 GiB (41.5 GiB kept).
+# at 152k). Its backward makes each block's logits again, and larger blocks pay: on an H100 80GB
+# (2026-12-07, 0.5B shape, 256 x 384 tokens, 64 rows a pass, `benchmarks/train_passes.py`) the training
+# pass took 1.52 s at 2**26 and 1.27 s at 2**28 (1.06 s with the logits kept), its peak 32.8 and 35.0 GiB
+# (41.5 GiB kept).
 LINEAR_CHUNK_ELEMENTS_CUDA = 2**28
 
 
@@ -136,9 +137,9 @@ def linear_logprobs_and_entropy(
 
     Forward makes the logits ``chunk_tokens`` rows at a time (default: ``chunk_rows``'s count, on a GPU
     ``LINEAR_CHUNK_ELEMENTS_CUDA``'s) in the head's dtype, as ``F.linear`` makes them, and reduces each
-    chunk as ``selected_logprobs_and_entropy`` does (the same function), keeping each row's log-sum-exp too. Autograd keeps ``hidden`` and ``weight``
-    (which it holds anyway: the head's input and parameter), the entropy and the log-sum-exp (``K``
-    floats each). Backward goes over blocks of the vocabulary with all ``K`` rows (as many elements a
+    chunk as ``selected_logprobs_and_entropy`` does (the same function), keeping each row's log-sum-exp
+    too. Autograd keeps ``hidden`` and ``weight`` (which it holds anyway: the head's input and
+    parameter), the entropy and the log-sum-exp (``K`` floats each). Backward goes over blocks of the vocabulary with all ``K`` rows (as many elements a
     block as a chunk): it makes the block's logits again, their softmax from the log-sum-exp and their
     gradient by the logits path's formulas (``(onehot - p) / T``, ``-p (log p + H) / T``: the same
     function), cast to the head's dtype as the logits' gradient is; then writes the block's rows of the

@@ -141,9 +141,10 @@ class ModelConfig(StrictModel):
         "vocabulary) logits are never kept: memory for time. On an H100 at the 0.5B shape (64 rows of 384 "
         "tokens a pass) the training pass took 1.27 s a batch at its GPU chunk (about 1,766 tokens) against "
         "1.06 s on the logits path, for a peak 6.5 GiB lower (benchmarks/train_passes.py): turn it on where "
-        "the logits are what does not fit (long responses, large vocabularies). Models whose head is not a plain linear layer, or whose "
-        "forward changes the head's output, keep the logits path by themselves; deepspeed and megatron "
-        "always take it. false (default): the response positions' logits, kept for backward.",
+        "the logits are what does not fit (long responses, large vocabularies). Models whose head is not a "
+        "plain linear layer, or whose forward changes the head's output, keep the logits path by themselves; "
+        "deepspeed and megatron always take it. false (default): the response positions' logits, kept for "
+        "backward.",
     )
     batched_vision_attention: bool = Field(
         True,

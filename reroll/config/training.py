@@ -197,8 +197,8 @@ class StrategyConfig(StrictModel):
     lora: LoRAConfig | None = Field(
         None,
         description="Train low-rank adapters instead of all weights (torch, fsdp2 and deepspeed "
-        "strategies); a reward model (pipeline reward_model) trains its score head in full beside them and saves the adapters "
-        "merged into model/.",
+        "strategies); a reward model (pipeline reward_model) trains its score head in full beside them and "
+        "saves the adapters merged into model/.",
     )
 
     @property

@@ -378,8 +378,8 @@ class RolloutSource:
                 queued.groups = roles.actor_infer.collect(queued.refs)
             else:  # over-sampling: the kept groups, in the order they finished, and what was dropped
                 kept, groups = roles.actor_infer.collect_first(queued.refs)
-                keep = set(kept)
-                queued.dropped = [c for i, g in enumerate(groups) if i not in keep for c in g]
+                taken = set(kept)
+                queued.dropped = [c for i, g in enumerate(groups) if i not in taken for c in g]
                 queued.prompts = [queued.prompts[i] for i in kept]
                 queued.groups = [groups[i] for i in kept]
             if queued.resumed:  # partial rollouts: each segment's new tokens carry its weights' version

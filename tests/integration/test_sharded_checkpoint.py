@@ -232,7 +232,7 @@ def _universal(state: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.skipif(not strategy_available("deepspeed"), reason="deepspeed is not installed")
 @pytest.mark.parametrize(
     ("stage", "lora"),
-    [  # CI keeps LoRA on ZeRO-3 (~25 s on 2 cores): its checkpoint holds the adapters alone, partitioned
+    [  # CI keeps LoRA on ZeRO-3 (~12 s on 2 cores): its checkpoint holds the adapters alone, partitioned
         pytest.param(2, False, marks=pytest.mark.long),
         pytest.param(3, False, marks=pytest.mark.long),
         pytest.param(2, True, marks=pytest.mark.long),
