@@ -173,6 +173,12 @@ class RunConfig(StrictModel):
     def run_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
 
+    @property
+    def storage_url(self) -> str | None:
+        """``checkpoint.storage`` with ``{name}`` replaced, as in ``output_dir``; None when unset."""
+        storage = self.checkpoint.storage
+        return storage.format(name=self.name) if storage else None
+
     def absolute_paths(self) -> RunConfig:
         """This config with the paths workers use made absolute against this process's working
         directory: the run directory (``output_dir``: checkpoints, the reference snapshot) and every

@@ -26,6 +26,15 @@ class CheckpointConfig(StrictModel):
         "nothing (a benchmark, a throwaway try: a 7B LoRA run's final save took 94 s on an H100 machine), "
         "so its last steps can be neither resumed nor loaded.",
     )
+    storage: str | None = Field(
+        None,
+        description="A copy of the run in remote storage, so --resume continues on a machine whose disk "
+        "is gone (a preempted VM): any fsspec URL ('s3://bucket/runs/{name}', 'gs://...', 'az://...'; "
+        "pip install s3fs, gcsfs or adlfs) or a path on another mounted disk; '{name}' is replaced by "
+        "the name. Each complete checkpoint is copied there after its local save (its marker last; "
+        "keep_last applies there too), and the metrics, config and TensorBoard files after the step. "
+        "--resume downloads the newest complete one when the run directory has none as new.",
+    )
 
 
 class LoggingConfig(StrictModel):

@@ -33,6 +33,8 @@ Checked:
   teacher has the student's tokenizer; a reward model is a one-label ``...ForSequenceClassification``;
   the data rows route to a teacher (their ``domain``).
 - ``output_dir``: nothing on its path is a regular file, and it can be written.
+- ``checkpoint.storage``: fsspec knows the URL, its package is installed, and a small file can be
+  written, read back and removed there (``reroll.runtime.storage.check``).
 - lengths: ``rollout.max_new_tokens`` and ``rollout.vllm.max_model_len`` within the model's context
   length, read from ``config.json`` where ``model.path`` is a local directory; and (a warning) the first
   training rows' answers, or SFT targets with a warm start, tokenized against ``rollout.max_new_tokens``
@@ -89,6 +91,7 @@ from reroll.pipelines.preflight_machine import Machine, machine_problems, packag
 from reroll.rewards import load_reward
 from reroll.rewards.calling import bind_problem
 from reroll.rewards.routing import domain_required_fields, domain_terms, route, term_key
+from reroll.runtime import storage
 
 PEEK_ROWS = 100  # rows of each data file checked for their fields
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -127,7 +130,7 @@ def inspect_inputs(
     if machine is None and _on_this_machine(cfg):
         machine = Machine.here()
     train_rows: list[tuple[str, int, dict[str, Any]]] = []  # the first training rows that passed
-    problems = _check_output_dir(cfg)
+    problems = _check_output_dir(cfg) + _check_storage(cfg)
     problems += _check_data(cfg, train_rows)
     # what a run with images cannot do is found again where both its rows and its pairs have images
     problems += [p for p in _check_preferences(cfg) if p not in problems]
@@ -176,6 +179,14 @@ def _check_output_dir(cfg: RunConfig) -> list[ConfigProblem]:
             )
         ]
     return []
+
+
+def _check_storage(cfg: RunConfig) -> list[ConfigProblem]:
+    """``checkpoint.storage``: fsspec knows it, its package is here, a file can be written there."""
+    if cfg.storage_url is None:
+        return []
+    problem = storage.check(cfg.storage_url, cfg.run_dir)
+    return [ConfigProblem("checkpoint.storage", problem)] if problem else []
 
 
 def _data_files(cfg: RunConfig) -> list[tuple[str, Source, list[str]]]:

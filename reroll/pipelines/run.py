@@ -26,6 +26,7 @@ from reroll.pipelines.preflight import preflight
 from reroll.pipelines.roles import Roles
 from reroll.pipelines.run_dir import (
     RunResult,
+    copy_records,
     open_metrics,
     open_run_dir,
     save_checkpoint,
@@ -94,6 +95,8 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
             metrics |= roles.pop_timings() | {"timing/step": time.perf_counter() - began}
             metrics_log.log(step, metrics)
             _keep_reward_errors(roles, run_dir)
+            if ckpt is not None and ckpt.name == checkpoint.step_name(step):  # checkpointed: its records too
+                copy_records(cfg, metrics_log)
             last = metrics
             tqdm.write(step_line(step, total, metrics))
             line = pipeline.sample_line()
@@ -108,7 +111,7 @@ def run(pipeline_cls: type[Pipeline], cfg: RunConfig, *, resume: bool = False) -
     finally:
         roles.shutdown()
         torch.set_num_threads(threads)
-    return RunResult(run_dir, ckpt, run_dir / "metrics.jsonl", run_dir / "config.yaml", last)
+    return RunResult(run_dir, ckpt, run_dir / "metrics.jsonl", run_dir / "config.yaml", last, cfg.storage_url)
 
 
 def _keep_reward_errors(roles: Roles, run_dir: Path) -> None:

@@ -18,7 +18,7 @@ from reroll.models.loading import load_tokenizer
 from reroll.pipelines.pipeline import Checkpointed
 from reroll.roles.critic import CriticGroup
 from reroll.roles.trainer import TrainerGroup
-from reroll.runtime import checkpoint
+from reroll.runtime import checkpoint, storage
 from reroll.runtime.console import shown
 from reroll.runtime.metrics import MetricsLogger, MlflowSettings
 
@@ -34,6 +34,7 @@ class RunResult:
     metrics_path: Path
     config_path: Path
     final_metrics: dict[str, float] = field(default_factory=dict)
+    storage: str | None = None  # checkpoint.storage, where the checkpoints are copied
 
     @property
     def model_path(self) -> Path | None:
@@ -52,6 +53,10 @@ class RunResult:
             lines.append(
                 f"  checkpoint: {shown(self.checkpoint)}  (model, optimizer, data position: --resume)"
             )
+            if self.storage is not None:
+                lines.append(
+                    f"  copied to:  {self.storage}  (--resume downloads it where the run directory is gone)"
+                )
         tb = self.run_dir / "tensorboard"
         lines.append(
             f"  metrics:    {shown(self.metrics_path)}"
@@ -76,10 +81,13 @@ def open_run_dir(cfg: RunConfig, *, resume: bool) -> tuple[Path | None, Path]:
     as they were. A new run (no ``--resume``) refuses a directory that holds an earlier run's files
     rather than overwrite them: the user picks a new name or deletes the old run."""
     run_dir = cfg.run_dir
+    if cfg.storage_url is not None:  # a copy of the run elsewhere: the newest checkpoint may be there
+        storage.restore(cfg.storage_url, run_dir, resume=resume)
     found = checkpoint.latest(run_dir) if resume else None
     if resume and found is None:
+        also = f" or in checkpoint.storage {cfg.storage_url}" if cfg.storage_url is not None else ""
         raise UserError(
-            f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}; run without --resume"
+            f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}{also}; run without --resume"
         )
     if not resume and checkpoint.latest(run_dir) is not None:
         raise UserError(
@@ -141,7 +149,35 @@ def save_checkpoint(
             raise checkpoint.write_failed(cfg.run_dir, step, os_error, who) from e
         raise
     checkpoint.prune(cfg.run_dir, cfg.checkpoint.keep_last)
+    if cfg.storage_url is not None:
+        copy_to_storage(cfg.storage_url, final, cfg.checkpoint.keep_last)
     return final
+
+
+def copy_to_storage(url: str, final: Path, keep_last: int) -> None:
+    """Copy the complete checkpoint ``final`` to the run's storage (``reroll.runtime.storage``); a copy
+    that fails stops the run with one error (the local checkpoint is complete: --resume continues)."""
+    try:
+        seconds = storage.Storage(url).upload_checkpoint(final, keep_last)
+    except Exception as e:  # a network error, expired credentials, a full bucket
+        raise UserError(
+            f"checkpoint.storage: copying {final.name} to {url} failed ({type(e).__name__}: {e}). The "
+            f"local checkpoint {final} is complete: fix the storage (credentials, space, the network) "
+            f"and continue with --resume, or unset checkpoint.storage"
+        ) from e
+    log.info("checkpoint %s copied to %s in %.1f s", final.name, url, seconds)
+
+
+def copy_records(cfg: RunConfig, metrics: MetricsLogger) -> None:
+    """Copy the run's records (metrics, config, TensorBoard files) to its storage, after a step that
+    checkpointed has logged its metrics: a run resumed from that checkpoint keeps its history."""
+    if cfg.storage_url is None:
+        return
+    metrics.flush()
+    try:
+        storage.Storage(cfg.storage_url).upload_records(cfg.run_dir)
+    except Exception as e:  # the checkpoint itself is there: a lost record is a warning, not a stop
+        log.warning("checkpoint.storage: the run's records were not copied to %s (%s)", cfg.storage_url, e)
 
 
 def _os_error(e: BaseException | None) -> OSError | None:

@@ -30,9 +30,20 @@ _NAME = re.compile(r"^step_(\d{6,})$")
 MARKER = "COMPLETE"
 
 
+def step_name(step: int) -> str:
+    """The directory name of ``step``'s checkpoint: ``step_000010``."""
+    return f"step_{step:06d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint directory's name (``step_000010``: 10), or None for any other name."""
+    found = _NAME.match(name)
+    return int(found.group(1)) if found else None
+
+
 def begin(run_dir: Path, step: int) -> Path:
     """An empty partial directory for ``step``."""
-    partial = run_dir / "checkpoints" / f".step_{step:06d}.partial"
+    partial = run_dir / "checkpoints" / f".{step_name(step)}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     return partial
@@ -54,8 +65,8 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / MARKER).exists()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+    found = [p for p in root.iterdir() if step_of(p.name) is not None and (p / MARKER).exists()]
+    return sorted(found, key=lambda p: step_of(p.name))
 
 
 def latest(run_dir: Path) -> Path | None:

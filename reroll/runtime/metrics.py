@@ -123,6 +123,13 @@ class MetricsLogger:
         if self._mlflow is not None:
             self._mlflow.log(step, metrics)
 
+    def flush(self) -> None:
+        """Put what was logged into the files (TensorBoard buffers its events)."""
+        if self._file is not None:
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -1,0 +1,221 @@
+"""A run's copy in remote storage (``checkpoint.storage``): every complete checkpoint and the run's
+records, so ``--resume`` continues on a machine whose disk is gone (a preempted cloud VM, a new node).
+
+The run directory (``output_dir``) stays what it was: checkpoints are written and committed there
+first (``reroll.runtime.checkpoint``), then copied up. The copy has the run directory's layout under
+the storage URL (any fsspec URL: ``s3://bucket/runs/{name}``, ``gs://...``, ``az://...``, or a path
+on a mounted filesystem):
+
+- ``checkpoints/step_000010/...``: each file of the local checkpoint, its ``COMPLETE`` marker last, so
+  a copy cut short (the machine lost mid-upload) has no marker and is never picked; older copies are
+  pruned to ``checkpoint.keep_last`` as the local ones are;
+- ``RECORDS`` (``config.yaml``, ``metrics.jsonl``, ``reward_errors.txt``, ``tensorboard/``): copied
+  after each step that checkpoints has logged its metrics.
+
+On ``--resume`` the newest complete checkpoint in storage is downloaded into the run directory when
+the run directory has none as new (it is downloaded to a partial directory and renamed, as a local
+save is), with the records the run directory lacks. A new run refuses a storage URL that already
+holds checkpoints, as it refuses a run directory that does.
+
+Checked before a run starts (``check``): the URL's protocol is known, its package is installed (s3fs,
+gcsfs, adlfs: fsspec names it), and a small file can be written, read back and removed there.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from reroll.errors import UserError
+from reroll.runtime import checkpoint
+
+log = logging.getLogger(__name__)
+
+RECORDS = ("config.yaml", "metrics.jsonl", "reward_errors.txt", "tensorboard")
+_THREADS = 8  # files copied at once: object stores take many small requests better in parallel
+
+
+class Storage:
+    """The run's copy under ``url`` (see the module doc)."""
+
+    def __init__(self, url: str) -> None:
+        from fsspec.core import url_to_fs
+
+        self.url = url
+        self.fs, root = url_to_fs(url)
+        self.root = root.rstrip("/")
+
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def complete_steps(self) -> list[int]:
+        """Steps of the complete checkpoints in storage (their marker present), oldest first."""
+        found = self.fs.glob(self._path("checkpoints", "step_*", checkpoint.MARKER))
+        steps = []
+        for path in found:
+            step = checkpoint.step_of(Path(path).parent.name)
+            if step is not None:
+                steps.append(step)
+        return sorted(steps)
+
+    def upload_checkpoint(self, final: Path, keep_last: int) -> float:
+        """Copy the complete local checkpoint ``final`` (its marker last) and prune older copies to
+        ``keep_last``; returns the seconds taken."""
+        began = time.perf_counter()
+        remote = self._path("checkpoints", final.name)
+        if self.fs.exists(remote):  # an earlier, unfinished copy of this step (or a step redone)
+            self.fs.rm(remote, recursive=True)
+        files = [p for p in _files(final) if p.name != checkpoint.MARKER or p.parent != final]
+        self._put(final, remote, files)
+        self._put(final, remote, [final / checkpoint.MARKER])
+        for step in self.complete_steps()[:-keep_last]:
+            self.fs.rm(self._path("checkpoints", checkpoint.step_name(step)), recursive=True)
+        return time.perf_counter() - began
+
+    def download_checkpoint(self, step: int, run_dir: Path) -> Path:
+        """The storage's checkpoint of ``step`` as a complete local checkpoint under ``run_dir``."""
+        name = checkpoint.step_name(step)
+        remote = self._path("checkpoints", name)
+        partial = run_dir / "checkpoints" / f".{name}.download"
+        shutil.rmtree(partial, ignore_errors=True)
+        wanted = [p for p in self.fs.find(remote) if not p.endswith("/" + checkpoint.MARKER)]
+        self._get(remote, partial, wanted)
+        self._get(remote, partial, [self._path("checkpoints", name, checkpoint.MARKER)])
+        final = run_dir / "checkpoints" / name
+        if final.exists():  # an incomplete local copy of the step (a complete newer one is not replaced)
+            shutil.rmtree(final)
+        partial.rename(final)
+        return final
+
+    # -- records -------------------------------------------------------------------------------------
+    def upload_records(self, run_dir: Path) -> None:
+        """Copy the run's records (``RECORDS``) as they are now."""
+        for name in RECORDS:
+            local = run_dir / name
+            if local.is_dir():
+                self._put(local, self._path(name), list(_files(local)))
+            elif local.is_file():
+                self._put(run_dir, self.root, [local])
+
+    def download_records(self, run_dir: Path) -> list[str]:
+        """Copy into ``run_dir`` the records it lacks; returns their names."""
+        taken = []
+        for name in RECORDS:
+            remote = self._path(name)
+            if (run_dir / name).exists() or not self.fs.exists(remote):
+                continue
+            wanted = self.fs.find(remote) if self.fs.isdir(remote) else [remote]
+            self._get(remote, run_dir / name, wanted)
+            taken.append(name)
+        return taken
+
+    # -- copying -------------------------------------------------------------------------------------
+    def _put(self, local_root: Path, remote_root: str, files: list[Path]) -> None:
+        def put(path: Path) -> None:
+            target = "/".join([remote_root, *path.relative_to(local_root).parts])
+            self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.put_file(str(path), target)
+
+        _each(put, files)
+
+    def _get(self, remote_root: str, local_root: Path, files: list[str]) -> None:
+        prefix = self.fs._strip_protocol(remote_root).rstrip("/")
+
+        def get(path: str) -> None:
+            relative = self.fs._strip_protocol(path)[len(prefix) :].lstrip("/")
+            target = local_root / relative if relative else local_root
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(path, str(target))
+
+        _each(get, files)
+
+
+def _files(root: Path) -> Iterator[Path]:
+    return (p for p in sorted(root.rglob("*")) if p.is_file())
+
+
+def _each(fn: Any, items: list) -> None:
+    """``fn`` on every item, ``_THREADS`` at a time; the first error is raised."""
+    if len(items) <= 1:
+        for item in items:
+            fn(item)
+        return
+    with ThreadPoolExecutor(min(_THREADS, len(items))) as pool:
+        for _ in pool.map(fn, items):
+            pass
+
+
+def check(url: str, run_dir: Path) -> str | None:
+    """What is wrong with ``url`` as the run's storage (the module doc), or None. Writes, reads back and
+    removes one small file there."""
+    try:
+        storage = Storage(url)
+    except ImportError as e:  # fsspec's own words name the package: "Install s3fs to access S3"
+        return f"{url!r} needs a package that is not installed: {e} (pip install it), or choose another URL"
+    except (ValueError, TypeError) as e:
+        return f"{url!r} is not a storage URL fsspec knows ({e}): use s3://, gs://, az://, file:// or a path"
+    from fsspec.implementations.local import LocalFileSystem
+
+    if isinstance(storage.fs, LocalFileSystem) and _within(Path(storage.root), run_dir):
+        return (
+            f"{url!r} is the run directory or inside it ({run_dir}): a copy there is lost with the run "
+            "directory; choose a URL elsewhere (another disk, a bucket)"
+        )
+    probe = storage._path(f".reroll-probe-{uuid.uuid4().hex}")
+    try:
+        storage.fs.makedirs(storage.root, exist_ok=True)
+        storage.fs.pipe_file(probe, b"reroll")
+        back = storage.fs.cat_file(probe)
+        storage.fs.rm_file(probe)
+    except Exception as e:  # a network error, a refused credential, a read-only bucket
+        return (
+            f"cannot write to {url!r} ({type(e).__name__}: {e}): check the URL and the credentials "
+            "(the environment variables or files the package reads), or choose another"
+        )
+    if back != b"reroll":
+        return f"{url!r} gave back other bytes than were written to it: choose another URL"
+    return None
+
+
+def _within(path: Path, parent: Path) -> bool:
+    path, parent = path.resolve(), parent.resolve()
+    return path == parent or parent in path.parents
+
+
+def restore(url: str, run_dir: Path, *, resume: bool) -> Path | None:
+    """Before a run opens ``run_dir``: on ``resume``, the storage's newest complete checkpoint downloaded
+    into ``run_dir`` where the run directory has none as new (returned), with the records it lacks; a
+    new run refuses a storage that holds checkpoints."""
+    storage = Storage(url)
+    steps = storage.complete_steps()
+    if not resume:
+        if steps:
+            raise UserError(
+                f"checkpoint.storage {url} already holds checkpoints (newest: step {steps[-1]}): add "
+                f"--resume to continue that run, or set name / checkpoint.storage to start a new one "
+                f"(nothing was overwritten)"
+            )
+        return None
+    local = checkpoint.latest(run_dir)
+    local_step = checkpoint.step_of(local.name) if local is not None else None
+    if not steps or (local_step is not None and local_step >= steps[-1]):
+        return None
+    began = time.perf_counter()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    final = storage.download_checkpoint(steps[-1], run_dir)
+    taken = storage.download_records(run_dir)
+    log.warning(
+        "--resume: downloaded %s from %s in %.1f s%s",
+        final.name,
+        url,
+        time.perf_counter() - began,
+        f" (and {', '.join(taken)})" if taken else "",
+    )
+    return final

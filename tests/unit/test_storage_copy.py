@@ -1,0 +1,71 @@
+"""The run's copy in storage (``reroll.runtime.storage``), on fsspec's local filesystem: a checkpoint
+counts only once its marker is there, older copies are pruned, a download is complete or absent, and a
+URL that cannot be used is named before a run starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fsspec.registry import known_implementations
+
+from reroll.errors import UserError
+from reroll.runtime import checkpoint, storage
+
+
+def _checkpoint(run_dir: Path, step: int) -> Path:
+    partial = checkpoint.begin(run_dir, step)
+    (partial / "model").mkdir()
+    (partial / "model" / "weights.bin").write_bytes(bytes([step]) * 100)
+    (partial / "state.pt").write_bytes(b"state")
+    return checkpoint.commit(partial, {"step": step})
+
+
+def test_a_copy_counts_once_its_marker_is_there_and_older_ones_are_pruned(tmp_path):
+    store = storage.Storage(f"file://{tmp_path / 'bucket'}")
+    for step in (1, 2, 3):
+        store.upload_checkpoint(_checkpoint(tmp_path / "run", step), keep_last=2)
+    assert store.complete_steps() == [2, 3]
+    (tmp_path / "bucket" / "checkpoints" / "step_000003" / checkpoint.MARKER).unlink()  # cut short
+    assert store.complete_steps() == [2]
+    # a later upload of the same step replaces the unfinished copy whole
+    store.upload_checkpoint(tmp_path / "run" / "checkpoints" / "step_000003", keep_last=2)
+    assert store.complete_steps() == [2, 3]
+
+
+def test_resume_downloads_the_newest_copy_where_the_run_directory_has_none_as_new(tmp_path):
+    url = f"file://{tmp_path / 'bucket'}"
+    run = tmp_path / "run"
+    for step in (1, 2):
+        storage.Storage(url).upload_checkpoint(_checkpoint(run, step), keep_last=2)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    storage.Storage(url).upload_records(run)
+    fresh = tmp_path / "fresh"
+    got = storage.restore(url, fresh, resume=True)
+    assert got == fresh / "checkpoints" / "step_000002" == checkpoint.latest(fresh)
+    assert (got / "model" / "weights.bin").read_bytes() == bytes([2]) * 100
+    assert (fresh / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert not list((fresh / "checkpoints").glob(".*"))  # no partial download left
+    # a run directory as new as the storage keeps its own files
+    (fresh / "metrics.jsonl").write_text("mine")
+    assert storage.restore(url, fresh, resume=True) is None
+    assert (fresh / "metrics.jsonl").read_text() == "mine"
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        storage.restore(url, tmp_path / "new", resume=False)
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_unusable_url_is_named_with_its_fix(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    assert storage.check(f"file://{tmp_path / 'bucket'}", run) is None
+    assert "Protocol not known" in storage.check("nope://x", run)
+    assert "inside it" in storage.check(str(run / "copy"), run)
+    monkeypatch.setitem(
+        known_implementations,
+        "missingfs",
+        {"class": "reroll_absent_package.FileSystem", "err": "Install reroll-absent-package"},
+    )
+    problem = storage.check("missingfs://bucket/run", run)
+    assert "Install reroll-absent-package" in problem and "pip install" in problem
+    (tmp_path / "file").write_text("")
+    assert "cannot write" in storage.check(str(tmp_path / "file" / "below"), run)
