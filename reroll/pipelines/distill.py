@@ -37,8 +37,8 @@ from reroll.pipelines.pipeline import Checkpointed, Pipeline, register_pipeline
 from reroll.pipelines.roles import Roles
 from reroll.pipelines.rollout_source import QUEUE_FILE, RolloutSource
 from reroll.roles.objectives import Distillation
+from reroll.runtime import checkpoint
 
-CACHE = "teacher_cache.pt"
 _CACHE_ROWS = 256  # SFT rows per teacher call while the cache is built
 
 
@@ -138,7 +138,7 @@ class Distill(Pipeline):
         """Every SFT row's teacher top-k log-probs and ids on its target tokens, from the run directory's
         cache when it is there, else computed by the teachers and saved there."""
         assert self.cfg.distill is not None and roles.teacher is not None
-        path, k = self.cfg.run_dir / CACHE, self.cfg.distill.top_k
+        path, k = self.cfg.run_dir / checkpoint.TEACHER_CACHE, self.cfg.distill.top_k
         if path.exists():
             self.cache = torch.load(path)
             if len(self.cache) == len(self.train):

@@ -44,7 +44,7 @@ from reroll.roles.learned_reward import LearnedRewardGroup
 from reroll.roles.reward import RewardGroup
 from reroll.roles.teacher import TeacherSet
 from reroll.roles.trainer import TrainerGroup
-from reroll.runtime import stacks
+from reroll.runtime import checkpoint, stacks
 from reroll.runtime.actors import start_ray
 from reroll.runtime.console import shown
 from reroll.runtime.placement import Colocation, ResourceManager
@@ -406,7 +406,7 @@ class Roles:
             self.sync_weights()
         elif name == "reference":
             with self.phase("recover", "reference"):
-                group.load(self.cfg.run_dir / "reference")
+                group.load(self.cfg.run_dir / checkpoint.REFERENCE)
 
     @contextmanager
     def profiled(self, step: int) -> Iterator[None]:

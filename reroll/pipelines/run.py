@@ -230,7 +230,7 @@ def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None, *, recove
         pipeline.warm_start(roles)
     # the reference is the policy the loop starts from (after any warm start)
     if roles.reference is not None and not recovering:
-        ref_dir = cfg.run_dir / "reference"
+        ref_dir = cfg.run_dir / checkpoint.REFERENCE
         if resume_from is None:
             with roles.phase("start", "actor_train"):
                 roles.actor_train.save(ref_dir, with_optimizer=False)

@@ -82,7 +82,7 @@ def open_run_dir(cfg: RunConfig, *, resume: bool) -> tuple[Path | None, Path]:
     rather than overwrite them: the user picks a new name or deletes the old run."""
     run_dir = cfg.run_dir
     if cfg.storage_url is not None:  # a copy of the run elsewhere: the newest checkpoint may be there
-        storage.restore(cfg.storage_url, run_dir, resume=resume)
+        storage.restore(cfg.storage_url, run_dir, checkpoint.RECORDS, resume=resume)
     found = checkpoint.latest(run_dir) if resume else None
     if resume and found is None:
         also = f" or in checkpoint.storage {cfg.storage_url}" if cfg.storage_url is not None else ""
@@ -169,13 +169,13 @@ def copy_to_storage(url: str, final: Path, keep_last: int) -> None:
 
 
 def copy_records(cfg: RunConfig, metrics: MetricsLogger) -> None:
-    """Copy the run's records (metrics, config, TensorBoard files) to its storage, after a step that
-    checkpointed has logged its metrics: a run resumed from that checkpoint keeps its history."""
+    """Copy the run's ``checkpoint.RECORDS`` to its storage, after a step that checkpointed has logged its metrics:
+    a run resumed from that checkpoint finds its reference and keeps its history."""
     if cfg.storage_url is None:
         return
     metrics.flush()
     try:
-        storage.Storage(cfg.storage_url).upload_records(cfg.run_dir)
+        storage.Storage(cfg.storage_url).upload_records(cfg.run_dir, checkpoint.RECORDS)
     except Exception as e:  # the checkpoint itself is there: a lost record is a warning, not a stop
         log.warning("checkpoint.storage: the run's records were not copied to %s (%s)", cfg.storage_url, e)
 

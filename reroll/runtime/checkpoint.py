@@ -28,6 +28,12 @@ from reroll.errors import UserError
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 MARKER = "COMPLETE"
+# beside ``checkpoints/`` in the run directory
+REFERENCE = "reference"  # the reference's snapshot: the policy the loop started from (``run._begin``)
+TEACHER_CACHE = "teacher_cache.pt"  # a distillation's teacher outputs, read back on --resume
+# what a resumed run reads from the run directory beside its checkpoint, or keeps as the run's history:
+# copied with the checkpoints to checkpoint.storage (``reroll.runtime.storage``)
+RECORDS = ("config.yaml", "metrics.jsonl", "reward_errors.txt", "tensorboard", REFERENCE, TEACHER_CACHE)
 
 
 def step_name(step: int) -> str:

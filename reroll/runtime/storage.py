@@ -9,8 +9,10 @@ on a mounted filesystem):
 - ``checkpoints/step_000010/...``: each file of the local checkpoint, its ``COMPLETE`` marker last, so
   a copy cut short (the machine lost mid-upload) has no marker and is never picked; older copies are
   pruned to ``checkpoint.keep_last`` as the local ones are;
-- ``RECORDS`` (``config.yaml``, ``metrics.jsonl``, ``reward_errors.txt``, ``tensorboard/``): copied
-  after each step that checkpoints has logged its metrics.
+- the run's records, which a resumed run reads beside the checkpoint (``reroll.pipelines.run_dir.RECORDS``:
+  the metrics, the config, TensorBoard's files, the reference's snapshot, a teacher cache): copied after
+  each step that checkpoints has logged its metrics, each file only when the copy's size differs (the
+  reference's snapshot once, the metrics as they grow).
 
 On ``--resume`` the newest complete checkpoint in storage is downloaded into the run directory when
 the run directory has none as new (it is downloaded to a partial directory and renamed, as a local
@@ -37,7 +39,6 @@ from reroll.runtime import checkpoint
 
 log = logging.getLogger(__name__)
 
-RECORDS = ("config.yaml", "metrics.jsonl", "reward_errors.txt", "tensorboard")
 _THREADS = 8  # files copied at once: object stores take many small requests better in parallel
 
 
@@ -95,19 +96,25 @@ class Storage:
         return final
 
     # -- records -------------------------------------------------------------------------------------
-    def upload_records(self, run_dir: Path) -> None:
-        """Copy the run's records (``RECORDS``) as they are now."""
-        for name in RECORDS:
+    def upload_records(self, run_dir: Path, records: tuple[str, ...]) -> None:
+        """Copy the run's ``records`` (files or directories under ``run_dir``) as they are now, each
+        file only where the copy's size differs."""
+        for name in records:
             local = run_dir / name
-            if local.is_dir():
-                self._put(local, self._path(name), list(_files(local)))
-            elif local.is_file():
-                self._put(run_dir, self.root, [local])
+            files = list(_files(local)) if local.is_dir() else [local] if local.is_file() else []
+            self._put(run_dir, self.root, [p for p in files if not self._same_size(p, run_dir)])
 
-    def download_records(self, run_dir: Path) -> list[str]:
-        """Copy into ``run_dir`` the records it lacks; returns their names."""
+    def _same_size(self, path: Path, run_dir: Path) -> bool:
+        remote = "/".join([self.root, *path.relative_to(run_dir).parts])
+        try:
+            return self.fs.size(remote) == path.stat().st_size
+        except FileNotFoundError:
+            return False
+
+    def download_records(self, run_dir: Path, records: tuple[str, ...]) -> list[str]:
+        """Copy into ``run_dir`` the ``records`` it lacks; returns their names."""
         taken = []
-        for name in RECORDS:
+        for name in records:
             remote = self._path(name)
             if (run_dir / name).exists() or not self.fs.exists(remote):
                 continue
@@ -189,10 +196,10 @@ def _within(path: Path, parent: Path) -> bool:
     return path == parent or parent in path.parents
 
 
-def restore(url: str, run_dir: Path, *, resume: bool) -> Path | None:
+def restore(url: str, run_dir: Path, records: tuple[str, ...], *, resume: bool) -> Path | None:
     """Before a run opens ``run_dir``: on ``resume``, the storage's newest complete checkpoint downloaded
-    into ``run_dir`` where the run directory has none as new (returned), with the records it lacks; a
-    new run refuses a storage that holds checkpoints."""
+    into ``run_dir`` where the run directory has none as new (returned), with the ``records`` it lacks;
+    a new run refuses a storage that holds checkpoints."""
     storage = Storage(url)
     steps = storage.complete_steps()
     if not resume:
@@ -210,7 +217,7 @@ def restore(url: str, run_dir: Path, *, resume: bool) -> Path | None:
     began = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
     final = storage.download_checkpoint(steps[-1], run_dir)
-    taken = storage.download_records(run_dir)
+    taken = storage.download_records(run_dir, records)
     log.warning(
         "--resume: downloaded %s from %s in %.1f s%s",
         final.name,

@@ -59,6 +59,32 @@ def test_a_run_resumes_from_storage_after_its_run_directory_is_gone(tmp_path, as
     assert json.loads((copy / "checkpoints" / "step_000003" / "trainer_state.json").read_text())["step"] == 3
 
 
+def test_an_rlvr_run_with_a_reference_resumes_from_storage(tmp_path, assets, capsys):
+    """RLVR with a KL term: the resumed run's reference is the snapshot the run started from, downloaded
+    with the checkpoint (the run directory's ``reference/`` is gone with it)."""
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        assets,
+        total_steps=3,
+        algorithm={"kl_coef": 0.04},
+        checkpoint={"every": 1, "keep_last": 1},
+        eval={"every": 0},
+    )
+    storage = f"checkpoint.storage=file://{tmp_path / 'bucket'}/{{name}}"
+    assert main(["train", str(cfg), "name=straight", *LOCAL]) == 0
+    assert main(["train", str(cfg), "name=stopped", *LOCAL, "total_steps=2", storage]) == 0
+    run_dir, copy = tmp_path / "runs" / "stopped", tmp_path / "bucket" / "stopped"
+    assert _files(copy / "reference") == _files(run_dir / "reference") != {}
+    shutil.rmtree(run_dir)
+    capsys.readouterr()
+    assert main(["train", str(cfg), "name=stopped", *LOCAL, storage, "--resume"]) == 0
+    assert "downloaded step_000002" in capsys.readouterr().err
+    straight, resumed = step_metrics(tmp_path / "runs" / "straight", 3), step_metrics(run_dir, 3)
+    assert straight.keys() == resumed.keys() and "actor/kl" in resumed
+    for key in straight:  # the same tolerance as the other resume tests (a fresh process's kernels)
+        assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-6), key
+
+
 def test_a_new_run_refuses_a_storage_that_holds_checkpoints(tmp_path, assets, capsys):
     cfg = write_config(
         tmp_path / "c.yaml", assets, pipeline="sft", sft={"steps": 1, "batch_size": 16}, eval={"every": 0}

@@ -39,19 +39,19 @@ def test_resume_downloads_the_newest_copy_where_the_run_directory_has_none_as_ne
     for step in (1, 2):
         storage.Storage(url).upload_checkpoint(_checkpoint(run, step), keep_last=2)
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    storage.Storage(url).upload_records(run)
+    storage.Storage(url).upload_records(run, checkpoint.RECORDS)
     fresh = tmp_path / "fresh"
-    got = storage.restore(url, fresh, resume=True)
+    got = storage.restore(url, fresh, checkpoint.RECORDS, resume=True)
     assert got == fresh / "checkpoints" / "step_000002" == checkpoint.latest(fresh)
     assert (got / "model" / "weights.bin").read_bytes() == bytes([2]) * 100
     assert (fresh / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert not list((fresh / "checkpoints").glob(".*"))  # no partial download left
     # a run directory as new as the storage keeps its own files
     (fresh / "metrics.jsonl").write_text("mine")
-    assert storage.restore(url, fresh, resume=True) is None
+    assert storage.restore(url, fresh, checkpoint.RECORDS, resume=True) is None
     assert (fresh / "metrics.jsonl").read_text() == "mine"
     with pytest.raises(UserError, match="already holds checkpoints"):
-        storage.restore(url, tmp_path / "new", resume=False)
+        storage.restore(url, tmp_path / "new", checkpoint.RECORDS, resume=False)
     assert not (tmp_path / "new").exists()
 
 
