@@ -33,7 +33,8 @@ class CheckpointConfig(StrictModel):
         "pip install s3fs, gcsfs or adlfs) or a path on another mounted disk; '{name}' is replaced by "
         "the name. Each complete checkpoint is copied there after its local save (its marker last; "
         "keep_last applies there too), and the metrics, config and TensorBoard files after the step. "
-        "--resume downloads the newest complete one when the run directory has none as new.",
+        "--resume downloads the newest complete one when the run directory has none as new. On a Ray "
+        "cluster whose nodes do not share output_dir, each node's part of a checkpoint goes through it.",
     )
 
 

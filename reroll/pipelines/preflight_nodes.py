@@ -9,7 +9,9 @@ to its own disk); a local ``model.path`` missing on a node fails its workers' lo
 answers, in a task pinned to it:
 
 - **the run directory**: the driver writes a token into it; the node must read the same token there
-  and be able to write (``output_dir`` on a filesystem every node mounts: NFS, a cluster filesystem);
+  and be able to write (``output_dir`` on a filesystem every node mounts: NFS, a cluster filesystem),
+  or, with ``checkpoint.storage`` set, make the run directory on its own disk and reach the storage
+  (the checkpoints' parts then move through it: ``reroll.runtime.node_copies``);
 - **the model paths** the workers load (``RunConfig.model_paths``) that are directories on the driver:
   the same path on the node;
 - **packages**: ``package_problems`` run on the node, for what can land there (``on``): a node of the
@@ -67,7 +69,7 @@ def node_answer(
     problems = [(p.path, p.message) for p in package_problems(cfg, on=on)]
     if on == "pool":
         if token is not None:
-            problems += run_dir_problems(cfg.run_dir, token)
+            problems += run_dir_problems(cfg.run_dir, token, cfg.storage_url)
         problems += [
             (
                 key,
@@ -93,13 +95,24 @@ def installed_versions() -> dict[str, str]:
     return found
 
 
-def run_dir_problems(run_dir: Path, token: str) -> list[tuple[str, str]]:
+def run_dir_problems(run_dir: Path, token: str, storage_url: str | None = None) -> list[tuple[str, str]]:
     """Whether this machine sees the driver's run directory: the token the driver wrote is read back
-    from it, and the directory is writable here."""
+    from it, and the directory is writable here. With ``storage_url`` (``checkpoint.storage``) a run
+    directory of this node's own will do: it is made here, and the storage must be usable from here
+    (``reroll.runtime.node_copies`` moves the checkpoints' parts through it)."""
     try:
         seen = (run_dir / PROBE).read_text()
     except OSError:
         seen = None
+    if seen != token and storage_url is not None:
+        from reroll.runtime.storage import check
+
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return [("output_dir", f"the run directory {str(run_dir)!r} cannot be made here ({e.strerror})")]
+        problem = check(storage_url, run_dir)
+        return [("checkpoint.storage", f"from this node: {problem}")] if problem else []
     if seen != token:
         what = (
             "is missing"
@@ -111,7 +124,8 @@ def run_dir_problems(run_dir: Path, token: str) -> list[tuple[str, str]]:
                 "output_dir",
                 f"the run directory {str(run_dir)!r} {what} here: checkpoints written here would "
                 "not reach the driver or a resumed run. Put output_dir on a filesystem every node mounts (NFS, "
-                "a cluster filesystem)",
+                "a cluster filesystem), or set checkpoint.storage (s3://..., gs://...: each node's part of "
+                "a checkpoint then goes through it)",
             )
         ]
     if not os.access(run_dir, os.W_OK | os.X_OK):

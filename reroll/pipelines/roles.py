@@ -44,7 +44,7 @@ from reroll.roles.learned_reward import LearnedRewardGroup
 from reroll.roles.reward import RewardGroup
 from reroll.roles.teacher import TeacherSet
 from reroll.roles.trainer import TrainerGroup
-from reroll.runtime import checkpoint, stacks
+from reroll.runtime import checkpoint, node_copies, stacks
 from reroll.runtime.actors import start_ray
 from reroll.runtime.console import shown
 from reroll.runtime.placement import Colocation, ResourceManager
@@ -406,6 +406,8 @@ class Roles:
             self.sync_weights()
         elif name == "reference":
             with self.phase("recover", "reference"):
+                # a node that joined since may hold the restarted ranks
+                node_copies.share_reference(self.cfg.storage_url, self.cfg.run_dir)
                 group.load(self.cfg.run_dir / checkpoint.REFERENCE)
 
     @contextmanager

@@ -32,7 +32,7 @@ from reroll.pipelines.run_dir import (
     save_checkpoint,
     warn_unrepresentable,
 )
-from reroll.runtime import checkpoint
+from reroll.runtime import checkpoint, node_copies
 from reroll.runtime.console import step_line
 from reroll.runtime.placement import driver_threads
 
@@ -219,6 +219,10 @@ def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None, *, recove
         lr = pipeline.learning_rate()
         roles.actor_train.configure_optimizer(lr.lr, lr.warmup_steps)
         if resume_from is not None:
+            if node_copies.spread(cfg.storage_url):  # nodes whose disks are their own get it first
+                node_copies.scatter(
+                    cfg.storage_url, resume_from, f"checkpoints/{resume_from.name}", alone=True
+                )
             roles.actor_train.load(resume_from)
             if roles.critic is not None:
                 roles.critic.load(resume_from)
@@ -234,7 +238,10 @@ def _begin(pipeline: Pipeline, roles: Roles, resume_from: Path | None, *, recove
         if resume_from is None:
             with roles.phase("start", "actor_train"):
                 roles.actor_train.save(ref_dir, with_optimizer=False)
+            if node_copies.spread(cfg.storage_url):
+                node_copies.gather(cfg.storage_url, ref_dir, checkpoint.REFERENCE, drop=False)
         with roles.phase("start", "reference"):
+            node_copies.share_reference(cfg.storage_url, cfg.run_dir)
             roles.reference.load(ref_dir)
     roles.sync_if_stale()
     roles.pop_timings()

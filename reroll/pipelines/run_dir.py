@@ -4,9 +4,10 @@ the first metrics, checkpoints committed whole, and the ``RunResult`` a finished
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from reroll.models.loading import load_tokenizer
 from reroll.pipelines.pipeline import Checkpointed
 from reroll.roles.critic import CriticGroup
 from reroll.roles.trainer import TrainerGroup
-from reroll.runtime import checkpoint, storage
+from reroll.runtime import checkpoint, node_copies, storage
 from reroll.runtime.console import shown
 from reroll.runtime.metrics import MetricsLogger, MlflowSettings
 
@@ -134,38 +135,50 @@ def save_checkpoint(
     (``critic/``) if any, and the pipeline's own state. A write that fails removes the partial
     checkpoint; an ``OSError`` (a full disk) becomes one ``UserError`` naming the newest complete one."""
     partial = checkpoint.begin(cfg.run_dir, step)
+    url, name = cfg.storage_url, checkpoint.step_name(step)
     try:
+        if url is not None:
+            _storage_call(
+                url, f"removing an earlier copy of {name} from", lambda: storage.Storage(url).begin(step)
+            )
         actor.save(partial, with_optimizer=True)
         if critic is not None:
             critic.save(partial)
-        for name, obj in extra.objects.items():
-            torch.save(obj, partial / name)
+        if node_copies.spread(url):  # ranks on nodes whose disks are their own wrote their parts there
+            node_copies.gather(url, partial, f"checkpoints/{name}", drop=True)
+        for key, obj in extra.objects.items():
+            torch.save(obj, partial / key)
         load_tokenizer(cfg.model.path).save_pretrained(partial / "model")
         final = checkpoint.commit(partial, {"step": step, **extra.state})
     except BaseException as e:  # a full disk, a dead worker: no partial checkpoint stays behind
         checkpoint.discard(partial)
-        if (os_error := _os_error(e)) is not None:
+        if not isinstance(e, UserError) and (os_error := _os_error(e)) is not None:
             who = str(e).partition(" failed during")[0] if isinstance(e, RoleError) else "the controller"
             raise checkpoint.write_failed(cfg.run_dir, step, os_error, who) from e
         raise
     checkpoint.prune(cfg.run_dir, cfg.checkpoint.keep_last)
-    if cfg.storage_url is not None:
-        copy_to_storage(cfg.storage_url, final, cfg.checkpoint.keep_last)
+    if url is not None:
+        seconds = _storage_call(
+            url,
+            f"copying {name} to",
+            lambda: storage.Storage(url).finish(final, cfg.checkpoint.keep_last),
+            kept=final,
+        )
+        log.info("checkpoint %s copied to %s in %.1f s", name, url, seconds)
     return final
 
 
-def copy_to_storage(url: str, final: Path, keep_last: int) -> None:
-    """Copy the complete checkpoint ``final`` to the run's storage (``reroll.runtime.storage``); a copy
-    that fails stops the run with one error (the local checkpoint is complete: --resume continues)."""
+def _storage_call(url: str, what: str, call: Callable[[], Any], kept: Path | None = None) -> Any:
+    """``call()``, its failure (a network error, expired credentials, a full bucket) one ``UserError``:
+    the run stops, and the local checkpoint ``kept`` (complete) is named for --resume."""
     try:
-        seconds = storage.Storage(url).upload_checkpoint(final, keep_last)
-    except Exception as e:  # a network error, expired credentials, a full bucket
+        return call()
+    except Exception as e:
+        local = f" The local checkpoint {kept} is complete." if kept is not None else ""
         raise UserError(
-            f"checkpoint.storage: copying {final.name} to {url} failed ({type(e).__name__}: {e}). The "
-            f"local checkpoint {final} is complete: fix the storage (credentials, space, the network) "
-            f"and continue with --resume, or unset checkpoint.storage"
+            f"checkpoint.storage: {what} {url} failed ({type(e).__name__}: {e}).{local} Fix the storage "
+            f"(credentials, space, the network) and continue with --resume, or unset checkpoint.storage"
         ) from e
-    log.info("checkpoint %s copied to %s in %.1f s", final.name, url, seconds)
 
 
 def copy_records(cfg: RunConfig, metrics: MetricsLogger) -> None:

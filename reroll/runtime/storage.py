@@ -59,23 +59,24 @@ class Storage:
     def complete_steps(self) -> list[int]:
         """Steps of the complete checkpoints in storage (their marker present), oldest first."""
         found = self.fs.glob(self._path("checkpoints", "step_*", checkpoint.MARKER))
-        steps = []
-        for path in found:
-            step = checkpoint.step_of(Path(path).parent.name)
-            if step is not None:
-                steps.append(step)
-        return sorted(steps)
+        steps = [checkpoint.step_of(Path(path).parent.name) for path in found]
+        return sorted(step for step in steps if step is not None)
 
-    def upload_checkpoint(self, final: Path, keep_last: int) -> float:
-        """Copy the complete local checkpoint ``final`` (its marker last) and prune older copies to
-        ``keep_last``; returns the seconds taken."""
-        began = time.perf_counter()
-        remote = self._path("checkpoints", final.name)
-        if self.fs.exists(remote):  # an earlier, unfinished copy of this step (or a step redone)
+    def begin(self, step: int) -> None:
+        """Before ``step``'s checkpoint is written: remove an earlier copy of it (unfinished, or of a
+        step redone after a recovery), so that its files are this save's alone."""
+        remote = self._path("checkpoints", checkpoint.step_name(step))
+        if self.fs.exists(remote):
             self.fs.rm(remote, recursive=True)
-        files = [p for p in _files(final) if p.name != checkpoint.MARKER or p.parent != final]
-        self._put(final, remote, files)
-        self._put(final, remote, [final / checkpoint.MARKER])
+
+    def finish(self, final: Path, keep_last: int) -> float:
+        """Copy the complete local checkpoint ``final`` (files other nodes put there already are kept
+        where their size matches), its marker last, and prune older copies to ``keep_last``; returns the
+        seconds taken."""
+        began = time.perf_counter()
+        remote = f"checkpoints/{final.name}"
+        self.put_tree(final, remote, leave=(checkpoint.MARKER,))
+        self.put_tree(final / checkpoint.MARKER, f"{remote}/{checkpoint.MARKER}")
         for step in self.complete_steps()[:-keep_last]:
             self.fs.rm(self._path("checkpoints", checkpoint.step_name(step)), recursive=True)
         return time.perf_counter() - began
@@ -83,12 +84,10 @@ class Storage:
     def download_checkpoint(self, step: int, run_dir: Path) -> Path:
         """The storage's checkpoint of ``step`` as a complete local checkpoint under ``run_dir``."""
         name = checkpoint.step_name(step)
-        remote = self._path("checkpoints", name)
         partial = run_dir / "checkpoints" / f".{name}.download"
         shutil.rmtree(partial, ignore_errors=True)
-        wanted = [p for p in self.fs.find(remote) if not p.endswith("/" + checkpoint.MARKER)]
-        self._get(remote, partial, wanted)
-        self._get(remote, partial, [self._path("checkpoints", name, checkpoint.MARKER)])
+        self.get_tree(f"checkpoints/{name}", partial, leave=(checkpoint.MARKER,))
+        self.get_tree(f"checkpoints/{name}/{checkpoint.MARKER}", partial / checkpoint.MARKER)
         final = run_dir / "checkpoints" / name
         if final.exists():  # an incomplete local copy of the step (a complete newer one is not replaced)
             shutil.rmtree(final)
@@ -97,51 +96,69 @@ class Storage:
 
     # -- records -------------------------------------------------------------------------------------
     def upload_records(self, run_dir: Path, records: tuple[str, ...]) -> None:
-        """Copy the run's ``records`` (files or directories under ``run_dir``) as they are now, each
-        file only where the copy's size differs."""
+        """Copy the run's ``records`` (files or directories under ``run_dir``) as they are now."""
         for name in records:
-            local = run_dir / name
-            files = list(_files(local)) if local.is_dir() else [local] if local.is_file() else []
-            self._put(run_dir, self.root, [p for p in files if not self._same_size(p, run_dir)])
-
-    def _same_size(self, path: Path, run_dir: Path) -> bool:
-        remote = "/".join([self.root, *path.relative_to(run_dir).parts])
-        try:
-            return self.fs.size(remote) == path.stat().st_size
-        except FileNotFoundError:
-            return False
+            self.put_tree(run_dir / name, name)
 
     def download_records(self, run_dir: Path, records: tuple[str, ...]) -> list[str]:
         """Copy into ``run_dir`` the ``records`` it lacks; returns their names."""
-        taken = []
-        for name in records:
-            remote = self._path(name)
-            if (run_dir / name).exists() or not self.fs.exists(remote):
-                continue
-            wanted = self.fs.find(remote) if self.fs.isdir(remote) else [remote]
-            self._get(remote, run_dir / name, wanted)
-            taken.append(name)
+        taken = [n for n in records if not (run_dir / n).exists() and self.fs.exists(self._path(n))]
+        for name in taken:
+            self.get_tree(name, run_dir / name)
         return taken
 
     # -- copying -------------------------------------------------------------------------------------
-    def _put(self, local_root: Path, remote_root: str, files: list[Path]) -> None:
+    def put_tree(self, local: Path, remote: str, *, leave: tuple[str, ...] = ()) -> int:
+        """Copy the file or directory ``local`` to ``remote`` (relative to the storage's root): each file
+        whose copy is missing or of another size, but not the top-level names in ``leave``. Returns
+        the number of files copied."""
+        files = (
+            [local]
+            if local.is_file()
+            else [p for p in _files(local) if p.relative_to(local).parts[0] not in leave]
+        )
+        target = {p: "/".join([self._path(remote), *p.relative_to(local).parts]) for p in files}
+        changed = [p for p in files if self._size(target[p]) != p.stat().st_size]
+
         def put(path: Path) -> None:
-            target = "/".join([remote_root, *path.relative_to(local_root).parts])
-            self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.put_file(str(path), target)
+            self.fs.makedirs(target[path].rsplit("/", 1)[0], exist_ok=True)
+            self.fs.put_file(str(path), target[path])
 
-        _each(put, files)
+        _each(put, changed)
+        return len(changed)
 
-    def _get(self, remote_root: str, local_root: Path, files: list[str]) -> None:
-        prefix = self.fs._strip_protocol(remote_root).rstrip("/")
+    def get_tree(self, remote: str, local: Path, *, leave: tuple[str, ...] = ()) -> int:
+        """Copy the file or directory ``remote`` (relative to the storage's root) to ``local``: each file
+        missing there or of another size, but not the top-level names in ``leave``. Returns the number
+        of files copied."""
+        root = self.fs._strip_protocol(self._path(remote)).rstrip("/")
+        if not self.fs.exists(root):
+            return 0
+        if self.fs.isfile(root):
+            sources = {root: local}
+        else:
+            sources = {}
+            for path, info in self.fs.find(root, detail=True).items():
+                relative = self.fs._strip_protocol(path)[len(root) :].strip("/")
+                if relative.split("/")[0] not in leave and _size(local / relative) != info["size"]:
+                    sources[path] = local / relative
 
         def get(path: str) -> None:
-            relative = self.fs._strip_protocol(path)[len(prefix) :].lstrip("/")
-            target = local_root / relative if relative else local_root
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self.fs.get_file(path, str(target))
+            sources[path].parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(path, str(sources[path]))
 
-        _each(get, files)
+        _each(get, list(sources))
+        return len(sources)
+
+    def _size(self, remote: str) -> int | None:
+        try:
+            return self.fs.size(remote)
+        except FileNotFoundError:
+            return None
+
+
+def _size(path: Path) -> int | None:
+    return path.stat().st_size if path.is_file() else None
 
 
 def _files(root: Path) -> Iterator[Path]:

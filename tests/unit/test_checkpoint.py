@@ -60,7 +60,10 @@ def test_a_full_disk_mid_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch
 
     monkeypatch.setattr(run_module, "load_tokenizer", lambda path: _Tokenizer())
     cfg = SimpleNamespace(
-        run_dir=tmp_path, model=SimpleNamespace(path="m"), checkpoint=SimpleNamespace(keep_last=2)
+        run_dir=tmp_path,
+        model=SimpleNamespace(path="m"),
+        checkpoint=SimpleNamespace(keep_last=2),
+        storage_url=None,
     )
     extra = run_module.Checkpointed({"sampler": {"epoch": 0, "index": 4}})
     first = run_module.save_checkpoint(cfg, _Actor(), 1, extra)
@@ -86,7 +89,10 @@ def test_a_failure_that_is_not_a_write_error_still_removes_the_partial(tmp_path,
             raise RoleError("actor_train", 0, "save", "the worker process died (RayActorError)")
 
     cfg = SimpleNamespace(
-        run_dir=tmp_path, model=SimpleNamespace(path="m"), checkpoint=SimpleNamespace(keep_last=2)
+        run_dir=tmp_path,
+        model=SimpleNamespace(path="m"),
+        checkpoint=SimpleNamespace(keep_last=2),
+        storage_url=None,
     )
     with pytest.raises(RoleError):
         run_module.save_checkpoint(cfg, Dead(), 1, run_module.Checkpointed())

@@ -24,12 +24,14 @@ def _checkpoint(run_dir: Path, step: int) -> Path:
 def test_a_copy_counts_once_its_marker_is_there_and_older_ones_are_pruned(tmp_path):
     store = storage.Storage(f"file://{tmp_path / 'bucket'}")
     for step in (1, 2, 3):
-        store.upload_checkpoint(_checkpoint(tmp_path / "run", step), keep_last=2)
+        store.begin(step)
+        store.finish(_checkpoint(tmp_path / "run", step), keep_last=2)
     assert store.complete_steps() == [2, 3]
     (tmp_path / "bucket" / "checkpoints" / "step_000003" / checkpoint.MARKER).unlink()  # cut short
     assert store.complete_steps() == [2]
     # a later upload of the same step replaces the unfinished copy whole
-    store.upload_checkpoint(tmp_path / "run" / "checkpoints" / "step_000003", keep_last=2)
+    store.begin(3)
+    store.finish(tmp_path / "run" / "checkpoints" / "step_000003", keep_last=2)
     assert store.complete_steps() == [2, 3]
 
 
@@ -37,7 +39,7 @@ def test_resume_downloads_the_newest_copy_where_the_run_directory_has_none_as_ne
     url = f"file://{tmp_path / 'bucket'}"
     run = tmp_path / "run"
     for step in (1, 2):
-        storage.Storage(url).upload_checkpoint(_checkpoint(run, step), keep_last=2)
+        storage.Storage(url).finish(_checkpoint(run, step), keep_last=2)
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     storage.Storage(url).upload_records(run, checkpoint.RECORDS)
     fresh = tmp_path / "fresh"
@@ -69,3 +71,25 @@ def test_an_unusable_url_is_named_with_its_fix(tmp_path, monkeypatch):
     assert "Install reroll-absent-package" in problem and "pip install" in problem
     (tmp_path / "file").write_text("")
     assert "cannot write" in storage.check(str(tmp_path / "file" / "below"), run)
+
+
+def test_a_copy_that_fails_stops_the_run_naming_the_complete_local_checkpoint(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from reroll.pipelines import run_dir as run_module
+    from tests.unit.test_checkpoint import _Actor, _Tokenizer
+
+    monkeypatch.setattr(run_module, "load_tokenizer", lambda path: _Tokenizer())
+    (tmp_path / "a-file").write_text("")  # the storage lies below a regular file: nothing can be put there
+    cfg = SimpleNamespace(
+        run_dir=tmp_path / "run",
+        model=SimpleNamespace(path="m"),
+        checkpoint=SimpleNamespace(keep_last=2),
+        storage_url=f"file://{tmp_path / 'a-file' / 'below'}",
+    )
+    with pytest.raises(UserError) as e:
+        run_module.save_checkpoint(cfg, _Actor(), 1, run_module.Checkpointed())
+    message = str(e.value)
+    assert message.startswith("checkpoint.storage: copying step_000001 to file://") and "--resume" in message
+    assert f"The local checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_000001'} is complete" in message
+    assert checkpoint.latest(tmp_path / "run").name == "step_000001"
