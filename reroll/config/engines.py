@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from reroll.errors import UserError
+from reroll.packages import importable
 
 if TYPE_CHECKING:
     from reroll.config.memory import Shape
@@ -232,7 +232,7 @@ def resolve_engine(name: str, device: str | None) -> str:
     is not known yet, as in ``reroll validate``: hf's abilities are the ones checked then)."""
     if name != AUTO:
         return name
-    return "vllm" if device == "cuda" and importlib.util.find_spec("vllm") is not None else "hf"
+    return "vllm" if device == "cuda" and importable("vllm") else "hf"
 
 
 def engine_spec(name: str) -> EngineSpec:

@@ -7,13 +7,13 @@ when the engine is built, so ``import reroll`` works without either installed.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 
 from reroll.config.engines import AUTO, ENGINES, engine_class, engine_spec
 from reroll.config.rollout import RolloutConfig
 from reroll.engines.base import Engine
 from reroll.errors import UserError
+from reroll.packages import importable
 
 
 def engine_available(name: str) -> bool:
@@ -22,9 +22,9 @@ def engine_available(name: str) -> bool:
     if name == AUTO:
         return True
     if name not in ENGINES:
-        return importlib.util.find_spec(name.partition(":")[0]) is not None
+        return importable(name.partition(":")[0])
     package = ENGINES[name].package
-    return package is None or importlib.util.find_spec(package) is not None
+    return package is None or importable(package)
 
 
 def engine_missing(name: str) -> str | None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
-import importlib.util
 import inspect
 import logging
 import random
@@ -37,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from reroll.errors import UserError
+from reroll.packages import importable
 
 GEM_VERSION = "0.1.0"  # pyproject.toml's `gem` extra pins it (a test keeps the two equal)
 SUCCESS_RETURN = 1.0  # GEM's LanguageGameReward.success_reward: a solved game's return
@@ -49,7 +49,7 @@ T = TypeVar("T")
 
 def gem_missing() -> str | None:
     """Why ``gem:<id>`` environments cannot be built here (gem-llm not installed), with the install line."""
-    if importlib.util.find_spec("gem") is not None:
+    if importable("gem"):
         return None
     if sys.version_info >= (3, 12, 1):  # the extra's marker leaves gem-llm out there
         return (

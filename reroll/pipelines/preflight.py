@@ -130,7 +130,7 @@ def inspect_inputs(
     if machine is None and _on_this_machine(cfg):
         machine = Machine.here()
     train_rows: list[tuple[str, int, dict[str, Any]]] = []  # the first training rows that passed
-    problems = _check_output_dir(cfg) + _check_storage(cfg)
+    problems = _check_output_dir(cfg) + ([] if generate_only else _check_storage(cfg))
     problems += _check_data(cfg, train_rows)
     # what a run with images cannot do is found again where both its rows and its pairs have images
     problems += [p for p in _check_preferences(cfg) if p not in problems]

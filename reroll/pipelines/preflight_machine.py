@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -21,6 +20,7 @@ from typing import Literal
 from reroll.config.loader import ConfigProblem
 from reroll.config.placement import cluster_problems
 from reroll.config.schema import RunConfig
+from reroll.packages import importable
 from reroll.rewards import RENAMED
 from reroll.rewards.routing import domain_terms, term_key
 
@@ -72,7 +72,7 @@ def _reward_packages(cfg: RunConfig, *, own_modules: bool = False) -> list[Confi
     for domain, terms in domain_terms(cfg.reward).items():
         for i, term in enumerate(terms):
             key, name = f"{term_key(cfg.reward, domain, i)}.fn", RENAMED.get(term.fn, term.fn)
-            if own_modules and ":" in name and not _importable(module := name.split(":", 1)[0]):
+            if own_modules and ":" in name and not importable(module := name.split(":", 1)[0]):
                 problems.append(
                     ConfigProblem(
                         key,
@@ -80,7 +80,7 @@ def _reward_packages(cfg: RunConfig, *, own_modules: bool = False) -> list[Confi
                         "submit --working-dir .`) or install it on every node",
                     )
                 )
-            if name == "math_verify" and importlib.util.find_spec("math_verify") is None:
+            if name == "math_verify" and not importable("math_verify"):
                 from reroll.rewards.math import MISSING
 
                 problems.append(ConfigProblem(key, MISSING))
@@ -90,13 +90,6 @@ def _reward_packages(cfg: RunConfig, *, own_modules: bool = False) -> list[Confi
                 if problem := bubblewrap_problem():
                     problems.append(ConfigProblem(key, f"reward 'code_tests': {problem}"))
     return problems
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a missing parent package
-        return False
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from reroll.errors import UserError
+from reroll.packages import importable
 
 log = logging.getLogger(__name__)
 
@@ -20,14 +20,14 @@ log = logging.getLogger(__name__)
 def tracker_missing(*, wandb: bool, mlflow: bool) -> list[tuple[str, str]]:
     """``(config key, message with the install line)`` for each tracker asked for but not installed."""
     out = []
-    if wandb and importlib.util.find_spec("wandb") is None:
+    if wandb and not importable("wandb"):
         out.append(
             (
                 "logging.wandb",
                 "logging.wandb is true but wandb is not installed: pip install 'reroll[tracking]'",
             )
         )
-    if mlflow and importlib.util.find_spec("mlflow") is None:
+    if mlflow and not importable("mlflow"):
         out.append(
             (
                 "logging.mlflow",

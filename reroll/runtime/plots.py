@@ -9,12 +9,12 @@ name from ``metrics.jsonl`` or a shell-style pattern (``timing/*``); by default 
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
 from reroll.errors import UserError
+from reroll.packages import importable
 from reroll.runtime.metrics import read_metrics
 
 DEFAULT_METRICS = (
@@ -66,7 +66,7 @@ def select_metrics(available: Sequence[str], asked: Sequence[str]) -> list[str]:
 def plot_runs(runs: Sequence[Path], metrics: Sequence[str], out: Path) -> Path:
     """Draw ``metrics`` (names or patterns; empty: the defaults) of ``runs`` into the PNG ``out`` (a
     directory gets ``curves.png``). Returns the file written."""
-    if importlib.util.find_spec("matplotlib") is None:
+    if not importable("matplotlib"):
         raise UserError("reroll plot needs matplotlib: pip install 'reroll[plot]'")
     import matplotlib
 

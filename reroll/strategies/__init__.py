@@ -7,7 +7,6 @@ dependency) is imported only when that backend is built, so ``import reroll`` ne
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -17,6 +16,7 @@ import torch
 from reroll.config.placement import trainer_strategy
 from reroll.config.startable import context_parallel_strategy_problem
 from reroll.errors import UserError
+from reroll.packages import importable
 
 if TYPE_CHECKING:
     from reroll.config.schema import RunConfig
@@ -145,12 +145,7 @@ _BACKENDS = {
 def strategy_available(name: str) -> bool:
     """Whether ``name``'s backend package can be imported here."""
     package = _BACKENDS[name][2]
-    if package is None:
-        return True
-    try:
-        return importlib.util.find_spec(package) is not None
-    except ModuleNotFoundError:
-        return False
+    return package is None or importable(package)
 
 
 def strategy_missing(name: str) -> str | None:

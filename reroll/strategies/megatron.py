@@ -38,7 +38,6 @@ follows our linear warm-up. Every rank of a TP x PP group must make the same ``l
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -62,6 +61,7 @@ from reroll.errors import UserError
 from reroll.models import megatron_convert as mc
 from reroll.models.checkpoint_reader import CheckpointReader, checkpoint_files
 from reroll.models.loading import DTYPES, load_causal_lm
+from reroll.packages import importable
 from reroll.strategies import Head
 from reroll.strategies import megatron_optimizer_state as optimizer_state
 from reroll.strategies.context_parallel import ContextParallel, split_columns
@@ -106,7 +106,7 @@ def check_parallel_sizes(world_size: int, m: MegatronConfig, context_parallel: i
 
 def use_transformer_engine(setting: str) -> bool:
     """Whether to build the Transformer Engine layer spec for ``strategy.megatron.transformer_engine``."""
-    installed = importlib.util.find_spec("transformer_engine") is not None
+    installed = importable("transformer_engine")
     if setting == "on" and not installed:
         raise UserError(
             "strategy.megatron.transformer_engine=on but transformer_engine is not installed: install it, "
