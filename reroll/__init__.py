@@ -9,6 +9,7 @@ inside a subpackage no two modules do either (a type-only import aside).
 nothing from reroll.
 
     errors      the exceptions every layer raises
+    packages    whether a module can be imported here (the one "is it installed" test)
     config      typed run config (one model per pipeline), strict loader, validation, the role
                 registry and device map of a config, what each engine can do
     data        typed records (Sample, Rollout, TrainBatch), datasets, packing

@@ -16,6 +16,7 @@ cluster holds the roles (``reroll.config.placement.cluster_problems``), what a c
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -425,13 +426,7 @@ def megatron_option_problems(cfg: RunConfig, head: str = "causal_lm") -> list[tu
                 "strategy.name=fsdp2 or torch",
             )
         )
-    if cfg.strategy.lora is not None:
-        problems.append(
-            (
-                "strategy.lora",
-                "strategy.lora is not supported with strategy.name=megatron: use fsdp2 or torch",
-            )
-        )
+    problems += megatron_lora_problems(cfg)
     if cfg.model.dtype == "float16":
         problems.append(
             ("model.dtype", "strategy.name=megatron trains in bfloat16 or float32: set model.dtype=bfloat16")
@@ -439,6 +434,84 @@ def megatron_option_problems(cfg: RunConfig, head: str = "causal_lm") -> list[tu
     return problems
 
 
+# Hugging Face linear layers -> the Megatron layer that holds them (q, k, v fused; gate and up fused)
+MEGATRON_LAYER = {
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "down_proj": "linear_fc2",
+}
+
+
+def megatron_targets(target_modules: Sequence[str]) -> tuple[set[str], str | None]:
+    """The Megatron layers ``strategy.lora.target_modules`` (Hugging Face names) adapt, and what is wrong
+    with them: a name no Megatron layer holds, or part of a fused layer without the rest (one adapter on
+    a fused layer adapts all of its parts)."""
+    unknown = sorted(t for t in target_modules if t not in MEGATRON_LAYER)
+    if unknown:
+        return (
+            set(),
+            f"{unknown} are not layers of the Megatron strategy's models: choose from {sorted(MEGATRON_LAYER)}",
+        )
+    layers = {MEGATRON_LAYER[t] for t in target_modules}
+    for layer in sorted(layers):
+        parts = sorted(n for n, m in MEGATRON_LAYER.items() if m == layer)
+        missing = [p for p in parts if p not in target_modules]
+        if missing:
+            named = sorted(set(parts) - set(missing))
+            return layers, (
+                f"Megatron computes {' + '.join(parts)} as one layer ({layer}) and adapts it whole: add "
+                f"{missing}, or leave out {named}"
+            )
+    return layers, None
+
+
+def megatron_lora_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """What LoRA on the Megatron strategy does not take (``reroll.strategies.megatron_lora``)."""
+    lora, m = cfg.strategy.lora, cfg.strategy.megatron
+    if lora is None:
+        return []
+    problems = []
+    if (problem := megatron_targets(lora.target_modules)[1]) is not None:
+        problems.append(("strategy.lora.target_modules", problem))
+    if lora.dropout > 0:
+        problems.append(
+            ("strategy.lora.dropout", "adapter dropout is not built for strategy.name=megatron: set it to 0")
+        )
+    if lora.sync == "adapters":
+        problems.append(
+            (
+                "strategy.lora.sync",
+                "the megatron strategy sends the adapters merged into the weights (it does not write "
+                "peft's adapter names): set strategy.lora.sync=merged",
+            )
+        )
+    if m.transformer_engine == "on":
+        problems.append(
+            (
+                "strategy.megatron.transformer_engine",
+                "LoRA adapts Megatron-Core's local layers (Transformer Engine fuses the norm into the "
+                "linear layer the adapter needs the input of): set transformer_engine to auto or off",
+            )
+        )
+    if m.distributed_optimizer and "distributed_optimizer" in m.model_fields_set:
+        problems.append(
+            (
+                "strategy.megatron.distributed_optimizer",
+                "with strategy.lora only the adapters train and their optimizer state stays whole on each "
+                "rank (it is small): leave distributed_optimizer unset or set it to false",
+            )
+        )
+    return problems
+
+
+MEGATRON_MOE_LORA = (
+    "LoRA on the megatron strategy adapts dense models (not a mixture of experts' experts): use "
+    "strategy.name=fsdp2 for LoRA on this model, or train it in full"
+)
 MEGATRON_NEEDS_GPUS = (
     "strategy.name=megatron needs GPUs (Megatron-Core's forward runs on CUDA): give the role "
     "roles.<role>.num_gpus_per_worker > 0, or set strategy.name=fsdp2"
@@ -498,6 +571,8 @@ def start_problems(cfg: RunConfig, device_type: str | None = None) -> list[tuple
         problems += [
             ("strategy.megatron", m) for m in megatron_moe_problems(model_config, cfg.strategy.megatron)
         ]
+        if cfg.strategy.lora is not None and getattr(model_config, "model_type", None) == "qwen3_moe":
+            problems.append(("strategy.lora", MEGATRON_MOE_LORA))
         split = max(context_parallel_size(cfg, role) for role in megatron)
         problems += [
             ("strategy.megatron.context_parallel", m)

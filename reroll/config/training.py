@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from reroll.config.base import StrictModel
 from reroll.config.data import DataSource
@@ -166,10 +166,22 @@ class MegatronConfig(StrictModel):
         "residuals, a mixture of experts' routing) along the sequence over the TP ranks; runs with or "
         "without Transformer Engine. A mixture of experts at tensor_parallel > 1 needs it.",
     )
-    distributed_optimizer: bool = Field(True, description="Shard optimizer state across data-parallel ranks.")
-    transformer_engine: Literal["auto", "on", "off"] = Field(
-        "auto", description="Layer spec: Transformer Engine where installed ('auto'), required, or never."
+    distributed_optimizer: bool = Field(
+        True,
+        description="Shard optimizer state across data-parallel ranks (not with strategy.lora: the "
+        "adapters' state is small and stays whole on each rank).",
     )
+    transformer_engine: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Layer spec: Transformer Engine where installed ('auto'), required, or never (with "
+        "strategy.lora 'auto' takes the local spec: the adapters sit on its linear layers).",
+    )
+
+    @field_validator("transformer_engine", mode="before")
+    @classmethod
+    def _on_off(cls, value: object) -> object:
+        """YAML reads a bare on / off as true / false: take them as the words they were."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class StrategyConfig(StrictModel):

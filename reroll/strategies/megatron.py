@@ -21,7 +21,9 @@ logits ``moe_routers`` records (``reroll.strategies.megatron_moe``). Weights com
 checkpoint through ``reroll.models.megatron_convert``, each rank reading from the safetensors files only
 the tensors it holds (``reroll.models.checkpoint_reader``), and go back in Hugging Face names for weight
 sync and export, one layer at a time (``reroll.strategies.megatron_weights``); the export's files are
-written by every rank, each its share (``reroll.strategies.hf_export``).
+written by every rank, each its share (``reroll.strategies.hf_export``). With ``strategy.lora`` only
+adapters on the tensor-parallel linear layers train, split as the layers are, and the weights leave
+merged (``reroll.strategies.megatron_lora``).
 
 The role splits a batch by rows across its ranks, as for the other strategies (the ranks of a
 context-parallel group get the same rows: ``reroll.config.startable.context_parallel_stride``). Tensor
@@ -50,6 +52,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from reroll.config.startable import (
+    MEGATRON_MOE_LORA,
     MEGATRON_NEEDS_GPUS,
     megatron_context_parallel_problems,
     megatron_moe_checkpointing_problem,
@@ -62,7 +65,7 @@ from reroll.models import megatron_convert as mc
 from reroll.models.checkpoint_reader import CheckpointReader, checkpoint_files
 from reroll.models.loading import DTYPES, load_causal_lm
 from reroll.packages import importable
-from reroll.strategies import Head
+from reroll.strategies import Head, megatron_lora
 from reroll.strategies import megatron_optimizer_state as optimizer_state
 from reroll.strategies.context_parallel import ContextParallel, split_columns
 from reroll.strategies.hf_export import (
@@ -192,6 +195,8 @@ class MegatronStrategy(MicroBatchLoop):
         self.pp, self.vp = self.mcfg.pipeline_parallel, self.mcfg.virtual_pipeline
         self.model_path, self.dtype, self.seed = model_path, cfg.model.dtype, cfg.seed
         self.trainable, self.rank, self.world_size = trainable, rank, world_size
+        self.lora = cfg.strategy.lora if trainable else None  # adapters on the policy (megatron_lora)
+        self.sharded_optimizer = self.mcfg.distributed_optimizer and self.lora is None
         # model.gradient_checkpointing: True every layer, a count the first that many (block), 0 / False none
         setting = cfg.model.gradient_checkpointing if trainable else False
         self.recompute: bool | int = setting if isinstance(setting, bool) else int(setting)
@@ -206,9 +211,12 @@ class MegatronStrategy(MicroBatchLoop):
                 f"model.gradient_checkpointing is {self.recompute}, but the model has {self.shape.num_layers} "
                 f"decoder layers: set at most {self.shape.num_layers} (or true for all)"
             )
+        if self.lora is not None and self.shape.num_experts:
+            moe_problems.append(MEGATRON_MOE_LORA)
         if moe_problems:
             raise UserError("; ".join(moe_problems))
-        self.te = use_transformer_engine(self.mcfg.transformer_engine)
+        # adapters sit on the local spec's linear layers (Transformer Engine fuses the norm into them)
+        self.te = self.lora is None and use_transformer_engine(self.mcfg.transformer_engine)
         # the GPTModel of each model chunk (one but under a virtual pipeline) and what runs each: DDP-wrapped
         # when trainable; ``module`` and ``model`` are the one chunk's, or a ModuleList of the chunks'
         self.chunks: list[torch.nn.Module] = []
@@ -390,6 +398,8 @@ class MegatronStrategy(MicroBatchLoop):
         for module in self.chunks:
             module.requires_grad_(self.trainable)
             module.train(self.trainable)
+        if self.lora is not None:  # before DDP: its buffers hold the adapters alone
+            megatron_lora.add_adapters(self.chunks, self.lora, self.tp_rank, self.tp)
         if self.shape.num_experts and self.trainable:  # every model chunk's routers
             chunks = torch.nn.ModuleList(self.chunks)
             self.moe_routers = MegatronRouters(chunks, self.shape, self.hf_config, self._row_split())
@@ -398,7 +408,7 @@ class MegatronStrategy(MicroBatchLoop):
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
             ddp = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=self.mcfg.distributed_optimizer
+                grad_reduce_in_fp32=True, use_distributed_optimizer=self.sharded_optimizer
             )
             self.models = [
                 DistributedDataParallel(config=config, ddp_config=ddp, module=m) for m in self.chunks
@@ -506,7 +516,7 @@ class MegatronStrategy(MicroBatchLoop):
             adam_eps=1e-8,
             bf16=DTYPES[self.dtype] == torch.bfloat16,
             params_dtype=DTYPES[self.dtype],
-            use_distributed_optimizer=self.mcfg.distributed_optimizer,
+            use_distributed_optimizer=self.sharded_optimizer,
             clip_grad=0.0,  # step() clips
         )
         # config_overrides={}: no parameter is exempt from weight decay (Megatron's default exempts 1-D)
@@ -824,11 +834,19 @@ class MegatronStrategy(MicroBatchLoop):
         ranks and the pipeline stages (``reroll.strategies.megatron_weights``): on the device
         (``on_device``) or on CPU. A collective: every rank iterates to the end, and gets all."""
         self._require()
+        if self.lora is not None:  # the adapters merged into this rank's shard of each weight
+            return self.hf_named([megatron_lora.merged_state(m) for m in self.chunks], on_device=on_device)
         weights = [
             {k: v.detach() for k, v in m.state_dict().items() if not k.endswith("_extra_state")}
             for m in self.chunks
         ]
         return self.hf_named(weights, on_device=on_device)
+
+    def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
+        """The base model while inside: every adapter skipped (a LoRA run's reference policy)."""
+        if self.lora is None:
+            raise RuntimeError("adapters_disabled needs strategy.lora")
+        return megatron_lora.disabled(self.chunks)
 
     def hf_named(
         self, local: Sequence[Mapping[str, torch.Tensor]], *, on_device: bool
@@ -845,7 +863,9 @@ class MegatronStrategy(MicroBatchLoop):
         (``reroll.strategies.megatron_optimizer_state``). A collective: every rank calls it."""
         directory.mkdir(parents=True, exist_ok=True)
         self.export(directory / "model")
-        if with_optimizer and self.optimizer is not None:
+        if self.lora is not None:  # the merged model above; the adapters and their state, per rank
+            megatron_lora.save(self, directory, with_optimizer=with_optimizer)
+        elif with_optimizer and self.optimizer is not None:
             optimizer_state.save_optimizer_state(self, directory / optimizer_state.DIRECTORY)
 
     def export(self, directory: Path) -> int:
@@ -893,6 +913,9 @@ class MegatronStrategy(MicroBatchLoop):
         this rank's layout whatever the layout that wrote it, or an older checkpoint's
         ``optimizer_rank{r}.pt`` at the layout that wrote them. A collective: every rank calls it."""
         self._require()
+        if self.lora is not None:  # the base stays model.path's: the adapters (and their state) from here
+            megatron_lora.load(self, directory)
+            return
         restore = None
         if self.optimizer is not None:  # refuses a checkpoint it cannot resume before reading weights
             restore = optimizer_state.restorer(self, directory, self._shares())

@@ -144,6 +144,44 @@ def test_save_load_resumes_exactly_and_exports_hf(tmp_path, assets):
     _assert_same_steps(_train(second, ids, mask, 2), _train(first, ids, mask, 2))  # fp32 main params, Adam
 
 
+def test_lora_on_the_row_layers_trains_as_peft_and_resumes_exactly(tmp_path, assets):
+    """LoRA on o_proj and down_proj (layers Megatron does not fuse), bf16: peft's A copied into Megatron's
+    adapters (B = 0 in both), three steps give the torch strategy's losses and grad norms (rel 1e-2: bf16
+    matmuls in another order); a save resumes into a fresh strategy with the same next steps."""
+    from reroll.strategies.megatron import MegatronStrategy
+    from reroll.strategies.torch_strategy import TorchStrategy
+
+    lora = [
+        "strategy.lora.sync=merged",
+        "strategy.lora.target_modules=[o_proj,down_proj]",
+        "model.dtype=bfloat16",
+    ]
+    cfg = _cfg(tmp_path, assets, *lora)
+    made = [TorchStrategy(str(assets["model"]), cfg=cfg, device="cuda")]
+    made.append(MegatronStrategy(str(assets["model"]), cfg=cfg, device="cuda"))
+    for s in made:
+        s.configure_optimizer(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
+    peft, ours = made
+    params = dict(ours.module.named_parameters())
+    with torch.no_grad():
+        for name, a in peft.model.named_parameters():
+            if ".lora_A." in name:
+                i, kind = (
+                    int(name.split(".layers.")[1].split(".")[0]),
+                    name.split(".lora_A")[0].rsplit(".", 1)[1],
+                )
+                layer = {"o_proj": "self_attention.linear_proj", "down_proj": "mlp.linear_fc2"}[kind]
+                params[f"decoder.layers.{i}.{layer}.lora_A"].copy_(a)
+    ids, mask = _batch()
+    for (loss_a, norm_a), (loss_b, norm_b) in zip(_train(peft, ids, mask, 3), _train(ours, ids, mask, 3)):
+        assert loss_b == pytest.approx(loss_a, rel=1e-2) and norm_b == pytest.approx(norm_a, rel=1e-2)
+    ours.save(tmp_path / "ck", with_optimizer=True)
+    again = MegatronStrategy(str(assets["model"]), cfg=cfg, device="cuda")
+    again.configure_optimizer(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
+    again.load(tmp_path / "ck")
+    _assert_same_steps(_train(again, ids, mask, 2), _train(ours, ids, mask, 2))
+
+
 @pytest.mark.parametrize("distributed_optimizer", [True, False])
 def test_offload_frees_memory_and_reload_restores(tmp_path, assets, distributed_optimizer):
     """Offload frees params, grads and Adam state; after reload the logits are the same and a step equals

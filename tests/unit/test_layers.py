@@ -23,6 +23,7 @@ PACKAGE = ROOT / "reroll"
 # what each layer holds, is the docstring of reroll/__init__.py (test_the_order_is_the_documented_one).
 LAYERS = [
     "errors",
+    "packages",
     "config",
     "data",
     "algorithms",
