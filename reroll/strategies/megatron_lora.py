@@ -218,24 +218,19 @@ def layout(s: Any) -> dict[str, int]:
 
 def save(s: Any, directory: Path, *, with_optimizer: bool) -> None:
     """This rank's adapters (and their optimizer state) into ``directory/lora_rank{r}.pt``."""
-    from reroll.strategies.megatron_optimizer_state import _inners, _main_params
+    from reroll.strategies.megatron_optimizer_state import rank_state
 
     state: dict[str, Any] = {"layout": layout(s), "adapters": adapter_state(s.chunks), "steps": s.steps}
     if with_optimizer and s.optimizer is not None:
-        state["optimizers"] = [inner.state_dict() for inner in _inners(s.optimizer)]
-        state["main_params"] = [[p.detach().cpu().clone() for p in m] for m in _main_params(s.optimizer)]
+        state |= rank_state(s)
     directory.mkdir(parents=True, exist_ok=True)
     torch.save(state, directory / FILE.format(rank=s.rank))
-
-
-def has_adapters(directory: Path) -> bool:
-    return any(directory.glob(FILE.format(rank="*")))
 
 
 def load(s: Any, directory: Path) -> None:
     """This rank's adapters (and optimizer state, where saved and ``s`` has an optimizer) from
     ``directory``, refused unless ``s`` has the layout that wrote them."""
-    from reroll.strategies.megatron_optimizer_state import _inners, _main_params
+    from reroll.strategies.megatron_optimizer_state import load_rank_state
 
     path = directory / FILE.format(rank=s.rank)
     saved = torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
@@ -256,15 +251,6 @@ def load(s: Any, directory: Path) -> None:
         return
     s.optimizer.reload_model_params()  # main params from the loaded adapters
     if "optimizers" in saved:
-        for inner, main, inner_state, saved_main in zip(
-            _inners(s.optimizer),
-            _main_params(s.optimizer),
-            saved["optimizers"],
-            saved["main_params"],
-            strict=True,
-        ):
-            with torch.no_grad():
-                for p, value in zip(main, saved_main, strict=True):
-                    p.copy_(value)
-            inner.load_state_dict(inner_state)
-    s.steps = saved["steps"]
+        load_rank_state(s, saved)
+    else:
+        s.steps = saved["steps"]

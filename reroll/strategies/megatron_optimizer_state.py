@@ -207,7 +207,7 @@ def restorer(
             )
         return partial(_load_optimizer_state, s, directory, state, checkpoint / "model", shares)
     if any(checkpoint.glob("optimizer_rank*.pt")):
-        return partial(_load_rank_file, s, checkpoint, _read_rank_file(s, checkpoint))
+        return partial(load_rank_state, s, _read_rank_file(s, checkpoint))
     return None
 
 
@@ -332,8 +332,19 @@ def _inners(optimizer: Any) -> list[torch.optim.Optimizer]:
     return [o.optimizer for o in chained if o is not None and o.optimizer is not None]
 
 
-def _load_rank_file(s: MegatronStrategy, checkpoint: Path, state: dict[str, Any]) -> None:
-    """``_read_rank_file``'s ``state`` into ``s``'s optimizer. Sets ``s.steps``."""
+def rank_state(s: MegatronStrategy) -> dict[str, Any]:
+    """This rank's optimizer state as one file holds it (the form ``load_rank_state`` reads: each torch
+    optimizer's state, its fp32 main params, the step count), on CPU: a LoRA checkpoint's
+    (``reroll.strategies.megatron_lora``), and that of checkpoints from before ``optimizer/``."""
+    return {
+        "optimizers": [inner.state_dict() for inner in _inners(s.optimizer)],
+        "main_params": [[p.detach().cpu().clone() for p in m] for m in _main_params(s.optimizer)],
+        "steps": s.steps,
+    }
+
+
+def load_rank_state(s: MegatronStrategy, state: dict[str, Any]) -> None:
+    """``rank_state``'s ``state`` (or ``_read_rank_file``'s) into ``s``'s optimizer. Sets ``s.steps``."""
     for inner, main, saved_state, saved_main in zip(
         _inners(s.optimizer),
         _main_params(s.optimizer),
