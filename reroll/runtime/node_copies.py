@@ -8,7 +8,7 @@ directory on a disk of their own: moved through the run's storage (``checkpoint.
   downloads what its own copy lacks. The driver's copy is then whole, as on a shared filesystem.
 - ``scatter``: before ranks on several nodes read a directory the driver holds whole (a checkpoint to
   resume from, the reference's snapshot), the driver puts what the storage lacks and every other node
-  downloads what its copy lacks (of checkpoints, only the one read is kept there).
+  downloads what its copy lacks (a checkpoint whole, and no other kept there).
 
 A node that sees the driver's disk finds the token the driver wrote into the directory for the call (the
 node check's test, ``preflight_nodes.run_dir_problems``) and does nothing. So each call goes to every
@@ -51,7 +51,7 @@ def gather(url: str, directory: Path, remote: str, *, drop: bool) -> None:
 
 def scatter(url: str, directory: Path, remote: str, *, alone: bool = False) -> None:
     """Give every node the driver's whole ``directory`` (the module doc), through the storage's
-    ``remote``; ``alone``: a node keeps no other checkpoint beside it."""
+    ``remote``; ``alone`` (a checkpoint): a node downloads it whole and keeps no other."""
     Storage(url).put_tree(directory, remote)
     with _token(directory) as token:
         _on_nodes(_fetch, url, str(directory), remote, token, alone)
@@ -80,9 +80,9 @@ def _fetch(url: str, directory: str, remote: str, token: str, alone: bool) -> in
     local = Path(directory)
     if (local / token).exists():
         return 0
-    if alone and local.parent.is_dir():
+    if alone and local.parent.is_dir():  # a checkpoint: downloaded whole (a copy here may be older)
         for other in local.parent.iterdir():
-            if other.name != local.name and other.is_dir():
+            if other.is_dir():
                 shutil.rmtree(other, ignore_errors=True)
     return Storage(url).get_tree(remote, local)
 

@@ -11,8 +11,8 @@ on a mounted filesystem):
   pruned to ``checkpoint.keep_last`` as the local ones are;
 - the run's records, which a resumed run reads beside the checkpoint (``reroll.pipelines.run_dir.RECORDS``:
   the metrics, the config, TensorBoard's files, the reference's snapshot, a teacher cache): copied after
-  each step that checkpoints has logged its metrics, each file only when the copy's size differs (the
-  reference's snapshot once, the metrics as they grow).
+  each step that checkpoints has logged its metrics (a file of 64 MiB or more only where the copy's
+  size differs: the reference's snapshot once).
 
 On ``--resume`` the newest complete checkpoint in storage is downloaded into the run directory when
 the run directory has none as new (it is downloaded to a partial directory and renamed, as a local
@@ -39,6 +39,7 @@ from reroll.runtime import checkpoint
 
 log = logging.getLogger(__name__)
 
+RECORD_ALWAYS = 64 << 20  # records under this size are copied every time (a config rewritten at one size)
 _THREADS = 8  # files copied at once: object stores take many small requests better in parallel
 
 
@@ -96,9 +97,11 @@ class Storage:
 
     # -- records -------------------------------------------------------------------------------------
     def upload_records(self, run_dir: Path, records: tuple[str, ...]) -> None:
-        """Copy the run's ``records`` (files or directories under ``run_dir``) as they are now."""
+        """Copy the run's ``records`` (files or directories under ``run_dir``) as they are now: the
+        small ones (the config, the metrics, TensorBoard's) every time, a large one (the reference's
+        snapshot) where its copy's size differs."""
         for name in records:
-            self.put_tree(run_dir / name, name)
+            self.put_tree(run_dir / name, name, always_below=RECORD_ALWAYS)
 
     def download_records(self, run_dir: Path, records: tuple[str, ...]) -> list[str]:
         """Copy into ``run_dir`` the ``records`` it lacks; returns their names."""
@@ -108,17 +111,21 @@ class Storage:
         return taken
 
     # -- copying -------------------------------------------------------------------------------------
-    def put_tree(self, local: Path, remote: str, *, leave: tuple[str, ...] = ()) -> int:
+    def put_tree(
+        self, local: Path, remote: str, *, leave: tuple[str, ...] = (), always_below: int = 0
+    ) -> int:
         """Copy the file or directory ``local`` to ``remote`` (relative to the storage's root): each file
-        whose copy is missing or of another size, but not the top-level names in ``leave``. Returns
-        the number of files copied."""
+        whose copy is missing or of another size, and every file under ``always_below`` bytes (one
+        rewritten at the same size), but not the top-level names in ``leave``. Returns the number of
+        files copied."""
         files = (
             [local]
             if local.is_file()
             else [p for p in _files(local) if p.relative_to(local).parts[0] not in leave]
         )
         target = {p: "/".join([self._path(remote), *p.relative_to(local).parts]) for p in files}
-        changed = [p for p in files if self._size(target[p]) != p.stat().st_size]
+        sizes = {p: p.stat().st_size for p in files}
+        changed = [p for p in files if sizes[p] < always_below or self._size(target[p]) != sizes[p]]
 
         def put(path: Path) -> None:
             self.fs.makedirs(target[path].rsplit("/", 1)[0], exist_ok=True)

@@ -66,11 +66,11 @@ def test_scatter_gives_every_node_the_drivers_whole_copy_and_only_that_checkpoin
     whole = {"COMPLETE": b"", "model/a.safetensors": b"a", "state/.metadata": b"m"}
     _write(nodes["driver"] / ckpt, whole)
     _write(nodes["other"] / ckpt.parent / "step_000001", {"old": b"an older checkpoint, gone after"})
-    _write(nodes["other"] / ckpt, {"model/a.safetensors": b"a"})  # a part it has already is not fetched
+    _write(nodes["other"] / ckpt, {"model/a.safetensors": b"b"})  # an older copy of the step, same size
     node_copies.scatter(url, nodes["driver"] / ckpt, "checkpoints/step_000002", alone=True)
     assert _read(nodes["other"] / ckpt) == whole
     assert sorted(p.name for p in (nodes["other"] / ckpt.parent).iterdir()) == ["step_000002"]
-    assert [(node, n) for _, node, n in nodes["calls"]] == [("driver", 0), ("other", 2)]
+    assert [(node, n) for _, node, n in nodes["calls"]] == [("driver", 0), ("other", 3)]  # downloaded whole
     assert _read(nodes["driver"] / ckpt) == whole  # the driver's own copy is as it was
 
 

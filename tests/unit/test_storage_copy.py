@@ -93,3 +93,15 @@ def test_a_copy_that_fails_stops_the_run_naming_the_complete_local_checkpoint(tm
     assert message.startswith("checkpoint.storage: copying step_000001 to file://") and "--resume" in message
     assert f"The local checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_000001'} is complete" in message
     assert checkpoint.latest(tmp_path / "run").name == "step_000001"
+
+
+def test_a_record_rewritten_at_the_same_size_is_copied_again(tmp_path):
+    """A resumed run rewrites config.yaml (total_steps 2 -> 3: the same size); small records are copied
+    every time, so the copy is never the older file."""
+    store, run = storage.Storage(f"file://{tmp_path / 'bucket'}"), tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("total_steps: 2\n")
+    store.upload_records(run, checkpoint.RECORDS)
+    (run / "config.yaml").write_text("total_steps: 3\n")
+    store.upload_records(run, checkpoint.RECORDS)
+    assert (tmp_path / "bucket" / "config.yaml").read_text() == "total_steps: 3\n"
