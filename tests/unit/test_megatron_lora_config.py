@@ -18,10 +18,13 @@ def test_fused_layers_are_adapted_whole_and_unknown_names_are_named():
     assert "['lm_head'] are not layers" in megatron_targets(["lm_head"])[1]
 
 
-def test_the_default_lora_on_megatron_needs_merged_sync_only(tmp_path):
+def test_the_default_lora_on_megatron_syncs_merged_and_adapters_alone_is_refused(tmp_path):
     cfg = small_config(tmp_path, "strategy.name=megatron", "strategy.lora.rank=8")
-    assert [key for key, _ in megatron_lora_problems(cfg)] == ["strategy.lora.sync"]
-    assert megatron_lora_problems(small_config(tmp_path, *MEGATRON, "strategy.lora.rank=8")) == []
+    assert megatron_lora_problems(cfg) == [] and cfg.strategy.synced_adapters is None  # 'auto': merged
+    fsdp2 = small_config(tmp_path, "strategy.name=fsdp2", "strategy.lora.rank=8")
+    assert fsdp2.strategy.synced_adapters is fsdp2.strategy.lora  # 'auto' on fsdp2: the adapters alone
+    alone = small_config(tmp_path, "strategy.name=megatron", "strategy.lora.sync=adapters")
+    assert [key for key, _ in megatron_lora_problems(alone)] == ["strategy.lora.sync"]
 
 
 def test_what_the_adapters_cannot_sit_beside_is_refused_with_the_fix(tmp_path):
