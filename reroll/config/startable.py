@@ -481,14 +481,6 @@ def megatron_lora_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         problems.append(
             ("strategy.lora.dropout", "adapter dropout is not built for strategy.name=megatron: set it to 0")
         )
-    if lora.sync == "adapters":
-        problems.append(
-            (
-                "strategy.lora.sync",
-                "the megatron strategy sends the adapters merged into the weights (it does not write "
-                "peft's adapter names): set strategy.lora.sync to merged or auto",
-            )
-        )
     if m.transformer_engine == "on":
         problems.append(
             (
@@ -605,8 +597,7 @@ def engine_problems(cfg: RunConfig, device_type: str | None) -> list[tuple[str, 
         problems.append(
             (
                 "strategy.lora.sync",
-                f"{cfg.strategy.lora.sync!r} sends the adapters alone, but the {spec.name} engine takes no "
-                "LoRA adapters: set it to 'merged'",
+                f"'adapters', but the {spec.name} engine takes no LoRA adapters: set it to 'merged'",
             )
         )
     infer = role_device(cfg, "actor_infer", device_type) if device_type else None

@@ -110,11 +110,9 @@ class LoRAConfig(StrictModel):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="Names of the linear layers that get adapters.",
     )
-    sync: Literal["auto", "adapters", "merged"] = Field(
-        "auto",
-        description="Weight sync sends the adapters only, or the base weights with the adapters merged in. "
-        "'auto': the adapters where the strategy writes them in peft's names (torch, fsdp2, deepspeed), "
-        "merged on megatron.",
+    sync: Literal["adapters", "merged"] = Field(
+        "adapters",
+        description="Weight sync sends the adapters only, or the base weights with the adapters merged in.",
     )
 
 
@@ -217,11 +215,8 @@ class StrategyConfig(StrictModel):
 
     @property
     def synced_adapters(self) -> LoRAConfig | None:
-        """``lora`` where a weight sync sends actor_infer the adapters alone (``lora.sync: adapters``, or
-        'auto' on a strategy that writes peft's names: all but megatron)."""
-        if self.lora is None or self.lora.sync == "merged":
-            return None
-        return self.lora if self.lora.sync == "adapters" or self.name != "megatron" else None
+        """``lora`` where a weight sync sends actor_infer the adapters alone (``lora.sync: adapters``)."""
+        return self.lora if self.lora is not None and self.lora.sync == "adapters" else None
 
 
 class SFTConfig(StrictModel):

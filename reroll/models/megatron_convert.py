@@ -156,8 +156,8 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: GPTShape) ->
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def _split_qkv(qkv: torch.Tensor, s: GPTShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of ``_fuse_qkv``."""
+def split_qkv(qkv: torch.Tensor, s: GPTShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``_fuse_qkv`` (any trailing shape: a LoRA B of ``r`` columns too)."""
     rest = qkv.shape[1:]
     per_group = (s.num_heads // s.num_kv_heads) * s.head_dim
     grouped = qkv.reshape(s.num_kv_heads, per_group + 2 * s.head_dim, *rest)
@@ -405,10 +405,10 @@ def layer_to_hf(mc: dict[str, torch.Tensor], s: GPTShape, i: int) -> dict[str, t
     attn_norm, mlp_norm = _norm_names(i, m + "self_attention.linear_qkv.layer_norm_weight" in mc)
     out = {h + "input_layernorm.weight": mc[attn_norm], h + "post_attention_layernorm.weight": mc[mlp_norm]}
     a = h + "self_attn."
-    q, k, v = _split_qkv(mc[m + "self_attention.linear_qkv.weight"], s)
+    q, k, v = split_qkv(mc[m + "self_attention.linear_qkv.weight"], s)
     out |= {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v}
     if s.qkv_bias:
-        q, k, v = _split_qkv(mc[m + "self_attention.linear_qkv.bias"], s)
+        q, k, v = split_qkv(mc[m + "self_attention.linear_qkv.bias"], s)
         out |= {a + "q_proj.bias": q, a + "k_proj.bias": k, a + "v_proj.bias": v}
     if s.qk_norm:
         out[a + "q_norm.weight"] = mc[m + "self_attention.q_layernorm.weight"]

@@ -77,6 +77,7 @@ from reroll.strategies.hf_export import (
     write_hf_model,
 )
 from reroll.strategies.host_parking import HostParking
+from reroll.strategies.lora import AdapterUpdate, lora_config_dict, save_adapter
 from reroll.strategies.megatron_moe import (
     MegatronRouters,
     RowSplit,
@@ -842,6 +843,13 @@ class MegatronStrategy(MicroBatchLoop):
         ]
         return self.hf_named(weights, on_device=on_device)
 
+    def adapter_update(self) -> AdapterUpdate:
+        """The adapters in peft's saved names and their ``LoraConfig`` (rank 0's; the others' tensors are
+        empty): a collective, every rank calls it (``megatron_lora.peft_adapters``)."""
+        if self.lora is None:
+            raise RuntimeError("adapter_update needs strategy.lora")
+        return AdapterUpdate(megatron_lora.peft_adapters(self), lora_config_dict(self.lora))
+
     def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
         """The base model while inside: every adapter skipped (a LoRA run's reference policy)."""
         if self.lora is None:
@@ -863,7 +871,10 @@ class MegatronStrategy(MicroBatchLoop):
         (``reroll.strategies.megatron_optimizer_state``). A collective: every rank calls it."""
         directory.mkdir(parents=True, exist_ok=True)
         self.export(directory / "model")
-        if self.lora is not None:  # the merged model above; the adapters and their state, per rank
+        if self.lora is not None:  # the merged model above; peft's adapter/; each rank's adapters and state
+            update = self.adapter_update()
+            if self.rank == 0:
+                save_adapter(directory / "adapter", update)
             megatron_lora.save(self, directory, with_optimizer=with_optimizer)
         elif with_optimizer and self.optimizer is not None:
             optimizer_state.save_optimizer_state(self, directory / optimizer_state.DIRECTORY)

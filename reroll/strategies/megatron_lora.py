@@ -204,6 +204,66 @@ def load_adapter_state(
                 params[key].copy_(value)
 
 
+# a Megatron layer -> its module in a decoder layer and the Hugging Face layers it holds, in its order
+_HF = {
+    "linear_qkv": ("self_attention", "self_attn.", ("q_proj", "k_proj", "v_proj")),
+    "linear_proj": ("self_attention", "self_attn.", ("o_proj",)),
+    "linear_fc1": ("mlp", "mlp.", ("gate_proj", "up_proj")),
+    "linear_fc2": ("mlp", "mlp.", ("down_proj",)),
+}
+
+
+def peft_adapters(s: Any) -> dict[str, torch.Tensor]:
+    """The adapters in peft's saved names (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.
+    weight``), on rank 0 (the others get ``{}``): a collective over every rank. Each layer's split half
+    is gathered over its TP group and merged as the weight it sits on would be (``megatron_convert.
+    merge``); a fused layer's adapter becomes one per part, each with the fused layer's A and its rows
+    of B (what the one adapter computes for that part); rank 0 collects the stages' layers."""
+    import torch.distributed as dist
+
+    from reroll.models import megatron_convert as mc
+
+    merged: dict[str, torch.Tensor] = {}
+    for chunk in s.chunks:
+        for name, layer in chunk.named_modules():
+            if not hasattr(layer, "lora_on"):
+                continue
+            parts = name.split(".")  # decoder.layers.{i}.{self_attention|mlp}.{kind}
+            i, kind = chunk.decoder.layers[int(parts[2])].layer_number - 1, parts[-1]
+            a, b = layer.lora_A.detach(), layer.lora_B.detach()
+            split, whole = (b, a) if kind in COLUMN else (a, b)
+            shards = [split]
+            if s.tp > 1:
+                shards = [torch.empty_like(split) for _ in range(s.tp)]
+                dist.all_gather(shards, split.contiguous(), group=s.tp_group)
+            key = f"decoder.layers.{i}.{_HF[kind][0]}.{kind}.weight"
+            full = mc.merge([{key: t.cpu()} for t in shards])[key]
+            a, b = (whole.cpu(), full) if kind in COLUMN else (full, whole.cpu())
+            merged |= _peft_names(i, kind, a, b, s.shape)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return merged
+    from megatron.core import parallel_state as ps
+
+    mine = merged if s.tp_rank == 0 and ps.get_data_parallel_rank() == 0 else {}
+    got: list[Any] = [None] * dist.get_world_size() if s.rank == 0 else None  # type: ignore[assignment]
+    dist.gather_object(mine, got, dst=0)
+    return {k: v for part in got for k, v in part.items()} if s.rank == 0 else {}
+
+
+def _peft_names(i: int, kind: str, a: torch.Tensor, b: torch.Tensor, shape: Any) -> dict[str, torch.Tensor]:
+    from reroll.models import megatron_convert as mc
+    from reroll.strategies.lora import PREFIX
+
+    _, hf_module, names = _HF[kind]
+    rows = mc.split_qkv(b, shape) if kind == "linear_qkv" else b.chunk(2) if kind == "linear_fc1" else (b,)
+    head = f"{PREFIX}model.layers.{i}.{hf_module}"
+    out = {}
+    for part, b_part in zip(names, rows, strict=True):
+        out[f"{head}{part}.lora_A.weight"] = a.clone()
+        out[f"{head}{part}.lora_B.weight"] = b_part.contiguous().clone()
+    return out
+
+
 def layout(s: Any) -> dict[str, int]:
     """What decides which adapter slices and optimizer state a rank holds."""
     return {

@@ -83,12 +83,31 @@ def _one_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str)
         saved["hf_minus_adapted"] = float((hf(ids, attention_mask=mask).logits - adapted)[real].abs().max())
         hf.load_state_dict(base)
         saved["hf_minus_first"] = float((hf(ids, attention_mask=mask).logits - first)[real].abs().max())
+    saved["peft_minus_adapted"] = _peft_logits(s, s.adapter_update(), ids, mask, adapted)
 
     s.save(Path(out) / "ckpt", with_optimizer=True)  # then one more step, and the same from a fresh strategy
+    saved["saved_peft_minus_adapted"] = _peft_logits(s, Path(out) / "ckpt" / "adapter", ids, mask, adapted)
     loss = -(token_logprobs(s.logits(ids, mask), ids) * mask).sum() / n_tokens
     s.backward(loss)
     saved["next"] = (float(loss), s.step(1.0)["grad_norm"])
     torch.save(saved, f"{out}/rank{rank}.pt")
+
+
+def _peft_logits(s, adapters, ids: torch.Tensor, mask: torch.Tensor, adapted: torch.Tensor) -> float:
+    """How far peft's model (the base, and ``adapters``: an ``AdapterUpdate`` or a saved ``adapter/``
+    directory) is from ``adapted``, the Megatron model's logits, on the rows' real positions."""
+    from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(s.model_path, dtype=torch.float32)
+    if isinstance(adapters, Path):
+        model = PeftModel.from_pretrained(base, str(adapters))
+    else:
+        model = get_peft_model(base, LoraConfig(**adapters.config))
+        result = set_peft_model_state_dict(model, adapters.tensors)
+        assert not result.unexpected_keys, result.unexpected_keys[:3]
+    with torch.no_grad():
+        return float((model(ids, attention_mask=mask).logits - adapted)[mask.bool()].abs().max())
 
 
 def _resumed_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str) -> None:
@@ -112,6 +131,9 @@ def test_one_rank_trains_only_its_adapters_and_resumes_them(tmp_path, lora_model
     # the merged weights in a Hugging Face model compute the adapted logits: the same sums in fp32, in
     # another order (W x + s B (A x) against (W + s B A) x), over 64-wide rows: within 1e-4
     assert one["hf_minus_adapted"] < 1e-4, (one["hf_minus_adapted"], one["hf_minus_first"])
+    # the adapters in peft's names (sync, and the checkpoint's adapter/) on the Hugging Face base model
+    # compute the same: W x + s B (A x) in both, the fused layers' parts one by one there (1e-4, as above)
+    assert one["peft_minus_adapted"] < 1e-4 and one["saved_peft_minus_adapted"] < 1e-4
 
     (tmp_path / "resumed").mkdir()
     [resumed] = run_ranks(_resumed_rank, 1, tmp_path / "resumed", str(lora_models["two"]))
@@ -209,6 +231,12 @@ def test_lora_ranks_train_as_one_rank(tmp_path, lora_models, model, sizes):
 
     one, two = run(1)[0], run(2, *sizes)
     assert_train_as_one(one, two)
+    # rank 0's adapters in peft's names: the TP shards and the stages gathered as one rank holds them
+    # (the same rounding bound as the weights); the other ranks get none
+    assert one["adapters"] and one["adapters"].keys() == two[0]["adapters"].keys()
+    for name, t in one["adapters"].items():
+        torch.testing.assert_close(two[0]["adapters"][name], t, atol=2 * 1e-3 * STEPS, rtol=0)
+    assert two[1]["adapters"] == {}
     # and it was the adapters that trained: every other weight is the checkpoint's, bit for bit
     base = _base_weights(lora_models[model])
     for weights in (one["weights"], *(r["weights"] for r in two)):

@@ -74,6 +74,8 @@ def _train_rank(rank: int, world_size: int, address: str, out: str, cfg_path: st
         scored = token_logprobs(s.logits(ids, mask), ids) * mask
     marked = [n for n, p in s.module.named_parameters() if getattr(p, "sequence_parallel", False)]
     saved = {"steps": steps, "scored": scored, "weights": s.full_state_dict(), "sequence_parallel": marked}
+    if s.lora is not None:  # rank 0's adapters in peft's names (a collective: every rank asks)
+        saved["adapters"] = s.adapter_update().tensors
     torch.save(saved, f"{out}/rank{rank}.pt")
 
 

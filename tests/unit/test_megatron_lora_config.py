@@ -7,7 +7,7 @@ from __future__ import annotations
 from reroll.config.startable import megatron_lora_problems, megatron_targets
 from tests.conftest import small_config
 
-MEGATRON = ("strategy.name=megatron", "strategy.lora.sync=merged")
+MEGATRON = ("strategy.name=megatron",)
 
 
 def test_fused_layers_are_adapted_whole_and_unknown_names_are_named():
@@ -18,13 +18,9 @@ def test_fused_layers_are_adapted_whole_and_unknown_names_are_named():
     assert "['lm_head'] are not layers" in megatron_targets(["lm_head"])[1]
 
 
-def test_the_default_lora_on_megatron_syncs_merged_and_adapters_alone_is_refused(tmp_path):
+def test_the_default_lora_on_megatron_is_accepted(tmp_path):
     cfg = small_config(tmp_path, "strategy.name=megatron", "strategy.lora.rank=8")
-    assert megatron_lora_problems(cfg) == [] and cfg.strategy.synced_adapters is None  # 'auto': merged
-    fsdp2 = small_config(tmp_path, "strategy.name=fsdp2", "strategy.lora.rank=8")
-    assert fsdp2.strategy.synced_adapters is fsdp2.strategy.lora  # 'auto' on fsdp2: the adapters alone
-    alone = small_config(tmp_path, "strategy.name=megatron", "strategy.lora.sync=adapters")
-    assert [key for key, _ in megatron_lora_problems(alone)] == ["strategy.lora.sync"]
+    assert megatron_lora_problems(cfg) == [] and cfg.strategy.synced_adapters is cfg.strategy.lora
 
 
 def test_what_the_adapters_cannot_sit_beside_is_refused_with_the_fix(tmp_path):

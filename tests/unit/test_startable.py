@@ -248,8 +248,8 @@ def test_the_strategies_raise_the_shared_messages(tmp_path, name):
 
     if not strategy_available(name):
         pytest.skip(f"{name} is not installed")
-    cfg = _cfg(tmp_path, f"strategy.name={name}", "strategy.lora.sync=adapters")
-    [(_, message)] = [p for p in start_problems(cfg) if p[0] == "strategy.lora.sync"]
+    cfg = _cfg(tmp_path, f"strategy.name={name}", "strategy.lora.dropout=0.1")
+    [(_, message)] = [p for p in start_problems(cfg) if p[0] == "strategy.lora.dropout"]
     with pytest.raises(UserError) as e:
         make_strategy(
             cfg,
