@@ -23,9 +23,12 @@ The split ones are marked tensor-parallel as the weights are, so the gradient no
 every rank draws the whole matrix and keeps its part, so any layout starts from the same adapters and
 trains as one rank does. ``B`` starts at zero: the model computes what it did without adapters.
 
+For an adapters-only weight sync and a checkpoint's ``adapter/`` the adapters leave in peft's names
+(``peft_adapters``); a checkpoint also holds the merged model and each rank's adapters with their Adam
+state (``save``: resumed at the layout that wrote them).
+
 Left out (refused by ``reroll.config.startable``): a mixture of experts' experts, Transformer Engine's
-fused norm-and-linear layers (the local spec is used), adapter dropout (a TP group would need one
-mask), and peft's adapter files (the checkpoint holds the merged model and this rank's adapters).
+fused norm-and-linear layers (the local spec is used), adapter dropout (a TP group would need one mask).
 """
 
 from __future__ import annotations
