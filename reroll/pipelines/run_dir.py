@@ -82,8 +82,14 @@ def open_run_dir(cfg: RunConfig, *, resume: bool) -> tuple[Path | None, Path]:
     as they were. A new run (no ``--resume``) refuses a directory that holds an earlier run's files
     rather than overwrite them: the user picks a new name or deletes the old run."""
     run_dir = cfg.run_dir
-    if cfg.storage_url is not None:  # a copy of the run elsewhere: the newest checkpoint may be there
-        storage.restore(cfg.storage_url, run_dir, checkpoint.RECORDS, resume=resume)
+    if (
+        url := cfg.storage_url
+    ) is not None:  # a copy of the run elsewhere: the newest checkpoint may be there
+        _storage_call(
+            url,
+            "reading the run's copy from",
+            lambda: storage.restore(url, run_dir, checkpoint.RECORDS, resume=resume),
+        )
     found = checkpoint.latest(run_dir) if resume else None
     if resume and found is None:
         also = f" or in checkpoint.storage {cfg.storage_url}" if cfg.storage_url is not None else ""
@@ -173,6 +179,8 @@ def _storage_call(url: str, what: str, call: Callable[[], Any], kept: Path | Non
     the run stops, and the local checkpoint ``kept`` (complete) is named for --resume."""
     try:
         return call()
+    except UserError:
+        raise
     except Exception as e:
         local = f" The local checkpoint {kept} is complete." if kept is not None else ""
         raise UserError(
@@ -182,15 +190,17 @@ def _storage_call(url: str, what: str, call: Callable[[], Any], kept: Path | Non
 
 
 def copy_records(cfg: RunConfig, metrics: MetricsLogger) -> None:
-    """Copy the run's ``checkpoint.RECORDS`` to its storage, after a step that checkpointed has logged its metrics:
-    a run resumed from that checkpoint finds its reference and keeps its history."""
-    if cfg.storage_url is None:
+    """Copy the run's ``checkpoint.RECORDS`` to its storage, after a step that checkpointed has logged its
+    metrics: a run resumed from that checkpoint finds its reference and keeps its history. A copy that
+    fails stops the run as a checkpoint's does (a resume elsewhere would lack the reference)."""
+    if (url := cfg.storage_url) is None:
         return
     metrics.flush()
-    try:
-        storage.Storage(cfg.storage_url).upload_records(cfg.run_dir, checkpoint.RECORDS)
-    except Exception as e:  # the checkpoint itself is there: a lost record is a warning, not a stop
-        log.warning("checkpoint.storage: the run's records were not copied to %s (%s)", cfg.storage_url, e)
+    _storage_call(
+        url,
+        "copying the run's records to",
+        lambda: storage.Storage(url).upload_records(cfg.run_dir, checkpoint.RECORDS),
+    )
 
 
 def _os_error(e: BaseException | None) -> OSError | None:
