@@ -38,6 +38,7 @@ from typing import Any, Literal
 import reroll
 from reroll.config.loader import ConfigError, ConfigProblem
 from reroll.config.schema import RunConfig
+from reroll.runtime.node_copies import worker_nodes
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def check_nodes(cfg: RunConfig, device_type: str, pool_nodes: set[str], *, run_d
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    nodes = [n for n in ray.nodes() if n.get("Alive") and _hosts_workers(n.get("Resources", {}))]
+    nodes = worker_nodes()
     if not asks_nodes(cfg, len(nodes)):
         return
     token = secrets.token_hex(16) if run_dir and cfg.run_dir.is_dir() else None
@@ -218,10 +219,6 @@ def _answer(ref: Any, deadline: float) -> NodeAnswer | str:
             f"reroll {reroll.__version__} and its extras on every node, or start every node from the driver's "
             "environment"
         )
-
-
-def _hosts_workers(resources: dict[str, float]) -> bool:
-    return resources.get("CPU", 0) > 0 or resources.get("GPU", 0) > 0
 
 
 def _on_pool(node: dict[str, Any], device_type: str, pool_nodes: set[str]) -> bool:

@@ -38,7 +38,7 @@ def spread(url: str | None) -> bool:
     """Whether directories move through the storage ``url``: it is set, and this process drives a Ray
     cluster of several nodes."""
     ray = sys.modules.get("ray")
-    return url is not None and ray is not None and ray.is_initialized() and len(_nodes()) > 1
+    return url is not None and ray is not None and ray.is_initialized() and len(worker_nodes()) > 1
 
 
 def gather(url: str, directory: Path, remote: str, *, drop: bool) -> None:
@@ -99,12 +99,15 @@ def _token(directory: Path) -> Iterator[str]:
         (directory / name).unlink(missing_ok=True)
 
 
-def _nodes() -> list[dict[str, Any]]:
+def worker_nodes() -> list[dict[str, Any]]:
+    """Ray's alive nodes that can host a worker (CPUs or GPUs): where a node check or a copy is asked."""
     import ray
 
-    return [
-        n for n in ray.nodes() if n.get("Alive") and (n["Resources"].get("CPU") or n["Resources"].get("GPU"))
-    ]
+    return [n for n in ray.nodes() if n.get("Alive") and _hosts_workers(n.get("Resources", {}))]
+
+
+def _hosts_workers(resources: dict[str, float]) -> bool:
+    return resources.get("CPU", 0) > 0 or resources.get("GPU", 0) > 0
 
 
 def _on_nodes(fn: Callable[..., int], *args: Any) -> None:
@@ -118,7 +121,7 @@ def _on_nodes(fn: Callable[..., int], *args: Any) -> None:
         f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})": task.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
         ).remote(*args)
-        for n in _nodes()
+        for n in worker_nodes()
     }
     deadline = time.monotonic() + COPY_S
     for node, ref in refs.items():

@@ -9,7 +9,7 @@ on a mounted filesystem):
 - ``checkpoints/step_000010/...``: each file of the local checkpoint, its ``COMPLETE`` marker last, so
   a copy cut short (the machine lost mid-upload) has no marker and is never picked; older copies are
   pruned to ``checkpoint.keep_last`` as the local ones are;
-- the run's records, which a resumed run reads beside the checkpoint (``reroll.pipelines.run_dir.RECORDS``:
+- the run's records, which a resumed run reads beside the checkpoint (``reroll.runtime.checkpoint.RECORDS``:
   the metrics, the config, TensorBoard's files, the reference's snapshot, a teacher cache): copied after
   each step that checkpoints has logged its metrics (a file of 64 MiB or more only where the copy's
   size differs: the reference's snapshot once).
@@ -194,7 +194,9 @@ def check(url: str, run_dir: Path) -> str | None:
         return f"{url!r} is not a storage URL fsspec knows ({e}): use s3://, gs://, az://, file:// or a path"
     from fsspec.implementations.local import LocalFileSystem
 
-    if isinstance(storage.fs, LocalFileSystem) and _within(Path(storage.root), run_dir):
+    if isinstance(storage.fs, LocalFileSystem) and Path(storage.root).resolve().is_relative_to(
+        run_dir.resolve()
+    ):
         return (
             f"{url!r} is the run directory or inside it ({run_dir}): a copy there is lost with the run "
             "directory; choose a URL elsewhere (another disk, a bucket)"
@@ -213,11 +215,6 @@ def check(url: str, run_dir: Path) -> str | None:
     if back != b"reroll":
         return f"{url!r} gave back other bytes than were written to it: choose another URL"
     return None
-
-
-def _within(path: Path, parent: Path) -> bool:
-    path, parent = path.resolve(), parent.resolve()
-    return path == parent or parent in path.parents
 
 
 def restore(url: str, run_dir: Path, records: tuple[str, ...], *, resume: bool) -> Path | None:

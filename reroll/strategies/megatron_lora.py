@@ -91,12 +91,17 @@ def add_adapters(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, tp_rank: i
     return adapted
 
 
+def _layer_number(chunk: torch.nn.Module, name: str) -> int:
+    """The decoder layer's number in the whole model (from 1, as every layout numbers it: its
+    ``layer_number``) of the module ``name`` (``decoder.layers.{i}.self_attention.linear_qkv``, ``i``
+    counted within the chunk)."""
+    return chunk.decoder.layers[int(name.split(".")[2])].layer_number
+
+
 def _global_name(chunk: torch.nn.Module, name: str) -> str:
-    """``name`` (``decoder.layers.{i}.self_attention.linear_qkv``, ``i`` counted within the chunk) with
-    the decoder layer's number in the whole model, as every layout numbers it (its ``layer_number``)."""
+    """``name`` with the decoder layer's number in the whole model in place of the chunk's index."""
     parts = name.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(chunk.decoder.layers[int(parts[2])].layer_number)
+    parts[2] = str(_layer_number(chunk, name))
     return ".".join(parts)
 
 
@@ -231,8 +236,7 @@ def peft_adapters(s: Any) -> dict[str, torch.Tensor]:
         for name, layer in chunk.named_modules():
             if not hasattr(layer, "lora_on"):
                 continue
-            parts = name.split(".")  # decoder.layers.{i}.{self_attention|mlp}.{kind}
-            i, kind = chunk.decoder.layers[int(parts[2])].layer_number - 1, parts[-1]
+            i, kind = _layer_number(chunk, name) - 1, name.rsplit(".", 1)[-1]
             a, b = layer.lora_A.detach(), layer.lora_B.detach()
             split, whole = (b, a) if kind in COLUMN else (a, b)
             shards = [split]

@@ -141,6 +141,25 @@ def test_one_rank_trains_only_its_adapters_and_resumes_them(tmp_path, lora_model
     assert resumed["next"] == one["next"]
 
 
+def copy_peft_a(peft_model: torch.nn.Module, megatron: torch.nn.Module) -> int:
+    """peft's A of each o_proj and down_proj adapter (``...layers.{i}.self_attn.o_proj.lora_A.default.
+    weight``) into the Megatron model's adapter on the same layer (the row layers: no fused parts, so one
+    A each on both sides); returns how many were copied. B is zero on both sides."""
+    ours = dict(megatron.named_parameters())
+    layer = {"o_proj": "self_attention.linear_proj", "down_proj": "mlp.linear_fc2"}
+    copied = 0
+    with torch.no_grad():
+        for name, a in peft_model.named_parameters():
+            if ".lora_A." in name:
+                i, kind = (
+                    int(name.split(".layers.")[1].split(".")[0]),
+                    name.split(".lora_A")[0].rsplit(".", 1)[1],
+                )
+                ours[f"decoder.layers.{i}.{layer[kind]}.lora_A"].copy_(a)
+                copied += 1
+    return copied
+
+
 def _against_peft_rank(rank: int, world_size: int, address: str, out: str, cfg_path: str) -> None:
     """Megatron's adapters on the row layers (o_proj, down_proj: no fused parts) and the torch strategy's
     peft adapters on the same layers, peft's A copied into Megatron's (B = 0 in both): the same steps."""
@@ -153,13 +172,7 @@ def _against_peft_rank(rank: int, world_size: int, address: str, out: str, cfg_p
     cfg = load_config(cfg_path, RunConfig, rows)
     peft = TorchStrategy(cfg.model.path, cfg=cfg, device="cpu")
     peft.configure_optimizer(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, warmup_steps=0)
-    drawn = {n: p for n, p in peft.model.named_parameters() if ".lora_A." in n}
-    ours = dict(s.module.named_parameters())
-    with torch.no_grad():
-        for name, a in drawn.items():  # ...layers.{i}.self_attn.o_proj.lora_A.default.weight
-            i, kind = int(name.split(".layers.")[1].split(".")[0]), name.split(".lora_A")[0].rsplit(".", 1)[1]
-            layer = {"o_proj": "self_attention.linear_proj", "down_proj": "mlp.linear_fc2"}[kind]
-            ours[f"decoder.layers.{i}.{layer}.lora_A"].copy_(a)
+    copied = copy_peft_a(peft.model, s.module)
     steps = {"megatron": [], "peft": []}
     for _ in range(STEPS):
         for key, strategy in (("megatron", s), ("peft", peft)):
@@ -170,7 +183,7 @@ def _against_peft_rank(rank: int, world_size: int, address: str, out: str, cfg_p
         "steps": steps,
         "megatron": s.full_state_dict(),
         "peft": peft.full_state_dict(),
-        "copied": len(drawn),
+        "copied": copied,
     }
     torch.save(saved, f"{out}/rank{rank}.pt")
 
